@@ -1,0 +1,250 @@
+"""float32 numpy reference ops: the backend every other backend is tested against.
+
+The model code (engine/model.py) calls only these methods plus `xp` array glue, so a GPU backend
+supplies the same names with kernels behind them. Weights arrive as `engine.checkpoint.Weight`
+in their stored format; `prepare_*` turns them into whatever the backend computes with (here:
+dequantized float32), once, at load time.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine import formats
+
+F32 = np.float32
+NEG_INF = F32(-np.inf)
+
+
+class NumpyOps:
+    """Reference implementation of every op of the forward pass, float32 throughout."""
+
+    name = "numpy"
+    xp = np
+
+    # ---- weights ---------------------------------------------------------------------
+    def prepare(self, weight) -> np.ndarray:
+        """Stored-format Weight (or plain array) -> float32 array used by `linear`."""
+        if isinstance(weight, np.ndarray):
+            return np.ascontiguousarray(weight, dtype=F32)
+        return np.ascontiguousarray(dequantize(weight), dtype=F32)
+
+    def asarray(self, x, dtype=F32) -> np.ndarray:
+        return np.asarray(x, dtype=dtype)
+
+    def to_host(self, x) -> np.ndarray:
+        return np.asarray(x)
+
+    # ---- dense math ------------------------------------------------------------------
+    def linear(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        """y = x @ w.T with w [out, in]."""
+        return np.matmul(x, w.T, dtype=F32)
+
+    def grouped_linear(self, x: np.ndarray, w: np.ndarray, groups: int) -> np.ndarray:
+        """Block-diagonal projection: x [T, G, in_g], w [G*out_g, in_g] -> [T, G, out_g]."""
+        wg = w.reshape(groups, -1, w.shape[-1])
+        return np.einsum("tgi,goi->tgo", x, wg, dtype=F32)
+
+    def engram_mix(self, h: np.ndarray, key: np.ndarray, value: np.ndarray, qk: np.ndarray, eps: float) -> np.ndarray:
+        """Gate the Engram value into each stream by the normalised stream-key match.
+        h, key [T, hc, D]; value [T, D]; qk [hc, D] (q_weight * k_weight)."""
+        d = h.shape[-1]
+        rstd = (F32(1.0) / np.sqrt(np.mean(h * h, axis=-1) + F32(eps))) * (
+            F32(1.0) / np.sqrt(np.mean(key * key, axis=-1) + F32(eps)))
+        dot = np.sum(h * qk * key, axis=-1, dtype=F32) * rstd * F32(d**-0.5)
+        gate = _sigmoid(np.copysign(np.sqrt(np.maximum(np.abs(dot), F32(1e-6))), dot))
+        return (h + gate[..., None] * value[:, None, :]).astype(F32)
+
+    def embed(self, table: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        return table[ids]
+
+    def rmsnorm(self, x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
+        var = np.mean(np.square(x, dtype=F32), axis=-1, keepdims=True, dtype=F32)
+        y = x * (F32(1.0) / np.sqrt(var + F32(eps)))
+        return y if weight is None else y * weight
+
+    def rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, inverse: bool = False) -> np.ndarray:
+        """Interleaved-pair RoPE on the trailing 2*cos.shape[-1] channels of x.
+        x [T, ..., D]; cos/sin [T, rd/2] (broadcast over the middle axes)."""
+        rd = cos.shape[-1] * 2
+        extra = x.ndim - cos.ndim
+        c = cos.reshape(cos.shape[:1] + (1,) * extra + cos.shape[1:])
+        s = sin.reshape(c.shape)
+        if inverse:
+            s = -s
+        out = x.copy()
+        even = x[..., -rd::2]
+        odd = x[..., -rd + 1 :: 2]
+        out[..., -rd::2] = even * c - odd * s
+        out[..., -rd + 1 :: 2] = even * s + odd * c
+        return out
+
+    # ---- mHC -------------------------------------------------------------------------
+    def hc_mixes(self, streams: np.ndarray, fn: np.ndarray, scale: np.ndarray, base: np.ndarray,
+                 norm_eps: float, hc_eps: float, iters: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """streams [T, hc, D] -> pre [T, hc], post [T, hc], comb [T, hc, hc] (Sinkhorn-projected)."""
+        t, hc, _ = streams.shape
+        flat = self.rmsnorm(streams.reshape(t, -1), None, norm_eps)
+        mixes = self.linear(flat, fn)
+        eps = F32(hc_eps)
+        pre = _sigmoid(mixes[:, :hc] * scale[0] + base[:hc]) + eps
+        post = F32(2.0) * _sigmoid(mixes[:, hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
+        logits = (mixes[:, 2 * hc :] * scale[2] + base[2 * hc :]).reshape(t, hc, hc)
+        comb = _softmax(logits, axis=-1) + eps
+        comb = comb / (comb.sum(axis=-2, keepdims=True) + eps)
+        for _ in range(iters - 1):
+            comb = comb / (comb.sum(axis=-1, keepdims=True) + eps)
+            comb = comb / (comb.sum(axis=-2, keepdims=True) + eps)
+        return pre, post, comb
+
+    def hc_head_pre(self, streams: np.ndarray, fn: np.ndarray, scale: np.ndarray, base: np.ndarray,
+                    norm_eps: float, hc_eps: float) -> np.ndarray:
+        """V4's final hc_head mix: pre weights only."""
+        t = streams.shape[0]
+        flat = self.rmsnorm(streams.reshape(t, -1), None, norm_eps)
+        return _sigmoid(self.linear(flat, fn) * scale[0] + base) + F32(hc_eps)
+
+    def hc_collapse(self, streams: np.ndarray, pre: np.ndarray) -> np.ndarray:
+        return np.sum(pre[:, :, None] * streams, axis=1, dtype=F32)
+
+    def hc_expand(self, out: np.ndarray, residual: np.ndarray, post: np.ndarray, comb: np.ndarray) -> np.ndarray:
+        """new_k = post_k * out + sum_j comb[j, k] * residual_j."""
+        mixed = np.einsum("tjk,tjd->tkd", comb, residual, dtype=F32)
+        return post[:, :, None] * out[:, None, :] + mixed
+
+    # ---- MoE -------------------------------------------------------------------------
+    def route(self, x: np.ndarray, gate_w: np.ndarray, bias: np.ndarray | None, top_k: int, scoring: str,
+              temp: float, scale: float, normalise: bool, hash_ids: np.ndarray | None = None
+              ) -> tuple[np.ndarray, np.ndarray]:
+        """Returns (weights [T, k] f32, expert ids [T, k] int64)."""
+        logits = self.linear(x, gate_w)
+        if temp != 1.0:
+            logits = logits / F32(temp)
+        if scoring == "sqrtsoftplus":
+            scores = np.sqrt(np.logaddexp(F32(0.0), logits, dtype=F32))
+        elif scoring == "sigmoid":
+            scores = _sigmoid(logits)
+        else:
+            scores = _softmax(logits, axis=-1)
+        if hash_ids is not None:
+            idx = hash_ids.astype(np.int64)
+        else:
+            sel = scores + bias if bias is not None else scores
+            idx = np.argsort(-sel, axis=-1, kind="stable")[:, :top_k]
+        w = np.take_along_axis(scores, idx, axis=-1)
+        if normalise and (top_k > 1 or hash_ids is not None):
+            w = w / (w.sum(axis=-1, keepdims=True) + F32(1e-20))
+        return (w * F32(scale)).astype(F32), idx
+
+    def swiglu_mlp(self, x: np.ndarray, w1: np.ndarray, w2: np.ndarray, w3: np.ndarray, limit: float) -> np.ndarray:
+        gate = self.linear(x, w1)
+        up = self.linear(x, w3)
+        if limit > 0:
+            up = np.clip(up, -limit, limit)
+            gate = np.minimum(gate, F32(limit))
+        return self.linear(_silu(gate) * up, w2)
+
+    def moe(self, x: np.ndarray, experts: list, weights: np.ndarray, ids: np.ndarray, limit: float) -> np.ndarray:
+        """Routed experts: sum_k weights[t,k] * expert_{ids[t,k]}(x_t). experts[e] = (w1, w2, w3)."""
+        y = np.zeros_like(x)
+        for e in np.unique(ids):
+            rows, slot = np.nonzero(ids == e)
+            w1, w2, w3 = experts[int(e)]
+            out = self.swiglu_mlp(x[rows], w1, w2, w3, limit)
+            np.add.at(y, rows, out * weights[rows, slot][:, None])
+        return y
+
+    # ---- attention -------------------------------------------------------------------
+    def attention(self, q: np.ndarray, kv: np.ndarray, bias: np.ndarray, sinks: np.ndarray,
+                  scale: float) -> np.ndarray:
+        """MQA with K == V and a per-head sink in the softmax denominator.
+        q [S, H, D], kv [N, D], bias [S, N] (0 or -inf), sinks [H] -> [S, H, D]."""
+        logits = np.einsum("shd,nd->shn", q, kv, dtype=F32) * F32(scale) + bias[:, None, :]
+        m = np.maximum(logits.max(axis=-1, initial=-np.inf), sinks[None, :])
+        p = np.exp(logits - m[..., None])
+        denom = p.sum(axis=-1) + np.exp(sinks[None, :] - m)
+        return np.einsum("shn,nd->shd", p / denom[..., None], kv, dtype=F32)
+
+    def indexer_scores(self, q: np.ndarray, k: np.ndarray, w: np.ndarray, n_heads: int, head_dim: int) -> np.ndarray:
+        """sum_h w[s,h] * relu(q[s,h] . k[n]) * head_dim^-0.5 * n_heads^-0.5 -> [S, N]."""
+        dots = np.einsum("shd,nd->shn", q, k, dtype=F32)
+        scores = np.maximum(dots, F32(0.0)) * F32(head_dim**-0.5)
+        return np.einsum("shn,sh->sn", scores, w * F32(n_heads**-0.5), dtype=F32)
+
+    def topk_mask(self, scores: np.ndarray, k: int) -> np.ndarray:
+        """Bool mask of each row's k best finite scores (ties: lower index first)."""
+        mask = np.zeros(scores.shape, dtype=bool)
+        if k <= 0 or scores.shape[-1] == 0:
+            return mask
+        idx = np.argsort(-scores, axis=-1, kind="stable")[:, :k]
+        np.put_along_axis(mask, idx, True, axis=-1)
+        return mask & (scores > -np.inf)
+
+    def gated_pool(self, kv: np.ndarray, gate: np.ndarray) -> np.ndarray:
+        """kv, gate [G, R, D] -> sum_r softmax_r(gate) * kv  [G, D] (softmax over the window)."""
+        return np.sum(kv * _softmax(gate, axis=1), axis=1, dtype=F32)
+
+    # ---- state quantization (DeepSeek's stored formats, applied as fake-quant) ----------
+    def fake_quant_fp8(self, x: np.ndarray, block: int = 32) -> np.ndarray:
+        """FP8 e4m3 with a UE8M0 scale per `block` channels (window KV)."""
+        n = x.shape[-1]
+        if n % block:
+            return x
+        b = x.reshape(x.shape[:-1] + (n // block, block))
+        amax = np.maximum(np.abs(b).max(axis=-1), F32(1e-4))
+        scale = _pow2_ceil(amax * F32(1.0 / formats.FP8_E4M3_MAX))[..., None]
+        q = np.clip(b / scale, -formats.FP8_E4M3_MAX, formats.FP8_E4M3_MAX)
+        return (formats.fp8_e4m3_to_f32(formats.f32_to_fp8_e4m3(q)) * scale).reshape(x.shape).astype(F32)
+
+    def fake_quant_fp4(self, x: np.ndarray, block: int, e4m3_scales: bool = False) -> np.ndarray:
+        """FP4 e2m1 with a scale per `block` channels: UE8M0 (indexer, MXFP4) or e4m3 (compressed KV)."""
+        n = x.shape[-1]
+        if n % block:
+            return x
+        b = x.reshape(x.shape[:-1] + (n // block, block))
+        amax = np.abs(b).max(axis=-1)
+        if e4m3_scales:
+            s = np.maximum(amax, F32(6.0 * 2.0**-9)) / F32(6.0)
+            scale = formats.fp8_e4m3_to_f32(formats.f32_to_fp8_e4m3(s.astype(F32)))
+        else:
+            scale = _pow2_ceil(np.maximum(amax, F32(6.0 * 2.0**-126)) * F32(1.0 / 6.0))
+        scale = scale[..., None].astype(F32)
+        q = np.clip(b / scale, F32(-6.0), F32(6.0))
+        return (formats.fp4_to_f32(formats.f32_to_fp4(q)) * scale).reshape(x.shape).astype(F32)
+
+
+def dequantize(w) -> np.ndarray:
+    """A stored-format checkpoint Weight -> float32 (the reference decode of each format)."""
+    if w.fmt == "bf16":
+        return formats.bf16_to_f32(w.data)
+    if w.fmt == "f32":
+        return np.asarray(w.data, dtype=F32)
+    if w.fmt == "fp8":
+        if w.scale is None:  # unscaled fp8 (e.g. an Engram table saved without scales)
+            return formats.fp8_e4m3_to_f32(w.data)
+        return formats.dequant_fp8_blocks(w.data, w.scale, w.block)
+    if w.fmt == "fp4":
+        return formats.dequant_fp4_experts(w.data, w.scale, w.block[1])
+    raise ValueError(f"{w.name}: unknown weight format {w.fmt!r}")
+
+
+def _pow2_ceil(t: np.ndarray) -> np.ndarray:
+    """2**ceil(log2 t) for positive float32 t, by the exponent bits as DeepSeek's kernel does."""
+    bits = np.asarray(t, dtype=F32).view(np.int32)
+    k = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0)
+    return np.ldexp(F32(1.0), k).astype(F32)
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return (F32(1.0) / (F32(1.0) + np.exp(-x))).astype(F32)
+
+
+def _silu(x: np.ndarray) -> np.ndarray:
+    return (x * _sigmoid(x)).astype(F32)
+
+
+def _softmax(x: np.ndarray, axis: int) -> np.ndarray:
+    m = np.max(x, axis=axis, keepdims=True)
+    m = np.where(np.isfinite(m), m, F32(0.0))
+    e = np.exp(x - m)
+    return (e / e.sum(axis=axis, keepdims=True)).astype(F32)

@@ -1,0 +1,127 @@
+"""V4.1 Engram n-gram hashing: token ids -> row ids of the Engram tables.
+
+Each position is hashed as the 2..N-grams ending there, over a *compressed* vocabulary where
+tokens that normalise alike (" The", "the", "THE") share an id; each (n-gram size, head) pair
+owns a disjoint prime-sized bucket range of the layer's table. The layout, the multipliers and
+the compressed map must be reproduced exactly or a trained table reads as noise.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+
+def _is_prime(n: int) -> bool:
+    if n < 2:
+        return False
+    if n % 2 == 0:
+        return n == 2
+    f = 3
+    while f * f <= n:
+        if n % f == 0:
+            return False
+        f += 2
+    return True
+
+
+def layer_primes(n_layers: int, max_ngram: int, n_heads: int, vocab_size: int) -> list[list[list[int]]]:
+    """Primes [layer][ngram-2][head], drawn in order above `vocab_size - 1`, never reused."""
+    seen: set[int] = set()
+    out = []
+    for _ in range(n_layers):
+        per_ngram = []
+        for _ in range(max_ngram - 1):
+            sizes, cur = [], vocab_size - 1
+            for _ in range(n_heads):
+                cur += 1
+                while not _is_prime(cur) or cur in seen:
+                    cur += 1
+                seen.add(cur)
+                sizes.append(cur)
+            per_ngram.append(sizes)
+        out.append(per_ngram)
+    return out
+
+
+def hash_multipliers(layer_ids: tuple[int, ...], max_ngram: int, compressed_vocab: int) -> np.ndarray:
+    """One odd multiplier per (layer, look-back) from a per-layer seeded RNG, bounded so that
+    id * multiplier cannot overflow int64."""
+    bound = max(1, (np.iinfo(np.int64).max // compressed_vocab) // 2)
+    rows = [np.random.default_rng(10007 * lid).integers(0, bound, size=(max_ngram,), dtype=np.int64) * 2 + 1
+            for lid in layer_ids]
+    return np.stack(rows)
+
+
+@lru_cache(maxsize=4)
+def compressed_token_map(tokenizer_json: str) -> tuple[np.ndarray, int]:
+    """token id -> compressed id, and the compressed vocabulary size (NFKC, accents stripped,
+    lower-cased, whitespace runs collapsed, stripped; partial UTF-8 byte tokens keyed raw)."""
+    from tokenizers import Regex, Tokenizer, normalizers
+
+    tok = Tokenizer.from_file(tokenizer_json)
+    sentinel = "\ue000"  # keeps a token that is exactly one space distinct from the empty string
+    norm = normalizers.Sequence([
+        normalizers.NFKC(), normalizers.NFD(), normalizers.StripAccents(), normalizers.Lowercase(),
+        normalizers.Replace(Regex(r"[ \t\r\n]+"), " "), normalizers.Replace(Regex(r"^ $"), sentinel),
+        normalizers.Strip(), normalizers.Replace(sentinel, " "),
+    ])
+    n = tok.get_vocab_size(with_added_tokens=True)
+    key_to_new: dict[str, int] = {}
+    lookup = np.zeros(n, dtype=np.int64)
+    for tid in range(n):
+        text = tok.decode([tid], skip_special_tokens=False)
+        if "\ufffd" in text:
+            key = tok.id_to_token(tid)
+        else:
+            key = norm.normalize_str(text) or text
+        lookup[tid] = key_to_new.setdefault(key, len(key_to_new))
+    return lookup, len(key_to_new)
+
+
+class NgramHasher:
+    """Hash ids [T, n_engram_layers, (N-1) * heads] for the tokens of one forward call."""
+
+    def __init__(self, cfg, tokenizer_json: str | Path):
+        token_map, size = compressed_token_map(str(tokenizer_json))
+        if size != cfg.engram_compressed_vocab_size:
+            raise ValueError(
+                f"Engram: the tokenizer's compressed vocabulary has {size} ids but the config says "
+                f"engram_compressed_vocab_size={cfg.engram_compressed_vocab_size}; the tables would be misread")
+        self.n = cfg.engram_max_ngram_size
+        self.token_map = token_map
+        self.pad = int(token_map[cfg.engram_pad_id])
+        primes = layer_primes(len(cfg.engram_layer_ids), self.n, cfg.engram_n_heads, cfg.engram_vocab_size)
+        self.primes = np.asarray(primes, dtype=np.int64)  # [L, N-1, heads]
+        flat = self.primes.reshape(len(primes), -1)
+        self.offsets = np.concatenate([np.zeros((flat.shape[0], 1), np.int64), np.cumsum(flat, axis=1)[:, :-1]],
+                                      axis=1)  # [L, (N-1)*heads]
+        self.multipliers = hash_multipliers(tuple(cfg.engram_layer_ids), self.n, size)  # [L, N]
+        for li, rows in enumerate(cfg.engram_num_embeddings):
+            if rows and int(flat[li].sum()) > rows:
+                raise ValueError(f"Engram layer {cfg.engram_layer_ids[li]}: table has {rows} rows, "
+                                 f"the hash layout needs {int(flat[li].sum())}")
+
+    def __call__(self, history: list[int], ids: np.ndarray, start_pos: int) -> np.ndarray:
+        """history: the raw ids just before this chunk (up to N-1 of them); ids: the chunk."""
+        hist = [int(t) for t in history[-(self.n - 1):]] if self.n > 1 else []
+        seq = np.asarray(hist + [int(t) for t in ids], dtype=np.int64)
+        comp = self.token_map[seq]
+        s = len(ids)
+        base = len(hist)
+        pos = start_pos + np.arange(s)
+        cols = []
+        for shift in range(self.n):
+            src = base + np.arange(s) - shift
+            ok = (pos - shift >= 0) & (src >= 0)
+            cols.append(np.where(ok, comp[np.clip(src, 0, None)], self.pad))
+        tokens = np.stack(cols, axis=-1)  # [S, N]
+        products = tokens[:, None, :] * self.multipliers[None]  # [S, L, N]
+        rolling = products[..., 0]
+        hashes = []
+        for i in range(1, self.n):
+            rolling = np.bitwise_xor(rolling, products[..., i])
+            hashes.append(rolling[..., None] % self.primes[None, :, i - 1, :])
+        return np.concatenate(hashes, axis=-1) + self.offsets[None]

@@ -1,0 +1,471 @@
+"""DeepSeek-V4 and V4.1 forward pass, written once over a backend's ops.
+
+A forward call takes several sequences, each with its own state and a chunk of >= 1 new tokens
+(prefill, chunked prefill and decode are the same call). Token-wise work (projections, MoE,
+mHC) runs on all tokens of the batch at once; attention and the compressors run per sequence
+against that sequence's state.
+
+Architecture facts (see DESIGN.md): shared K=V MQA with sinks over a sliding window plus
+compressed entries; partial interleaved RoPE on the trailing channels, undone on the output;
+grouped output projection; mHC streams with Sinkhorn; sqrtsoftplus MoE with a shared expert.
+V4.1: CSA2 (KV sources publish compressed KV + indexer keys to their group, index sources
+publish top-k, a candidate-block level), Engram, single-pass mHC, state stored on FP8/FP4 grids.
+V4: per-layer CSA (overlapping windows, own indexer) / HCA compressors, hash-routed layers,
+per-head q RMSNorm, hc_head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+from engine.config import ModelConfig, RopeSpec
+from engine.engram import NgramHasher
+from engine.state import LayerState, SequenceState
+
+NEG_INF = np.float32(-np.inf)
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE frequencies
+
+
+def inv_freq(spec: RopeSpec) -> np.ndarray:
+    """Per-pair inverse frequencies (float64 math, rounded once to float32), YaRN-corrected."""
+    dim = spec.dim
+    pos_freqs = spec.theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    extrapolation = 1.0 / pos_freqs
+    if spec.rope_type != "yarn":
+        return extrapolation.astype(np.float32)
+    interpolation = 1.0 / (spec.factor * pos_freqs)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * np.log(spec.original_max_position / (rotations * 2 * np.pi))) / (2 * np.log(spec.theta))
+
+    low, high = correction_dim(spec.beta_fast), correction_dim(spec.beta_slow)
+    if spec.truncate:
+        low, high = np.floor(low), np.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    extra_factor = 1 - ramp
+    return (interpolation * (1 - extra_factor) + extrapolation * extra_factor).astype(np.float32)
+
+
+def rope_tables(freqs: np.ndarray, positions: np.ndarray, attention_factor: float = 1.0):
+    angles = positions.astype(np.float32)[:, None] * freqs[None, :]
+    return np.cos(angles) * np.float32(attention_factor), np.sin(angles) * np.float32(attention_factor)
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights
+
+
+class _Names:
+    """Looks a tensor up under its canonical name or a known alternative spelling."""
+
+    ALIASES = {"attn.kv_norm.weight": ("attn.norm.weight",)}
+
+    def __init__(self, ckpt):
+        self.ckpt = ckpt
+
+    def resolve(self, name: str) -> str:
+        if self.ckpt.has(name):
+            return name
+        for suffix, alts in self.ALIASES.items():
+            if name.endswith(suffix):
+                for alt in alts:
+                    cand = name[: -len(suffix)] + alt
+                    if self.ckpt.has(cand):
+                        return cand
+        return name  # let the checkpoint raise its "missing tensor" error
+
+    def has(self, name: str) -> bool:
+        return self.ckpt.has(self.resolve(name))
+
+
+def load_weights(cfg: ModelConfig, ckpt, ops) -> SimpleNamespace:
+    """Read every tensor the forward needs, in the backend's compute form."""
+    names = _Names(ckpt)
+
+    def lin(name: str):
+        return ops.prepare(ckpt.weight(names.resolve(name)))
+
+    def vec(name: str):
+        return ops.asarray(ckpt.f32(names.resolve(name)))
+
+    def opt_vec(name: str):
+        return vec(name) if names.has(name) else None
+
+    w = SimpleNamespace(embed=lin("embed.weight"), head=lin("head.weight"), norm=vec("norm.weight"), layers=[])
+    if cfg.arch == "v4":
+        w.hc_head = (vec("hc_head_fn"), vec("hc_head_scale"), vec("hc_head_base"))
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        a = p + "attn."
+        L = SimpleNamespace(
+            attn_norm=vec(p + "attn_norm.weight"), ffn_norm=vec(p + "ffn_norm.weight"),
+            hc_attn=(vec(p + "hc_attn_fn"), vec(p + "hc_attn_scale"), vec(p + "hc_attn_base")),
+            hc_ffn=(vec(p + "hc_ffn_fn"), vec(p + "hc_ffn_scale"), vec(p + "hc_ffn_base")),
+            wq_a=lin(a + "wq_a.weight"), q_norm=vec(a + "q_norm.weight"), wq_b=lin(a + "wq_b.weight"),
+            wkv=lin(a + "wkv.weight"), kv_norm=vec(a + "kv_norm.weight"),
+            wo_a=lin(a + "wo_a.weight"), wo_b=lin(a + "wo_b.weight"), sinks=vec(a + "attn_sink"),
+            comp=None, idx=None, engram=None,
+        )
+        kind = cfg.layer_kinds[i]
+        if kind in ("source", "csa", "hca"):
+            c = a + "compressor."
+            ratio = cfg.compress_ratios[i]
+            L.comp = SimpleNamespace(
+                wkv=lin(c + "wkv.weight"), norm=vec(c + "norm.weight"),
+                wgate=lin(c + "wgate.weight") if (cfg.arch == "v4" or ratio > 1) else None,
+                ape=vec(c + "ape") if cfg.arch == "v4" else None,
+            )
+        if (cfg.arch == "v41" and i in cfg.index_source_layer_ids) or kind == "csa":
+            x = a + "indexer."
+            L.idx = SimpleNamespace(wq_b=lin(x + "wq_b.weight"), weights_proj=lin(x + "weights_proj.weight"))
+            if cfg.arch == "v41" and kind == "source":
+                L.idx.wk, L.idx.k_norm = lin(x + "wk.weight"), vec(x + "k_norm.weight")
+            if kind == "csa":
+                ic = x + "compressor."
+                L.idx.comp = SimpleNamespace(wkv=lin(ic + "wkv.weight"), wgate=lin(ic + "wgate.weight"),
+                                             ape=vec(ic + "ape"), norm=vec(ic + "norm.weight"))
+        f = p + "ffn."
+        L.gate_w = lin(f + "gate.weight")
+        L.gate_bias = opt_vec(f + "gate.bias")
+        L.tid2eid = np.asarray(ckpt.raw(f + "gate.tid2eid").array, dtype=np.int64) if cfg.hash_layers[i] else None
+        L.experts = [(lin(f"{f}experts.{e}.w1.weight"), lin(f"{f}experts.{e}.w2.weight"),
+                      lin(f"{f}experts.{e}.w3.weight")) for e in range(cfg.n_routed_experts)]
+        L.shared = (lin(f + "shared_experts.w1.weight"), lin(f + "shared_experts.w2.weight"),
+                    lin(f + "shared_experts.w3.weight")) if cfg.n_shared_experts else None
+        if i in cfg.engram_layer_ids:
+            e = p + "engram."
+            table = ckpt.weight(e + "embed.weight")
+            if table.fmt == "fp8" and names.has(e + "embed.scale"):
+                # FP8 rows with a per-32 scale: dequantize row-wise, as the reference does
+                from engine import formats
+
+                scale = ckpt.raw(e + "embed.scale")
+                s = formats.e8m0_to_f32(scale.array) if scale.dtype == "F8_E8M0" else ckpt.f32(e + "embed.scale")
+                vals = formats.fp8_e4m3_to_f32(table.data)
+                rows = (vals.reshape(vals.shape[0], -1, 32) * s[:, :, None]).reshape(vals.shape)
+                table_arr = ops.asarray(rows)
+            else:  # a float table: exact values, scales unused
+                table_arr = ops.prepare(table)
+            L.engram = SimpleNamespace(table=table_arr, wkv=lin(e + "wkv.weight"),
+                                       qk=ops.asarray(ckpt.f32(e + "q_weight") * ckpt.f32(e + "k_weight")))
+        w.layers.append(L)
+    return w
+
+
+# ---------------------------------------------------------------------------------------------
+# The model
+
+
+@dataclass
+class _Seq:
+    """One sequence's slice of the flattened batch."""
+
+    state: SequenceState
+    rows: slice
+    pos: np.ndarray  # absolute positions of its new tokens
+    shared: dict  # per-forward V4.1 group state: top-k mask, candidate blocks
+
+
+class Model:
+    def __init__(self, cfg: ModelConfig, ckpt, ops, tokenizer_json: str | Path | None = None):
+        self.cfg, self.ops = cfg, ops
+        self.w = load_weights(cfg, ckpt, ops)
+        self.freq_main = inv_freq(cfg.rope_main)
+        self.freq_comp = inv_freq(cfg.rope_compress)
+        self.hasher = None
+        if cfg.engram_layer_ids:
+            if tokenizer_json is None:
+                raise ValueError("this checkpoint has Engram layers: the tokenizer is needed to hash n-grams")
+            self.hasher = NgramHasher(cfg, tokenizer_json)
+        self.model_key = f"{cfg.model_type}:{cfg.num_layers}x{cfg.hidden_size}:{cfg.vocab_size}"
+
+    # ---- state -------------------------------------------------------------------------
+    def new_state(self) -> SequenceState:
+        d = self.cfg.head_dim
+        layers = [LayerState(window=np.zeros((0, d), np.float32)) for _ in range(self.cfg.num_layers)]
+        return SequenceState(position=0, layers=layers, model_key=self.model_key)
+
+    # ---- forward -----------------------------------------------------------------------
+    def forward(self, states: list[SequenceState], chunks: list, all_logits: bool = False) -> list[np.ndarray]:
+        """Feed chunks[i] (>= 1 token ids) to states[i]; advance the states. Returns, per sequence,
+        logits [vocab] of its last token (or [len(chunk), vocab] with all_logits)."""
+        cfg, ops = self.cfg, self.ops
+        if len(states) != len(chunks) or not states:
+            raise ValueError("forward needs one chunk per state")
+        seqs, ids, pos, start = [], [], [], 0
+        for st, ch in zip(states, chunks, strict=True):
+            ch = np.asarray(ch, dtype=np.int64).reshape(-1)
+            if ch.size == 0:
+                raise ValueError("every chunk needs at least one token")
+            if ch.min() < 0 or ch.max() >= cfg.vocab_size:
+                raise ValueError(f"token id out of range [0, {cfg.vocab_size})")
+            p = st.position + np.arange(ch.size)
+            seqs.append(_Seq(st, slice(start, start + ch.size), p, {}))
+            ids.append(ch)
+            pos.append(p)
+            start += ch.size
+        ids_all, pos_all = np.concatenate(ids), np.concatenate(pos)
+        hash_ids = self._engram_hashes(seqs, ids) if self.hasher else None
+
+        x = ops.embed(self.w.embed, ids_all)
+        h = ops.xp.repeat(x[:, None, :], cfg.hc_mult, axis=1)
+        ropes = {"main": rope_tables(self.freq_main, pos_all, cfg.rope_main.attention_factor),
+                 "compress": rope_tables(self.freq_comp, pos_all, cfg.rope_compress.attention_factor)}
+        ropes = {k: (ops.asarray(c), ops.asarray(s)) for k, (c, s) in ropes.items()}
+        pre_mix = None
+        if cfg.arch == "v41":  # single-pass mHC: the first site collapses stream 0
+            pre_mix = ops.xp.zeros((len(ids_all), cfg.hc_mult), dtype=np.float32)
+            pre_mix[:, 0] = 1.0
+        for li, L in enumerate(self.w.layers):
+            if L.engram is not None:
+                h = self._engram(L, h, hash_ids[:, cfg.engram_layer_ids.index(li)])
+            pre_a, post_a, comb_a = ops.hc_mixes(h, *L.hc_attn, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+            xa = ops.rmsnorm(ops.hc_collapse(h, pre_mix if cfg.arch == "v41" else pre_a), L.attn_norm,
+                             cfg.rms_norm_eps)
+            h = ops.hc_expand(self._attention(li, L, xa, seqs, ropes), h, post_a, comb_a)
+            pre_f, post_f, comb_f = ops.hc_mixes(h, *L.hc_ffn, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+            xf = ops.rmsnorm(ops.hc_collapse(h, pre_a if cfg.arch == "v41" else pre_f), L.ffn_norm,
+                             cfg.rms_norm_eps)
+            h = ops.hc_expand(self._moe(li, L, xf, ids_all), h, post_f, comb_f)
+            pre_mix = pre_f
+        for s in seqs:
+            s.state.position += s.pos.size
+        rows = np.arange(len(ids_all)) if all_logits else np.array([s.rows.stop - 1 for s in seqs])
+        hs = h[rows]
+        if cfg.arch == "v41":
+            final = ops.hc_collapse(hs, pre_mix[rows])
+        else:
+            final = ops.hc_collapse(hs, ops.hc_head_pre(hs, *self.w.hc_head, cfg.rms_norm_eps, cfg.hc_eps))
+        logits = ops.to_host(ops.linear(ops.rmsnorm(final, self.w.norm, cfg.rms_norm_eps), self.w.head))
+        if not all_logits:
+            return [logits[i] for i in range(len(seqs))]
+        return [logits[s.rows] for s in seqs]
+
+    # ---- Engram ------------------------------------------------------------------------
+    def _engram_hashes(self, seqs: list[_Seq], ids: list[np.ndarray]) -> np.ndarray:
+        out = []
+        keep = self.cfg.engram_max_ngram_size - 1
+        for s, ch in zip(seqs, ids, strict=True):
+            out.append(self.hasher(s.state.recent_tokens, ch, int(s.pos[0])))
+            s.state.recent_tokens = (list(s.state.recent_tokens) + [int(t) for t in ch])[-keep:] if keep else []
+        return np.concatenate(out, axis=0)
+
+    def _engram(self, L, h, hash_ids: np.ndarray):
+        ops, cfg = self.ops, self.cfg
+        rows = ops.embed(L.engram.table, ops.asarray(hash_ids, dtype=np.int64))  # [T, cols, dim]
+        kv = ops.linear(rows.reshape(rows.shape[0], -1), L.engram.wkv)
+        d, hc = cfg.hidden_size, cfg.hc_mult
+        key, value = kv[:, : hc * d].reshape(-1, hc, d), kv[:, hc * d :]
+        return ops.engram_mix(h, key, value, L.engram.qk, cfg.rms_norm_eps)
+
+    # ---- MoE ---------------------------------------------------------------------------
+    def _moe(self, li: int, L, x, ids):
+        cfg, ops = self.cfg, self.ops
+        hash_ids = L.tid2eid[ids] if L.tid2eid is not None else None
+        weights, experts = ops.route(x, L.gate_w, L.gate_bias, cfg.num_experts_per_tok, cfg.scoring_func,
+                                     cfg.gate_temp, cfg.routed_scaling_factor, cfg.norm_topk_prob, hash_ids)
+        y = ops.moe(x, L.experts, weights, experts, cfg.swiglu_limit)
+        if L.shared is not None:
+            y = y + ops.swiglu_mlp(x, *L.shared, cfg.swiglu_limit)
+        return y
+
+    # ---- attention ---------------------------------------------------------------------
+    def _attention(self, li: int, L, x, seqs: list[_Seq], ropes):
+        cfg, ops, xp = self.cfg, self.ops, self.ops.xp
+        t, hn, d = x.shape[0], cfg.num_heads, cfg.head_dim
+        ratio = cfg.compress_ratios[li]
+        cos, sin = ropes["compress" if ratio else "main"]
+        q_res = ops.rmsnorm(ops.linear(x, L.wq_a), L.q_norm, cfg.rms_norm_eps)
+        q = ops.linear(q_res, L.wq_b).reshape(t, hn, d)
+        if cfg.arch == "v4":
+            q = ops.rmsnorm(q, None, cfg.rms_norm_eps)
+        q = ops.rope(q, cos, sin)
+        kv = ops.rope(ops.rmsnorm(ops.linear(x, L.wkv), L.kv_norm, cfg.rms_norm_eps), cos, sin)
+        if cfg.arch == "v41":
+            kv = ops.fake_quant_fp8(kv, 32)  # the window is stored as FP8 e4m3 + UE8M0 per 32
+        out = xp.empty_like(q)
+        win = cfg.sliding_window
+        for s in seqs:
+            st = s.state.layers[li]
+            r = s.rows
+            keys = xp.concatenate([st.window, kv[r]], axis=0)
+            kpos = np.arange(s.pos[0] - st.window.shape[0], s.pos[-1] + 1)
+            visible = (kpos[None, :] <= s.pos[:, None]) & (kpos[None, :] > s.pos[:, None] - win)
+            bias = np.where(visible, np.float32(0.0), NEG_INF)
+            st.window = keys[max(keys.shape[0] - (win - 1), 0):] if win > 1 else keys[:0]
+            if ratio:
+                comp, cbias = (self._v41_compressed(li, L, x[r], q_res[r], s) if cfg.arch == "v41"
+                               else self._v4_compressed(li, L, x[r], q_res[r], s))
+                if comp is not None and comp.shape[0]:
+                    keys = xp.concatenate([keys, comp], axis=0)
+                    bias = np.concatenate([bias, cbias], axis=1)
+            out[r] = ops.attention(q[r], keys, ops.asarray(bias), L.sinks, d**-0.5)
+        out = ops.rope(out, cos, sin, inverse=True)
+        g = cfg.o_groups
+        grouped = ops.grouped_linear(out.reshape(t, g, -1), L.wo_a, g)
+        return ops.linear(grouped.reshape(t, -1), L.wo_b)
+
+    def _comp_rope(self, x, first: int, ratio: int):
+        positions = first + ratio * np.arange(x.shape[0])
+        c, s = rope_tables(self.freq_comp, positions, self.cfg.rope_compress.attention_factor)
+        return self.ops.rope(x, self.ops.asarray(c), self.ops.asarray(s))
+
+    def _query_rope(self, q, pos: np.ndarray):
+        c, s = rope_tables(self.freq_comp, pos, self.cfg.rope_compress.attention_factor)
+        return self.ops.rope(q, self.ops.asarray(c), self.ops.asarray(s))
+
+    # V4.1 ---------------------------------------------------------------------------------
+    def _v41_compressed(self, li: int, L, x, q_res, s: _Seq):
+        """CSA2 branch of one sequence: returns (group's compressed entries, bias [S, n])."""
+        cfg, ops, xp = self.cfg, self.ops, self.ops.xp
+        ratio = cfg.compress_ratios[li]
+        st = s.state.layers[li]
+        latent, first = None, 0
+        if cfg.layer_kinds[li] == "source":
+            latent, first = self._v41_compress(L, x, st, ratio)
+        if L.idx is not None:
+            self._v41_index(li, L, x, q_res, latent, first, s)
+        if latent is not None:
+            rotated = ops.fake_quant_fp4(self._comp_rope(latent, first, ratio), 16, e4m3_scales=True)
+            st.entries = rotated if st.entries is None else xp.concatenate([st.entries, rotated], axis=0)
+        entries = s.state.layers[cfg.kv_group_source(li)].entries
+        if entries is None or entries.shape[0] == 0:
+            return None, None
+        mask = s.shared.get("topk")
+        if mask is None or mask.shape[1] != entries.shape[0]:
+            # no index source has scored this group in this forward: nothing is selected
+            return entries, np.full((s.pos.size, entries.shape[0]), NEG_INF)
+        return entries, np.where(ops.to_host(mask), np.float32(0.0), NEG_INF)
+
+    def _v41_compress(self, L, x, st: LayerState, ratio: int):
+        """Pre-RoPE latents of the groups that close in this chunk (None if none)."""
+        cfg, ops, xp = self.cfg, self.ops, self.ops.xp
+        c = L.comp
+        first = st.n_entries * ratio if ratio > 1 else st.n_entries
+        if ratio == 1:  # every token is its own group: no pooling
+            return ops.rmsnorm(ops.linear(x, c.wkv), c.norm, cfg.rms_norm_eps), first
+        kv, gate = ops.linear(x, c.wkv), ops.linear(x, c.wgate)
+        if st.buf_kv is not None and st.buf_kv.shape[0]:
+            kv, gate = xp.concatenate([st.buf_kv, kv]), xp.concatenate([st.buf_gate, gate])
+        usable = (kv.shape[0] // ratio) * ratio
+        st.buf_kv, st.buf_gate = kv[usable:], gate[usable:]
+        if usable == 0:
+            return None, first
+        g, dd = usable // ratio, kv.shape[1]
+        pooled = ops.gated_pool(kv[:usable].reshape(g, ratio, dd), gate[:usable].reshape(g, ratio, dd))
+        return ops.rmsnorm(pooled, c.norm, cfg.rms_norm_eps), first
+
+    def _v41_index(self, li: int, L, x, q_res, latent, first: int, s: _Seq) -> None:
+        """Index source: publish this sequence's top-k mask (and candidate blocks) for the group."""
+        cfg, ops, xp = self.cfg, self.ops, self.ops.xp
+        ratio = cfg.compress_ratios[li]
+        if cfg.layer_kinds[li] == "source" and latent is not None:
+            st = s.state.layers[li]
+            k = ops.rmsnorm(ops.linear(latent, L.idx.wk), L.idx.k_norm, cfg.rms_norm_eps)
+            k = ops.fake_quant_fp4(self._comp_rope(k, first, ratio), 32)  # MXFP4 indexer keys
+            st.idx_keys = k if st.idx_keys is None else xp.concatenate([st.idx_keys, k], axis=0)
+        keys = s.state.layers[cfg.kv_group_source(li)].idx_keys
+        if keys is None or keys.shape[0] == 0:
+            return
+        n = keys.shape[0]
+        hi, di = cfg.index_n_heads, cfg.index_head_dim
+        q = self._query_rope(ops.linear(q_res, L.idx.wq_b).reshape(-1, hi, di), s.pos)
+        q = ops.fake_quant_fp4(q, 32)
+        scores = ops.indexer_scores(q, keys, ops.linear(x, L.idx.weights_proj), hi, di)
+        lens = (s.pos + 1) // ratio
+        visible = ops.asarray(np.arange(n)[None, :] < lens[:, None], dtype=bool)
+        scores = xp.where(visible, scores, NEG_INF)
+        cand = cfg.candidate_source_layer_id
+        if li == cand:
+            s.shared["cand"] = self._candidate_blocks(scores, lens)
+        elif 0 <= cand < li and s.shared.get("cand") is not None and s.shared["cand"].shape[1] == n:
+            scores = xp.where(s.shared["cand"], scores, NEG_INF)
+        s.shared["topk"] = ops.topk_mask(scores, min(cfg.index_topk, n))
+
+    def _candidate_blocks(self, scores, lens: np.ndarray):
+        """Level one of the two-level top-k: the best blocks of `candidate_block_size` entries per
+        query (block score = its best entry); the block holding the newest entry is always kept."""
+        cfg, ops, xp = self.cfg, self.ops, self.ops.xp
+        bs = cfg.candidate_block_size
+        s, n = scores.shape
+        nb = -(-n // bs)
+        padded = xp.full((s, nb * bs), NEG_INF, dtype=np.float32)
+        padded[:, :n] = scores
+        block = padded.reshape(s, nb, bs).max(axis=-1)
+        last = (lens.astype(np.int64) - 1) // bs  # -1 when nothing is visible yet
+        pin = ops.asarray(np.arange(nb)[None, :] == last[:, None], dtype=bool)
+        block = xp.where(pin, np.float32(np.inf), block)
+        keep = ops.topk_mask(block, min(cfg.candidate_topk_blocks, nb))
+        return xp.repeat(keep, bs, axis=1)[:, :n]
+
+    # V4 -----------------------------------------------------------------------------------
+    def _v4_pool(self, kv, gate, ape, norm, st: LayerState, prefix: str, ratio: int, overlap: bool):
+        """V4 compressor (CSA with two overlapping series, or HCA): entries closing in this chunk,
+        already RoPE'd, or None. State fields are `<prefix>buf_kv` etc."""
+        cfg, ops, xp = self.cfg, self.ops, self.ops.xp
+        keys = "entries" if prefix == "" else "idx_keys"
+        n_before = 0 if getattr(st, keys) is None else getattr(st, keys).shape[0]
+        bkv, bgate = getattr(st, prefix + "buf_kv"), getattr(st, prefix + "buf_gate")
+        if bkv is not None and bkv.shape[0]:
+            kv, gate = xp.concatenate([bkv, kv]), xp.concatenate([bgate, gate])
+        usable = (kv.shape[0] // ratio) * ratio
+        setattr(st, prefix + "buf_kv", kv[usable:])
+        setattr(st, prefix + "buf_gate", gate[usable:])
+        if usable == 0:
+            return None
+        g = usable // ratio
+        ck = kv[:usable].reshape(g, ratio, -1)
+        cg = gate[:usable].reshape(g, ratio, -1) + ape
+        if overlap:
+            d = ck.shape[-1] // 2
+            nkv = xp.zeros((g, 2 * ratio, d), dtype=np.float32)
+            ngate = xp.full((g, 2 * ratio, d), NEG_INF, dtype=np.float32)
+            nkv[:, ratio:], ngate[:, ratio:] = ck[..., d:], cg[..., d:]
+            if g > 1:
+                nkv[1:, :ratio], ngate[1:, :ratio] = ck[:-1, :, :d], cg[:-1, :, :d]
+            okv = getattr(st, prefix + "ovl_kv")
+            if okv is not None:
+                nkv[0, :ratio], ngate[0, :ratio] = okv, getattr(st, prefix + "ovl_gate")
+            setattr(st, prefix + "ovl_kv", ck[-1, :, :d].copy())
+            setattr(st, prefix + "ovl_gate", cg[-1, :, :d].copy())
+            ck, cg = nkv, ngate
+        pooled = ops.rmsnorm(ops.gated_pool(ck, cg), norm, cfg.rms_norm_eps)
+        return self._comp_rope(pooled, n_before * ratio, ratio)
+
+    def _v4_compressed(self, li: int, L, x, q_res, s: _Seq):
+        cfg, ops, xp = self.cfg, self.ops, self.ops.xp
+        ratio = cfg.compress_ratios[li]
+        st = s.state.layers[li]
+        c = L.comp
+        csa = cfg.layer_kinds[li] == "csa"
+        new = self._v4_pool(ops.linear(x, c.wkv), ops.linear(x, c.wgate), c.ape, c.norm, st, "", ratio, csa)
+        if new is not None:
+            st.entries = new if st.entries is None else xp.concatenate([st.entries, new], axis=0)
+        lens = (s.pos + 1) // ratio
+        n = st.n_entries
+        visible = np.arange(n)[None, :] < lens[:, None]
+        if csa:
+            ic = L.idx.comp
+            newk = self._v4_pool(ops.linear(x, ic.wkv), ops.linear(x, ic.wgate), ic.ape, ic.norm, st, "idx_",
+                                 ratio, True)
+            if newk is not None:
+                st.idx_keys = newk if st.idx_keys is None else xp.concatenate([st.idx_keys, newk], axis=0)
+            if n:
+                hi, di = cfg.index_n_heads, cfg.index_head_dim
+                q = self._query_rope(ops.linear(q_res, L.idx.wq_b).reshape(-1, hi, di), s.pos)
+                scores = ops.indexer_scores(q, st.idx_keys, ops.linear(x, L.idx.weights_proj), hi, di)
+                scores = xp.where(ops.asarray(visible, dtype=bool), scores, NEG_INF)
+                visible = ops.to_host(ops.topk_mask(scores, min(cfg.index_topk, n)))
+        if n == 0:
+            return None, None
+        return st.entries, np.where(visible, np.float32(0.0), NEG_INF)
