@@ -1,12 +1,15 @@
 PY ?= python3
 
-.PHONY: test lint fmt serve
+.PHONY: test lint pytest serve
 
-test:
-	$(PY) -m pytest -q tests
+# The README's test command: lint, then the whole suite (GPU tests skip where no GPU is present).
+test: lint pytest
 
 lint:
 	$(PY) -m ruff check .
+
+pytest:
+	$(PY) -m pytest -q tests
 
 serve:
 	$(PY) dsuf.py serve

@@ -175,9 +175,9 @@ def _arch_of(cfg: dict, top: dict) -> str:
     if mt == "deepseek_v4":
         return "v4"
     # upstream inference configs carry no model_type: V4.1 is the one with KV sources
-    if "kv_source_layer_ids" in cfg or "engram_layer_ids" in cfg:
+    if not mt and ("kv_source_layer_ids" in cfg or "engram_layer_ids" in cfg):
         return "v41"
-    if "compress_ratios" in cfg or "layer_types" in cfg:
+    if not mt and ("compress_ratios" in cfg or "layer_types" in cfg):
         return "v4"
     raise ConfigError(f"config.json: unknown model_type '{mt}' (expected deepseek_v4 or deepseek_v41)")
 

@@ -1,0 +1,96 @@
+#!/usr/bin/env python3
+"""dsuf command line: serve | run | tiny-model."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+
+def _run(args: argparse.Namespace) -> int:
+    from engine.chat_encoding import encode_messages
+    from engine.engine import Engine
+    from engine.sampling import SamplingParams
+
+    eng = Engine.load(args.ckpt, backend=args.backend)
+    if args.prompt_ids:
+        try:
+            ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+        except ValueError:
+            print("error: --prompt-ids takes comma-separated integers", file=sys.stderr)
+            return 2
+    else:
+        if args.prompt is None:
+            print("error: give a prompt or --prompt-ids", file=sys.stderr)
+            return 2
+        text = args.prompt if args.raw else encode_messages(
+            [{"role": "user", "content": args.prompt}], arch=eng.config.arch, thinking=args.thinking)
+        ids = eng.tokenizer.encode(text)
+    if not ids:
+        print("error: empty prompt", file=sys.stderr)
+        return 2
+    bad = [t for t in ids if not 0 <= t < eng.config.vocab_size]
+    if bad:
+        print(f"error: token ids {bad[:5]} outside the vocabulary [0, {eng.config.vocab_size})", file=sys.stderr)
+        return 2
+    params = SamplingParams(temperature=max(args.temperature, 0.0), seed=args.seed)
+    t0 = time.perf_counter()
+    out = eng.generate(ids, args.max_tokens, params)
+    dt = time.perf_counter() - t0
+    if args.print_ids:
+        print(",".join(str(t) for t in out))
+    else:
+        print(eng.tokenizer.decode([t for t in out if t not in eng.eos_ids]))
+    print(f"{len(ids)} prompt + {len(out)} generated tokens in {dt:.2f} s: "
+          f"{len(out) / dt if dt > 0 else 0.0:.1f} tokens/s", file=sys.stderr)
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from server.app import serve_main
+
+    return serve_main(args) or 0
+
+
+def _tiny(argv: list[str]) -> int:
+    from engine.tiny_model import tiny_model_main
+
+    return tiny_model_main(argv) or 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if argv and argv[0] == "tiny-model":  # its options live with the writer
+        return _tiny(argv[1:])
+    p = argparse.ArgumentParser(prog="dsuf", description="DeepSeek-V4 / V4.1 inference engine and server")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    r = sub.add_parser("run", help="complete one prompt and print it")
+    r.add_argument("prompt", nargs="?")
+    r.add_argument("--ckpt", default=None, help="checkpoint directory (default: embedded demo-v41)")
+    r.add_argument("--backend", default="numpy")
+    r.add_argument("--max-tokens", type=int, default=64)
+    r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    r.add_argument("--seed", type=int, default=None)
+    r.add_argument("--raw", action="store_true", help="no chat template")
+    r.add_argument("--thinking", action="store_true", help="chat template in thinking mode")
+    r.add_argument("--prompt-ids", default=None, help="comma-separated prompt token ids")
+    r.add_argument("--print-ids", action="store_true", help="print generated ids, comma-separated")
+
+    from server.app import add_serve_args
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_serve_args(s)
+    sub.add_parser("tiny-model", help="write a small random checkpoint (see `dsuf.py tiny-model -h`)")
+
+    args = p.parse_args(argv)
+    if args.cmd == "run":
+        return _run(args)
+    return _serve(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""The forward pass is chunking-, batching- and serialization-invariant, for both architectures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine.backends.numpy_ops import NumpyOps
+from engine.checkpoint import Checkpoint
+from engine.config import load_config
+from engine.model import Model
+from engine.state import SequenceState, StateError
+
+REPO = Path(__file__).resolve().parent.parent
+DEMO_V41 = REPO / "models" / "demo-v41"
+DEMO_V4 = REPO.parent / "shared" / "models" / "demo-v4"
+
+# float32 math; different chunkings sum in different orders
+RTOL = 2e-5
+
+
+def _model(path: Path) -> Model:
+    if not path.is_dir():
+        pytest.skip(f"{path} not present")
+    cfg = load_config(path)
+    return Model(cfg, Checkpoint(path, block_size=cfg.weight_block_size), NumpyOps(), path / "tokenizer.json")
+
+
+@pytest.fixture(scope="module", params=["v41", "v4"])
+def model(request) -> Model:
+    return _model(DEMO_V41 if request.param == "v41" else DEMO_V4)
+
+
+def _ids(m: Model, n: int, seed: int = 0) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(3, m.cfg.vocab_size, size=n).tolist()
+
+
+def _close(a: np.ndarray, b: np.ndarray, rtol: float = RTOL) -> None:
+    err = np.abs(a - b).max() / np.abs(b).max()
+    assert err < rtol, f"relative error {err:.3g}"
+
+
+# long enough to wrap the sliding window (64) and emit many compressed entries
+N = 150
+
+
+def test_prefill_chunked_and_decode_agree(model: Model) -> None:
+    ids = _ids(model, N)
+    full = model.forward([model.new_state()], [ids], all_logits=True)[0]
+    st = model.new_state()
+    chunks = [ids[:1], ids[1:8], ids[8:37], ids[37:64], ids[64:65], ids[65:130], ids[130:]]
+    chunked = np.concatenate([model.forward([st], [c], all_logits=True)[0] for c in chunks])
+    _close(chunked, full)
+    st = model.new_state()
+    one_by_one = np.stack([model.forward([st], [[t]])[0] for t in ids])
+    _close(one_by_one, full)
+    assert st.position == N
+
+
+def test_batch_of_sequences_at_different_positions(model: Model) -> None:
+    a, b, c = _ids(model, 90, 1), _ids(model, 40, 2), _ids(model, 7, 3)
+    alone = [model.forward([model.new_state()], [x], all_logits=True)[0] for x in (a, b, c)]
+    sa, sb, sc = model.new_state(), model.new_state(), model.new_state()
+    # a and b start with a shared step, then continue in one batch at different positions
+    first = model.forward([sa, sb], [a[:50], b[:13]], all_logits=True)
+    second = model.forward([sb, sa, sc], [b[13:], a[50:], c], all_logits=True)
+    _close(np.concatenate([first[0], second[1]]), alone[0])
+    _close(np.concatenate([first[1], second[0]]), alone[1])
+    _close(second[2], alone[2])
+
+
+def test_state_round_trip_continues_identically(model: Model) -> None:
+    ids = _ids(model, N, 4)
+    ref = model.forward([model.new_state()], [ids], all_logits=True)[0]
+    st = model.new_state()
+    model.forward([st], [ids[:97]])
+    buf = st.to_bytes()
+    restored = SequenceState.from_bytes(buf, model_key=model.model_key)
+    assert restored.position == 97
+    rest = model.forward([restored], [ids[97:]], all_logits=True)[0]
+    _close(rest, ref[97:], rtol=1e-6)
+    assert st.nbytes() > 0
+
+
+def test_state_buffer_rejects_corruption(model: Model) -> None:
+    st = model.new_state()
+    model.forward([st], [_ids(model, 20, 5)])
+    buf = bytearray(st.to_bytes())
+    with pytest.raises(StateError, match="model"):
+        SequenceState.from_bytes(bytes(buf), model_key="other-model")
+    buf[len(buf) // 2] ^= 0xFF
+    with pytest.raises(StateError, match="checksum"):
+        SequenceState.from_bytes(bytes(buf))
+    with pytest.raises(StateError, match="truncated"):
+        SequenceState.from_bytes(bytes(buf[:10]))
+    with pytest.raises(StateError, match="magic"):
+        SequenceState.from_bytes(b"X" * 64)
+
+
+def test_bad_token_ids_are_rejected(model: Model) -> None:
+    with pytest.raises(ValueError, match="out of range"):
+        model.forward([model.new_state()], [[model.cfg.vocab_size]])
+    with pytest.raises(ValueError, match="at least one token"):
+        model.forward([model.new_state()], [[]])
