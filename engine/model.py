@@ -24,7 +24,7 @@ import numpy as np
 
 from engine.config import ModelConfig, RopeSpec
 from engine.engram import NgramHasher
-from engine.state import LayerState, SequenceState
+from engine.state import V41_CODECS, LayerState, SequenceState
 
 NEG_INF = np.float32(-np.inf)
 
@@ -177,8 +177,12 @@ class _Seq:
 
 
 class Model:
-    def __init__(self, cfg: ModelConfig, ckpt, ops, tokenizer_json: str | Path | None = None):
+    def __init__(self, cfg: ModelConfig, ckpt, ops, tokenizer_json: str | Path | None = None,
+                 store_quantized: bool = True):
         self.cfg, self.ops = cfg, ops
+        # V4.1 keeps its state on DeepSeek's FP8/FP4 grids; False computes on unrounded state
+        # (only to compare against a reference run without fake quantization).
+        self.store_quantized = store_quantized and cfg.arch == "v41"
         self.w = load_weights(cfg, ckpt, ops)
         self.freq_main = inv_freq(cfg.rope_main)
         self.freq_comp = inv_freq(cfg.rope_compress)
@@ -193,7 +197,26 @@ class Model:
     def new_state(self) -> SequenceState:
         d = self.cfg.head_dim
         layers = [LayerState(window=np.zeros((0, d), np.float32)) for _ in range(self.cfg.num_layers)]
-        return SequenceState(position=0, layers=layers, model_key=self.model_key)
+        codecs = dict(V41_CODECS) if self.store_quantized else {}
+        return SequenceState(position=0, layers=layers, model_key=self.model_key, codecs=codecs)
+
+    def state_bytes_per_token(self) -> tuple[float, int]:
+        """(bytes per token of context, fixed bytes per sequence) in the stored formats: V4.1 keeps
+        FP8 window rows (d + d/32 bytes), FP4 entries (d/2 + d/16) and MXFP4 indexer keys
+        (di/2 + di/32) per group of `ratio` tokens; V4 keeps float32 (the reference's precision)."""
+        cfg = self.cfg
+        d, di, w = cfg.head_dim, cfg.index_head_dim, cfg.sliding_window - 1
+        per_token = 0.0
+        if cfg.arch == "v41":
+            fixed = cfg.num_layers * w * (d + d // 32)
+            for src in cfg.kv_source_layer_ids:
+                per_token += (d // 2 + d // 16 + di // 2 + di // 32) / cfg.compress_ratios[src]
+        else:
+            fixed = cfg.num_layers * w * d * 4
+            for i, kind in enumerate(cfg.layer_kinds):
+                if kind != "sliding":
+                    per_token += (d + (di if kind == "csa" else 0)) * 4 / cfg.compress_ratios[i]
+        return per_token, fixed
 
     # ---- forward -----------------------------------------------------------------------
     def forward(self, states: list[SequenceState], chunks: list, all_logits: bool = False) -> list[np.ndarray]:
@@ -291,7 +314,7 @@ class Model:
             q = ops.rmsnorm(q, None, cfg.rms_norm_eps)
         q = ops.rope(q, cos, sin)
         kv = ops.rope(ops.rmsnorm(ops.linear(x, L.wkv), L.kv_norm, cfg.rms_norm_eps), cos, sin)
-        if cfg.arch == "v41":
+        if self.store_quantized:
             kv = ops.fake_quant_fp8(kv, 32)  # the window is stored as FP8 e4m3 + UE8M0 per 32
         out = xp.empty_like(q)
         win = cfg.sliding_window
@@ -336,7 +359,9 @@ class Model:
         if L.idx is not None:
             self._v41_index(li, L, x, q_res, latent, first, s)
         if latent is not None:
-            rotated = ops.fake_quant_fp4(self._comp_rope(latent, first, ratio), 16, e4m3_scales=True)
+            rotated = self._comp_rope(latent, first, ratio)
+            if self.store_quantized:  # compressed KV is stored as FP4 e2m1 + e4m3 scale per 16
+                rotated = ops.fake_quant_fp4(rotated, 16, e4m3_scales=True)
             st.entries = rotated if st.entries is None else xp.concatenate([st.entries, rotated], axis=0)
         entries = s.state.layers[cfg.kv_group_source(li)].entries
         if entries is None or entries.shape[0] == 0:
@@ -372,7 +397,9 @@ class Model:
         if cfg.layer_kinds[li] == "source" and latent is not None:
             st = s.state.layers[li]
             k = ops.rmsnorm(ops.linear(latent, L.idx.wk), L.idx.k_norm, cfg.rms_norm_eps)
-            k = ops.fake_quant_fp4(self._comp_rope(k, first, ratio), 32)  # MXFP4 indexer keys
+            k = self._comp_rope(k, first, ratio)
+            if self.store_quantized:
+                k = ops.fake_quant_fp4(k, 32)  # MXFP4 indexer keys
             st.idx_keys = k if st.idx_keys is None else xp.concatenate([st.idx_keys, k], axis=0)
         keys = s.state.layers[cfg.kv_group_source(li)].idx_keys
         if keys is None or keys.shape[0] == 0:
@@ -380,7 +407,8 @@ class Model:
         n = keys.shape[0]
         hi, di = cfg.index_n_heads, cfg.index_head_dim
         q = self._query_rope(ops.linear(q_res, L.idx.wq_b).reshape(-1, hi, di), s.pos)
-        q = ops.fake_quant_fp4(q, 32)
+        if self.store_quantized:  # the indexer scores in MXFP4, as it was trained
+            q = ops.fake_quant_fp4(q, 32)
         scores = ops.indexer_scores(q, keys, ops.linear(x, L.idx.weights_proj), hi, di)
         lens = (s.pos + 1) // ratio
         visible = ops.asarray(np.arange(n)[None, :] < lens[:, None], dtype=bool)

@@ -24,14 +24,21 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from engine import formats
+
 MAGIC = b"DSUFSTAT"
-VERSION = 1
+VERSION = 2
 _HEADER = struct.Struct("<8sHHIqI")  # magic, version, reserved, n_arrays, position, meta_len
 
 
 class StateError(ValueError):
     """A state buffer that cannot be read back (bad magic, version, model or truncation)."""
 
+
+# Storage codecs (DeepSeek's V4.1 formats). An array is stored in its codec only when that
+# round-trips exactly (its values came out of the matching fake-quant); otherwise as float32.
+F32, FP8_UE8M0_32, FP4_E4M3_16, FP4_UE8M0_32 = 0, 1, 2, 3
+V41_CODECS = {"window": FP8_UE8M0_32, "entries": FP4_E4M3_16, "idx_keys": FP4_UE8M0_32}
 
 _ARRAY_FIELDS = ("window", "buf_kv", "buf_gate", "ovl_kv", "ovl_gate", "entries",
                  "idx_buf_kv", "idx_buf_gate", "idx_ovl_kv", "idx_ovl_gate", "idx_keys")
@@ -62,6 +69,7 @@ class SequenceState:
     layers: list[LayerState]
     recent_tokens: list[int] = field(default_factory=list)  # V4.1 Engram look-back
     model_key: str = ""
+    codecs: dict = field(default_factory=dict)  # field name -> storage codec (V4.1: V41_CODECS)
 
     # ---- sizes -------------------------------------------------------------------------
     def nbytes(self) -> int:
@@ -69,15 +77,17 @@ class SequenceState:
 
     # ---- serialization -------------------------------------------------------------------
     def to_bytes(self) -> bytes:
-        """One contiguous buffer: fixed header, JSON directory, then the raw float32 arrays."""
+        """One contiguous buffer: fixed header, JSON directory, the arrays (each in its storage
+        codec), then a 16-byte BLAKE2b digest of everything before it."""
         directory, blobs = [], []
         for li, ls in enumerate(self.layers):
             for name, arr in _arrays(ls).items():
-                a = np.ascontiguousarray(arr, dtype=np.float32)
-                directory.append([li, name, list(a.shape)])
-                blobs.append(a.tobytes())
+                a = np.ascontiguousarray(np.asarray(arr), dtype=np.float32)
+                codec, blob = encode_array(a, self.codecs.get(name, F32))
+                directory.append([li, name, list(a.shape), codec, len(blob)])
+                blobs.append(blob)
         meta = json.dumps({"model": self.model_key, "layers": len(self.layers), "recent": self.recent_tokens,
-                           "arrays": directory}, separators=(",", ":")).encode()
+                           "codecs": self.codecs, "arrays": directory}, separators=(",", ":")).encode()
         head = _HEADER.pack(MAGIC, VERSION, 0, len(directory), self.position, len(meta))
         body = b"".join(blobs)
         digest = hashlib.blake2b(head + meta + body, digest_size=16).digest()
@@ -101,15 +111,74 @@ class SequenceState:
         if model_key is not None and meta["model"] != model_key:
             raise StateError(f"state belongs to model {meta['model']!r}, not {model_key!r}")
         layers = [LayerState(window=np.zeros((0, 0), np.float32)) for _ in range(meta["layers"])]
-        for li, name, shape in meta["arrays"]:
-            count = int(np.prod(shape)) if shape else 1
-            arr = np.frombuffer(buf, dtype=np.float32, count=count, offset=off).reshape(shape).copy()
-            off += count * 4
-            setattr(layers[li], name, arr)
+        for li, name, shape, codec, nbytes in meta["arrays"]:
+            if off + nbytes > len(buf) - 16:
+                raise StateError("state buffer length does not match its directory")
+            setattr(layers[li], name, decode_array(bytes(buf[off : off + nbytes]), tuple(shape), codec))
+            off += nbytes
         if off != len(buf) - 16 or len(meta["arrays"]) != n_arrays:
             raise StateError("state buffer length does not match its directory")
         return cls(position=int(position), layers=layers, recent_tokens=list(meta["recent"]),
-                   model_key=meta["model"])
+                   model_key=meta["model"], codecs=dict(meta.get("codecs", {})))
+
+
+def _pow2_ceil(x: np.ndarray) -> np.ndarray:
+    m, e = np.frexp(np.asarray(x, dtype=np.float64))
+    return np.ldexp(1.0, np.where(m == 0.5, e - 1, e))
+
+
+def _blocks(a: np.ndarray, block: int) -> np.ndarray:
+    return a.reshape(-1, block)
+
+
+def encode_array(a: np.ndarray, codec: int) -> tuple[int, bytes]:
+    """(codec actually used, bytes). Lossless: falls back to float32 unless decoding the
+    encoded form gives back exactly `a`."""
+    block = {FP8_UE8M0_32: 32, FP4_E4M3_16: 16, FP4_UE8M0_32: 32}.get(codec)
+    if block is None or a.size == 0 or a.shape[-1] % block or not np.all(np.isfinite(a)):
+        return F32, a.tobytes()
+    b = _blocks(a, block).astype(np.float64)
+    amax = np.abs(b).max(axis=1)
+    if codec == FP8_UE8M0_32:
+        scale = _pow2_ceil(np.maximum(amax, 1e-4) / formats.FP8_E4M3_MAX)
+        codes = formats.f32_to_fp8_e4m3(b / scale[:, None])
+        payload, sbytes = codes.tobytes(), formats.f32_to_e8m0(scale).tobytes()
+    else:
+        if codec == FP4_E4M3_16:
+            scale_u8 = formats.f32_to_fp8_e4m3(np.where(amax > 0, amax / 6.0, 1.0))
+            scale = formats.fp8_e4m3_to_f32(scale_u8).astype(np.float64)
+        else:
+            scale = _pow2_ceil(np.maximum(amax, 6.0 * 2.0**-126) / 6.0)
+            scale_u8 = formats.f32_to_e8m0(scale)
+        codes = formats.f32_to_fp4(b / scale[:, None])
+        payload, sbytes = formats.fp4_pack_codes(codes).tobytes(), scale_u8.tobytes()
+    blob = sbytes + payload
+    if not np.array_equal(decode_array(blob, a.shape, codec), a):
+        return F32, a.tobytes()
+    return codec, blob
+
+
+def decode_array(blob: bytes, shape: tuple[int, ...], codec: int) -> np.ndarray:
+    count = int(np.prod(shape)) if shape else 1
+    if codec == F32:
+        if len(blob) != count * 4:
+            raise StateError("state array size does not match its shape")
+        return np.frombuffer(blob, dtype=np.float32).reshape(shape).copy()
+    block = {FP8_UE8M0_32: 32, FP4_E4M3_16: 16, FP4_UE8M0_32: 32}.get(codec)
+    if block is None:
+        raise StateError(f"unknown state codec {codec}")
+    nb = count // block
+    raw = np.frombuffer(blob, dtype=np.uint8)
+    if codec == FP8_UE8M0_32:
+        if raw.size != nb + count:
+            raise StateError("state array size does not match its shape")
+        scale, vals = formats.e8m0_to_f32(raw[:nb]), formats.fp8_e4m3_to_f32(raw[nb:])
+    else:
+        if raw.size != nb + count // 2:
+            raise StateError("state array size does not match its shape")
+        scale = formats.fp8_e4m3_to_f32(raw[:nb]) if codec == FP4_E4M3_16 else formats.e8m0_to_f32(raw[:nb])
+        vals = formats.fp4_unpack(raw[nb:])
+    return (vals.reshape(nb, block) * scale[:, None]).astype(np.float32).reshape(shape)
 
 
 def _arrays(ls: LayerState) -> dict[str, np.ndarray]:

@@ -105,3 +105,22 @@ def test_bad_token_ids_are_rejected(model: Model) -> None:
         model.forward([model.new_state()], [[model.cfg.vocab_size]])
     with pytest.raises(ValueError, match="at least one token"):
         model.forward([model.new_state()], [[]])
+
+
+def test_v41_state_is_stored_in_deepseek_formats() -> None:
+    m = _model(DEMO_V41)
+    st = m.new_state()
+    n = 600
+    m.forward([st], [_ids(m, n, 6)])
+    buf = st.to_bytes()
+    per_token, fixed = m.state_bytes_per_token()
+    # window rows FP8 (64 + 2 B), entries FP4 (32 + 4 B), indexer keys MXFP4 (16 + 1 B)
+    assert fixed == 6 * 63 * 66
+    assert per_token == (36 + 17) / 2 + (36 + 17) / 1
+    # every window / entry / key array was stored in its codec, not float32 (buffer ~ analytic size)
+    assert len(buf) < fixed + per_token * n + 16 * 1024
+    restored = SequenceState.from_bytes(buf, model_key=m.model_key)
+    for a, b in zip(st.layers, restored.layers, strict=True):
+        for name in ("window", "entries", "idx_keys", "buf_kv", "buf_gate"):
+            x, y = getattr(a, name), getattr(b, name)
+            assert (x is None) == (y is None) and (x is None or np.array_equal(x, y)), name
