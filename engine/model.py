@@ -183,6 +183,7 @@ class Model:
         # V4.1 keeps its state on DeepSeek's FP8/FP4 grids; False computes on unrounded state
         # (only to compare against a reference run without fake quantization).
         self.store_quantized = store_quantized and cfg.arch == "v41"
+        self.bounded_replay = True
         self.w = load_weights(cfg, ckpt, ops)
         self.freq_main = inv_freq(cfg.rope_main)
         self.freq_comp = inv_freq(cfg.rope_compress)
@@ -249,7 +250,15 @@ class Model:
         if cfg.arch == "v41":  # single-pass mHC: the first site collapses stream 0
             pre_mix = ops.xp.zeros((len(ids_all), cfg.hc_mult), dtype=np.float32)
             pre_mix[:, 0] = 1.0
+        advance = [s.pos.size for s in seqs]
+        replay_from = self._replay_start() if not all_logits else cfg.num_layers
         for li, L in enumerate(self.w.layers):
+            if li >= replay_from:  # bounded replay: drop rows no later output or state depends on
+                idx = self._keep_trailing(seqs, 1 + (cfg.num_layers - li) * (cfg.sliding_window - 1))
+                if idx is not None:
+                    h, pre_mix, ids_all = h[ops.asarray(idx, dtype=np.int64)], pre_mix[idx], ids_all[idx]
+                    ropes = {k: (c[idx], sn[idx]) for k, (c, sn) in ropes.items()}
+                    hash_ids = hash_ids[idx] if hash_ids is not None else None
             if L.engram is not None:
                 h = self._engram(L, h, hash_ids[:, cfg.engram_layer_ids.index(li)])
             pre_a, post_a, comb_a = ops.hc_mixes(h, *L.hc_attn, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
@@ -261,8 +270,8 @@ class Model:
                              cfg.rms_norm_eps)
             h = ops.hc_expand(self._moe(li, L, xf, ids_all), h, post_f, comb_f)
             pre_mix = pre_f
-        for s in seqs:
-            s.state.position += s.pos.size
+        for s, n in zip(seqs, advance, strict=True):
+            s.state.position += n
         rows = np.arange(len(ids_all)) if all_logits else np.array([s.rows.stop - 1 for s in seqs])
         hs = h[rows]
         if cfg.arch == "v41":
@@ -273,6 +282,31 @@ class Model:
         if not all_logits:
             return [logits[i] for i in range(len(seqs))]
         return [logits[s.rows] for s in seqs]
+
+    # ---- bounded replay ----------------------------------------------------------------
+    def _replay_start(self) -> int:
+        """First layer of V4.1's "bounded replay": after the last KV source no layer publishes
+        anything later layers read except its own window, so layer l only needs the trailing
+        in(l) = 1 + (n_layers - l) * (window - 1) rows of a chunk (its window for the state plus
+        the window of every row the next layer needs). Exact, and O(1) in the prompt length."""
+        cfg = self.cfg
+        if not self.bounded_replay or cfg.arch != "v41" or not cfg.kv_source_layer_ids:
+            return cfg.num_layers
+        return max(cfg.kv_source_layer_ids) + 1
+
+    @staticmethod
+    def _keep_trailing(seqs: list[_Seq], keep: int) -> np.ndarray | None:
+        """Restrict every sequence to its last `keep` rows; returns the row index (None: no change)."""
+        if all(s.pos.size <= keep for s in seqs):
+            return None
+        idx, start = [], 0
+        for s in seqs:
+            n = min(s.pos.size, keep)
+            idx.append(np.arange(s.rows.stop - n, s.rows.stop))
+            s.rows, s.pos = slice(start, start + n), s.pos[-n:]
+            s.shared = {k: v[-n:] for k, v in s.shared.items()}  # per-query masks follow their rows
+            start += n
+        return np.concatenate(idx)
 
     # ---- Engram ------------------------------------------------------------------------
     def _engram_hashes(self, seqs: list[_Seq], ids: list[np.ndarray]) -> np.ndarray:

@@ -37,8 +37,11 @@ class NumpyOps:
 
     # ---- dense math ------------------------------------------------------------------
     def linear(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
-        """y = x @ w.T with w [out, in]."""
-        return np.matmul(x, w.T, dtype=F32)
+        """y = x @ w.T with w [out, in]. einsum's own loops, not BLAS: each row's result is then
+        independent of how many rows share the call, so the reference backend is batch- and
+        chunking-invariant bit for bit (V4.1's FP8/FP4 state rounding would otherwise amplify
+        BLAS's shape-dependent summation order into 1e-3 differences)."""
+        return np.einsum("ti,oi->to", x.reshape(-1, x.shape[-1]), w).reshape(x.shape[:-1] + (w.shape[0],))
 
     def grouped_linear(self, x: np.ndarray, w: np.ndarray, groups: int) -> np.ndarray:
         """Block-diagonal projection: x [T, G, in_g], w [G*out_g, in_g] -> [T, G, out_g]."""
@@ -158,18 +161,25 @@ class NumpyOps:
     def attention(self, q: np.ndarray, kv: np.ndarray, bias: np.ndarray, sinks: np.ndarray,
                   scale: float) -> np.ndarray:
         """MQA with K == V and a per-head sink in the softmax denominator.
-        q [S, H, D], kv [N, D], bias [S, N] (0 or -inf), sinks [H] -> [S, H, D]."""
-        logits = np.einsum("shd,nd->shn", q, kv, dtype=F32) * F32(scale) + bias[:, None, :]
-        m = np.maximum(logits.max(axis=-1, initial=-np.inf), sinks[None, :])
-        p = np.exp(logits - m[..., None])
-        denom = p.sum(axis=-1) + np.exp(sinks[None, :] - m)
-        return np.einsum("shn,nd->shd", p / denom[..., None], kv, dtype=F32)
+        q [S, H, D], kv [N, D], bias [S, N] (0 or -inf), sinks [H] -> [S, H, D].
+        Each query reduces over exactly its visible keys, so its result does not depend on which
+        other queries or masked keys share the call (chunking-invariant reference)."""
+        out = np.empty_like(q)
+        for s in range(q.shape[0]):
+            keys = kv[np.flatnonzero(bias[s] == 0)]
+            logits = np.einsum("hd,nd->hn", q[s], keys) * F32(scale)
+            m = np.maximum(logits.max(axis=-1, initial=-np.inf), sinks)
+            p = np.exp(logits - m[:, None])
+            denom = p.sum(axis=-1) + np.exp(sinks - m)
+            out[s] = np.einsum("hn,nd->hd", p / denom[:, None], keys)
+        return out
 
     def indexer_scores(self, q: np.ndarray, k: np.ndarray, w: np.ndarray, n_heads: int, head_dim: int) -> np.ndarray:
         """sum_h w[s,h] * relu(q[s,h] . k[n]) * head_dim^-0.5 * n_heads^-0.5 -> [S, N]."""
-        dots = np.einsum("shd,nd->shn", q, k, dtype=F32)
+        s, h, d = q.shape
+        dots = np.einsum("xd,nd->xn", q.reshape(s * h, d), k).reshape(s, h, -1)
         scores = np.maximum(dots, F32(0.0)) * F32(head_dim**-0.5)
-        return np.einsum("shn,sh->sn", scores, w * F32(n_heads**-0.5), dtype=F32)
+        return np.sum(scores * (w * F32(n_heads**-0.5))[:, :, None], axis=1, dtype=F32)
 
     def topk_mask(self, scores: np.ndarray, k: int) -> np.ndarray:
         """Bool mask of each row's k best finite scores (ties: lower index first)."""

@@ -1,0 +1,132 @@
+"""Token sampling: penalties, temperature, top-k / top-p / min-p truncation, logprobs.
+
+One call samples one token for one sequence from its last-position logits. Every request (and
+every choice of an n>1 request) owns its own numpy Generator, so a seeded request draws the
+same tokens whatever else shares the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy (argmax after penalties)
+    top_p: float = 1.0  # nucleus mass kept, (0, 1]
+    top_k: int = 0  # 0 (or negative) = disabled
+    min_p: float = 0.0  # drop tokens with p < min_p * p_max, [0, 1]
+    seed: int | None = None
+    presence_penalty: float = 0.0  # OpenAI: subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # OpenAI: subtracted once per earlier occurrence
+    logprobs: bool = False
+    top_logprobs: int = 0  # how many alternatives to report per position (needs logprobs)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI logit_bias: (token_id, bias) added first
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+def make_rngs(seed: int | None, n: int = 1) -> list[np.random.Generator]:
+    """Independent generators for the n choices of a request.
+
+    Child i of a seed's SeedSequence does not depend on n, so choice 0 of a seeded n=3 request
+    draws exactly what the same seeded n=1 request draws.
+    """
+    children = np.random.SeedSequence(seed).spawn(n)
+    return [np.random.Generator(np.random.PCG64(c)) for c in children]
+
+
+def apply_penalties(
+    logits: np.ndarray, generated_ids: Sequence[int], presence: float, frequency: float
+) -> np.ndarray:
+    """OpenAI's definition: logit[j] -= c[j] * frequency + (c[j] > 0) * presence (returns a copy)."""
+    out = np.array(logits, dtype=np.float64)
+    if (presence == 0.0 and frequency == 0.0) or len(generated_ids) == 0:
+        return out
+    ids, counts = np.unique(np.asarray(generated_ids, dtype=np.int64), return_counts=True)
+    keep = (ids >= 0) & (ids < out.shape[-1])
+    ids, counts = ids[keep], counts[keep]
+    out[ids] -= counts * frequency + presence
+    return out
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    m = np.max(x)
+    shifted = x - m
+    return shifted - np.log(np.sum(np.exp(shifted)))
+
+
+def allowed_mask(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """Tokens that survive top-k, top-p and min-p for these (already penalised) logits.
+
+    Truncation acts on the temperature-scaled distribution (top-k is unaffected by it; top-p and
+    min-p are not). The most likely token always survives.
+    """
+    vocab = logits.shape[-1]
+    scaled = logits / params.temperature if params.temperature > 0 else logits
+    mask = np.isfinite(scaled)
+    if params.top_k and 0 < params.top_k < vocab:
+        kth = np.partition(scaled, vocab - params.top_k)[vocab - params.top_k]
+        mask &= scaled >= kth
+    if params.top_p < 1.0 or params.min_p > 0.0:
+        masked = np.where(mask, scaled, -np.inf)
+        probs = np.exp(masked - np.max(masked))
+        probs /= probs.sum()
+        if params.min_p > 0.0:
+            mask &= probs >= params.min_p * probs.max()
+        if params.top_p < 1.0:
+            order = np.argsort(-probs, kind="stable")
+            cum = np.cumsum(probs[order])
+            # keep the smallest prefix whose mass reaches top_p (the token crossing it included)
+            n_keep = int(np.searchsorted(cum, params.top_p, side="left")) + 1
+            top = np.zeros(vocab, dtype=bool)
+            top[order[:n_keep]] = True
+            mask &= top
+    mask[int(np.argmax(scaled))] = True
+    return mask
+
+
+def sample(
+    logits: np.ndarray,
+    params: SamplingParams,
+    generated_ids: Sequence[int],
+    rng: np.random.Generator,
+) -> tuple[int, float | None, list[tuple[int, float]] | None]:
+    """Pick the next token from logits [vocab].
+
+    Returns (token_id, logprob, top_logprobs). logprob / top_logprobs are None unless
+    params.logprobs; they are the model's own distribution (log-softmax of the raw logits,
+    before penalties, temperature and truncation), as vLLM reports by default.
+    top_logprobs is [(token_id, logprob)] in descending order, length params.top_logprobs.
+    """
+    x = apply_penalties(logits, generated_ids, params.presence_penalty, params.frequency_penalty)
+    for tid, bias in params.logit_bias:
+        if 0 <= tid < x.shape[-1]:
+            x[tid] += bias
+    if params.greedy:
+        token = int(np.argmax(x))
+    else:
+        mask = allowed_mask(x, params)
+        scaled = np.where(mask, x / params.temperature, -np.inf)
+        probs = np.exp(scaled - np.max(scaled))
+        cum = np.cumsum(probs)
+        # inverse-CDF draw: one uniform per token keeps seeded streams reproducible
+        token = int(np.searchsorted(cum, rng.random() * cum[-1], side="right"))
+        token = min(token, len(cum) - 1)
+        if not mask[token]:  # float edge at the top of the CDF: fall back to the last allowed id
+            token = int(np.flatnonzero(mask)[-1])
+    if not params.logprobs:
+        return token, None, None
+    lp = _log_softmax(np.asarray(logits, dtype=np.float64))
+    top: list[tuple[int, float]] = []
+    k = min(int(params.top_logprobs), lp.shape[-1])
+    if k > 0:
+        idx = np.argpartition(-lp, k - 1)[:k]
+        idx = idx[np.argsort(-lp[idx], kind="stable")]
+        top = [(int(i), float(lp[i])) for i in idx]
+    return token, float(lp[token]), top

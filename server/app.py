@@ -1,0 +1,603 @@
+"""aiohttp application: routes, auth, readiness, startup (engine loaded in the background) and
+graceful shutdown. The request path: handler -> protocol.parse_* -> chat encoding + tokenize
+(worker thread) -> scheduler.submit -> events -> SSE chunks or one JSON response.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import inspect
+import json
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from . import protocol
+from .metrics import Metrics
+from .protocol import APIError, GenRequest, bad
+from .scheduler import Event, Scheduler, Sequence
+from .streaming import SSEWriter
+
+log = logging.getLogger("dsuf.server")
+
+DEFAULT_MAX_BODY = 8 << 20  # a 1M-token prompt is ~4 MB of text
+
+
+@dataclass
+class Options:
+    ckpt: str | None = None
+    backend: str = "numpy"
+    gpus: str | None = None
+    api_key: str | None = None
+    max_batch: int = 32
+    max_queue: int = 256
+    prefill_chunk: int = 512
+    max_model_len: int | None = None  # cap below the model's context (tests, memory)
+    keepalive_s: float = 5.0  # `: keep-alive` SSE comment after this much silence
+    drain_timeout_s: float = 30.0
+    max_body: int = DEFAULT_MAX_BODY
+
+
+@dataclass
+class ServerState:
+    opts: Options
+    metrics: Metrics = field(default_factory=Metrics)
+    engine: Any = None
+    scheduler: Scheduler | None = None
+    model_ids: tuple[str, ...] = ()
+    context_len: int = 0
+    phase: str = "starting"  # starting | ready | draining | failed
+    load_error: str | None = None
+    load_task: asyncio.Task | None = None
+    loaded: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+STATE = web.AppKey("dsuf_state", ServerState)
+
+
+# ---------------------------------------------------------------- engine lifecycle
+
+
+def _load_engine(opts: Options) -> Any:
+    from engine.engine import Engine  # heavy import, off the loop
+
+    kwargs: dict[str, Any] = {}
+    if opts.gpus and "gpus" in inspect.signature(Engine.load).parameters:
+        kwargs["gpus"] = opts.gpus  # multi-GPU selection, once the engine takes it
+    return Engine.load(opts.ckpt, backend=opts.backend, **kwargs)
+
+
+def _attach_engine(st: ServerState, engine: Any) -> None:
+    st.engine = engine
+    ctx = int(getattr(engine, "context_length", engine.config.max_position_embeddings))
+    st.context_len = min(ctx, st.opts.max_model_len) if st.opts.max_model_len else ctx
+    mid = str(engine.model_id)
+    st.model_ids = (mid,)
+    st.scheduler = Scheduler(engine, st.metrics, max_batch=st.opts.max_batch, max_queue=st.opts.max_queue,
+                             prefill_chunk=st.opts.prefill_chunk)
+    st.scheduler.start()
+    st.phase = "ready"
+    st.loaded.set()
+    log.info("model %s ready (context %d, max batch %d)", mid, st.context_len, st.opts.max_batch)
+
+
+async def _on_startup(app: web.Application) -> None:
+    st = app[STATE]
+    if st.engine is not None:
+        _attach_engine(st, st.engine)
+        return
+
+    async def load() -> None:
+        try:
+            engine = await asyncio.to_thread(_load_engine, st.opts)
+        except Exception as e:
+            log.exception("loading the model failed")
+            st.phase, st.load_error = "failed", f"{type(e).__name__}: {e}"
+            st.loaded.set()
+            return
+        _attach_engine(st, engine)
+
+    st.load_task = asyncio.get_running_loop().create_task(load(), name="load-engine")
+
+
+async def _on_cleanup(app: web.Application) -> None:
+    st = app[STATE]
+    if st.load_task and not st.load_task.done():
+        st.load_task.cancel()
+    if st.scheduler:
+        await st.scheduler.stop()
+
+
+# ---------------------------------------------------------------- middleware
+
+
+def _error_response(e: APIError, st: ServerState) -> web.Response:
+    st.metrics.http_errors.inc(status=str(e.status))
+    return e.response()
+
+
+@web.middleware
+async def _middleware(request: web.Request, handler):
+    st = request.app[STATE]
+    try:
+        if st.opts.api_key and request.path.startswith("/v1/"):
+            auth = request.headers.get("Authorization", "")
+            token = auth[7:] if auth[:7].lower() == "bearer " else ""
+            if not hmac.compare_digest(token.encode(), st.opts.api_key.encode()):
+                raise APIError(401, "missing or invalid API key (Authorization: Bearer ...)",
+                               code="invalid_api_key")
+        return await handler(request)
+    except APIError as e:
+        return _error_response(e, st)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(e.status)
+        msg = {404: f"no route for {request.method} {request.path}",
+               413: f"request body larger than {st.opts.max_body} bytes"}.get(e.status, e.reason)
+        return _error_response(APIError(e.status, msg, code=code, headers={"Allow": e.headers["Allow"]}
+                                        if "Allow" in e.headers else None), st)
+    except (ConnectionResetError, asyncio.CancelledError):
+        raise
+    except Exception as e:
+        log.exception("unhandled error on %s", request.path)
+        return _error_response(APIError(500, f"internal error: {type(e).__name__}", type="server_error",
+                                        code="internal_error"), st)
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _require_ready(st: ServerState) -> Scheduler:
+    if st.phase != "ready" or st.scheduler is None:
+        msg = {"starting": "the model is still loading", "draining": "server is shutting down",
+               "failed": f"the model failed to load: {st.load_error}"}.get(st.phase, st.phase)
+        raise APIError(503, msg, type="service_unavailable", code="not_ready", headers={"Retry-After": "5"})
+    return st.scheduler
+
+
+async def _read_json(request: web.Request) -> Any:
+    raw = await request.read()  # raises 413 past client_max_size
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise bad(f"request body is not valid UTF-8 (byte {e.start})") from None
+    if not text.strip():
+        raise bad("request body is empty; expected a JSON object")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise bad(f"invalid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except RecursionError:
+        raise bad("invalid JSON: nested too deeply") from None
+
+
+def _check_model(st: ServerState, gen: GenRequest) -> None:
+    if gen.model not in st.model_ids:
+        raise APIError(404, f"The model '{gen.model}' does not exist; this server serves "
+                       f"{', '.join(st.model_ids)}", param="model", code="model_not_found")
+    gen.model = st.model_ids[0]
+
+
+def _check_lengths(st: ServerState, gen: GenRequest) -> list[int]:
+    """Per-prompt max_tokens, clamped to what the context leaves."""
+    out = []
+    for ids in gen.prompts:
+        if len(ids) >= st.context_len:
+            raise bad(f"This model's maximum context length is {st.context_len} tokens; the prompt has "
+                      f"{len(ids)} tokens, leaving no room for output", "messages" if gen.kind == "chat"
+                      else "prompt", code="context_length_exceeded")
+        room = st.context_len - len(ids)
+        out.append(room if gen.max_tokens is None else min(gen.max_tokens, room))
+    return out
+
+
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """Byte-level BPE spells byte b as one printable character; this is the inverse map."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    cs, n = list(bs), 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
+
+
+_BYTE_DECODER = _gpt2_byte_decoder()
+_TOKEN_CACHE: dict[tuple[int, int], tuple[str, list[int]]] = {}
+
+
+def _token_str(tok: Any, tid: int) -> tuple[str, list[int]]:
+    """(text, raw bytes) of one token for logprobs; a token holding part of a UTF-8 character has
+    its real bytes (the text shows U+FFFD)."""
+    key = (id(tok), tid)
+    hit = _TOKEN_CACHE.get(key)
+    if hit is not None:
+        return hit
+    piece = tok.id_to_token(tid) if hasattr(tok, "id_to_token") else None
+    if piece is not None and all(ch in _BYTE_DECODER for ch in piece):
+        raw = bytes(_BYTE_DECODER[ch] for ch in piece)
+    else:  # special / added token, or not a byte-level vocabulary
+        raw = tok.decode([tid]).encode("utf-8")
+    out = (raw.decode("utf-8", errors="replace"), list(raw))
+    if len(_TOKEN_CACHE) < 1 << 20:
+        _TOKEN_CACHE[key] = out
+    return out
+
+
+def _chat_logprobs(tok: Any, entries: list) -> dict:
+    content = []
+    for tid, lp, top in entries:
+        s, b = _token_str(tok, tid)
+        alts = []
+        for t, v in top:
+            ts, tb = _token_str(tok, t)
+            alts.append({"token": ts, "logprob": v, "bytes": tb})
+        content.append({"token": s, "logprob": lp, "bytes": b, "top_logprobs": alts})
+    return {"content": content}
+
+
+def _completion_logprobs(tok: Any, entries: list, offset: int) -> dict:
+    tokens, lps, tops, offsets = [], [], [], []
+    for tid, lp, top in entries:
+        s, _ = _token_str(tok, tid)
+        tokens.append(s)
+        lps.append(lp)
+        tops.append({_token_str(tok, t)[0]: v for t, v in top})
+        offsets.append(offset)
+        offset += len(s)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+# ---------------------------------------------------------------- generation
+
+
+async def _generate(request: web.Request, st: ServerState, gen: GenRequest) -> web.StreamResponse:
+    sched = _require_ready(st)
+    max_tokens = _check_lengths(st, gen)
+    sink: asyncio.Queue[Event] = asyncio.Queue()
+    seqs: list[Sequence] = []
+    for i, (ids, mt) in enumerate(zip(gen.prompts, max_tokens, strict=True)):
+        seqs += sched.new_sequences(gen, ids, mt, sink, first_index=i * gen.n)
+    sched.submit(seqs)  # 429 / 503 raised here, before any byte of a stream is sent
+    try:
+        if not gen.stream:
+            return await _collect(st, gen, seqs, sink)
+        w = SSEWriter(request)
+        try:
+            return await _stream(w, st, gen, seqs, sink)
+        except ConnectionResetError:  # the client went away mid-stream; nothing left to answer
+            log.info("client disconnected from %s", gen.request_id)
+            return w.resp
+    finally:
+        # disconnect (handler cancelled), write error or normal end: free the slots now
+        sched.cancel([s for s in seqs if not s.finished])
+
+
+def _delta_json(ev: Event) -> dict:
+    d: dict[str, Any] = {}
+    if ev.delta.reasoning:
+        d["reasoning_content"] = ev.delta.reasoning
+    if ev.delta.content:
+        d["content"] = ev.delta.content
+    if ev.delta.tool_calls:
+        d["tool_calls"] = ev.delta.tool_calls
+    return d
+
+
+async def _stream(w: SSEWriter, st: ServerState, gen: GenRequest, seqs: list[Sequence],
+                  sink: asyncio.Queue) -> web.StreamResponse:
+    tok = st.engine.tokenizer
+    await w.start()
+    chat = gen.kind == "chat"
+    if chat:
+        for s in seqs:
+            obj = protocol.chunk(gen, [{"index": s.index, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}])
+            if gen.return_token_ids:
+                obj["prompt_token_ids"] = gen.prompts[0]
+            await w.send(obj)
+    left = {s.index for s in seqs}
+    pending_ids: dict[int, list[int]] = {s.index: [] for s in seqs}
+    pending_lp: dict[int, list] = {s.index: [] for s in seqs}
+    offsets = {s.index: len(gen.prompt_texts[s.index // gen.n]) if gen.echo else 0 for s in seqs}
+    completion_tokens = 0
+    if gen.echo and not chat:
+        for i, text in enumerate(gen.prompt_texts):
+            for j in range(gen.n):
+                await w.send(protocol.chunk(gen, [{"index": i * gen.n + j, "text": text, "logprobs": None,
+                                                   "finish_reason": None}]))
+    while left:
+        try:
+            ev: Event = await asyncio.wait_for(sink.get(), st.opts.keepalive_s)
+        except TimeoutError:
+            await w.keepalive()
+            continue
+        if ev.error is not None:
+            await w.send(APIError(500, ev.error, type="server_error", code="generation_failed").body())
+            await w.done()
+            return w.resp
+        pending_ids[ev.index] += ev.token_ids
+        pending_lp[ev.index] += ev.logprobs
+        if chat:
+            delta = _delta_json(ev)
+            if not delta and ev.finish_reason is None:
+                continue  # held back (partial UTF-8, stop-string prefix, tag prefix)
+            choice: dict[str, Any] = {"index": ev.index, "delta": delta, "logprobs": None,
+                                      "finish_reason": ev.finish_reason}
+            if gen.logprobs:
+                choice["logprobs"] = _chat_logprobs(tok, pending_lp[ev.index])
+        else:
+            text = ev.delta.content
+            if not text and ev.finish_reason is None:
+                continue
+            choice = {"index": ev.index, "text": text, "logprobs": None, "finish_reason": ev.finish_reason}
+            if gen.logprobs:
+                choice["logprobs"] = _completion_logprobs(tok, pending_lp[ev.index], offsets[ev.index])
+            offsets[ev.index] += len(text)
+        if gen.return_token_ids:
+            choice["token_ids"] = pending_ids[ev.index]
+        pending_ids[ev.index], pending_lp[ev.index] = [], []
+        await w.send(protocol.chunk(gen, [choice]))
+        if ev.finish_reason is not None:
+            left.discard(ev.index)
+            completion_tokens += ev.completion_tokens
+    if gen.include_usage:
+        await w.send(protocol.chunk(gen, [], protocol.usage(sum(map(len, gen.prompts)), completion_tokens)))
+    await w.done()
+    return w.resp
+
+
+async def _collect(st: ServerState, gen: GenRequest, seqs: list[Sequence], sink: asyncio.Queue) -> web.Response:
+    tok = st.engine.tokenizer
+    acc = {s.index: {"reasoning": "", "content": "", "tool_calls": [], "ids": [], "lp": [], "finish": None,
+                     "completion_tokens": 0} for s in seqs}
+    left = set(acc)
+    while left:
+        ev: Event = await sink.get()
+        if ev.error is not None:
+            raise APIError(500, ev.error, type="server_error", code="generation_failed")
+        a = acc[ev.index]
+        a["reasoning"] += ev.delta.reasoning
+        a["content"] += ev.delta.content
+        a["tool_calls"] += ev.delta.tool_calls
+        a["ids"] += ev.token_ids
+        a["lp"] += ev.logprobs
+        if ev.finish_reason is not None:
+            a["finish"], a["completion_tokens"] = ev.finish_reason, ev.completion_tokens
+            left.discard(ev.index)
+    choices = []
+    for idx in sorted(acc):
+        a = acc[idx]
+        if gen.kind == "chat":
+            msg: dict[str, Any] = {"role": "assistant",
+                                   "content": a["content"] if a["content"] or not a["tool_calls"] else None}
+            if gen.thinking:
+                msg["reasoning_content"] = a["reasoning"]
+            if a["tool_calls"]:
+                msg["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in a["tool_calls"]]
+            choice: dict[str, Any] = {"index": idx, "message": msg, "logprobs": None,
+                                      "finish_reason": a["finish"]}
+            if gen.logprobs:
+                choice["logprobs"] = _chat_logprobs(tok, a["lp"])
+        else:
+            prefix = gen.prompt_texts[idx // gen.n] if gen.echo else ""
+            choice = {"index": idx, "text": prefix + a["content"], "logprobs": None, "finish_reason": a["finish"]}
+            if gen.logprobs:
+                choice["logprobs"] = _completion_logprobs(tok, a["lp"], len(prefix))
+        if gen.return_token_ids:
+            choice["token_ids"] = a["ids"]
+            if gen.kind == "completion":
+                choice["prompt_token_ids"] = gen.prompts[idx // gen.n]
+        choices.append(choice)
+    body = protocol.completion(gen, choices, protocol.usage(sum(map(len, gen.prompts)),
+                                                            sum(a["completion_tokens"] for a in acc.values())))
+    if gen.return_token_ids and gen.kind == "chat":
+        body["prompt_token_ids"] = gen.prompts[0]
+    return web.json_response(body, dumps=lambda o: json.dumps(o, ensure_ascii=False))
+
+
+# ---------------------------------------------------------------- routes
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    st = request.app[STATE]
+    body = await _read_json(request)
+    _require_ready(st)
+    spec = protocol.parse_chat(body, st.model_ids[0])
+    _check_model(st, spec.gen)
+    from engine.chat_encoding import encode_messages
+
+    arch = st.engine.config.arch
+
+    def encode() -> list[int]:
+        text = encode_messages(spec.messages, arch=arch, thinking=spec.gen.thinking,
+                               reasoning_effort=spec.reasoning_effort, tools=spec.tools,
+                               response_format=spec.response_format, add_generation_prompt=True)
+        return st.engine.tokenizer.encode(text)
+
+    try:
+        ids = await asyncio.to_thread(encode)
+    except (ValueError, TypeError, KeyError) as e:
+        raise bad(f"cannot encode the conversation: {e}", "messages") from None
+    spec.gen.prompts = [ids]
+    return await _generate(request, st, spec.gen)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    st = request.app[STATE]
+    body = await _read_json(request)
+    _require_ready(st)
+    gen, prompts = protocol.parse_completion(body, st.model_ids[0])
+    _check_model(st, gen)
+    tok = st.engine.tokenizer
+    vocab = int(st.engine.config.vocab_size)
+
+    def encode() -> tuple[list[list[int]], list[str]]:
+        ids_out, texts = [], []
+        for p in prompts:
+            if isinstance(p, str):
+                ids = tok.encode(p)
+                texts.append(p)
+            else:
+                if any(t < 0 or t >= vocab for t in p):
+                    raise ValueError(f"token ids must be in [0, {vocab})")
+                ids = list(p)
+                texts.append(tok.decode(ids))
+            # a plain prompt starts a document: BOS first, as the model was trained
+            if tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):
+                ids = [tok.bos_id] + ids
+            ids_out.append(ids)
+        return ids_out, texts
+
+    try:
+        gen.prompts, gen.prompt_texts = await asyncio.to_thread(encode)
+    except ValueError as e:
+        raise bad(str(e), "prompt") from None
+    return await _generate(request, st, gen)
+
+
+async def models(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    _require_ready(st)
+    data = [protocol.model_card(m, st.context_len) for m in st.model_ids]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def model_detail(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    _require_ready(st)
+    mid = request.match_info["model"]
+    if mid not in st.model_ids:
+        raise APIError(404, f"The model '{mid}' does not exist", param="model", code="model_not_found")
+    return web.json_response(protocol.model_card(mid, st.context_len))
+
+
+async def readyz(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    if st.phase == "ready" and st.scheduler is not None and not st.scheduler.alive:
+        st.phase, st.load_error = "failed", "the scheduler loop stopped"
+    ok = st.phase == "ready"
+    body: dict[str, Any] = {"status": st.phase}
+    if st.load_error:
+        body["error"] = st.load_error
+    return web.json_response(body, status=200 if ok else 503)
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    return web.Response(body=st.metrics.render().encode(),
+                        headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+def build_app(engine: Any = None, **opts: Any) -> web.Application:
+    """The aiohttp application. With engine=None the model (opts ckpt/backend/gpus; ckpt None =
+    embedded demo-v41) loads in the background after startup; /readyz says 503 until then."""
+    o = Options(**opts)
+    app = web.Application(middlewares=[_middleware], client_max_size=o.max_body)
+    st = ServerState(opts=o, engine=engine)
+    app[STATE] = st
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model}", model_detail)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/metrics", metrics)
+    app.on_startup.append(_on_startup)
+    app.on_cleanup.append(_on_cleanup)
+    return app
+
+
+# ---------------------------------------------------------------- running it
+
+
+async def start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, web.TCPSite, int]:
+    """Start serving; returns the runner, the site and the bound port (port 0 = any free one)."""
+    # handler_cancellation: a client disconnect cancels its handler, which frees the slot
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    return runner, site, site.port
+
+
+async def shutdown(app: web.Application, runner: web.AppRunner, site: web.TCPSite) -> None:
+    """Graceful: stop accepting, let accepted work finish (drain_timeout_s), cancel the rest."""
+    st = app[STATE]
+    st.phase = "draining" if st.phase != "failed" else st.phase
+    await site.stop()  # closes the listening socket; open connections get 503 for new work
+    if st.scheduler is not None:
+        if not await st.scheduler.drain(st.opts.drain_timeout_s):
+            log.warning("drain timed out; cancelling the remaining requests")
+            await st.scheduler.stop()
+        await asyncio.sleep(0.05)  # let handlers write their last frames
+    await runner.cleanup()
+
+
+async def _serve(app: web.Application, host: str, port: int) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    runner, site, bound = await start_site(app, host, port)
+    st = app[STATE]
+    print(f"dsuf: serving on http://{host}:{bound}/v1 (loading the model; GET /readyz says when ready)",
+          flush=True)
+
+    async def watch_load() -> None:
+        await st.loaded.wait()
+        if st.phase == "failed":
+            stop.set()
+        else:
+            print(f"dsuf: model {st.model_ids[0]} ready", flush=True)
+
+    watcher = loop.create_task(watch_load())
+    await stop.wait()
+    watcher.cancel()
+    print("dsuf: shutting down", flush=True)
+    await shutdown(app, runner, site)
+    return 1 if st.phase == "failed" else 0
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ckpt", default=None, help="checkpoint directory (default: embedded demo-v41)")
+    p.add_argument("--gpus", default=None, help="GPUs to use, e.g. 0,1,2,3 (default: numpy on the CPU)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("DSUF_API_KEY"), help="require Bearer auth on /v1/*")
+    p.add_argument("--max-batch", type=int, default=32, help="sequences decoded together")
+    p.add_argument("--max-queue", type=int, default=256, help="waiting sequences before 429")
+    p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens prefilled per step")
+    p.add_argument("--max-model-len", type=int, default=None, help="cap the context length")
+    p.add_argument("--keepalive", type=float, default=5.0, help="seconds between SSE keep-alives")
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish work on SIGTERM")
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    """`dsuf.py serve`: blocks until SIGTERM/SIGINT, returns the exit status."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    gpus = getattr(args, "gpus", None)
+    app = build_app(
+        ckpt=getattr(args, "ckpt", None), backend="cupy" if gpus else "numpy", gpus=gpus,
+        api_key=getattr(args, "api_key", None), max_batch=getattr(args, "max_batch", 32),
+        max_queue=getattr(args, "max_queue", 256), prefill_chunk=getattr(args, "prefill_chunk", 512),
+        max_model_len=getattr(args, "max_model_len", None), keepalive_s=getattr(args, "keepalive", 5.0),
+        drain_timeout_s=getattr(args, "drain_timeout", 30.0),
+    )
+    t0 = time.monotonic()
+    rc = asyncio.run(_serve(app, getattr(args, "host", "127.0.0.1"), getattr(args, "port", 8000)))
+    log.info("server stopped after %.1f s", time.monotonic() - t0)
+    return rc

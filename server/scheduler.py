@@ -1,0 +1,305 @@
+"""Continuous batching on the event loop.
+
+Each iteration of the loop builds one batch: every running sequence past its prompt decodes one
+token, and prompts are prefilled in chunks from a per-step token budget, so a long prompt never
+stalls the decodes. New sequences join at the next step; finished or cancelled ones leave at
+once. The engine step (and sampling) runs in a one-thread executor shared by everything that
+uses the same engine, so the loop stays free for HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import weakref
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from engine.sampling import SamplingParams, make_rngs, sample
+
+from .metrics import Metrics
+from .protocol import APIError, GenRequest
+from .streaming import Delta, OutputProcessor
+
+log = logging.getLogger("dsuf.scheduler")
+
+_EXECUTORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def engine_executor(engine: Any) -> ThreadPoolExecutor:
+    """One worker per engine: engine steps are never concurrent, whoever submits them."""
+    ex = _EXECUTORS.get(engine)
+    if ex is None:
+        ex = _EXECUTORS[engine] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
+    return ex
+
+
+@dataclass
+class Event:
+    """Output of one sequence since its previous event, sent to the request's queue."""
+
+    index: int
+    delta: Delta = field(default_factory=Delta)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass(eq=False)
+class Sequence:
+    gen: GenRequest
+    index: int  # choice index in the response
+    prompt: list[int]
+    max_tokens: int
+    params: SamplingParams
+    rng: np.random.Generator
+    proc: OutputProcessor
+    sink: asyncio.Queue
+    state: Any = None
+    n_prefilled: int = 0
+    generated: list[int] = field(default_factory=list)
+    finished: bool = False
+    t_arrival: float = field(default_factory=time.monotonic)
+    t_first: float | None = None
+    t_last: float | None = None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.n_prefilled < len(self.prompt)
+
+
+class Scheduler:
+    def __init__(self, engine: Any, metrics: Metrics, *, max_batch: int = 32, max_queue: int = 256,
+                 prefill_chunk: int = 512):
+        self.engine = engine
+        self.metrics = metrics
+        self.max_batch = max(1, max_batch)
+        self.max_queue = max(0, max_queue)
+        self.prefill_chunk = max(1, prefill_chunk)
+        self.executor = engine_executor(engine)
+        self.eos_ids = {int(t) for t in getattr(engine, "eos_ids", (engine.tokenizer.eos_id,))}
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.accepting = True
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._idle = asyncio.Event()
+        self._idle.set()
+        metrics.add_gauge("requests_running", "Sequences in the running batch.", lambda: len(self.running))
+        metrics.add_gauge("requests_waiting", "Sequences waiting for a batch slot.", lambda: len(self.waiting))
+        metrics.add_gauge("batch_capacity", "Maximum sequences in the running batch.", lambda: self.max_batch)
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="scheduler")
+        self._task.add_done_callback(self._on_loop_exit)
+
+    def _on_loop_exit(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("scheduler loop died", exc_info=task.exception())
+            for s in list(self.waiting) + list(self.running):
+                self._fail(s, "scheduler stopped")
+
+    @property
+    def alive(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    async def stop(self) -> None:
+        """Cancel whatever is left and end the loop."""
+        self.accepting = False
+        for s in list(self.waiting) + list(self.running):
+            self._fail(s, "server is shutting down")
+        if self._task:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    async def drain(self, timeout: float) -> bool:
+        """Stop taking work and wait up to timeout for the accepted work to finish."""
+        self.accepting = False
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    # ------------------------------------------------------------ admission
+
+    def new_sequences(self, gen: GenRequest, prompt: list[int], max_tokens: int, sink: asyncio.Queue,
+                      first_index: int = 0) -> list[Sequence]:
+        """The n choices for one prompt. Choice i's random stream depends only on (seed, i)."""
+        params = SamplingParams(**{**gen.sampling.__dict__, "logprobs": gen.logprobs,
+                                   "top_logprobs": gen.top_logprobs})
+        rngs = make_rngs(gen.sampling.seed, gen.n)
+        return [
+            Sequence(gen=gen, index=first_index + i, prompt=prompt, max_tokens=max_tokens, params=params,
+                     rng=rngs[i], sink=sink,
+                     proc=OutputProcessor(self.engine.tokenizer, stop=gen.stop, thinking=gen.thinking,
+                                          tools=gen.tools))
+            for i in range(gen.n)
+        ]
+
+    def submit(self, seqs: list[Sequence]) -> None:
+        """Queue a request's sequences, all or none. Raises 503 when draining, 429 when full."""
+        if not self.accepting:
+            raise APIError(503, "server is shutting down", type="service_unavailable", code="shutting_down")
+        room = self.max_queue + max(0, self.max_batch - len(self.running)) - len(self.waiting)
+        if len(seqs) > room:
+            self.metrics.rejected.inc()
+            raise APIError(429, "too many requests: the queue is full, retry later", type="rate_limit_error",
+                           code="rate_limit_exceeded", headers={"Retry-After": "1"})
+        self.waiting.extend(seqs)
+        self._idle.clear()
+        self._wake.set()
+
+    def cancel(self, seqs: list[Sequence]) -> None:
+        """Client went away: drop the sequences now. A step in flight finishes, its result is ignored."""
+        for s in seqs:
+            if s.finished:
+                continue
+            s.finished = True
+            if s in self.waiting:
+                self.waiting.remove(s)
+            if s in self.running:
+                self.running.remove(s)
+            self.metrics.requests.inc(finish_reason="cancelled")
+        self._check_idle()
+
+    def _check_idle(self) -> None:
+        if not self.running and not self.waiting:
+            self._idle.set()
+
+    # ------------------------------------------------------------ the loop
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self.running and not self.waiting:
+                self._check_idle()
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            while self.waiting and len(self.running) < self.max_batch:
+                self.running.append(self.waiting.popleft())
+            batch, chunks, do_sample = self._plan()
+            try:
+                results = await loop.run_in_executor(self.executor, self._execute, batch, chunks, do_sample)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # an engine failure fails its batch, not the server
+                log.exception("engine step failed")
+                for s in batch:
+                    self._fail(s, f"engine error: {type(e).__name__}: {e}")
+                continue
+            self.metrics.steps.inc()
+            try:
+                self._apply(batch, chunks, results)
+            except Exception as e:  # a bug in output handling must not hang every request
+                log.exception("processing step results failed")
+                for s in batch:
+                    self._fail(s, f"internal error: {type(e).__name__}: {e}")
+            # let handlers run between steps even if the executor answered instantly
+            await asyncio.sleep(0)
+
+    def _plan(self) -> tuple[list[Sequence], list[list[int]], list[bool]]:
+        batch, chunks, do_sample = [], [], []
+        budget = self.prefill_chunk
+        for s in self.running:
+            if not s.prefilling:
+                batch.append(s)
+                chunks.append([s.generated[-1]])
+                do_sample.append(True)
+        for s in self.running:  # FIFO: the oldest prompt gets the budget first
+            if s.prefilling and budget > 0:
+                take = min(budget, len(s.prompt) - s.n_prefilled)
+                batch.append(s)
+                chunks.append(s.prompt[s.n_prefilled:s.n_prefilled + take])
+                do_sample.append(s.n_prefilled + take == len(s.prompt))
+                budget -= take
+        return batch, chunks, do_sample
+
+    def _execute(self, batch: list[Sequence], chunks: list[list[int]], do_sample: list[bool]) -> list:
+        """Runs in the engine thread."""
+        for s in batch:
+            if s.state is None:
+                s.state = self.engine.new_state()
+        logits = self.engine.step([s.state for s in batch], chunks)
+        return [sample(logits[i], s.params, s.generated, s.rng) if do_sample[i] else None
+                for i, s in enumerate(batch)]
+
+    def _apply(self, batch: list[Sequence], chunks: list[list[int]], results: list) -> None:
+        now = time.monotonic()
+        for s, chunk, res in zip(batch, chunks, results, strict=True):
+            if s.finished:  # cancelled while the step ran
+                continue
+            if s.prefilling:
+                s.n_prefilled += len(chunk)
+                self.metrics.prompt_tokens.inc(len(chunk))
+            if res is None:
+                continue
+            tok, lp, top = res
+            s.generated.append(tok)
+            self.metrics.generation_tokens.inc()
+            if s.t_first is None:
+                s.t_first = now
+                self.metrics.ttft.observe(now - s.t_arrival)
+            s.t_last = now
+            ev = Event(index=s.index, token_ids=[tok])
+            if lp is not None:
+                ev.logprobs.append((tok, lp, top or []))
+            finish, by_stop_string = None, False
+            if tok in self.eos_ids and not s.gen.ignore_eos:
+                finish = "stop"
+            else:
+                ev.delta, by_stop_string = s.proc.push(tok)
+                if by_stop_string:
+                    finish = "stop"
+                elif len(s.generated) >= s.max_tokens:
+                    finish = "length"
+            if finish is None:
+                s.sink.put_nowait(ev)
+                continue
+            ev.delta.extend(s.proc.finish(stopped=by_stop_string))
+            if finish == "stop" and s.proc.has_tool_calls:
+                finish = "tool_calls"
+            self._finish(s, finish, ev)
+
+    def _finish(self, s: Sequence, reason: str, ev: Event) -> None:
+        s.finished = True
+        if s in self.running:
+            self.running.remove(s)
+        ev.finish_reason = reason
+        ev.prompt_tokens, ev.completion_tokens = len(s.prompt), len(s.generated)
+        s.sink.put_nowait(ev)
+        m = self.metrics
+        m.requests.inc(finish_reason=reason)
+        if s.t_first is not None and s.t_last is not None and len(s.generated) > 1:
+            m.tpot.observe((s.t_last - s.t_first) / (len(s.generated) - 1))
+        m.e2e.observe(time.monotonic() - s.t_arrival)
+        self._check_idle()
+
+    def _fail(self, s: Sequence, message: str) -> None:
+        if s.finished:
+            return
+        s.finished = True
+        if s in self.waiting:
+            self.waiting.remove(s)
+        if s in self.running:
+            self.running.remove(s)
+        s.sink.put_nowait(Event(index=s.index, error=message, prompt_tokens=len(s.prompt),
+                                completion_tokens=len(s.generated)))
+        self.metrics.requests.inc(finish_reason="error")
+        self._check_idle()

@@ -1,0 +1,198 @@
+"""Per-sequence output processing and the SSE writer.
+
+Token ids come in one at a time (from the scheduler, on the event loop) and leave as deltas of
+reasoning / content / tool calls. Three stages, each holding back only what it must:
+  detokenizer  -> text, never splitting a UTF-8 character
+  StopMatcher  -> stop strings found across token boundaries (text that could start one waits)
+  OutputParser -> reasoning until `</think>`, content, DSML tool-call blocks -> OpenAI tool_calls
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from engine import chat_encoding
+from engine.chat_encoding import THINK_END
+
+
+def _partial_suffix(buf: str, markers: tuple[str, ...]) -> int:
+    """Length of the longest suffix of buf that is a proper prefix of one of markers."""
+    best = 0
+    for m in markers:
+        for k in range(min(len(m) - 1, len(buf)), best, -1):
+            if buf.endswith(m[:k]):
+                best = k
+                break
+    return best
+
+
+class Detokenizer:
+    """The tokenizer's incremental decoder, special tokens kept (`</think>` and DSML are special)."""
+
+    def __init__(self, tokenizer: Any):
+        self._dec = tokenizer.stream_decoder(skip_special_tokens=False)
+
+    def push(self, token_id: int) -> str:
+        return self._dec.push(int(token_id))
+
+    def flush(self) -> str:
+        return self._dec.flush()
+
+
+class StopMatcher:
+    """Finds stop strings in a stream of text pieces, holding back only possible stop prefixes."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = tuple(s for s in stops if s)
+        self.buf = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """Returns (text safe to emit, stopped). On a stop, the stop string and all after it go."""
+        if not self.stops:
+            return text, False
+        self.buf += text
+        hits = [i for i in (self.buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.buf = self.buf[: min(hits)], ""
+            return out, True
+        hold = _partial_suffix(self.buf, self.stops)
+        cut = len(self.buf) - hold
+        out, self.buf = self.buf[:cut], self.buf[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.buf = self.buf, ""
+        return out
+
+
+@dataclass
+class Delta:
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[dict] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.reasoning or self.content or self.tool_calls)
+
+    def extend(self, other: Delta) -> None:
+        self.reasoning += other.reasoning
+        self.content += other.content
+        self.tool_calls += other.tool_calls
+
+
+class OutputParser:
+    """Generated text -> Deltas of reasoning, content and tool calls.
+
+    Chat with tools offered: engine.chat_encoding's DSML parser (both V4 and V4.1 dialects).
+    Otherwise only the `</think>` split (thinking mode), so a tool block nobody asked for stays
+    text. Completions (thinking=False, tools=False) pass text through as content.
+    """
+
+    def __init__(self, thinking: bool, tools: bool):
+        self._dsml = chat_encoding.OutputParser(thinking=thinking) if tools else None
+        self._reasoning = thinking
+        self._buf = ""
+        self.n_tool_calls = 0
+
+    def push(self, text: str) -> Delta:
+        if self._dsml is not None:
+            return self._events(self._dsml.feed(text))
+        if not self._reasoning:
+            return Delta(content=text)
+        self._buf += text
+        i = self._buf.find(THINK_END)
+        if i >= 0:
+            d = Delta(reasoning=self._buf[:i], content=self._buf[i + len(THINK_END):])
+            self._buf, self._reasoning = "", False
+            return d
+        cut = len(self._buf) - _partial_suffix(self._buf, (THINK_END,))
+        d = Delta(reasoning=self._buf[:cut])
+        self._buf = self._buf[cut:]
+        return d
+
+    def finish(self) -> Delta:
+        if self._dsml is not None:
+            return self._events(self._dsml.finish())
+        d = Delta(reasoning=self._buf) if self._reasoning else Delta(content=self._buf)
+        self._buf = ""
+        return d
+
+    def _events(self, events: list) -> Delta:
+        d = Delta()
+        for e in events:
+            if isinstance(e, chat_encoding.ReasoningDelta):
+                d.reasoning += e.text
+            elif isinstance(e, chat_encoding.ContentDelta):
+                d.content += e.text
+            elif isinstance(e, chat_encoding.ToolCall):
+                d.tool_calls.append({"index": self.n_tool_calls, "id": "call_" + uuid.uuid4().hex[:24],
+                                     "type": "function",
+                                     "function": {"name": e.name, "arguments": e.arguments}})
+                self.n_tool_calls += 1
+        return d
+
+
+class OutputProcessor:
+    """Token ids of one sequence -> Deltas, with stop-string detection."""
+
+    def __init__(self, tokenizer: Any, *, stop: list[str], thinking: bool, tools: bool):
+        self.detok = Detokenizer(tokenizer)
+        self.stop = StopMatcher(stop)
+        self.parser = OutputParser(thinking, tools)
+
+    def push(self, token_id: int) -> tuple[Delta, bool]:
+        piece, stopped = self.stop.push(self.detok.push(token_id))
+        return self.parser.push(piece), stopped
+
+    def finish(self, stopped: bool) -> Delta:
+        """Flush. After a stop string, held-back text is part of the stop and is dropped."""
+        d = Delta()
+        if not stopped:
+            piece, hit = self.stop.push(self.detok.flush())
+            if not hit:
+                piece += self.stop.flush()
+            d.extend(self.parser.push(piece))
+        d.extend(self.parser.finish())
+        return d
+
+    @property
+    def has_tool_calls(self) -> bool:
+        return self.parser.n_tool_calls > 0
+
+
+# ---------------------------------------------------------------- SSE
+
+
+class SSEWriter:
+    """`text/event-stream` response: `data: {json}` frames, `: keep-alive` comments, `[DONE]`."""
+
+    def __init__(self, request: web.Request):
+        self.request = request
+        self.resp = web.StreamResponse(
+            status=200,
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no",  # nginx: do not buffer the stream
+            },
+        )
+        self.started = False
+
+    async def start(self) -> None:
+        await self.resp.prepare(self.request)
+        self.started = True
+
+    async def send(self, obj: dict) -> None:
+        await self.resp.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
+
+    async def keepalive(self) -> None:
+        await self.resp.write(b": keep-alive\n\n")
+
+    async def done(self) -> None:
+        await self.resp.write(b"data: [DONE]\n\n")
+        await self.resp.write_eof()

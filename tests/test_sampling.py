@@ -1,0 +1,141 @@
+import numpy as np
+import pytest
+
+from engine.sampling import SamplingParams, allowed_mask, apply_penalties, make_rngs, sample
+
+VOCAB = 64
+
+
+@pytest.fixture
+def logits() -> np.ndarray:
+    # random, non-zero, no ties: a peaked but not degenerate distribution
+    g = np.random.default_rng(1234)
+    return (g.standard_normal(VOCAB) * 2.0).astype(np.float32)
+
+
+def _probs(x: np.ndarray, t: float = 1.0) -> np.ndarray:
+    p = np.exp((x - x.max()) / t)
+    return p / p.sum()
+
+
+def _draws(logits, params, n, seed=0):
+    rng = make_rngs(seed)[0]
+    return np.array([sample(logits, params, [], rng)[0] for _ in range(n)])
+
+
+def test_greedy_is_argmax(logits):
+    for _ in range(5):
+        tok, lp, top = sample(logits, SamplingParams(temperature=0.0), [], make_rngs(None)[0])
+        assert tok == int(np.argmax(logits))
+        assert lp is None and top is None
+
+
+def test_top_k_never_leaves_allowed_set(logits):
+    k = 5
+    allowed = set(np.argsort(-logits)[:k].tolist())
+    draws = _draws(logits, SamplingParams(temperature=1.5, top_k=k), 2000)
+    assert set(draws.tolist()) <= allowed
+    assert len(set(draws.tolist())) == k  # and every allowed token does show up
+
+
+def test_top_p_never_leaves_nucleus(logits):
+    t, top_p = 1.3, 0.6
+    p = _probs(logits.astype(np.float64), t)
+    order = np.argsort(-p)
+    cum = np.cumsum(p[order])
+    nucleus = set(order[: int(np.searchsorted(cum, top_p)) + 1].tolist())
+    assert 1 < len(nucleus) < VOCAB
+    draws = _draws(logits, SamplingParams(temperature=t, top_p=top_p), 2000)
+    assert set(draws.tolist()) <= nucleus
+
+
+def test_min_p_never_returns_improbable_tokens(logits):
+    t, min_p = 1.0, 0.1
+    p = _probs(logits.astype(np.float64), t)
+    allowed = set(np.flatnonzero(p >= min_p * p.max()).tolist())
+    assert 1 < len(allowed) < VOCAB
+    draws = _draws(logits, SamplingParams(temperature=t, min_p=min_p), 2000)
+    assert set(draws.tolist()) <= allowed
+
+
+def test_combined_truncation_is_intersection(logits):
+    params = SamplingParams(temperature=0.8, top_k=10, top_p=0.9, min_p=0.05)
+    mask = allowed_mask(logits.astype(np.float64), params)
+    draws = _draws(logits, params, 1000)
+    assert all(mask[d] for d in draws)
+    assert mask.sum() <= 10
+
+
+def test_seed_determinism(logits):
+    params = SamplingParams(temperature=1.0, top_p=0.95)
+    a = _draws(logits, params, 200, seed=42)
+    b = _draws(logits, params, 200, seed=42)
+    c = _draws(logits, params, 200, seed=43)
+    assert (a == b).all()
+    assert (a != c).any()
+
+
+def test_choice_streams_do_not_depend_on_n(logits):
+    params = SamplingParams(temperature=1.0)
+    one = make_rngs(7, 1)[0]
+    three = make_rngs(7, 3)
+    a = [sample(logits, params, [], one)[0] for _ in range(50)]
+    b = [sample(logits, params, [], three[0])[0] for _ in range(50)]
+    c = [sample(logits, params, [], three[1])[0] for _ in range(50)]
+    assert a == b and a != c
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 2.0])
+def test_temperature_distribution(logits, temperature):
+    n = 20000
+    draws = _draws(logits, SamplingParams(temperature=temperature), n, seed=5)
+    expected = _probs(logits.astype(np.float64), temperature) * n
+    observed = np.bincount(draws, minlength=VOCAB)
+    # pool the rare tokens so the chi-square approximation holds (expected >= 5 per cell)
+    big = expected >= 5
+    exp_cells = np.append(expected[big], expected[~big].sum())
+    obs_cells = np.append(observed[big], observed[~big].sum())
+    chi2 = float(((obs_cells - exp_cells) ** 2 / np.maximum(exp_cells, 1e-9)).sum())
+    dof = len(exp_cells) - 1
+    assert chi2 < dof + 6 * np.sqrt(2 * dof) + 10  # generous: ~6 sigma
+
+
+def test_penalties_shift_the_right_logits(logits):
+    generated = [3, 3, 3, 10, 20, 20]
+    out = apply_penalties(logits, generated, presence=0.5, frequency=0.25)
+    diff = logits.astype(np.float64) - out
+    assert diff[3] == pytest.approx(0.5 + 3 * 0.25)
+    assert diff[10] == pytest.approx(0.5 + 1 * 0.25)
+    assert diff[20] == pytest.approx(0.5 + 2 * 0.25)
+    others = np.setdiff1d(np.arange(VOCAB), [3, 10, 20])
+    assert np.all(diff[others] == 0)
+    # negative penalties encourage repetition
+    out = apply_penalties(logits, [7], presence=-1.0, frequency=0.0)
+    assert out[7] - logits[7] == pytest.approx(1.0)
+
+
+def test_penalty_changes_greedy_choice(logits):
+    best = int(np.argmax(logits))
+    gap = float(np.sort(logits)[-1] - np.sort(logits)[-2])
+    repeats = int(np.ceil(gap / 2.0)) + 1  # frequency 2.0 per occurrence outweighs the gap
+    params = SamplingParams(temperature=0.0, frequency_penalty=2.0)
+    tok, _, _ = sample(logits, params, [best] * repeats, make_rngs(0)[0])
+    assert tok == int(np.argsort(-logits)[1])
+
+
+def test_logprobs_are_model_distribution(logits):
+    params = SamplingParams(temperature=0.0, logprobs=True, top_logprobs=3, presence_penalty=1.0)
+    tok, lp, top = sample(logits, params, [5], make_rngs(0)[0])
+    ref = np.log(_probs(logits.astype(np.float64)))
+    assert lp == pytest.approx(ref[tok])
+    assert [t for t, _ in top] == np.argsort(-ref)[:3].tolist()
+    assert [v for _, v in top] == pytest.approx(np.sort(ref)[::-1][:3].tolist())
+    assert sum(np.exp(v) for _, v in top) < 1.0
+
+
+def test_logit_bias_bans_and_forces(logits):
+    best = int(np.argmax(logits))
+    tok, _, _ = sample(logits, SamplingParams(temperature=0.0, logit_bias=((best, -100.0),)), [], make_rngs(0)[0])
+    assert tok != best
+    draws = _draws(logits, SamplingParams(temperature=1.0, logit_bias=((9, 100.0),)), 50)
+    assert (draws == 9).all()
