@@ -43,8 +43,10 @@ def _run(args: argparse.Namespace) -> int:
         print(",".join(str(t) for t in out))
     else:
         print(eng.tokenizer.decode([t for t in out if t not in eng.eos_ids]))
+    per_token, fixed = eng.model.state_bytes_per_token()
     print(f"{len(ids)} prompt + {len(out)} generated tokens in {dt:.2f} s: "
-          f"{len(out) / dt if dt > 0 else 0.0:.1f} tokens/s", file=sys.stderr)
+          f"{len(out) / dt if dt > 0 else 0.0:.1f} tokens/s; sequence state {per_token:.0f} B/token "
+          f"+ {fixed / 1024:.0f} KiB of window rings", file=sys.stderr)
     return 0
 
 
