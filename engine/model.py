@@ -25,6 +25,7 @@ import numpy as np
 from engine.config import ModelConfig, RopeSpec
 from engine.engram import NgramHasher
 from engine.state import V41_CODECS, LayerState, SequenceState
+from engine.tp import Collective, ShardPlan, run_single, slice_weight
 
 NEG_INF = np.float32(-np.inf)
 
@@ -88,12 +89,14 @@ class _Names:
         return self.ckpt.has(self.resolve(name))
 
 
-def load_weights(cfg: ModelConfig, ckpt, ops) -> SimpleNamespace:
-    """Read every tensor the forward needs, in the backend's compute form."""
+def load_weights(cfg: ModelConfig, ckpt, ops, plan: ShardPlan) -> SimpleNamespace:
+    """Read every tensor the forward needs (this rank's slices of the split ones, see engine/tp.py),
+    in the backend's compute form."""
     names = _Names(ckpt)
 
-    def lin(name: str):
-        return ops.prepare(ckpt.weight(names.resolve(name)))
+    def lin(name: str, rows=None, cols=None):
+        w = ckpt.weight(names.resolve(name))
+        return ops.prepare(w if rows is None and cols is None else slice_weight(w, rows, cols))
 
     def vec(name: str):
         return ops.asarray(ckpt.f32(names.resolve(name)))
@@ -101,7 +104,10 @@ def load_weights(cfg: ModelConfig, ckpt, ops) -> SimpleNamespace:
     def opt_vec(name: str):
         return vec(name) if names.has(name) else None
 
-    w = SimpleNamespace(embed=lin("embed.weight"), head=lin("head.weight"), norm=vec("norm.weight"), layers=[])
+    w = SimpleNamespace(embed=lin("embed.weight", rows=plan.vocab), head=lin("head.weight", rows=plan.vocab),
+                        norm=vec("norm.weight"), layers=[])
+    d, ol = cfg.head_dim, cfg.o_lora_rank
+    h0, h1 = plan.heads
     if cfg.arch == "v4":
         w.hc_head = (vec("hc_head_fn"), vec("hc_head_scale"), vec("hc_head_base"))
     for i in range(cfg.num_layers):
@@ -111,11 +117,19 @@ def load_weights(cfg: ModelConfig, ckpt, ops) -> SimpleNamespace:
             attn_norm=vec(p + "attn_norm.weight"), ffn_norm=vec(p + "ffn_norm.weight"),
             hc_attn=(vec(p + "hc_attn_fn"), vec(p + "hc_attn_scale"), vec(p + "hc_attn_base")),
             hc_ffn=(vec(p + "hc_ffn_fn"), vec(p + "hc_ffn_scale"), vec(p + "hc_ffn_base")),
-            wq_a=lin(a + "wq_a.weight"), q_norm=vec(a + "q_norm.weight"), wq_b=lin(a + "wq_b.weight"),
+            wq_a=lin(a + "wq_a.weight"), q_norm=vec(a + "q_norm.weight"),
+            wq_b=lin(a + "wq_b.weight", rows=(h0 * d, h1 * d)),
             wkv=lin(a + "wkv.weight"), kv_norm=vec(a + "kv_norm.weight"),
-            wo_a=lin(a + "wo_a.weight"), wo_b=lin(a + "wo_b.weight"), sinks=vec(a + "attn_sink"),
-            comp=None, idx=None, engram=None,
+            sinks=vec(a + "attn_sink")[h0:h1], comp=None, idx=None, engram=None, wo_a=None, wo_b=None,
         )
+        groups = plan.head_groups(cfg)
+        if groups:  # the wo_a blocks of this rank's heads, and the wo_b columns of their groups
+            (g0, lo, hi), gl = groups[0], groups[-1][0]
+            if any((x[1], x[2]) != (lo, hi) for x in groups):
+                raise ValueError("a rank's heads must cover whole output groups or lie inside one")
+            L.wo_a = lin(a + "wo_a.weight", rows=(g0 * ol, (gl + 1) * ol), cols=(lo * d, hi * d))
+            L.wo_b = lin(a + "wo_b.weight", cols=(g0 * ol, (gl + 1) * ol))
+            L.wo_groups = len(groups)
         kind = cfg.layer_kinds[i]
         if kind in ("source", "csa", "hca"):
             c = a + "compressor."
@@ -139,9 +153,11 @@ def load_weights(cfg: ModelConfig, ckpt, ops) -> SimpleNamespace:
         L.gate_bias = opt_vec(f + "gate.bias")
         L.tid2eid = np.asarray(ckpt.raw(f + "gate.tid2eid").array, dtype=np.int64) if cfg.hash_layers[i] else None
         L.experts = [(lin(f"{f}experts.{e}.w1.weight"), lin(f"{f}experts.{e}.w2.weight"),
-                      lin(f"{f}experts.{e}.w3.weight")) for e in range(cfg.n_routed_experts)]
-        L.shared = (lin(f + "shared_experts.w1.weight"), lin(f + "shared_experts.w2.weight"),
-                    lin(f + "shared_experts.w3.weight")) if cfg.n_shared_experts else None
+                      lin(f"{f}experts.{e}.w3.weight")) if plan.owns_expert(e) else None
+                     for e in range(cfg.n_routed_experts)]
+        sc = plan.shared_cols
+        L.shared = (lin(f + "shared_experts.w1.weight", rows=sc), lin(f + "shared_experts.w2.weight", cols=sc),
+                    lin(f + "shared_experts.w3.weight", rows=sc)) if cfg.n_shared_experts and sc[1] > sc[0] else None
         if i in cfg.engram_layer_ids:
             e = p + "engram."
             table = ckpt.weight(e + "embed.weight")
@@ -178,13 +194,14 @@ class _Seq:
 
 class Model:
     def __init__(self, cfg: ModelConfig, ckpt, ops, tokenizer_json: str | Path | None = None,
-                 store_quantized: bool = True):
+                 store_quantized: bool = True, plan: ShardPlan | None = None):
         self.cfg, self.ops = cfg, ops
+        self.plan = plan or ShardPlan.make(cfg)
         # V4.1 keeps its state on DeepSeek's FP8/FP4 grids; False computes on unrounded state
         # (only to compare against a reference run without fake quantization).
         self.store_quantized = store_quantized and cfg.arch == "v41"
         self.bounded_replay = True
-        self.w = load_weights(cfg, ckpt, ops)
+        self.w = load_weights(cfg, ckpt, ops, self.plan)
         self.freq_main = inv_freq(cfg.rope_main)
         self.freq_comp = inv_freq(cfg.rope_compress)
         self.hasher = None
@@ -223,6 +240,13 @@ class Model:
     def forward(self, states: list[SequenceState], chunks: list, all_logits: bool = False) -> list[np.ndarray]:
         """Feed chunks[i] (>= 1 token ids) to states[i]; advance the states. Returns, per sequence,
         logits [vocab] of its last token (or [len(chunk), vocab] with all_logits)."""
+        if not self.plan.single:
+            raise RuntimeError("a sharded rank runs under engine.tp.run_ranks (forward_steps)")
+        return run_single(self.forward_steps(states, chunks, all_logits))
+
+    def forward_steps(self, states: list[SequenceState], chunks: list, all_logits: bool = False):
+        """The forward as a generator: yields a Collective wherever ranks must combine partial
+        results and resumes with the combined value (engine/tp.py drives it)."""
         cfg, ops = self.cfg, self.ops
         if len(states) != len(chunks) or not states:
             raise ValueError("forward needs one chunk per state")
@@ -241,7 +265,10 @@ class Model:
         ids_all, pos_all = np.concatenate(ids), np.concatenate(pos)
         hash_ids = self._engram_hashes(seqs, ids) if self.hasher else None
 
-        x = ops.embed(self.w.embed, ids_all)
+        v0, v1 = self.plan.vocab
+        local = (ids_all >= v0) & (ids_all < v1)  # vocab-parallel: other ranks hold the other rows
+        x = ops.embed(self.w.embed, np.where(local, ids_all - v0, 0)) * ops.asarray(local[:, None])
+        x = yield Collective("sum", x)
         h = ops.xp.repeat(x[:, None, :], cfg.hc_mult, axis=1)
         ropes = {"main": rope_tables(self.freq_main, pos_all, cfg.rope_main.attention_factor),
                  "compress": rope_tables(self.freq_comp, pos_all, cfg.rope_compress.attention_factor)}
@@ -264,11 +291,13 @@ class Model:
             pre_a, post_a, comb_a = ops.hc_mixes(h, *L.hc_attn, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
             xa = ops.rmsnorm(ops.hc_collapse(h, pre_mix if cfg.arch == "v41" else pre_a), L.attn_norm,
                              cfg.rms_norm_eps)
-            h = ops.hc_expand(self._attention(li, L, xa, seqs, ropes), h, post_a, comb_a)
+            attn = yield Collective("sum", self._attention(li, L, xa, seqs, ropes))
+            h = ops.hc_expand(attn, h, post_a, comb_a)
             pre_f, post_f, comb_f = ops.hc_mixes(h, *L.hc_ffn, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
             xf = ops.rmsnorm(ops.hc_collapse(h, pre_a if cfg.arch == "v41" else pre_f), L.ffn_norm,
                              cfg.rms_norm_eps)
-            h = ops.hc_expand(self._moe(li, L, xf, ids_all), h, post_f, comb_f)
+            ffn = yield Collective("sum", self._moe(li, L, xf, ids_all))
+            h = ops.hc_expand(ffn, h, post_f, comb_f)
             pre_mix = pre_f
         for s, n in zip(seqs, advance, strict=True):
             s.state.position += n
@@ -278,7 +307,8 @@ class Model:
             final = ops.hc_collapse(hs, pre_mix[rows])
         else:
             final = ops.hc_collapse(hs, ops.hc_head_pre(hs, *self.w.hc_head, cfg.rms_norm_eps, cfg.hc_eps))
-        logits = ops.to_host(ops.linear(ops.rmsnorm(final, self.w.norm, cfg.rms_norm_eps), self.w.head))
+        local_logits = ops.to_host(ops.linear(ops.rmsnorm(final, self.w.norm, cfg.rms_norm_eps), self.w.head))
+        logits = yield Collective("gather", local_logits)
         if not all_logits:
             return [logits[i] for i in range(len(seqs))]
         return [logits[s.rows] for s in seqs]
@@ -331,7 +361,7 @@ class Model:
         hash_ids = L.tid2eid[ids] if L.tid2eid is not None else None
         weights, experts = ops.route(x, L.gate_w, L.gate_bias, cfg.num_experts_per_tok, cfg.scoring_func,
                                      cfg.gate_temp, cfg.routed_scaling_factor, cfg.norm_topk_prob, hash_ids)
-        y = ops.moe(x, L.experts, weights, experts, cfg.swiglu_limit)
+        y = ops.moe(x, L.experts, weights, experts, cfg.swiglu_limit)  # this rank's experts only
         if L.shared is not None:
             y = y + ops.swiglu_mlp(x, *L.shared, cfg.swiglu_limit)
         return y
@@ -339,7 +369,7 @@ class Model:
     # ---- attention ---------------------------------------------------------------------
     def _attention(self, li: int, L, x, seqs: list[_Seq], ropes):
         cfg, ops, xp = self.cfg, self.ops, self.ops.xp
-        t, hn, d = x.shape[0], cfg.num_heads, cfg.head_dim
+        t, hn, d = x.shape[0], self.plan.heads[1] - self.plan.heads[0], cfg.head_dim
         ratio = cfg.compress_ratios[li]
         cos, sin = ropes["compress" if ratio else "main"]
         q_res = ops.rmsnorm(ops.linear(x, L.wq_a), L.q_norm, cfg.rms_norm_eps)
@@ -366,9 +396,12 @@ class Model:
                 if comp is not None and comp.shape[0]:
                     keys = xp.concatenate([keys, comp], axis=0)
                     bias = np.concatenate([bias, cbias], axis=1)
-            out[r] = ops.attention(q[r], keys, ops.asarray(bias), L.sinks, d**-0.5)
+            if hn:
+                out[r] = ops.attention(q[r], keys, ops.asarray(bias), L.sinks, d**-0.5)
+        if not hn:  # a rank without heads still keeps the replicated state, and adds nothing
+            return xp.zeros((t, cfg.hidden_size), dtype=np.float32)
         out = ops.rope(out, cos, sin, inverse=True)
-        g = cfg.o_groups
+        g = L.wo_groups
         grouped = ops.grouped_linear(out.reshape(t, g, -1), L.wo_a, g)
         return ops.linear(grouped.reshape(t, -1), L.wo_b)
 

@@ -148,9 +148,12 @@ class NumpyOps:
         return self.linear(_silu(gate) * up, w2)
 
     def moe(self, x: np.ndarray, experts: list, weights: np.ndarray, ids: np.ndarray, limit: float) -> np.ndarray:
-        """Routed experts: sum_k weights[t,k] * expert_{ids[t,k]}(x_t). experts[e] = (w1, w2, w3)."""
+        """Routed experts: sum_k weights[t,k] * expert_{ids[t,k]}(x_t). experts[e] = (w1, w2, w3), or
+        None for an expert another rank holds (its contribution arrives through the all-reduce)."""
         y = np.zeros_like(x)
         for e in np.unique(ids):
+            if experts[int(e)] is None:
+                continue
             rows, slot = np.nonzero(ids == e)
             w1, w2, w3 = experts[int(e)]
             out = self.swiglu_mlp(x[rows], w1, w2, w3, limit)

@@ -1,0 +1,192 @@
+"""Tensor parallelism: which rank holds which slice, and a driver that runs N ranks in lockstep.
+
+The plan (README "Tensor parallelism"): attention heads are split across ranks (wq_b rows,
+sinks, the wo_a blocks of the rank's heads, the wo_b columns of its groups; the one shared K=V
+head, the compressors and the indexer are replicated, since every head reads the same KV);
+routed experts are split by expert id (EP) and the shared expert by width; embedding and head
+are vocab-parallel. Everything else (mHC, norms, router, Engram) is replicated. Per layer that
+is two all-reduces of [tokens, hidden] (attention output, MoE output), plus one for the
+embedding and an all-gather of the logits.
+
+`Model.forward_steps` is a generator that yields at each collective; `run_ranks` advances every
+rank's generator to its next collective, combines their contributions and sends the result back.
+One Python thread thus drives all ranks: numpy ranks here (the collective is a plain sum, which
+tests the sharding math on CPUs), GPU ranks with NCCL later.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Iterable
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+
+class ShardingError(ValueError):
+    """A model that cannot be split over the requested number of ranks."""
+
+
+def even_range(n: int, rank: int, size: int, unit: int = 1) -> tuple[int, int]:
+    """Contiguous near-equal split of n items (in multiples of `unit`) over `size` ranks."""
+    units = -(-n // unit)
+    base, extra = divmod(units, size)
+    lo = rank * base + min(rank, extra)
+    hi = lo + base + (1 if rank < extra else 0)
+    return min(lo * unit, n), min(hi * unit, n)
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    rank: int
+    size: int
+    heads: tuple[int, int]  # local query heads [lo, hi)
+    vocab: tuple[int, int]  # local embedding / head rows
+    experts: tuple[int, int]  # local routed experts [lo, hi)
+    shared_cols: tuple[int, int]  # local slice of the shared expert's width
+
+    @classmethod
+    def make(cls, cfg, rank: int = 0, size: int = 1) -> ShardPlan:
+        if not 0 <= rank < size:
+            raise ShardingError(f"rank {rank} outside [0, {size})")
+        h, g = cfg.num_heads, cfg.o_groups
+        hpg = h // g
+        if size <= h:
+            if h % size:
+                raise ShardingError(f"{h} attention heads do not split over {size} ranks")
+            per = h // size
+            if not (per % hpg == 0 or hpg % per == 0):
+                raise ShardingError(f"{per} heads per rank straddle the {hpg}-head output groups")
+            heads = (rank * per, (rank + 1) * per)
+        else:  # more ranks than heads: one head each, the rest hold none (their attention part is 0)
+            heads = (rank, rank + 1) if rank < h else (h, h)
+        block = (cfg.weight_block_size or (1, 1))[0]
+        return cls(rank=rank, size=size, heads=heads,
+                   vocab=even_range(cfg.vocab_size, rank, size, unit=block),
+                   experts=even_range(cfg.n_routed_experts, rank, size),
+                   shared_cols=even_range(cfg.moe_intermediate_size * max(cfg.n_shared_experts, 1), rank, size,
+                                          unit=max(block, 32)))
+
+    @property
+    def single(self) -> bool:
+        return self.size == 1
+
+    def owns_expert(self, e: int) -> bool:
+        return self.experts[0] <= e < self.experts[1]
+
+    def head_groups(self, cfg) -> list[tuple[int, int, int]]:
+        """(group, first local column, last local column) of the wo_a input per touched group,
+        in units of heads relative to the group's first head."""
+        h0, h1 = self.heads
+        hpg = cfg.num_heads // cfg.o_groups
+        out = []
+        for grp in range(h0 // hpg, (h1 - 1) // hpg + 1) if h1 > h0 else ():
+            lo, hi = max(h0, grp * hpg), min(h1, (grp + 1) * hpg)
+            out.append((grp, lo - grp * hpg, hi - grp * hpg))
+        return out
+
+
+def slice_weight(w, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None):
+    """A checkpoint Weight restricted to rows / logical columns, reading only that slice (the
+    data stays a memmap view). Block-scaled FP8 slices must fall on block boundaries."""
+    r0, r1 = rows if rows is not None else (0, w.shape[0])
+    c0, c1 = cols if cols is not None else (0, w.shape[1])
+    if w.fmt in ("bf16", "f32"):
+        return replace(w, data=w.data[r0:r1, c0:c1], shape=(r1 - r0, c1 - c0))
+    bn, bk = w.block
+    n, k = w.shape
+
+    def aligned(a: int, b: int, unit: int, end: int) -> bool:
+        return a % unit == 0 and (b % unit == 0 or b == end)
+
+    if not (aligned(r0, r1, bn, n) and aligned(c0, c1, bk, k)):
+        raise ShardingError(f"{w.name}: slice rows {r0}:{r1} cols {c0}:{c1} is not aligned to its {bn}x{bk} blocks")
+    if w.fmt == "fp8":
+        scale = w.scale[r0 // bn: -(-r1 // bn), c0 // bk: -(-c1 // bk)]
+        return replace(w, data=w.data[r0:r1, c0:c1], scale=scale, shape=(r1 - r0, c1 - c0))
+    if w.fmt == "fp4":  # two values per byte; one scale per row per bk columns
+        scale = w.scale[r0:r1, c0 // bk: -(-c1 // bk)]
+        return replace(w, data=w.data[r0:r1, c0 // 2: c1 // 2], scale=scale, shape=(r1 - r0, c1 - c0))
+    raise ShardingError(f"{w.name}: cannot slice format {w.fmt}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Collectives and the lockstep driver
+
+
+@dataclass
+class Collective:
+    op: str  # 'sum' (all-reduce) | 'gather' (all-gather along the last axis)
+    value: object
+
+
+def combine(msgs: list[Collective]) -> object:
+    """What every rank receives back: the sum of their parts, or their concatenation."""
+    op = msgs[0].op
+    if any(m.op != op for m in msgs):
+        raise RuntimeError(f"ranks disagree on the next collective: {[m.op for m in msgs]}")
+    vals = [m.value for m in msgs]
+    if op == "sum":
+        total = vals[0]
+        for v in vals[1:]:
+            total = total + v
+        return total
+    if op == "gather":
+        return np.concatenate([np.asarray(v) for v in vals], axis=-1)
+    raise RuntimeError(f"unknown collective {op!r}")
+
+
+def run_ranks(gens: Iterable[Generator]) -> list:
+    """Drive the ranks' forward generators to completion; returns each rank's return value."""
+    gens = list(gens)
+    msgs = [next(g) for g in gens]
+    results: list = [None] * len(gens)
+    while True:
+        done = [isinstance(m, StopIteration) for m in msgs]
+        if all(done):
+            return [m.value for m in msgs]
+        if any(done):
+            raise RuntimeError("ranks finished at different collectives")
+        reply = combine(msgs)
+        nxt = []
+        for g in gens:
+            try:
+                nxt.append(g.send(reply))
+            except StopIteration as stop:
+                nxt.append(stop)
+        msgs = nxt
+    return results
+
+
+def run_single(gen: Generator):
+    """One rank: every collective is the identity."""
+    try:
+        msg = next(gen)
+        while True:
+            msg = gen.send(msg.value)
+    except StopIteration as stop:
+        return stop.value
+
+
+class SimulatedTP:
+    """N numpy ranks of one model in one process: each rank loads only its slices and keeps its
+    own (replicated) sequence state; collectives are sums. Used to test the sharding math."""
+
+    def __init__(self, cfg, ckpt, make_ops, size: int, tokenizer_json=None, store_quantized: bool = True):
+        from engine.model import Model
+
+        self.size = size
+        self.ranks = [Model(cfg, ckpt, make_ops(), tokenizer_json, store_quantized,
+                            plan=ShardPlan.make(cfg, r, size)) for r in range(size)]
+
+    def new_state(self) -> list:
+        return [m.new_state() for m in self.ranks]
+
+    def forward(self, states: list[list], chunks: list, all_logits: bool = False) -> list[np.ndarray]:
+        """states[i] is sequence i's per-rank state list."""
+        per_rank = [[s[r] for s in states] for r in range(self.size)]
+        outs = run_ranks(m.forward_steps(per_rank[r], chunks, all_logits) for r, m in enumerate(self.ranks))
+        for o in outs[1:]:  # every rank ends with the full (gathered) logits
+            for a, b in zip(o, outs[0], strict=True):
+                if not np.array_equal(a, b):
+                    raise RuntimeError("ranks disagree on the gathered logits")
+        return outs[0]
