@@ -151,3 +151,18 @@ def test_fixture_report_is_self_consistent() -> None:
             for key in keys:
                 if key in r:
                     assert r[key] / scale < RTOL, f"{case_name}: reference {key} too large"
+
+
+@pytest.mark.parametrize("name", ["demo_v41_chat", "demo_v4"])
+def test_demo_free_running_greedy_equals_reference(name: str) -> None:
+    """No teacher forcing: our own greedy continuation of the prompt is the reference's, token for token."""
+    z = np.load(FIX / name / "expected.npz")
+    assert z["greedy_margins"].min() > 1e-2  # no near-tie the comparison would hinge on
+    m = _model(_ckpt_dir(name))
+    st = m.new_state()
+    logits = m.forward([st], [z["input_ids"].tolist()])[0]
+    out = []
+    for _ in range(len(z["greedy_ids"])):
+        out.append(int(np.argmax(logits)))
+        logits = m.forward([st], [[out[-1]]])[0]
+    assert out == z["greedy_ids"].tolist()
