@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""dsuf command line: serve | run | tiny-model."""
+"""dsuf command line: serve | run | bench | tiny-model."""
 
 from __future__ import annotations
 
@@ -56,6 +56,12 @@ def _serve(args: argparse.Namespace) -> int:
     return serve_main(args) or 0
 
 
+def _bench(argv: list[str]) -> int:
+    from engine.bench import bench_main
+
+    return bench_main(argv) or 0
+
+
 def _tiny(argv: list[str]) -> int:
     from engine.tiny_model import tiny_model_main
 
@@ -67,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if argv and argv[0] == "tiny-model":  # its options live with the writer
         return _tiny(argv[1:])
+    if argv and argv[0] == "bench":  # its options live with the benchmark
+        return _bench(argv[1:])
     p = argparse.ArgumentParser(prog="dsuf", description="DeepSeek-V4 / V4.1 inference engine and server")
     sub = p.add_subparsers(dest="cmd", required=True)
 
@@ -87,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_serve_args(s)
     sub.add_parser("tiny-model", help="write a small random checkpoint (see `dsuf.py tiny-model -h`)")
+    sub.add_parser("bench", help="decode / prefill timings against the HBM and tensor-core floors")
 
     args = p.parse_args(argv)
     if args.cmd == "run":

@@ -29,7 +29,11 @@ def make_ops(backend: str):
         from engine.backends.numpy_ops import NumpyOps
 
         return NumpyOps()
-    raise ValueError(f"unknown backend {backend!r} (available: numpy)")
+    if backend == "cupy":
+        from engine.backends.cupy_ops import CupyOps
+
+        return CupyOps()
+    raise ValueError(f"unknown backend {backend!r} (available: numpy, cupy)")
 
 
 class Engine:

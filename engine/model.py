@@ -214,7 +214,7 @@ class Model:
     # ---- state -------------------------------------------------------------------------
     def new_state(self) -> SequenceState:
         d = self.cfg.head_dim
-        layers = [LayerState(window=np.zeros((0, d), np.float32)) for _ in range(self.cfg.num_layers)]
+        layers = [LayerState(window=self.ops.xp.zeros((0, d), np.float32)) for _ in range(self.cfg.num_layers)]
         codecs = dict(V41_CODECS) if self.store_quantized else {}
         return SequenceState(position=0, layers=layers, model_key=self.model_key, codecs=codecs)
 

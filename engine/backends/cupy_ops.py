@@ -1,0 +1,500 @@
+"""CuPy backend: the NumpyOps interface on our own CUDA kernels (kernels/*.cu via NVRTC).
+
+Weights stay in their stored format on the GPU (`GpuWeight`: fp8 bytes + block scales, packed
+fp4 + UE8M0 bytes, bf16 bits, or f32) and are dequantized inside the linear kernels. Activations
+are float32 CuPy arrays throughout and every kernel is float32-accurate, so results match the
+numpy reference up to summation order: the tensor-core GEMM (> 8 rows) splits activations into
+three bf16 terms; only weights that bf16 cannot hold exactly (fp8 with fp32 scales, f32) are
+rounded there. That matters because V4.1's FP8/FP4 state rounding amplifies small errors.
+
+Not yet kernels (CuPy library calls, see `topk_mask`): the top-k mask uses cupy.argsort; a few
+reshapes / gathers are CuPy glue.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import cupy as cp
+import numpy as np
+
+from engine import formats
+from engine import kernels as K
+from engine.kernels import FMT_BF16, FMT_F32, FMT_FP4, FMT_FP8
+
+F32 = np.float32
+_FMT_TAG = {FMT_F32: "f32", FMT_BF16: "bf16", FMT_FP8: "fp8", FMT_FP4: "fp4"}
+_EPC = {FMT_F32: 4, FMT_BF16: 8, FMT_FP8: 16, FMT_FP4: 32}  # elements per 16-byte chunk
+GEMV_MAX_ROWS = 8  # up to this many rows per segment: CUDA-core GEMV, else tensor-core GEMM
+GEMM_TILE = 64
+_ELT_BLOCK = 256
+_NULL = np.uint64(0)  # a null pointer kernel argument
+
+
+@dataclass
+class GpuWeight:
+    """A [N, K] weight on the GPU in its stored format. `scale` is f32 [ceil(N/bn), gk] for fp8
+    (UE8M0 scales are widened at load), UE8M0 bytes [N, K/32] for fp4, None otherwise."""
+
+    fmt: int
+    data: cp.ndarray
+    scale: cp.ndarray | None
+    shape: tuple[int, int]
+    block: tuple[int, int] = (1, 1)
+
+    @property
+    def gk(self) -> int:
+        return int(self.scale.shape[1]) if self.scale is not None else 1
+
+    def ptr_tables(self) -> tuple[cp.ndarray, cp.ndarray]:
+        """Device [1] tables of the data / scale pointers, made once (a host->device copy per
+        call would cost more than a decode GEMV)."""
+        t = self.__dict__.get("_ptrs")
+        if t is None:
+            ptrs = cp.asarray(np.array([_ptr(self.data), _ptr(self.scale)], np.uint64))
+            t = (ptrs[:1], ptrs[1:])
+            self.__dict__["_ptrs"] = t
+        return t
+
+    def row_bytes(self) -> int:
+        n, k = self.shape
+        return {FMT_F32: 4 * k, FMT_BF16: 2 * k, FMT_FP8: k, FMT_FP4: k // 2}[self.fmt]
+
+    def kernel_ok(self, rows: int = 1) -> bool:
+        """Our kernels read 16-byte chunks of a row: K must be a multiple of a chunk (of the
+        32-wide K step for the GEMM, used above GEMV_MAX_ROWS rows)."""
+        k = self.shape[1]
+        if k % _EPC[self.fmt] or (rows > GEMV_MAX_ROWS and k % 32):
+            return False
+        return self.fmt != FMT_FP8 or self.block[1] % 16 == 0
+
+    def dequant(self) -> cp.ndarray:
+        """float32 copy (fallback paths and tests)."""
+        return cp.asarray(_host_dequant(self))
+
+
+def _host_dequant(w: GpuWeight) -> np.ndarray:
+    data = cp.asnumpy(w.data)
+    if w.fmt == FMT_F32:
+        return data
+    if w.fmt == FMT_BF16:
+        return formats.bf16_to_f32(data)
+    if w.fmt == FMT_FP8:
+        return formats.dequant_fp8_blocks(data, cp.asnumpy(w.scale), w.block)
+    return formats.dequant_fp4_experts(data, cp.asnumpy(w.scale), 32)
+
+
+def _ptr(a: cp.ndarray | None) -> int:
+    return 0 if a is None else int(a.data.ptr)
+
+
+def _c32(x) -> cp.ndarray:
+    return cp.ascontiguousarray(x, dtype=F32)
+
+
+def _grid(n: int, block: int = _ELT_BLOCK) -> tuple[int]:
+    return (max(1, math.ceil(n / block)),)
+
+
+class CupyOps:
+    """Same methods and semantics as NumpyOps; arrays are CuPy float32 on the current device."""
+
+    name = "cupy"
+    xp = cp
+
+    def __init__(self) -> None:
+        self._tables: dict[int, tuple] = {}  # id(expert list) -> (list, pointer tables)
+        self._seg_cache: dict[tuple, cp.ndarray] = {}
+        self._group_ptrs: dict[tuple[int, int], tuple] = {}
+
+    # ---- weights ---------------------------------------------------------------------
+    def prepare(self, weight) -> GpuWeight:
+        """Stored-format Weight (or plain array) -> GpuWeight, kept in its stored format."""
+        if isinstance(weight, (np.ndarray, cp.ndarray)):
+            a = _c32(weight)
+            return GpuWeight(FMT_F32, a.reshape(a.shape[0], -1) if a.ndim != 2 else a, None,
+                             (a.shape[0], int(np.prod(a.shape[1:]))))
+        if weight.fmt == "f32":
+            a = cp.asarray(np.ascontiguousarray(weight.data, dtype=F32))
+            return GpuWeight(FMT_F32, a, None, tuple(a.shape))
+        if weight.fmt == "bf16":
+            a = cp.asarray(np.ascontiguousarray(np.asarray(weight.data).view(np.uint16)))
+            return GpuWeight(FMT_BF16, a, None, tuple(a.shape))
+        if weight.fmt == "fp8":
+            data = cp.asarray(np.ascontiguousarray(np.asarray(weight.data).view(np.uint8)))
+            n, k = data.shape
+            if weight.scale is None:  # unscaled fp8 table: unit scales, one block
+                block, scale = (n, k), np.ones((1, 1), F32)
+            else:
+                block = (int(weight.block[0]), int(weight.block[1]))
+                s = np.asarray(weight.scale)
+                scale = formats.e8m0_to_f32(s) if s.dtype == np.uint8 else s.astype(F32)
+            return GpuWeight(FMT_FP8, data, cp.asarray(np.ascontiguousarray(scale, dtype=F32)), (n, k), block)
+        if weight.fmt == "fp4":
+            data = cp.asarray(np.ascontiguousarray(np.asarray(weight.data).view(np.uint8)))
+            scale = np.ascontiguousarray(np.asarray(weight.scale).view(np.uint8))
+            n = data.shape[0]
+            return GpuWeight(FMT_FP4, data, cp.asarray(scale), (n, 2 * data.shape[1]), (1, 32))
+        raise ValueError(f"{weight.name}: unknown weight format {weight.fmt!r}")
+
+    def asarray(self, x, dtype=F32) -> cp.ndarray:
+        return cp.asarray(x, dtype=dtype)
+
+    def to_host(self, x) -> np.ndarray:
+        return cp.asnumpy(x) if isinstance(x, cp.ndarray) else np.asarray(x)
+
+    # ---- linear kernels ----------------------------------------------------------------
+    def _run_linear(self, a: cp.ndarray, y: cp.ndarray, n: int, k: int, segs,
+                    wptrs: cp.ndarray, sptrs: cp.ndarray, w: GpuWeight, max_rows: int) -> None:
+        """Launch the GEMV (max_rows <= 8) or GEMM kernel over a segment table (a list of
+        (weight, row0, rows, a_col, y_col), or that table already on the device)."""
+        tag = _FMT_TAG[w.fmt]
+        seg = segs if isinstance(segs, cp.ndarray) else self._segs_device(segs)
+        nseg = seg.size // 5
+        args = (a, np.int32(a.shape[1]), y, np.int32(y.shape[1]), np.int32(n), np.int32(k), seg, wptrs, sptrs,
+                np.int32(w.block[0]), np.int32(w.block[1]), np.int32(w.gk))
+        if max_rows <= GEMV_MAX_ROWS:
+            mt = 1 if max_rows <= 1 else 2 if max_rows <= 2 else 4 if max_rows <= 4 else 8
+            rpw = 4 if mt <= 2 else 2
+            fn = K.function("linear", f"gemv_{tag}_m{mt}")
+            fn((math.ceil(n / (8 * rpw)), nseg), (256,), args)
+        else:
+            fn = K.function("linear", f"gemm_{tag}")
+            fn((math.ceil(n / GEMM_TILE), nseg), (128,), args)
+
+    def _segs_device(self, segs) -> cp.ndarray:
+        """Segment table on the device; dense / grouped tables repeat, so they are cached."""
+        key = tuple(segs)
+        hit = self._seg_cache.get(key)
+        if hit is None:
+            hit = cp.asarray(np.asarray(segs, dtype=np.int32).reshape(-1))
+            if len(self._seg_cache) < 4096:
+                self._seg_cache[key] = hit
+        return hit
+
+    @staticmethod
+    def _row_segments(rows: int, w_index: int = 0, row0: int = 0, a_col: int = 0, y_col: int = 0
+                      ) -> tuple[list[tuple[int, int, int, int, int]], int]:
+        step = GEMV_MAX_ROWS if rows <= GEMV_MAX_ROWS else GEMM_TILE
+        segs = [(w_index, row0 + r, min(step, rows - r), a_col, y_col) for r in range(0, rows, step)]
+        return segs, min(rows, step)
+
+    def linear(self, x: cp.ndarray, w) -> cp.ndarray:
+        """y = x @ w.T with w [out, in] (a GpuWeight in any stored format)."""
+        if not isinstance(w, GpuWeight):
+            w = self.prepare(w)
+        n, k = w.shape
+        lead = x.shape[:-1]
+        a = _c32(x).reshape(-1, k)
+        m = a.shape[0]
+        y = cp.empty((m, n), dtype=F32)
+        if m == 0:
+            return y.reshape(*lead, n)
+        if not w.kernel_ok(m):
+            return (a @ w.dequant().T).reshape(*lead, n)
+        segs, mr = self._row_segments(m)
+        wp, sp = w.ptr_tables()
+        self._run_linear(a, y, n, k, segs, wp, sp, w, mr)
+        return y.reshape(*lead, n)
+
+    def grouped_linear(self, x: cp.ndarray, w, groups: int) -> cp.ndarray:
+        """Block-diagonal projection: x [T, G, in_g], w [G*out_g, in_g] -> [T, G, out_g]."""
+        if not isinstance(w, GpuWeight):
+            w = self.prepare(w)
+        t, g, kin = x.shape
+        nout = w.shape[0] // groups
+        a = _c32(x).reshape(t, g * kin)
+        y = cp.empty((t, g * nout), dtype=F32)
+        if w.fmt == FMT_FP8 and nout % w.block[0]:
+            ok = False
+        else:
+            ok = w.kernel_ok(t) and kin % 4 == 0
+        if not ok or t == 0:
+            wg = w.dequant().reshape(groups, nout, kin)
+            return cp.einsum("tgi,goi->tgo", _c32(x), wg)
+        key = (id(w), groups)
+        hit = self._group_ptrs.get(key)
+        if hit is None or hit[0] is not w:
+            wptrs, sptrs = [], []
+            for gi in range(groups):
+                wptrs.append(_ptr(w.data) + gi * nout * w.row_bytes())
+                if w.fmt == FMT_FP8:
+                    sptrs.append(_ptr(w.scale) + (gi * nout // w.block[0]) * w.gk * 4)
+                elif w.fmt == FMT_FP4:
+                    sptrs.append(_ptr(w.scale) + gi * nout * w.gk)
+                else:
+                    sptrs.append(0)
+            hit = (w, cp.asarray(np.array(wptrs, np.uint64)), cp.asarray(np.array(sptrs, np.uint64)))
+            self._group_ptrs[key] = hit
+        segs = []
+        for gi in range(groups):
+            s, mr = self._row_segments(t, gi, 0, gi * kin, gi * nout)
+            segs += s
+        self._run_linear(a, y, nout, kin, segs, hit[1], hit[2], w, mr)
+        return y.reshape(t, g, nout)
+
+    # ---- small ops ---------------------------------------------------------------------
+    def engram_mix(self, h: cp.ndarray, key: cp.ndarray, value: cp.ndarray, qk: cp.ndarray, eps: float) -> cp.ndarray:
+        """Gate the Engram value into each stream by the normalised stream-key match."""
+        t, hc, d = h.shape
+        h, key, value, qk = _c32(h), _c32(key), _c32(value), _c32(qk)
+        y = cp.empty_like(h)
+        if t:
+            K.function("elementwise", "engram_mix")((t * hc,), (256,), (h, key, value, qk, y, np.int32(hc),
+                                                                       np.int32(d), F32(eps)))
+        return y
+
+    def embed(self, table, ids) -> cp.ndarray:
+        ids_d = cp.asarray(ids, dtype=cp.int64)
+        if not isinstance(table, GpuWeight):
+            return cp.asarray(table)[ids_d]
+        n, k = table.shape
+        flat = ids_d.reshape(-1)
+        out = cp.empty((flat.size, k), dtype=F32)
+        if not table.kernel_ok():  # gather reads whole 16-byte chunks
+            return table.dequant()[ids_d]
+        if flat.size:
+            fn = K.function("linear", f"gather_{_FMT_TAG[table.fmt]}")
+            fn((flat.size,), (128,), (table.data, table.scale if table.scale is not None else cp.zeros(1, F32),
+                                      flat, out, np.int32(k), np.int32(table.block[0]), np.int32(table.block[1]),
+                                      np.int32(table.gk)))
+        return out.reshape(*ids_d.shape, k)
+
+    def rmsnorm(self, x: cp.ndarray, weight: cp.ndarray | None, eps: float) -> cp.ndarray:
+        d = x.shape[-1]
+        x = _c32(x)
+        y = cp.empty_like(x)
+        rows = x.size // d if d else 0
+        if rows:
+            wt = None if weight is None else _c32(weight)
+            K.function("elementwise", "rmsnorm")((rows,), (256 if d >= 256 else 64,),
+                                                 (x, wt if wt is not None else _NULL, y, np.int32(d), F32(eps)))
+        return y
+
+    def rope(self, x: cp.ndarray, cos: cp.ndarray, sin: cp.ndarray, inverse: bool = False) -> cp.ndarray:
+        """Interleaved-pair RoPE on the trailing 2*cos.shape[-1] channels of x [T, ..., D]."""
+        x = _c32(x)
+        y = cp.empty_like(x)
+        if x.size == 0:
+            return y
+        t, d, p = x.shape[0], x.shape[-1], cos.shape[-1]
+        m = x.size // (t * d)
+        K.function("elementwise", "rope")(_grid(x.size), (_ELT_BLOCK,), (
+            x, _c32(cos), _c32(sin), y, np.int64(x.size), np.int32(m), np.int32(d), np.int32(p),
+            F32(-1.0 if inverse else 1.0)))
+        return y
+
+    # ---- mHC -------------------------------------------------------------------------
+    def hc_mixes(self, streams: cp.ndarray, fn: cp.ndarray, scale: cp.ndarray, base: cp.ndarray,
+                 norm_eps: float, hc_eps: float, iters: int) -> tuple[cp.ndarray, cp.ndarray, cp.ndarray]:
+        t, hc, d = streams.shape
+        pre = cp.empty((t, hc), F32)
+        post = cp.empty((t, hc), F32)
+        comb = cp.empty((t, hc, hc), F32)
+        if t:
+            K.function("elementwise", "hc_mixes")((t,), (256,), (
+                _c32(streams), _c32(fn), _c32(scale), _c32(base), np.int32(hc), np.int32(d),
+                np.int32(fn.shape[0]), F32(norm_eps), F32(hc_eps), np.int32(iters), np.int32(0), pre, post, comb))
+        return pre, post, comb
+
+    def hc_head_pre(self, streams: cp.ndarray, fn: cp.ndarray, scale: cp.ndarray, base: cp.ndarray,
+                    norm_eps: float, hc_eps: float) -> cp.ndarray:
+        t, hc, d = streams.shape
+        pre = cp.empty((t, hc), F32)
+        if t:
+            K.function("elementwise", "hc_mixes")((t,), (256,), (
+                _c32(streams), _c32(fn), _c32(scale), _c32(base), np.int32(hc), np.int32(d),
+                np.int32(fn.shape[0]), F32(norm_eps), F32(hc_eps), np.int32(0), np.int32(1), pre, pre, pre))
+        return pre
+
+    def hc_collapse(self, streams: cp.ndarray, pre: cp.ndarray) -> cp.ndarray:
+        t, hc, d = streams.shape
+        out = cp.empty((t, d), F32)
+        if out.size:
+            K.function("elementwise", "hc_collapse")(_grid(out.size), (_ELT_BLOCK,), (
+                _c32(streams), _c32(pre), out, np.int64(out.size), np.int32(hc), np.int32(d)))
+        return out
+
+    def hc_expand(self, out: cp.ndarray, residual: cp.ndarray, post: cp.ndarray, comb: cp.ndarray) -> cp.ndarray:
+        t, hc, d = residual.shape
+        y = cp.empty((t, hc, d), F32)
+        if y.size:
+            K.function("elementwise", "hc_expand")(_grid(y.size), (_ELT_BLOCK,), (
+                _c32(out), _c32(residual), _c32(post), _c32(comb), y, np.int64(y.size), np.int32(hc), np.int32(d)))
+        return y
+
+    # ---- MoE -------------------------------------------------------------------------
+    def route(self, x: cp.ndarray, gate_w, bias: cp.ndarray | None, top_k: int, scoring: str,
+              temp: float, scale: float, normalise: bool, hash_ids=None) -> tuple[cp.ndarray, cp.ndarray]:
+        """Returns (weights [T, k] f32, expert ids [T, k] int64)."""
+        logits = self.linear(x, gate_w)
+        t, e = logits.shape
+        if e > 512 or top_k > 16:
+            raise ValueError(f"route kernel supports <= 512 experts and top-k <= 16 (got {e}, {top_k})")
+        w = cp.empty((t, top_k), F32)
+        ids = cp.empty((t, top_k), cp.int64)
+        hid = None if hash_ids is None else cp.ascontiguousarray(cp.asarray(hash_ids, dtype=cp.int64))
+        sc = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}[scoring]
+        if t:
+            K.function("moe", "route_topk")((math.ceil(t / 8),), (256,), (
+                _c32(logits), _c32(bias) if bias is not None else _NULL, hid if hid is not None else _NULL, w, ids,
+                np.int32(t), np.int32(e), np.int32(top_k), np.int32(sc), F32(temp), F32(scale),
+                np.int32(bool(normalise))))
+        return w, ids
+
+    def _swiglu(self, gate: cp.ndarray, up: cp.ndarray, limit: float) -> cp.ndarray:
+        y = cp.empty_like(gate)
+        if y.size:
+            K.function("elementwise", "swiglu")(_grid(y.size), (_ELT_BLOCK,), (
+                gate, up, y, np.int64(y.size), F32(limit)))
+        return y
+
+    def swiglu_mlp(self, x: cp.ndarray, w1, w2, w3, limit: float) -> cp.ndarray:
+        return self.linear(self._swiglu(self.linear(x, w1), self.linear(x, w3), limit), w2)
+
+    def _expert_tables(self, experts: list):
+        """Device pointer tables (data, scale) of w1, w2, w3 over a layer's experts, built once."""
+        hit = self._tables.get(id(experts))
+        if hit is not None and hit[0] is experts:
+            return hit[1]
+        tabs = []
+        for j in range(3):
+            ws = [ex[j] for ex in experts]
+            w0 = ws[0]
+            if not all(isinstance(w, GpuWeight) and w.fmt == w0.fmt and w.shape == w0.shape
+                       and w.block == w0.block and w.kernel_ok(GEMM_TILE) for w in ws):
+                tabs = None
+                break
+            tabs.append((w0, cp.asarray(np.array([_ptr(w.data) for w in ws], np.uint64)),
+                         cp.asarray(np.array([_ptr(w.scale) for w in ws], np.uint64))))
+        self._tables[id(experts)] = (experts, tabs)
+        return tabs
+
+    def moe(self, x: cp.ndarray, experts: list, weights: cp.ndarray, ids: cp.ndarray, limit: float) -> cp.ndarray:
+        """Routed experts: sum_k weights[t,k] * expert_{ids[t,k]}(x_t). experts[e] = (w1, w2, w3).
+        Pairs (t, k) are grouped by expert on the host (one small copy of the ids); each projection
+        is then one launch over per-expert segments."""
+        x = _c32(x)
+        t, d = x.shape
+        if t == 0:
+            return cp.zeros_like(x)
+        ids_h = self.to_host(ids).astype(np.int64)
+        k = ids_h.shape[1]
+        tabs = self._expert_tables(experts)
+        if tabs is None:  # mixed formats: per-expert fallback through the dense kernels
+            y = cp.zeros_like(x)
+            wts = _c32(weights)
+            for e in np.unique(ids_h):
+                rows, slot = np.nonzero(ids_h == e)
+                w1, w2, w3 = experts[int(e)]
+                out = self.swiglu_mlp(x[cp.asarray(rows)], w1, w2, w3, limit)
+                y[cp.asarray(rows)] += out * wts[cp.asarray(rows), cp.asarray(slot)][:, None]
+            return y
+        flat = ids_h.reshape(-1)
+        order = np.argsort(flat, kind="stable")
+        inv = np.empty_like(order)
+        inv[order] = np.arange(order.size)
+        experts_sorted = flat[order]
+        starts = np.flatnonzero(np.r_[True, experts_sorted[1:] != experts_sorted[:-1]])
+        counts = np.diff(np.r_[starts, order.size])
+        max_rows = int(counts.max())
+        step = GEMV_MAX_ROWS if max_rows <= GEMV_MAX_ROWS else GEMM_TILE
+        segs = []
+        for s0, c in zip(starts, counts, strict=True):
+            e = int(experts_sorted[s0])
+            segs += [(e, int(s0) + r, int(min(step, c - r)), 0, 0) for r in range(0, int(c), step)]
+        mr = min(max_rows, step)
+        # one host->device copy for the segment table, the gather rows and the combine index
+        packed = cp.asarray(np.concatenate([np.asarray(segs, np.int32).reshape(-1), (order // k).astype(np.int32),
+                                            inv.astype(np.int32)]))
+        nsg = 5 * len(segs)
+        segs = packed[:nsg]
+        xp_rows = x[packed[nsg:nsg + order.size]]
+        (w1, p1, s1), (w2, p2, s2), (w3, p3, s3) = tabs
+        inter = w1.shape[0]
+        gate = cp.empty((order.size, inter), F32)
+        up = cp.empty((order.size, inter), F32)
+        self._run_linear(xp_rows, gate, inter, d, segs, p1, s1, w1, mr)
+        self._run_linear(xp_rows, up, inter, d, segs, p3, s3, w3, mr)
+        act = self._swiglu(gate, up, limit)
+        out = cp.empty((order.size, d), F32)
+        self._run_linear(act, out, d, inter, segs, p2, s2, w2, mr)
+        y = cp.empty_like(x)
+        K.function("elementwise", "moe_combine")(_grid(y.size), (_ELT_BLOCK,), (
+            out, _c32(weights), packed[nsg + order.size:], y, np.int64(y.size), np.int32(k), np.int32(d)))
+        return y
+
+    # ---- attention -------------------------------------------------------------------
+    def attention(self, q: cp.ndarray, kv: cp.ndarray, bias: cp.ndarray, sinks: cp.ndarray,
+                  scale: float) -> cp.ndarray:
+        """MQA with K == V and a per-head sink: q [S, H, D], kv [N, D], bias [S, N] -> [S, H, D]."""
+        s, h, d = q.shape
+        n = kv.shape[0]
+        out = cp.empty((s, h, d), F32)
+        if s == 0:
+            return out
+        if d % 32 or d > 512:
+            raise ValueError(f"attention kernel needs head_dim % 32 == 0 and <= 512 (got {d})")
+        K.function("attention", "attention")((math.ceil(h / 8), s), (256,), (
+            _c32(q), _c32(kv), _c32(bias), _c32(sinks), out, np.int32(s), np.int32(h), np.int32(n), np.int32(d),
+            F32(scale)), shared_mem=16 * d * 4)
+        return out
+
+    def indexer_scores(self, q: cp.ndarray, k: cp.ndarray, w: cp.ndarray, n_heads: int, head_dim: int) -> cp.ndarray:
+        """sum_h w[s,h] * relu(q[s,h] . k[n]) * head_dim^-0.5 * n_heads^-0.5 -> [S, N]."""
+        s, h, dh = q.shape
+        n = k.shape[0]
+        out = cp.empty((s, n), F32)
+        if s == 0 or n == 0:
+            return out
+        if dh % 32 or dh > 256:
+            raise ValueError(f"indexer kernel needs index_head_dim % 32 == 0 and <= 256 (got {dh})")
+        K.function("attention", "indexer_scores")((math.ceil(n / 32), s), (256,), (
+            _c32(q), _c32(k), _c32(w), out, np.int32(s), np.int32(h), np.int32(n), np.int32(dh),
+            F32(head_dim**-0.5), F32(n_heads**-0.5)), shared_mem=(h * dh + h) * 4)
+        return out
+
+    def topk_mask(self, scores: cp.ndarray, k: int) -> cp.ndarray:
+        """Bool mask of each row's k best finite scores (ties: lower index first).
+        CuPy fallback (no kernel yet): cupy.argsort is a stable radix sort; + 0.0 folds -0.0."""
+        mask = cp.zeros(scores.shape, dtype=bool)
+        if k <= 0 or scores.shape[-1] == 0:
+            return mask
+        sc = _c32(scores)
+        idx = cp.argsort(-sc + F32(0.0), axis=-1)[:, :k]
+        cp.put_along_axis(mask, idx, True, axis=-1)
+        return mask & (sc > -np.inf)
+
+    def gated_pool(self, kv: cp.ndarray, gate: cp.ndarray) -> cp.ndarray:
+        """kv, gate [G, R, D] -> sum_r softmax_r(gate) * kv  [G, D]."""
+        g, r, d = kv.shape
+        out = cp.empty((g, d), F32)
+        if out.size:
+            K.function("elementwise", "gated_pool")(_grid(out.size), (_ELT_BLOCK,), (
+                _c32(kv), _c32(gate), out, np.int64(out.size), np.int32(r), np.int32(d)))
+        return out
+
+    # ---- state quantization ----------------------------------------------------------
+    def fake_quant_fp8(self, x: cp.ndarray, block: int = 32) -> cp.ndarray:
+        n = x.shape[-1]
+        if n % block:
+            return x
+        x = _c32(x)
+        y = cp.empty_like(x)
+        nb = x.size // block
+        if nb:
+            K.function("quant", "fake_quant_fp8")(_grid(nb, 128), (128,), (x, y, np.int64(nb), np.int32(block)))
+        return y
+
+    def fake_quant_fp4(self, x: cp.ndarray, block: int, e4m3_scales: bool = False) -> cp.ndarray:
+        n = x.shape[-1]
+        if n % block:
+            return x
+        x = _c32(x)
+        y = cp.empty_like(x)
+        nb = x.size // block
+        if nb:
+            K.function("quant", "fake_quant_fp4")(_grid(nb, 128), (128,), (
+                x, y, np.int64(nb), np.int32(block), np.int32(bool(e4m3_scales))))
+        return y

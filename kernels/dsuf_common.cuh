@@ -1,0 +1,78 @@
+// Shared helpers for dsuf kernels. Self-contained (no CUDA headers): the loaders inline this
+// file in place of its #include, so NVRTC needs no include path and CuPy's cache key covers it.
+#pragma once
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+typedef unsigned long long u64;
+
+#define DSUF_INF __int_as_float(0x7f800000)
+
+// Weight storage formats (engine/kernels.py FMT_*).
+#define FMT_F32 0
+#define FMT_BF16 1
+#define FMT_FP8 2
+#define FMT_FP4 3
+
+__device__ __forceinline__ float h2f(u32 h16) {
+  float f;
+  unsigned short h = (unsigned short)h16;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+
+// e4m3 byte -> f16 bits whose value is the e4m3 value * 2^-8 (exact, subnormals included).
+// Going through f16 avoids f32 subnormals, which CuPy's -ftz=true would flush.
+__device__ __forceinline__ float e4m3_raw(u32 b) {
+  return h2f(((b & 0x80u) << 8) | ((b & 0x7Fu) << 7));
+}
+// e2m1 nibble -> value * 2^-14 (via f16, exact).
+__device__ __forceinline__ float e2m1_raw(u32 c) {
+  return h2f(((c & 8u) << 12) | ((c & 7u) << 9));
+}
+// UE8M0 exponent byte -> 2^(e-127) * 2^shift (shift folds the raw-decode factor back in).
+__device__ __forceinline__ float e8m0_scaled(u32 e, int shift) {
+  int b = (int)e + shift;
+  b = b < 1 ? 1 : (b > 254 ? 254 : b);
+  return __uint_as_float(((u32)b) << 23);
+}
+
+__device__ __forceinline__ float bf16_lo(u32 w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi(u32 w) { return __uint_as_float(w & 0xffff0000u); }
+
+// two floats -> bf16x2 (lo in the low half), round to nearest even.
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+  u32 d;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, <= 1024); every thread gets the result.
+__device__ __forceinline__ float block_sum(float v, float* red /* >= 33 floats of smem */) {
+  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  v = warp_sum(v);
+  __syncthreads();
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    float t = lane < nw ? red[lane] : 0.f;
+    t = warp_sum(t);
+    if (lane == 0) red[32] = t;
+  }
+  __syncthreads();
+  return red[32];
+}
+
+__device__ __forceinline__ float sigmoidf_(float x) { return 1.f / (1.f + expf(-x)); }

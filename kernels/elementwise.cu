@@ -1,0 +1,206 @@
+// Row-wise and elementwise ops of the forward pass (float32 in and out, contiguous):
+// RMSNorm, interleaved partial RoPE, mHC (mixes + Sinkhorn, collapse, expand), Engram gate,
+// softmax-gated pooling, SwiGLU activation and the MoE combine.
+#include "dsuf_common.cuh"
+
+// y[r, :] = x[r, :] / sqrt(mean(x^2) + eps) * w   (w may be null). grid (rows), block 256.
+extern "C" __global__ void rmsnorm(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y,
+                                   int D, float eps) {
+  __shared__ float red[33];
+  const float* xr = x + (size_t)blockIdx.x * D;
+  float* yr = y + (size_t)blockIdx.x * D;
+  float s = 0.f;
+  for (int i = threadIdx.x; i < D; i += blockDim.x) s += xr[i] * xr[i];
+  s = block_sum(s, red);
+  const float r = 1.f / sqrtf(s / (float)D + eps);
+  for (int i = threadIdx.x; i < D; i += blockDim.x) {
+    float v = xr[i] * r;
+    yr[i] = w ? v * w[i] : v;
+  }
+}
+
+// Interleaved-pair RoPE on the trailing 2*P channels of rows of width D. x viewed as
+// [T, M, D]; cos/sin [T, P]; sign = -1 rotates back. One thread per (t, m, channel).
+extern "C" __global__ void rope(const float* __restrict__ x, const float* __restrict__ cs, const float* __restrict__ sn,
+                                float* __restrict__ y, long long total, int M, int D, int P, float sign) {
+  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= total) return;
+  const int d = (int)(i % D);
+  const long long row = i / D;
+  const int t = (int)(row / M);
+  const int off = D - 2 * P;
+  if (d < off) { y[i] = x[i]; return; }
+  const int p = (d - off) >> 1;
+  const float c = cs[(size_t)t * P + p], s = sign * sn[(size_t)t * P + p];
+  if (((d - off) & 1) == 0) {
+    const float e = x[i], o = x[i + 1];
+    y[i] = e * c - o * s;
+  } else {
+    const float e = x[i - 1], o = x[i];
+    y[i] = e * s + o * c;
+  }
+}
+
+// mHC mixes of one token per block (256 threads). streams [T, hc, D] flat width F = hc*D;
+// fn [NM, F]. mode 0: NM = 2*hc + hc*hc -> pre, post, comb (Sinkhorn); mode 1 (hc_head): NM = hc
+// -> pre only.
+#define MAX_MIX 80  // (2 + hc) * hc for hc <= 8
+extern "C" __global__ void hc_mixes(const float* __restrict__ h, const float* __restrict__ fn,
+                                    const float* __restrict__ scale, const float* __restrict__ base, int hc, int D,
+                                    int NM, float norm_eps, float hc_eps, int iters, int mode,
+                                    float* __restrict__ pre, float* __restrict__ post, float* __restrict__ comb) {
+  __shared__ float red[33];
+  __shared__ float mix[MAX_MIX];
+  const int F = hc * D;
+  const float* x = h + (size_t)blockIdx.x * F;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float ss = 0.f;
+  for (int i = threadIdx.x; i < F; i += blockDim.x) ss += x[i] * x[i];
+  ss = block_sum(ss, red);
+  const float rstd = 1.f / sqrtf(ss / (float)F + norm_eps);
+  // each warp takes mixes j = warp, warp + 8, ...: dot(x, fn[j]) over F
+  for (int j = warp; j < NM; j += 8) {
+    const float* f = fn + (size_t)j * F;
+    float a = 0.f;
+    for (int i = lane; i < F; i += 32) a += x[i] * f[i];
+    a = warp_sum(a);
+    if (lane == 0) mix[j] = a * rstd;
+  }
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  const int t = blockIdx.x;
+  if (mode == 1) {
+    for (int i = 0; i < hc; ++i) pre[t * hc + i] = sigmoidf_(mix[i] * scale[0] + base[i]) + hc_eps;
+    return;
+  }
+  for (int i = 0; i < hc; ++i) {
+    pre[t * hc + i] = sigmoidf_(mix[i] * scale[0] + base[i]) + hc_eps;
+    post[t * hc + i] = 2.f * sigmoidf_(mix[hc + i] * scale[1] + base[hc + i]);
+  }
+  float c[64];
+  for (int i = 0; i < hc; ++i) {
+    float m = -DSUF_INF;
+    for (int j = 0; j < hc; ++j) {
+      c[i * hc + j] = mix[2 * hc + i * hc + j] * scale[2] + base[2 * hc + i * hc + j];
+      m = fmaxf(m, c[i * hc + j]);
+    }
+    if (!isfinite(m)) m = 0.f;
+    float s = 0.f;
+    for (int j = 0; j < hc; ++j) { c[i * hc + j] = expf(c[i * hc + j] - m); s += c[i * hc + j]; }
+    for (int j = 0; j < hc; ++j) c[i * hc + j] = c[i * hc + j] / s + hc_eps;
+  }
+  for (int it = 0; it < iters; ++it) {
+    if (it > 0) {  // row normalise (the first round starts with the column step)
+      for (int i = 0; i < hc; ++i) {
+        float s = 0.f;
+        for (int j = 0; j < hc; ++j) s += c[i * hc + j];
+        for (int j = 0; j < hc; ++j) c[i * hc + j] /= (s + hc_eps);
+      }
+    }
+    for (int j = 0; j < hc; ++j) {
+      float s = 0.f;
+      for (int i = 0; i < hc; ++i) s += c[i * hc + j];
+      for (int i = 0; i < hc; ++i) c[i * hc + j] /= (s + hc_eps);
+    }
+  }
+  for (int i = 0; i < hc * hc; ++i) comb[(size_t)t * hc * hc + i] = c[i];
+}
+
+// out[t, d] = sum_i pre[t, i] * h[t, i, d]
+extern "C" __global__ void hc_collapse(const float* __restrict__ h, const float* __restrict__ pre,
+                                       float* __restrict__ out, long long total, int hc, int D) {
+  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= total) return;
+  const long long t = i / D;
+  const int d = (int)(i % D);
+  float s = 0.f;
+  for (int j = 0; j < hc; ++j) s += pre[t * hc + j] * h[(t * hc + j) * D + d];
+  out[i] = s;
+}
+
+// new[t, k, d] = post[t, k] * out[t, d] + sum_j comb[t, j, k] * res[t, j, d]
+extern "C" __global__ void hc_expand(const float* __restrict__ out, const float* __restrict__ res,
+                                     const float* __restrict__ post, const float* __restrict__ comb,
+                                     float* __restrict__ y, long long total, int hc, int D) {
+  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= total) return;
+  const int d = (int)(i % D);
+  const long long tk = i / D;
+  const int k = (int)(tk % hc);
+  const long long t = tk / hc;
+  float s = 0.f;
+  for (int j = 0; j < hc; ++j) s += comb[(t * hc + j) * hc + k] * res[(t * hc + j) * D + d];
+  y[i] = post[t * hc + k] * out[t * D + d] + s;
+}
+
+// Engram gate, one (t, stream) row per block: h + sigmoid(signed sqrt(dot)) * value[t].
+extern "C" __global__ void engram_mix(const float* __restrict__ h, const float* __restrict__ key,
+                                      const float* __restrict__ value, const float* __restrict__ qk,
+                                      float* __restrict__ y, int hc, int D, float eps) {
+  __shared__ float red[33];
+  const size_t row = blockIdx.x;
+  const int t = (int)(row / hc), s = (int)(row % hc);
+  const float* hr = h + row * D;
+  const float* kr = key + row * D;
+  const float* q = qk + (size_t)s * D;
+  float hh = 0.f, kk = 0.f, dot = 0.f;
+  for (int i = threadIdx.x; i < D; i += blockDim.x) {
+    hh += hr[i] * hr[i];
+    kk += kr[i] * kr[i];
+    dot += hr[i] * q[i] * kr[i];
+  }
+  hh = block_sum(hh, red);
+  kk = block_sum(kk, red);
+  dot = block_sum(dot, red);
+  const float rstd = (1.f / sqrtf(hh / (float)D + eps)) * (1.f / sqrtf(kk / (float)D + eps));
+  const float g0 = dot * rstd * rsqrtf((float)D);
+  const float mag = sqrtf(fmaxf(fabsf(g0), 1e-6f));
+  const float gate = sigmoidf_(copysignf(mag, g0));
+  const float* v = value + (size_t)t * D;
+  for (int i = threadIdx.x; i < D; i += blockDim.x) y[row * D + i] = hr[i] + gate * v[i];
+}
+
+// kv, gate [G, R, D] -> out[g, d] = sum_r softmax_r(gate[g, :, d]) * kv[g, r, d]
+extern "C" __global__ void gated_pool(const float* __restrict__ kv, const float* __restrict__ gate,
+                                      float* __restrict__ out, long long total, int R, int D) {
+  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= total) return;
+  const long long g = i / D;
+  const int d = (int)(i % D);
+  const float* gr = gate + g * R * D + d;
+  const float* kr = kv + g * R * D + d;
+  float m = -DSUF_INF;
+  for (int r = 0; r < R; ++r) m = fmaxf(m, gr[(size_t)r * D]);
+  if (!isfinite(m)) m = 0.f;
+  float s = 0.f;
+  for (int r = 0; r < R; ++r) s += expf(gr[(size_t)r * D] - m);
+  float acc = 0.f;
+  for (int r = 0; r < R; ++r) acc += kr[(size_t)r * D] * (expf(gr[(size_t)r * D] - m) / s);
+  out[i] = acc;
+}
+
+// y = silu(min(gate, limit)) * clip(up, -limit, limit)   (no clamp when limit <= 0)
+extern "C" __global__ void swiglu(const float* __restrict__ gate, const float* __restrict__ up,
+                                  float* __restrict__ y, long long total, float limit) {
+  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= total) return;
+  float g = gate[i], u = up[i];
+  if (limit > 0.f) {
+    u = fminf(fmaxf(u, -limit), limit);
+    g = fminf(g, limit);
+  }
+  y[i] = g * sigmoidf_(g) * u;
+}
+
+// y[t, d] = sum_s w[t, s] * out[inv[t, s], d]   (inv: row of pair (t, s) in expert order)
+extern "C" __global__ void moe_combine(const float* __restrict__ out, const float* __restrict__ w,
+                                       const int* __restrict__ inv, float* __restrict__ y, long long total, int K,
+                                       int D) {
+  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= total) return;
+  const long long t = i / D;
+  const int d = (int)(i % D);
+  float s = 0.f;
+  for (int k = 0; k < K; ++k) s += out[(size_t)inv[t * K + k] * D + d] * w[t * K + k];
+  y[i] = s;
+}

@@ -1,0 +1,284 @@
+// Linear layers on weights kept in their stored format: y[m, n] = sum_k x[m, k] * W[n, k].
+//
+// One launch serves dense, grouped (block-diagonal wo_a) and MoE (per-expert) projections: a
+// segment table says, per segment, which weight (index into wptrs/sptrs), which rows of x and y,
+// and column offsets into x and y. Two kernels:
+//  * gemv: MT <= 8 rows, CUDA cores. Each warp owns RPW output rows; every weight byte is read
+//    once per launch with 16-byte coalesced loads and dequantized in registers (decode).
+//  * gemm: 64x64x32 tiles, bf16 mma.sync with f32 accumulation (prefill). Weights are
+//    dequantized into shared memory as bf16, exact for fp8*UE8M0, fp4*UE8M0 and bf16. Each f32
+//    activation is split into three bf16 terms (hi + mid + lo carry all 24 mantissa bits) and
+//    multiplied by three MMAs, so the result is float32-accurate: V4.1's FP8/FP4 state
+//    rounding would amplify bf16 activation error into visibly different logits. The kernel is
+//    bound by loads and dequantization, not by the MMAs, so the split costs little.
+// Formats: FMT_F32, FMT_BF16, FMT_FP8 (e4m3, f32 scale per (bn x bk) block, index
+// (n/bn)*gk + k/bk), FMT_FP4 (e2m1 packed low nibble first, UE8M0 byte per (1 x 32), gk=K/32).
+#include "dsuf_common.cuh"
+
+template <int FMT> struct Fmt;
+template <> struct Fmt<FMT_F32> { static constexpr int EPC = 4; static constexpr int NUM = 4, DEN = 1; };
+template <> struct Fmt<FMT_BF16> { static constexpr int EPC = 8; static constexpr int NUM = 2, DEN = 1; };
+template <> struct Fmt<FMT_FP8> { static constexpr int EPC = 16; static constexpr int NUM = 1, DEN = 1; };
+template <> struct Fmt<FMT_FP4> { static constexpr int EPC = 32; static constexpr int NUM = 1, DEN = 2; };
+
+__device__ __forceinline__ u32 word(const uint4& v, int i) {
+  return i == 0 ? v.x : (i == 1 ? v.y : (i == 2 ? v.z : v.w));
+}
+
+// Scale of the 16-byte chunk starting at element k0 of row n (raw-decode factor folded in).
+template <int FMT>
+__device__ __forceinline__ float chunk_scale(const void* S, int n, int k0, int bn, int bk, int gk) {
+  if (FMT == FMT_FP8) return ((const float*)S)[(size_t)(n / bn) * gk + k0 / bk] * 256.f;
+  if (FMT == FMT_FP4) return e8m0_scaled(((const u8*)S)[(size_t)n * gk + k0 / 32], 14);
+  return 1.f;
+}
+
+// Elements 4g..4g+3 of a 16-byte chunk, dequantized (times sc).
+template <int FMT>
+__device__ __forceinline__ void deq4(const uint4& v, int g, float sc, float* o) {
+  if (FMT == FMT_F32) {
+    o[0] = __uint_as_float(v.x); o[1] = __uint_as_float(v.y);
+    o[2] = __uint_as_float(v.z); o[3] = __uint_as_float(v.w);
+  } else if (FMT == FMT_BF16) {
+    u32 a = word(v, 2 * g), b = word(v, 2 * g + 1);
+    o[0] = bf16_lo(a); o[1] = bf16_hi(a); o[2] = bf16_lo(b); o[3] = bf16_hi(b);
+  } else if (FMT == FMT_FP8) {
+    u32 w = word(v, g);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) o[j] = e4m3_raw((w >> (8 * j)) & 0xFFu) * sc;
+  } else {
+    u32 w = word(v, g >> 1) >> (16 * (g & 1));
+#pragma unroll
+    for (int j = 0; j < 4; ++j) o[j] = e2m1_raw((w >> (4 * j)) & 0xFu) * sc;
+  }
+}
+
+__device__ __forceinline__ uint4 ldg16(const void* p) { return __ldg((const uint4*)p); }
+
+// ---------------------------------------------------------------------------------------------
+// GEMV: block = 8 warps, warp -> RPW consecutive output rows; grid (ceil(N / (8*RPW)), nseg).
+
+template <int FMT, int MT, int RPW>
+__device__ __forceinline__ void gemv_body(const float* __restrict__ A, int lda, float* __restrict__ Y, int ldy,
+                                          int N, int K, const int* __restrict__ segs,
+                                          const u64* __restrict__ wptrs, const u64* __restrict__ sptrs,
+                                          int bn, int bk, int gk) {
+  constexpr int EPC = Fmt<FMT>::EPC;
+  const int* sg = segs + 5 * blockIdx.y;
+  const int widx = sg[0], row0 = sg[1], rows = sg[2], acol = sg[3], ycol = sg[4];
+  const u8* W = (const u8*)wptrs[widx];
+  const void* S = (const void*)sptrs[widx];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int n0 = (blockIdx.x * 8 + warp) * RPW;
+  if (n0 >= N) return;
+  const size_t row_bytes = (size_t)K * Fmt<FMT>::NUM / Fmt<FMT>::DEN;
+  float acc[RPW][MT];
+#pragma unroll
+  for (int r = 0; r < RPW; ++r)
+#pragma unroll
+    for (int m = 0; m < MT; ++m) acc[r][m] = 0.f;
+  const float* Ab = A + (size_t)row0 * lda + acol;
+  const int nchunks = K / EPC;
+  for (int c = lane; c < nchunks; c += 32) {
+    const int k0 = c * EPC;
+    uint4 raw[RPW];
+    float sc[RPW];
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) {
+      const int n = n0 + r;
+      raw[r] = n < N ? ldg16(W + (size_t)n * row_bytes + (size_t)c * 16) : make_uint4(0, 0, 0, 0);
+      sc[r] = n < N ? chunk_scale<FMT>(S, n, k0, bn, bk, gk) : 0.f;
+    }
+#pragma unroll
+    for (int g = 0; g < EPC / 4; ++g) {
+      float w4[RPW][4];
+#pragma unroll
+      for (int r = 0; r < RPW; ++r) deq4<FMT>(raw[r], g, sc[r], w4[r]);
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        if (m < rows) {
+          const float4 xv = __ldg((const float4*)(Ab + (size_t)m * lda + k0 + 4 * g));
+#pragma unroll
+          for (int r = 0; r < RPW; ++r)
+            acc[r][m] += w4[r][0] * xv.x + w4[r][1] * xv.y + w4[r][2] * xv.z + w4[r][3] * xv.w;
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < RPW; ++r)
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+      const float v = warp_sum(acc[r][m]);
+      if (lane == 0 && m < rows && n0 + r < N) Y[(size_t)(row0 + m) * ldy + ycol + n0 + r] = v;
+    }
+}
+
+#define GEMV_ARGS const float *A, int lda, float *Y, int ldy, int N, int K, const int *segs, \
+                  const u64 *wptrs, const u64 *sptrs, int bn, int bk, int gk
+#define GEMV_PASS A, lda, Y, ldy, N, K, segs, wptrs, sptrs, bn, bk, gk
+#define DEF_GEMV(NAME, FMT, MT, RPW) \
+  extern "C" __global__ void __launch_bounds__(256) NAME(GEMV_ARGS) { gemv_body<FMT, MT, RPW>(GEMV_PASS); }
+#define DEF_GEMV_FMT(TAG, FMT)                 \
+  DEF_GEMV(gemv_##TAG##_m1, FMT, 1, 4)         \
+  DEF_GEMV(gemv_##TAG##_m2, FMT, 2, 4)         \
+  DEF_GEMV(gemv_##TAG##_m4, FMT, 4, 2)         \
+  DEF_GEMV(gemv_##TAG##_m8, FMT, 8, 2)
+DEF_GEMV_FMT(f32, FMT_F32)
+DEF_GEMV_FMT(bf16, FMT_BF16)
+DEF_GEMV_FMT(fp8, FMT_FP8)
+DEF_GEMV_FMT(fp4, FMT_FP4)
+
+// ---------------------------------------------------------------------------------------------
+// GEMM: 64 (rows of x) x 64 (rows of W) tiles, K step 32, 4 warps in 2x2, each 32x32 via
+// mma.m16n8k16 bf16. grid (ceil(N/64), nseg); every segment has <= 64 rows.
+
+#define BM 64
+#define BN 64
+#define BK 32
+#define LDS (BK + 8)  // bf16 elements per smem row: 80 B, conflict-free fragment loads
+
+__device__ __forceinline__ void mma_bf16(float* c, const u32* a, const u32* b) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+template <int FMT>
+__device__ __forceinline__ void gemm_body(GEMV_ARGS) {
+  constexpr int EPC = Fmt<FMT>::EPC;
+  constexpr int CPR = BK / EPC > 0 ? BK / EPC : 1;  // 16-byte chunks per tile row (fp4: 1 = 32 elements)
+  __shared__ __align__(16) u16 As[3][BM][LDS];  // hi, mid, lo bf16 terms of the activations
+  __shared__ __align__(16) u16 Ws[BN][LDS];
+  const int* sg = segs + 5 * blockIdx.y;
+  const int widx = sg[0], row0 = sg[1], rows = sg[2], acol = sg[3], ycol = sg[4];
+  const u8* W = (const u8*)wptrs[widx];
+  const void* S = (const void*)sptrs[widx];
+  const int nb = blockIdx.x * BN;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wm = (warp >> 1) * 32, wn = (warp & 1) * 32;
+  const int g = lane >> 2, t = lane & 3;
+  const size_t row_bytes = (size_t)K * Fmt<FMT>::NUM / Fmt<FMT>::DEN;
+  float acc[2][4][4];
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+
+  for (int k0 = 0; k0 < K; k0 += BK) {
+    // activations: 64 rows x 32 f32 = 512 float4, 4 per thread
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int idx = tid + 128 * i, r = idx >> 3, c4 = idx & 7;
+      float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (r < rows) v = __ldg((const float4*)(A + (size_t)(row0 + r) * lda + acol + k0 + 4 * c4));
+      float e[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int term = 0; term < 3; ++term) {
+        const u32 lo = pack_bf16x2(e[0], e[1]), hi = pack_bf16x2(e[2], e[3]);
+        *(uint2*)&As[term][r][4 * c4] = make_uint2(lo, hi);
+        e[0] -= bf16_lo(lo); e[1] -= bf16_hi(lo); e[2] -= bf16_lo(hi); e[3] -= bf16_hi(hi);
+      }
+    }
+    // weights: 64 rows x CPR chunks, dequantized to bf16
+    for (int idx = tid; idx < BN * CPR; idx += 128) {
+      const int r = idx / CPR, c = idx % CPR, n = nb + r;
+      uint4 raw = make_uint4(0, 0, 0, 0);
+      float sc = 0.f;
+      if (n < N) {
+        raw = ldg16(W + (size_t)n * row_bytes + (size_t)k0 * Fmt<FMT>::NUM / Fmt<FMT>::DEN + (size_t)c * 16);
+        sc = chunk_scale<FMT>(S, n, k0 + c * EPC, bn, bk, gk);
+      }
+#pragma unroll
+      for (int q = 0; q < EPC / 4; ++q) {
+        float o[4];
+        deq4<FMT>(raw, q, sc, o);
+        *(uint2*)&Ws[r][c * EPC + 4 * q] = make_uint2(pack_bf16x2(o[0], o[1]), pack_bf16x2(o[2], o[3]));
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int ks = 0; ks < BK; ks += 16) {
+      u32 b[4][2];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int n = wn + 8 * j + g;
+        b[j][0] = *(const u32*)&Ws[n][ks + 2 * t];
+        b[j][1] = *(const u32*)&Ws[n][ks + 2 * t + 8];
+      }
+#pragma unroll
+      for (int term = 2; term >= 0; --term) {  // smallest term first
+        u32 a[2][4];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const int r = wm + 16 * i + g;
+          a[i][0] = *(const u32*)&As[term][r][ks + 2 * t];
+          a[i][1] = *(const u32*)&As[term][r + 8][ks + 2 * t];
+          a[i][2] = *(const u32*)&As[term][r][ks + 2 * t + 8];
+          a[i][3] = *(const u32*)&As[term][r + 8][ks + 2 * t + 8];
+        }
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) mma_bf16(acc[i][j], a[i], b[j]);
+      }
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int r = wm + 16 * i + g, n = nb + wn + 8 * j + 2 * t;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int rr = r + 8 * h;
+        if (rr < rows) {
+          float* y = Y + (size_t)(row0 + rr) * ldy + ycol;
+          if (n < N) y[n] = acc[i][j][2 * h];
+          if (n + 1 < N) y[n + 1] = acc[i][j][2 * h + 1];
+        }
+      }
+    }
+}
+
+#define DEF_GEMM(TAG, FMT) \
+  extern "C" __global__ void __launch_bounds__(128) gemm_##TAG(GEMV_ARGS) { gemm_body<FMT>(GEMV_PASS); }
+DEF_GEMM(f32, FMT_F32)
+DEF_GEMM(bf16, FMT_BF16)
+DEF_GEMM(fp8, FMT_FP8)
+DEF_GEMM(fp4, FMT_FP4)
+
+// ---------------------------------------------------------------------------------------------
+// Row gather with dequantization (embedding tables): out[i, :] = dequant(W[ids[i], :]).
+// grid (n_ids), block 128; requires K % EPC == 0.
+template <int FMT>
+__device__ __forceinline__ void gather_body(const u8* W, const void* S, const long long* ids, float* out, int K,
+                                            int bn, int bk, int gk) {
+  constexpr int EPC = Fmt<FMT>::EPC;
+  const long long n = ids[blockIdx.x];
+  const size_t row_bytes = (size_t)K * Fmt<FMT>::NUM / Fmt<FMT>::DEN;
+  for (int c = threadIdx.x; c < K / EPC; c += blockDim.x) {
+    const uint4 raw = ldg16(W + (size_t)n * row_bytes + (size_t)c * 16);
+    const float sc = chunk_scale<FMT>(S, (int)n, c * EPC, bn, bk, gk);
+#pragma unroll
+    for (int q = 0; q < EPC / 4; ++q) {
+      float o[4];
+      deq4<FMT>(raw, q, sc, o);
+      *(float4*)(out + (size_t)blockIdx.x * K + c * EPC + 4 * q) = make_float4(o[0], o[1], o[2], o[3]);
+    }
+  }
+}
+#define DEF_GATHER(TAG, FMT)                                                                       \
+  extern "C" __global__ void gather_##TAG(const u8* W, const void* S, const long long* ids, float* out, \
+                                          int K, int bn, int bk, int gk) {                         \
+    gather_body<FMT>(W, S, ids, out, K, bn, bk, gk);                                               \
+  }
+DEF_GATHER(f32, FMT_F32)
+DEF_GATHER(bf16, FMT_BF16)
+DEF_GATHER(fp8, FMT_FP8)
+DEF_GATHER(fp4, FMT_FP4)

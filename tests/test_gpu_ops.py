@@ -1,0 +1,251 @@
+"""CupyOps (our CUDA kernels) against the float32 numpy reference, op by op.
+
+Random non-zero inputs at V4.1-Flash widths (hidden 5120, 64 heads x 512, q_lora 1280, expert
+width 2304). Tolerances, as ||gpu - ref|| / ||ref||: 2e-5 for float32 paths (GEMV at <= 8 rows,
+norms, attention; only summation order differs) and for the tensor-core GEMM (> 8 rows) on
+weights exact in bf16 (bf16, fp8 * UE8M0, fp4 * UE8M0: activations are split into three bf16
+terms); 1e-2 where the GEMM rounds the weight to bf16 (fp8 with fp32 scales, f32 weights);
+exact for the fake quantizers and routing ids.
+Skipped where CuPy or a GPU is absent (CI).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+cp = pytest.importorskip("cupy")
+try:
+    if cp.cuda.runtime.getDeviceCount() < 1:
+        raise RuntimeError
+except Exception:  # noqa: BLE001 - no driver / no device
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+from engine import formats  # noqa: E402
+from engine.backends.cupy_ops import CupyOps  # noqa: E402
+from engine.backends.numpy_ops import NumpyOps  # noqa: E402
+from engine.checkpoint import Weight  # noqa: E402
+
+F32_TOL, BF16_TOL = 2e-5, 1e-2
+GEMM_TOL = 5e-5  # split-bf16 GEMM: f32-accurate products, another summation order
+REF, GPU = NumpyOps(), CupyOps()
+RNG = np.random.default_rng(1234)
+
+
+def rnd(*shape, scale=1.0) -> np.ndarray:
+    return (RNG.standard_normal(shape, dtype=np.float32) * np.float32(scale)).astype(np.float32)
+
+
+def rel(gpu, ref) -> float:
+    g = cp.asnumpy(gpu).astype(np.float64) if isinstance(gpu, cp.ndarray) else np.asarray(gpu, np.float64)
+    r = np.asarray(ref, np.float64)
+    assert g.shape == r.shape, (g.shape, r.shape)
+    assert np.isfinite(g).all(), "non-finite output"
+    return float(np.linalg.norm(g - r) / max(np.linalg.norm(r), 1e-30))
+
+
+def make_weight(fmt: str, n: int, k: int, block=(32, 32), scale_fmt="ue8m0") -> Weight:
+    w = rnd(n, k, scale=0.05)
+    if fmt == "bf16":
+        return Weight("w", formats.f32_to_bf16(w), "bf16", shape=(n, k))
+    if fmt == "f32":
+        return Weight("w", w, "f32", shape=(n, k))
+    if fmt == "fp8":
+        q, s = formats.quant_fp8_blocks(w, block, scale_fmt)
+        return Weight("w", q, "fp8", s, scale_fmt, block, (n, k))
+    q, s = formats.quant_fp4_rows(w, 32)
+    return Weight("w", q, "fp4", s, "ue8m0", (1, 32), (n, k))
+
+
+# ---- linear ----------------------------------------------------------------------------------
+LINEAR_CASES = [
+    ("fp8", 1280, 5120, (32, 32), "ue8m0"),   # wq_a
+    ("fp8", 5120, 8192, (32, 32), "ue8m0"),   # wo_b
+    ("fp8", 512, 4096, (128, 128), "fp32"),   # V4-style blocks with fp32 scales
+    ("fp4", 2304, 5120, (1, 32), "ue8m0"),    # expert w1 / w3
+    ("fp4", 5120, 2304, (1, 32), "ue8m0"),    # expert w2
+    ("bf16", 4096, 5120, None, None),         # head-like
+    ("f32", 24, 20480, None, None),           # hc fn
+    ("bf16", 100, 72, None, None),            # ragged N, small K
+]
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 9, 77])
+@pytest.mark.parametrize("fmt,n,k,block,sfmt", LINEAR_CASES)
+def test_linear(fmt, n, k, block, sfmt, m):
+    w = make_weight(fmt, n, k, block or (32, 32), sfmt or "ue8m0")
+    x = rnd(m, k)
+    ref = REF.linear(x, REF.prepare(w))
+    got = GPU.linear(cp.asarray(x), GPU.prepare(w))
+    exact_bf16 = fmt in ("bf16", "fp4") or (fmt == "fp8" and sfmt == "ue8m0")
+    tol = F32_TOL if m <= 8 or k % 32 else GEMM_TOL if exact_bf16 else BF16_TOL
+    assert rel(got, ref) < tol
+
+
+@pytest.mark.parametrize("t", [1, 5, 40])
+def test_grouped_linear(t):
+    w = make_weight("fp8", 8 * 1024, 4096)
+    x = rnd(t, 8, 4096)
+    ref = REF.grouped_linear(x, REF.prepare(w), 8)
+    got = GPU.grouped_linear(cp.asarray(x), GPU.prepare(w), 8)
+    assert rel(got, ref) < (F32_TOL if t <= 8 else GEMM_TOL)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "f32"])
+def test_embed(fmt):
+    w = make_weight(fmt, 3000, 5120)
+    ids = RNG.integers(0, 3000, size=(7, 3))
+    assert rel(GPU.embed(GPU.prepare(w), ids), REF.embed(REF.prepare(w), ids)) == 0.0
+
+
+# ---- norms, rope, mHC ------------------------------------------------------------------------
+@pytest.mark.parametrize("shape,weighted,eps", [((7, 5120), True, 1e-20), ((3, 64, 512), False, 1e-6),
+                                                ((5, 1280), True, 1e-6)])
+def test_rmsnorm(shape, weighted, eps):
+    x = rnd(*shape)
+    w = rnd(shape[-1]) if weighted else None
+    got = GPU.rmsnorm(cp.asarray(x), None if w is None else cp.asarray(w), eps)
+    assert rel(got, REF.rmsnorm(x, w, eps)) < F32_TOL
+
+
+@pytest.mark.parametrize("shape,inverse", [((4, 64, 512), False), ((4, 64, 512), True), ((6, 512), False)])
+def test_rope(shape, inverse):
+    x = rnd(*shape)
+    ang = rnd(shape[0], 32)
+    c, s = np.cos(ang), np.sin(ang)
+    got = GPU.rope(cp.asarray(x), cp.asarray(c), cp.asarray(s), inverse)
+    assert rel(got, REF.rope(x, c, s, inverse)) < 1e-6
+
+
+@pytest.mark.parametrize("t", [1, 6])
+def test_hc_mixes_and_head(t):
+    hc, d = 4, 5120
+    h = rnd(t, hc, d)
+    fn, scale, base = rnd(24, hc * d, scale=0.01), rnd(3), rnd(24)
+    ref = REF.hc_mixes(h, fn, scale, base, 1e-6, 1e-6, 20)
+    got = GPU.hc_mixes(*(cp.asarray(a) for a in (h, fn, scale, base)), 1e-6, 1e-6, 20)
+    for g, r in zip(got, ref, strict=True):
+        assert rel(g, r) < 1e-4
+    fn4, base4 = rnd(hc, hc * d, scale=0.01), rnd(hc)
+    ref = REF.hc_head_pre(h, fn4, scale, base4, 1e-6, 1e-6)
+    got = GPU.hc_head_pre(*(cp.asarray(a) for a in (h, fn4, scale, base4)), 1e-6, 1e-6)
+    assert rel(got, ref) < 1e-5
+
+
+def test_hc_collapse_expand():
+    t, hc, d = 5, 4, 5120
+    h, pre, post, comb, out = rnd(t, hc, d), rnd(t, hc), rnd(t, hc), rnd(t, hc, hc), rnd(t, d)
+    assert rel(GPU.hc_collapse(cp.asarray(h), cp.asarray(pre)), REF.hc_collapse(h, pre)) < F32_TOL
+    got = GPU.hc_expand(cp.asarray(out), cp.asarray(h), cp.asarray(post), cp.asarray(comb))
+    assert rel(got, REF.hc_expand(out, h, post, comb)) < F32_TOL
+
+
+def test_engram_mix():
+    t, hc, d = 6, 4, 5120
+    h, key, value, qk = rnd(t, hc, d), rnd(t, hc, d), rnd(t, d), rnd(hc, d)
+    got = GPU.engram_mix(*(cp.asarray(a) for a in (h, key, value, qk)), 1e-20)
+    assert rel(got, REF.engram_mix(h, key, value, qk, 1e-20)) < F32_TOL
+
+
+def test_gated_pool():
+    kv, gate = rnd(9, 2, 512), rnd(9, 2, 512)
+    gate[0, 0, :5] = -np.inf
+    assert rel(GPU.gated_pool(cp.asarray(kv), cp.asarray(gate)), REF.gated_pool(kv, gate)) < 1e-6
+
+
+# ---- MoE -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("scoring,bias,hashed", [("sqrtsoftplus", True, False), ("softmax", False, False),
+                                                 ("sigmoid", True, False), ("sqrtsoftplus", False, True)])
+def test_route(scoring, bias, hashed):
+    t, e, k, d = 33, 384, 6, 5120
+    x = rnd(t, d)
+    gw = make_weight("bf16", e, d)
+    b = rnd(e, scale=0.1) if bias else None
+    hid = RNG.integers(0, e, size=(t, k)) if hashed else None
+    rw, ri = REF.route(x, REF.prepare(gw), b, k, scoring, 1.0, 1.5, True, hid)
+    # route the reference's own logits too, so ids compare exactly (the GEMM rounds to bf16)
+    gw32 = Weight("w", REF.prepare(gw), "f32", shape=(e, d))
+    gwt, git = GPU.route(cp.asarray(x[:8]), GPU.prepare(gw32), None if b is None else cp.asarray(b), k, scoring,
+                         1.0, 1.5, True, None if hid is None else hid[:8])
+    assert np.array_equal(cp.asnumpy(git), ri[:8])
+    assert rel(gwt, rw[:8]) < 1e-5
+    gw_, gi_ = GPU.route(cp.asarray(x), GPU.prepare(gw), None if b is None else cp.asarray(b), k, scoring, 1.0,
+                         1.5, True, hid)
+    assert (cp.asnumpy(gi_) == ri).mean() > 0.99
+
+
+def test_swiglu_mlp():
+    d, inter = 5120, 2304
+    w1, w2, w3 = (make_weight("fp8", *s) for s in ((inter, d), (d, inter), (inter, d)))
+    for t in (1, 20):
+        x = rnd(t, d)
+        ref = REF.swiglu_mlp(x, *(REF.prepare(w) for w in (w1, w2, w3)), 10.0)
+        got = GPU.swiglu_mlp(cp.asarray(x), *(GPU.prepare(w) for w in (w1, w2, w3)), 10.0)
+        assert rel(got, ref) < (F32_TOL if t <= 8 else GEMM_TOL)
+
+
+@pytest.mark.parametrize("t", [1, 3, 64])
+def test_moe(t):
+    e, k, d, inter = 12, 6, 5120, 2304
+    ws = [tuple(make_weight("fp4", *s) for s in ((inter, d), (d, inter), (inter, d))) for _ in range(e)]
+    x = rnd(t, d)
+    ids = np.stack([RNG.permutation(e)[:k] for _ in range(t)])
+    wts = RNG.random((t, k), dtype=np.float32)
+    ref = REF.moe(x, [tuple(REF.prepare(w) for w in ex) for ex in ws], wts, ids, 10.0)
+    got = GPU.moe(cp.asarray(x), [tuple(GPU.prepare(w) for w in ex) for ex in ws], cp.asarray(wts),
+                  cp.asarray(ids), 10.0)
+    assert rel(got, ref) < (F32_TOL if np.bincount(ids.ravel()).max() <= 8 else GEMM_TOL)
+
+
+# ---- attention -------------------------------------------------------------------------------
+def _mask(s, n, window, p_drop, rng):
+    pos = np.arange(n - s, n)
+    kpos = np.arange(n)
+    vis = (kpos[None, :] <= pos[:, None]) & (kpos[None, :] > pos[:, None] - window)
+    vis |= rng.random((s, n)) > p_drop  # extra "compressed" entries
+    vis[:, -1] |= True
+    return np.where(vis, np.float32(0.0), np.float32(-np.inf)).astype(np.float32)
+
+
+@pytest.mark.parametrize("s,n,d", [(1, 128, 512), (1, 700, 512), (37, 300, 512), (5, 50, 64)])
+def test_attention(s, n, d):
+    h = 64
+    q, kv, sinks = rnd(s, h, d), rnd(n, d), rnd(h)
+    bias = _mask(s, n, 128, 0.7, RNG)
+    bias[0, :] = -np.inf  # a query that sees nothing but its sink
+    ref = REF.attention(q, kv, bias, sinks, d**-0.5)
+    got = GPU.attention(*(cp.asarray(a) for a in (q, kv, bias, sinks)), d**-0.5)
+    assert rel(got, ref) < 1e-5
+
+
+@pytest.mark.parametrize("s,n,h,dh", [(1, 2048, 32, 128), (9, 333, 64, 128), (3, 40, 16, 32)])
+def test_indexer_scores(s, n, h, dh):
+    q, k, w = rnd(s, h, dh), rnd(n, dh), rnd(s, h)
+    ref = REF.indexer_scores(q, k, w, h, dh)
+    assert rel(GPU.indexer_scores(cp.asarray(q), cp.asarray(k), cp.asarray(w), h, dh), ref) < 1e-5
+
+
+def test_topk_mask_ties():
+    sc = rnd(6, 1000)
+    sc[0, :] = 0.0  # all tied: lower index first
+    sc[1, ::3] = -np.inf
+    sc[2, :] = -np.inf
+    sc[3, 100:200] = np.float32(-0.0)
+    for k in (1, 64, 512):
+        assert np.array_equal(cp.asnumpy(GPU.topk_mask(cp.asarray(sc), k)), REF.topk_mask(sc, k))
+
+
+# ---- state quantization ----------------------------------------------------------------------
+def test_fake_quant_exact():
+    x = rnd(17, 512, scale=3.0)
+    x[0, :32] = 0.0
+    x[1, :32] *= 1e-6  # tiny blocks: subnormal e4m3 codes
+    x[2, 5] = 1e4
+    for got, ref in [
+        (GPU.fake_quant_fp8(cp.asarray(x), 32), REF.fake_quant_fp8(x, 32)),
+        (GPU.fake_quant_fp4(cp.asarray(x), 16, True), REF.fake_quant_fp4(x, 16, True)),
+        (GPU.fake_quant_fp4(cp.asarray(x), 32), REF.fake_quant_fp4(x, 32)),
+    ]:
+        g = cp.asnumpy(got)
+        assert np.array_equal(g.view(np.uint32), ref.view(np.uint32)) or np.array_equal(g, ref), \
+            np.argwhere(g != ref)[:5]

@@ -1,0 +1,79 @@
+#!/usr/bin/env python3
+"""Compile every kernels/*.cu for sm_90a, sm_100a and sm_103a with NVRTC; no GPU needed.
+
+Uses cuda.bindings.nvrtc directly (CuPy's compiler asks the driver first). Exits non-zero on
+any compile error. Pip packages: cuda-bindings, cuda-pathfinder, nvidia-cuda-nvrtc==13.*,
+nvidia-cuda-runtime==13.*, nvidia-cuda-cccl==13.*.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine import kernels  # noqa: E402
+
+
+def _include_dirs() -> list[str]:
+    try:
+        from cuda.pathfinder import find_nvidia_header_directory
+    except ImportError:
+        return []
+    dirs = []
+    for lib in ("cudart", "cccl"):
+        try:
+            d = find_nvidia_header_directory(lib)
+        except Exception:  # noqa: BLE001 - a missing optional header set is not fatal
+            d = None
+        if d:
+            dirs.append(str(d))
+    return dirs
+
+
+def compile_one(name: str, arch: str, extra: tuple[str, ...] = ()) -> tuple[bool, str, int]:
+    """Compile kernels/<name>.cu for sm_<arch>. Returns (ok, log, cubin bytes)."""
+    from cuda.bindings import nvrtc
+
+    src = kernels.source(name).encode()
+    err, prog = nvrtc.nvrtcCreateProgram(src, f"{name}.cu".encode(), 0, [], [])
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        return False, f"nvrtcCreateProgram: {err}", 0
+    opts = [*kernels.options(arch), "-ftz=true", *extra] + [f"-I{d}" for d in _include_dirs()]
+    try:
+        (res,) = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
+        _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+        buf = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, buf)
+        log = buf.decode(errors="replace").strip("\x00 \n")
+        if res != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            return False, log, 0
+        _, n = nvrtc.nvrtcGetCUBINSize(prog)
+        return True, log, n
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", action="append", help="target(s), default: 90a 100a 103a")
+    ap.add_argument("-v", "--verbose", action="store_true", help="print compiler warnings too")
+    a = ap.parse_args(argv)
+    archs = a.arch or list(kernels.TARGET_ARCHS)
+    failures = 0
+    for path in kernels.kernel_files():
+        for arch in archs:
+            ok, log, size = compile_one(path.stem, arch)
+            status = f"ok ({size} B cubin)" if ok else "FAILED"
+            print(f"{path.name:24s} sm_{arch:5s} {status}")
+            if log and (not ok or a.verbose):
+                print(log)
+            failures += not ok
+    print(f"{failures} failure(s)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
