@@ -45,9 +45,11 @@ def compile_one(name: str, arch: str, extra: tuple[str, ...] = ()) -> tuple[bool
     try:
         (res,) = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
         _, size = nvrtc.nvrtcGetProgramLogSize(prog)
-        buf = b" " * size
+        # a fresh mutable buffer: NVRTC writes into it, and `b" " * 1` would be CPython's shared
+        # one-byte bytes object (writing a NUL into it corrupts every b" " in the process)
+        buf = bytearray(max(size, 1))
         nvrtc.nvrtcGetProgramLog(prog, buf)
-        log = buf.decode(errors="replace").strip("\x00 \n")
+        log = bytes(buf).decode(errors="replace").strip("\x00 \n")
         if res != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             return False, log, 0
         _, n = nvrtc.nvrtcGetCUBINSize(prog)
