@@ -19,6 +19,8 @@ from typing import Any
 
 from aiohttp import web
 
+from kvcache import serving as kv_serving  # state cache hooks (kvcache/serving.py)
+
 from . import protocol
 from .metrics import Metrics
 from .protocol import APIError, GenRequest, bad
@@ -43,6 +45,7 @@ class Options:
     keepalive_s: float = 5.0  # `: keep-alive` SSE comment after this much silence
     drain_timeout_s: float = 30.0
     max_body: int = DEFAULT_MAX_BODY
+    kv: Any = None  # kvcache.cache.CacheConfig: host state cache / sharing (None: off)
 
 
 @dataclass
@@ -57,6 +60,7 @@ class ServerState:
     load_error: str | None = None
     load_task: asyncio.Task | None = None
     loaded: asyncio.Event = field(default_factory=asyncio.Event)
+    kv: Any = None  # kvcache.cache.StateCache
 
 
 STATE = web.AppKey("dsuf_state", ServerState)
@@ -81,7 +85,7 @@ def _attach_engine(st: ServerState, engine: Any) -> None:
     mid = str(engine.model_id)
     st.model_ids = (mid,)
     st.scheduler = Scheduler(engine, st.metrics, max_batch=st.opts.max_batch, max_queue=st.opts.max_queue,
-                             prefill_chunk=st.opts.prefill_chunk)
+                             prefill_chunk=st.opts.prefill_chunk, kv=st.kv)
     st.scheduler.start()
     st.phase = "ready"
     st.loaded.set()
@@ -91,12 +95,14 @@ def _attach_engine(st: ServerState, engine: Any) -> None:
 async def _on_startup(app: web.Application) -> None:
     st = app[STATE]
     if st.engine is not None:
+        st.kv = await kv_serving.start_cache(st.opts.kv, st.engine)
         _attach_engine(st, st.engine)
         return
 
     async def load() -> None:
         try:
             engine = await asyncio.to_thread(_load_engine, st.opts)
+            st.kv = await kv_serving.start_cache(st.opts.kv, engine)
         except Exception as e:
             log.exception("loading the model failed")
             st.phase, st.load_error = "failed", f"{type(e).__name__}: {e}"
@@ -113,6 +119,8 @@ async def _on_cleanup(app: web.Application) -> None:
         st.load_task.cancel()
     if st.scheduler:
         await st.scheduler.stop()
+    if st.kv is not None:  # drain: give up directory ownership before the process goes
+        await st.kv.close(release=True)
 
 
 # ---------------------------------------------------------------- middleware
@@ -267,6 +275,7 @@ async def _generate(request: web.Request, st: ServerState, gen: GenRequest) -> w
     seqs: list[Sequence] = []
     for i, (ids, mt) in enumerate(zip(gen.prompts, max_tokens, strict=True)):
         seqs += sched.new_sequences(gen, ids, mt, sink, first_index=i * gen.n)
+    await kv_serving.reuse_prefixes(st.kv, seqs, gen.n, kv_serving.session_id(request.headers), st.metrics)
     sched.submit(seqs)  # 429 / 503 raised here, before any byte of a stream is sent
     try:
         if not gen.stream:
@@ -351,9 +360,15 @@ async def _stream(w: SSEWriter, st: ServerState, gen: GenRequest, seqs: list[Seq
             left.discard(ev.index)
             completion_tokens += ev.completion_tokens
     if gen.include_usage:
-        await w.send(protocol.chunk(gen, [], protocol.usage(sum(map(len, gen.prompts)), completion_tokens)))
+        await w.send(protocol.chunk(gen, [], protocol.usage(sum(map(len, gen.prompts)), completion_tokens,
+                                                            _cached(gen, seqs))))
     await w.done()
     return w.resp
+
+
+def _cached(gen: GenRequest, seqs: list[Sequence]) -> int:
+    """Prompt tokens served from the state cache, once per prompt (not per choice)."""
+    return sum(s.n_cached for s in seqs if s.index % gen.n == 0)
 
 
 async def _collect(st: ServerState, gen: GenRequest, seqs: list[Sequence], sink: asyncio.Queue) -> web.Response:
@@ -399,7 +414,8 @@ async def _collect(st: ServerState, gen: GenRequest, seqs: list[Sequence], sink:
                 choice["prompt_token_ids"] = gen.prompts[idx // gen.n]
         choices.append(choice)
     body = protocol.completion(gen, choices, protocol.usage(sum(map(len, gen.prompts)),
-                                                            sum(a["completion_tokens"] for a in acc.values())))
+                                                            sum(a["completion_tokens"] for a in acc.values()),
+                                                            _cached(gen, seqs)))
     if gen.return_token_ids and gen.kind == "chat":
         body["prompt_token_ids"] = gen.prompts[0]
     return web.json_response(body, dumps=lambda o: json.dumps(o, ensure_ascii=False))
@@ -498,7 +514,8 @@ async def healthz(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     st = request.app[STATE]
-    return web.Response(body=st.metrics.render().encode(),
+    text = st.metrics.render() + (st.kv.render_metrics() if st.kv is not None else "")
+    return web.Response(body=text.encode(),
                         headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
@@ -584,6 +601,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="cap the context length")
     p.add_argument("--keepalive", type=float, default=5.0, help="seconds between SSE keep-alives")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish work on SIGTERM")
+    from kvcache.cache import add_cache_args
+
+    add_cache_args(p)  # --host-cache-gb, --kv-* (sharing needs DSUF_REDIS_URL)
+
+
+def _kv_config(args: argparse.Namespace) -> Any:
+    from kvcache.cache import CacheConfig
+
+    return CacheConfig.from_args(args)
 
 
 def serve_main(args: argparse.Namespace) -> int:
@@ -595,7 +621,7 @@ def serve_main(args: argparse.Namespace) -> int:
         api_key=getattr(args, "api_key", None), max_batch=getattr(args, "max_batch", 32),
         max_queue=getattr(args, "max_queue", 256), prefill_chunk=getattr(args, "prefill_chunk", 512),
         max_model_len=getattr(args, "max_model_len", None), keepalive_s=getattr(args, "keepalive", 5.0),
-        drain_timeout_s=getattr(args, "drain_timeout", 30.0),
+        drain_timeout_s=getattr(args, "drain_timeout", 30.0), kv=_kv_config(args),
     )
     t0 = time.monotonic()
     rc = asyncio.run(_serve(app, getattr(args, "host", "127.0.0.1"), getattr(args, "port", 8000)))

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from engine.sampling import SamplingParams, make_rngs, sample
+from kvcache import serving as kv_serving
 
 from .metrics import Metrics
 from .protocol import APIError, GenRequest
@@ -71,6 +72,10 @@ class Sequence:
     t_arrival: float = field(default_factory=time.monotonic)
     t_first: float | None = None
     t_last: float | None = None
+    # state cache (kvcache/serving.py): conversation id, prompt tokens reused, snapshot points
+    session: str | None = None
+    n_cached: int = 0
+    snap_at: list[int] = field(default_factory=list)
 
     @property
     def prefilling(self) -> bool:
@@ -79,8 +84,9 @@ class Sequence:
 
 class Scheduler:
     def __init__(self, engine: Any, metrics: Metrics, *, max_batch: int = 32, max_queue: int = 256,
-                 prefill_chunk: int = 512):
+                 prefill_chunk: int = 512, kv: Any = None):
         self.engine = engine
+        self.kv = kv  # kvcache.cache.StateCache or None
         self.metrics = metrics
         self.max_batch = max(1, max_batch)
         self.max_queue = max(0, max_queue)
@@ -224,7 +230,7 @@ class Scheduler:
                 do_sample.append(True)
         for s in self.running:  # FIFO: the oldest prompt gets the budget first
             if s.prefilling and budget > 0:
-                take = min(budget, len(s.prompt) - s.n_prefilled)
+                take = min(budget, len(s.prompt) - s.n_prefilled, kv_serving.chunk_limit(s) or budget)
                 batch.append(s)
                 chunks.append(s.prompt[s.n_prefilled:s.n_prefilled + take])
                 do_sample.append(s.n_prefilled + take == len(s.prompt))
@@ -237,6 +243,9 @@ class Scheduler:
             if s.state is None:
                 s.state = self.engine.new_state()
         logits = self.engine.step([s.state for s in batch], chunks)
+        for s, chunk in zip(batch, chunks, strict=True):
+            if s.prefilling:  # snapshot before the state moves on (kvcache/serving.py)
+                kv_serving.snapshot_prompt(self.kv, s, s.n_prefilled + len(chunk))
         return [sample(logits[i], s.params, s.generated, s.rng) if do_sample[i] else None
                 for i, s in enumerate(batch)]
 
@@ -283,7 +292,10 @@ class Scheduler:
             self.running.remove(s)
         ev.finish_reason = reason
         ev.prompt_tokens, ev.completion_tokens = len(s.prompt), len(s.generated)
+        ev.cached_tokens = s.n_cached
         s.sink.put_nowait(ev)
+        if self.kv is not None:  # the answer's state, serialized in the engine thread (in step order)
+            self.executor.submit(kv_serving.snapshot_answer, self.kv, s)
         m = self.metrics
         m.requests.inc(finish_reason=reason)
         if s.t_first is not None and s.t_last is not None and len(s.generated) > 1:
