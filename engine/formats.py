@@ -215,9 +215,16 @@ def fp4_unpack_codes(packed: np.ndarray) -> np.ndarray:
     return out
 
 
+# byte -> (low-nibble value, high-nibble value): unpacking is then one gather
+_FP4_PAIR_LUT = np.stack([np.tile(_FP4_LUT, 16), np.repeat(_FP4_LUT, 16)], axis=-1)
+
+
 def fp4_unpack(packed: np.ndarray) -> np.ndarray:
     """packed e2m1 [..., K/2] -> float32 [..., K] (low nibble first)."""
-    return fp4_to_f32(fp4_unpack_codes(packed))
+    p = np.asarray(packed)
+    if p.dtype != np.uint8:
+        p = p.view(np.uint8)
+    return _FP4_PAIR_LUT[p].reshape(p.shape[:-1] + (p.shape[-1] * 2,))
 
 
 def fp4_pack(x: np.ndarray) -> np.ndarray:
