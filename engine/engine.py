@@ -6,6 +6,7 @@ at different positions; it blocks (numpy) and must run on one worker thread at a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 
@@ -37,23 +38,55 @@ def make_ops(backend: str):
 
 
 class Engine:
-    def __init__(self, config: ModelConfig, model: Model, tokenizer: Tokenizer, model_id: str, ckpt_dir: Path):
+    def __init__(self, config: ModelConfig, model: Model, tokenizer: Tokenizer, model_id: str, ckpt_dir: Path,
+                 device: int | None = None):
         self.config, self.model, self.tokenizer = config, model, tokenizer
         self.model_id, self.ckpt_dir = model_id, ckpt_dir
+        self.device = device  # CUDA device id (cupy backend with --gpus), else None
+        self.memory_plan = None  # engine.memory_plan.MemoryPlan when loaded with gpus
 
     @classmethod
-    def load(cls, ckpt_dir: str | Path | None = None, backend: str = "numpy") -> Engine:
-        """Load a checkpoint directory (None: the embedded demo-v41 model)."""
+    def load(cls, ckpt_dir: str | Path | None = None, backend: str = "numpy",
+             gpus: str | list[int] | None = None, *, max_seqs: int = 32, max_context: int | None = None,
+             prefill_chunk: int = 512) -> Engine:
+        """Load a checkpoint directory (None: the embedded demo-v41 model). With `gpus` (ids or
+        '0,1'): the cupy backend, after checking the memory plan for max_seqs sequences of
+        max_context tokens (default: the model's context) against each GPU's free memory
+        (raises engine.memory_plan.MemoryPlanError when it does not fit)."""
         path = Path(ckpt_dir) if ckpt_dir is not None else DEFAULT_CKPT
         cfg = load_config(path)
         tok_json = path / "tokenizer.json"
         if not tok_json.is_file():
             raise FileNotFoundError(f"{tok_json}: checkpoint has no tokenizer.json")
         tokenizer = Tokenizer.from_dir(path)
-        model = Model(cfg, Checkpoint(path, block_size=cfg.weight_block_size), make_ops(backend), tok_json)
-        log.info("loaded %s (%s, %d layers, hidden %d) on %s", path.name, cfg.arch, cfg.num_layers,
-                 cfg.hidden_size, backend)
-        return cls(cfg, model, tokenizer, path.name, path)
+        ckpt = Checkpoint(path, block_size=cfg.weight_block_size)
+        # ---- --gpus: memory plan, then one device (TP > 1 on GPUs is pending) ----
+        device, plan = None, None
+        if gpus is not None:
+            device, plan = _plan_gpus(cfg, ckpt, gpus, max_seqs, max_context or cfg.max_position_embeddings,
+                                      prefill_chunk)
+            backend = "cupy"
+        if device is not None:
+            import cupy
+
+            with cupy.cuda.Device(device):
+                model = Model(cfg, ckpt, make_ops(backend), tok_json)
+        else:
+            model = Model(cfg, ckpt, make_ops(backend), tok_json)
+        log.info("loaded %s (%s, %d layers, hidden %d) on %s%s", path.name, cfg.arch, cfg.num_layers,
+                 cfg.hidden_size, backend, f" (GPU {device})" if device is not None else "")
+        eng = cls(cfg, model, tokenizer, path.name, path, device=device)
+        eng.memory_plan = plan
+        return eng
+
+    def _on_device(self):
+        """The engine's CUDA device as the current one (CuPy's current device is per thread, and
+        step() runs on a worker thread); a no-op context without one."""
+        if self.device is None:
+            return contextlib.nullcontext()
+        import cupy
+
+        return cupy.cuda.Device(self.device)
 
     # ---- the engine contract ------------------------------------------------------------
     @property
@@ -65,11 +98,13 @@ class Engine:
         return self.config.max_position_embeddings
 
     def new_state(self) -> SequenceState:
-        return self.model.new_state()
+        with self._on_device():
+            return self.model.new_state()
 
     def step(self, states: list[SequenceState], chunks: list[list[int]]) -> np.ndarray:
         """One batched forward: returns float32 logits [len(states), vocab] at each chunk's last token."""
-        return np.stack(self.model.forward(states, chunks))
+        with self._on_device():
+            return np.stack(self.model.forward(states, chunks))
 
     # ---- convenience for the CLI and tests ------------------------------------------------
     def generate(self, prompt_ids: list[int], max_tokens: int, params: SamplingParams | None = None,
@@ -87,3 +122,23 @@ class Engine:
                 break
             logits = self.step([st], [[tok]])[0]
         return out
+
+
+def _plan_gpus(cfg: ModelConfig, ckpt: Checkpoint, gpus, max_seqs: int, max_context: int, prefill_chunk: int):
+    """--gpus: check the memory plan against the GPUs' free memory (MemoryPlanError if it does not
+    fit); returns (the device to load on, the plan). More than one GPU: NotImplementedError after
+    the check (tensor parallelism runs only as the numpy simulation so far)."""
+    from engine import memory_plan as mp
+
+    ids = mp.parse_gpus(gpus)
+    free = mp.gpu_free_bytes(ids)
+    plan = mp.check(mp.plan_memory(cfg, ckpt, len(ids), min(free), max_seqs, max_context,
+                                   prefill_chunk=prefill_chunk, name=Path(ckpt.path).name))
+    log.info("%s", plan.summary())
+    if len(ids) > 1:
+        raise NotImplementedError(
+            f"--gpus {','.join(map(str, ids))}: the model fits {len(ids)} GPUs "
+            f"({plan.worst.total / (1 << 30):.1f} GiB per GPU), but tensor parallelism over several GPUs "
+            "is not implemented yet (only the numpy simulation, engine/tp.py); use one GPU (--gpus N) "
+            "with a checkpoint that fits it")
+    return ids[0], plan

@@ -160,18 +160,8 @@ def load_weights(cfg: ModelConfig, ckpt, ops, plan: ShardPlan) -> SimpleNamespac
                     lin(f + "shared_experts.w3.weight", rows=sc)) if cfg.n_shared_experts and sc[1] > sc[0] else None
         if i in cfg.engram_layer_ids:
             e = p + "engram."
-            table = ckpt.weight(e + "embed.weight")
-            if table.fmt == "fp8" and names.has(e + "embed.scale"):
-                # FP8 rows with a per-32 scale: dequantize row-wise, as the reference does
-                from engine import formats
-
-                scale = ckpt.raw(e + "embed.scale")
-                s = formats.e8m0_to_f32(scale.array) if scale.dtype == "F8_E8M0" else ckpt.f32(e + "embed.scale")
-                vals = formats.fp8_e4m3_to_f32(table.data)
-                rows = (vals.reshape(vals.shape[0], -1, 32) * s[:, :, None]).reshape(vals.shape)
-                table_arr = ops.asarray(rows)
-            else:  # a float table: exact values, scales unused
-                table_arr = ops.prepare(table)
+            scale = ckpt.raw(e + "embed.scale") if names.has(e + "embed.scale") else None
+            table_arr = ops.prepare_table(ckpt.weight(e + "embed.weight"), scale)
             L.engram = SimpleNamespace(table=table_arr, wkv=lin(e + "wkv.weight"),
                                        qk=ops.asarray(ckpt.f32(e + "q_weight") * ckpt.f32(e + "k_weight")))
         w.layers.append(L)

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,6 +76,8 @@ def _load_engine(opts: Options) -> Any:
     kwargs: dict[str, Any] = {}
     if opts.gpus and "gpus" in inspect.signature(Engine.load).parameters:
         kwargs["gpus"] = opts.gpus  # multi-GPU selection, once the engine takes it
+        # the memory plan (engine/memory_plan.py) checks --max-batch sequences of --max-model-len
+        kwargs.update(max_seqs=opts.max_batch, max_context=opts.max_model_len, prefill_chunk=opts.prefill_chunk)
     return Engine.load(opts.ckpt, backend=opts.backend, **kwargs)
 
 
@@ -577,6 +580,7 @@ async def _serve(app: web.Application, host: str, port: int) -> int:
     async def watch_load() -> None:
         await st.loaded.wait()
         if st.phase == "failed":
+            print(f"dsuf: the model failed to load: {st.load_error}", file=sys.stderr, flush=True)
             stop.set()
         else:
             print(f"dsuf: model {st.model_ids[0]} ready", flush=True)

@@ -109,6 +109,13 @@ class CupyOps:
         self._group_ptrs: dict[tuple[int, int], tuple] = {}
 
     # ---- weights ---------------------------------------------------------------------
+    def prepare_table(self, table, scale=None) -> cp.ndarray:
+        """An Engram table, dequantized on the host and placed on the device (host-resident
+        pinned tables, which the memory plan assumes, are still to come)."""
+        from engine.backends.numpy_ops import dequantize_table
+
+        return cp.asarray(np.ascontiguousarray(dequantize_table(table, scale), dtype=F32))
+
     def prepare(self, weight) -> GpuWeight:
         """Stored-format Weight (or plain array) -> GpuWeight, kept in its stored format."""
         if isinstance(weight, (np.ndarray, cp.ndarray)):

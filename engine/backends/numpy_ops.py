@@ -29,6 +29,12 @@ class NumpyOps:
             return np.ascontiguousarray(weight, dtype=F32)
         return np.ascontiguousarray(dequantize(weight), dtype=F32)
 
+    def prepare_table(self, table, scale=None) -> np.ndarray:
+        """An Engram table (a row gather source): FP8 rows with a per-32 scale (`scale`, a RawTensor)
+        are dequantized row-wise, as the reference does; a float table is used as stored (its
+        values are exact and the reference ignores its scales)."""
+        return np.ascontiguousarray(dequantize_table(table, scale), dtype=F32)
+
     def asarray(self, x, dtype=F32) -> np.ndarray:
         return np.asarray(x, dtype=dtype)
 
@@ -239,6 +245,20 @@ def dequantize(w) -> np.ndarray:
     if w.fmt == "fp4":
         return formats.dequant_fp4_experts(w.data, w.scale, w.block[1])
     raise ValueError(f"{w.name}: unknown weight format {w.fmt!r}")
+
+
+def dequantize_table(table, scale=None) -> np.ndarray:
+    """Engram rows -> float32: FP8 values times their UE8M0 (or float) scale per 32 channels."""
+    if table.fmt != "fp8" or scale is None:
+        return dequantize(table)
+    if scale.dtype == "F8_E8M0":
+        s = formats.e8m0_to_f32(scale.array)
+    elif scale.dtype == "BF16":
+        s = formats.bf16_to_f32(scale.array)
+    else:
+        s = np.asarray(scale.array, dtype=F32)
+    vals = formats.fp8_e4m3_to_f32(table.data)
+    return (vals.reshape(vals.shape[0], -1, 32) * s[:, :, None]).reshape(vals.shape)
 
 
 def _pow2_ceil(t: np.ndarray) -> np.ndarray:
