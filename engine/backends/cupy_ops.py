@@ -366,7 +366,9 @@ class CupyOps:
         if hit is not None and hit[0] is experts:
             return hit[1]
         tabs = []
-        for j in range(3):
+        if any(ex is None for ex in experts):  # a tensor-parallel rank holds only its experts
+            tabs = None
+        for j in range(3 if tabs is not None else 0):
             ws = [ex[j] for ex in experts]
             w0 = ws[0]
             if not all(isinstance(w, GpuWeight) and w.fmt == w0.fmt and w.shape == w0.shape
@@ -393,6 +395,8 @@ class CupyOps:
             y = cp.zeros_like(x)
             wts = _c32(weights)
             for e in np.unique(ids_h):
+                if experts[int(e)] is None:  # held by another rank: arrives through the all-reduce
+                    continue
                 rows, slot = np.nonzero(ids_h == e)
                 w1, w2, w3 = experts[int(e)]
                 out = self.swiglu_mlp(x[cp.asarray(rows)], w1, w2, w3, limit)
