@@ -13,13 +13,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gpu_required import require_gpu
 
-cp = pytest.importorskip("cupy")
-try:
-    if cp.cuda.runtime.getDeviceCount() < 1:
-        raise RuntimeError
-except Exception:  # noqa: BLE001 - no driver / no device
-    pytest.skip("no CUDA device", allow_module_level=True)
+cp = require_gpu()
 
 from engine import formats  # noqa: E402
 from engine.backends.cupy_ops import CupyOps  # noqa: E402

@@ -7,13 +7,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gpu_required import require_gpu
 
-cp = pytest.importorskip("cupy")
-try:
-    if cp.cuda.runtime.getDeviceCount() < 1:
-        raise RuntimeError
-except Exception:  # noqa: BLE001
-    pytest.skip("no CUDA device", allow_module_level=True)
+cp = require_gpu()
 
 from engine.backends.cupy_ops import CupyOps  # noqa: E402
 from engine.checkpoint import Checkpoint  # noqa: E402
