@@ -123,34 +123,73 @@ class SequenceState:
 
 
 def _pow2_ceil(x: np.ndarray) -> np.ndarray:
-    m, e = np.frexp(np.asarray(x, dtype=np.float64))
-    return np.ldexp(1.0, np.where(m == 0.5, e - 1, e))
+    """2**ceil(log2 x) for positive float32 x, from the exponent bits."""
+    bits = np.asarray(x, dtype=np.float32).view(np.int32)
+    k = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0)
+    return np.ldexp(np.float32(1.0), k).astype(np.float32)
 
 
-def _blocks(a: np.ndarray, block: int) -> np.ndarray:
-    return a.reshape(-1, block)
+def _fp8_codes(q: np.ndarray) -> np.ndarray:
+    """e4m3 codes of float32 values that lie on the e4m3 grid (bit arithmetic, no rounding:
+    anything else is caught by encode_array's round-trip check)."""
+    bits = q.view(np.uint32)
+    mag = np.abs(q)
+    e = ((bits >> 23) & 0xFF).astype(np.int32) - 127
+    normal = ((e + 7) << 3) | ((bits >> 20) & 0x7).astype(np.int32)
+    sub = np.rint(mag * np.float32(512.0)).astype(np.int32)  # subnormal quantum 2**-9
+    code = np.where(mag >= np.float32(2.0**-6), normal, sub) & 0x7F
+    return (code | ((bits >> 24) & 0x80).astype(np.int32)).astype(np.uint8)
+
+
+# midpoints between adjacent e2m1 magnitudes: a value's code is how many it reaches
+_FP4_MIDPOINTS = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=np.float32)
+
+
+def _fp4_codes(q: np.ndarray) -> np.ndarray:
+    codes = np.searchsorted(_FP4_MIDPOINTS, np.abs(q), side="left").astype(np.uint8)
+    return codes | (np.signbit(q).astype(np.uint8) << 3)
+
+
+def _e4m3_scales(b: np.ndarray, amax: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Recover each block's e4m3 scale from its FP4-dequantized values. Usually the largest value
+    is code 6 (amax / 6); where the quantizer's scale sat in e4m3's coarse subnormal range the
+    largest code can be smaller, so try the other magnitudes until the block round-trips."""
+    scale = np.zeros_like(amax)
+    todo = np.ones(amax.shape, dtype=bool)
+    for top in (6.0, 4.0, 3.0, 2.0, 1.5, 1.0, 0.5):
+        idx = np.flatnonzero(todo)
+        if idx.size == 0:
+            break
+        cand = formats.fp8_e4m3_to_f32(formats.f32_to_fp8_e4m3(
+            np.maximum(amax[idx], np.float32(6.0 * 2.0**-9)) / np.float32(top)))
+        q = b[idx] / cand[:, None]
+        ok = (cand > 0) & np.all(formats.fp4_to_f32(_fp4_codes(q)) * cand[:, None] == b[idx], axis=1)
+        scale[idx[ok]] = cand[ok]
+        todo[idx[ok]] = False
+    scale[todo] = np.float32(1.0)  # not FP4 data: the round-trip check sends the array to float32
+    return formats.f32_to_fp8_e4m3(scale), scale
 
 
 def encode_array(a: np.ndarray, codec: int) -> tuple[int, bytes]:
     """(codec actually used, bytes). Lossless: falls back to float32 unless decoding the
-    encoded form gives back exactly `a`."""
+    encoded form gives back exactly `a`. float32 throughout: this runs at every snapshot."""
     block = {FP8_UE8M0_32: 32, FP4_E4M3_16: 16, FP4_UE8M0_32: 32}.get(codec)
     if block is None or a.size == 0 or a.shape[-1] % block or not np.all(np.isfinite(a)):
         return F32, a.tobytes()
-    b = _blocks(a, block).astype(np.float64)
+    b = a.reshape(-1, block)
     amax = np.abs(b).max(axis=1)
     if codec == FP8_UE8M0_32:
-        scale = _pow2_ceil(np.maximum(amax, 1e-4) / formats.FP8_E4M3_MAX)
-        codes = formats.f32_to_fp8_e4m3(b / scale[:, None])
-        payload, sbytes = codes.tobytes(), formats.f32_to_e8m0(scale).tobytes()
+        scale = _pow2_ceil(np.maximum(amax, np.float32(1e-4)) * np.float32(1.0 / formats.FP8_E4M3_MAX))
+        codes = _fp8_codes(b / scale[:, None])
+        sbytes = (((scale.view(np.int32) >> 23) & 0xFF).astype(np.uint8)).tobytes()  # UE8M0 = the exponent
+        payload = codes.tobytes()
     else:
         if codec == FP4_E4M3_16:
-            scale_u8 = formats.f32_to_fp8_e4m3(np.where(amax > 0, amax / 6.0, 1.0))
-            scale = formats.fp8_e4m3_to_f32(scale_u8).astype(np.float64)
+            scale_u8, scale = _e4m3_scales(b, amax)
         else:
-            scale = _pow2_ceil(np.maximum(amax, 6.0 * 2.0**-126) / 6.0)
-            scale_u8 = formats.f32_to_e8m0(scale)
-        codes = formats.f32_to_fp4(b / scale[:, None])
+            scale = _pow2_ceil(np.maximum(amax, np.float32(6.0 * 2.0**-126)) * np.float32(1.0 / 6.0))
+            scale_u8 = ((scale.view(np.int32) >> 23) & 0xFF).astype(np.uint8)
+        codes = _fp4_codes(b / scale[:, None])
         payload, sbytes = formats.fp4_pack_codes(codes).tobytes(), scale_u8.tobytes()
     blob = sbytes + payload
     if not np.array_equal(decode_array(blob, a.shape, codec), a):

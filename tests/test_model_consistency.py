@@ -149,3 +149,19 @@ def test_v41_bounded_replay_is_exact() -> None:
     cont_full = m.forward([st_full], [ids[250:]], all_logits=True)[0]
     cont_replay = m.forward([st_replay], [ids[250:]], all_logits=True)[0]
     _close(cont_replay, cont_full)
+
+
+def test_state_codecs_are_lossless_over_a_wide_range() -> None:
+    """Values out of each fake-quantizer encode in its codec (not the float32 fallback) and decode
+    bit-exactly, including blocks whose scale sits in e4m3's subnormal range."""
+    from engine.state import FP4_E4M3_16, FP4_UE8M0_32, FP8_UE8M0_32, decode_array, encode_array
+
+    ops, rng = NumpyOps(), np.random.default_rng(9)
+    x = (rng.standard_normal((2000, 512)) * np.exp(rng.uniform(-14, 6, (2000, 1)))).astype(np.float32)
+    for codec, q, size in [(FP8_UE8M0_32, ops.fake_quant_fp8(x), 512 + 16),
+                           (FP4_E4M3_16, ops.fake_quant_fp4(x, 16, e4m3_scales=True), 256 + 32),
+                           (FP4_UE8M0_32, ops.fake_quant_fp4(x, 32), 256 + 16)]:
+        used, blob = encode_array(q, codec)
+        assert used == codec and len(blob) == 2000 * size
+        np.testing.assert_array_equal(decode_array(blob, q.shape, codec), q)
+    assert encode_array(x, FP8_UE8M0_32)[0] == 0  # unrounded data falls back to float32
