@@ -157,6 +157,14 @@ def f32_to_e8m0(x: np.ndarray, mode: str = "exact") -> np.ndarray:
     return np.where(nan, 255, exp + 127).astype(np.uint8)
 
 
+def pow2_ceil_f32(t: np.ndarray) -> np.ndarray:
+    """2**ceil(log2 t) for positive float32 t, from the exponent bits (as DeepSeek's kernels round
+    their UE8M0 scales; float32 in, float32 out)."""
+    bits = np.asarray(t, dtype=np.float32).view(np.int32)
+    k = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0)
+    return np.ldexp(np.float32(1.0), k).astype(np.float32)
+
+
 def ue8m0_scale_for(amax: np.ndarray, qmax: float) -> np.ndarray:
     """DeepSeek's power-of-two scale: 2**ceil(log2(amax / qmax)) (float64, computed exactly)."""
     a = np.asarray(amax, dtype=np.float64) / qmax

@@ -122,13 +122,6 @@ class SequenceState:
                    model_key=meta["model"], codecs=dict(meta.get("codecs", {})))
 
 
-def _pow2_ceil(x: np.ndarray) -> np.ndarray:
-    """2**ceil(log2 x) for positive float32 x, from the exponent bits."""
-    bits = np.asarray(x, dtype=np.float32).view(np.int32)
-    k = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0)
-    return np.ldexp(np.float32(1.0), k).astype(np.float32)
-
-
 def _fp8_codes(q: np.ndarray) -> np.ndarray:
     """e4m3 codes of float32 values that lie on the e4m3 grid (bit arithmetic, no rounding:
     anything else is caught by encode_array's round-trip check)."""
@@ -179,7 +172,7 @@ def encode_array(a: np.ndarray, codec: int) -> tuple[int, bytes]:
     b = a.reshape(-1, block)
     amax = np.abs(b).max(axis=1)
     if codec == FP8_UE8M0_32:
-        scale = _pow2_ceil(np.maximum(amax, np.float32(1e-4)) * np.float32(1.0 / formats.FP8_E4M3_MAX))
+        scale = formats.pow2_ceil_f32(np.maximum(amax, np.float32(1e-4)) * np.float32(1.0 / formats.FP8_E4M3_MAX))
         codes = _fp8_codes(b / scale[:, None])
         sbytes = (((scale.view(np.int32) >> 23) & 0xFF).astype(np.uint8)).tobytes()  # UE8M0 = the exponent
         payload = codes.tobytes()
@@ -187,7 +180,7 @@ def encode_array(a: np.ndarray, codec: int) -> tuple[int, bytes]:
         if codec == FP4_E4M3_16:
             scale_u8, scale = _e4m3_scales(b, amax)
         else:
-            scale = _pow2_ceil(np.maximum(amax, np.float32(6.0 * 2.0**-126)) * np.float32(1.0 / 6.0))
+            scale = formats.pow2_ceil_f32(np.maximum(amax, np.float32(6.0 * 2.0**-126)) * np.float32(1.0 / 6.0))
             scale_u8 = ((scale.view(np.int32) >> 23) & 0xFF).astype(np.uint8)
         codes = _fp4_codes(b / scale[:, None])
         payload, sbytes = formats.fp4_pack_codes(codes).tobytes(), scale_u8.tobytes()

@@ -211,7 +211,7 @@ class NumpyOps:
             return x
         b = x.reshape(x.shape[:-1] + (n // block, block))
         amax = np.maximum(np.abs(b).max(axis=-1), F32(1e-4))
-        scale = _pow2_ceil(amax * F32(1.0 / formats.FP8_E4M3_MAX))[..., None]
+        scale = formats.pow2_ceil_f32(amax * F32(1.0 / formats.FP8_E4M3_MAX))[..., None]
         q = np.clip(b / scale, -formats.FP8_E4M3_MAX, formats.FP8_E4M3_MAX)
         return (formats.fp8_e4m3_to_f32(formats.f32_to_fp8_e4m3(q)) * scale).reshape(x.shape).astype(F32)
 
@@ -226,7 +226,7 @@ class NumpyOps:
             s = np.maximum(amax, F32(6.0 * 2.0**-9)) / F32(6.0)
             scale = formats.fp8_e4m3_to_f32(formats.f32_to_fp8_e4m3(s.astype(F32)))
         else:
-            scale = _pow2_ceil(np.maximum(amax, F32(6.0 * 2.0**-126)) * F32(1.0 / 6.0))
+            scale = formats.pow2_ceil_f32(np.maximum(amax, F32(6.0 * 2.0**-126)) * F32(1.0 / 6.0))
         scale = scale[..., None].astype(F32)
         q = np.clip(b / scale, F32(-6.0), F32(6.0))
         return (formats.fp4_to_f32(formats.f32_to_fp4(q)) * scale).reshape(x.shape).astype(F32)
@@ -259,13 +259,6 @@ def dequantize_table(table, scale=None) -> np.ndarray:
         s = np.asarray(scale.array, dtype=F32)
     vals = formats.fp8_e4m3_to_f32(table.data)
     return (vals.reshape(vals.shape[0], -1, 32) * s[:, :, None]).reshape(vals.shape)
-
-
-def _pow2_ceil(t: np.ndarray) -> np.ndarray:
-    """2**ceil(log2 t) for positive float32 t, by the exponent bits as DeepSeek's kernel does."""
-    bits = np.asarray(t, dtype=F32).view(np.int32)
-    k = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0)
-    return np.ldexp(F32(1.0), k).astype(F32)
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
