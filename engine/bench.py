@@ -41,27 +41,20 @@ def _timeit(fn, iters: int = 20, warmup: int = 3) -> float:
     return float(np.median(times))
 
 
-def _timeit_graph(fn, reps: int = 20) -> float:
-    """Median seconds per fn() with `reps` calls captured in one CUDA graph, so Python launch
-    overhead is out of the number (what a captured decode step would see). Falls back to
-    _timeit where capture fails."""
-    import cupy as cp
+def _timeit_graph(fn, x, reps: int = 20) -> float:
+    """Median seconds per fn(x) with `reps` calls captured in one CUDA graph (the engine's own
+    region graphs, engine/backends/cuda_graphs.py), so Python launch overhead is out of the
+    number: what a captured decode step sees."""
+    from engine.backends.cuda_graphs import RegionGraphs
 
-    fn()  # warm: compiles, fills caches and the memory pool
-    stream = cp.cuda.Stream(non_blocking=True)
-    keep = []  # outputs stay alive: the graph writes into their memory on every replay
-    try:
-        with stream:
-            stream.begin_capture()
-            for _ in range(reps):
-                keep.append(fn())
-            graph = stream.end_capture()
-    except Exception:  # noqa: BLE001 - e.g. an allocation that capture refuses
-        return _timeit(fn)
-    with stream:
-        t = _timeit(lambda: graph.launch(stream), iters=10) / reps
-    del keep
-    return t
+    graphs = RegionGraphs(enabled=True)
+
+    def many(a):
+        return tuple(fn(a) for _ in range(reps))
+
+    for _ in range(2):  # eager warm-up, then capture
+        graphs("bench", many, x)
+    return _timeit(lambda: graphs("bench", many, x), iters=10) / reps
 
 
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
@@ -106,7 +99,7 @@ def bench_linears(bw: float, rows=(1, 8, 32, 4096)) -> None:
         cells = []
         for m in rows:
             x = cp.random.default_rng(1).standard_normal((m, k), dtype=cp.float32)
-            t = _timeit_graph(lambda x=x, w=w: ops.linear(x, w))
+            t = _timeit_graph(lambda a, w=w: ops.linear(a, w), x)
             floor = (_nbytes(w) + x.nbytes + m * n * 4) / bw
             flops = 2 * m * n * k / t
             cells.append(f"{t * 1e6:7.1f}us/{floor * 1e6:5.1f}" + (f" {flops / 1e12:4.0f}TF" if m > 32 else ""))
@@ -114,22 +107,38 @@ def bench_linears(bw: float, rows=(1, 8, 32, 4096)) -> None:
     print("(each cell: median per call, CUDA-graph replay / HBM floor, microseconds; TF = achieved TFLOP/s)")
 
 
-def _weight_bytes(model) -> tuple[int, int, int]:
-    """(non-expert bytes per layer summed over layers, bytes of one routed expert, head bytes)."""
+def tensor_core_rate(n: int = 8192) -> float:
+    """Dense fp16 matmul FLOP/s through cuBLAS (bf16 runs at the same tensor-core rate on Hopper)."""
+    import cupy as cp
+
+    a = cp.random.default_rng(0).standard_normal((n, n), dtype=cp.float32).astype(cp.float16)
+    b = a.T.copy()
+    t = _timeit(lambda: a @ b, iters=10)
+    return 2 * n**3 / t
+
+
+def _weight_stats(model) -> dict:
+    """Bytes and multiply-adds of the weights a token touches: dense (attention, router, shared
+    expert, summed over layers), one routed expert, the head."""
     from engine.backends.cupy_ops import GpuWeight
 
-    dense, expert = 0, 0
+    dense = dense_macs = expert = expert_macs = 0
     for L in model.w.layers:
-        for v in vars(L).values():
-            if isinstance(v, GpuWeight):
-                dense += _nbytes(v)
-        if L.shared:
-            dense += sum(_nbytes(w) for w in L.shared)
+        ws = [v for v in vars(L).values() if isinstance(v, GpuWeight)] + list(L.shared or ())
+        for sub in ("comp", "idx", "engram"):
+            ns = getattr(L, sub, None)
+            if ns is not None:
+                ws += [v for v in vars(ns).values() if isinstance(v, GpuWeight)]
+        dense += sum(_nbytes(w) for w in ws)
+        dense_macs += sum(w.shape[0] * w.shape[1] for w in ws)
         expert = sum(_nbytes(w) for w in L.experts[0])
-    return dense, expert, _nbytes(model.w.head)
+        expert_macs = sum(w.shape[0] * w.shape[1] for w in L.experts[0])
+    return dict(dense=dense, dense_macs=dense_macs, expert=expert, expert_macs=expert_macs,
+                head=_nbytes(model.w.head))
 
 
-def bench_model(ckpt: str, bw: float, batches=(1, 8, 32), prefill: int = 4096, steps: int = 10) -> None:
+def bench_model(ckpt: str, bw: float, batches=(1, 8, 32), prefill: int = 4096, steps: int = 10,
+                chunk: int = 4096) -> None:
     import cupy as cp
 
     from engine.backends.cupy_ops import CupyOps
@@ -139,10 +148,12 @@ def bench_model(ckpt: str, bw: float, batches=(1, 8, 32), prefill: int = 4096, s
 
     cfg = load_config(ckpt)
     tok = f"{ckpt}/tokenizer.json"
-    model = Model(cfg, Checkpoint(ckpt, block_size=cfg.weight_block_size), CupyOps(), tok)
-    dense, expert, head = _weight_bytes(model)
-    e, k, nl = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.num_layers
+    ops = CupyOps()
+    model = Model(cfg, Checkpoint(ckpt, block_size=cfg.weight_block_size), ops, tok)
+    ws = _weight_stats(model)
+    e, k, nl, d = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.num_layers, cfg.head_dim
     rng = np.random.default_rng(0)
+    ctx = 16  # tokens of context before the timed decode steps
 
     def fresh():
         st = model.new_state()
@@ -150,13 +161,15 @@ def bench_model(ckpt: str, bw: float, batches=(1, 8, 32), prefill: int = 4096, s
             layer.window = cp.asarray(layer.window)
         return st
 
-    print(f"\nmodel {ckpt}: {nl} layers, hidden {cfg.hidden_size}, {e} experts top-{k}")
-    print(f"{'batch':>6s} {'step ms':>9s} {'layer ms':>9s} {'tok/s':>9s} {'floor ms':>9s}")
+    print(f"\nmodel {ckpt}: {nl} layers, hidden {cfg.hidden_size}, {e} experts top-{k}; "
+          f"CUDA graphs {'on' if ops.graphs.enabled else 'off'}")
+    print(f"{'batch':>6s} {'step ms':>9s} {'layer ms':>9s} {'tok/s':>9s} {'floor ms':>9s} {'% of floor':>10s}")
     for b in batches:
         states = [fresh() for _ in range(b)]
-        model.forward(states, [rng.integers(0, cfg.vocab_size, 16) for _ in range(b)])
+        model.forward(states, [rng.integers(0, cfg.vocab_size, ctx) for _ in range(b)])
         toks = [[int(t)] for t in rng.integers(0, cfg.vocab_size, b)]
-        model.forward(states, toks)
+        for _ in range(3):  # eager warm-up, capture, first replay
+            model.forward(states, toks)
         cp.cuda.Device().synchronize()
         t0 = time.perf_counter()
         for _ in range(steps):
@@ -164,18 +177,33 @@ def bench_model(ckpt: str, bw: float, batches=(1, 8, 32), prefill: int = 4096, s
         cp.cuda.Device().synchronize()
         dt = (time.perf_counter() - t0) / steps
         distinct = e * (1 - (1 - k / e) ** b)  # expected experts touched per layer
-        floor = (dense + nl * distinct * expert + head) / bw
-        print(f"{b:6d} {dt * 1e3:9.2f} {dt / nl * 1e3:9.3f} {b / dt:9.1f} {floor * 1e3:9.3f}")
+        state = b * nl * (cfg.sliding_window - 1) * d * 4  # f32 window rows read
+        floor = (ws["dense"] + nl * distinct * ws["expert"] + ws["head"] + state) / bw
+        print(f"{b:6d} {dt * 1e3:9.2f} {dt / nl * 1e3:9.3f} {b / dt:9.1f} {floor * 1e3:9.3f} "
+              f"{100 * floor / dt:9.1f}%")
+    print(f"(graphs captured {ops.graphs.captures}, replays {ops.graphs.replays}; floor = weight + state bytes"
+          " a step reads / copy bandwidth)")
     if prefill:
+        tc = tensor_core_rate()
+        print(f"tensor-core rate (fp16 cuBLAS GEMM): {tc / 1e12:.0f} TFLOP/s")
         st = fresh()
         ids = rng.integers(0, cfg.vocab_size, prefill)
         model.forward([fresh()], [ids[:64]])  # warm-up
         cp.cuda.Device().synchronize()
         t0 = time.perf_counter()
-        model.forward([st], [ids])
+        for c0 in range(0, prefill, chunk):
+            model.forward([st], [ids[c0:c0 + chunk]])
         cp.cuda.Device().synchronize()
         dt = time.perf_counter() - t0
-        print(f"prefill {prefill} tokens: {dt:.3f} s, {prefill / dt:.0f} tok/s, {dt / nl * 1e3:.2f} ms/layer")
+        # multiply-adds per token: weights (dense + top-k experts) + attention (q.k and p.v over the
+        # window and, in compressed layers, the selected entries)
+        attn = sum(cfg.num_heads * d * 2 * (cfg.sliding_window + (cfg.index_topk if r else 0))
+                   for r in cfg.compress_ratios)
+        flops = 2 * prefill * (ws["dense_macs"] + nl * k * ws["expert_macs"] + attn)
+        floor = flops / tc
+        print(f"prefill {prefill} tokens in chunks of {chunk}: {dt:.3f} s, {prefill / dt:.0f} tok/s, "
+              f"{dt / nl * 1e3:.2f} ms/layer, {prefill / dt * nl:.0f} tok/s per layer; tensor-core floor "
+              f"{floor:.3f} s ({100 * floor / dt:.1f}% of it)")
 
 
 def bench_main(argv: list[str] | None = None) -> int:
@@ -183,7 +211,8 @@ def bench_main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="dsuf bench", description=__doc__.splitlines()[0])
     ap.add_argument("--ckpt", default=None, help="checkpoint to time whole-model decode / prefill on")
     ap.add_argument("--batches", default="1,8,32")
-    ap.add_argument("--prefill", type=int, default=4096)
+    ap.add_argument("--prefill", type=int, default=4096, help="prompt tokens to time (0: none)")
+    ap.add_argument("--chunk", type=int, default=4096, help="prefill chunk (tokens per forward)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--no-linears", action="store_true", help="skip the V4.1-Flash linear-kernel table")
     a = ap.parse_args(argv)
@@ -192,5 +221,5 @@ def bench_main(argv: list[str] | None = None) -> int:
     if not a.no_linears:
         bench_linears(bw)
     if a.ckpt:
-        bench_model(a.ckpt, bw, tuple(int(b) for b in a.batches.split(",")), a.prefill, a.steps)
+        bench_model(a.ckpt, bw, tuple(int(b) for b in a.batches.split(",")), a.prefill, a.steps, a.chunk)
     return 0

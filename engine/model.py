@@ -24,7 +24,7 @@ import numpy as np
 
 from engine.config import ModelConfig, RopeSpec
 from engine.engram import NgramHasher
-from engine.state import V41_CODECS, LayerState, SequenceState
+from engine.state import V41_CODECS, LayerState, SequenceState, place
 from engine.tp import Collective, ShardPlan, run_single, slice_weight
 
 NEG_INF = np.float32(-np.inf)
@@ -206,7 +206,7 @@ class Model:
         d = self.cfg.head_dim
         layers = [LayerState(window=self.ops.xp.zeros((0, d), np.float32)) for _ in range(self.cfg.num_layers)]
         codecs = dict(V41_CODECS) if self.store_quantized else {}
-        return SequenceState(position=0, layers=layers, model_key=self.model_key, codecs=codecs)
+        return SequenceState(position=0, layers=layers, model_key=self.model_key, codecs=codecs, placed=self.ops.name)
 
     def state_bytes_per_token(self) -> tuple[float, int]:
         """(bytes per token of context, fixed bytes per sequence) in the stored formats: V4.1 keeps
@@ -242,6 +242,7 @@ class Model:
             raise ValueError("forward needs one chunk per state")
         seqs, ids, pos, start = [], [], [], 0
         for st, ch in zip(states, chunks, strict=True):
+            place(st, ops.name, ops.asarray)  # e.g. a state read back from bytes, for a GPU model
             ch = np.asarray(ch, dtype=np.int64).reshape(-1)
             if ch.size == 0:
                 raise ValueError("every chunk needs at least one token")
@@ -269,25 +270,31 @@ class Model:
             pre_mix[:, 0] = 1.0
         advance = [s.pos.size for s in seqs]
         replay_from = self._replay_start() if not all_logits else cfg.num_layers
+        hash_dev = ops.asarray(hash_ids, dtype=np.int64) if hash_ids is not None else None
+        # Each layer runs as four "regions" (pure functions of device arrays: ops.graphed may replay
+        # them as CUDA graphs) around the per-sequence attention, which reads and grows the state.
         for li, L in enumerate(self.w.layers):
             if li >= replay_from:  # bounded replay: drop rows no later output or state depends on
                 idx = self._keep_trailing(seqs, 1 + (cfg.num_layers - li) * (cfg.sliding_window - 1))
                 if idx is not None:
                     h, pre_mix, ids_all = h[ops.asarray(idx, dtype=np.int64)], pre_mix[idx], ids_all[idx]
                     ropes = {k: (c[idx], sn[idx]) for k, (c, sn) in ropes.items()}
-                    hash_ids = hash_ids[idx] if hash_ids is not None else None
+                    hash_dev = hash_dev[ops.asarray(idx, dtype=np.int64)] if hash_dev is not None else None
+            cos, sin = ropes["compress" if cfg.compress_ratios[li] else "main"]
+            eng = None
             if L.engram is not None:
-                h = self._engram(L, h, hash_ids[:, cfg.engram_layer_ids.index(li)])
-            pre_a, post_a, comb_a = ops.hc_mixes(h, *L.hc_attn, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
-            xa = ops.rmsnorm(ops.hc_collapse(h, pre_mix if cfg.arch == "v41" else pre_a), L.attn_norm,
-                             cfg.rms_norm_eps)
-            attn = yield Collective("sum", self._attention(li, L, xa, seqs, ropes))
-            h = ops.hc_expand(attn, h, post_a, comb_a)
-            pre_f, post_f, comb_f = ops.hc_mixes(h, *L.hc_ffn, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
-            xf = ops.rmsnorm(ops.hc_collapse(h, pre_a if cfg.arch == "v41" else pre_f), L.ffn_norm,
-                             cfg.rms_norm_eps)
-            ffn = yield Collective("sum", self._moe(li, L, xf, ids_all))
-            h = ops.hc_expand(ffn, h, post_f, comb_f)
+                eng = ops.xp.ascontiguousarray(hash_dev[:, cfg.engram_layer_ids.index(li)])
+            h, xa, q_res, q, kv, pre_a, post_a, comb_a = ops.graphed(
+                ("in", id(L)), lambda *a, li=li, L=L: self._layer_in(li, L, *a), h, pre_mix, eng, cos, sin)
+            out = self._attention(li, L, xa, q_res, q, kv, seqs, ropes)
+            part = (ops.graphed(("attn_out", id(L)), lambda *a, L=L: self._attn_out(L, *a), out, cos, sin)
+                    if out is not None else ops.xp.zeros((xa.shape[0], cfg.hidden_size), dtype=np.float32))
+            attn = yield Collective("sum", part)
+            route_hash = ops.asarray(L.tid2eid[ids_all], dtype=np.int64) if L.tid2eid is not None else None
+            h, ffn_part, pre_f, post_f, comb_f = ops.graphed(
+                ("ffn", id(L)), lambda *a, li=li, L=L: self._ffn(li, L, *a), attn, h, pre_a, post_a, comb_a, route_hash)
+            ffn = yield Collective("sum", ffn_part)
+            h = ops.graphed(("out", id(L)), ops.hc_expand, ffn, h, post_f, comb_f)
             pre_mix = pre_f
         for s, n in zip(seqs, advance, strict=True):
             s.state.position += n
@@ -345,10 +352,45 @@ class Model:
         key, value = kv[:, : hc * d].reshape(-1, hc, d), kv[:, hc * d :]
         return ops.engram_mix(h, key, value, L.engram.qk, cfg.rms_norm_eps)
 
-    # ---- MoE ---------------------------------------------------------------------------
-    def _moe(self, li: int, L, x, ids):
+    # ---- layer regions (token-wise, fixed shapes: CUDA-graph material) ---------------------
+    def _layer_in(self, li: int, L, h, pre_mix, engram_ids, cos, sin):
+        """Engram, the attention-site mHC mix and the q / K=V projections of every token."""
         cfg, ops = self.cfg, self.ops
-        hash_ids = L.tid2eid[ids] if L.tid2eid is not None else None
+        if L.engram is not None:
+            h = self._engram(L, h, engram_ids)
+        pre_a, post_a, comb_a = ops.hc_mixes(h, *L.hc_attn, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+        xa = ops.rmsnorm(ops.hc_collapse(h, pre_mix if cfg.arch == "v41" else pre_a), L.attn_norm, cfg.rms_norm_eps)
+        t, hn, d = xa.shape[0], self.plan.heads[1] - self.plan.heads[0], cfg.head_dim
+        q_res = ops.rmsnorm(ops.linear(xa, L.wq_a), L.q_norm, cfg.rms_norm_eps)
+        q = ops.linear(q_res, L.wq_b).reshape(t, hn, d)
+        if cfg.arch == "v4":
+            q = ops.rmsnorm(q, None, cfg.rms_norm_eps)
+        q = ops.rope(q, cos, sin)
+        kv = ops.rope(ops.rmsnorm(ops.linear(xa, L.wkv), L.kv_norm, cfg.rms_norm_eps), cos, sin)
+        if self.store_quantized:
+            kv = ops.fake_quant_fp8(kv, 32)  # the window is stored as FP8 e4m3 + UE8M0 per 32
+        return h, xa, q_res, q, kv, pre_a, post_a, comb_a
+
+    def _attn_out(self, L, out, cos, sin):
+        """RoPE undone on the attention output, then the grouped output projection."""
+        ops = self.ops
+        t = out.shape[0]
+        out = ops.rope(out, cos, sin, inverse=True)
+        g = L.wo_groups
+        grouped = ops.grouped_linear(out.reshape(t, g, -1), L.wo_a, g)
+        return ops.linear(grouped.reshape(t, -1), L.wo_b)
+
+    def _ffn(self, li: int, L, attn, h, pre_a, post_a, comb_a, route_hash):
+        """Attention residual into the streams, the FFN-site mHC mix and this rank's MoE part."""
+        cfg, ops = self.cfg, self.ops
+        h = ops.hc_expand(attn, h, post_a, comb_a)
+        pre_f, post_f, comb_f = ops.hc_mixes(h, *L.hc_ffn, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+        xf = ops.rmsnorm(ops.hc_collapse(h, pre_a if cfg.arch == "v41" else pre_f), L.ffn_norm, cfg.rms_norm_eps)
+        return h, self._moe(li, L, xf, route_hash), pre_f, post_f, comb_f
+
+    # ---- MoE ---------------------------------------------------------------------------
+    def _moe(self, li: int, L, x, hash_ids):
+        cfg, ops = self.cfg, self.ops
         weights, experts = ops.route(x, L.gate_w, L.gate_bias, cfg.num_experts_per_tok, cfg.scoring_func,
                                      cfg.gate_temp, cfg.routed_scaling_factor, cfg.norm_topk_prob, hash_ids)
         y = ops.moe(x, L.experts, weights, experts, cfg.swiglu_limit)  # this rank's experts only
@@ -357,19 +399,12 @@ class Model:
         return y
 
     # ---- attention ---------------------------------------------------------------------
-    def _attention(self, li: int, L, x, seqs: list[_Seq], ropes):
+    def _attention(self, li: int, L, x, q_res, q, kv, seqs: list[_Seq], ropes):
+        """Each sequence's queries over its window, the new K=V rows and its compressed entries;
+        grows the state. Returns the per-head output [T, H, D] (None on a rank without heads)."""
         cfg, ops, xp = self.cfg, self.ops, self.ops.xp
-        t, hn, d = x.shape[0], self.plan.heads[1] - self.plan.heads[0], cfg.head_dim
+        hn, d = self.plan.heads[1] - self.plan.heads[0], cfg.head_dim
         ratio = cfg.compress_ratios[li]
-        cos, sin = ropes["compress" if ratio else "main"]
-        q_res = ops.rmsnorm(ops.linear(x, L.wq_a), L.q_norm, cfg.rms_norm_eps)
-        q = ops.linear(q_res, L.wq_b).reshape(t, hn, d)
-        if cfg.arch == "v4":
-            q = ops.rmsnorm(q, None, cfg.rms_norm_eps)
-        q = ops.rope(q, cos, sin)
-        kv = ops.rope(ops.rmsnorm(ops.linear(x, L.wkv), L.kv_norm, cfg.rms_norm_eps), cos, sin)
-        if self.store_quantized:
-            kv = ops.fake_quant_fp8(kv, 32)  # the window is stored as FP8 e4m3 + UE8M0 per 32
         out = xp.empty_like(q)
         win = cfg.sliding_window
         for s in seqs:
@@ -378,22 +413,17 @@ class Model:
             keys = xp.concatenate([st.window, kv[r]], axis=0)
             kpos = np.arange(s.pos[0] - st.window.shape[0], s.pos[-1] + 1)
             visible = (kpos[None, :] <= s.pos[:, None]) & (kpos[None, :] > s.pos[:, None] - win)
-            bias = np.where(visible, np.float32(0.0), NEG_INF)
+            bias = ops.asarray(np.where(visible, np.float32(0.0), NEG_INF))
             st.window = keys[max(keys.shape[0] - (win - 1), 0):] if win > 1 else keys[:0]
             if ratio:
                 comp, cbias = (self._v41_compressed(li, L, x[r], q_res[r], s) if cfg.arch == "v41"
                                else self._v4_compressed(li, L, x[r], q_res[r], s))
                 if comp is not None and comp.shape[0]:
                     keys = xp.concatenate([keys, comp], axis=0)
-                    bias = np.concatenate([bias, cbias], axis=1)
+                    bias = xp.concatenate([bias, cbias], axis=1)
             if hn:
-                out[r] = ops.attention(q[r], keys, ops.asarray(bias), L.sinks, d**-0.5)
-        if not hn:  # a rank without heads still keeps the replicated state, and adds nothing
-            return xp.zeros((t, cfg.hidden_size), dtype=np.float32)
-        out = ops.rope(out, cos, sin, inverse=True)
-        g = L.wo_groups
-        grouped = ops.grouped_linear(out.reshape(t, g, -1), L.wo_a, g)
-        return ops.linear(grouped.reshape(t, -1), L.wo_b)
+                out[r] = ops.attention(q[r], keys, bias, L.sinks, d**-0.5)
+        return out if hn else None
 
     def _comp_rope(self, x, first: int, ratio: int):
         positions = first + ratio * np.arange(x.shape[0])
@@ -426,8 +456,8 @@ class Model:
         mask = s.shared.get("topk")
         if mask is None or mask.shape[1] != entries.shape[0]:
             # no index source has scored this group in this forward: nothing is selected
-            return entries, np.full((s.pos.size, entries.shape[0]), NEG_INF)
-        return entries, np.where(ops.to_host(mask), np.float32(0.0), NEG_INF)
+            return entries, xp.full((s.pos.size, entries.shape[0]), NEG_INF, dtype=np.float32)
+        return entries, xp.where(mask, np.float32(0.0), NEG_INF).astype(np.float32)
 
     def _v41_compress(self, L, x, st: LayerState, ratio: int):
         """Pre-RoPE latents of the groups that close in this chunk (None if none)."""
@@ -550,7 +580,7 @@ class Model:
                 q = self._query_rope(ops.linear(q_res, L.idx.wq_b).reshape(-1, hi, di), s.pos)
                 scores = ops.indexer_scores(q, st.idx_keys, ops.linear(x, L.idx.weights_proj), hi, di)
                 scores = xp.where(ops.asarray(visible, dtype=bool), scores, NEG_INF)
-                visible = ops.to_host(ops.topk_mask(scores, min(cfg.index_topk, n)))
+                visible = ops.topk_mask(scores, min(cfg.index_topk, n))
         if n == 0:
             return None, None
-        return st.entries, np.where(visible, np.float32(0.0), NEG_INF)
+        return st.entries, xp.where(ops.asarray(visible, dtype=bool), np.float32(0.0), NEG_INF).astype(np.float32)

@@ -70,6 +70,7 @@ class SequenceState:
     recent_tokens: list[int] = field(default_factory=list)  # V4.1 Engram look-back
     model_key: str = ""
     codecs: dict = field(default_factory=dict)  # field name -> storage codec (V4.1: V41_CODECS)
+    placed: str = field(default="", compare=False)  # backend its arrays live on ("": host numpy)
 
     # ---- sizes -------------------------------------------------------------------------
     def nbytes(self) -> int:
@@ -216,9 +217,23 @@ def decode_array(blob: bytes, shape: tuple[int, ...], codec: int) -> np.ndarray:
 
 
 def _arrays(ls: LayerState) -> dict[str, np.ndarray]:
+    """The layer's arrays as host numpy arrays (a GPU backend keeps them on the device)."""
     out = {}
     for name in _ARRAY_FIELDS:
         a = getattr(ls, name)
         if a is not None:
-            out[name] = np.asarray(a)
+            out[name] = a if isinstance(a, np.ndarray) else np.asarray(a.get() if hasattr(a, "get") else a)
     return out
+
+
+def place(state: SequenceState, backend: str, asarray) -> None:
+    """Move a state's arrays onto a backend (asarray: the backend's, e.g. after from_bytes
+    made host arrays for a GPU model); a no-op once placed there."""
+    if state.placed == backend:
+        return
+    for ls in state.layers:
+        for name in _ARRAY_FIELDS:
+            a = getattr(ls, name)
+            if a is not None:
+                setattr(ls, name, asarray(a))
+    state.placed = backend

@@ -56,21 +56,28 @@ __device__ __forceinline__ void deq4(const uint4& v, int g, float sc, float* o) 
 __device__ __forceinline__ uint4 ldg16(const void* p) { return __ldg((const uint4*)p); }
 
 // ---------------------------------------------------------------------------------------------
-// GEMV: block = 8 warps, warp -> RPW consecutive output rows; grid (ceil(N / (8*RPW)), nseg).
+// GEMV: block = 8 warps in 8/KW row groups of RPW consecutive output rows; the KW warps of a
+// group split the row's 16-byte chunks (KW = 1, 2, 4 or 8, chosen by the host so that short
+// matrices still put enough loads in flight to saturate HBM), then reduce through shared
+// memory. Each lane issues 2 x RPW independent 16-byte weight loads per iteration.
+// grid (ceil(N / (RPW * 8 / KW)), nseg). A segment with rows == 0 (unused tail of a
+// device-built MoE table) returns at once and reads nothing.
 
 template <int FMT, int MT, int RPW>
 __device__ __forceinline__ void gemv_body(const float* __restrict__ A, int lda, float* __restrict__ Y, int ldy,
                                           int N, int K, const int* __restrict__ segs,
                                           const u64* __restrict__ wptrs, const u64* __restrict__ sptrs,
-                                          int bn, int bk, int gk) {
+                                          int bn, int bk, int gk, int kw) {
   constexpr int EPC = Fmt<FMT>::EPC;
+  __shared__ float red[8][RPW * MT];
   const int* sg = segs + 5 * blockIdx.y;
   const int widx = sg[0], row0 = sg[1], rows = sg[2], acol = sg[3], ycol = sg[4];
+  if (rows <= 0) return;  // the whole block: no barrier reached yet
   const u8* W = (const u8*)wptrs[widx];
   const void* S = (const void*)sptrs[widx];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int n0 = (blockIdx.x * 8 + warp) * RPW;
-  if (n0 >= N) return;
+  const int group = warp / kw, part = warp - group * kw;
+  const int n0 = (blockIdx.x * (8 / kw) + group) * RPW;
   const size_t row_bytes = (size_t)K * Fmt<FMT>::NUM / Fmt<FMT>::DEN;
   float acc[RPW][MT];
 #pragma unroll
@@ -78,29 +85,41 @@ __device__ __forceinline__ void gemv_body(const float* __restrict__ A, int lda, 
 #pragma unroll
     for (int m = 0; m < MT; ++m) acc[r][m] = 0.f;
   const float* Ab = A + (size_t)row0 * lda + acol;
-  const int nchunks = K / EPC;
-  for (int c = lane; c < nchunks; c += 32) {
-    const int k0 = c * EPC;
-    uint4 raw[RPW];
-    float sc[RPW];
+  const int nchunks = n0 < N ? K / EPC : 0;
+  const int cstep = 32 * kw;
+  for (int c = part * 32 + lane; c < nchunks; c += 2 * cstep) {
+    uint4 raw[2][RPW];
+    float sc[2][RPW];
 #pragma unroll
-    for (int r = 0; r < RPW; ++r) {
-      const int n = n0 + r;
-      raw[r] = n < N ? ldg16(W + (size_t)n * row_bytes + (size_t)c * 16) : make_uint4(0, 0, 0, 0);
-      sc[r] = n < N ? chunk_scale<FMT>(S, n, k0, bn, bk, gk) : 0.f;
+    for (int u = 0; u < 2; ++u) {
+      const int cc = c + u * cstep;
+#pragma unroll
+      for (int r = 0; r < RPW; ++r) {
+        const int n = n0 + r;
+        const bool ok = cc < nchunks && n < N;
+        raw[u][r] = ok ? ldg16(W + (size_t)n * row_bytes + (size_t)cc * 16) : make_uint4(0, 0, 0, 0);
+        sc[u][r] = ok ? chunk_scale<FMT>(S, n, cc * EPC, bn, bk, gk) : 0.f;
+      }
     }
 #pragma unroll
-    for (int g = 0; g < EPC / 4; ++g) {
-      float w4[RPW][4];
+    for (int u = 0; u < 2; ++u) {
+      const int cc = c + u * cstep;
+      if (cc < nchunks) {
+        const int k0 = cc * EPC;
 #pragma unroll
-      for (int r = 0; r < RPW; ++r) deq4<FMT>(raw[r], g, sc[r], w4[r]);
+        for (int g = 0; g < EPC / 4; ++g) {
+          float w4[RPW][4];
 #pragma unroll
-      for (int m = 0; m < MT; ++m) {
-        if (m < rows) {
-          const float4 xv = __ldg((const float4*)(Ab + (size_t)m * lda + k0 + 4 * g));
+          for (int r = 0; r < RPW; ++r) deq4<FMT>(raw[u][r], g, sc[u][r], w4[r]);
 #pragma unroll
-          for (int r = 0; r < RPW; ++r)
-            acc[r][m] += w4[r][0] * xv.x + w4[r][1] * xv.y + w4[r][2] * xv.z + w4[r][3] * xv.w;
+          for (int m = 0; m < MT; ++m) {
+            if (m < rows) {
+              const float4 xv = __ldg((const float4*)(Ab + (size_t)m * lda + k0 + 4 * g));
+#pragma unroll
+              for (int r = 0; r < RPW; ++r)
+                acc[r][m] += w4[r][0] * xv.x + w4[r][1] * xv.y + w4[r][2] * xv.z + w4[r][3] * xv.w;
+            }
+          }
         }
       }
     }
@@ -108,17 +127,40 @@ __device__ __forceinline__ void gemv_body(const float* __restrict__ A, int lda, 
 #pragma unroll
   for (int r = 0; r < RPW; ++r)
 #pragma unroll
-    for (int m = 0; m < MT; ++m) {
-      const float v = warp_sum(acc[r][m]);
-      if (lane == 0 && m < rows && n0 + r < N) Y[(size_t)(row0 + m) * ldy + ycol + n0 + r] = v;
+    for (int m = 0; m < MT; ++m) acc[r][m] = warp_sum(acc[r][m]);
+  if (kw > 1) {  // the group's partial sums, in a fixed order (deterministic)
+    if (lane == 0) {
+#pragma unroll
+      for (int r = 0; r < RPW; ++r)
+#pragma unroll
+        for (int m = 0; m < MT; ++m) red[warp][r * MT + m] = acc[r][m];
     }
+    __syncthreads();
+    if (part != 0) return;
+#pragma unroll
+    for (int r = 0; r < RPW; ++r)
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        float v = red[warp][r * MT + m];
+        for (int j = 1; j < kw; ++j) v += red[warp + j][r * MT + m];
+        acc[r][m] = v;
+      }
+  }
+  if (lane != 0 || n0 >= N) return;
+#pragma unroll
+  for (int r = 0; r < RPW; ++r)
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+      if (m < rows && n0 + r < N) Y[(size_t)(row0 + m) * ldy + ycol + n0 + r] = acc[r][m];
 }
 
 #define GEMV_ARGS const float *A, int lda, float *Y, int ldy, int N, int K, const int *segs, \
                   const u64 *wptrs, const u64 *sptrs, int bn, int bk, int gk
 #define GEMV_PASS A, lda, Y, ldy, N, K, segs, wptrs, sptrs, bn, bk, gk
-#define DEF_GEMV(NAME, FMT, MT, RPW) \
-  extern "C" __global__ void __launch_bounds__(256) NAME(GEMV_ARGS) { gemv_body<FMT, MT, RPW>(GEMV_PASS); }
+#define DEF_GEMV(NAME, FMT, MT, RPW)                                       \
+  extern "C" __global__ void __launch_bounds__(256) NAME(GEMV_ARGS, int kw) { \
+    gemv_body<FMT, MT, RPW>(GEMV_PASS, kw);                                  \
+  }
 #define DEF_GEMV_FMT(TAG, FMT)                 \
   DEF_GEMV(gemv_##TAG##_m1, FMT, 1, 4)         \
   DEF_GEMV(gemv_##TAG##_m2, FMT, 2, 4)         \
@@ -154,6 +196,7 @@ __device__ __forceinline__ void gemm_body(GEMV_ARGS) {
   __shared__ __align__(16) u16 Ws[BN][LDS];
   const int* sg = segs + 5 * blockIdx.y;
   const int widx = sg[0], row0 = sg[1], rows = sg[2], acol = sg[3], ycol = sg[4];
+  if (rows <= 0) return;  // an unused segment slot: the whole block, before any barrier
   const u8* W = (const u8*)wptrs[widx];
   const void* S = (const void*)sptrs[widx];
   const int nb = blockIdx.x * BN;

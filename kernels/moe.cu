@@ -73,3 +73,88 @@ extern "C" __global__ void __launch_bounds__(256) route_topk(const float* __rest
     iout[(size_t)t * K + k] = ik[k];
   }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Pair grouping for moe() on the device (no host round trip, so a decode step can be captured in
+// a CUDA graph). ids [P] (T x top-k pairs, row-major; clamped to [0, E)) -> order [P]: the pairs
+// sorted by expert, ties by pair index (a stable sort); inv [P]: its inverse; gather [P] = order / K
+// (the token of each sorted pair); segs [maxseg * 5]: each expert's run of sorted pairs cut into
+// segments of at most `step` rows, (expert, first sorted row, rows, 0, 0) in sorted order, every
+// unused trailing slot (0, 0, 0, 0, 0) (rows = 0: the linear kernels skip it).
+// One block of MOE_GROUP_MAXP threads, P <= MOE_GROUP_MAXP, E <= 2^21. Keys expert << 10 | pair
+// are unique, so a bitonic sort of them in shared memory is deterministic and stable by pair.
+#define MOE_GROUP_MAXP 1024
+extern "C" __global__ void __launch_bounds__(MOE_GROUP_MAXP) moe_group(const long long* __restrict__ ids, int P,
+                                                                       int K, int E, int step, int maxseg,
+                                                                       int* __restrict__ order, int* __restrict__ inv,
+                                                                       int* __restrict__ gather, int* __restrict__ segs) {
+  __shared__ u32 key[MOE_GROUP_MAXP];
+  __shared__ int wcount[MOE_GROUP_MAXP / 32];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  if (step < 1) step = 1;
+  int n = 1;  // sort width: a power of two >= P, padded with keys above every real one
+  while (n < P) n <<= 1;
+  for (int i = tid; i < n; i += blockDim.x) {
+    u32 kv = 0xffffffffu;
+    if (i < P) {
+      long long e = ids[i];
+      e = e < 0 ? 0 : (e >= E ? E - 1 : e);
+      kv = ((u32)e << 10) | (u32)i;
+    }
+    key[i] = kv;
+  }
+  __syncthreads();
+  for (int size = 2; size <= n; size <<= 1)
+    for (int j = size >> 1; j > 0; j >>= 1) {
+      for (int t = tid; t < (n >> 1); t += blockDim.x) {
+        const int i = ((t & ~(j - 1)) << 1) | (t & (j - 1)), l = i | j;  // bit j of i is clear
+        const u32 a = key[i], b = key[l];
+        if ((a > b) == ((i & size) == 0)) { key[i] = b; key[l] = a; }
+      }
+      __syncthreads();
+    }
+  // one thread per sorted position p
+  const int p = tid;
+  bool first = false;  // p starts a segment
+  int e = 0, rows = 0;
+  if (p < P) {
+    const u32 kv = key[p];
+    const int pair = (int)(kv & 1023u);
+    e = (int)(kv >> 10);
+    order[p] = pair;
+    inv[pair] = p;
+    gather[p] = pair / K;
+    const u32 lo_key = (u32)e << 10, hi_key = lo_key + 1024u;
+    int lo = 0, hi = p;  // start of e's run: first position with key >= lo_key
+    while (lo < hi) {
+      const int mid = (lo + hi) >> 1;
+      if (key[mid] < lo_key) lo = mid + 1; else hi = mid;
+    }
+    if ((p - lo) % step == 0) {
+      first = true;
+      int a = p + 1, b = P;  // end of e's run: first position with key >= hi_key
+      while (a < b) {
+        const int mid = (a + b) >> 1;
+        if (key[mid] < hi_key) a = mid + 1; else b = mid;
+      }
+      rows = min(step, a - p);
+    }
+  }
+  const u32 ballot = __ballot_sync(0xffffffffu, first);
+  if (lane == 0) wcount[warp] = __popc(ballot);
+  __syncthreads();
+  int base = 0, total = 0;  // segments starting in earlier warps / in all warps
+  for (int w = 0; w < (int)(blockDim.x >> 5); ++w) {
+    const int c = wcount[w];
+    base += w < warp ? c : 0;
+    total += c;
+  }
+  if (first) {
+    const int s = base + __popc(ballot & ((1u << lane) - 1u));
+    if (s < maxseg) {
+      int* sg = segs + 5 * s;
+      sg[0] = e; sg[1] = p; sg[2] = rows; sg[3] = 0; sg[4] = 0;
+    }
+  }
+  for (int q = 5 * total + tid; q < 5 * maxseg; q += blockDim.x) segs[q] = 0;
+}

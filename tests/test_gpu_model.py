@@ -122,6 +122,9 @@ class DualOps:
     def __init__(self):
         self.gpu, self.ref, self.worst = CupyOps(), NumpyOps(), {}
 
+    def graphed(self, key, fn, *arrays):  # op by op, eagerly: each op is compared
+        return fn(*arrays)
+
     def __getattr__(self, name):
         fn = getattr(self.gpu, name)
         if name in ("prepare", "asarray", "to_host") or not callable(fn):
@@ -152,3 +155,60 @@ def test_demo_v41_each_op_matches_reference():
     bad = {k: v for k, v in ops.worst.items()
            if v > (1e-2 if k.startswith(("linear", "grouped", "swiglu", "moe", "route")) and ">8" in k else 1e-4)}
     assert not bad, bad
+
+
+def test_cuda_graphs_replay_equals_eager():
+    """Decode steps replayed as CUDA graphs (engine/backends/cuda_graphs.py) give bit-identical
+    logits and state to the same kernels launched one by one; three sequences at different
+    positions, so batch rows, windows and compressed entries all differ."""
+    tok = Tokenizer.from_dir(DEMO)
+    prompts = [tok.encode(PROMPT), tok.encode("Hello, world."), tok.encode(PROMPT * 2)]
+    runs = {}
+    for graphs in (False, True):
+        ops = CupyOps(graphs=graphs)
+        model = _model(ops)
+        states = [_gpu_state(model) for _ in prompts]
+        first = model.forward(states, prompts)
+        nxt = [[int(np.argmax(lg))] for lg in first]
+        out = []
+        for _ in range(12):
+            logits = model.forward(states, nxt)
+            out.append(np.stack(logits))
+            nxt = [[int(np.argmax(lg))] for lg in logits]
+        runs[graphs] = (np.stack(out), [s.to_bytes() for s in states], ops.graphs)
+    eager, graphed = runs[False], runs[True]
+    assert graphed[2].captures > 0 and graphed[2].replays >= 9 * 4 * 6
+    assert eager[2].captures == 0
+    assert np.array_equal(eager[0], graphed[0])
+    assert eager[1] == graphed[1]
+
+
+def test_flash_shaped_4_layers_logits(tmp_path):
+    """Full V4.1-Flash widths (hidden 5120, 64 x 512 heads, q_lora 1280, 8 output groups, expert
+    width 2304, index 32 x 128, window 128), 4 layers, 8 experts (not 384: the numpy reference
+    dequantizes every expert to float32), small vocab: GPU vs numpy logits over a 24-token
+    prefill and 6 decode steps. Unrounded state: summation order only; FP8/FP4 state: loose."""
+    from engine.tiny_model import PRESETS, write_tiny_model
+
+    sizes = {k: v for k, v in PRESETS["v41-flash-shaped"].items() if k != "arch"}
+    sizes.update(layers=4, experts=8, vocab=4096, engram_vocab=1024)
+    ckpt = write_tiny_model(tmp_path / "flash4", "v41", seed=5, **sizes)
+    cfg = load_config(ckpt)
+    ids = list(np.random.default_rng(0).integers(10, cfg.vocab_size, 24))
+    models = [Model(cfg, Checkpoint(ckpt, block_size=cfg.weight_block_size), ops, ckpt / "tokenizer.json")
+              for ops in (NumpyOps(), CupyOps())]
+    for quantized, tol in ((False, 1e-3), (True, 2e-2)):
+        for m in models:
+            m.store_quantized = quantized
+        states = [models[0].new_state(), _gpu_state(models[1])]
+        logits = [m.forward([s], [ids])[0] for m, s in zip(models, states, strict=True)]
+        errs = []
+        for step in range(7):
+            errs.append(float(np.abs(logits[1] - logits[0]).max() / np.abs(logits[0]).max()))
+            if step == 6:
+                break
+            nxt = int(np.argmax(logits[0]))
+            logits = [m.forward([s], [[nxt]])[0] for m, s in zip(models, states, strict=True)]
+        print(f"flash-shaped 4 layers, {'FP8/FP4' if quantized else 'unrounded'} state: logit errors "
+              + " ".join(f"{e:.1e}" for e in errs))
+        assert np.median(errs) < tol

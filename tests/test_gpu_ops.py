@@ -18,6 +18,7 @@ from gpu_required import require_gpu
 cp = require_gpu()
 
 from engine import formats  # noqa: E402
+from engine import kernels as K  # noqa: E402
 from engine.backends.cupy_ops import CupyOps  # noqa: E402
 from engine.backends.numpy_ops import NumpyOps  # noqa: E402
 from engine.checkpoint import Weight  # noqa: E402
@@ -193,6 +194,120 @@ def test_moe(t):
     assert rel(got, ref) < (F32_TOL if np.bincount(ids.ravel()).max() <= 8 else GEMM_TOL)
 
 
+# MoE with the pairs grouped on the device (T * top-k <= MOE_DEVICE_MAX_PAIRS): narrow fp4 experts,
+# so that hundreds of them stay cheap to build. At these widths the GEMV never splits K (too few
+# chunks), so the device and host paths launch the same per-row arithmetic.
+MOE_D, MOE_INTER, MOE_K = 512, 256, 6
+_MOE_POOL: list = []  # (stored Weights, GpuWeights) per expert, built on demand
+
+
+def _moe_experts(e: int) -> tuple[list, list]:
+    while len(_MOE_POOL) < e:
+        ws = tuple(make_weight("fp4", *s) for s in ((MOE_INTER, MOE_D), (MOE_D, MOE_INTER), (MOE_INTER, MOE_D)))
+        _MOE_POOL.append((ws, tuple(GPU.prepare(w) for w in ws)))
+    return [p[0] for p in _MOE_POOL[:e]], [p[1] for p in _MOE_POOL[:e]]
+
+
+def _moe_route(t: int, e: int, max_count: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct experts per token (as routing gives), optionally at most max_count pairs an expert."""
+    for _ in range(100):
+        ids = np.stack([RNG.permutation(e)[:MOE_K] for _ in range(t)])
+        if max_count is None or np.bincount(ids.ravel()).max() <= max_count:
+            return ids, RNG.random((t, MOE_K), dtype=np.float32)
+    raise AssertionError("no routing within max_count")
+
+
+def _no_host(self, x):
+    raise AssertionError("the device MoE path copied to the host")
+
+
+@pytest.mark.parametrize("t,e", [(1, 64), (3, 384), (8, 256), (32, 128), (100, 64), (100, 384)])
+def test_moe_device(t, e, monkeypatch):
+    ws, gws = _moe_experts(e)
+    x = rnd(t, MOE_D)
+    ids, wts = _moe_route(t, e)
+    used = set(ids.ravel().tolist())
+    ref_ex = [tuple(REF.prepare(w) for w in ex) if i in used else None for i, ex in enumerate(ws)]
+    ref = REF.moe(x, ref_ex, wts, ids, 10.0)
+    monkeypatch.setattr(CupyOps, "to_host", _no_host)
+    got = GPU.moe(cp.asarray(x), gws, cp.asarray(wts), cp.asarray(ids), 10.0)
+    assert rel(got, ref) < F32_TOL  # GEMV at every T: segments of <= 8 rows
+
+
+@pytest.mark.parametrize("t,e", [(1, 64), (4, 64), (8, 384), (32, 384)])
+def test_moe_device_matches_host(t, e, monkeypatch):
+    _, gws = _moe_experts(e)
+    x = cp.asarray(rnd(t, MOE_D))
+    ids, wts = _moe_route(t, e, max_count=8)  # the host path stays on the GEMV too
+    ids, wts = cp.asarray(ids), cp.asarray(wts)
+    dev = cp.asnumpy(GPU.moe(x, gws, wts, ids, 10.0))
+    monkeypatch.setattr("engine.backends.cupy_ops.MOE_DEVICE_MAX_PAIRS", 0)
+    host = cp.asnumpy(GPU.moe(x, gws, wts, ids, 10.0))
+    assert np.array_equal(dev, host)
+
+
+def _group_ref(ids: np.ndarray, e: int, step: int, maxseg: int):
+    flat = ids.ravel()
+    order = np.argsort(flat, kind="stable")
+    inv = np.empty_like(order)
+    inv[order] = np.arange(order.size)
+    es = flat[order]
+    starts = np.flatnonzero(np.r_[True, es[1:] != es[:-1]])
+    counts = np.diff(np.r_[starts, order.size])
+    segs = [(int(es[s0]), int(s0) + r, int(min(step, c - r)), 0, 0)
+            for s0, c in zip(starts, counts, strict=True) for r in range(0, int(c), step)]
+    assert len(segs) <= maxseg
+    tab = np.zeros((maxseg, 5), np.int32)
+    tab[:len(segs)] = segs
+    return order, inv, order // ids.shape[1], tab.reshape(-1)
+
+
+@pytest.mark.parametrize("t,k,e,step", [(1, 1, 8, 1), (1, 6, 256, 1), (3, 6, 64, 3), (100, 6, 8, 8),
+                                        (170, 6, 384, 8), (128, 8, 256, 8), (1024, 1, 3, 8), (33, 5, 40, 8)])
+def test_moe_group_kernel(t, k, e, step):
+    ids = RNG.integers(0, e, (t, k))  # repeats across and within tokens
+    p = t * k
+    # the kernel itself, into poisoned buffers with maxseg = P (the tail must come back zeroed)
+    buf = cp.full(8 * p, -1, cp.int32)
+    segs, order, inv, gather = buf[:5 * p], buf[5 * p:6 * p], buf[6 * p:7 * p], buf[7 * p:]
+    K.function("moe", "moe_group")((1,), (1024,), (cp.asarray(ids), np.int32(p), np.int32(k), np.int32(e),
+                                                    np.int32(step), np.int32(p), order, inv, gather, segs))
+    for got, ref in zip((order, inv, gather, segs), _group_ref(ids, e, step, p), strict=True):
+        assert np.array_equal(cp.asnumpy(got), ref)
+    # through the helper moe() uses: its tighter maxseg still holds every segment
+    ms = CupyOps._moe_max_segments(p, e, step)
+    got = GPU._moe_group(cp.asarray(ids), e, step)
+    assert got[0].size == 5 * ms
+    for g, ref in zip(got, (_group_ref(ids, e, step, ms)[i] for i in (3, 2, 1, 0)), strict=True):
+        assert np.array_equal(cp.asnumpy(g), ref)
+
+
+def test_moe_cuda_graph():
+    t, e = 4, 64
+    _, gws = _moe_experts(e)
+    (ids1, w1), (ids2, w2) = _moe_route(t, e), _moe_route(t, e)
+    x1, x2 = rnd(t, MOE_D), rnd(t, MOE_D)
+    s = cp.cuda.Stream(non_blocking=True)
+    pool = cp.cuda.MemoryPool()  # the graph's intermediates: no eager array may land there
+    with s:
+        xb, ib, wb = cp.asarray(x1), cp.asarray(ids1), cp.asarray(w1)
+        x2d, i2d, w2d = cp.asarray(x2), cp.asarray(ids2), cp.asarray(w2)
+        ref1 = cp.asnumpy(GPU.moe(xb, gws, wb, ib, 10.0))  # warm: compiles, builds the tables
+        ref2 = cp.asnumpy(GPU.moe(x2d, gws, w2d, i2d, 10.0))
+        with cp.cuda.using_allocator(pool.malloc):
+            s.begin_capture()
+            y = GPU.moe(xb, gws, wb, ib, 10.0)
+            g = s.end_capture()
+        y.fill(0)
+        g.launch(s)
+        s.synchronize()
+        assert np.array_equal(cp.asnumpy(y), ref1)
+        xb[...], ib[...], wb[...] = x2d, i2d, w2d  # new inputs and routing, same graph
+        g.launch(s)
+        s.synchronize()
+        assert np.array_equal(cp.asnumpy(y), ref2)
+
+
 # ---- attention -------------------------------------------------------------------------------
 def _mask(s, n, window, p_drop, rng):
     pos = np.arange(n - s, n)
@@ -229,6 +344,36 @@ def test_topk_mask_ties():
     sc[3, 100:200] = np.float32(-0.0)
     for k in (1, 64, 512):
         assert np.array_equal(cp.asnumpy(GPU.topk_mask(cp.asarray(sc), k)), REF.topk_mask(sc, k))
+
+
+def _topk_rows(kind: str, s: int, n: int) -> np.ndarray:
+    sc = rnd(s, n)
+    if kind == "levels":  # many exact ties, -0.0 among them
+        sc = RNG.integers(-3, 4, (s, n)).astype(np.float32)
+        sc[RNG.random((s, n)) < 0.3] = np.float32(-0.0)
+    elif kind == "neginf":  # most rows have fewer finite values than k
+        sc[RNG.random((s, n)) < 0.97] = -np.inf
+        sc[0, :] = -np.inf
+    elif kind == "pins":  # +inf pinned entries ahead of everything, more pins than some k
+        sc[:, RNG.choice(n, min(n, 600), replace=False)] = np.inf
+        sc[:, ::5] = -np.inf
+    elif kind == "zeros":  # -0.0 / +0.0 tie at the cut, and subnormals that -ftz must not flush
+        sc[:, ::2] = np.float32(-0.0)
+        sc[:, 1::4] = np.float32(0.0)
+        sc[:, 3::8] = np.float32(1e-40)
+        sc[:, 7::16] = np.float32(-1e-40)
+    return sc
+
+
+@pytest.mark.parametrize("kind", ["random", "levels", "neginf", "pins", "zeros"])
+@pytest.mark.parametrize("s,n", [(1, 7), (3, 1000), (5, 70000), (2, 300000)])
+def test_topk_mask_exact(kind, s, n):
+    sc = _topk_rows(kind, s, n)
+    g = cp.asarray(sc)
+    for k in (1, 64, 512, 2048, n + 3):
+        ref = REF.topk_mask(sc, k)
+        got = cp.asnumpy(GPU.topk_mask(g, k))
+        assert np.array_equal(got, ref), (kind, s, n, k, np.flatnonzero((got != ref).any(axis=0))[:8])
 
 
 # ---- state quantization ----------------------------------------------------------------------

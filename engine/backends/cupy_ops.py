@@ -7,7 +7,7 @@ numpy reference up to summation order: the tensor-core GEMM (> 8 rows) splits ac
 three bf16 terms; only weights that bf16 cannot hold exactly (fp8 with fp32 scales, f32) are
 rounded there. That matters because V4.1's FP8/FP4 state rounding amplifies small errors.
 
-Not yet kernels (CuPy library calls, see `topk_mask`): the top-k mask uses cupy.argsort; a few
+The top-k mask is a radix-select kernel (kernels/topk.cu, no sort, no host sync); a few
 reshapes / gathers are CuPy glue.
 """
 
@@ -21,6 +21,7 @@ import numpy as np
 
 from engine import formats
 from engine import kernels as K
+from engine.backends.cuda_graphs import RegionGraphs
 from engine.kernels import FMT_BF16, FMT_F32, FMT_FP4, FMT_FP8
 
 F32 = np.float32
@@ -28,8 +29,11 @@ _FMT_TAG = {FMT_F32: "f32", FMT_BF16: "bf16", FMT_FP8: "fp8", FMT_FP4: "fp4"}
 _EPC = {FMT_F32: 4, FMT_BF16: 8, FMT_FP8: 16, FMT_FP4: 32}  # elements per 16-byte chunk
 GEMV_MAX_ROWS = 8  # up to this many rows per segment: CUDA-core GEMV, else tensor-core GEMM
 GEMM_TILE = 64
+GEMV_WARPS_TARGET = 132 * 32  # enough independent loads in flight to saturate an H200's HBM
 _ELT_BLOCK = 256
 _NULL = np.uint64(0)  # a null pointer kernel argument
+MOE_DEVICE_MAX_PAIRS = 1024  # moe(): up to this many (token, expert) pairs are grouped on the device
+_MOE_GROUP_MAXP = 1024  # kernels/moe.cu MOE_GROUP_MAXP: moe_group runs one block, one thread a pair
 
 
 @dataclass
@@ -85,6 +89,15 @@ def _host_dequant(w: GpuWeight) -> np.ndarray:
     return formats.dequant_fp4_experts(data, cp.asnumpy(w.scale), 32)
 
 
+def _gemv_split(n: int, nchunks: int, rpw: int, nseg: int) -> int:
+    """Warps sharing one GEMV row group (1, 2, 4 or 8): split K while the launch has too few warps
+    to keep HBM busy (~32 per SM on 132 SMs) and every lane still gets >= 2 chunks to load."""
+    kw, warps = 1, -(-n // rpw) * nseg
+    while kw < 8 and warps * kw < GEMV_WARPS_TARGET and nchunks >= 64 * kw * 2:
+        kw *= 2
+    return kw
+
+
 def _ptr(a: cp.ndarray | None) -> int:
     return 0 if a is None else int(a.data.ptr)
 
@@ -103,7 +116,10 @@ class CupyOps:
     name = "cupy"
     xp = cp
 
-    def __init__(self) -> None:
+    def __init__(self, graphs: bool | None = None) -> None:
+        """graphs: replay the forward's fixed-shape regions as CUDA graphs (default on; the
+        environment variable DSUF_GRAPHS=0 turns them off)."""
+        self.graphs = RegionGraphs(graphs)
         self._tables: dict[int, tuple] = {}  # id(expert list) -> (list, pointer tables)
         self._seg_cache: dict[tuple, cp.ndarray] = {}
         self._group_ptrs: dict[tuple[int, int], tuple] = {}
@@ -151,6 +167,10 @@ class CupyOps:
     def to_host(self, x) -> np.ndarray:
         return cp.asnumpy(x) if isinstance(x, cp.ndarray) else np.asarray(x)
 
+    def graphed(self, key, fn, *arrays):
+        """Run a fixed-shape region of the forward, as a CUDA graph once its shapes repeat."""
+        return self.graphs(key, fn, *arrays)
+
     # ---- linear kernels ----------------------------------------------------------------
     def _run_linear(self, a: cp.ndarray, y: cp.ndarray, n: int, k: int, segs,
                     wptrs: cp.ndarray, sptrs: cp.ndarray, w: GpuWeight, max_rows: int) -> None:
@@ -164,8 +184,9 @@ class CupyOps:
         if max_rows <= GEMV_MAX_ROWS:
             mt = 1 if max_rows <= 1 else 2 if max_rows <= 2 else 4 if max_rows <= 4 else 8
             rpw = 4 if mt <= 2 else 2
+            kw = _gemv_split(n, k // _EPC[w.fmt], rpw, nseg)
             fn = K.function("linear", f"gemv_{tag}_m{mt}")
-            fn((math.ceil(n / (8 * rpw)), nseg), (256,), args)
+            fn((math.ceil(n / (rpw * 8 // kw)), nseg), (256,), (*args, np.int32(kw)))
         else:
             fn = K.function("linear", f"gemm_{tag}")
             fn((math.ceil(n / GEMM_TILE), nseg), (128,), args)
@@ -380,17 +401,73 @@ class CupyOps:
         self._tables[id(experts)] = (experts, tabs)
         return tabs
 
+    @staticmethod
+    def _moe_max_segments(p: int, n_experts: int, step: int) -> int:
+        """Segment slots that p pairs over n_experts, cut every `step` rows, can need: an expert with c
+        pairs gives ceil(c / step) <= (c + step - 1) / step, and at most min(E, p) experts have pairs."""
+        return min(p, (p + min(n_experts, p) * (step - 1) + step - 1) // step)
+
+    def _moe_group(self, ids, n_experts: int, step: int) -> tuple[cp.ndarray, ...]:
+        """Pairs of ids [T, k] grouped by expert on the device (kernels/moe.cu moe_group), int32:
+        segs [maxseg * 5] (runs cut every `step` rows; unused slots rows = 0), gather [P] (token of
+        each sorted pair), inv [P] (sorted position of each pair), order [P] (stable argsort)."""
+        ids = cp.ascontiguousarray(cp.asarray(ids), dtype=cp.int64)
+        t, k = ids.shape
+        p = t * k
+        if p > _MOE_GROUP_MAXP or n_experts > 1 << 21:
+            raise ValueError(f"moe_group: {p} pairs over {n_experts} experts (<= {_MOE_GROUP_MAXP}, 2^21)")
+        ms = self._moe_max_segments(p, n_experts, step)
+        buf = cp.empty(5 * ms + 3 * p, cp.int32)  # one allocation, its size fixed by (T, k, E)
+        o = 5 * ms
+        segs, gather, inv, order = buf[:o], buf[o:o + p], buf[o + p:o + 2 * p], buf[o + 2 * p:]
+        K.function("moe", "moe_group")((1,), (_MOE_GROUP_MAXP,), (
+            ids, np.int32(p), np.int32(k), np.int32(n_experts), np.int32(step), np.int32(ms), order, inv, gather, segs))
+        return segs, gather, inv, order
+
+    def _moe_device(self, x: cp.ndarray, tabs, n_experts: int, weights, ids, limit: float) -> cp.ndarray:
+        """moe() with the pairs grouped by a kernel: no host round trip, shapes fixed by (T, k, E).
+        An expert gets at most one pair per token, so segments of min(8, T) rows (GEMV) split no run
+        that the host path would keep whole; they bound the rows per segment even if ids repeat."""
+        step = min(GEMV_MAX_ROWS, x.shape[0])
+        segs, gather, inv, _ = self._moe_group(ids, n_experts, step)
+        return self._moe_project(x, gather, tabs, segs, step, weights, inv, int(ids.shape[1]), limit)
+
+    def _moe_project(self, x: cp.ndarray, gather: cp.ndarray, tabs, segs: cp.ndarray, max_rows: int, weights,
+                     inv: cp.ndarray, k: int, limit: float) -> cp.ndarray:
+        """The experts over pairs sorted by expert (x rows gather [P]): w1, w3, swiglu, w2, each one
+        launch over the segment table; then y[t] = sum_j weights[t, j] * out[inv[t * k + j]]."""
+        d = x.shape[1]
+        p = gather.size
+        xp_rows = x[gather]
+        (w1, p1, s1), (w2, p2, s2), (w3, p3, s3) = tabs
+        inter = w1.shape[0]
+        gate = cp.empty((p, inter), F32)
+        up = cp.empty((p, inter), F32)
+        self._run_linear(xp_rows, gate, inter, d, segs, p1, s1, w1, max_rows)
+        self._run_linear(xp_rows, up, inter, d, segs, p3, s3, w3, max_rows)
+        act = self._swiglu(gate, up, limit)
+        out = cp.empty((p, d), F32)
+        self._run_linear(act, out, d, inter, segs, p2, s2, w2, max_rows)
+        y = cp.empty_like(x)
+        K.function("elementwise", "moe_combine")(_grid(y.size), (_ELT_BLOCK,), (
+            out, _c32(weights), inv, y, np.int64(y.size), np.int32(k), np.int32(d)))
+        return y
+
     def moe(self, x: cp.ndarray, experts: list, weights: cp.ndarray, ids: cp.ndarray, limit: float) -> cp.ndarray:
         """Routed experts: sum_k weights[t,k] * expert_{ids[t,k]}(x_t). experts[e] = (w1, w2, w3).
-        Pairs (t, k) are grouped by expert on the host (one small copy of the ids); each projection
-        is then one launch over per-expert segments."""
+        Pairs (t, k) are grouped by expert, then each projection is one launch over per-expert
+        segments. Up to MOE_DEVICE_MAX_PAIRS pairs (decode, small chunks) the grouping is a kernel
+        (no host sync: CUDA-graph capturable); above, on the host (one small copy of the ids), where
+        segments of up to 64 rows can use the tensor-core GEMM."""
         x = _c32(x)
         t, d = x.shape
         if t == 0:
             return cp.zeros_like(x)
+        tabs = self._expert_tables(experts)
+        if tabs is not None and ids.size <= min(MOE_DEVICE_MAX_PAIRS, _MOE_GROUP_MAXP):
+            return self._moe_device(x, tabs, len(experts), weights, ids, limit)
         ids_h = self.to_host(ids).astype(np.int64)
         k = ids_h.shape[1]
-        tabs = self._expert_tables(experts)
         if tabs is None:  # mixed formats: per-expert fallback through the dense kernels
             y = cp.zeros_like(x)
             wts = _c32(weights)
@@ -420,21 +497,8 @@ class CupyOps:
         packed = cp.asarray(np.concatenate([np.asarray(segs, np.int32).reshape(-1), (order // k).astype(np.int32),
                                             inv.astype(np.int32)]))
         nsg = 5 * len(segs)
-        segs = packed[:nsg]
-        xp_rows = x[packed[nsg:nsg + order.size]]
-        (w1, p1, s1), (w2, p2, s2), (w3, p3, s3) = tabs
-        inter = w1.shape[0]
-        gate = cp.empty((order.size, inter), F32)
-        up = cp.empty((order.size, inter), F32)
-        self._run_linear(xp_rows, gate, inter, d, segs, p1, s1, w1, mr)
-        self._run_linear(xp_rows, up, inter, d, segs, p3, s3, w3, mr)
-        act = self._swiglu(gate, up, limit)
-        out = cp.empty((order.size, d), F32)
-        self._run_linear(act, out, d, inter, segs, p2, s2, w2, mr)
-        y = cp.empty_like(x)
-        K.function("elementwise", "moe_combine")(_grid(y.size), (_ELT_BLOCK,), (
-            out, _c32(weights), packed[nsg + order.size:], y, np.int64(y.size), np.int32(k), np.int32(d)))
-        return y
+        return self._moe_project(x, packed[nsg:nsg + order.size], tabs, packed[:nsg], mr, weights,
+                                 packed[nsg + order.size:], k, limit)
 
     # ---- attention -------------------------------------------------------------------
     def attention(self, q: cp.ndarray, kv: cp.ndarray, bias: cp.ndarray, sinks: cp.ndarray,
@@ -468,14 +532,16 @@ class CupyOps:
 
     def topk_mask(self, scores: cp.ndarray, k: int) -> cp.ndarray:
         """Bool mask of each row's k best finite scores (ties: lower index first).
-        CuPy fallback (no kernel yet): cupy.argsort is a stable radix sort; + 0.0 folds -0.0."""
-        mask = cp.zeros(scores.shape, dtype=bool)
-        if k <= 0 or scores.shape[-1] == 0:
-            return mask
+        kernels/topk.cu, one block per row: radix-select of the k-th key, then the mask; no host
+        sync and nothing allocated but the mask (CUDA-graph capturable)."""
+        n = scores.shape[-1]
+        if k <= 0 or n == 0 or scores.size == 0:
+            return cp.zeros(scores.shape, dtype=bool)
         sc = _c32(scores)
-        idx = cp.argsort(-sc + F32(0.0), axis=-1)[:, :k]
-        cp.put_along_axis(mask, idx, True, axis=-1)
-        return mask & (sc > -np.inf)
+        mask = cp.empty(sc.shape, dtype=bool)  # every element is written
+        K.function("topk", "topk_mask")((sc.size // n,), (512,), (  # 512 = TOPK_THREADS
+            sc, mask, np.int32(n), np.int32(min(int(k), n))))
+        return mask
 
     def gated_pool(self, kv: cp.ndarray, gate: cp.ndarray) -> cp.ndarray:
         """kv, gate [G, R, D] -> sum_r softmax_r(gate) * kv  [G, D]."""

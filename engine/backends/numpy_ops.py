@@ -41,6 +41,11 @@ class NumpyOps:
     def to_host(self, x) -> np.ndarray:
         return np.asarray(x)
 
+    def graphed(self, key, fn, *arrays):
+        """Run a region of the forward (a pure function of arrays). Here simply fn(*arrays); the
+        GPU backend replays it as a CUDA graph once its shapes repeat."""
+        return fn(*arrays)
+
     # ---- dense math ------------------------------------------------------------------
     def linear(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         """y = x @ w.T with w [out, in]. einsum's own loops, not BLAS: each row's result is then

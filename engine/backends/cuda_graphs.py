@@ -1,0 +1,122 @@
+"""CUDA graphs for the fixed-shape regions of the forward (engine/model.py calls ops.graphed).
+
+A region is a pure function of device arrays (a layer's projections, its output projection,
+its FFN): the same kernels on the same shapes every decode step. The first call with a given
+(region, input shapes) runs eagerly (it compiles kernels and fills caches); the second is
+captured into a CUDA graph; later calls copy their inputs into the graph's input buffers and
+launch it: one launch from Python instead of tens.
+
+Memory: everything a capture allocates comes from one private pool, so eager work never lands
+in memory a graph writes. Graph outputs stay owned by their graph (valid until that region runs
+again, i.e. the next step) and are never freed, so no later capture reuses them; intermediates
+freed inside a capture may be reused by the next capture, which is safe because regions replay
+in the order they were captured in (one forward, one batch size, one stream). An input that is
+another graph's output is read in place (no copy), so chained regions cost no copies.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import cupy as cp
+
+log = logging.getLogger("dsuf.graphs")
+
+MAX_GRAPH_ROWS = 64  # regions over more rows (prefill) run eagerly: their shapes rarely repeat
+
+
+@dataclass
+class _Captured:
+    graph: object
+    fn: object  # keeps the region's weights (and so the key's id()) alive as long as the graph
+    slots: list  # per input: None (absent), ("copy", buffer) or ("direct", pointer)
+    out: object
+
+
+def _arrays(out) -> list:
+    return list(out) if isinstance(out, tuple) else [out]
+
+
+class RegionGraphs:
+    """Cache of captured regions, keyed by (region key, input shapes and dtypes)."""
+
+    def __init__(self, enabled: bool | None = None) -> None:
+        self.enabled = os.environ.get("DSUF_GRAPHS", "1") != "0" if enabled is None else enabled
+        self._seen: set = set()
+        self._graphs: dict = {}
+        self._owned: set[int] = set()  # data pointers of graph outputs
+        self._pool = cp.cuda.MemoryPool()
+        self.replays = 0
+        self.captures = 0
+
+    def __call__(self, key, fn, *arrays):
+        if not self.enabled or any(a is not None and (a.ndim == 0 or a.shape[0] > MAX_GRAPH_ROWS) for a in arrays):
+            return fn(*arrays)
+        sig = (key, tuple(None if a is None else (a.shape, a.dtype.str) for a in arrays))
+        if sig in self._graphs:
+            cap = self._graphs[sig]
+        elif sig not in self._seen:  # first time: warm up eagerly
+            self._seen.add(sig)
+            return fn(*arrays)
+        else:
+            cap = self._capture(sig, fn, arrays)
+        if cap is None:  # capture failed once: this region stays eager
+            return fn(*arrays)
+        return self._replay(cap, fn, arrays)
+
+    def _capture(self, sig, fn, arrays) -> _Captured | None:
+        slots, inputs = [], []
+        with cp.cuda.using_allocator(self._pool.malloc):
+            for a in arrays:
+                if a is None:
+                    slots.append(None)
+                    inputs.append(None)
+                elif a.flags.c_contiguous and a.data.ptr in self._owned:
+                    slots.append(("direct", a.data.ptr))
+                    inputs.append(a)
+                else:
+                    buf = cp.ascontiguousarray(a).copy()
+                    slots.append(("copy", buf))
+                    inputs.append(buf)
+            caller = cp.cuda.get_current_stream()
+            stream = cp.cuda.Stream(non_blocking=True)
+            stream.wait_event(caller.record())
+            try:
+                with stream:
+                    stream.begin_capture(mode=cp.cuda.runtime.streamCaptureModeRelaxed)
+                    try:
+                        out = fn(*inputs)
+                    finally:
+                        graph = stream.end_capture()
+            except Exception as e:  # noqa: BLE001 - an op that cannot be captured: stay eager
+                log.warning("region %s not captured (%s: %s); it runs eagerly", sig[0], type(e).__name__, e)
+                self._graphs[sig] = None
+                caller.wait_event(stream.record())
+                return None
+            caller.wait_event(stream.record())
+        for a in _arrays(out):
+            self._owned.add(a.data.ptr)
+        cap = _Captured(graph, fn, slots, out)
+        self._graphs[sig] = cap
+        self.captures += 1
+        return cap
+
+    def _replay(self, cap: _Captured, fn, arrays):
+        stream = cp.cuda.get_current_stream()
+        for slot, a in zip(cap.slots, arrays, strict=True):
+            if slot is None:
+                continue
+            kind, ref = slot
+            if kind == "direct":
+                if a.data.ptr != ref:  # the producer ran eagerly this time: so does this region
+                    return fn(*arrays)
+                continue
+            if a.dtype != ref.dtype or not a.flags.c_contiguous:
+                a = cp.ascontiguousarray(a, dtype=ref.dtype)
+            cp.cuda.runtime.memcpyAsync(ref.data.ptr, a.data.ptr, ref.nbytes,
+                                        cp.cuda.runtime.memcpyDeviceToDevice, stream.ptr)
+        cap.graph.launch(stream)
+        self.replays += 1
+        return cap.out
