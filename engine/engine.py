@@ -60,13 +60,17 @@ class Engine:
             raise FileNotFoundError(f"{tok_json}: checkpoint has no tokenizer.json")
         tokenizer = Tokenizer.from_dir(path)
         ckpt = Checkpoint(path, block_size=cfg.weight_block_size)
-        # ---- --gpus: memory plan, then one device (TP > 1 on GPUs is pending) ----
-        device, plan = None, None
+        # ---- --gpus: memory plan, then one device, or one tensor-parallel rank per device ----
+        device, plan, ids = None, None, []
         if gpus is not None:
-            device, plan = _plan_gpus(cfg, ckpt, gpus, max_seqs, max_context or cfg.max_position_embeddings,
-                                      prefill_chunk)
-            backend = "cupy"
-        if device is not None:
+            ids, plan = _plan_gpus(cfg, ckpt, gpus, max_seqs, max_context or cfg.max_position_embeddings,
+                                   prefill_chunk)
+            backend, device = "cupy", ids[0]
+        if len(ids) > 1:
+            from engine.tp_gpu import GpuTP
+
+            model = GpuTP(cfg, ckpt, ids, tok_json)
+        elif device is not None:
             import cupy
 
             with cupy.cuda.Device(device):
@@ -74,7 +78,8 @@ class Engine:
         else:
             model = Model(cfg, ckpt, make_ops(backend), tok_json)
         log.info("loaded %s (%s, %d layers, hidden %d) on %s%s", path.name, cfg.arch, cfg.num_layers,
-                 cfg.hidden_size, backend, f" (GPU {device})" if device is not None else "")
+                 cfg.hidden_size, backend, f" (GPUs {ids}, tensor parallel)" if len(ids) > 1
+                 else f" (GPU {device})" if device is not None else "")
         eng = cls(cfg, model, tokenizer, path.name, path, device=device)
         eng.memory_plan = plan
         return eng
@@ -125,9 +130,8 @@ class Engine:
 
 
 def _plan_gpus(cfg: ModelConfig, ckpt: Checkpoint, gpus, max_seqs: int, max_context: int, prefill_chunk: int):
-    """--gpus: check the memory plan against the GPUs' free memory (MemoryPlanError if it does not
-    fit); returns (the device to load on, the plan). More than one GPU: NotImplementedError after
-    the check (tensor parallelism runs only as the numpy simulation so far)."""
+    """--gpus: check the memory plan (one tensor-parallel rank per GPU) against the GPUs' free
+    memory (MemoryPlanError if it does not fit); returns (the device ids, the plan)."""
     from engine import memory_plan as mp
 
     ids = mp.parse_gpus(gpus)
@@ -135,10 +139,4 @@ def _plan_gpus(cfg: ModelConfig, ckpt: Checkpoint, gpus, max_seqs: int, max_cont
     plan = mp.check(mp.plan_memory(cfg, ckpt, len(ids), min(free), max_seqs, max_context,
                                    prefill_chunk=prefill_chunk, name=Path(ckpt.path).name))
     log.info("%s", plan.summary())
-    if len(ids) > 1:
-        raise NotImplementedError(
-            f"--gpus {','.join(map(str, ids))}: the model fits {len(ids)} GPUs "
-            f"({plan.worst.total / (1 << 30):.1f} GiB per GPU), but tensor parallelism over several GPUs "
-            "is not implemented yet (only the numpy simulation, engine/tp.py); use one GPU (--gpus N) "
-            "with a checkpoint that fits it")
-    return ids[0], plan
+    return ids, plan

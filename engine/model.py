@@ -206,7 +206,8 @@ class Model:
         d = self.cfg.head_dim
         layers = [LayerState(window=self.ops.xp.zeros((0, d), np.float32)) for _ in range(self.cfg.num_layers)]
         codecs = dict(V41_CODECS) if self.store_quantized else {}
-        return SequenceState(position=0, layers=layers, model_key=self.model_key, codecs=codecs, placed=self.ops.name)
+        return SequenceState(position=0, layers=layers, model_key=self.model_key, codecs=codecs,
+                             placed=getattr(self.ops, "placement", self.ops.name))
 
     def state_bytes_per_token(self) -> tuple[float, int]:
         """(bytes per token of context, fixed bytes per sequence) in the stored formats: V4.1 keeps
@@ -242,7 +243,7 @@ class Model:
             raise ValueError("forward needs one chunk per state")
         seqs, ids, pos, start = [], [], [], 0
         for st, ch in zip(states, chunks, strict=True):
-            place(st, ops.name, ops.asarray)  # e.g. a state read back from bytes, for a GPU model
+            place(st, getattr(ops, "placement", ops.name), ops.asarray)  # e.g. one restored from bytes
             ch = np.asarray(ch, dtype=np.int64).reshape(-1)
             if ch.size == 0:
                 raise ValueError("every chunk needs at least one token")
@@ -258,12 +259,15 @@ class Model:
 
         v0, v1 = self.plan.vocab
         local = (ids_all >= v0) & (ids_all < v1)  # vocab-parallel: other ranks hold the other rows
-        x = ops.embed(self.w.embed, np.where(local, ids_all - v0, 0)) * ops.asarray(local[:, None])
+        x = ops.embed(self.w.embed, np.where(local, ids_all - v0, 0))
+        if not local.all():
+            x = x * ops.asarray(local[:, None])
         x = yield Collective("sum", x)
         h = ops.xp.repeat(x[:, None, :], cfg.hc_mult, axis=1)
-        ropes = {"main": rope_tables(self.freq_main, pos_all, cfg.rope_main.attention_factor),
-                 "compress": rope_tables(self.freq_comp, pos_all, cfg.rope_compress.attention_factor)}
-        ropes = {k: (ops.asarray(c), ops.asarray(s)) for k, (c, s) in ropes.items()}
+        # cos / sin of both RoPE tables in one host->device copy
+        tabs = ops.asarray(np.stack([*rope_tables(self.freq_main, pos_all, cfg.rope_main.attention_factor),
+                                     *rope_tables(self.freq_comp, pos_all, cfg.rope_compress.attention_factor)]))
+        ropes = {"main": (tabs[0], tabs[1]), "compress": (tabs[2], tabs[3])}
         pre_mix = None
         if cfg.arch == "v41":  # single-pass mHC: the first site collapses stream 0
             pre_mix = ops.xp.zeros((len(ids_all), cfg.hc_mult), dtype=np.float32)
@@ -405,7 +409,7 @@ class Model:
         cfg, ops, xp = self.cfg, self.ops, self.ops.xp
         hn, d = self.plan.heads[1] - self.plan.heads[0], cfg.head_dim
         ratio = cfg.compress_ratios[li]
-        out = xp.empty_like(q)
+        out = xp.empty_like(q) if len(seqs) > 1 else None
         win = cfg.sliding_window
         for s in seqs:
             st = s.state.layers[li]
@@ -413,7 +417,10 @@ class Model:
             keys = xp.concatenate([st.window, kv[r]], axis=0)
             kpos = np.arange(s.pos[0] - st.window.shape[0], s.pos[-1] + 1)
             visible = (kpos[None, :] <= s.pos[:, None]) & (kpos[None, :] > s.pos[:, None] - win)
-            bias = ops.asarray(np.where(visible, np.float32(0.0), NEG_INF))
+            if visible.all():  # decode: the whole window (no host->device copy)
+                bias = xp.zeros(visible.shape, dtype=np.float32)
+            else:
+                bias = ops.asarray(np.where(visible, np.float32(0.0), NEG_INF))
             st.window = keys[max(keys.shape[0] - (win - 1), 0):] if win > 1 else keys[:0]
             if ratio:
                 comp, cbias = (self._v41_compressed(li, L, x[r], q_res[r], s) if cfg.arch == "v41"
@@ -422,7 +429,11 @@ class Model:
                     keys = xp.concatenate([keys, comp], axis=0)
                     bias = xp.concatenate([bias, cbias], axis=1)
             if hn:
-                out[r] = ops.attention(q[r], keys, bias, L.sinks, d**-0.5)
+                o = ops.attention(q[r], keys, bias, L.sinks, d**-0.5)
+                if out is None:
+                    out = o
+                else:
+                    out[r] = o
         return out if hn else None
 
     def _comp_rope(self, x, first: int, ratio: int):
@@ -498,8 +509,8 @@ class Model:
             q = ops.fake_quant_fp4(q, 32)
         scores = ops.indexer_scores(q, keys, ops.linear(x, L.idx.weights_proj), hi, di)
         lens = (s.pos + 1) // ratio
-        visible = ops.asarray(np.arange(n)[None, :] < lens[:, None], dtype=bool)
-        scores = xp.where(visible, scores, NEG_INF)
+        if not (lens >= n).all():  # queries that see only part of the keys (prefill)
+            scores = xp.where(ops.asarray(np.arange(n)[None, :] < lens[:, None], dtype=bool), scores, NEG_INF)
         cand = cfg.candidate_source_layer_id
         if li == cand:
             s.shared["cand"] = self._candidate_blocks(scores, lens)
@@ -518,8 +529,13 @@ class Model:
         padded[:, :n] = scores
         block = padded.reshape(s, nb, bs).max(axis=-1)
         last = (lens.astype(np.int64) - 1) // bs  # -1 when nothing is visible yet
-        pin = ops.asarray(np.arange(nb)[None, :] == last[:, None], dtype=bool)
-        block = xp.where(pin, np.float32(np.inf), block)
+        if s <= 4:  # decode: a few scalar writes instead of a host->device mask
+            for i, b in enumerate(last):
+                if b >= 0:
+                    block[i, int(b)] = np.float32(np.inf)
+        else:
+            pin = ops.asarray(np.arange(nb)[None, :] == last[:, None], dtype=bool)
+            block = xp.where(pin, np.float32(np.inf), block)
         keep = ops.topk_mask(block, min(cfg.candidate_topk_blocks, nb))
         return xp.repeat(keep, bs, axis=1)[:, :n]
 

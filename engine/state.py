@@ -71,6 +71,7 @@ class SequenceState:
     model_key: str = ""
     codecs: dict = field(default_factory=dict)  # field name -> storage codec (V4.1: V41_CODECS)
     placed: str = field(default="", compare=False)  # backend its arrays live on ("": host numpy)
+    replicas: list = field(default_factory=list, compare=False, repr=False)  # other TP ranks' copies
 
     # ---- sizes -------------------------------------------------------------------------
     def nbytes(self) -> int:

@@ -16,6 +16,7 @@ tests the sharding math on CPUs), GPU ranks with NCCL later.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Generator, Iterable
 from dataclasses import dataclass, replace
 
@@ -135,26 +136,29 @@ def combine(msgs: list[Collective]) -> object:
     raise RuntimeError(f"unknown collective {op!r}")
 
 
-def run_ranks(gens: Iterable[Generator]) -> list:
-    """Drive the ranks' forward generators to completion; returns each rank's return value."""
+def run_ranks(gens: Iterable[Generator], reduce=None, contexts=None) -> list:
+    """Drive the ranks' forward generators to completion; returns each rank's return value.
+    reduce(msgs) -> one reply per rank (default: everyone gets `combine(msgs)`); contexts[r]
+    is entered around every resumption of rank r (e.g. its CUDA device)."""
     gens = list(gens)
-    msgs = [next(g) for g in gens]
-    results: list = [None] * len(gens)
+    ctx = contexts or [contextlib.nullcontext] * len(gens)
+
+    def resume(r: int, g: Generator, value=None, first: bool = False):
+        with ctx[r]():
+            try:
+                return next(g) if first else g.send(value)
+            except StopIteration as stop:
+                return stop
+
+    msgs = [resume(r, g, first=True) for r, g in enumerate(gens)]
     while True:
         done = [isinstance(m, StopIteration) for m in msgs]
         if all(done):
             return [m.value for m in msgs]
         if any(done):
             raise RuntimeError("ranks finished at different collectives")
-        reply = combine(msgs)
-        nxt = []
-        for g in gens:
-            try:
-                nxt.append(g.send(reply))
-            except StopIteration as stop:
-                nxt.append(stop)
-        msgs = nxt
-    return results
+        replies = reduce(msgs) if reduce is not None else [combine(msgs)] * len(gens)
+        msgs = [resume(r, g, replies[r]) for r, g in enumerate(gens)]
 
 
 def run_single(gen: Generator):

@@ -41,31 +41,61 @@ extern "C" __global__ void rope(const float* __restrict__ x, const float* __rest
   }
 }
 
-// mHC mixes of one token per block (256 threads). streams [T, hc, D] flat width F = hc*D;
-// fn [NM, F]. mode 0: NM = 2*hc + hc*hc -> pre, post, comb (Sinkhorn); mode 1 (hc_head): NM = hc
-// -> pre only.
+// mHC mixes, in two launches so a single token still spreads its fn reads (NM x F floats, 2 MB
+// at V4.1-Flash widths) over many SMs:
+//  1. hc_mix_partial, grid (T, S): block s dots its slice of F = hc*D (HC_SLICE floats) of the
+//     token's streams with every fn row and with itself -> part[t, s, 0..NM] (NM dots, then the
+//     sum of squares);
+//  2. hc_mixes, grid (T): sums the S partials in a fixed order (deterministic), scales the dots
+//     by the RMS norm, then mode 0: NM = 2*hc + hc*hc -> pre, post, comb (Sinkhorn); mode 1
+//     (hc_head): NM = hc -> pre only.
 #define MAX_MIX 80  // (2 + hc) * hc for hc <= 8
-extern "C" __global__ void hc_mixes(const float* __restrict__ h, const float* __restrict__ fn,
-                                    const float* __restrict__ scale, const float* __restrict__ base, int hc, int D,
-                                    int NM, float norm_eps, float hc_eps, int iters, int mode,
-                                    float* __restrict__ pre, float* __restrict__ post, float* __restrict__ comb) {
-  __shared__ float red[33];
-  __shared__ float mix[MAX_MIX];
-  const int F = hc * D;
-  const float* x = h + (size_t)blockIdx.x * F;
+#define HC_SLICE 1024  // floats of F per partial block: 256 threads x 4
+
+extern "C" __global__ void __launch_bounds__(256) hc_mix_partial(const float* __restrict__ h,
+                                                                 const float* __restrict__ fn, int F, int NM,
+                                                                 float* __restrict__ part) {
+  __shared__ float red[8][MAX_MIX + 1];
+  const int t = blockIdx.x, s = blockIdx.y, S = gridDim.y;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  float ss = 0.f;
-  for (int i = threadIdx.x; i < F; i += blockDim.x) ss += x[i] * x[i];
-  ss = block_sum(ss, red);
-  const float rstd = 1.f / sqrtf(ss / (float)F + norm_eps);
-  // each warp takes mixes j = warp, warp + 8, ...: dot(x, fn[j]) over F
-  for (int j = warp; j < NM; j += 8) {
-    const float* f = fn + (size_t)j * F;
+  const int i0 = s * HC_SLICE + threadIdx.x * 4;
+  float x[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) x[j] = i0 + j < F ? h[(size_t)t * F + i0 + j] : 0.f;
+  float ss = x[0] * x[0] + x[1] * x[1] + x[2] * x[2] + x[3] * x[3];
+  ss = warp_sum(ss);
+  if (lane == 0) red[warp][NM] = ss;
+  for (int m = 0; m < NM; ++m) {
+    const float* f = fn + (size_t)m * F;
     float a = 0.f;
-    for (int i = lane; i < F; i += 32) a += x[i] * f[i];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) a += i0 + j < F ? x[j] * f[i0 + j] : 0.f;
     a = warp_sum(a);
-    if (lane == 0) mix[j] = a * rstd;
+    if (lane == 0) red[warp][m] = a;
   }
+  __syncthreads();
+  for (int m = threadIdx.x; m <= NM; m += blockDim.x) {
+    float v = 0.f;
+    for (int w = 0; w < 8; ++w) v += red[w][m];
+    part[((size_t)t * S + s) * (NM + 1) + m] = v;
+  }
+}
+
+extern "C" __global__ void hc_mixes(const float* __restrict__ part, int S, const float* __restrict__ scale,
+                                    const float* __restrict__ base, int hc, int F, int NM, float norm_eps,
+                                    float hc_eps, int iters, int mode, float* __restrict__ pre,
+                                    float* __restrict__ post, float* __restrict__ comb) {
+  __shared__ float mix[MAX_MIX + 1];
+  const float* pt = part + (size_t)blockIdx.x * S * (NM + 1);
+  for (int m = threadIdx.x; m <= NM; m += blockDim.x) {
+    float v = 0.f;
+    for (int s = 0; s < S; ++s) v += pt[(size_t)s * (NM + 1) + m];
+    mix[m] = v;
+  }
+  __syncthreads();
+  const float rstd = 1.f / sqrtf(mix[NM] / (float)F + norm_eps);
+  __syncthreads();
+  for (int m = threadIdx.x; m < NM; m += blockDim.x) mix[m] *= rstd;
   __syncthreads();
   if (threadIdx.x != 0) return;
   const int t = blockIdx.x;

@@ -59,7 +59,7 @@ __device__ __forceinline__ uint4 ldg16(const void* p) { return __ldg((const uint
 // GEMV: block = 8 warps in 8/KW row groups of RPW consecutive output rows; the KW warps of a
 // group split the row's 16-byte chunks (KW = 1, 2, 4 or 8, chosen by the host so that short
 // matrices still put enough loads in flight to saturate HBM), then reduce through shared
-// memory. Each lane issues 2 x RPW independent 16-byte weight loads per iteration.
+// memory. Each lane issues U x RPW independent 16-byte weight loads per iteration.
 // grid (ceil(N / (RPW * 8 / KW)), nseg). A segment with rows == 0 (unused tail of a
 // device-built MoE table) returns at once and reads nothing.
 
@@ -69,6 +69,7 @@ __device__ __forceinline__ void gemv_body(const float* __restrict__ A, int lda, 
                                           const u64* __restrict__ wptrs, const u64* __restrict__ sptrs,
                                           int bn, int bk, int gk, int kw) {
   constexpr int EPC = Fmt<FMT>::EPC;
+  constexpr int U = MT <= 2 ? 4 : 2;  // chunks per lane in flight per row (registers allow more at small MT)
   __shared__ float red[8][RPW * MT];
   const int* sg = segs + 5 * blockIdx.y;
   const int widx = sg[0], row0 = sg[1], rows = sg[2], acol = sg[3], ycol = sg[4];
@@ -87,11 +88,11 @@ __device__ __forceinline__ void gemv_body(const float* __restrict__ A, int lda, 
   const float* Ab = A + (size_t)row0 * lda + acol;
   const int nchunks = n0 < N ? K / EPC : 0;
   const int cstep = 32 * kw;
-  for (int c = part * 32 + lane; c < nchunks; c += 2 * cstep) {
-    uint4 raw[2][RPW];
-    float sc[2][RPW];
+  for (int c = part * 32 + lane; c < nchunks; c += U * cstep) {
+    uint4 raw[U][RPW];
+    float sc[U][RPW];
 #pragma unroll
-    for (int u = 0; u < 2; ++u) {
+    for (int u = 0; u < U; ++u) {
       const int cc = c + u * cstep;
 #pragma unroll
       for (int r = 0; r < RPW; ++r) {
@@ -102,7 +103,7 @@ __device__ __forceinline__ void gemv_body(const float* __restrict__ A, int lda, 
       }
     }
 #pragma unroll
-    for (int u = 0; u < 2; ++u) {
+    for (int u = 0; u < U; ++u) {
       const int cc = c + u * cstep;
       if (cc < nchunks) {
         const int k0 = cc * EPC;
@@ -164,8 +165,8 @@ __device__ __forceinline__ void gemv_body(const float* __restrict__ A, int lda, 
 #define DEF_GEMV_FMT(TAG, FMT)                 \
   DEF_GEMV(gemv_##TAG##_m1, FMT, 1, 4)         \
   DEF_GEMV(gemv_##TAG##_m2, FMT, 2, 4)         \
-  DEF_GEMV(gemv_##TAG##_m4, FMT, 4, 2)         \
-  DEF_GEMV(gemv_##TAG##_m8, FMT, 8, 2)
+  DEF_GEMV(gemv_##TAG##_m4, FMT, 4, 4)         \
+  DEF_GEMV(gemv_##TAG##_m8, FMT, 8, 4)
 DEF_GEMV_FMT(f32, FMT_F32)
 DEF_GEMV_FMT(bf16, FMT_BF16)
 DEF_GEMV_FMT(fp8, FMT_FP8)

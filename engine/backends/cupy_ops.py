@@ -93,7 +93,7 @@ def _gemv_split(n: int, nchunks: int, rpw: int, nseg: int) -> int:
     """Warps sharing one GEMV row group (1, 2, 4 or 8): split K while the launch has too few warps
     to keep HBM busy (~32 per SM on 132 SMs) and every lane still gets >= 2 chunks to load."""
     kw, warps = 1, -(-n // rpw) * nseg
-    while kw < 8 and warps * kw < GEMV_WARPS_TARGET and nchunks >= 64 * kw * 2:
+    while kw < 8 and warps * kw < GEMV_WARPS_TARGET and nchunks >= 32 * kw * 2:
         kw *= 2
     return kw
 
@@ -120,6 +120,8 @@ class CupyOps:
         """graphs: replay the forward's fixed-shape regions as CUDA graphs (default on; the
         environment variable DSUF_GRAPHS=0 turns them off)."""
         self.graphs = RegionGraphs(graphs)
+        self.device = cp.cuda.Device().id  # the device this backend's arrays live on
+        self.placement = f"cupy:{self.device}"
         self._tables: dict[int, tuple] = {}  # id(expert list) -> (list, pointer tables)
         self._seg_cache: dict[tuple, cp.ndarray] = {}
         self._group_ptrs: dict[tuple[int, int], tuple] = {}
@@ -183,7 +185,7 @@ class CupyOps:
                 np.int32(w.block[0]), np.int32(w.block[1]), np.int32(w.gk))
         if max_rows <= GEMV_MAX_ROWS:
             mt = 1 if max_rows <= 1 else 2 if max_rows <= 2 else 4 if max_rows <= 4 else 8
-            rpw = 4 if mt <= 2 else 2
+            rpw = 4
             kw = _gemv_split(n, k // _EPC[w.fmt], rpw, nseg)
             fn = K.function("linear", f"gemv_{tag}_m{mt}")
             fn((math.ceil(n / (rpw * 8 // kw)), nseg), (256,), (*args, np.int32(kw)))
@@ -314,6 +316,17 @@ class CupyOps:
         return y
 
     # ---- mHC -------------------------------------------------------------------------
+    def _hc_partials(self, streams: cp.ndarray, fn: cp.ndarray) -> tuple[cp.ndarray, int]:
+        t, hc, d = streams.shape
+        f, nm = hc * d, fn.shape[0]
+        if nm > 80:
+            raise ValueError(f"mHC kernel supports <= 80 mixes (got {nm})")
+        s = -(-f // 1024)
+        part = cp.empty((t, s, nm + 1), F32)
+        K.function("elementwise", "hc_mix_partial")((t, s), (256,), (_c32(streams), _c32(fn), np.int32(f),
+                                                                     np.int32(nm), part))
+        return part, s
+
     def hc_mixes(self, streams: cp.ndarray, fn: cp.ndarray, scale: cp.ndarray, base: cp.ndarray,
                  norm_eps: float, hc_eps: float, iters: int) -> tuple[cp.ndarray, cp.ndarray, cp.ndarray]:
         t, hc, d = streams.shape
@@ -321,9 +334,10 @@ class CupyOps:
         post = cp.empty((t, hc), F32)
         comb = cp.empty((t, hc, hc), F32)
         if t:
-            K.function("elementwise", "hc_mixes")((t,), (256,), (
-                _c32(streams), _c32(fn), _c32(scale), _c32(base), np.int32(hc), np.int32(d),
-                np.int32(fn.shape[0]), F32(norm_eps), F32(hc_eps), np.int32(iters), np.int32(0), pre, post, comb))
+            part, s = self._hc_partials(streams, fn)
+            K.function("elementwise", "hc_mixes")((t,), (128,), (
+                part, np.int32(s), _c32(scale), _c32(base), np.int32(hc), np.int32(hc * d), np.int32(fn.shape[0]),
+                F32(norm_eps), F32(hc_eps), np.int32(iters), np.int32(0), pre, post, comb))
         return pre, post, comb
 
     def hc_head_pre(self, streams: cp.ndarray, fn: cp.ndarray, scale: cp.ndarray, base: cp.ndarray,
@@ -331,9 +345,10 @@ class CupyOps:
         t, hc, d = streams.shape
         pre = cp.empty((t, hc), F32)
         if t:
-            K.function("elementwise", "hc_mixes")((t,), (256,), (
-                _c32(streams), _c32(fn), _c32(scale), _c32(base), np.int32(hc), np.int32(d),
-                np.int32(fn.shape[0]), F32(norm_eps), F32(hc_eps), np.int32(0), np.int32(1), pre, pre, pre))
+            part, s = self._hc_partials(streams, fn)
+            K.function("elementwise", "hc_mixes")((t,), (128,), (
+                part, np.int32(s), _c32(scale), _c32(base), np.int32(hc), np.int32(hc * d), np.int32(fn.shape[0]),
+                F32(norm_eps), F32(hc_eps), np.int32(0), np.int32(1), pre, pre, pre))
         return pre
 
     def hc_collapse(self, streams: cp.ndarray, pre: cp.ndarray) -> cp.ndarray:

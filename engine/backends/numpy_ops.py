@@ -19,7 +19,7 @@ NEG_INF = F32(-np.inf)
 class NumpyOps:
     """Reference implementation of every op of the forward pass, float32 throughout."""
 
-    name = "numpy"
+    name = placement = "numpy"
     xp = np
 
     # ---- weights ---------------------------------------------------------------------

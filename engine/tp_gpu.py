@@ -1,0 +1,134 @@
+"""Tensor parallelism over the GPUs of one process: one rank per device, one Python thread.
+
+Rank r's Model (engine/model.py, its ShardPlan slice of the weights read straight from the
+safetensors files) lives on devices[r] with its own CupyOps (kernels, region CUDA graphs).
+`engine.tp.run_ranks` resumes each rank's forward generator under its device until the next
+collective; sums are NCCL all-reduces (cupy.cuda.nccl, in place, one group call over all
+ranks on each device's current stream), and the logits gather is a host concatenation (every
+rank already copies its vocabulary slice to the host).
+
+Sequence state: K=V, compressors, indexer and Engram are replicated, so every rank holds an
+identical copy of a sequence's state. The caller sees one SequenceState per sequence: rank 0's;
+the others' copies ride along in its `replicas`. A state restored from bytes (host arrays) is
+placed on every device before its first step.
+
+The same driver runs several ranks on one device (devices [0, 0]): collectives are then device
+sums instead of NCCL, which lets one GPU test the sharded path.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import numpy as np
+
+from engine.state import SequenceState, place
+from engine.tp import Collective, ShardPlan, combine, run_ranks
+
+log = logging.getLogger("dsuf.tp")
+
+
+class GpuTP:
+    """A model sharded over `devices` (one rank each); the Model-like forward / new_state."""
+
+    def __init__(self, cfg, ckpt, devices: list[int], tokenizer_json=None, store_quantized: bool = True,
+                 make_ops=None) -> None:
+        import cupy as cp
+
+        from engine.backends.cupy_ops import CupyOps
+        from engine.model import Model
+
+        self.cp, self.cfg, self.devices = cp, cfg, list(devices)
+        self.size = len(self.devices)
+        make_ops = make_ops or CupyOps
+        self.ranks = []
+        for r, dev in enumerate(self.devices):
+            with cp.cuda.Device(dev):
+                self.ranks.append(Model(cfg, ckpt, make_ops(), tokenizer_json, store_quantized,
+                                        plan=ShardPlan.make(cfg, r, self.size)))
+        self.model_key = self.ranks[0].model_key
+        self.comms = None
+        if len(set(self.devices)) == self.size:  # one rank per GPU: NCCL (also for one rank)
+            from cupy.cuda import nccl
+
+            self.nccl = nccl
+            self.comms = nccl.NcclCommunicator.initAll(self.devices)
+            log.info("NCCL %s communicators over GPUs %s", nccl.get_version(), self.devices)
+
+    # ---- the Model interface the Engine uses -------------------------------------------------
+    @property
+    def ops(self):
+        return self.ranks[0].ops
+
+    def state_bytes_per_token(self):
+        return self.ranks[0].state_bytes_per_token()
+
+    def new_state(self) -> SequenceState:
+        states = []
+        for dev, m in zip(self.devices, self.ranks, strict=True):
+            with self.cp.cuda.Device(dev):
+                states.append(m.new_state())
+        states[0].replicas = states[1:]
+        return states[0]
+
+    def forward(self, states: list[SequenceState], chunks: list, all_logits: bool = False) -> list[np.ndarray]:
+        per_rank = self._per_rank(states)
+        gens = [m.forward_steps(per_rank[r], chunks, all_logits) for r, m in enumerate(self.ranks)]
+        outs = run_ranks(gens, reduce=self._reduce, contexts=[self._device(d) for d in self.devices])
+        return outs[0]
+
+    # ---- internals ---------------------------------------------------------------------------
+    def _device(self, dev: int):
+        return lambda: self.cp.cuda.Device(dev)
+
+    def _per_rank(self, states: list[SequenceState]) -> list[list[SequenceState]]:
+        """Rank r's copy of every sequence's state (made on first sight: a restored state)."""
+        for st in states:
+            if len(st.replicas) == self.size - 1:
+                continue
+            host = copy.deepcopy(st) if st.placed == "" else None  # restored from bytes: host arrays
+            reps = []
+            for dev, m in zip(self.devices[1:], self.ranks[1:], strict=True):
+                with self.cp.cuda.Device(dev):
+                    rep = copy.deepcopy(host) if host is not None else _device_copy(st, self.cp)
+                    rep.replicas = []
+                    place(rep, m.ops.placement, m.ops.asarray)
+                reps.append(rep)
+            st.replicas = reps
+        return [list(states)] + [[st.replicas[r - 1] for st in states] for r in range(1, self.size)]
+
+    def _reduce(self, msgs: list[Collective]) -> list:
+        op = msgs[0].op
+        if op != "sum":
+            return [combine(msgs)] * self.size  # the logits gather: host arrays
+        cp = self.cp
+        parts = [cp.ascontiguousarray(m.value, dtype=cp.float32) for m in msgs]
+        if self.comms is None:  # ranks share a device: a plain sum, one copy per rank
+            total = parts[0].copy()
+            for p in parts[1:]:
+                total += p
+            return [total] + [total.copy() for _ in parts[1:]]
+        nccl = self.nccl
+        nccl.groupStart()
+        for dev, comm, p in zip(self.devices, self.comms, parts, strict=True):
+            with cp.cuda.Device(dev):
+                comm.allReduce(p.data.ptr, p.data.ptr, p.size, nccl.NCCL_FLOAT32, nccl.NCCL_SUM,
+                               cp.cuda.get_current_stream().ptr)
+        nccl.groupEnd()
+        return parts
+
+
+def _device_copy(st: SequenceState, cp) -> SequenceState:
+    """A copy of a device-resident state on the current device (peer copies)."""
+    rep = copy.copy(st)
+    rep.layers = []
+    for ls in st.layers:
+        nl = copy.copy(ls)
+        for name, a in vars(ls).items():
+            if a is not None and hasattr(a, "shape"):
+                setattr(nl, name, cp.array(a, copy=True))
+        rep.layers.append(nl)
+    rep.recent_tokens = list(st.recent_tokens)
+    rep.placed = ""
+    return rep
