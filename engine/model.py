@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import numpy as np
 
@@ -182,6 +183,23 @@ class _Seq:
     shared: dict  # per-forward V4.1 group state: top-k mask, candidate blocks
 
 
+class _Projected(NamedTuple):
+    """Token-wise outputs of a V4.1 layer's compressor / indexer projections (None where the
+    layer has no such part): compressor kv / gate of every row (ratio > 1 sources), the RoPE'd
+    quantized entry and indexer key of every row (ratio-1 sources: each token is a group), the
+    indexer's query and head weights (index sources)."""
+
+    comp_kv: object = None
+    comp_gate: object = None
+    entry: object = None
+    idx_key: object = None
+    idx_q: object = None
+    idx_w: object = None
+
+    def rows(self, r: slice) -> _Projected:
+        return _Projected(*(None if a is None else a[r] for a in self))
+
+
 class Model:
     def __init__(self, cfg: ModelConfig, ckpt, ops, tokenizer_json: str | Path | None = None,
                  store_quantized: bool = True, plan: ShardPlan | None = None):
@@ -288,9 +306,9 @@ class Model:
             eng = None
             if L.engram is not None:
                 eng = ops.xp.ascontiguousarray(hash_dev[:, cfg.engram_layer_ids.index(li)])
-            h, xa, q_res, q, kv, pre_a, post_a, comb_a = ops.graphed(
+            h, xa, q_res, q, kv, pre_a, post_a, comb_a, *extra = ops.graphed(
                 ("in", id(L)), lambda *a, li=li, L=L: self._layer_in(li, L, *a), h, pre_mix, eng, cos, sin)
-            out = self._attention(li, L, xa, q_res, q, kv, seqs, ropes)
+            out = self._attention(li, L, xa, q_res, q, kv, seqs, ropes, _Projected(*extra))
             part = (ops.graphed(("attn_out", id(L)), lambda *a, L=L: self._attn_out(L, *a), out, cos, sin)
                     if out is not None else ops.xp.zeros((xa.shape[0], cfg.hidden_size), dtype=np.float32))
             attn = yield Collective("sum", part)
@@ -373,7 +391,35 @@ class Model:
         kv = ops.rope(ops.rmsnorm(ops.linear(xa, L.wkv), L.kv_norm, cfg.rms_norm_eps), cos, sin)
         if self.store_quantized:
             kv = ops.fake_quant_fp8(kv, 32)  # the window is stored as FP8 e4m3 + UE8M0 per 32
-        return h, xa, q_res, q, kv, pre_a, post_a, comb_a
+        return (h, xa, q_res, q, kv, pre_a, post_a, comb_a, *self._v41_projections(li, L, xa, q_res, cos, sin))
+
+    def _v41_projections(self, li: int, L, x, q_res, cos, sin) -> tuple:
+        """The token-wise part of a V4.1 layer's compressor and indexer (see _Projected), done for
+        every row here so it can be graphed; the attention then only appends and selects."""
+        cfg, ops = self.cfg, self.ops
+        p = [None] * len(_Projected._fields)
+        ratio = cfg.compress_ratios[li]
+        if cfg.arch != "v41" or not ratio:
+            return tuple(p)
+        if cfg.layer_kinds[li] == "source":
+            c = L.comp
+            kv = ops.linear(x, c.wkv)
+            if ratio > 1:
+                p[0], p[1] = kv, ops.linear(x, c.wgate)
+            else:  # every token closes its own group at its own position: the entry and key now
+                latent = ops.rmsnorm(kv, c.norm, cfg.rms_norm_eps)
+                p[2] = ops.rope(latent, cos, sin)
+                if self.store_quantized:  # compressed KV is stored as FP4 e2m1 + e4m3 scale per 16
+                    p[2] = ops.fake_quant_fp4(p[2], 16, e4m3_scales=True)
+                if L.idx is not None:
+                    k = ops.rope(ops.rmsnorm(ops.linear(latent, L.idx.wk), L.idx.k_norm, cfg.rms_norm_eps), cos, sin)
+                    p[3] = ops.fake_quant_fp4(k, 32) if self.store_quantized else k  # MXFP4 indexer keys
+        if L.idx is not None:
+            hi, di = cfg.index_n_heads, cfg.index_head_dim
+            q = ops.rope(ops.linear(q_res, L.idx.wq_b).reshape(-1, hi, di), cos, sin)
+            p[4] = ops.fake_quant_fp4(q, 32) if self.store_quantized else q  # the indexer scores in MXFP4
+            p[5] = ops.linear(x, L.idx.weights_proj)
+        return tuple(p)
 
     def _attn_out(self, L, out, cos, sin):
         """RoPE undone on the attention output, then the grouped output projection."""
@@ -403,7 +449,7 @@ class Model:
         return y
 
     # ---- attention ---------------------------------------------------------------------
-    def _attention(self, li: int, L, x, q_res, q, kv, seqs: list[_Seq], ropes):
+    def _attention(self, li: int, L, x, q_res, q, kv, seqs: list[_Seq], ropes, proj: _Projected):
         """Each sequence's queries over its window, the new K=V rows and its compressed entries;
         grows the state. Returns the per-head output [T, H, D] (None on a rank without heads)."""
         cfg, ops, xp = self.cfg, self.ops, self.ops.xp
@@ -423,7 +469,7 @@ class Model:
                 bias = ops.asarray(np.where(visible, np.float32(0.0), NEG_INF))
             st.window = keys[max(keys.shape[0] - (win - 1), 0):] if win > 1 else keys[:0]
             if ratio:
-                comp, cbias = (self._v41_compressed(li, L, x[r], q_res[r], s) if cfg.arch == "v41"
+                comp, cbias = (self._v41_compressed(li, L, proj.rows(r), s) if cfg.arch == "v41"
                                else self._v4_compressed(li, L, x[r], q_res[r], s))
                 if comp is not None and comp.shape[0]:
                     keys = xp.concatenate([keys, comp], axis=0)
@@ -446,20 +492,31 @@ class Model:
         return self.ops.rope(q, self.ops.asarray(c), self.ops.asarray(s))
 
     # V4.1 ---------------------------------------------------------------------------------
-    def _v41_compressed(self, li: int, L, x, q_res, s: _Seq):
-        """CSA2 branch of one sequence: returns (group's compressed entries, bias [S, n])."""
+    def _v41_compressed(self, li: int, L, p: _Projected, s: _Seq):
+        """CSA2 branch of one sequence (p: its rows of the layer's projections): returns (group's
+        compressed entries, bias [S, n])."""
         cfg, ops, xp = self.cfg, self.ops, self.ops.xp
         ratio = cfg.compress_ratios[li]
         st = s.state.layers[li]
-        latent, first = None, 0
+        latent, first, rotated, keys_new = None, 0, None, None
         if cfg.layer_kinds[li] == "source":
-            latent, first = self._v41_compress(L, x, st, ratio)
+            if ratio == 1:
+                rotated, keys_new = p.entry, p.idx_key
+            else:
+                latent, first = self._v41_pool(L, p, st, ratio)
+                if latent is not None:
+                    rotated = self._comp_rope(latent, first, ratio)
+                    if self.store_quantized:  # compressed KV is stored as FP4 e2m1 + e4m3 scale per 16
+                        rotated = ops.fake_quant_fp4(rotated, 16, e4m3_scales=True)
+                    if L.idx is not None:
+                        k = ops.rmsnorm(ops.linear(latent, L.idx.wk), L.idx.k_norm, cfg.rms_norm_eps)
+                        k = self._comp_rope(k, first, ratio)
+                        keys_new = ops.fake_quant_fp4(k, 32) if self.store_quantized else k  # MXFP4 keys
+            if keys_new is not None:
+                st.idx_keys = keys_new if st.idx_keys is None else xp.concatenate([st.idx_keys, keys_new], axis=0)
         if L.idx is not None:
-            self._v41_index(li, L, x, q_res, latent, first, s)
-        if latent is not None:
-            rotated = self._comp_rope(latent, first, ratio)
-            if self.store_quantized:  # compressed KV is stored as FP4 e2m1 + e4m3 scale per 16
-                rotated = ops.fake_quant_fp4(rotated, 16, e4m3_scales=True)
+            self._v41_index(li, p, s)
+        if rotated is not None:
             st.entries = rotated if st.entries is None else xp.concatenate([st.entries, rotated], axis=0)
         entries = s.state.layers[cfg.kv_group_source(li)].entries
         if entries is None or entries.shape[0] == 0:
@@ -470,14 +527,13 @@ class Model:
             return entries, xp.full((s.pos.size, entries.shape[0]), NEG_INF, dtype=np.float32)
         return entries, xp.where(mask, np.float32(0.0), NEG_INF).astype(np.float32)
 
-    def _v41_compress(self, L, x, st: LayerState, ratio: int):
-        """Pre-RoPE latents of the groups that close in this chunk (None if none)."""
+    def _v41_pool(self, L, p: _Projected, st: LayerState, ratio: int):
+        """Pre-RoPE latents of the ratio > 1 groups that close in this chunk (None if none), and
+        the position of the first."""
         cfg, ops, xp = self.cfg, self.ops, self.ops.xp
         c = L.comp
-        first = st.n_entries * ratio if ratio > 1 else st.n_entries
-        if ratio == 1:  # every token is its own group: no pooling
-            return ops.rmsnorm(ops.linear(x, c.wkv), c.norm, cfg.rms_norm_eps), first
-        kv, gate = ops.linear(x, c.wkv), ops.linear(x, c.wgate)
+        first = st.n_entries * ratio
+        kv, gate = p.comp_kv, p.comp_gate
         if st.buf_kv is not None and st.buf_kv.shape[0]:
             kv, gate = xp.concatenate([st.buf_kv, kv]), xp.concatenate([st.buf_gate, gate])
         usable = (kv.shape[0] // ratio) * ratio
@@ -488,26 +544,16 @@ class Model:
         pooled = ops.gated_pool(kv[:usable].reshape(g, ratio, dd), gate[:usable].reshape(g, ratio, dd))
         return ops.rmsnorm(pooled, c.norm, cfg.rms_norm_eps), first
 
-    def _v41_index(self, li: int, L, x, q_res, latent, first: int, s: _Seq) -> None:
+    def _v41_index(self, li: int, p: _Projected, s: _Seq) -> None:
         """Index source: publish this sequence's top-k mask (and candidate blocks) for the group."""
         cfg, ops, xp = self.cfg, self.ops, self.ops.xp
         ratio = cfg.compress_ratios[li]
-        if cfg.layer_kinds[li] == "source" and latent is not None:
-            st = s.state.layers[li]
-            k = ops.rmsnorm(ops.linear(latent, L.idx.wk), L.idx.k_norm, cfg.rms_norm_eps)
-            k = self._comp_rope(k, first, ratio)
-            if self.store_quantized:
-                k = ops.fake_quant_fp4(k, 32)  # MXFP4 indexer keys
-            st.idx_keys = k if st.idx_keys is None else xp.concatenate([st.idx_keys, k], axis=0)
         keys = s.state.layers[cfg.kv_group_source(li)].idx_keys
         if keys is None or keys.shape[0] == 0:
             return
         n = keys.shape[0]
         hi, di = cfg.index_n_heads, cfg.index_head_dim
-        q = self._query_rope(ops.linear(q_res, L.idx.wq_b).reshape(-1, hi, di), s.pos)
-        if self.store_quantized:  # the indexer scores in MXFP4, as it was trained
-            q = ops.fake_quant_fp4(q, 32)
-        scores = ops.indexer_scores(q, keys, ops.linear(x, L.idx.weights_proj), hi, di)
+        scores = ops.indexer_scores(p.idx_q, keys, p.idx_w, hi, di)
         lens = (s.pos + 1) // ratio
         if not (lens >= n).all():  # queries that see only part of the keys (prefill)
             scores = xp.where(ops.asarray(np.arange(n)[None, :] < lens[:, None], dtype=bool), scores, NEG_INF)

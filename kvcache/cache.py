@@ -300,19 +300,21 @@ class StateCache:
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
 
-    async def _claim(self, entry: Entry, force: bool) -> None:
+    async def _claim(self, entry: Entry, force: bool) -> bool:
+        """Claim (force) or re-check our record of an entry; False when Redis was not reached."""
         if self.directory is None or entry.evicted:
-            return
+            return True
         epoch = await self.directory.claim(entry.key, entry.n_tokens, entry.anchor, entry.size, entry.session,
                                            force=force, my_epoch=entry.epoch)
-        if epoch is None:  # Redis down: resync after reconnect advertises it
-            return
+        if epoch is None:  # Redis down: the resync after reconnect (and its retries) advertises it
+            return False
         if entry.evicted:  # evicted while we claimed: do not leave a record behind
             if epoch:
                 await self.directory.release(entry.key, epoch=epoch)
-            return
+            return True
         entry.epoch = epoch or None
         entry.advertise = bool(epoch)
+        return True
 
     async def _resync(self) -> None:
         """After every (re)connect: messages may have been lost and Redis may have restarted.
@@ -322,12 +324,24 @@ class StateCache:
             n = await self.directory.release_node()  # a previous run of this node id held them
             if n:
                 log.info("state cache: removed %d records of a previous run of this node", n)
-        await self._refresh_all()
+        if not await self._refresh_all():
+            # a pooled command connection may have died with the link (its first use fails and
+            # backs the directory off for a second): retry soon rather than at the next refresh
+            self._spawn(self._resync_retry())
 
-    async def _refresh_all(self) -> None:
+    async def _resync_retry(self, attempts: int = 8) -> None:
+        for i in range(attempts):
+            await asyncio.sleep(min(0.5 * (i + 1), 2.0) + 1.0)
+            if await self._refresh_all():
+                return
+
+    async def _refresh_all(self) -> bool:
+        """Re-check every advertised entry's record; False if Redis could not be reached for one."""
+        reached = True
         for e in self.store.entries():
             if e.advertise and not e.evicted:
-                await self._claim(e, force=False)
+                reached = await self._claim(e, force=False) and reached
+        return reached
 
     async def _refresh_loop(self) -> None:
         while True:

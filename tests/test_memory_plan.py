@@ -202,5 +202,15 @@ def test_engine_load_with_gpus_checks_memory_first(monkeypatch):
     with pytest.raises(mp.MemoryPlanError, match="does not fit 1 GPU"):
         Engine.load(None, gpus="0", max_seqs=4, max_context=4096)
     monkeypatch.setattr(mp, "gpu_free_bytes", lambda ids: [80 * GB] * len(ids))
-    with pytest.raises(NotImplementedError, match="tensor parallelism over several GPUs"):
+    import engine.tp_gpu
+
+    class Reached(Exception):
+        pass
+
+    def sharded(cfg, ckpt, devices, tok):  # stop where the GPUs would be touched (none in CI)
+        raise Reached(devices)
+
+    monkeypatch.setattr(engine.tp_gpu, "GpuTP", sharded)
+    with pytest.raises(Reached) as got:  # the plan fits two GPUs: one tensor-parallel rank on each
         Engine.load(None, gpus="0,1", max_seqs=4, max_context=4096)
+    assert got.value.args == ([0, 1],)

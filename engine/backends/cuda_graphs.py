@@ -36,7 +36,8 @@ class _Captured:
 
 
 def _arrays(out) -> list:
-    return list(out) if isinstance(out, tuple) else [out]
+    """The arrays a region returned (a tuple may hold None for parts a layer does not have)."""
+    return [a for a in (out if isinstance(out, tuple) else (out,)) if a is not None]
 
 
 class RegionGraphs:
