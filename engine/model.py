@@ -512,12 +512,12 @@ class Model:
                         k = ops.rmsnorm(ops.linear(latent, L.idx.wk), L.idx.k_norm, cfg.rms_norm_eps)
                         k = self._comp_rope(k, first, ratio)
                         keys_new = ops.fake_quant_fp4(k, 32) if self.store_quantized else k  # MXFP4 keys
-            if keys_new is not None:
-                st.idx_keys = keys_new if st.idx_keys is None else xp.concatenate([st.idx_keys, keys_new], axis=0)
+            if keys_new is not None:  # (a copy: region outputs are rewritten by the next step's replay)
+                st.idx_keys = keys_new.copy() if st.idx_keys is None else xp.concatenate([st.idx_keys, keys_new])
         if L.idx is not None:
             self._v41_index(li, p, s)
         if rotated is not None:
-            st.entries = rotated if st.entries is None else xp.concatenate([st.entries, rotated], axis=0)
+            st.entries = rotated.copy() if st.entries is None else xp.concatenate([st.entries, rotated], axis=0)
         entries = s.state.layers[cfg.kv_group_source(li)].entries
         if entries is None or entries.shape[0] == 0:
             return None, None
@@ -537,7 +537,8 @@ class Model:
         if st.buf_kv is not None and st.buf_kv.shape[0]:
             kv, gate = xp.concatenate([st.buf_kv, kv]), xp.concatenate([st.buf_gate, gate])
         usable = (kv.shape[0] // ratio) * ratio
-        st.buf_kv, st.buf_gate = kv[usable:], gate[usable:]
+        # copies: kv / gate may be a graphed region's outputs, which the next step overwrites
+        st.buf_kv, st.buf_gate = kv[usable:].copy(), gate[usable:].copy()
         if usable == 0:
             return None, first
         g, dd = usable // ratio, kv.shape[1]

@@ -6,6 +6,9 @@ its FFN): the same kernels on the same shapes every decode step. The first call 
 captured into a CUDA graph; later calls copy their inputs into the graph's input buffers and
 launch it: one launch from Python instead of tens.
 
+Contract: a region's outputs are its graph's buffers, rewritten by the next replay; anything
+kept across steps (sequence state) must be a copy, never a view of them.
+
 Memory: everything a capture allocates comes from one private pool, so eager work never lands
 in memory a graph writes. Graph outputs stay owned by their graph (valid until that region runs
 again, i.e. the next step) and are never freed, so no later capture reuses them; intermediates
