@@ -136,33 +136,40 @@ def _fp8_codes(q: np.ndarray) -> np.ndarray:
     return (code | ((bits >> 24) & 0x80).astype(np.int32)).astype(np.uint8)
 
 
-# midpoints between adjacent e2m1 magnitudes: a value's code is how many it reaches
-_FP4_MIDPOINTS = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=np.float32)
+# e2m1 code of a grid magnitude, indexed by 2 * |value| (0, 0.5, 1, 1.5, 2, 3, 4, 6 -> 0..7)
+_FP4_CODE_OF_2MAG = np.array([0, 1, 2, 3, 4, 0, 5, 0, 6, 0, 0, 0, 7], dtype=np.uint8)
 
 
 def _fp4_codes(q: np.ndarray) -> np.ndarray:
-    codes = np.searchsorted(_FP4_MIDPOINTS, np.abs(q), side="left").astype(np.uint8)
-    return codes | (np.signbit(q).astype(np.uint8) << 3)
+    """e2m1 codes of values that lie on the e2m1 grid: one table lookup (off-grid values get
+    some code, and encode_array's round-trip check then sends the array to float32)."""
+    idx = np.minimum(np.abs(q) * np.float32(2.0), np.float32(12.0)).astype(np.int32)
+    return _FP4_CODE_OF_2MAG[idx] | (np.signbit(q).astype(np.uint8) << 3)
 
 
-def _e4m3_scales(b: np.ndarray, amax: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _e4m3_scales(b: np.ndarray, amax: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """Recover each block's e4m3 scale from its FP4-dequantized values. Usually the largest value
     is code 6 (amax / 6); where the quantizer's scale sat in e4m3's coarse subnormal range the
-    largest code can be smaller, so try the other magnitudes until the block round-trips."""
+    largest code can be smaller, so try the other magnitudes until the block round-trips.
+    Returns (scale bytes, scales, codes), every block verified exact; None if some block is
+    not FP4 data (the array is then stored as float32)."""
     scale = np.zeros_like(amax)
+    codes = np.zeros(b.shape, dtype=np.uint8)
     todo = np.ones(amax.shape, dtype=bool)
     for top in (6.0, 4.0, 3.0, 2.0, 1.5, 1.0, 0.5):
-        idx = np.flatnonzero(todo)
-        if idx.size == 0:
+        idx = np.flatnonzero(todo) if top != 6.0 else None  # first pass: every block, no gather
+        if idx is not None and idx.size == 0:
             break
+        bb, am = (b, amax) if idx is None else (b[idx], amax[idx])
         cand = formats.fp8_e4m3_to_f32(formats.f32_to_fp8_e4m3(
-            np.maximum(amax[idx], np.float32(6.0 * 2.0**-9)) / np.float32(top)))
-        q = b[idx] / cand[:, None]
-        ok = (cand > 0) & np.all(formats.fp4_to_f32(_fp4_codes(q)) * cand[:, None] == b[idx], axis=1)
-        scale[idx[ok]] = cand[ok]
-        todo[idx[ok]] = False
-    scale[todo] = np.float32(1.0)  # not FP4 data: the round-trip check sends the array to float32
-    return formats.f32_to_fp8_e4m3(scale), scale
+            np.maximum(am, np.float32(6.0 * 2.0**-9)) / np.float32(top)))
+        c = _fp4_codes(bb / cand[:, None])
+        ok = (cand > 0) & np.all(formats.fp4_to_f32(c) * cand[:, None] == bb, axis=1)
+        sel = np.flatnonzero(ok) if idx is None else idx[ok]
+        scale[sel], codes[sel], todo[sel] = cand[ok], c[ok], False
+    if todo.any():
+        return None
+    return formats.f32_to_fp8_e4m3(scale), scale, codes
 
 
 def encode_array(a: np.ndarray, codec: int) -> tuple[int, bytes]:
@@ -178,12 +185,15 @@ def encode_array(a: np.ndarray, codec: int) -> tuple[int, bytes]:
         codes = _fp8_codes(b / scale[:, None])
         sbytes = (((scale.view(np.int32) >> 23) & 0xFF).astype(np.uint8)).tobytes()  # UE8M0 = the exponent
         payload = codes.tobytes()
+    elif codec == FP4_E4M3_16:
+        found = _e4m3_scales(b, amax)
+        if found is None:
+            return F32, a.tobytes()
+        scale_u8, _, codes = found  # every block already checked exact: no decode round trip
+        return codec, scale_u8.tobytes() + formats.fp4_pack_codes(codes.reshape(a.shape)).tobytes()
     else:
-        if codec == FP4_E4M3_16:
-            scale_u8, scale = _e4m3_scales(b, amax)
-        else:
-            scale = formats.pow2_ceil_f32(np.maximum(amax, np.float32(6.0 * 2.0**-126)) * np.float32(1.0 / 6.0))
-            scale_u8 = ((scale.view(np.int32) >> 23) & 0xFF).astype(np.uint8)
+        scale = formats.pow2_ceil_f32(np.maximum(amax, np.float32(6.0 * 2.0**-126)) * np.float32(1.0 / 6.0))
+        scale_u8 = ((scale.view(np.int32) >> 23) & 0xFF).astype(np.uint8)
         codes = _fp4_codes(b / scale[:, None])
         payload, sbytes = formats.fp4_pack_codes(codes).tobytes(), scale_u8.tobytes()
     blob = sbytes + payload

@@ -164,4 +164,7 @@ def test_state_codecs_are_lossless_over_a_wide_range() -> None:
         used, blob = encode_array(q, codec)
         assert used == codec and len(blob) == 2000 * size
         np.testing.assert_array_equal(decode_array(blob, q.shape, codec), q)
-    assert encode_array(x, FP8_UE8M0_32)[0] == 0  # unrounded data falls back to float32
+    for codec in (FP8_UE8M0_32, FP4_E4M3_16, FP4_UE8M0_32):  # unrounded data falls back to float32
+        used, blob = encode_array(x, codec)
+        assert used == 0
+        np.testing.assert_array_equal(decode_array(blob, x.shape, 0), x)
