@@ -73,6 +73,24 @@ class SequenceState:
     placed: str = field(default="", compare=False)  # backend its arrays live on ("": host numpy)
     replicas: list = field(default_factory=list, compare=False, repr=False)  # other TP ranks' copies
 
+    def clone(self) -> SequenceState:
+        """An independent copy on the same backend (n choices of one prompt fork its state);
+        tensor-parallel replicas are cloned on their own devices."""
+
+        def dup(a):
+            if a is None:
+                return None
+            dev = getattr(a, "device", None)
+            if hasattr(dev, "__enter__"):  # a CuPy array: copy it on its own GPU
+                with dev:
+                    return a.copy()
+            return a.copy()
+
+        layers = [LayerState(**{name: dup(getattr(ls, name)) for name in _ARRAY_FIELDS}) for ls in self.layers]
+        return SequenceState(position=self.position, layers=layers, recent_tokens=list(self.recent_tokens),
+                             model_key=self.model_key, codecs=dict(self.codecs), placed=self.placed,
+                             replicas=[r.clone() for r in self.replicas])
+
     # ---- sizes -------------------------------------------------------------------------
     def nbytes(self) -> int:
         return sum(a.nbytes for ls in self.layers for a in _arrays(ls).values())

@@ -76,6 +76,13 @@ class Sequence:
     session: str | None = None
     n_cached: int = 0
     snap_at: list[int] = field(default_factory=list)
+    # n > 1: choices 1.. of a prompt wait for choice 0's prefill and fork its state
+    leader: Sequence | None = None
+
+    @property
+    def waits_for_leader(self) -> bool:
+        ld = self.leader
+        return ld is not None and not ld.finished and ld.prefilling and self.prefilling
 
     @property
     def prefilling(self) -> bool:
@@ -150,13 +157,16 @@ class Scheduler:
         params = SamplingParams(**{**gen.sampling.__dict__, "logprobs": gen.logprobs,
                                    "top_logprobs": gen.top_logprobs})
         rngs = make_rngs(gen.sampling.seed, gen.n)
-        return [
+        seqs = [
             Sequence(gen=gen, index=first_index + i, prompt=prompt, max_tokens=max_tokens, params=params,
                      rng=rngs[i], sink=sink,
                      proc=OutputProcessor(self.engine.tokenizer, stop=gen.stop, thinking=gen.thinking,
                                           tools=gen.tools))
             for i in range(gen.n)
         ]
+        for s in seqs[1:]:  # the prompt is prefilled once, by choice 0
+            s.leader = seqs[0]
+        return seqs
 
     def submit(self, seqs: list[Sequence]) -> None:
         """Queue a request's sequences, all or none. Raises 503 when draining, 429 when full."""
@@ -229,7 +239,7 @@ class Scheduler:
                 chunks.append([s.generated[-1]])
                 do_sample.append(True)
         for s in self.running:  # FIFO: the oldest prompt gets the budget first
-            if s.prefilling and budget > 0:
+            if s.prefilling and budget > 0 and not s.waits_for_leader:
                 take = min(budget, len(s.prompt) - s.n_prefilled, kv_serving.chunk_limit(s) or budget)
                 batch.append(s)
                 chunks.append(s.prompt[s.n_prefilled:s.n_prefilled + take])
@@ -238,7 +248,9 @@ class Scheduler:
         return batch, chunks, do_sample
 
     def _execute(self, batch: list[Sequence], chunks: list[list[int]], do_sample: list[bool]) -> list:
-        """Runs in the engine thread."""
+        """Runs in the engine thread. A leader that finishes its prompt forks its state to the
+        choices waiting on it, which sample their first token from the same logits; they are
+        appended to batch / chunks (with an empty chunk) so _apply handles them alike."""
         for s in batch:
             if s.state is None:
                 s.state = self.engine.new_state()
@@ -246,8 +258,17 @@ class Scheduler:
         for s, chunk in zip(batch, chunks, strict=True):
             if s.prefilling:  # snapshot before the state moves on (kvcache/serving.py)
                 kv_serving.snapshot_prompt(self.kv, s, s.n_prefilled + len(chunk))
-        return [sample(logits[i], s.params, s.generated, s.rng) if do_sample[i] else None
-                for i, s in enumerate(batch)]
+        results = [sample(logits[i], s.params, s.generated, s.rng) if do_sample[i] else None
+                   for i, s in enumerate(batch)]
+        for i, (s, chunk) in enumerate(zip(list(batch), list(chunks), strict=True)):
+            if s.prefilling and s.n_prefilled + len(chunk) == len(s.prompt):
+                for f in self.running:
+                    if f.leader is s and f.prefilling and not f.finished:
+                        f.state = s.state.clone()
+                        batch.append(f)
+                        chunks.append([])
+                        results.append(sample(logits[i], f.params, f.generated, f.rng))
+        return results
 
     def _apply(self, batch: list[Sequence], chunks: list[list[int]], results: list) -> None:
         now = time.monotonic()
@@ -255,7 +276,8 @@ class Scheduler:
             if s.finished:  # cancelled while the step ran
                 continue
             if s.prefilling:
-                s.n_prefilled += len(chunk)
+                # an empty chunk: a forked choice, its leader prefilled the prompt for it
+                s.n_prefilled = s.n_prefilled + len(chunk) if chunk else len(s.prompt)
                 self.metrics.prompt_tokens.inc(len(chunk))
             if res is None:
                 continue

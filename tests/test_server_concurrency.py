@@ -285,3 +285,20 @@ def _probe(url: str) -> int | None:
         return _status(url)
     except OSError:
         return None
+
+
+def test_n_choices_prefill_the_prompt_once(server):
+    """n > 1: choice 0 prefills, the others fork its state at the end of the prompt (the engine
+    sees the prompt's tokens once) and still decode on their own random streams."""
+    client = openai.OpenAI(base_url=server.base + "/v1", api_key="x")
+    msgs = _msgs("Write a haiku about the sea, then explain it.")
+    before = _metrics(server)["dsuf_prompt_tokens_total"]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, temperature=1.0, seed=7, n=3)
+    fed = _metrics(server)["dsuf_prompt_tokens_total"] - before
+    assert fed == r.usage.prompt_tokens - (r.usage.prompt_tokens_details.cached_tokens or 0)
+    assert len({c.message.content for c in r.choices}) > 1
+    one = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, temperature=1.0, seed=7, n=1)
+    assert r.choices[0].message.content == one.choices[0].message.content
+    greedy = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, temperature=0, n=2)
+    ref = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, temperature=0, n=1)
+    assert [c.message.content for c in greedy.choices] == [ref.choices[0].message.content] * 2
