@@ -357,7 +357,27 @@ class ToolCall:
     arguments: str  # JSON object text
 
 
-Event = ReasoningDelta | ContentDelta | ToolCall
+# Streaming view of the same calls, for clients that show a call as it is written: a start as
+# soon as an invoke's name is known, then argument text as each parameter completes. The
+# fragments of one call concatenate to its ToolCall.arguments. An announced invoke that turns
+# out malformed (it then reaches the output as content, like any malformed block) ends with
+# ToolCallAbort, after which the streamed arguments must be closed by the consumer.
+@dataclass(frozen=True)
+class ToolCallStart:
+    name: str
+
+
+@dataclass(frozen=True)
+class ToolCallArgs:
+    text: str
+
+
+@dataclass(frozen=True)
+class ToolCallAbort:
+    closing: str  # text that makes the arguments streamed so far a JSON object
+
+
+Event = ReasoningDelta | ContentDelta | ToolCall | ToolCallStart | ToolCallArgs | ToolCallAbort
 
 # Both dialects are accepted: a server may host either, and the tags cannot collide.
 _BLOCK_TAGS = {d.open(d.block) + ">": d for d in DIALECTS.values()}
@@ -365,30 +385,40 @@ _CONTENT_STOPS = [EOS] + [p + t for t in _BLOCK_TAGS for p in ("\n\n", "")]
 _WS = " \t\r\n"
 
 
+def _argument_item(key: str, is_str: str, value: str) -> str:
+    """One `"key": value` of the arguments JSON; string="false" values kept verbatim."""
+    if is_str != "true":
+        try:
+            json.loads(value)
+        except ValueError:
+            is_str = "true"  # not JSON after all: keep it as a string
+    return f"{to_json(key)}: {to_json(value) if is_str == 'true' else value}"
+
+
 def _arguments_json(params: list[tuple[str, str, str]]) -> str:
-    """Arguments JSON in the reference's layout; string="false" values kept verbatim."""
-    items = []
-    for key, is_str, value in params:
-        if is_str != "true":
-            try:
-                json.loads(value)
-            except ValueError:
-                is_str = "true"  # not JSON after all: keep it as a string
-        items.append(f"{to_json(key)}: {to_json(value) if is_str == 'true' else value}")
-    return "{" + ", ".join(items) + "}"
+    """Arguments JSON in the reference's layout."""
+    return "{" + ", ".join(_argument_item(*p) for p in params) + "}"
 
 
-def _parse_invoke(text: str, d: Dialect) -> ToolCall | None:
-    """One complete `<｜DSML｜invoke ...>...</｜DSML｜invoke>`; None when malformed."""
-    head = re.match(re.escape(d.open(d.invoke)) + r' name="([^"\n]*)">', text)
-    if head is None or not text.endswith(d.close(d.invoke)):
-        return None
-    body = text[head.end() : len(text) - len(d.close(d.invoke))]
-    param = re.compile(
+def _invoke_head(d: Dialect) -> re.Pattern:
+    return re.compile(re.escape(d.open(d.invoke)) + r' name="([^"\n]*)">')
+
+
+def _param_re(d: Dialect) -> re.Pattern:
+    return re.compile(
         r'\s*' + re.escape(d.open(d.param)) + r' name="([^"\n]*)" string="(true|false)">(.*?)'
         + re.escape(d.close(d.param)),
         re.DOTALL,
     )
+
+
+def _parse_invoke(text: str, d: Dialect) -> ToolCall | None:
+    """One complete `<｜DSML｜invoke ...>...</｜DSML｜invoke>`; None when malformed."""
+    head = _invoke_head(d).match(text)
+    if head is None or not text.endswith(d.close(d.invoke)):
+        return None
+    body = text[head.end() : len(text) - len(d.close(d.invoke))]
+    param = _param_re(d)
     params, pos = [], 0
     while (m := param.match(body, pos)) is not None:
         params.append(m.groups())
@@ -419,6 +449,7 @@ class OutputParser:
         self._mode = "reasoning" if thinking else "content"
         self._buf = ""
         self._dialect: Dialect | None = None
+        self._streamed: list[str] | None = None  # keys of the open invoke's streamed parameters
 
     def feed(self, text: str) -> list[Event]:
         self._buf += text
@@ -483,19 +514,50 @@ class OutputParser:
             return True
         if body.startswith(invoke_tag):
             close = body.find(d.close(d.invoke))
+            self._stream_invoke(events, body if close < 0 else body[:close], d)
             if close >= 0:
                 call = _parse_invoke(body[: close + len(d.close(d.invoke))], d)
                 if call is not None:
+                    self._end_invoke(events, call)
                     events.append(call)
                     self._buf = body[close + len(d.close(d.invoke)) :]
                     return True
             elif not final:
                 return False
+            self._end_invoke(events, None)
         elif not final and (end_tag.startswith(body) or invoke_tag.startswith(body)):
             return False
         self._mode = "raw"  # malformed (or cut off): hand the rest over as plain content
         self._buf = buf
         return True
+
+    # ---- streaming view of an invoke (ToolCallStart / ToolCallArgs / ToolCallAbort) ----------
+    def _stream_invoke(self, events: list[Event], text: str, d: Dialect) -> None:
+        """Announce the invoke once its name is known and stream each newly completed
+        parameter; `text` is the invoke so far (without its close tag). Completed parts never
+        change as text arrives, so this is the same however the answer is split."""
+        head = _invoke_head(d).match(text)
+        if head is None:
+            return
+        if self._streamed is None:
+            events.append(ToolCallStart(head.group(1)))
+            self._streamed = []
+        param, pos, i = _param_re(d), head.end(), 0
+        while (m := param.match(text, pos)) is not None:
+            key, is_str, value = m.groups()
+            if i >= len(self._streamed):
+                if key in self._streamed:  # a repeated key: the invoke is malformed, stream no more
+                    return
+                events.append(ToolCallArgs(("{" if i == 0 else ", ") + _argument_item(key, is_str, value)))
+                self._streamed.append(key)
+            pos, i = m.end(), i + 1
+
+    def _end_invoke(self, events: list[Event], call: ToolCall | None) -> None:
+        if self._streamed is None:
+            return
+        closing = "}" if self._streamed else "{}"
+        events.append(ToolCallArgs(closing) if call is not None else ToolCallAbort(closing))
+        self._streamed = None
 
 
 @dataclass

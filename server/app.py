@@ -386,7 +386,11 @@ async def _collect(st: ServerState, gen: GenRequest, seqs: list[Sequence], sink:
         a = acc[ev.index]
         a["reasoning"] += ev.delta.reasoning
         a["content"] += ev.delta.content
-        a["tool_calls"] += ev.delta.tool_calls
+        for tc in ev.delta.tool_calls:  # a call's first delta, then its argument fragments
+            if "id" in tc:
+                a["tool_calls"].append({**tc, "function": dict(tc["function"])})
+            else:
+                a["tool_calls"][-1]["function"]["arguments"] += tc["function"]["arguments"]
         a["ids"] += ev.token_ids
         a["lp"] += ev.logprobs
         if ev.finish_reason is not None:

@@ -129,11 +129,17 @@ class OutputParser:
                 d.reasoning += e.text
             elif isinstance(e, chat_encoding.ContentDelta):
                 d.content += e.text
-            elif isinstance(e, chat_encoding.ToolCall):
+            elif isinstance(e, chat_encoding.ToolCallStart):  # streamed as it is written
                 d.tool_calls.append({"index": self.n_tool_calls, "id": "call_" + uuid.uuid4().hex[:24],
-                                     "type": "function",
-                                     "function": {"name": e.name, "arguments": e.arguments}})
+                                     "type": "function", "function": {"name": e.name, "arguments": ""}})
                 self.n_tool_calls += 1
+            elif isinstance(e, (chat_encoding.ToolCallArgs, chat_encoding.ToolCallAbort)):
+                text = e.text if isinstance(e, chat_encoding.ToolCallArgs) else e.closing
+                last = d.tool_calls[-1] if d.tool_calls else None
+                if last is not None and last["index"] == self.n_tool_calls - 1:
+                    last["function"]["arguments"] += text  # one entry per call per chunk
+                else:
+                    d.tool_calls.append({"index": self.n_tool_calls - 1, "function": {"arguments": text}})
         return d
 
 

@@ -13,6 +13,9 @@ from engine.chat_encoding import (
     OutputParser,
     ReasoningDelta,
     ToolCall,
+    ToolCallAbort,
+    ToolCallArgs,
+    ToolCallStart,
     encode_messages,
     parse_output,
     parse_tool_calls,
@@ -216,3 +219,44 @@ def test_tool_calls_stream_as_each_invoke_completes():
     first_invoke_end = text.index("</｜DSML｜ invoke>") + len("</｜DSML｜ invoke>")
     events = parser.feed(text[:first_invoke_end])
     assert [e.name for e in events if isinstance(e, ToolCall)] == ["get_weather"]
+
+
+def _streamed_calls(events) -> list[list]:
+    """[name, arguments text, (aborted)] per announced call, from the streaming events."""
+    calls: list[list] = []
+    for e in events:
+        if isinstance(e, ToolCallStart):
+            calls.append([e.name, ""])
+        elif isinstance(e, ToolCallArgs):
+            calls[-1][1] += e.text
+        elif isinstance(e, ToolCallAbort):
+            calls[-1][1] += e.closing
+            calls[-1].append("aborted")
+    return calls
+
+
+@pytest.mark.parametrize("text", STREAM_TEXTS + _fuzz_texts(120))
+def test_streamed_tool_call_arguments_match_the_calls(text):
+    """Start / argument fragments: the same at every split, valid JSON once closed, and equal to
+    the completed ToolCalls (an aborted announcement is a block that went to content)."""
+    for thinking in (False, True):
+        events = _stream([text], thinking)
+        ref = _streamed_calls(events)
+        done = [[c.name, c.arguments] for c in events if isinstance(c, ToolCall)]
+        assert [c for c in ref if len(c) == 2] == done
+        for c in ref:
+            assert isinstance(json.loads(c[1]), dict)
+        for cut in range(0, len(text) + 1, max(1, len(text) // 40)):
+            assert _streamed_calls(_stream([text[:cut], text[cut:]], thinking)) == ref, cut
+        assert _streamed_calls(_stream(list(text), thinking)) == ref
+
+
+def test_tool_call_arguments_stream_per_parameter():
+    text = _answer("v41", "r", "c", CALLS)
+    parser = OutputParser(thinking=True)
+    first_param_end = text.index("</｜DSML｜ parameter>") + len("</｜DSML｜ parameter>")
+    events = parser.feed(text[:first_param_end])
+    starts = [e for e in events if isinstance(e, ToolCallStart)]
+    args = [e.text for e in events if isinstance(e, ToolCallArgs)]
+    assert [e.name for e in starts] == ["get_weather"] and len(args) == 1 and args[0].startswith("{")
+    assert not any(isinstance(e, ToolCall) for e in events)  # the call itself completes later

@@ -77,8 +77,16 @@ def test_tool_calls_parsed_from_dsml(tok, arch):
     calls = [{"function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris", "days": 3})}},
              {"function": {"name": "search", "arguments": json.dumps({"q": "a \"quoted\" term", "n": [1, 2]})}}]
     text = "Need the weather.</think>Checking.\n\n" + render_tool_calls(calls, arch)
-    r, content, got, _ = _run(tok, text, thinking=True, tools=True)
+    r, content, deltas, _ = _run(tok, text, thinking=True, tools=True)
     assert (r, content) == ("Need the weather.", "Checking.")
+    got: list[dict] = []  # merged as an OpenAI client does: first delta of a call, then fragments
+    for dl in deltas:
+        if "id" in dl:
+            got.append({**dl, "function": dict(dl["function"])})
+        else:
+            assert dl["index"] == got[-1]["index"]
+            got[-1]["function"]["arguments"] += dl["function"]["arguments"]
+    assert len(deltas) > len(got)  # arguments arrived in pieces, parameter by parameter
     assert [c["index"] for c in got] == [0, 1]
     assert [c["function"]["name"] for c in got] == ["get_weather", "search"]
     assert [json.loads(c["function"]["arguments"]) for c in got] == [
