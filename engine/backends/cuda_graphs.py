@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import cupy as cp
@@ -28,6 +29,10 @@ import cupy as cp
 log = logging.getLogger("dsuf.graphs")
 
 MAX_GRAPH_ROWS = 64  # regions over more rows (prefill) run eagerly: their shapes rarely repeat
+# Graphs (and their output buffers) are kept for at most this many distinct row counts (batch
+# sizes), least recently used dropped first: every batch size 1..64 across 40 layers would
+# otherwise hold gigabytes of region outputs.
+MAX_ROW_BUCKETS = int(os.environ.get("DSUF_GRAPH_BUCKETS", "8"))
 
 
 @dataclass
@@ -51,6 +56,10 @@ class RegionGraphs:
         self._seen: set = set()
         self._graphs: dict = {}
         self._owned: set[int] = set()  # data pointers of graph outputs
+        self._rows: dict = {}  # signature -> its row count
+        self._buckets: OrderedDict[int, None] = OrderedDict()  # row counts with graphs, oldest first
+        self.max_buckets = MAX_ROW_BUCKETS
+        self.evictions = 0
         self._pool = cp.cuda.MemoryPool()
         self.replays = 0
         self.captures = 0
@@ -59,16 +68,38 @@ class RegionGraphs:
         if not self.enabled or any(a is not None and (a.ndim == 0 or a.shape[0] > MAX_GRAPH_ROWS) for a in arrays):
             return fn(*arrays)
         sig = (key, tuple(None if a is None else (a.shape, a.dtype.str) for a in arrays))
+        rows = next(a.shape[0] for a in arrays if a is not None)
         if sig in self._graphs:
             cap = self._graphs[sig]
+            self._buckets.move_to_end(rows)
         elif sig not in self._seen:  # first time: warm up eagerly
             self._seen.add(sig)
             return fn(*arrays)
         else:
+            self._make_room(rows)
             cap = self._capture(sig, fn, arrays)
+            self._rows[sig] = rows
         if cap is None:  # capture failed once: this region stays eager
             return fn(*arrays)
         return self._replay(cap, fn, arrays)
+
+    def _make_room(self, rows: int) -> None:
+        """Before the first capture at a new row count: drop the least recently used bucket's
+        graphs if there are too many. Safe: a forward runs one row count, and the dropped
+        bucket's last replay finished with that forward (its logits were read back)."""
+        if rows in self._buckets:
+            self._buckets.move_to_end(rows)
+            return
+        while len(self._buckets) >= max(1, self.max_buckets):
+            old, _ = self._buckets.popitem(last=False)
+            for sig in [g for g, r in self._rows.items() if r == old]:
+                cap = self._graphs.pop(sig, None)
+                del self._rows[sig]
+                if cap is not None:
+                    for a in _arrays(cap.out):
+                        self._owned.discard(a.data.ptr)
+            self.evictions += 1
+        self._buckets[rows] = None
 
     def _capture(self, sig, fn, arrays) -> _Captured | None:
         slots, inputs = [], []
