@@ -6,7 +6,9 @@ Three parts, each printed as a table:
    formats: FP8 32x32 UE8M0 attention / shared expert, FP4 routed experts) at M = 1, 8, 32 and a
    4k-row prefill, with the floor for each;
 3. with --ckpt: whole-model decode at batch 1/8/32 (time per step and per layer, tokens/s)
-   and a prefill of --prefill tokens, floors from the weight bytes a step reads.
+   and a prefill of --prefill tokens, floors from the weight bytes a step reads. With --gpus
+   0,1,...: the same over one tensor-parallel rank per GPU (floors from the busiest rank), and
+   with --compare-tp1 the sharded logits against the model on one GPU.
 """
 
 from __future__ import annotations
@@ -118,11 +120,12 @@ def tensor_core_rate(n: int = 8192) -> float:
 
 
 def _weight_stats(model) -> dict:
-    """Bytes and multiply-adds of the weights a token touches: dense (attention, router, shared
-    expert, summed over layers), one routed expert, the head."""
+    """Bytes and multiply-adds of the weights a token touches on this model (or tensor-parallel
+    rank): dense (attention, router, shared expert, summed over layers), one routed expert and
+    how many this rank holds per layer, the head."""
     from engine.backends.cupy_ops import GpuWeight
 
-    dense = dense_macs = expert = expert_macs = 0
+    dense = dense_macs = expert = expert_macs = owned = 0
     for L in model.w.layers:
         ws = [v for v in vars(L).values() if isinstance(v, GpuWeight)] + list(L.shared or ())
         for sub in ("comp", "idx", "engram"):
@@ -131,14 +134,17 @@ def _weight_stats(model) -> dict:
                 ws += [v for v in vars(ns).values() if isinstance(v, GpuWeight)]
         dense += sum(_nbytes(w) for w in ws)
         dense_macs += sum(w.shape[0] * w.shape[1] for w in ws)
-        expert = sum(_nbytes(w) for w in L.experts[0])
-        expert_macs = sum(w.shape[0] * w.shape[1] for w in L.experts[0])
-    return dict(dense=dense, dense_macs=dense_macs, expert=expert, expert_macs=expert_macs,
+        mine = [ex for ex in L.experts if ex is not None]
+        owned = len(mine)
+        if mine:
+            expert = sum(_nbytes(w) for w in mine[0])
+            expert_macs = sum(w.shape[0] * w.shape[1] for w in mine[0])
+    return dict(dense=dense, dense_macs=dense_macs, expert=expert, expert_macs=expert_macs, owned=owned,
                 head=_nbytes(model.w.head))
 
 
-def bench_model(ckpt: str, bw: float, batches=(1, 8, 32), prefill: int = 4096, steps: int = 10,
-                chunk: int = 4096) -> None:
+def _load(ckpt: str, gpus: list[int] | None):
+    """(model, its per-rank Models, their CUDA devices): one GPU, or one rank per GPU."""
     import cupy as cp
 
     from engine.backends.cupy_ops import CupyOps
@@ -147,67 +153,102 @@ def bench_model(ckpt: str, bw: float, batches=(1, 8, 32), prefill: int = 4096, s
     from engine.model import Model
 
     cfg = load_config(ckpt)
-    tok = f"{ckpt}/tokenizer.json"
-    ops = CupyOps()
-    model = Model(cfg, Checkpoint(ckpt, block_size=cfg.weight_block_size), ops, tok)
-    ws = _weight_stats(model)
+    ck, tok = Checkpoint(ckpt, block_size=cfg.weight_block_size), f"{ckpt}/tokenizer.json"
+    if gpus and len(gpus) > 1:
+        from engine.tp_gpu import GpuTP
+
+        model = GpuTP(cfg, ck, gpus, tok)
+        return cfg, model, model.ranks, list(gpus)
+    dev = gpus[0] if gpus else cp.cuda.Device().id
+    with cp.cuda.Device(dev):
+        model = Model(cfg, ck, CupyOps(), tok)
+    return cfg, model, [model], [dev]
+
+
+def _sync(devices: list[int]) -> None:
+    import cupy as cp
+
+    for d in devices:
+        with cp.cuda.Device(d):
+            cp.cuda.Device().synchronize()
+
+
+def bench_model(ckpt: str, bw: float, batches=(1, 8, 32), prefill: int = 4096, steps: int = 10,
+                chunk: int = 4096, gpus: list[int] | None = None, compare_tp1: bool = False) -> None:
+    cfg, model, ranks, devices = _load(ckpt, gpus)
+    stats = [_weight_stats(r) for r in ranks]
     e, k, nl, d = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.num_layers, cfg.head_dim
     rng = np.random.default_rng(0)
     ctx = 16  # tokens of context before the timed decode steps
-
-    def fresh():
-        st = model.new_state()
-        for layer in st.layers:
-            layer.window = cp.asarray(layer.window)
-        return st
-
+    graphs = [r.ops.graphs for r in ranks]
+    tp = f", tensor parallel over GPUs {devices}" if len(ranks) > 1 else ""
     print(f"\nmodel {ckpt}: {nl} layers, hidden {cfg.hidden_size}, {e} experts top-{k}; "
-          f"CUDA graphs {'on' if ops.graphs.enabled else 'off'}")
+          f"CUDA graphs {'on' if graphs[0].enabled else 'off'}{tp}")
     print(f"{'batch':>6s} {'step ms':>9s} {'layer ms':>9s} {'tok/s':>9s} {'floor ms':>9s} {'% of floor':>10s}")
     for b in batches:
-        states = [fresh() for _ in range(b)]
+        states = [model.new_state() for _ in range(b)]
         model.forward(states, [rng.integers(0, cfg.vocab_size, ctx) for _ in range(b)])
         toks = [[int(t)] for t in rng.integers(0, cfg.vocab_size, b)]
         for _ in range(3):  # eager warm-up, capture, first replay
             model.forward(states, toks)
-        cp.cuda.Device().synchronize()
+        _sync(devices)
         t0 = time.perf_counter()
         for _ in range(steps):
             model.forward(states, toks)
-        cp.cuda.Device().synchronize()
+        _sync(devices)
         dt = (time.perf_counter() - t0) / steps
-        distinct = e * (1 - (1 - k / e) ** b)  # expected experts touched per layer
-        state = b * nl * (cfg.sliding_window - 1) * d * 4  # f32 window rows read
-        floor = (ws["dense"] + nl * distinct * ws["expert"] + ws["head"] + state) / bw
+        state = b * nl * (cfg.sliding_window - 1) * d * 4  # f32 window rows read (replicated)
+        # the busiest rank sets the pace: its slices, and the experts it holds that the batch touches
+        floor = max(ws["dense"] + nl * ws["owned"] * (1 - (1 - k / e) ** b) * ws["expert"] + ws["head"] + state
+                    for ws in stats) / bw
         print(f"{b:6d} {dt * 1e3:9.2f} {dt / nl * 1e3:9.3f} {b / dt:9.1f} {floor * 1e3:9.3f} "
               f"{100 * floor / dt:9.1f}%")
-    print(f"(graphs captured {ops.graphs.captures}, replays {ops.graphs.replays}; floor = weight + state bytes"
-          " a step reads / copy bandwidth)")
+    print(f"(graphs captured {sum(g.captures for g in graphs)}, replays {sum(g.replays for g in graphs)}; "
+          "floor = weight + state bytes a step reads on the busiest GPU / copy bandwidth)")
     if prefill:
         tc = tensor_core_rate()
-        print(f"tensor-core rate (fp16 cuBLAS GEMM): {tc / 1e12:.0f} TFLOP/s")
-        st = fresh()
+        print(f"tensor-core rate (fp16 cuBLAS GEMM): {tc / 1e12:.0f} TFLOP/s per GPU")
+        st = model.new_state()
         ids = rng.integers(0, cfg.vocab_size, prefill)
-        model.forward([fresh()], [ids[:64]])  # warm-up
-        cp.cuda.Device().synchronize()
+        model.forward([model.new_state()], [ids[:64]])  # warm-up
+        _sync(devices)
         t0 = time.perf_counter()
         for c0 in range(0, prefill, chunk):
             model.forward([st], [ids[c0:c0 + chunk]])
-        cp.cuda.Device().synchronize()
+        _sync(devices)
         dt = time.perf_counter() - t0
         # multiply-adds per token: weights (dense + top-k experts) + attention (q.k and p.v over the
-        # window and, in compressed layers, the selected entries)
+        # window and, in compressed layers, the selected entries), spread over the ranks
         attn = sum(cfg.num_heads * d * 2 * (cfg.sliding_window + (cfg.index_topk if r else 0))
                    for r in cfg.compress_ratios)
-        flops = 2 * prefill * (ws["dense_macs"] + nl * k * ws["expert_macs"] + attn)
-        floor = flops / tc
+        macs = sum(ws["dense_macs"] for ws in stats) + nl * k * stats[0]["expert_macs"] + attn
+        floor = 2 * prefill * macs / (tc * len(ranks))
         print(f"prefill {prefill} tokens in chunks of {chunk}: {dt:.3f} s, {prefill / dt:.0f} tok/s, "
               f"{dt / nl * 1e3:.2f} ms/layer, {prefill / dt * nl:.0f} tok/s per layer; tensor-core floor "
               f"{floor:.3f} s ({100 * floor / dt:.1f}% of it)")
+    if compare_tp1 and len(ranks) > 1:
+        _compare_tp1(ckpt, cfg, model, devices[0], rng)
+
+
+def _compare_tp1(ckpt: str, cfg, model, device: int, rng) -> None:
+    """Logits of the sharded model vs one GPU holding it whole: a 64-token prompt, 8 greedy steps."""
+    _, plain, _, _ = _load(ckpt, [device])
+    ids = [int(t) for t in rng.integers(0, cfg.vocab_size, 64)]
+    a, b = model.new_state(), plain.new_state()
+    la, lb = model.forward([a], [ids])[0], plain.forward([b], [ids])[0]
+    errs = []
+    for _ in range(8):
+        errs.append(float(np.abs(la - lb).max() / np.abs(lb).max()))
+        nxt = [[int(np.argmax(lb))]]
+        la, lb = model.forward([a], nxt)[0], plain.forward([b], nxt)[0]
+    errs.append(float(np.abs(la - lb).max() / np.abs(lb).max()))
+    print(f"TP{len(model.ranks)} vs TP1 logits (max |diff| / max |logit|): worst {max(errs):.2e}, median "
+          f"{float(np.median(errs)):.2e} over a 64-token prefill and 8 decode steps")
 
 
 def bench_main(argv: list[str] | None = None) -> int:
-    """CLI entry: `bench [--ckpt DIR] [--batches 1,8,32] [--prefill N] [--no-linears]`."""
+    """CLI entry: `bench [--ckpt DIR] [--batches 1,8,32] [--prefill N] [--chunk N] [--no-linears]
+    [--gpus 0,1,2,3 [--compare-tp1]]`."""
     ap = argparse.ArgumentParser(prog="dsuf bench", description=__doc__.splitlines()[0])
     ap.add_argument("--ckpt", default=None, help="checkpoint to time whole-model decode / prefill on")
     ap.add_argument("--batches", default="1,8,32")
@@ -215,11 +256,15 @@ def bench_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk", type=int, default=4096, help="prefill chunk (tokens per forward)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--no-linears", action="store_true", help="skip the V4.1-Flash linear-kernel table")
+    ap.add_argument("--gpus", default=None, help="e.g. 0,1,2,3: one tensor-parallel rank per GPU")
+    ap.add_argument("--compare-tp1", action="store_true", help="with --gpus: logits vs the model on one GPU")
     a = ap.parse_args(argv)
+    gpus = [int(g) for g in a.gpus.split(",")] if a.gpus else None
     bw = copy_bandwidth()
     print(f"copy bandwidth: {bw / 1e12:.2f} TB/s (read + write)")
     if not a.no_linears:
         bench_linears(bw)
     if a.ckpt:
-        bench_model(a.ckpt, bw, tuple(int(b) for b in a.batches.split(",")), a.prefill, a.steps, a.chunk)
+        bench_model(a.ckpt, bw, tuple(int(b) for b in a.batches.split(",")), a.prefill, a.steps, a.chunk, gpus,
+                    a.compare_tp1)
     return 0
