@@ -1,6 +1,7 @@
 PY ?= python3
+BENCH_CKPT ?= $(or $(TMPDIR),/tmp)/dsuf-flash2
 
-.PHONY: test lint pytest serve
+.PHONY: test lint pytest serve gpu-test gpu-memcheck gpu-bench
 
 # The README's test command: lint, then the whole suite (GPU tests skip where no GPU is present).
 test: lint pytest
@@ -13,3 +14,18 @@ pytest:
 
 serve:
 	$(PY) dsuf.py serve
+
+# On a GPU machine: the GPU tests, the same under compute-sanitizer, and the benchmark on a
+# full-width V4.1-Flash-shaped 2-layer checkpoint (written once to BENCH_CKPT, 15 GB).
+GPU_TESTS = tests/test_gpu_ops.py tests/test_gpu_model.py tests/test_gpu_tp.py
+
+gpu-test:
+	$(PY) -m pytest -q -s $(GPU_TESTS)
+
+gpu-memcheck:
+	compute-sanitizer --tool memcheck --error-exitcode 1 $(PY) -m pytest -q -x tests/test_gpu_ops.py
+
+gpu-bench:
+	test -f $(BENCH_CKPT)/config.json || $(PY) dsuf.py tiny-model $(BENCH_CKPT) --arch v41 \
+		--preset v41-flash-shaped --layers 2 --vocab 8192
+	$(PY) dsuf.py bench --ckpt $(BENCH_CKPT) --batches 1,8,32 --prefill 65536 --chunk 4096
