@@ -91,6 +91,15 @@ class SequenceState:
                              model_key=self.model_key, codecs=dict(self.codecs), placed=self.placed,
                              replicas=[r.clone() for r in self.replicas])
 
+    def host_copy(self) -> SequenceState:
+        """A copy with host numpy arrays (device arrays fetched): cheap next to to_bytes, so a
+        snapshot can be taken on the engine thread and encoded on another."""
+        layers = [LayerState(**{name: None if (a := getattr(ls, name)) is None
+                                else np.array(a.get() if hasattr(a, "get") else a, dtype=np.float32, copy=True)
+                                for name in _ARRAY_FIELDS}) for ls in self.layers]
+        return SequenceState(position=self.position, layers=layers, recent_tokens=list(self.recent_tokens),
+                             model_key=self.model_key, codecs=dict(self.codecs))
+
     # ---- sizes -------------------------------------------------------------------------
     def nbytes(self) -> int:
         return sum(a.nbytes for ls in self.layers for a in _arrays(ls).values())

@@ -145,6 +145,26 @@ def _records(cluster, owner: str | None = None) -> dict[str, dict]:
     return {k: v for k, v in out.items() if v and (owner is None or v.get("owner") == owner)}
 
 
+def _settled(value, quiet: float = 0.8, timeout: float = 10.0):
+    """value() once it has not changed for `quiet` seconds (snapshots are stored asynchronously)."""
+    end, last, since = time.monotonic() + timeout, value(), time.monotonic()
+    while time.monotonic() < end:
+        time.sleep(0.1)
+        now = value()
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet:
+            break
+    return last
+
+
+def _snapshots_stored(cluster, owner: str, at_least: int = 2) -> None:
+    """Wait until `owner` has advertised turn 1's snapshots (prompt points and the answer: they
+    are encoded on the cache's own thread, so the last can land after the reply)."""
+    assert _wait(lambda: len(_records(cluster, owner)) >= at_least)
+    _settled(lambda: len(_records(cluster, owner)))
+
+
 def _wait(cond, timeout: float = 10.0) -> bool:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -262,7 +282,7 @@ def _redirect(cluster, owner: str, addr: str) -> list[str]:
 def test_stale_ownership_record_falls_back(cluster, tok):
     B, R = cluster["B"], cluster["R"]
     msgs2, _ = _conversation(cluster, "stale")
-    assert _wait(lambda: len(_records(cluster, "A")) >= 2)
+    _snapshots_stored(cluster, "A")
     r = _redis(cluster)
     stale = set()
     for k, v in _records(cluster, "A").items():
@@ -280,7 +300,7 @@ def test_stale_ownership_record_falls_back(cluster, tok):
 def test_corrupted_payload_falls_back(cluster):
     B, R = cluster["B"], cluster["R"]
     msgs2, _ = _conversation(cluster, "corrupt")
-    assert _wait(lambda: len(_records(cluster, "A")) >= 2)
+    _snapshots_stored(cluster, "A")
     some = next(iter(_records(cluster, "A").values()))
     proxy = FaultProxy(some["addr"], "corrupt", at=8000)
     try:
@@ -300,8 +320,8 @@ def test_pubsub_message_lost_never_breaks_ownership(cluster):
     After reconnecting A re-reads its records, sees B's epoch and stops advertising."""
     A, B, C, R = cluster["A"], cluster["B"], cluster["C"], cluster["R"]
     msgs2, _ = _conversation(cluster, "pubsub")
-    assert _wait(lambda: len(_records(cluster, "A")) >= 2)
-    owned_before = A.metrics()["dsuf_kvcache_owned_entries"]
+    _snapshots_stored(cluster, "A")
+    owned_before = _settled(lambda: A.metrics()["dsuf_kvcache_owned_entries"])  # the answer's snapshot too
     cluster["a_link"].set_mode("block")
     try:
         r2 = B.chat(msgs2)  # fetched from A directly; B claims it and publishes, A hears nothing
@@ -325,7 +345,7 @@ def test_pubsub_message_lost_never_breaks_ownership(cluster):
 def test_redis_restarted_between_turns(cluster):
     B, R = cluster["B"], cluster["R"]
     msgs2, _ = _conversation(cluster, "redis")
-    assert _wait(lambda: len(_records(cluster, "A")) >= 2)
+    _snapshots_stored(cluster, "A")
     cluster["redis"].restart()  # empty again: every record and the epoch counter are gone
     # servers notice, reconnect and re-advertise what they hold
     assert _wait(lambda: len(_records(cluster, "A")) >= 2, 20)
@@ -351,7 +371,7 @@ def test_redis_down_serves_without_sharing(cluster):
 def test_owner_killed_mid_transfer(cluster):
     A, B, R = cluster["A"], cluster["B"], cluster["R"]
     msgs2, _ = _conversation(cluster, "killed")
-    assert _wait(lambda: len(_records(cluster, "A")) >= 2)
+    _snapshots_stored(cluster, "A")
     some = next(iter(_records(cluster, "A").values()))
     proxy = FaultProxy(some["addr"], "throttle", rate=8000)  # a slow link: the transfer takes seconds
     out: dict = {}
