@@ -450,6 +450,7 @@ class OutputParser:
         self._buf = ""
         self._dialect: Dialect | None = None
         self._streamed: list[str] | None = None  # keys of the open invoke's streamed parameters
+        self._stream_pos = 0  # where in the open invoke's text the next parameter starts
 
     def feed(self, text: str) -> list[Event]:
         self._buf += text
@@ -536,21 +537,20 @@ class OutputParser:
         """Announce the invoke once its name is known and stream each newly completed
         parameter; `text` is the invoke so far (without its close tag). Completed parts never
         change as text arrives, so this is the same however the answer is split."""
-        head = _invoke_head(d).match(text)
-        if head is None:
-            return
         if self._streamed is None:
+            head = _invoke_head(d).match(text)
+            if head is None:
+                return
             events.append(ToolCallStart(head.group(1)))
-            self._streamed = []
-        param, pos, i = _param_re(d), head.end(), 0
-        while (m := param.match(text, pos)) is not None:
+            self._streamed, self._stream_pos = [], head.end()
+        param = _param_re(d)  # resume after the last streamed parameter: completed ones never change
+        while (m := param.match(text, self._stream_pos)) is not None:
             key, is_str, value = m.groups()
-            if i >= len(self._streamed):
-                if key in self._streamed:  # a repeated key: the invoke is malformed, stream no more
-                    return
-                events.append(ToolCallArgs(("{" if i == 0 else ", ") + _argument_item(key, is_str, value)))
-                self._streamed.append(key)
-            pos, i = m.end(), i + 1
+            if key in self._streamed:  # a repeated key: the invoke is malformed, stream no more
+                return
+            events.append(ToolCallArgs(("{" if not self._streamed else ", ") + _argument_item(key, is_str, value)))
+            self._streamed.append(key)
+            self._stream_pos = m.end()
 
     def _end_invoke(self, events: list[Event], call: ToolCall | None) -> None:
         if self._streamed is None:

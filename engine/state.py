@@ -73,32 +73,32 @@ class SequenceState:
     placed: str = field(default="", compare=False)  # backend its arrays live on ("": host numpy)
     replicas: list = field(default_factory=list, compare=False, repr=False)  # other TP ranks' copies
 
+    def _mapped(self, fn) -> SequenceState:
+        """A state with every array replaced by fn(array) (position, tokens, codecs copied)."""
+        layers = [LayerState(**{name: None if (a := getattr(ls, name)) is None else fn(a) for name in _ARRAY_FIELDS})
+                  for ls in self.layers]
+        return SequenceState(position=self.position, layers=layers, recent_tokens=list(self.recent_tokens),
+                             model_key=self.model_key, codecs=dict(self.codecs))
+
     def clone(self) -> SequenceState:
         """An independent copy on the same backend (n choices of one prompt fork its state);
         tensor-parallel replicas are cloned on their own devices."""
 
         def dup(a):
-            if a is None:
-                return None
             dev = getattr(a, "device", None)
             if hasattr(dev, "__enter__"):  # a CuPy array: copy it on its own GPU
                 with dev:
                     return a.copy()
             return a.copy()
 
-        layers = [LayerState(**{name: dup(getattr(ls, name)) for name in _ARRAY_FIELDS}) for ls in self.layers]
-        return SequenceState(position=self.position, layers=layers, recent_tokens=list(self.recent_tokens),
-                             model_key=self.model_key, codecs=dict(self.codecs), placed=self.placed,
-                             replicas=[r.clone() for r in self.replicas])
+        out = self._mapped(dup)
+        out.placed, out.replicas = self.placed, [r.clone() for r in self.replicas]
+        return out
 
     def host_copy(self) -> SequenceState:
         """A copy with host numpy arrays (device arrays fetched): cheap next to to_bytes, so a
         snapshot can be taken on the engine thread and encoded on another."""
-        layers = [LayerState(**{name: None if (a := getattr(ls, name)) is None
-                                else np.array(a.get() if hasattr(a, "get") else a, dtype=np.float32, copy=True)
-                                for name in _ARRAY_FIELDS}) for ls in self.layers]
-        return SequenceState(position=self.position, layers=layers, recent_tokens=list(self.recent_tokens),
-                             model_key=self.model_key, codecs=dict(self.codecs))
+        return self._mapped(lambda a: np.array(a.get() if hasattr(a, "get") else a, dtype=np.float32, copy=True))
 
     # ---- sizes -------------------------------------------------------------------------
     def nbytes(self) -> int:

@@ -18,7 +18,6 @@ sums instead of NCCL, which lets one GPU test the sharded path.
 
 from __future__ import annotations
 
-import copy
 import logging
 
 import numpy as np
@@ -83,16 +82,16 @@ class GpuTP:
         return lambda: self.cp.cuda.Device(dev)
 
     def _per_rank(self, states: list[SequenceState]) -> list[list[SequenceState]]:
-        """Rank r's copy of every sequence's state (made on first sight: a restored state)."""
+        """Rank r's copy of every sequence's state, made on first sight (a state restored from
+        bytes, or one made outside this model): a host copy placed on each rank's device."""
         for st in states:
             if len(st.replicas) == self.size - 1:
                 continue
-            host = copy.deepcopy(st) if st.placed == "" else None  # restored from bytes: host arrays
+            host = st.host_copy()
             reps = []
             for dev, m in zip(self.devices[1:], self.ranks[1:], strict=True):
                 with self.cp.cuda.Device(dev):
-                    rep = copy.deepcopy(host) if host is not None else _device_copy(st, self.cp)
-                    rep.replicas = []
+                    rep = host.clone()
                     place(rep, m.ops.placement, m.ops.asarray)
                 reps.append(rep)
             st.replicas = reps
@@ -118,17 +117,3 @@ class GpuTP:
         nccl.groupEnd()
         return parts
 
-
-def _device_copy(st: SequenceState, cp) -> SequenceState:
-    """A copy of a device-resident state on the current device (peer copies)."""
-    rep = copy.copy(st)
-    rep.layers = []
-    for ls in st.layers:
-        nl = copy.copy(ls)
-        for name, a in vars(ls).items():
-            if a is not None and hasattr(a, "shape"):
-                setattr(nl, name, cp.array(a, copy=True))
-        rep.layers.append(nl)
-    rep.recent_tokens = list(st.recent_tokens)
-    rep.placed = ""
-    return rep

@@ -220,10 +220,6 @@ class StateCache:
         if self.directory is not None and self._loop is not None:
             self._loop.call_soon_threadsafe(self._spawn, self._claim(entry, force=False))
 
-    def flush_snapshots(self) -> None:
-        """Wait until every queued snapshot is stored (tests, shutdown)."""
-        self._encoder.submit(lambda: None).result()
-
     async def lookup(self, tokens: list[int], session_id: str | None = None, copies: int = 1) -> Hit | None:
         """Longest reusable prefix of tokens (at most len - 1: the last token must be fed to get
         logits); `copies` independent states. None: prefill everything."""

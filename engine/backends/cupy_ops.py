@@ -327,6 +327,15 @@ class CupyOps:
                                                                      np.int32(nm), part))
         return part, s
 
+    def _hc_finish(self, streams: cp.ndarray, fn: cp.ndarray, scale: cp.ndarray, base: cp.ndarray,
+                   norm_eps: float, hc_eps: float, iters: int, mode: int, pre, post, comb) -> None:
+        """Partial dots, then the fixed-order finish: mode 0 -> pre, post, comb; 1 -> pre only."""
+        t, hc, d = streams.shape
+        part, s = self._hc_partials(streams, fn)
+        K.function("elementwise", "hc_mixes")((t,), (128,), (
+            part, np.int32(s), _c32(scale), _c32(base), np.int32(hc), np.int32(hc * d), np.int32(fn.shape[0]),
+            F32(norm_eps), F32(hc_eps), np.int32(iters), np.int32(mode), pre, post, comb))
+
     def hc_mixes(self, streams: cp.ndarray, fn: cp.ndarray, scale: cp.ndarray, base: cp.ndarray,
                  norm_eps: float, hc_eps: float, iters: int) -> tuple[cp.ndarray, cp.ndarray, cp.ndarray]:
         t, hc, d = streams.shape
@@ -334,10 +343,7 @@ class CupyOps:
         post = cp.empty((t, hc), F32)
         comb = cp.empty((t, hc, hc), F32)
         if t:
-            part, s = self._hc_partials(streams, fn)
-            K.function("elementwise", "hc_mixes")((t,), (128,), (
-                part, np.int32(s), _c32(scale), _c32(base), np.int32(hc), np.int32(hc * d), np.int32(fn.shape[0]),
-                F32(norm_eps), F32(hc_eps), np.int32(iters), np.int32(0), pre, post, comb))
+            self._hc_finish(streams, fn, scale, base, norm_eps, hc_eps, iters, 0, pre, post, comb)
         return pre, post, comb
 
     def hc_head_pre(self, streams: cp.ndarray, fn: cp.ndarray, scale: cp.ndarray, base: cp.ndarray,
@@ -345,10 +351,7 @@ class CupyOps:
         t, hc, d = streams.shape
         pre = cp.empty((t, hc), F32)
         if t:
-            part, s = self._hc_partials(streams, fn)
-            K.function("elementwise", "hc_mixes")((t,), (128,), (
-                part, np.int32(s), _c32(scale), _c32(base), np.int32(hc), np.int32(hc * d), np.int32(fn.shape[0]),
-                F32(norm_eps), F32(hc_eps), np.int32(0), np.int32(1), pre, pre, pre))
+            self._hc_finish(streams, fn, scale, base, norm_eps, hc_eps, 0, 1, pre, pre, pre)
         return pre
 
     def hc_collapse(self, streams: cp.ndarray, pre: cp.ndarray) -> cp.ndarray:
