@@ -460,7 +460,7 @@ class Model:
         for s in seqs:
             st = s.state.layers[li]
             r = s.rows
-            keys = xp.concatenate([st.window, kv[r]], axis=0)
+            keys = ops.cat([st.window, kv[r]], axis=0)
             kpos = np.arange(s.pos[0] - st.window.shape[0], s.pos[-1] + 1)
             visible = (kpos[None, :] <= s.pos[:, None]) & (kpos[None, :] > s.pos[:, None] - win)
             if visible.all():  # decode: the whole window (no host->device copy)
@@ -472,8 +472,8 @@ class Model:
                 comp, cbias = (self._v41_compressed(li, L, proj.rows(r), s) if cfg.arch == "v41"
                                else self._v4_compressed(li, L, x[r], q_res[r], s))
                 if comp is not None and comp.shape[0]:
-                    keys = xp.concatenate([keys, comp], axis=0)
-                    bias = xp.concatenate([bias, cbias], axis=1)
+                    keys = ops.cat([keys, comp], axis=0)
+                    bias = ops.cat([bias, cbias], axis=1)
             if hn:
                 o = ops.attention(q[r], keys, bias, L.sinks, d**-0.5)
                 if out is None:
@@ -513,11 +513,11 @@ class Model:
                         k = self._comp_rope(k, first, ratio)
                         keys_new = ops.fake_quant_fp4(k, 32) if self.store_quantized else k  # MXFP4 keys
             if keys_new is not None:  # (a copy: region outputs are rewritten by the next step's replay)
-                st.idx_keys = keys_new.copy() if st.idx_keys is None else xp.concatenate([st.idx_keys, keys_new])
+                st.idx_keys = keys_new.copy() if st.idx_keys is None else ops.cat([st.idx_keys, keys_new])
         if L.idx is not None:
             self._v41_index(li, p, s)
         if rotated is not None:
-            st.entries = rotated.copy() if st.entries is None else xp.concatenate([st.entries, rotated], axis=0)
+            st.entries = rotated.copy() if st.entries is None else ops.cat([st.entries, rotated], axis=0)
         entries = s.state.layers[cfg.kv_group_source(li)].entries
         if entries is None or entries.shape[0] == 0:
             return None, None
@@ -530,12 +530,12 @@ class Model:
     def _v41_pool(self, L, p: _Projected, st: LayerState, ratio: int):
         """Pre-RoPE latents of the ratio > 1 groups that close in this chunk (None if none), and
         the position of the first."""
-        cfg, ops, xp = self.cfg, self.ops, self.ops.xp
+        cfg, ops = self.cfg, self.ops
         c = L.comp
         first = st.n_entries * ratio
         kv, gate = p.comp_kv, p.comp_gate
         if st.buf_kv is not None and st.buf_kv.shape[0]:
-            kv, gate = xp.concatenate([st.buf_kv, kv]), xp.concatenate([st.buf_gate, gate])
+            kv, gate = ops.cat([st.buf_kv, kv]), ops.cat([st.buf_gate, gate])
         usable = (kv.shape[0] // ratio) * ratio
         # copies: kv / gate may be a graphed region's outputs, which the next step overwrites
         st.buf_kv, st.buf_gate = kv[usable:].copy(), gate[usable:].copy()
@@ -595,7 +595,7 @@ class Model:
         n_before = 0 if getattr(st, keys) is None else getattr(st, keys).shape[0]
         bkv, bgate = getattr(st, prefix + "buf_kv"), getattr(st, prefix + "buf_gate")
         if bkv is not None and bkv.shape[0]:
-            kv, gate = xp.concatenate([bkv, kv]), xp.concatenate([bgate, gate])
+            kv, gate = ops.cat([bkv, kv]), ops.cat([bgate, gate])
         usable = (kv.shape[0] // ratio) * ratio
         setattr(st, prefix + "buf_kv", kv[usable:])
         setattr(st, prefix + "buf_gate", gate[usable:])
@@ -628,7 +628,7 @@ class Model:
         csa = cfg.layer_kinds[li] == "csa"
         new = self._v4_pool(ops.linear(x, c.wkv), ops.linear(x, c.wgate), c.ape, c.norm, st, "", ratio, csa)
         if new is not None:
-            st.entries = new if st.entries is None else xp.concatenate([st.entries, new], axis=0)
+            st.entries = new if st.entries is None else ops.cat([st.entries, new], axis=0)
         lens = (s.pos + 1) // ratio
         n = st.n_entries
         visible = np.arange(n)[None, :] < lens[:, None]
@@ -637,7 +637,7 @@ class Model:
             newk = self._v4_pool(ops.linear(x, ic.wkv), ops.linear(x, ic.wgate), ic.ape, ic.norm, st, "idx_",
                                  ratio, True)
             if newk is not None:
-                st.idx_keys = newk if st.idx_keys is None else xp.concatenate([st.idx_keys, newk], axis=0)
+                st.idx_keys = newk if st.idx_keys is None else ops.cat([st.idx_keys, newk], axis=0)
             if n:
                 hi, di = cfg.index_n_heads, cfg.index_head_dim
                 q = self._query_rope(ops.linear(q_res, L.idx.wq_b).reshape(-1, hi, di), s.pos)

@@ -19,6 +19,40 @@ extern "C" __global__ void rmsnorm(const float* __restrict__ x, const float* __r
   }
 }
 
+// Same for D % 4 == 0 and D <= 8192 (block 256): each thread loads its up to 8 float4 at once and
+// keeps them in registers, so a row costs one round trip to memory, not a chain of dependent
+// strided loads (a decode step's 5120-wide norms took ~15 us that way).
+#define RMS_VPT 8
+extern "C" __global__ void __launch_bounds__(256) rmsnorm_v4(const float* __restrict__ x, const float* __restrict__ w,
+                                                             float* __restrict__ y, int D, float eps) {
+  __shared__ float red[33];
+  const float4* xr = (const float4*)(x + (size_t)blockIdx.x * D);
+  float4* yr = (float4*)(y + (size_t)blockIdx.x * D);
+  const int n4 = D >> 2;
+  float4 v[RMS_VPT];
+  float s = 0.f;
+#pragma unroll
+  for (int j = 0; j < RMS_VPT; ++j) {
+    const int i = threadIdx.x + j * 256;
+    v[j] = i < n4 ? __ldg(xr + i) : make_float4(0.f, 0.f, 0.f, 0.f);
+    s += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
+  }
+  s = block_sum(s, red);
+  const float r = 1.f / sqrtf(s / (float)D + eps);
+#pragma unroll
+  for (int j = 0; j < RMS_VPT; ++j) {
+    const int i = threadIdx.x + j * 256;
+    if (i < n4) {
+      float4 o = make_float4(v[j].x * r, v[j].y * r, v[j].z * r, v[j].w * r);
+      if (w) {
+        const float4 g = __ldg((const float4*)w + i);
+        o.x *= g.x; o.y *= g.y; o.z *= g.z; o.w *= g.w;
+      }
+      yr[i] = o;
+    }
+  }
+}
+
 // Interleaved-pair RoPE on the trailing 2*P channels of rows of width D. x viewed as
 // [T, M, D]; cos/sin [T, P]; sign = -1 rotates back. One thread per (t, m, channel).
 extern "C" __global__ void rope(const float* __restrict__ x, const float* __restrict__ cs, const float* __restrict__ sn,
@@ -81,24 +115,68 @@ extern "C" __global__ void __launch_bounds__(256) hc_mix_partial(const float* __
   }
 }
 
+// mode-0 finish for hc a power of two with hc*hc <= 32: lane l holds comb[i = l / hc][j = l % hc]; row sums
+// are xor-shuffles over offsets < hc, column sums over offsets hc .. hc*hc/2 (both stay inside the active
+// lanes, so the idle lanes' values never mix in). A single thread took ~50 us per call on 20 Sinkhorn
+// rounds of divisions; the sums here are trees instead of left-to-right (<= 1 ulp apart).
+__device__ __forceinline__ void hc_sinkhorn_warp(const float* mix, const float* __restrict__ scale,
+                                                 const float* __restrict__ base, int hc, float hc_eps, int iters,
+                                                 int t, float* __restrict__ pre, float* __restrict__ post,
+                                                 float* __restrict__ comb) {
+  const int l = threadIdx.x, n2 = hc * hc;
+  const bool act = l < n2;
+  if (l < hc) {
+    pre[t * hc + l] = sigmoidf_(mix[l] * scale[0] + base[l]) + hc_eps;
+    post[t * hc + l] = 2.f * sigmoidf_(mix[hc + l] * scale[1] + base[hc + l]);
+  }
+  const float c0 = act ? mix[2 * hc + l] * scale[2] + base[2 * hc + l] : 0.f;
+  float m = c0;
+  for (int o = 1; o < hc; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if (!isfinite(m)) m = 0.f;
+  const float e = expf(c0 - m);
+  float s = e;
+  for (int o = 1; o < hc; o <<= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  float c = e / s + hc_eps;
+  for (int it = 0; it < iters; ++it) {
+    if (it > 0) {  // row normalise (the first round starts with the column step)
+      s = c;
+      for (int o = 1; o < hc; o <<= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+      c = c / (s + hc_eps);
+    }
+    s = c;
+    for (int o = hc; o < n2; o <<= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    c = c / (s + hc_eps);
+  }
+  if (act) comb[(size_t)t * n2 + l] = c;
+}
+
 extern "C" __global__ void hc_mixes(const float* __restrict__ part, int S, const float* __restrict__ scale,
                                     const float* __restrict__ base, int hc, int F, int NM, float norm_eps,
                                     float hc_eps, int iters, int mode, float* __restrict__ pre,
                                     float* __restrict__ post, float* __restrict__ comb) {
   __shared__ float mix[MAX_MIX + 1];
   const float* pt = part + (size_t)blockIdx.x * S * (NM + 1);
-  for (int m = threadIdx.x; m <= NM; m += blockDim.x) {
-    float v = 0.f;
-    for (int s = 0; s < S; ++s) v += pt[(size_t)s * (NM + 1) + m];
-    mix[m] = v;
+  {  // one warp per mix value, lanes over the S partials, then a fixed tree: deterministic, and the
+     // loads of a value are spread over 32 lanes instead of chained in one thread
+    const int lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    for (int m = threadIdx.x >> 5; m <= NM; m += nw) {
+      float v = 0.f;
+      for (int s = lane; s < S; s += 32) v += pt[(size_t)s * (NM + 1) + m];
+      v = warp_sum(v);
+      if (lane == 0) mix[m] = v;
+    }
   }
   __syncthreads();
   const float rstd = 1.f / sqrtf(mix[NM] / (float)F + norm_eps);
   __syncthreads();
   for (int m = threadIdx.x; m < NM; m += blockDim.x) mix[m] *= rstd;
   __syncthreads();
-  if (threadIdx.x != 0) return;
   const int t = blockIdx.x;
+  if (mode == 0 && hc * hc <= 32 && (hc & (hc - 1)) == 0) {  // V4.1 / V4 widths: one lane per comb entry
+    if (threadIdx.x < 32) hc_sinkhorn_warp(mix, scale, base, hc, hc_eps, iters, t, pre, post, comb);
+    return;
+  }
+  if (threadIdx.x != 0) return;
   if (mode == 1) {
     for (int i = 0; i < hc; ++i) pre[t * hc + i] = sigmoidf_(mix[i] * scale[0] + base[i]) + hc_eps;
     return;

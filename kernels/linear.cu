@@ -69,11 +69,33 @@ __device__ __forceinline__ void deq4_unscaled(const uint4& v, int g, float* o) {
   }
 }
 
-// Scale GEMV applies per chunk to deq4_unscaled values: FP8's raw-decode factor is not needed.
+// Scale GEMV applies per chunk to deq4_unscaled values (FP8's raw-decode factor is not needed).
+// srow: the row's offset into the scale table, hoisted out of the K loop; ksh: log2(bk), or -1 when
+// bk is not a power of two (integer division per chunk and row cost as much as the dequantization).
 template <int FMT>
-__device__ __forceinline__ float gemv_scale(const void* S, int n, int k0, int bn, int bk, int gk) {
-  if (FMT == FMT_FP8) return ((const float*)S)[(size_t)(n / bn) * gk + k0 / bk];
-  return chunk_scale<FMT>(S, n, k0, bn, bk, gk);
+__device__ __forceinline__ int gemv_scale_row(int n, int bn, int gk) {
+  if (FMT == FMT_FP8) return (n / bn) * gk;
+  if (FMT == FMT_FP4) return n * gk;
+  return 0;
+}
+template <int FMT>
+__device__ __forceinline__ float gemv_scale(const void* S, int srow, int k0, int bk, int ksh) {
+  if (FMT == FMT_FP8) return __ldg((const float*)S + srow + (ksh >= 0 ? k0 >> ksh : k0 / bk));
+  if (FMT == FMT_FP4) return e8m0_scaled(__ldg((const u8*)S + srow + (k0 >> 5)), 14);
+  return 1.f;
+}
+
+// Eight e2m1 nibbles of one word (element i in bits 4i..4i+3) -> values * 2^-14, in element order.
+// Nibbles i and i+4 become one f16x2 with two shifts and two masks (half the instructions of
+// decoding nibbles one by one: the FP4 GEMV is bound by this arithmetic, not by its loads).
+__device__ __forceinline__ void deq8_fp4(u32 w, float* o) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const u32 mag = i < 3 ? (w << (9 - 4 * i)) : (w >> 3);
+    const u32 p = (mag & 0x0E000E00u) | ((w << (12 - 4 * i)) & 0x80008000u);
+    o[i] = h2f(p & 0xFFFFu);
+    o[i + 4] = h2f(p >> 16);
+  }
 }
 
 __device__ __forceinline__ uint4 ldg16(const void* p) { return __ldg((const uint4*)p); }
@@ -110,6 +132,10 @@ __device__ __forceinline__ void gemv_body(const float* __restrict__ A, int lda, 
     for (int m = 0; m < MT; ++m) acc[r][m] = 0.f;
   const float* Ab = A + (size_t)row0 * lda + acol;
   const int nchunks = n0 < N ? K / EPC : 0;
+  const int ksh = (bk & (bk - 1)) == 0 ? __ffs(bk) - 1 : -1;
+  int srow[RPW];
+#pragma unroll
+  for (int r = 0; r < RPW; ++r) srow[r] = gemv_scale_row<FMT>(n0 + r < N ? n0 + r : 0, bn, gk);
   const int cstep = 32 * kw;
   for (int c = part * 32 + lane; c < nchunks; c += U * cstep) {
     uint4 raw[U][RPW];
@@ -122,7 +148,7 @@ __device__ __forceinline__ void gemv_body(const float* __restrict__ A, int lda, 
         const int n = n0 + r;
         const bool ok = cc < nchunks && n < N;
         raw[u][r] = ok ? ldg16(W + (size_t)n * row_bytes + (size_t)cc * 16) : make_uint4(0, 0, 0, 0);
-        sc[u][r] = ok ? gemv_scale<FMT>(S, n, cc * EPC, bn, bk, gk) : 0.f;
+        sc[u][r] = ok ? gemv_scale<FMT>(S, srow[r], cc * EPC, bk, ksh) : 0.f;
       }
     }
 #pragma unroll
@@ -135,6 +161,27 @@ __device__ __forceinline__ void gemv_body(const float* __restrict__ A, int lda, 
         for (int r = 0; r < RPW; ++r)
 #pragma unroll
           for (int m = 0; m < MT; ++m) dot[r][m] = 0.f;
+        if (FMT == FMT_FP4) {
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {  // x first, then one row's 8 weights at a time (few registers)
+            float4 xa[MT], xb[MT];
+#pragma unroll
+            for (int m = 0; m < MT; ++m) {
+              const float* xm = Ab + (size_t)(m < rows ? m : 0) * lda + k0 + 8 * q;
+              xa[m] = __ldg((const float4*)xm);
+              xb[m] = __ldg((const float4*)(xm + 4));
+            }
+#pragma unroll
+            for (int r = 0; r < RPW; ++r) {
+              float w8[8];
+              deq8_fp4(word(raw[u][r], q), w8);
+#pragma unroll
+              for (int m = 0; m < MT; ++m)
+                dot[r][m] += w8[0] * xa[m].x + w8[1] * xa[m].y + w8[2] * xa[m].z + w8[3] * xa[m].w +
+                             w8[4] * xb[m].x + w8[5] * xb[m].y + w8[6] * xb[m].z + w8[7] * xb[m].w;
+            }
+          }
+        } else
 #pragma unroll
         for (int g = 0; g < EPC / 4; ++g) {
           float w4[RPW][4];

@@ -97,7 +97,8 @@ def test_embed(fmt):
 
 # ---- norms, rope, mHC ------------------------------------------------------------------------
 @pytest.mark.parametrize("shape,weighted,eps", [((7, 5120), True, 1e-20), ((3, 64, 512), False, 1e-6),
-                                                ((5, 1280), True, 1e-6)])
+                                                ((5, 1280), True, 1e-6), ((1, 8192), True, 1e-6),
+                                                ((2, 6004), False, 1e-6), ((2, 8196), True, 1e-6)])
 def test_rmsnorm(shape, weighted, eps):
     x = rnd(*shape)
     w = rnd(shape[-1]) if weighted else None
@@ -114,11 +115,12 @@ def test_rope(shape, inverse):
     assert rel(got, REF.rope(x, c, s, inverse)) < 1e-6
 
 
-@pytest.mark.parametrize("t", [1, 6])
-def test_hc_mixes_and_head(t):
-    hc, d = 4, 5120
+@pytest.mark.parametrize("t,hc", [(1, 4), (6, 4), (2, 3), (2, 8)])  # hc 4: one lane per comb entry; 3, 8: serial
+def test_hc_mixes_and_head(t, hc):
+    d = 5120
+    nm = (2 + hc) * hc
     h = rnd(t, hc, d)
-    fn, scale, base = rnd(24, hc * d, scale=0.01), rnd(3), rnd(24)
+    fn, scale, base = rnd(nm, hc * d, scale=0.01), rnd(3), rnd(nm)
     ref = REF.hc_mixes(h, fn, scale, base, 1e-6, 1e-6, 20)
     got = GPU.hc_mixes(*(cp.asarray(a) for a in (h, fn, scale, base)), 1e-6, 1e-6, 20)
     for g, r in zip(got, ref, strict=True):
@@ -390,3 +392,26 @@ def test_fake_quant_exact():
         g = cp.asnumpy(got)
         assert np.array_equal(g.view(np.uint32), ref.view(np.uint32)) or np.array_equal(g, ref), \
             np.argwhere(g != ref)[:5]
+
+
+# ---- host <-> device glue --------------------------------------------------------------------
+def test_pinned_uploads_survive_ring_wraps():
+    from engine.backends.pinned import PinnedUploader
+
+    up = PinnedUploader(8192)  # 4 KB halves: the 60 uploads below wrap many times
+    host = [rnd(50 + 7 * i) for i in range(60)] + [RNG.integers(0, 9, (3, 5)), rnd(5000)]  # last: > a half
+    dev = [up.upload(a) for a in host]
+    cp.cuda.Device().synchronize()
+    for a, d in zip(host, dev, strict=True):
+        assert d.dtype == a.dtype and np.array_equal(cp.asnumpy(d), a)
+    assert GPU.asarray(np.arange(5), dtype=np.int64).dtype == np.int64
+
+
+def test_cat_matches_numpy():
+    cases = [([rnd(127, 512), rnd(1, 512)], 0), ([rnd(0, 512), rnd(3, 512)], 0), ([rnd(1, 128), rnd(1, 40)], 1),
+             ([rnd(3, 128), rnd(3, 40)], 1), ([rnd(4, 6)[:, ::2], rnd(2, 3)], 0)]  # the last two: cupy's path
+    for arrays, axis in cases:
+        got = GPU.cat([cp.asarray(a) if a.flags.c_contiguous else cp.asarray(a.copy())[:, :] for a in arrays], axis)
+        assert np.array_equal(cp.asnumpy(got), np.concatenate(arrays, axis=axis))
+    strided = cp.asarray(rnd(4, 6))[:, ::2]
+    assert np.array_equal(cp.asnumpy(GPU.cat([strided, strided], 0)), np.concatenate([cp.asnumpy(strided)] * 2))

@@ -38,6 +38,9 @@ class NumpyOps:
     def asarray(self, x, dtype=F32) -> np.ndarray:
         return np.asarray(x, dtype=dtype)
 
+    def cat(self, arrays: list, axis: int = 0) -> np.ndarray:
+        return np.concatenate(arrays, axis=axis)
+
     def to_host(self, x) -> np.ndarray:
         return np.asarray(x)
 
