@@ -3,9 +3,11 @@
 Weights stay in their stored format on the GPU (`GpuWeight`: fp8 bytes + block scales, packed
 fp4 + UE8M0 bytes, bf16 bits, or f32) and are dequantized inside the linear kernels. Activations
 are float32 CuPy arrays throughout and every kernel is float32-accurate, so results match the
-numpy reference up to summation order: the tensor-core GEMM (> 8 rows) splits activations into
-three bf16 terms; only weights that bf16 cannot hold exactly (fp8 with fp32 scales, f32) are
-rounded there. That matters because V4.1's FP8/FP4 state rounding amplifies small errors.
+numpy reference up to summation order: FP8 / FP4 projections of up to 32 rows (decode) run on
+the tensor-core GEMV (kernels/gemv_tc.cu: exact f16 weights, activations split into hi + lo
+f16 terms); the tensor-core GEMM (more rows) splits activations into three bf16 terms; only
+weights that bf16 cannot hold exactly (fp8 with fp32 scales, f32) are rounded there. That
+matters because V4.1's FP8/FP4 state rounding amplifies small errors.
 
 The top-k mask is a radix-select kernel (kernels/topk.cu, no sort, no host sync); a few
 reshapes / gathers are CuPy glue.
@@ -31,6 +33,16 @@ _EPC = {FMT_F32: 4, FMT_BF16: 8, FMT_FP8: 16, FMT_FP4: 32}  # elements per 16-by
 GEMV_MAX_ROWS = 8  # up to this many rows per segment: CUDA-core GEMV, else tensor-core GEMM
 GEMM_TILE = 64
 GEMV_WARPS_TARGET = 132 * 32  # enough independent loads in flight to saturate an H200's HBM
+TC_MAX_ROWS = 32  # FP8 / FP4 segments of up to this many rows: tensor-core GEMV (gemv_tc.cu)
+# its configuration (kernels/gemv_tc.cu TC_W, TC_S, TC_R): blocks of 8 warps, each streaming its
+# tile through a 4-stage ring of 16 rows x 128 bytes
+TC_WARPS, TC_SMEM, TC_STAGE_BYTES = 8, 8 * 4 * 2048, 128
+TC_WARPS_TARGET = 132 * 24  # what the H200 holds resident (3 blocks of 8 warps per SM)
+# Fewest rows per segment for which the tensor-core GEMV beats the CUDA-core GEMV, by weight format
+# (measured on an H200: one FP8 row streams faster through the CUDA-core GEMV; FP4 rows, whose
+# nibble decode costs the CUDA cores more, are faster on tensor cores from one row on).
+TC_MIN_ROWS = {FMT_FP8: 2, FMT_FP4: 1}
+_TC_CONFIGURED: set = set()
 _ELT_BLOCK = 256
 _NULL = np.uint64(0)  # a null pointer kernel argument
 MOE_DEVICE_MAX_PAIRS = 1024  # moe(): up to this many (token, expert) pairs are grouped on the device
@@ -95,6 +107,25 @@ def _gemv_split(n: int, nchunks: int, rpw: int, nseg: int) -> int:
     to keep HBM busy (~32 per SM on 132 SMs) and every lane still gets >= 2 chunks to load."""
     kw, warps = 1, -(-n // rpw) * nseg
     while kw < 8 and warps * kw < GEMV_WARPS_TARGET and nchunks >= 32 * kw * 2:
+        kw *= 2
+    return kw
+
+
+def _tc_ok(w: GpuWeight, lda: int) -> bool:
+    """The tensor-core GEMV reads FP8 rows in 16-element chunks with scale blocks that align with
+    its 128-element stages, FP4 rows in 32-element groups, and x rows split in groups of 4 / 8."""
+    k = w.shape[1]
+    if w.fmt == FMT_FP8:
+        bk = w.block[1]
+        return k % 16 == 0 and lda % 4 == 0 and bk % 16 == 0 and (bk % 128 == 0 or 128 % bk == 0)
+    return w.fmt == FMT_FP4 and k % 32 == 0 and lda % 8 == 0
+
+
+def _tc_split(warps: int, stages: int) -> int:
+    """Warps sharing one 16-row tile of the tensor-core GEMV (a power of two <= TC_WARPS): split K while the
+    launch has too few warps to fill HBM's pipe and each warp still streams >= 2 stages."""
+    kw = 1
+    while kw < TC_WARPS and warps * kw < TC_WARPS_TARGET and stages >= 4 * kw:
         kw *= 2
     return kw
 
@@ -205,14 +236,19 @@ class CupyOps:
     # ---- linear kernels ----------------------------------------------------------------
     def _run_linear(self, a: cp.ndarray, y: cp.ndarray, n: int, k: int, segs,
                     wptrs: cp.ndarray, sptrs: cp.ndarray, w: GpuWeight, max_rows: int) -> None:
-        """Launch the GEMV (max_rows <= 8) or GEMM kernel over a segment table (a list of
+        """Launch the tensor-core GEMV (FP8 / FP4, max_rows <= 32), the GEMV (max_rows <= 8) or the GEMM
+        kernel over a segment table (a list of
         (weight, row0, rows, a_col, y_col), or that table already on the device)."""
         tag = _FMT_TAG[w.fmt]
         seg = segs if isinstance(segs, cp.ndarray) else self._segs_device(segs)
         nseg = seg.size // 5
         args = (a, np.int32(a.shape[1]), y, np.int32(y.shape[1]), np.int32(n), np.int32(k), seg, wptrs, sptrs,
                 np.int32(w.block[0]), np.int32(w.block[1]), np.int32(w.gk))
-        if max_rows <= GEMV_MAX_ROWS:
+        # (the tensor-core GEMV reads x in 128-column groups: segments must start on one)
+        if (TC_MIN_ROWS.get(w.fmt, TC_MAX_ROWS + 1) <= max_rows <= TC_MAX_ROWS and _tc_ok(w, a.shape[1])
+                and (isinstance(segs, cp.ndarray) or all(s[3] % 128 == 0 for s in segs))):
+            self._run_tc(a, y, n, k, seg, wptrs, sptrs, w, max_rows)
+        elif max_rows <= GEMV_MAX_ROWS:
             mt = 1 if max_rows <= 1 else 2 if max_rows <= 2 else 4 if max_rows <= 4 else 8
             rpw = 4
             kw = _gemv_split(n, k // _EPC[w.fmt], rpw, nseg)
@@ -221,6 +257,32 @@ class CupyOps:
         else:
             fn = K.function("linear", f"gemm_{tag}")
             fn((math.ceil(n / GEMM_TILE), nseg), (128,), args)
+
+    def _run_tc(self, a: cp.ndarray, y: cp.ndarray, n: int, k: int, seg: cp.ndarray,
+                wptrs: cp.ndarray, sptrs: cp.ndarray, w: GpuWeight, max_rows: int) -> None:
+        """Tensor-core GEMV: split x into scaled hi / lo f16 terms, then one launch over the segments."""
+        xs, xinv = self._tc_split_x(a, w.fmt == FMT_FP4)
+        nt = 1 if max_rows <= 8 else 2 if max_rows <= 16 else 4
+        fn = K.function("gemv_tc", f"tcgemv_{_FMT_TAG[w.fmt]}_n{nt}")
+        if fn not in _TC_CONFIGURED:  # opt in to > 48 KB of dynamic shared memory, once
+            fn.max_dynamic_shared_size_bytes = TC_SMEM
+            _TC_CONFIGURED.add(fn)
+        tiles, nseg = -(-n // 16), seg.size // 5
+        kw = _tc_split(tiles * nseg, -(-w.row_bytes() // TC_STAGE_BYTES))
+        fn((-(-tiles // (TC_WARPS // kw)), nseg), (32 * TC_WARPS,), (
+            xs, xinv, np.int32(a.shape[1]), y, np.int32(y.shape[1]), np.int32(n), np.int32(k), seg, wptrs, sptrs,
+            np.int32(w.block[0]), np.int32(w.block[1]), np.int32(w.gk), np.int32(kw)), shared_mem=TC_SMEM)
+
+    @staticmethod
+    def _tc_split_x(a: cp.ndarray, fp4: bool) -> tuple[cp.ndarray, cp.ndarray]:
+        """x [m, lda] -> its hi / lo f16 terms in the tensor-core GEMV's order, and the inverse
+        power-of-two scale of each 128-element group (kernels/gemv_tc.cu tc_split_x)."""
+        m, lda = a.shape
+        ngx = -(-lda // 128)
+        xs = cp.empty(m * lda, dtype=cp.uint32)
+        xinv = cp.empty((m, ngx), dtype=F32)
+        K.function("gemv_tc", "tc_split_x")((-(-ngx // 8), m), (256,), (a, np.int32(lda), xs, xinv, np.int32(fp4)))
+        return xs, xinv
 
     def _segs_device(self, segs) -> cp.ndarray:
         """Segment table on the device; dense / grouped tables repeat, so they are cached."""
@@ -268,7 +330,7 @@ class CupyOps:
         if w.fmt == FMT_FP8 and nout % w.block[0]:
             ok = False
         else:
-            ok = w.kernel_ok(t) and kin % 4 == 0
+            ok = w.kernel_ok(t) and kin % (8 if w.fmt == FMT_FP4 else 4) == 0
         if not ok or t == 0:
             wg = w.dequant().reshape(groups, nout, kin)
             return cp.einsum("tgi,goi->tgo", _c32(x), wg)
