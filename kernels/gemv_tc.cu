@@ -45,8 +45,9 @@ __device__ __forceinline__ void ldsm_x4(u32 addr, u32* d) {
                : "r"(addr));
 }
 
+// (not volatile: a pure function of its registers, so the compiler may interleave it with loads)
 __device__ __forceinline__ void mma_f16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-  asm volatile(
+  asm(
       "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])

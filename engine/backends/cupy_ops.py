@@ -38,12 +38,14 @@ TC_MAX_ROWS = 32  # FP8 / FP4 segments of up to this many rows: tensor-core GEMV
 # tile through a 4-stage ring of 16 rows x 128 bytes
 TC_WARPS, TC_SMEM, TC_STAGE_BYTES = 8, 8 * 4 * 2048, 128
 TC_WARPS_TARGET = 132 * 24  # what the H200 holds resident (3 blocks of 8 warps per SM)
-# Fewest rows per segment for which the tensor-core GEMV beats the CUDA-core GEMV, by weight format
-# (measured on an H200: one FP8 row streams faster through the CUDA-core GEMV; FP4 rows, whose
-# nibble decode costs the CUDA cores more, are faster on tensor cores from one row on).
-TC_MIN_ROWS = {FMT_FP8: 2, FMT_FP4: 1}
+# Fewest rows per segment for which the tensor-core GEMV beats the CUDA-core GEMV (H200, in CUDA
+# graphs: one row streams faster through the CUDA-core GEMV, e.g. wo_b 22 vs 38 us, 6 routed FP4
+# experts 128 vs 149 us; from 2 rows on the tensor cores win, up to 6x at 8 rows).
+TC_MIN_ROWS = {FMT_FP8: 2, FMT_FP4: 2}
 _TC_CONFIGURED: set = set()
 _ELT_BLOCK = 256
+# decode attention: split the keys until about this many blocks run, each split >= this many keys
+ATT_BLOCKS_TARGET, ATT_MIN_SPLIT = 132 * 2, 64
 _NULL = np.uint64(0)  # a null pointer kernel argument
 MOE_DEVICE_MAX_PAIRS = 1024  # moe(): up to this many (token, expert) pairs are grouped on the device
 _MOE_GROUP_MAXP = 1024  # kernels/moe.cu MOE_GROUP_MAXP: moe_group runs one block, one thread a pair
@@ -626,6 +628,49 @@ class CupyOps:
         K.function("attention", "attention")((math.ceil(h / 8), s), (256,), (
             _c32(q), _c32(kv), _c32(bias), _c32(sinks), out, np.int32(s), np.int32(h), np.int32(n), np.int32(d),
             F32(scale)), shared_mem=16 * d * 4)
+        return out
+
+    def attention_decode(self, q: cp.ndarray, sources: list, sinks: cp.ndarray, scale: float) -> cp.ndarray:
+        """Decode attention of B sequences, one query each, in one launch: q [B, H, D]; sources[b]
+        lists up to two (kv [n, D], mask bool [n] or None = all visible) K=V sources of sequence b
+        (its window, then its compressed entries), read in place. Split over the keys so that a
+        short batch still fills the GPU; the splits are merged in a fixed order."""
+        b, h, d = q.shape
+        out = cp.empty((b, h, d), F32)
+        if b == 0:
+            return out
+        if d % 32 or d > 512:
+            raise ValueError(f"attention kernel needs head_dim % 32 == 0 and <= 512 (got {d})")
+        tab = np.zeros((b, 6), np.int64)
+        keep = []  # the contiguous arrays whose pointers the table holds, alive until the launch
+        for i, srcs in enumerate(sources):
+            if len(srcs) > 2:
+                raise ValueError("attention_decode takes at most two K=V sources per sequence")
+            for j, (kv, mask) in enumerate(srcs):
+                if kv is None or kv.shape[0] == 0:
+                    continue
+                kv = _c32(kv)
+                mk = None if mask is None else cp.ascontiguousarray(mask, dtype=cp.bool_).reshape(-1)
+                if kv.shape[1] != d or (mk is not None and mk.size != kv.shape[0]):
+                    raise ValueError("attention_decode: a source's rows or mask do not match")
+                keep += [kv, mk]
+                tab[i, 3 * j:3 * j + 3] = (_ptr(kv), kv.shape[0], _ptr(mk))
+        longest = int((tab[:, 1] + tab[:, 4]).max())
+        blocks = -(-h // 8) * b
+        nsplit = max(1, min(-(-ATT_BLOCKS_TARGET // blocks), -(-longest // ATT_MIN_SPLIT)))
+        per_split = -(-max(longest, 1) // nsplit)
+        chunk = -(-per_split // 16) * 16  # a multiple of the kernel's 16-row tile
+        nsplit = -(-max(longest, 1) // chunk)
+        part_o = cp.empty((b, h, nsplit, d), F32) if nsplit > 1 else out
+        part_ml = cp.empty((b, h, nsplit, 2), F32) if nsplit > 1 else out
+        qc, sk = _c32(q), _c32(sinks)
+        K.function("attention", "attention_decode")((-(-h // 8), b, nsplit), (256,), (
+            qc, self.asarray(tab, dtype=np.int64), sk, out, part_o, part_ml, np.int32(h), np.int32(d),
+            np.int32(nsplit), np.int32(chunk), F32(scale)), shared_mem=16 * d * 4)
+        if nsplit > 1:
+            K.function("attention", "attention_combine")((-(-(b * h) // 8),), (256,), (
+                part_o, part_ml, sk, out, np.int32(b * h), np.int32(h), np.int32(d), np.int32(nsplit)))
+        del keep
         return out
 
     def indexer_scores(self, q: cp.ndarray, k: cp.ndarray, w: cp.ndarray, n_heads: int, head_dim: int) -> cp.ndarray:
