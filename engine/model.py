@@ -455,31 +455,40 @@ class Model:
         cfg, ops, xp = self.cfg, self.ops, self.ops.xp
         hn, d = self.plan.heads[1] - self.plan.heads[0], cfg.head_dim
         ratio = cfg.compress_ratios[li]
-        out = xp.empty_like(q) if len(seqs) > 1 else None
         win = cfg.sliding_window
+        # decode (one query per sequence): every sequence in one launch over its sources in place
+        decode = bool(hn) and all(s.pos.size == 1 for s in seqs)
+        out = xp.empty_like(q) if len(seqs) > 1 and not decode else None
+        sources = []
         for s in seqs:
             st = s.state.layers[li]
             r = s.rows
             keys = ops.cat([st.window, kv[r]], axis=0)
-            kpos = np.arange(s.pos[0] - st.window.shape[0], s.pos[-1] + 1)
-            visible = (kpos[None, :] <= s.pos[:, None]) & (kpos[None, :] > s.pos[:, None] - win)
-            if visible.all():  # decode: the whole window (no host->device copy)
-                bias = xp.zeros(visible.shape, dtype=np.float32)
-            else:
-                bias = ops.asarray(np.where(visible, np.float32(0.0), NEG_INF))
             st.window = keys[max(keys.shape[0] - (win - 1), 0):] if win > 1 else keys[:0]
+            srcs, bias = [(keys, None)], None  # a decode query sees its whole window
+            if not decode:
+                kpos = np.arange(s.pos[0] - (keys.shape[0] - s.pos.size), s.pos[-1] + 1)
+                visible = (kpos[None, :] <= s.pos[:, None]) & (kpos[None, :] > s.pos[:, None] - win)
+                bias = ops.asarray(np.where(visible, np.float32(0.0), NEG_INF))
             if ratio:
-                comp, cbias = (self._v41_compressed(li, L, proj.rows(r), s) if cfg.arch == "v41"
-                               else self._v4_compressed(li, L, x[r], q_res[r], s))
+                comp, cvis = (self._v41_compressed(li, L, proj.rows(r), s) if cfg.arch == "v41"
+                              else self._v4_compressed(li, L, x[r], q_res[r], s))
                 if comp is not None and comp.shape[0]:
-                    keys = ops.cat([keys, comp], axis=0)
-                    bias = ops.cat([bias, cbias], axis=1)
-            if hn:
+                    if decode:
+                        srcs.append((comp, cvis[0]))
+                    else:
+                        keys = ops.cat([keys, comp], axis=0)
+                        bias = ops.cat([bias, xp.where(cvis, np.float32(0.0), NEG_INF).astype(np.float32)], axis=1)
+            if decode:
+                sources.append(srcs)
+            elif hn:
                 o = ops.attention(q[r], keys, bias, L.sinks, d**-0.5)
                 if out is None:
                     out = o
                 else:
                     out[r] = o
+        if decode:
+            out = ops.attention_decode(q, sources, L.sinks, d**-0.5)
         return out if hn else None
 
     def _comp_rope(self, x, first: int, ratio: int):
@@ -494,7 +503,7 @@ class Model:
     # V4.1 ---------------------------------------------------------------------------------
     def _v41_compressed(self, li: int, L, p: _Projected, s: _Seq):
         """CSA2 branch of one sequence (p: its rows of the layer's projections): returns (group's
-        compressed entries, bias [S, n])."""
+        compressed entries, which of them each query sees: bool [S, n])."""
         cfg, ops, xp = self.cfg, self.ops, self.ops.xp
         ratio = cfg.compress_ratios[li]
         st = s.state.layers[li]
@@ -524,8 +533,8 @@ class Model:
         mask = s.shared.get("topk")
         if mask is None or mask.shape[1] != entries.shape[0]:
             # no index source has scored this group in this forward: nothing is selected
-            return entries, xp.full((s.pos.size, entries.shape[0]), NEG_INF, dtype=np.float32)
-        return entries, xp.where(mask, np.float32(0.0), NEG_INF).astype(np.float32)
+            return entries, xp.zeros((s.pos.size, entries.shape[0]), dtype=bool)
+        return entries, mask
 
     def _v41_pool(self, L, p: _Projected, st: LayerState, ratio: int):
         """Pre-RoPE latents of the ratio > 1 groups that close in this chunk (None if none), and
@@ -646,4 +655,4 @@ class Model:
                 visible = ops.topk_mask(scores, min(cfg.index_topk, n))
         if n == 0:
             return None, None
-        return st.entries, xp.where(ops.asarray(visible, dtype=bool), np.float32(0.0), NEG_INF).astype(np.float32)
+        return st.entries, ops.asarray(visible, dtype=bool)

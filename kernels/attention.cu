@@ -1,45 +1,36 @@
 // Attention-side kernels: MQA with K == V and per-head sinks, and the indexer scores.
 #include "dsuf_common.cuh"
 
-// out[s, h, :] = softmax-with-sink over n of (q[s,h].kv[n] * scale + bias[s,n]) applied to kv.
-// q [S, H, D], kv [N, D], bias [S, N] (0 or -inf), sinks [H]. D % 32 == 0, D <= 512.
-// grid (ceil(H/8), S), block 256: warp w owns head 8*blockIdx.x + w; the K=V tile (TN rows) is
-// staged once in shared memory for all 8 heads (one latent read serves every head). Tiles whose
-// bias is -inf for this query are skipped, so windowed / top-k masks cost only what is visible.
-// Dynamic shared memory: TN * D floats.
+// Online-softmax attention of one query (8 heads per block, warp w = one head) over key rows
+// [n_begin, n_end) of a K=V source. `row(n, &bias)` gives row n's pointer and its bias (0 or -inf).
+// The K=V tile (ATT_TN rows) is staged once in shared memory for all 8 heads (one latent read
+// serves every head); tiles with no visible row are skipped, so windowed / top-k masks cost only
+// what is visible. qr: this lane's query elements (lane + 32 i); o, m, l: the running state.
+// Dynamic shared memory: ATT_TN * D floats.
 #define ATT_TN 16
 #define ATT_DPL 16  // D / 32 at most
-extern "C" __global__ void __launch_bounds__(256) attention(const float* __restrict__ q, const float* __restrict__ kv,
-                                                           const float* __restrict__ bias,
-                                                           const float* __restrict__ sinks, float* __restrict__ out,
-                                                           int S, int H, int N, int D, float scale) {
+template <class Rows>
+__device__ __forceinline__ void attend_rows(const float (&qr)[ATT_DPL], float (&o)[ATT_DPL], float& m, float& l,
+                                            bool active, int n_begin, int n_end, int D, float scale, Rows row) {
   extern __shared__ __align__(16) float kvs[];
   __shared__ float bs[ATT_TN];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int h = blockIdx.x * 8 + warp, s = blockIdx.y;
-  const bool active = h < H;
-  const int nd = D / 32;
-  float qr[ATT_DPL], o[ATT_DPL];
-#pragma unroll
-  for (int i = 0; i < ATT_DPL; ++i) {
-    qr[i] = (active && i < nd) ? q[((size_t)s * H + h) * D + lane + 32 * i] : 0.f;
-    o[i] = 0.f;
-  }
-  float m = -DSUF_INF, l = 0.f;
-  const float* br = bias + (size_t)s * N;
-  for (int n0 = 0; n0 < N; n0 += ATT_TN) {
+  __shared__ const float* rp[ATT_TN];
+  const int lane = threadIdx.x & 31, nd = D / 32, D4 = D >> 2;
+  for (int n0 = n_begin; n0 < n_end; n0 += ATT_TN) {
     int vis = 0;
     if (threadIdx.x < ATT_TN) {
-      const float b = n0 + (int)threadIdx.x < N ? br[n0 + threadIdx.x] : -DSUF_INF;
+      float b = -DSUF_INF;
+      const float* p = nullptr;
+      if (n0 + (int)threadIdx.x < n_end) p = row(n0 + threadIdx.x, b);
       bs[threadIdx.x] = b;
+      rp[threadIdx.x] = b > -DSUF_INF ? p : nullptr;
       vis = b > -DSUF_INF;
     }
     if (!__syncthreads_or(vis)) continue;
-    const int D4 = D >> 2;
     for (int idx = threadIdx.x; idx < ATT_TN * D4; idx += blockDim.x) {
       const int r = idx / D4, c = idx % D4;
       float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (n0 + r < N) v = __ldg((const float4*)(kv + (size_t)(n0 + r) * D) + c);
+      if (rp[r] != nullptr) v = __ldg((const float4*)rp[r] + c);
       ((float4*)kvs)[idx] = v;
     }
     __syncthreads();
@@ -75,14 +66,126 @@ extern "C" __global__ void __launch_bounds__(256) attention(const float* __restr
     }
     __syncthreads();
   }
-  if (!active) return;
-  const float sk = sinks[h];
+}
+
+__device__ __forceinline__ void load_query(const float* __restrict__ qh, bool active, int nd, float (&qr)[ATT_DPL],
+                                           float (&o)[ATT_DPL]) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int i = 0; i < ATT_DPL; ++i) {
+    qr[i] = (active && i < nd) ? qh[lane + 32 * i] : 0.f;
+    o[i] = 0.f;
+  }
+}
+
+// Final normalisation with the head's sink in the denominator: out = o / (l + e^(sink - m)).
+__device__ __forceinline__ void write_with_sink(float* __restrict__ oh, const float (&o)[ATT_DPL], float m, float l,
+                                                float sk, int nd) {
+  const int lane = threadIdx.x & 31;
   const float mm = fmaxf(m, sk);
   const float em = expf(m - mm);
   const float f = em / (l * em + expf(sk - mm));
 #pragma unroll
   for (int i = 0; i < ATT_DPL; ++i)
-    if (i < nd) out[((size_t)s * H + h) * D + lane + 32 * i] = o[i] * f;
+    if (i < nd) oh[lane + 32 * i] = o[i] * f;
+}
+
+// out[s, h, :] = softmax-with-sink over n of (q[s,h].kv[n] * scale + bias[s,n]) applied to kv.
+// q [S, H, D], kv [N, D], bias [S, N] (0 or -inf), sinks [H]. D % 32 == 0, D <= 512.
+// grid (ceil(H/8), S), block 256.
+extern "C" __global__ void __launch_bounds__(256) attention(const float* __restrict__ q, const float* __restrict__ kv,
+                                                           const float* __restrict__ bias,
+                                                           const float* __restrict__ sinks, float* __restrict__ out,
+                                                           int S, int H, int N, int D, float scale) {
+  const int h = blockIdx.x * 8 + (threadIdx.x >> 5), s = blockIdx.y, nd = D / 32;
+  const bool active = h < H;
+  float qr[ATT_DPL], o[ATT_DPL], m = -DSUF_INF, l = 0.f;
+  load_query(q + ((size_t)s * H + (active ? h : 0)) * D, active, nd, qr, o);
+  const float* br = bias + (size_t)s * N;
+  attend_rows(qr, o, m, l, active, 0, N, D, scale, [&](int n, float& b) {
+    b = br[n];
+    return kv + (size_t)n * D;
+  });
+  if (active) write_with_sink(out + ((size_t)s * H + h) * D, o, m, l, sinks[h], nd);
+}
+
+// Decode attention of B sequences (one query each) in one launch, split over the keys.
+// Sequence b reads two K=V sources from its table entry tab[6 b ..]: (rows0 ptr, n0, mask0 ptr,
+// rows1 ptr, n1, mask1 ptr); a source's rows are [n, D] f32, its mask bool [n] (visible where
+// true; a null pointer: all visible). Its keys are source 0's rows then source 1's, so no
+// concatenated copy of window + compressed entries is ever made.
+// grid (ceil(H/8), B, nsplit), block 256; split z covers keys [z * chunk, (z + 1) * chunk).
+// nsplit == 1 writes out [B, H, D] directly; otherwise each split writes its unnormalised
+// partial o to part_o [B, H, nsplit, D] and (m, l) to part_ml [B, H, nsplit, 2] for
+// attention_combine.
+extern "C" __global__ void __launch_bounds__(256) attention_decode(
+    const float* __restrict__ q, const long long* __restrict__ tab, const float* __restrict__ sinks,
+    float* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, int H, int D, int nsplit,
+    int chunk, float scale) {
+  const int h = blockIdx.x * 8 + (threadIdx.x >> 5), b = blockIdx.y, z = blockIdx.z, nd = D / 32;
+  const bool active = h < H;
+  const long long* e = tab + 6 * b;
+  const float* r0 = (const float*)e[0];
+  const float* r1 = (const float*)e[3];
+  const bool* m0 = (const bool*)e[2];
+  const bool* m1 = (const bool*)e[5];
+  const int n0 = (int)e[1], total = n0 + (int)e[4];
+  float qr[ATT_DPL], o[ATT_DPL], m = -DSUF_INF, l = 0.f;
+  load_query(q + ((size_t)b * H + (active ? h : 0)) * D, active, nd, qr, o);
+  const int lo = z * chunk, hi = min(total, lo + chunk);
+  attend_rows(qr, o, m, l, active, lo, hi, D, scale, [&](int n, float& bias) {
+    const bool in0 = n < n0;
+    const int i = in0 ? n : n - n0;
+    const bool* mk = in0 ? m0 : m1;
+    bias = (mk == nullptr || mk[i]) ? 0.f : -DSUF_INF;
+    return (in0 ? r0 : r1) + (size_t)i * D;
+  });
+  if (!active) return;
+  const size_t bh = (size_t)b * H + h;
+  if (nsplit == 1) {
+    write_with_sink(out + bh * D, o, m, l, sinks[h], nd);
+    return;
+  }
+  const int lane = threadIdx.x & 31;
+  float* po = part_o + (bh * nsplit + z) * D;
+#pragma unroll
+  for (int i = 0; i < ATT_DPL; ++i)
+    if (i < nd) po[lane + 32 * i] = o[i];
+  if (lane == 0) {
+    part_ml[(bh * nsplit + z) * 2] = m;
+    part_ml[(bh * nsplit + z) * 2 + 1] = l;
+  }
+}
+
+// out[b, h] = sum_z e^(m_z - M) o_z / (sum_z e^(m_z - M) l_z + e^(sink - M)), M = max(m_z, sink):
+// the splits of attention_decode merged in a fixed order. grid (ceil(B * H / 8)), block 256: a
+// warp per (b, h).
+extern "C" __global__ void __launch_bounds__(256) attention_combine(const float* __restrict__ part_o,
+                                                                   const float* __restrict__ part_ml,
+                                                                   const float* __restrict__ sinks,
+                                                                   float* __restrict__ out, int BH, int H, int D,
+                                                                   int nsplit) {
+  const int bh = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31, nd = D / 32;
+  if (bh >= BH) return;
+  const float* ml = part_ml + (size_t)bh * nsplit * 2;
+  const float sk = sinks[bh % H];
+  float mx = sk;
+  for (int z = 0; z < nsplit; ++z) mx = fmaxf(mx, ml[2 * z]);
+  float o[ATT_DPL], den = expf(sk - mx);
+#pragma unroll
+  for (int i = 0; i < ATT_DPL; ++i) o[i] = 0.f;
+  for (int z = 0; z < nsplit; ++z) {
+    const float f = expf(ml[2 * z] - mx);  // 0 for a split with nothing visible (m = -inf)
+    den += f * ml[2 * z + 1];
+    const float* po = part_o + ((size_t)bh * nsplit + z) * D;
+#pragma unroll
+    for (int i = 0; i < ATT_DPL; ++i)
+      if (i < nd) o[i] += f * po[lane + 32 * i];
+  }
+  const float inv = 1.f / den;
+#pragma unroll
+  for (int i = 0; i < ATT_DPL; ++i)
+    if (i < nd) out[(size_t)bh * D + lane + 32 * i] = o[i] * inv;
 }
 
 // out[s, n] = sum_h w[s, h] * H^-0.5 * relu(q[s, h] . k[n]) * Dh^-0.5

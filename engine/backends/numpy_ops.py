@@ -191,6 +191,18 @@ class NumpyOps:
             out[s] = np.einsum("hn,nd->hd", p / denom[:, None], keys)
         return out
 
+    def attention_decode(self, q: np.ndarray, sources: list, sinks: np.ndarray, scale: float) -> np.ndarray:
+        """Decode attention of B sequences, one query each: q [B, H, D]; sources[b] lists (kv [n, D],
+        mask bool [n] or None = all visible) K=V sources of sequence b. Same as attention() of each
+        query over the visible rows of its sources."""
+        out = np.empty_like(q)
+        for b, srcs in enumerate(sources):
+            rows = [kv if mask is None else kv[np.asarray(mask, dtype=bool).reshape(-1)]
+                    for kv, mask in srcs if kv is not None]
+            keys = np.concatenate(rows, axis=0) if rows else np.zeros((0, q.shape[2]), F32)
+            out[b] = self.attention(q[b:b + 1], keys, np.zeros((1, keys.shape[0]), F32), sinks, scale)[0]
+        return out
+
     def indexer_scores(self, q: np.ndarray, k: np.ndarray, w: np.ndarray, n_heads: int, head_dim: int) -> np.ndarray:
         """sum_h w[s,h] * relu(q[s,h] . k[n]) * head_dim^-0.5 * n_heads^-0.5 -> [S, N]."""
         s, h, d = q.shape
