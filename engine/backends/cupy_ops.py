@@ -3,7 +3,7 @@
 Weights stay in their stored format on the GPU (`GpuWeight`: fp8 bytes + block scales, packed
 fp4 + UE8M0 bytes, bf16 bits, or f32) and are dequantized inside the linear kernels. Activations
 are float32 CuPy arrays throughout and every kernel is float32-accurate, so results match the
-numpy reference up to summation order: FP8 / FP4 projections of up to 32 rows (decode) run on
+numpy reference up to summation order: FP8 / FP4 projections of 2 to 32 rows (decode) run on
 the tensor-core GEMV (kernels/gemv_tc.cu: exact f16 weights, activations split into hi + lo
 f16 terms); the tensor-core GEMM (more rows) splits activations into three bf16 terms; only
 weights that bf16 cannot hold exactly (fp8 with fp32 scales, f32) are rounded there. That
@@ -41,7 +41,7 @@ TC_WARPS_TARGET = 132 * 24  # what the H200 holds resident (3 blocks of 8 warps 
 # Fewest rows per segment for which the tensor-core GEMV beats the CUDA-core GEMV (H200, in CUDA
 # graphs: one row streams faster through the CUDA-core GEMV, e.g. wo_b 22 vs 38 us, 6 routed FP4
 # experts 128 vs 149 us; from 2 rows on the tensor cores win, up to 6x at 8 rows).
-TC_MIN_ROWS = {FMT_FP8: 2, FMT_FP4: 2}
+TC_MIN_ROWS = 2
 _TC_CONFIGURED: set = set()
 _ELT_BLOCK = 256
 # decode attention: split the keys until about this many blocks run, each split >= this many keys
@@ -238,16 +238,16 @@ class CupyOps:
     # ---- linear kernels ----------------------------------------------------------------
     def _run_linear(self, a: cp.ndarray, y: cp.ndarray, n: int, k: int, segs,
                     wptrs: cp.ndarray, sptrs: cp.ndarray, w: GpuWeight, max_rows: int) -> None:
-        """Launch the tensor-core GEMV (FP8 / FP4, max_rows <= 32), the GEMV (max_rows <= 8) or the GEMM
-        kernel over a segment table (a list of
-        (weight, row0, rows, a_col, y_col), or that table already on the device)."""
+        """Launch the tensor-core GEMV (FP8 / FP4, 2 <= max_rows <= 32), the GEMV (max_rows <= 8) or
+        the GEMM kernel over a segment table (a list of (weight, row0, rows, a_col, y_col), or that
+        table already on the device)."""
         tag = _FMT_TAG[w.fmt]
         seg = segs if isinstance(segs, cp.ndarray) else self._segs_device(segs)
         nseg = seg.size // 5
         args = (a, np.int32(a.shape[1]), y, np.int32(y.shape[1]), np.int32(n), np.int32(k), seg, wptrs, sptrs,
                 np.int32(w.block[0]), np.int32(w.block[1]), np.int32(w.gk))
         # (the tensor-core GEMV reads x in 128-column groups: segments must start on one)
-        if (TC_MIN_ROWS.get(w.fmt, TC_MAX_ROWS + 1) <= max_rows <= TC_MAX_ROWS and _tc_ok(w, a.shape[1])
+        if (TC_MIN_ROWS <= max_rows <= TC_MAX_ROWS and _tc_ok(w, a.shape[1])
                 and (isinstance(segs, cp.ndarray) or all(s[3] % 128 == 0 for s in segs))):
             self._run_tc(a, y, n, k, seg, wptrs, sptrs, w, max_rows)
         elif max_rows <= GEMV_MAX_ROWS:
@@ -655,12 +655,13 @@ class CupyOps:
                     raise ValueError("attention_decode: a source's rows or mask do not match")
                 keep += [kv, mk]
                 tab[i, 3 * j:3 * j + 3] = (_ptr(kv), kv.shape[0], _ptr(mk))
-        longest = int((tab[:, 1] + tab[:, 4]).max())
+        longest = max(1, int((tab[:, 1] + tab[:, 4]).max()))
         blocks = -(-h // 8) * b
         nsplit = max(1, min(-(-ATT_BLOCKS_TARGET // blocks), -(-longest // ATT_MIN_SPLIT)))
-        per_split = -(-max(longest, 1) // nsplit)
+        per_split = -(-longest // nsplit)
         chunk = -(-per_split // 16) * 16  # a multiple of the kernel's 16-row tile
-        nsplit = -(-max(longest, 1) // chunk)
+        nsplit = -(-longest // chunk)  # (whole tiles per split may need fewer splits)
+        # one split writes `out` directly and never touches the partials (`out` stands in for them)
         part_o = cp.empty((b, h, nsplit, d), F32) if nsplit > 1 else out
         part_ml = cp.empty((b, h, nsplit, 2), F32) if nsplit > 1 else out
         qc, sk = _c32(q), _c32(sinks)
@@ -670,7 +671,6 @@ class CupyOps:
         if nsplit > 1:
             K.function("attention", "attention_combine")((-(-(b * h) // 8),), (256,), (
                 part_o, part_ml, sk, out, np.int32(b * h), np.int32(h), np.int32(d), np.int32(nsplit)))
-        del keep
         return out
 
     def indexer_scores(self, q: cp.ndarray, k: cp.ndarray, w: cp.ndarray, n_heads: int, head_dim: int) -> cp.ndarray:
