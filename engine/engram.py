@@ -117,7 +117,21 @@ class NgramHasher:
             src = base + np.arange(s) - shift
             ok = (pos - shift >= 0) & (src >= 0)
             cols.append(np.where(ok, comp[np.clip(src, 0, None)], self.pad))
-        tokens = np.stack(cols, axis=-1)  # [S, N]
+        return self._hash(np.stack(cols, axis=-1))
+
+    def decode(self, histories: list[list[int]], ids: list[int], positions: list[int]) -> np.ndarray:
+        """__call__ for B sequences of one new token each (a decode step), vectorized over them:
+        histories[b] the raw ids before ids[b], which sits at positions[b]. -> [B, L, (N-1)*heads]."""
+        n, b = self.n, len(ids)
+        raw = np.full((b, n), -1, dtype=np.int64)  # column j: the token j places back (-1: none)
+        for i, (hist, t) in enumerate(zip(histories, ids, strict=True)):
+            back = [int(t)] + [int(x) for x in reversed(hist[-(n - 1):])] if n > 1 else [int(t)]
+            raw[i, : len(back)] = back
+        ok = (raw >= 0) & (np.asarray(positions, dtype=np.int64)[:, None] - np.arange(n)[None, :] >= 0)
+        return self._hash(np.where(ok, self.token_map[np.maximum(raw, 0)], self.pad))
+
+    def _hash(self, tokens: np.ndarray) -> np.ndarray:
+        """tokens [S, N] (compressed ids, column j = the token j places back) -> hash ids."""
         products = tokens[:, None, :] * self.multipliers[None]  # [S, L, N]
         rolling = products[..., 0]
         hashes = []

@@ -23,8 +23,10 @@ from typing import NamedTuple
 
 import numpy as np
 
+from engine import rows
 from engine.config import ModelConfig, RopeSpec
 from engine.engram import NgramHasher
+from engine.rows import Span
 from engine.state import V41_CODECS, LayerState, SequenceState, place
 from engine.tp import Collective, ShardPlan, run_single, slice_weight
 
@@ -293,6 +295,7 @@ class Model:
         advance = [s.pos.size for s in seqs]
         replay_from = self._replay_start() if not all_logits else cfg.num_layers
         hash_dev = ops.asarray(hash_ids, dtype=np.int64) if hash_ids is not None else None
+        batch: dict = {}  # what a V4.1 decode step's index sources publish to later layers
         # Each layer runs as four "regions" (pure functions of device arrays: ops.graphed may replay
         # them as CUDA graphs) around the per-sequence attention, which reads and grows the state.
         for li, L in enumerate(self.w.layers):
@@ -308,7 +311,7 @@ class Model:
                 eng = ops.xp.ascontiguousarray(hash_dev[:, cfg.engram_layer_ids.index(li)])
             h, xa, q_res, q, kv, pre_a, post_a, comb_a, *extra = ops.graphed(
                 ("in", id(L)), lambda *a, li=li, L=L: self._layer_in(li, L, *a), h, pre_mix, eng, cos, sin)
-            out = self._attention(li, L, xa, q_res, q, kv, seqs, ropes, _Projected(*extra))
+            out = self._attention(li, L, xa, q_res, q, kv, seqs, _Projected(*extra), batch)
             part = (ops.graphed(("attn_out", id(L)), lambda *a, L=L: self._attn_out(L, *a), out, cos, sin)
                     if out is not None else ops.xp.zeros((xa.shape[0], cfg.hidden_size), dtype=np.float32))
             attn = yield Collective("sum", part)
@@ -359,8 +362,14 @@ class Model:
 
     # ---- Engram ------------------------------------------------------------------------
     def _engram_hashes(self, seqs: list[_Seq], ids: list[np.ndarray]) -> np.ndarray:
-        out = []
         keep = self.cfg.engram_max_ngram_size - 1
+        if all(ch.size == 1 for ch in ids):  # decode: one vectorized hash for the whole batch
+            toks = [int(ch[0]) for ch in ids]
+            out = self.hasher.decode([s.state.recent_tokens for s in seqs], toks, [int(s.pos[0]) for s in seqs])
+            for s, t in zip(seqs, toks, strict=True):
+                s.state.recent_tokens = (list(s.state.recent_tokens) + [t])[-keep:] if keep else []
+            return out
+        out = []
         for s, ch in zip(seqs, ids, strict=True):
             out.append(self.hasher(s.state.recent_tokens, ch, int(s.pos[0])))
             s.state.recent_tokens = (list(s.state.recent_tokens) + [int(t) for t in ch])[-keep:] if keep else []
@@ -449,10 +458,12 @@ class Model:
         return y
 
     # ---- attention ---------------------------------------------------------------------
-    def _attention(self, li: int, L, x, q_res, q, kv, seqs: list[_Seq], ropes, proj: _Projected):
+    def _attention(self, li: int, L, x, q_res, q, kv, seqs: list[_Seq], proj: _Projected, batch: dict):
         """Each sequence's queries over its window, the new K=V rows and its compressed entries;
         grows the state. Returns the per-head output [T, H, D] (None on a rank without heads)."""
         cfg, ops, xp = self.cfg, self.ops, self.ops.xp
+        if cfg.arch == "v41" and all(s.pos.size == 1 for s in seqs):
+            return self._decode_v41(li, L, q, kv, seqs, proj, batch)
         hn, d = self.plan.heads[1] - self.plan.heads[0], cfg.head_dim
         ratio = cfg.compress_ratios[li]
         win = cfg.sliding_window
@@ -490,6 +501,101 @@ class Model:
         if decode:
             out = ops.attention_decode(q, sources, L.sinks, d**-0.5)
         return out if hn else None
+
+    # V4.1 decode -------------------------------------------------------------------------
+    def _decode_v41(self, li: int, L, q, kv, seqs: list[_Seq], p: _Projected, batch: dict):
+        """A V4.1 layer's state update and attention for one new token per sequence, batched: every
+        state array grows in place by one batched row copy (engine/rows.py), the compressor pools
+        the groups that close in one go, the indexer scores every sequence in one launch, and one
+        attention launch reads windows and entries where they lie. Same values as the chunk path
+        (_attention over _v41_compressed), which the consistency tests check bit for bit."""
+        cfg, ops, xp = self.cfg, self.ops, self.ops.xp
+        ratio, kind, win, d = cfg.compress_ratios[li], cfg.layer_kinds[li], cfg.sliding_window, cfg.head_dim
+        states = [s.state.layers[li] for s in seqs]
+        jobs, keys, closing = [], [], []
+        for b, ls in enumerate(states):  # the window (and the keys this token attends to)
+            buf, start, end = rows.reserve(xp, ls, "window", d, 1, jobs)
+            jobs.append((kv, b, buf, end, 1))
+            keys.append(Span(buf, start, end + 1 - start))
+            rows.commit(ls, "window", buf, max(start, end + 2 - win), end + 1)
+        appends = []  # (state, field, source rows, row) of new compressed entries / indexer keys
+        if kind == "source" and ratio > 1:  # the new row joins its group's pending rows
+            for b, ls in enumerate(states):
+                pend = []
+                for name, src in (("buf_kv", p.comp_kv), ("buf_gate", p.comp_gate)):
+                    buf, start, end = rows.reserve(xp, ls, name, src.shape[1], 1, jobs)
+                    jobs.append((src, b, buf, end, 1))
+                    pend.append(Span(buf, start, end + 1 - start))
+                    rows.commit(ls, name, *((buf, 0, 0) if end + 1 - start == ratio else (buf, start, end + 1)))
+                if pend[0].n == ratio:
+                    closing.append((ls, *pend))
+        elif kind == "source":  # ratio 1: each token is its own group, projected already
+            for b, ls in enumerate(states):
+                appends.append((ls, "entries", p.entry, b))
+                if p.idx_key is not None:
+                    appends.append((ls, "idx_keys", p.idx_key, b))
+        ops.copy_rows(jobs)
+        if closing:
+            appends += self._decode_pool(L, closing, ratio)
+        jobs = []
+        for ls, name, src, r in appends:
+            buf, start, end = rows.reserve(xp, ls, name, src.shape[1], 1, jobs)
+            jobs.append((src, r, buf, end, 1))
+            rows.commit(ls, name, buf, start, end + 1)
+        ops.copy_rows(jobs)
+        grp = cfg.kv_group_source(li)
+        if L.idx is not None:
+            self._decode_index(li, p, [rows.span(s.state.layers[grp], "idx_keys") for s in seqs], batch)
+        if self.plan.heads[1] == self.plan.heads[0]:
+            return None
+        sources, pub = [], batch.get("topk")
+        for b, (s, k) in enumerate(zip(seqs, keys, strict=True)):
+            srcs = [(k, None)]
+            if ratio and grp >= 0:  # the group's entries under this sequence's published top-k
+                es = rows.span(s.state.layers[grp], "entries")
+                if es.n and pub is not None and pub[1][b] == es.n:
+                    srcs.append((es, Span(pub[0], b, es.n)))
+            sources.append(srcs)
+        return ops.attention_decode(q, sources, L.sinks, d**-0.5)
+
+    def _decode_pool(self, L, closing: list, ratio: int) -> list:
+        """Entries (and indexer keys) of the groups that close this step: closing lists (layer
+        state, pending kv Span, pending gate Span) with `ratio` rows each. Returns the appends."""
+        cfg, ops, xp = self.cfg, self.ops, self.ops.xp
+        g, dd = len(closing), closing[0][1].buf.shape[1]
+        kvg, gg = xp.empty((g * ratio, dd), np.float32), xp.empty((g * ratio, dd), np.float32)
+        ops.copy_rows([job for i, (_, skv, sg) in enumerate(closing) for job in (
+            (skv.buf, skv.start, kvg, i * ratio, ratio), (sg.buf, sg.start, gg, i * ratio, ratio))])
+        latent = ops.rmsnorm(ops.gated_pool(kvg.reshape(g, ratio, dd), gg.reshape(g, ratio, dd)), L.comp.norm,
+                             cfg.rms_norm_eps)
+        first = np.array([ls.n_entries * ratio for ls, _, _ in closing])  # each group's first position
+        tabs = ops.asarray(np.stack(rope_tables(self.freq_comp, first, cfg.rope_compress.attention_factor)))
+        rotated = ops.rope(latent, tabs[0], tabs[1])
+        if self.store_quantized:
+            rotated = ops.fake_quant_fp4(rotated, 16, e4m3_scales=True)
+        out = [(ls, "entries", rotated, i) for i, (ls, _, _) in enumerate(closing)]
+        if L.idx is not None:
+            k = ops.rope(ops.rmsnorm(ops.linear(latent, L.idx.wk), L.idx.k_norm, cfg.rms_norm_eps), tabs[0], tabs[1])
+            k = ops.fake_quant_fp4(k, 32) if self.store_quantized else k
+            out += [(ls, "idx_keys", k, i) for i, (ls, _, _) in enumerate(closing)]
+        return out
+
+    def _decode_index(self, li: int, p: _Projected, keys: list[Span], batch: dict) -> None:
+        """Index source at decode: every sequence's top-k over its group's keys, published to the
+        later layers as (mask [B, max n], each sequence's n)."""
+        cfg, ops, xp = self.cfg, self.ops, self.ops.xp
+        ns = tuple(k.n for k in keys)
+        if max(ns) == 0:
+            return
+        scores = ops.indexer_scores_spans(p.idx_q, keys, p.idx_w, cfg.index_n_heads, cfg.index_head_dim)
+        cand = cfg.candidate_source_layer_id
+        if li == cand:
+            batch["cand"] = (self._candidate_blocks(scores, np.array(ns)), ns)
+        elif 0 <= cand < li and batch.get("cand") is not None:
+            cmask, cns = batch["cand"]
+            if cns == ns:  # (the candidate source scored the same keys: same ratio)
+                scores = xp.where(cmask, scores, NEG_INF)
+        batch["topk"] = (ops.topk_mask(scores, min(cfg.index_topk, max(ns))), ns)
 
     def _comp_rope(self, x, first: int, ratio: int):
         positions = first + ratio * np.arange(x.shape[0])

@@ -191,12 +191,11 @@ extern "C" __global__ void __launch_bounds__(256) attention_combine(const float*
 // out[s, n] = sum_h w[s, h] * H^-0.5 * relu(q[s, h] . k[n]) * Dh^-0.5
 // q [S, H, Dh], k [N, Dh], w [S, H]. Dh % 32 == 0, Dh <= 256. grid (ceil(N/32), S), block 256:
 // each warp scores 4 keys; q[s] and w[s] sit in dynamic shared memory (H*Dh + H floats).
+// Keys n in [N, ldo) of the row (a decode batch's padding) get -inf.
 #define IDX_KPW 4
-extern "C" __global__ void __launch_bounds__(256) indexer_scores(const float* __restrict__ q,
-                                                                const float* __restrict__ k,
-                                                                const float* __restrict__ w,
-                                                                float* __restrict__ out, int S, int H, int N,
-                                                                int Dh, float dscale, float hscale) {
+__device__ __forceinline__ void indexer_row(const float* __restrict__ q, const float* __restrict__ k,
+                                            const float* __restrict__ w, float* __restrict__ out, int H, int N,
+                                            int ldo, int Dh, float dscale, float hscale) {
   extern __shared__ __align__(16) float qs[];
   float* ws = qs + H * Dh;
   const int s = blockIdx.y;
@@ -208,7 +207,11 @@ extern "C" __global__ void __launch_bounds__(256) indexer_scores(const float* __
 #pragma unroll
   for (int j = 0; j < IDX_KPW; ++j) {
     const int n = blockIdx.x * 32 + warp * IDX_KPW + j;
-    if (n >= N) break;
+    if (n >= ldo) break;
+    if (n >= N) {
+      if (lane == 0) out[(size_t)s * ldo + n] = __int_as_float(0xff800000);
+      continue;
+    }
     float kr[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) kr[i] = i < nd ? k[(size_t)n * Dh + lane + 32 * i] : 0.f;
@@ -221,6 +224,25 @@ extern "C" __global__ void __launch_bounds__(256) indexer_scores(const float* __
       d = warp_sum(d);
       acc += fmaxf(d, 0.f) * dscale * ws[hh];
     }
-    if (lane == 0) out[(size_t)s * N + n] = acc;
+    if (lane == 0) out[(size_t)s * ldo + n] = acc;
   }
+}
+
+extern "C" __global__ void __launch_bounds__(256) indexer_scores(const float* __restrict__ q,
+                                                                const float* __restrict__ k,
+                                                                const float* __restrict__ w,
+                                                                float* __restrict__ out, int S, int H, int N,
+                                                                int Dh, float dscale, float hscale) {
+  indexer_row(q, k, w, out, H, N, N, Dh, dscale, hscale);
+}
+
+// Decode: query row s against its own keys, kspan[2 s] = pointer, kspan[2 s + 1] = count; out
+// [S, ldo], -inf past each row's count. grid (ceil(ldo / 32), S).
+extern "C" __global__ void __launch_bounds__(256) indexer_scores_spans(const float* __restrict__ q,
+                                                                      const long long* __restrict__ kspan,
+                                                                      const float* __restrict__ w,
+                                                                      float* __restrict__ out, int H, int ldo,
+                                                                      int Dh, float dscale, float hscale) {
+  const long long* e = kspan + 2 * blockIdx.y;
+  indexer_row(q, (const float*)e[0], w, out, H, (int)e[1], ldo, Dh, dscale, hscale);
 }

@@ -312,3 +312,14 @@ extern "C" __global__ void moe_combine(const float* __restrict__ out, const floa
   for (int k = 0; k < K; ++k) s += out[(size_t)inv[t * K + k] * D + d] * w[t * K + k];
   y[i] = s;
 }
+
+// Batched row copies: job j moves tab[3j + 2] bytes from tab[3j] to tab[3j + 1] (addresses and
+// sizes multiples of 16: the host sends anything else through cudaMemcpyAsync). grid (jobs, parts).
+extern "C" __global__ void copy_rows(const long long* __restrict__ tab) {
+  const long long* t = tab + 3 * blockIdx.x;
+  const uint4* __restrict__ src = (const uint4*)t[0];
+  uint4* __restrict__ dst = (uint4*)t[1];
+  const long long n = t[2] / 16;
+  for (long long i = (long long)blockIdx.y * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.y * blockDim.x)
+    dst[i] = src[i];
+}

@@ -20,6 +20,7 @@ from engine.backends.numpy_ops import NumpyOps  # noqa: E402
 from engine.checkpoint import Checkpoint  # noqa: E402
 from engine.config import load_config  # noqa: E402
 from engine.model import Model  # noqa: E402
+from engine.rows import Span  # noqa: E402
 from engine.tokenizer import Tokenizer  # noqa: E402
 
 DEMO = Path(__file__).resolve().parent.parent / "models" / "demo-v41"
@@ -93,6 +94,8 @@ def _host(a):
         return _host_dequant(a)
     if isinstance(a, list):
         return [_host(x) for x in a]
+    if isinstance(a, Span):
+        return Span(_host(a.buf), a.start, a.n)
     if isinstance(a, tuple):
         return tuple(_host(x) for x in a)
     return a
@@ -127,7 +130,7 @@ class DualOps:
 
     def __getattr__(self, name):
         fn = getattr(self.gpu, name)
-        if name in ("prepare", "asarray", "to_host") or not callable(fn):
+        if name in ("prepare", "asarray", "to_host", "copy_rows") or not callable(fn):  # (copy_rows: in place)
             return fn
 
         def call(*args, **kw):

@@ -23,6 +23,7 @@ from engine import kernels as K  # noqa: E402
 from engine.backends.cupy_ops import CupyOps  # noqa: E402
 from engine.backends.numpy_ops import NumpyOps  # noqa: E402
 from engine.checkpoint import Weight  # noqa: E402
+from engine.rows import Span  # noqa: E402
 
 F32_TOL, BF16_TOL = 2e-5, 1e-2
 GEMM_TOL = 5e-5  # split-bf16 GEMM: f32-accurate products, another summation order
@@ -374,6 +375,66 @@ def test_attention_decode(b):
     ref = REF.attention_decode(q, sources_ref, sinks, d**-0.5)
     got = GPU.attention_decode(cp.asarray(q), sources_gpu, cp.asarray(sinks), d**-0.5)
     assert rel(got, ref) < 1e-5
+
+
+def test_attention_decode_spans():
+    """Sources given as Spans (rows of state buffers, read in place) and masks as rows of one
+    [B, N] batch mask give the same result as the same rows passed as arrays."""
+    b, h, d = 6, 64, 512
+    q, sinks = rnd(b, h, d), rnd(h)
+    mask = RNG.random((b, 900)) < 0.3
+    mask_gpu = cp.asarray(mask)
+    ref_src, span_src, gpu_src = [], [], []
+    for i in range(b):
+        wbuf, ebuf = rnd(200, d), rnd(1000, d)
+        w0, wn, e0 = int(RNG.integers(0, 60)), int(RNG.integers(1, 128)), int(RNG.integers(0, 90))
+        en = [900, 0, 17, 300, 1, 512][i]
+        ref_src.append([(wbuf[w0:w0 + wn], None)] + ([(ebuf[e0:e0 + en], mask[i, :en])] if en else []))
+        span_src.append([(Span(wbuf, w0, wn), None)] + ([(Span(ebuf, e0, en), Span(mask, i, en))] if en else []))
+        gw, ge = cp.asarray(wbuf), cp.asarray(ebuf)
+        gpu_src.append([(Span(gw, w0, wn), None)] + ([(Span(ge, e0, en), Span(mask_gpu, i, en))] if en else []))
+    ref = REF.attention_decode(q, ref_src, sinks, d**-0.5)
+    np.testing.assert_array_equal(REF.attention_decode(q, span_src, sinks, d**-0.5), ref)
+    got = GPU.attention_decode(cp.asarray(q), gpu_src, cp.asarray(sinks), d**-0.5)
+    assert rel(got, ref) < 1e-5
+
+
+def test_indexer_scores_spans():
+    """Each decode query against its own keys (rows of a buffer at an offset; one sequence without
+    keys yet), -inf past each sequence's count; equal to the single-sequence kernel's rows."""
+    h, dh = 32, 128
+    counts = [700, 0, 5, 333]
+    q, w = rnd(len(counts), h, dh), rnd(len(counts), h)
+    bufs = [rnd(n + 50, dh) for n in counts]
+    offs = [int(RNG.integers(0, 50)) for _ in counts]
+    ref = REF.indexer_scores_spans(q, [Span(bf, o, n) for bf, o, n in zip(bufs, offs, counts, strict=True)], w, h, dh)
+    got = GPU.indexer_scores_spans(cp.asarray(q), [Span(cp.asarray(bf), o, n) for bf, o, n in
+                                                   zip(bufs, offs, counts, strict=True)], cp.asarray(w), h, dh)
+    got = cp.asnumpy(got)
+    assert got.shape == (4, 700)
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(ref))
+    for i, n in enumerate(counts):
+        if n:
+            assert rel(got[i, :n], ref[i, :n]) < 1e-5
+            assert np.isneginf(ref[i, n:]).all()
+
+
+def test_copy_rows():
+    """Batched row copies: many small aligned ones in one launch, unaligned widths and large ones
+    through cudaMemcpyAsync; every byte lands where numpy's copies put it."""
+    srcs = [rnd(300, 512), rnd(40, 3), rnd(5000, 128)]
+    dsts = [rnd(310, 512), rnd(45, 3), rnd(5100, 128)]
+    jobs = [(0, 0, 0, 5, 1), (0, 7, 0, 300, 10), (1, 0, 1, 1, 40), (2, 0, 2, 100, 5000), (0, 299, 0, 0, 1),
+            (2, 17, 2, 0, 3), (0, 100, 0, 200, 64)]
+    ref_d = [a.copy() for a in dsts]
+    gpu_d = [cp.asarray(a) for a in dsts]
+    gpu_s = [cp.asarray(a) for a in srcs]
+    REF.copy_rows([(srcs[a], sr, ref_d[c], dr, n) for a, sr, c, dr, n in jobs])
+    GPU.copy_rows([(gpu_s[a], sr, gpu_d[c], dr, n) for a, sr, c, dr, n in jobs])
+    for r, g in zip(ref_d, gpu_d, strict=True):
+        np.testing.assert_array_equal(cp.asnumpy(g), r)
+    with pytest.raises(ValueError):
+        GPU.copy_rows([(gpu_s[0], 299, gpu_d[0], 0, 2)])  # past the source's end
 
 
 @pytest.mark.parametrize("s,n,h,dh", [(1, 2048, 32, 128), (9, 333, 64, 128), (3, 40, 16, 32)])

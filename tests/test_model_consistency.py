@@ -78,6 +78,43 @@ def test_batch_of_sequences_at_different_positions(model: Model) -> None:
     _close(second[2], alone[2])
 
 
+def test_decode_batch_at_different_positions(model: Model) -> None:
+    """Sequences decoding together, one token each per forward (V4.1's batched decode path), at
+    different positions and compressor phases, finishing at different steps: each equals the
+    sequence fed alone at once."""
+    seqs = [_ids(model, n, 10 + i) for i, n in enumerate((75, 41, 9, 24))]
+    alone = [model.forward([model.new_state()], [x], all_logits=True)[0] for x in seqs]
+    states = [model.new_state() for _ in seqs]
+    pos = [30, 11, 0, 5]  # prefilled first (none for the third: it decodes from position 0)
+    got = [[model.forward([st], [x[:n]], all_logits=True)[0]] if n else []
+           for st, x, n in zip(states, seqs, pos, strict=True)]
+    while True:
+        live = [i for i, x in enumerate(seqs) if pos[i] < len(x)]
+        if not live:
+            break
+        out = model.forward([states[i] for i in live], [[seqs[i][pos[i]]] for i in live])
+        for j, i in enumerate(live):
+            got[i].append(out[j][None])
+            pos[i] += 1
+    for g, ref in zip(got, alone, strict=True):
+        _close(np.concatenate(g), ref)
+
+
+def test_engram_decode_hashes_equal_chunk_hashes() -> None:
+    """The batched one-token hash (decode) equals the per-chunk hash, for histories shorter than
+    the n-gram (the first tokens of a sequence) and full ones."""
+    h = _model(DEMO_V41).hasher
+    rng = np.random.default_rng(7)
+    hists, toks, pos = [], [], []
+    for n_hist in range(h.n + 1):
+        for p in {n_hist, n_hist + 40}:
+            hists.append(rng.integers(0, 1000, n_hist).tolist())
+            toks.append(int(rng.integers(0, 1000)))
+            pos.append(p)
+    ref = np.concatenate([h(hi, np.array([t]), p) for hi, t, p in zip(hists, toks, pos, strict=True)])
+    np.testing.assert_array_equal(h.decode(hists, toks, pos), ref)
+
+
 def test_state_round_trip_continues_identically(model: Model) -> None:
     ids = _ids(model, N, 4)
     ref = model.forward([model.new_state()], [ids], all_logits=True)[0]

@@ -26,6 +26,7 @@ from engine import kernels as K
 from engine.backends.cuda_graphs import RegionGraphs
 from engine.backends.pinned import PinnedUploader
 from engine.kernels import FMT_BF16, FMT_F32, FMT_FP4, FMT_FP8
+from engine.rows import Span
 
 F32 = np.float32
 _FMT_TAG = {FMT_F32: "f32", FMT_BF16: "bf16", FMT_FP8: "fp8", FMT_FP4: "fp4"}
@@ -47,6 +48,7 @@ _ELT_BLOCK = 256
 # decode attention: split the keys until about this many blocks run, each split >= this many keys
 ATT_BLOCKS_TARGET, ATT_MIN_SPLIT = 132 * 2, 64
 _NULL = np.uint64(0)  # a null pointer kernel argument
+COPY_ROWS_MAX = 64 << 10  # copy_rows: larger copies (a state buffer's growth) go through cudaMemcpyAsync
 MOE_DEVICE_MAX_PAIRS = 1024  # moe(): up to this many (token, expert) pairs are grouped on the device
 _MOE_GROUP_MAXP = 1024  # kernels/moe.cu MOE_GROUP_MAXP: moe_group runs one block, one thread a pair
 
@@ -134,6 +136,15 @@ def _tc_split(warps: int, stages: int) -> int:
 
 def _ptr(a: cp.ndarray | None) -> int:
     return 0 if a is None else int(a.data.ptr)
+
+
+def _span_ptr(sp: Span, width: int) -> int:
+    """Device address of a Span's first row (its buffer: C-contiguous float32 rows of `width`)."""
+    buf = sp.buf
+    if buf.dtype != F32 or not buf.flags.c_contiguous or buf.ndim != 2 or buf.shape[1] != width \
+            or sp.start + sp.n > buf.shape[0]:
+        raise ValueError(f"a Span must cover C-contiguous float32 rows of width {width}")
+    return int(buf.data.ptr) + sp.start * width * 4
 
 
 def _c32(x) -> cp.ndarray:
@@ -231,6 +242,29 @@ class CupyOps:
     def to_host(self, x) -> np.ndarray:
         return cp.asnumpy(x) if isinstance(x, cp.ndarray) else np.asarray(x)
 
+    def copy_rows(self, jobs: list) -> None:
+        """Row copies (src, src_row, dst, dst_row, rows) between C-contiguous 2-D arrays of one width,
+        in order: a decode step's state appends. Small aligned copies go in one launch (a table of
+        pointers), the rest (and a lone copy) through cudaMemcpyAsync."""
+        if not jobs:
+            return
+        stream = cp.cuda.get_current_stream().ptr
+        tab = []
+        for src, sr, dst, dr, n in jobs:
+            if not (src.flags.c_contiguous and dst.flags.c_contiguous) or src.shape[1:] != dst.shape[1:] \
+                    or src.dtype != dst.dtype or sr + n > src.shape[0] or dr + n > dst.shape[0]:
+                raise ValueError("copy_rows: arrays must be C-contiguous rows of one width, copies in bounds")
+            row = src.strides[0]
+            a, b, nb = _ptr(src) + sr * row, _ptr(dst) + dr * row, n * row
+            if len(jobs) > 1 and nb <= COPY_ROWS_MAX and (a | b | nb) % 16 == 0:
+                tab.append((a, b, nb))
+            elif nb:
+                cp.cuda.runtime.memcpyAsync(b, a, nb, cp.cuda.runtime.memcpyDeviceToDevice, stream)
+        if tab:
+            most = max(t[2] for t in tab) // 16
+            K.function("elementwise", "copy_rows")((len(tab), min(8, -(-most // 256))), (256,), (
+                self.asarray(np.asarray(tab, np.int64).reshape(-1), dtype=np.int64),))
+
     def graphed(self, key, fn, *arrays):
         """Run a fixed-shape region of the forward, as a CUDA graph once its shapes repeat."""
         return self.graphs(key, fn, *arrays)
@@ -297,9 +331,13 @@ class CupyOps:
         return hit
 
     @staticmethod
-    def _row_segments(rows: int, w_index: int = 0, row0: int = 0, a_col: int = 0, y_col: int = 0
+    def _row_segments(rows: int, w_index: int = 0, row0: int = 0, a_col: int = 0, y_col: int = 0, fmt: int = -1
                       ) -> tuple[list[tuple[int, int, int, int, int]], int]:
-        step = GEMV_MAX_ROWS if rows <= GEMV_MAX_ROWS else GEMM_TILE
+        # BF16 / f32 weights (no tensor-core GEMV) up to TC_MAX_ROWS rows: 8-row GEMV segments in one
+        # launch, which stream the weight once per 8 rows yet beat the GEMM's tiles there 2x (H200:
+        # 2 layers' bf16 linears at 32 rows, 1.6 ms on the GEMM)
+        small = rows <= GEMV_MAX_ROWS or (fmt in (FMT_BF16, FMT_F32) and rows <= TC_MAX_ROWS)
+        step = GEMV_MAX_ROWS if small else GEMM_TILE
         segs = [(w_index, row0 + r, min(step, rows - r), a_col, y_col) for r in range(0, rows, step)]
         return segs, min(rows, step)
 
@@ -316,7 +354,7 @@ class CupyOps:
             return y.reshape(*lead, n)
         if not w.kernel_ok(m):
             return (a @ w.dequant().T).reshape(*lead, n)
-        segs, mr = self._row_segments(m)
+        segs, mr = self._row_segments(m, fmt=w.fmt)
         wp, sp = w.ptr_tables()
         self._run_linear(a, y, n, k, segs, wp, sp, w, mr)
         return y.reshape(*lead, n)
@@ -352,7 +390,7 @@ class CupyOps:
             self._group_ptrs[key] = hit
         segs = []
         for gi in range(groups):
-            s, mr = self._row_segments(t, gi, 0, gi * kin, gi * nout)
+            s, mr = self._row_segments(t, gi, 0, gi * kin, gi * nout, w.fmt)
             segs += s
         self._run_linear(a, y, nout, kin, segs, hit[1], hit[2], w, mr)
         return y.reshape(t, g, nout)
@@ -647,14 +685,29 @@ class CupyOps:
             if len(srcs) > 2:
                 raise ValueError("attention_decode takes at most two K=V sources per sequence")
             for j, (kv, mask) in enumerate(srcs):
-                if kv is None or kv.shape[0] == 0:
+                if isinstance(kv, Span):  # rows of a state buffer, read in place
+                    n, kp = kv.n, _span_ptr(kv, d)
+                else:
+                    if kv is None or kv.shape[0] == 0:
+                        continue
+                    kv = _c32(kv)
+                    if kv.shape[1] != d:
+                        raise ValueError("attention_decode: a source's rows do not match the queries")
+                    keep.append(kv)
+                    n, kp = kv.shape[0], _ptr(kv)
+                if n == 0:
                     continue
-                kv = _c32(kv)
-                mk = None if mask is None else cp.ascontiguousarray(mask, dtype=cp.bool_).reshape(-1)
-                if kv.shape[1] != d or (mk is not None and mk.size != kv.shape[0]):
-                    raise ValueError("attention_decode: a source's rows or mask do not match")
-                keep += [kv, mk]
-                tab[i, 3 * j:3 * j + 3] = (_ptr(kv), kv.shape[0], _ptr(mk))
+                if isinstance(mask, Span):  # row `start` of a [B, N] bool mask
+                    if mask.buf.dtype != cp.bool_ or not mask.buf.flags.c_contiguous or mask.n != n:
+                        raise ValueError("attention_decode: a mask row must be C-contiguous bool of the source's n")
+                    mp = _ptr(mask.buf) + mask.start * mask.buf.shape[1]
+                else:
+                    mk = None if mask is None else cp.ascontiguousarray(mask, dtype=cp.bool_).reshape(-1)
+                    if mk is not None and mk.size != n:
+                        raise ValueError("attention_decode: a source's mask does not match its rows")
+                    keep.append(mk)
+                    mp = _ptr(mk)
+                tab[i, 3 * j:3 * j + 3] = (kp, n, mp)
         longest = max(1, int((tab[:, 1] + tab[:, 4]).max()))
         blocks = -(-h // 8) * b
         nsplit = max(1, min(-(-ATT_BLOCKS_TARGET // blocks), -(-longest // ATT_MIN_SPLIT)))
@@ -684,6 +737,23 @@ class CupyOps:
             raise ValueError(f"indexer kernel needs index_head_dim % 32 == 0 and <= 256 (got {dh})")
         K.function("attention", "indexer_scores")((math.ceil(n / 32), s), (256,), (
             _c32(q), _c32(k), _c32(w), out, np.int32(s), np.int32(h), np.int32(n), np.int32(dh),
+            F32(head_dim**-0.5), F32(n_heads**-0.5)), shared_mem=(h * dh + h) * 4)
+        return out
+
+    def indexer_scores_spans(self, q: cp.ndarray, keys: list, w: cp.ndarray, n_heads: int,
+                             head_dim: int) -> cp.ndarray:
+        """Decode: query row b against its own keys (keys[b], a Span of rows, read in place) ->
+        [B, max n], -inf past each row's n. One launch."""
+        b, h, dh = q.shape
+        ldo = max((k.n for k in keys), default=0)
+        out = cp.empty((b, ldo), F32)
+        if b == 0 or ldo == 0:
+            return out
+        if dh % 32 or dh > 256:
+            raise ValueError(f"indexer kernel needs index_head_dim % 32 == 0 and <= 256 (got {dh})")
+        tab = np.array([(_span_ptr(k, dh) if k.n else 0, k.n) for k in keys], np.int64).reshape(-1)
+        K.function("attention", "indexer_scores_spans")((math.ceil(ldo / 32), b), (256,), (
+            _c32(q), self.asarray(tab, dtype=np.int64), _c32(w), out, np.int32(h), np.int32(ldo), np.int32(dh),
             F32(head_dim**-0.5), F32(n_heads**-0.5)), shared_mem=(h * dh + h) * 4)
         return out
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine import formats
+from engine.rows import Span
 
 F32 = np.float32
 NEG_INF = F32(-np.inf)
@@ -43,6 +44,11 @@ class NumpyOps:
 
     def to_host(self, x) -> np.ndarray:
         return np.asarray(x)
+
+    def copy_rows(self, jobs: list) -> None:
+        """Row copies (src, src_row, dst, dst_row, rows) between 2-D arrays of one width, in order."""
+        for src, sr, dst, dr, n in jobs:
+            dst[dr : dr + n] = src[sr : sr + n]
 
     def graphed(self, key, fn, *arrays):
         """Run a region of the forward (a pure function of arrays). Here simply fn(*arrays); the
@@ -193,10 +199,13 @@ class NumpyOps:
 
     def attention_decode(self, q: np.ndarray, sources: list, sinks: np.ndarray, scale: float) -> np.ndarray:
         """Decode attention of B sequences, one query each: q [B, H, D]; sources[b] lists (kv [n, D],
-        mask bool [n] or None = all visible) K=V sources of sequence b. Same as attention() of each
-        query over the visible rows of its sources."""
+        mask bool [n] or None = all visible) K=V sources of sequence b, either of them possibly a
+        Span (rows of a buffer; a row of a [B, N] mask). Same as attention() of each query over
+        the visible rows of its sources."""
         out = np.empty_like(q)
         for b, srcs in enumerate(sources):
+            srcs = [(kv.view() if isinstance(kv, Span) else kv, mask.row() if isinstance(mask, Span) else mask)
+                    for kv, mask in srcs]
             rows = [kv if mask is None else kv[np.asarray(mask, dtype=bool).reshape(-1)]
                     for kv, mask in srcs if kv is not None]
             keys = np.concatenate(rows, axis=0) if rows else np.zeros((0, q.shape[2]), F32)
@@ -209,6 +218,16 @@ class NumpyOps:
         dots = np.einsum("xd,nd->xn", q.reshape(s * h, d), k).reshape(s, h, -1)
         scores = np.maximum(dots, F32(0.0)) * F32(head_dim**-0.5)
         return np.sum(scores * (w * F32(n_heads**-0.5))[:, :, None], axis=1, dtype=F32)
+
+    def indexer_scores_spans(self, q: np.ndarray, keys: list, w: np.ndarray, n_heads: int,
+                             head_dim: int) -> np.ndarray:
+        """Decode: query row b against its own keys (keys[b], a Span of rows) -> [B, max n], -inf
+        past each row's n."""
+        out = np.full((q.shape[0], max((k.n for k in keys), default=0)), NEG_INF, dtype=F32)
+        for b, k in enumerate(keys):
+            if k.n:
+                out[b, : k.n] = self.indexer_scores(q[b : b + 1], k.view(), w[b : b + 1], n_heads, head_dim)[0]
+        return out
 
     def topk_mask(self, scores: np.ndarray, k: int) -> np.ndarray:
         """Bool mask of each row's k best finite scores (ties: lower index first)."""

@@ -1,0 +1,68 @@
+"""Sequence-state arrays that grow by rows in place (the decode step's appends).
+
+A state array (a layer's window, pending compressor rows, compressed entries, indexer keys) is
+a view of the live rows of a larger buffer that the LayerState keeps in `spare`. A decode step
+then appends each sequence's new row with one batched copy (`ops.copy_rows`) instead of a
+concatenation per sequence and array, and the attention and indexer read the rows in place
+(`Span`). Any other code may keep treating the field as a plain array: assigning it anything
+else simply drops the buffer (the next append starts a new one).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+MIN_ROWS = 64  # smallest buffer a growing array gets
+GROWTH = 4  # a full buffer is replaced by one with len / GROWTH (>= MIN_ROWS) rows of headroom
+
+
+class Span(NamedTuple):
+    """Rows start .. start + n of a 2-D array (a buffer, or a batch's [B, N] mask: then the
+    first n entries of row `start`)."""
+
+    buf: object
+    start: int
+    n: int
+
+    def view(self):
+        return self.buf[self.start : self.start + self.n]
+
+    def row(self):
+        return self.buf[self.start, : self.n]
+
+
+def reserve(xp, ls, name: str, width: int, n_new: int, jobs: list) -> tuple:
+    """Room for n_new rows after the live rows of ls.<name>. Returns (buffer, first live row,
+    first free row); a new buffer gets the live rows through a copy job added to `jobs`
+    (ops.copy_rows tuples: src, src_row, dst, dst_row, rows)."""
+    arr = getattr(ls, name)
+    n = 0 if arr is None else int(arr.shape[0])
+    sp = ls.spare.get(name)
+    if sp is not None and sp[2] is arr:
+        buf, start = sp[0], sp[1]
+        if start + n + n_new <= buf.shape[0]:
+            return buf, start, start + n
+    buf = xp.empty((n + n_new + max(MIN_ROWS, (n + n_new) // GROWTH), width), dtype=np.float32)
+    if n:
+        jobs.append((xp.ascontiguousarray(arr), 0, buf, 0, n))
+    return buf, 0, n
+
+
+def commit(ls, name: str, buf, start: int, end: int) -> None:
+    """ls.<name> becomes rows start .. end of buf (its buffer kept for the next append)."""
+    view = buf[start:end]
+    setattr(ls, name, view)
+    ls.spare[name] = (buf, start, view)
+
+
+def span(ls, name: str) -> Span:
+    """ls.<name> as a Span (of its buffer, where it has one), for reading rows in place."""
+    arr = getattr(ls, name)
+    if arr is None:
+        return Span(None, 0, 0)
+    sp = ls.spare.get(name)
+    if sp is not None and sp[2] is arr:
+        return Span(sp[0], sp[1], int(arr.shape[0]))
+    return Span(arr, 0, int(arr.shape[0]))
