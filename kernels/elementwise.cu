@@ -300,6 +300,21 @@ extern "C" __global__ void swiglu(const float* __restrict__ gate, const float* _
   y[i] = g * sigmoidf_(g) * u;
 }
 
+// swiglu of a fused gate / up output: gu [rows, 2 * inter] (gate columns, then up) -> y [rows, inter]
+extern "C" __global__ void swiglu_pairs(const float* __restrict__ gu, float* __restrict__ y, long long total,
+                                        int inter, float limit) {
+  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= total) return;
+  const long long r = i / inter;
+  const int c = (int)(i - r * inter);
+  float g = gu[r * 2 * inter + c], u = gu[r * 2 * inter + inter + c];
+  if (limit > 0.f) {
+    u = fminf(fmaxf(u, -limit), limit);
+    g = fminf(g, limit);
+  }
+  y[i] = g * sigmoidf_(g) * u;
+}
+
 // y[t, d] = sum_s w[t, s] * out[inv[t, s], d]   (inv: row of pair (t, s) in expert order)
 extern "C" __global__ void moe_combine(const float* __restrict__ out, const float* __restrict__ w,
                                        const int* __restrict__ inv, float* __restrict__ y, long long total, int K,

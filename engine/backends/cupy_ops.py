@@ -170,6 +170,7 @@ class CupyOps:
         self._tables: dict[int, tuple] = {}  # id(expert list) -> (list, pointer tables)
         self._seg_cache: dict[tuple, cp.ndarray] = {}
         self._group_ptrs: dict[tuple[int, int], tuple] = {}
+        self._seg_offsets: dict[tuple, cp.ndarray] = {}  # fused gate / up: w3 segment offsets
         self._uploader = PinnedUploader()
 
     # ---- weights ---------------------------------------------------------------------
@@ -550,6 +551,10 @@ class CupyOps:
                 break
             tabs.append((w0, cp.asarray(np.array([_ptr(w.data) for w in ws], np.uint64)),
                          cp.asarray(np.array([_ptr(w.scale) for w in ws], np.uint64))))
+        if tabs is not None:  # w1 then w3 in one table: gate and up run as one launch
+            (w1, p1, s1), _, (w3, p3, s3) = tabs
+            if (w1.fmt, w1.shape, w1.block) == (w3.fmt, w3.shape, w3.block):
+                tabs.append((w1, cp.concatenate([p1, p3]), cp.concatenate([s1, s3])))
         self._tables[id(experts)] = (experts, tabs)
         return tabs
 
@@ -591,13 +596,28 @@ class CupyOps:
         d = x.shape[1]
         p = gather.size
         xp_rows = x[gather]
-        (w1, p1, s1), (w2, p2, s2), (w3, p3, s3) = tabs
+        (w1, p1, s1), (w2, p2, s2), (w3, p3, s3) = tabs[:3]
         inter = w1.shape[0]
-        gate = cp.empty((p, inter), F32)
-        up = cp.empty((p, inter), F32)
-        self._run_linear(xp_rows, gate, inter, d, segs, p1, s1, w1, max_rows)
-        self._run_linear(xp_rows, up, inter, d, segs, p3, s3, w3, max_rows)
-        act = self._swiglu(gate, up, limit)
+        if len(tabs) > 3:  # gate and up in one launch: w3's segments index the second half of the
+            # table and write columns inter.. of one [P, 2 * inter] output (x split once, twice the blocks)
+            n_exp = p1.size
+            off = self._seg_offsets.get((segs.size, n_exp, inter))
+            if off is None:
+                off = cp.asarray(np.tile(np.array([n_exp, 0, 0, 0, inter], np.int32), segs.size // 5))
+                self._seg_offsets[(segs.size, n_exp, inter)] = off
+            gu = cp.empty((p, 2 * inter), F32)
+            self._run_linear(xp_rows, gu, inter, d, cp.concatenate([segs, segs + off]), tabs[3][1], tabs[3][2],
+                             w1, max_rows)
+            act = cp.empty((p, inter), F32)
+            if act.size:
+                K.function("elementwise", "swiglu_pairs")(_grid(act.size), (_ELT_BLOCK,), (
+                    gu, act, np.int64(act.size), np.int32(inter), F32(limit)))
+        else:
+            gate = cp.empty((p, inter), F32)
+            up = cp.empty((p, inter), F32)
+            self._run_linear(xp_rows, gate, inter, d, segs, p1, s1, w1, max_rows)
+            self._run_linear(xp_rows, up, inter, d, segs, p3, s3, w3, max_rows)
+            act = self._swiglu(gate, up, limit)
         out = cp.empty((p, d), F32)
         self._run_linear(act, out, d, inter, segs, p2, s2, w2, max_rows)
         y = cp.empty_like(x)
