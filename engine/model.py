@@ -523,7 +523,8 @@ class Model:
             for b, ls in enumerate(states):
                 pend = []
                 for name, src in (("buf_kv", p.comp_kv), ("buf_gate", p.comp_gate)):
-                    buf, start, end = rows.reserve(xp, ls, name, src.shape[1], 1, jobs)
+                    # (a group's rows are pooled, then the buffer is reused from its start)
+                    buf, start, end = rows.reserve(xp, ls, name, src.shape[1], 1, jobs, room=ratio)
                     jobs.append((src, b, buf, end, 1))
                     pend.append(Span(buf, start, end + 1 - start))
                     rows.commit(ls, name, *((buf, 0, 0) if end + 1 - start == ratio else (buf, start, end + 1)))

@@ -33,10 +33,11 @@ class Span(NamedTuple):
         return self.buf[self.start, : self.n]
 
 
-def reserve(xp, ls, name: str, width: int, n_new: int, jobs: list) -> tuple:
+def reserve(xp, ls, name: str, width: int, n_new: int, jobs: list, room: int | None = None) -> tuple:
     """Room for n_new rows after the live rows of ls.<name>. Returns (buffer, first live row,
-    first free row); a new buffer gets the live rows through a copy job added to `jobs`
-    (ops.copy_rows tuples: src, src_row, dst, dst_row, rows)."""
+    first free row); a new buffer (with `room` spare rows if given, else GROWTH's headroom) gets
+    the live rows through a copy job added to `jobs` (ops.copy_rows tuples: src, src_row, dst,
+    dst_row, rows)."""
     arr = getattr(ls, name)
     n = 0 if arr is None else int(arr.shape[0])
     sp = ls.spare.get(name)
@@ -44,7 +45,8 @@ def reserve(xp, ls, name: str, width: int, n_new: int, jobs: list) -> tuple:
         buf, start = sp[0], sp[1]
         if start + n + n_new <= buf.shape[0]:
             return buf, start, start + n
-    buf = xp.empty((n + n_new + max(MIN_ROWS, (n + n_new) // GROWTH), width), dtype=np.float32)
+    spare = max(MIN_ROWS, (n + n_new) // GROWTH) if room is None else room
+    buf = xp.empty((n + n_new + spare, width), dtype=np.float32)
     if n:
         jobs.append((xp.ascontiguousarray(arr), 0, buf, 0, n))
     return buf, 0, n

@@ -1,0 +1,52 @@
+"""Growth buffers behind sequence-state arrays (engine/rows.py), on the numpy backend."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine import rows
+from engine.backends.numpy_ops import NumpyOps
+from engine.state import LayerState
+
+
+def _append(ls: LayerState, name: str, row: np.ndarray, room=None) -> None:
+    jobs: list = []
+    buf, start, end = rows.reserve(np, ls, name, row.shape[1], 1, jobs, room=room)
+    jobs.append((row, 0, buf, end, 1))
+    NumpyOps().copy_rows(jobs)
+    rows.commit(ls, name, buf, start, end + 1)
+
+
+def test_appends_grow_in_place_and_keep_every_row() -> None:
+    rng = np.random.default_rng(0)
+    ls = LayerState(window=np.zeros((0, 4), np.float32))
+    ls.entries = rng.standard_normal((3, 4)).astype(np.float32)  # a plain array from the chunk path
+    want = [r for r in ls.entries]
+    bufs = set()
+    for _ in range(300):
+        r = rng.standard_normal((1, 4)).astype(np.float32)
+        _append(ls, "entries", r)
+        want.append(r[0])
+        bufs.add(id(ls.spare["entries"][0]))
+    np.testing.assert_array_equal(ls.entries, np.stack(want))
+    assert len(bufs) < 10  # grown a few times, not once per row
+    sp = rows.span(ls, "entries")
+    assert sp.buf is ls.spare["entries"][0] and sp.n == 303
+    np.testing.assert_array_equal(sp.view(), ls.entries)
+
+
+def test_reassigned_field_drops_its_buffer() -> None:
+    ls = LayerState(window=np.zeros((0, 2), np.float32))
+    _append(ls, "window", np.ones((1, 2), np.float32))
+    old = ls.spare["window"][0]
+    ls.window = np.full((2, 2), 5.0, np.float32)  # e.g. the chunk path's concatenation
+    assert rows.span(ls, "window").buf is ls.window
+    _append(ls, "window", np.zeros((1, 2), np.float32))
+    assert ls.spare["window"][0] is not old
+    np.testing.assert_array_equal(ls.window, [[5, 5], [5, 5], [0, 0]])
+
+
+def test_room_bounds_a_pending_buffer() -> None:
+    ls = LayerState(window=np.zeros((0, 2), np.float32))
+    _append(ls, "buf_kv", np.ones((1, 2), np.float32), room=2)
+    assert ls.spare["buf_kv"][0].shape[0] == 3
