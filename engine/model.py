@@ -362,18 +362,16 @@ class Model:
 
     # ---- Engram ------------------------------------------------------------------------
     def _engram_hashes(self, seqs: list[_Seq], ids: list[np.ndarray]) -> np.ndarray:
-        keep = self.cfg.engram_max_ngram_size - 1
         if all(ch.size == 1 for ch in ids):  # decode: one vectorized hash for the whole batch
-            toks = [int(ch[0]) for ch in ids]
-            out = self.hasher.decode([s.state.recent_tokens for s in seqs], toks, [int(s.pos[0]) for s in seqs])
-            for s, t in zip(seqs, toks, strict=True):
-                s.state.recent_tokens = (list(s.state.recent_tokens) + [t])[-keep:] if keep else []
-            return out
-        out = []
+            out = self.hasher.decode([s.state.recent_tokens for s in seqs], [int(ch[0]) for ch in ids],
+                                     [int(s.pos[0]) for s in seqs])
+        else:
+            out = np.concatenate([self.hasher(s.state.recent_tokens, ch, int(s.pos[0]))
+                                  for s, ch in zip(seqs, ids, strict=True)], axis=0)
+        keep = self.cfg.engram_max_ngram_size - 1
         for s, ch in zip(seqs, ids, strict=True):
-            out.append(self.hasher(s.state.recent_tokens, ch, int(s.pos[0])))
             s.state.recent_tokens = (list(s.state.recent_tokens) + [int(t) for t in ch])[-keep:] if keep else []
-        return np.concatenate(out, axis=0)
+        return out
 
     def _engram(self, L, h, hash_ids: np.ndarray):
         ops, cfg = self.ops, self.cfg
@@ -570,13 +568,13 @@ class Model:
         latent = ops.rmsnorm(ops.gated_pool(kvg.reshape(g, ratio, dd), gg.reshape(g, ratio, dd)), L.comp.norm,
                              cfg.rms_norm_eps)
         first = np.array([ls.n_entries * ratio for ls, _, _ in closing])  # each group's first position
-        tabs = ops.asarray(np.stack(rope_tables(self.freq_comp, first, cfg.rope_compress.attention_factor)))
-        rotated = ops.rope(latent, tabs[0], tabs[1])
+        cos, sin = self._comp_tables(first)  # (shared by the entries and the indexer keys)
+        rotated = ops.rope(latent, cos, sin)
         if self.store_quantized:
             rotated = ops.fake_quant_fp4(rotated, 16, e4m3_scales=True)
         out = [(ls, "entries", rotated, i) for i, (ls, _, _) in enumerate(closing)]
         if L.idx is not None:
-            k = ops.rope(ops.rmsnorm(ops.linear(latent, L.idx.wk), L.idx.k_norm, cfg.rms_norm_eps), tabs[0], tabs[1])
+            k = ops.rope(ops.rmsnorm(ops.linear(latent, L.idx.wk), L.idx.k_norm, cfg.rms_norm_eps), cos, sin)
             k = ops.fake_quant_fp4(k, 32) if self.store_quantized else k
             out += [(ls, "idx_keys", k, i) for i, (ls, _, _) in enumerate(closing)]
         return out
@@ -598,14 +596,16 @@ class Model:
                 scores = xp.where(cmask, scores, NEG_INF)
         batch["topk"] = (ops.topk_mask(scores, min(cfg.index_topk, max(ns))), ns)
 
+    def _comp_tables(self, positions: np.ndarray) -> tuple:
+        """Compressed-RoPE cos / sin at these positions, on the device in one upload."""
+        t = self.ops.asarray(np.stack(rope_tables(self.freq_comp, positions, self.cfg.rope_compress.attention_factor)))
+        return t[0], t[1]
+
     def _comp_rope(self, x, first: int, ratio: int):
-        positions = first + ratio * np.arange(x.shape[0])
-        c, s = rope_tables(self.freq_comp, positions, self.cfg.rope_compress.attention_factor)
-        return self.ops.rope(x, self.ops.asarray(c), self.ops.asarray(s))
+        return self.ops.rope(x, *self._comp_tables(first + ratio * np.arange(x.shape[0])))
 
     def _query_rope(self, q, pos: np.ndarray):
-        c, s = rope_tables(self.freq_comp, pos, self.cfg.rope_compress.attention_factor)
-        return self.ops.rope(q, self.ops.asarray(c), self.ops.asarray(s))
+        return self.ops.rope(q, *self._comp_tables(pos))
 
     # V4.1 ---------------------------------------------------------------------------------
     def _v41_compressed(self, li: int, L, p: _Projected, s: _Seq):

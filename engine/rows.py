@@ -40,11 +40,9 @@ def reserve(xp, ls, name: str, width: int, n_new: int, jobs: list, room: int | N
     dst_row, rows)."""
     arr = getattr(ls, name)
     n = 0 if arr is None else int(arr.shape[0])
-    sp = ls.spare.get(name)
-    if sp is not None and sp[2] is arr:
-        buf, start = sp[0], sp[1]
-        if start + n + n_new <= buf.shape[0]:
-            return buf, start, start + n
+    held = _held(ls, name, arr)
+    if held is not None and held[1] + n + n_new <= held[0].shape[0]:
+        return held[0], held[1], held[1] + n
     spare = max(MIN_ROWS, (n + n_new) // GROWTH) if room is None else room
     buf = xp.empty((n + n_new + spare, width), dtype=np.float32)
     if n:
@@ -64,7 +62,11 @@ def span(ls, name: str) -> Span:
     arr = getattr(ls, name)
     if arr is None:
         return Span(None, 0, 0)
+    held = _held(ls, name, arr)
+    return Span(arr, 0, int(arr.shape[0])) if held is None else Span(*held, int(arr.shape[0]))
+
+
+def _held(ls, name: str, arr) -> tuple | None:
+    """(buffer, first live row) behind ls.<name> if it is still the view commit() made, else None."""
     sp = ls.spare.get(name)
-    if sp is not None and sp[2] is arr:
-        return Span(sp[0], sp[1], int(arr.shape[0]))
-    return Span(arr, 0, int(arr.shape[0]))
+    return (sp[0], sp[1]) if sp is not None and sp[2] is arr else None

@@ -287,17 +287,20 @@ extern "C" __global__ void gated_pool(const float* __restrict__ kv, const float*
   out[i] = acc;
 }
 
-// y = silu(min(gate, limit)) * clip(up, -limit, limit)   (no clamp when limit <= 0)
-extern "C" __global__ void swiglu(const float* __restrict__ gate, const float* __restrict__ up,
-                                  float* __restrict__ y, long long total, float limit) {
-  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= total) return;
-  float g = gate[i], u = up[i];
+// silu(min(gate, limit)) * clip(up, -limit, limit)   (no clamp when limit <= 0)
+__device__ __forceinline__ float swiglu1(float g, float u, float limit) {
   if (limit > 0.f) {
     u = fminf(fmaxf(u, -limit), limit);
     g = fminf(g, limit);
   }
-  y[i] = g * sigmoidf_(g) * u;
+  return g * sigmoidf_(g) * u;
+}
+
+extern "C" __global__ void swiglu(const float* __restrict__ gate, const float* __restrict__ up,
+                                  float* __restrict__ y, long long total, float limit) {
+  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= total) return;
+  y[i] = swiglu1(gate[i], up[i], limit);
 }
 
 // swiglu of a fused gate / up output: gu [rows, 2 * inter] (gate columns, then up) -> y [rows, inter]
@@ -307,12 +310,7 @@ extern "C" __global__ void swiglu_pairs(const float* __restrict__ gu, float* __r
   if (i >= total) return;
   const long long r = i / inter;
   const int c = (int)(i - r * inter);
-  float g = gu[r * 2 * inter + c], u = gu[r * 2 * inter + inter + c];
-  if (limit > 0.f) {
-    u = fminf(fmaxf(u, -limit), limit);
-    g = fminf(g, limit);
-  }
-  y[i] = g * sigmoidf_(g) * u;
+  y[i] = swiglu1(gu[r * 2 * inter + c], gu[r * 2 * inter + inter + c], limit);
 }
 
 // y[t, d] = sum_s w[t, s] * out[inv[t, s], d]   (inv: row of pair (t, s) in expert order)
