@@ -20,10 +20,13 @@
 //   B to agree on the order of k.
 //
 // Each warp streams one 16-row tile of W (a 1/kw share of its K) through an S-deep cp.async ring
-// in shared memory, a stage being 16 rows x R * 128 contiguous bytes of each row (128-byte
-// segments with chunks XOR-swizzled by row, so that ldmatrix reads are conflict-free); ldmatrix
-// hands each lane the A words the MMA expects. The kw warps of a block that share a tile reduce
-// through shared memory in a fixed order (deterministic: graphs replay bit-identically).
+// in shared memory, a stage being 16 rows x 128 contiguous bytes of each row (chunks XOR-swizzled
+// by row, so that ldmatrix reads are conflict-free); ldmatrix hands each lane the A words the MMA
+// expects. A stage's block scales travel in the ring behind its weights (FP8: the tile's block
+// row, when bn is a multiple of 16; FP4: 8 UE8M0 bytes per row, when gk is a multiple of 8): read
+// on demand, each stage's first scale waited a full memory latency. The kw warps of a block that
+// share a tile reduce through shared memory in a fixed order (deterministic: graphs replay
+// bit-identically).
 #include "dsuf_common.cuh"
 
 __device__ __forceinline__ u32 smem_addr(const void* p) {
@@ -34,6 +37,13 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {
 // 16-byte asynchronous copy global -> shared; bytes = 0 fills the destination with zeros.
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src, int bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes));
+}
+// 4- / 8-byte asynchronous copies through L1 (block scales: small, and shared by a tile's rows)
+__device__ __forceinline__ void cp_async4(u32 dst, const void* src, int bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async8(u32 dst, const void* src, int bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(dst), "l"(src), "r"(bytes));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N>
@@ -127,19 +137,28 @@ extern "C" __global__ void __launch_bounds__(256) tc_split_x(const float* __rest
 }
 
 // ---------------------------------------------------------------------------------------------
-// grid (ceil(ceil(N / 16) / (W / kw)), nseg), block 32 * W, dynamic shared memory
-// W * S * R * 2048 bytes. NT = 8-row tiles of x (rows per segment <= 8 * NT). Segment x columns
-// (acol) are multiples of 128 (the split's groups).
-template <int FMT, int NT, int R, int S, int W>
+// grid (ceil(ceil(N / 16) / (W / kw)), nseg), block 32 * W, dynamic shared memory W * S * TC_SLOT
+// bytes. NT = 8-row tiles of x (rows per segment <= 8 * NT). Segment x columns (acol) are
+// multiples of 128 (the split's groups).
+//
+// A stage is 128 bytes of each of the tile's 16 rows (FP8: 128 k, one group of x; FP4: 256 k,
+// two), then its scales. x is read from global memory (L2: every warp on an SM reads other k) in
+// units of HC chunks, each unit loaded while the previous one is multiplied: read at its point
+// of use, every chunk waited a full L2 latency.
+#define TC_SLOT (2048 + 128)  // weights, then scales (FP4: 16 rows x 8 bytes; FP8 uses 32 bytes)
+template <int FMT, int NT, int S, int W>
 __device__ __forceinline__ void tcgemv_body(const uint4* __restrict__ XS, const float* __restrict__ XINV, int lda,
                                             float* __restrict__ Y, int ldy, int N, int K,
                                             const int* __restrict__ segs, const u64* __restrict__ wptrs,
                                             const u64* __restrict__ sptrs, int bn, int bk, int gk, int kw) {
   extern __shared__ __align__(16) u8 tc_smem[];
-  constexpr int EPC = FMT == FMT_FP8 ? 16 : 32;  // k elements per 16-byte chunk
-  constexpr int CPS = 8 * R;                       // chunks per row per stage
-  constexpr int KPS = EPC * CPS;                   // k elements per stage
-  constexpr int ROWB = 128 * R, STAGEB = 16 * ROWB;
+  constexpr bool F8 = FMT == FMT_FP8;
+  constexpr int EPC = F8 ? 16 : 32;  // k elements per 16-byte chunk
+  constexpr int KPS = 8 * EPC;       // k elements per stage
+  constexpr int STAGEB = 2048;
+  constexpr int XU = F8 ? 1 : 2;                                      // x uint4 per lane, chunk and tile
+  constexpr int HC = NT * XU >= 4 ? 1 : (NT * XU == 2 ? 2 : 4);      // chunks per x unit
+  constexpr int NU = 8 / HC;                                          // x units per stage
   const int* sg = segs + 5 * blockIdx.y;
   const int widx = sg[0], row0 = sg[1], rows = sg[2], acol = sg[3], ycol = sg[4];
   if (rows <= 0) return;  // an unused segment slot: the whole block, before any barrier
@@ -148,181 +167,222 @@ __device__ __forceinline__ void tcgemv_body(const uint4* __restrict__ XS, const 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int part = warp % kw;
   const int n0 = (blockIdx.x * (W / kw) + warp / kw) * 16;
-  const int row_bytes = FMT == FMT_FP8 ? K : K / 2;
+  const int row_bytes = F8 ? K : K / 2;
   const int nstage = (K + KPS - 1) / KPS;
   const int my = n0 < N ? (nstage - part + kw - 1) / kw : 0;  // stages part, part + kw, ...
-  const u32 ring = smem_addr(tc_smem + warp * (S * STAGEB));
+  const u32 ring = smem_addr(tc_smem + warp * (S * TC_SLOT));
+  // scales through the ring (see above); otherwise each is read from global memory when needed
+  const bool pre = F8 ? bn % 16 == 0 : ((gk & 7) == 0 && ((u64)Sc & 7) == 0);
   const int ng = min(n0 + g, N - 1), ng8 = min(n0 + g + 8, N - 1);  // this lane's two weight rows
   const int ngx = (lda + 127) / 128;
+  // FP8 scale blocks: bk < 128 divides 128 (a power of two): a flush every bk / 16 chunks;
+  // bk >= 128 is a multiple of 128: one per stage
+  const int flm = F8 ? (bk < 128 ? bk / 16 - 1 : 7) : 0;  // flush after chunk c when (c & flm) == flm
+  const int flsh = F8 && bk < 128 ? __ffs(bk) - 5 : 3;    // chunk -> its block within the stage
+  const int nsc = F8 && bk < KPS ? KPS / bk : 1;           // FP8 scales per stage
 
   auto issue = [&](int j) {  // this warp's j-th stage into ring slot j % S
     if (j < my) {
-      const int kb = (part + j * kw) * ROWB;
-      const u32 slot = ring + (j % S) * STAGEB;
+      const int kb = (part + j * kw) * 128;
+      const u32 slot = ring + (j % S) * TC_SLOT;
 #pragma unroll
-      for (int i = 0; i < 4 * R; ++i) {
-        const int idx = lane + 32 * i, r = idx / CPS, c = idx % CPS, n = n0 + r;
+      for (int i = 0; i < 4; ++i) {
+        const int idx = lane + 32 * i, r = idx >> 3, c = idx & 7, n = n0 + r;
         const bool ok = n < N && kb + c * 16 < row_bytes;
         const u8* src = ok ? Wt + (size_t)n * row_bytes + kb + c * 16 : Wt;
-        cp_async16(slot + r * ROWB + (c >> 3) * 128 + (((c & 7) ^ (r & 7)) << 4), src, ok ? 16 : 0);
+        cp_async16(slot + r * 128 + ((c ^ (r & 7)) << 4), src, ok ? 16 : 0);
+      }
+      if (pre) {
+        const int ks = (part + j * kw) * KPS;  // the stage's first k
+        if (F8) {  // the block row's scales over the stage: KPS / bk of them, or one
+          if (lane < nsc) {
+            const int b = (bk < KPS ? (part + j * kw) * nsc : ks / bk) + lane;
+            cp_async4(slot + STAGEB + 4 * lane, (const float*)Sc + (size_t)(n0 / bn) * gk + (b < gk ? b : 0),
+                      b < gk ? 4 : 0);
+          }
+        } else if (lane < 16) {  // 8 group scales of each row (zeros past the row's end)
+          const int gi = ks / 32, n = n0 + lane < N ? n0 + lane : N - 1;
+          const bool in = gi < gk;  // gk and gi are multiples of 8
+          cp_async8(slot + STAGEB + 8 * lane, (const u8*)Sc + (size_t)n * gk + (in ? gi : 0), in ? 8 : 0);
+        }
       }
     }
     cp_async_commit();  // (an empty group past the end keeps the wait counts uniform)
   };
 
-  // Partial sums of the current scale group in NC independent MMA chains (the MMA latency, not
-  // the loads, bounds a warp otherwise): FP8 spreads a block's 2 x 8 MMAs over 4 chains; FP4
-  // alternates two sets of 2 chains between consecutive 32-k groups, so that one group's flush
-  // (times its scales) overlaps the next group's MMAs.
-  constexpr int NC = 4;
-  float acc[NT][4], cc[NC][NT][4], xs[NT][2], pend[2][NT][4];
-#pragma unroll
-  for (int j = 0; j < NT; ++j) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      acc[j][e] = pend[0][j][e] = pend[1][j][e] = 0.f;
-#pragma unroll
-      for (int c = 0; c < NC; ++c) cc[c][j][e] = 0.f;
-    }
-    xs[j][0] = xs[j][1] = 0.f;
-  }
   // x: this lane feeds B column g of each 8-row tile, and scales C columns 2t, 2t + 1
   const uint4* xrow[NT];
   const float* xinv[NT][2];
   bool xok[NT], cok[NT][2];
 #pragma unroll
-  for (int j = 0; j < NT; ++j) {
-    xok[j] = 8 * j + g < rows;
-    xrow[j] = XS + ((size_t)(row0 + (xok[j] ? 8 * j + g : 0)) * lda + acol) / 4;
+  for (int q = 0; q < NT; ++q) {
+    xok[q] = 8 * q + g < rows;
+    xrow[q] = XS + ((size_t)(row0 + (xok[q] ? 8 * q + g : 0)) * lda + acol) / 4 + XU * t;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int m = 8 * j + 2 * t + h;
-      cok[j][h] = m < rows;
-      xinv[j][h] = XINV + (size_t)(row0 + (cok[j][h] ? m : 0)) * ngx + acol / 128;
+      const int m = 8 * q + 2 * t + h;
+      cok[q][h] = m < rows;
+      xinv[q][h] = XINV + (size_t)(row0 + (cok[q][h] ? m : 0)) * ngx + acol / 128;
     }
   }
-  const int srow_g = FMT == FMT_FP8 ? (ng / bn) * gk : ng * gk;
-  const int srow_g8 = FMT == FMT_FP8 ? (ng8 / bn) * gk : ng8 * gk;
+  // two x units in registers: unit u of a stage lives in buffer u & 1
+  uint4 xv[2][HC][NT][XU];
+  auto load_x = [&](int b, int j, int u) {  // buffer b <- unit u of this warp's stage j
+    const int kh = (part + j * kw) * KPS + u * HC * EPC;
+    const bool live = j < my;
+#pragma unroll
+    for (int c = 0; c < HC; ++c) {
+      const int kk = kh + c * EPC;
+#pragma unroll
+      for (int q = 0; q < NT; ++q)
+#pragma unroll
+        for (int e = 0; e < XU; ++e)
+          xv[b][c][q][e] = live && xok[q] && kk < K ? __ldg(xrow[q] + kk / 4 + e) : make_uint4(0, 0, 0, 0);
+    }
+  };
+  // the column scales of x's 128-k groups in a stage (FP8 one, FP4 two), read a stage ahead
+  constexpr int GPS = KPS / 128;
+  float xi[GPS][NT][2], xin[GPS][NT][2];
+  auto load_xi = [&](int j) {  // xin <- stage j's
+#pragma unroll
+    for (int gi = 0; gi < GPS; ++gi) {
+      const int kg = (part + j * kw) * KPS + 128 * gi;
+#pragma unroll
+      for (int q = 0; q < NT; ++q)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          xin[gi][q][h] = j < my && kg < K && cok[q][h] ? __ldg(xinv[q][h] + kg / 128) : 0.f;
+    }
+  };
+
+  // Partial sums of the current scale group in MMA chains: FP8 two (lo and hi terms); FP4 two
+  // sets of 2, alternating between consecutive 32-k groups, so that one group's flush (times
+  // its scales) overlaps the next group's MMAs.
+  constexpr int NC = F8 ? 2 : 4;
+  float acc[NT][4], cc[NC][NT][4], pend[2][NT][4];
+#pragma unroll
+  for (int q = 0; q < NT; ++q)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      acc[q][e] = pend[0][q][e] = pend[1][q][e] = 0.f;
+#pragma unroll
+      for (int c = 0; c < NC; ++c) cc[c][q][e] = 0.f;
+    }
+  const int srow_g = F8 ? (ng / bn) * gk : ng * gk;
+  const int srow_g8 = F8 ? (ng8 / bn) * gk : ng8 * gk;
   // ldmatrix source of this lane: row (lane & 7) + 8 * ((lane >> 3) & 1), chunk + (lane >> 4)
   const int lr = (lane & 7) + ((lane >> 3) & 1) * 8, lc = lane >> 4;
 
   // chains c0 .. c1 - 1 -> acc with factors f (row scale x column scale per C element); zeroed
   auto flush = [&](int c0, int c1, const float (*f)[4]) {
 #pragma unroll
-    for (int j = 0; j < NT; ++j)
+    for (int q = 0; q < NT; ++q)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float v = 0.f;
 #pragma unroll
         for (int c = 0; c < NC; ++c)
           if (c >= c0 && c < c1) {
-            v += cc[c][j][e];
-            cc[c][j][e] = 0.f;
+            v += cc[c][q][e];
+            cc[c][q][e] = 0.f;
           }
-        acc[j][e] += v * f[j][e];
+        acc[q][e] += v * f[q][e];
       }
   };
-  auto factors = [&](float sa, float sb, float (*f)[4]) {
+  auto factors = [&](float sa, float sb, const float (*xs)[2], float (*f)[4]) {
 #pragma unroll
-    for (int j = 0; j < NT; ++j) {
-      f[j][0] = sa * xs[j][0]; f[j][1] = sa * xs[j][1];
-      f[j][2] = sb * xs[j][0]; f[j][3] = sb * xs[j][1];
+    for (int q = 0; q < NT; ++q) {
+      f[q][0] = sa * xs[q][0]; f[q][1] = sa * xs[q][1];
+      f[q][2] = sb * xs[q][0]; f[q][3] = sb * xs[q][1];
     }
   };
 
 #pragma unroll
   for (int j = 0; j < S - 1; ++j) issue(j);
+  load_x(0, 0, 0);
+  load_xi(0);
   for (int j = 0; j < my; ++j) {
     cp_async_wait<S - 2>();
     __syncwarp();
     issue(j + S - 1);  // into the slot consumed last iteration
-    const u32 slot = ring + (j % S) * STAGEB;
+#pragma unroll
+    for (int gi = 0; gi < GPS; ++gi)
+#pragma unroll
+      for (int q = 0; q < NT; ++q) xi[gi][q][0] = xin[gi][q][0], xi[gi][q][1] = xin[gi][q][1];
+    load_xi(j + 1);
+    const u32 slot = ring + (j % S) * TC_SLOT;
+    const u8* ssc = tc_smem + (warp * S + j % S) * TC_SLOT + STAGEB;  // this stage's scales (pre)
     const int k0 = (part + j * kw) * KPS;
-    // FP4: this stage's UE8M0 bytes of rows g and g + 8, 8 bytes per 128-byte segment when aligned
-    const bool sc_vec = FMT == FMT_FP4 && (gk & 7) == 0 && k0 / 32 + CPS <= gk;
+    u32 d[8][2];  // the stage's A words: chunk c, rows g / g + 8
 #pragma unroll
-    for (int sgm = 0; sgm < R; ++sgm) {
-      uint2 sga = make_uint2(0, 0), sgb = sga;
-      if (FMT == FMT_FP4 && sc_vec) {
-        sga = __ldg((const uint2*)((const u8*)Sc + srow_g + k0 / 32 + 8 * sgm));
-        sgb = __ldg((const uint2*)((const u8*)Sc + srow_g8 + k0 / 32 + 8 * sgm));
-      }
+    for (int cp2 = 0; cp2 < 4; ++cp2) {
+      u32 w4[4];
+      ldsm_x4(slot + lr * 128 + (((2 * cp2 + lc) ^ (lr & 7)) << 4), w4);
+      d[2 * cp2][0] = w4[0]; d[2 * cp2][1] = w4[1]; d[2 * cp2 + 1][0] = w4[2]; d[2 * cp2 + 1][1] = w4[3];
+    }
+    uint2 sga = make_uint2(0, 0), sgb = sga;  // FP4 (pre): the stage's UE8M0 bytes of rows g, g + 8
+    if (!F8 && pre) {
+      sga = *(const uint2*)(ssc + 8 * g);
+      sgb = *(const uint2*)(ssc + 8 * (g + 8));
+    }
 #pragma unroll
-      for (int cp2 = 0; cp2 < 4; ++cp2) {
-        u32 d[4];
-        ldsm_x4(slot + lr * ROWB + sgm * 128 + (((2 * cp2 + lc) ^ (lr & 7)) << 4), d);
+    for (int u = 0; u < NU; ++u) {
+      const int b = u & 1;
+      if (u + 1 < NU) load_x(b ^ 1, j, u + 1);  // the next unit, while this one is multiplied
+      else load_x(b ^ 1, j + 1, 0);
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int c = 2 * cp2 + h, kk = k0 + EPC * (8 * sgm + c);
-          if (FMT == FMT_FP8) {
-            if (c == 0) {  // a new 128-element group of x: its column scales
-              const int gx = (kk < K ? kk : 0) / 128;
+      for (int ci = 0; ci < HC; ++ci) {
+        const int c = u * HC + ci, kk = k0 + EPC * c;
+        if (F8) {
+          const u32 a0 = e4m3x2_to_f16x2(d[c][0]), a2 = e4m3x2_to_f16x2(d[c][0] >> 16);
+          const u32 a1 = e4m3x2_to_f16x2(d[c][1]), a3 = e4m3x2_to_f16x2(d[c][1] >> 16);
 #pragma unroll
-              for (int q = 0; q < NT; ++q) {
-                xs[q][0] = cok[q][0] ? __ldg(xinv[q][0] + gx) : 0.f;
-                xs[q][1] = cok[q][1] ? __ldg(xinv[q][1] + gx) : 0.f;
-              }
-            }
-            const u32 a0 = e4m3x2_to_f16x2(d[2 * h]), a2 = e4m3x2_to_f16x2(d[2 * h] >> 16);
-            const u32 a1 = e4m3x2_to_f16x2(d[2 * h + 1]), a3 = e4m3x2_to_f16x2(d[2 * h + 1] >> 16);
-#pragma unroll
-            for (int q = 0; q < NT; ++q) {
-              uint4 u = make_uint4(0, 0, 0, 0);
-              if (xok[q] && kk < K) u = __ldg(xrow[q] + kk / 4 + t);
-              mma_f16(cc[(2 * c) % NC][q], a0, a1, a2, a3, u.z, u.w);  // lo and hi terms, own chains
-              mma_f16(cc[(2 * c + 1) % NC][q], a0, a1, a2, a3, u.x, u.y);
-            }
-            // one scale block per flush: bk >= 128 (a multiple) -> every 128 k; else every bk k
-            const int fl = bk < 128 ? bk / 16 : 8;
-            if ((c + 1) % fl == 0) {
-              const int kf = kk - 16 * (fl - 1);  // the block's first chunk
-              const bool in = kf < K;
-              float f[NT][4];
-              factors(in ? __ldg((const float*)Sc + srow_g + kf / bk) : 0.f,
-                      in ? __ldg((const float*)Sc + srow_g8 + kf / bk) : 0.f, f);
-              flush(0, NC, f);
-            }
-          } else {  // FP4: 32 k per chunk, one UE8M0 group; set p = c & 1 holds chains 2p, 2p + 1
-            const int p = c & 1;
-            u32 pg[4], pg8[4];
-            fp4_pairs(d[2 * h], pg);
-            fp4_pairs(d[2 * h + 1], pg8);
-#pragma unroll
-            for (int q = 0; q < NT; ++q) {
-              uint4 u = make_uint4(0, 0, 0, 0), v = u;
-              if (xok[q] && kk < K) {
-                u = __ldg(xrow[q] + kk / 4 + 2 * t);
-                v = __ldg(xrow[q] + kk / 4 + 2 * t + 1);
-              }
-              mma_f16(cc[2 * p][q], pg[0], pg8[0], pg[1], pg8[1], u.z, u.w);
-              mma_f16(cc[2 * p + 1][q], pg[2], pg8[2], pg[3], pg8[3], v.z, v.w);
-              mma_f16(cc[2 * p][q], pg[0], pg8[0], pg[1], pg8[1], u.x, u.y);
-              mma_f16(cc[2 * p + 1][q], pg[2], pg8[2], pg[3], pg8[3], v.x, v.y);
-            }
-            if (c > 0 || sgm > 0) flush(2 * (1 - p), 2 * (1 - p) + 2, pend[1 - p]);  // the previous group
-            if (c % 4 == 0) {  // a new 128-element group of x (after the previous group's flush)
-              const int gx = (kk < K ? kk : 0) / 128;
-#pragma unroll
-              for (int q = 0; q < NT; ++q) {
-                xs[q][0] = cok[q][0] ? __ldg(xinv[q][0] + gx) : 0.f;
-                xs[q][1] = cok[q][1] ? __ldg(xinv[q][1] + gx) : 0.f;
-              }
-            }
-            float sa, sb;
-            if (sc_vec) {
-              sa = e8m0_scaled(((c < 4 ? sga.x : sga.y) >> (8 * (c & 3))) & 0xFFu, 14);
-              sb = e8m0_scaled(((c < 4 ? sgb.x : sgb.y) >> (8 * (c & 3))) & 0xFFu, 14);
-            } else {
-              const bool in = kk < K;
-              sa = in ? e8m0_scaled(__ldg((const u8*)Sc + srow_g + kk / 32), 14) : 0.f;
-              sb = in ? e8m0_scaled(__ldg((const u8*)Sc + srow_g8 + kk / 32), 14) : 0.f;
-            }
-            factors(sa, sb, pend[p]);
+          for (int q = 0; q < NT; ++q) {
+            const uint4 x = xv[b][ci][q][0];
+            mma_f16(cc[0][q], a0, a1, a2, a3, x.z, x.w);  // lo and hi terms, own chains
+            mma_f16(cc[1][q], a0, a1, a2, a3, x.x, x.y);
           }
+          if ((c & flm) == flm) {  // the end of a scale block
+            float f[NT][4];
+            if (pre) {  // rows g and g + 8 share the tile's block row
+              const float sv = ((const float*)ssc)[c >> flsh];
+              factors(sv, sv, xi[0], f);
+            } else {
+              const int kf = kk - 16 * flm, bi = kf / bk;  // the block's first k
+              const bool in = kf < K;
+              factors(in ? __ldg((const float*)Sc + srow_g + bi) : 0.f,
+                      in ? __ldg((const float*)Sc + srow_g8 + bi) : 0.f, xi[0], f);
+            }
+            flush(0, NC, f);
+          }
+        } else {  // FP4: 32 k per chunk, one UE8M0 group; set p = c & 1 holds chains 2p, 2p + 1
+          const int p = c & 1;
+          u32 pg[4], pg8[4];
+          fp4_pairs(d[c][0], pg);
+          fp4_pairs(d[c][1], pg8);
+#pragma unroll
+          for (int q = 0; q < NT; ++q) {
+            const uint4 x = xv[b][ci][q][0], y = xv[b][ci][q][1];
+            mma_f16(cc[2 * p][q], pg[0], pg8[0], pg[1], pg8[1], x.z, x.w);
+            mma_f16(cc[2 * p + 1][q], pg[2], pg8[2], pg[3], pg8[3], y.z, y.w);
+            mma_f16(cc[2 * p][q], pg[0], pg8[0], pg[1], pg8[1], x.x, x.y);
+            mma_f16(cc[2 * p + 1][q], pg[2], pg8[2], pg[3], pg8[3], y.x, y.y);
+          }
+          if (c > 0) flush(2 * (1 - p), 2 * (1 - p) + 2, pend[1 - p]);  // the previous group
+          float sa, sb;
+          if (pre) {
+            sa = e8m0_scaled(((c < 4 ? sga.x : sga.y) >> (8 * (c & 3))) & 0xFFu, 14);
+            sb = e8m0_scaled(((c < 4 ? sgb.x : sgb.y) >> (8 * (c & 3))) & 0xFFu, 14);
+          } else {
+            const bool in = kk < K;
+            sa = in ? e8m0_scaled(__ldg((const u8*)Sc + srow_g + kk / 32), 14) : 0.f;
+            sb = in ? e8m0_scaled(__ldg((const u8*)Sc + srow_g8 + kk / 32), 14) : 0.f;
+          }
+          factors(sa, sb, xi[c / 4], pend[p]);
         }
       }
     }
-    if (FMT == FMT_FP4) flush(2, 4, pend[1]);  // the stage's last group (an odd chunk: set 1)
+    if (!F8) flush(2, 4, pend[1]);  // the stage's last group (an odd chunk: set 1)
   }
   cp_async_wait<0>();
   if (kw > 1) {  // the tile's partial sums, in a fixed order (deterministic)
@@ -353,15 +413,14 @@ __device__ __forceinline__ void tcgemv_body(const uint4* __restrict__ XS, const 
 #define TC_ARGS const uint4 *XS, const float *XINV, int lda, float *Y, int ldy, int N, int K, const int *segs, \
                 const u64 *wptrs, const u64 *sptrs, int bn, int bk, int gk, int kw
 #define TC_PASS XS, XINV, lda, Y, ldy, N, K, segs, wptrs, sptrs, bn, bk, gk, kw
-// NAME: tcgemv_<fmt>_n<NT>[_r<R>s<S>w<W>]; the unsuffixed names are the configuration the engine uses.
-#define DEF_TC_CFG(NAME, FMT, NT, R, S, W)                                            \
+// NAME: tcgemv_<fmt>_n<NT>[_s<S>w<W>]; the unsuffixed names are the configuration the engine uses.
+#define DEF_TC_CFG(NAME, FMT, NT, S, W)                                               \
   extern "C" __global__ void __launch_bounds__(32 * W) NAME(TC_ARGS) {               \
-    tcgemv_body<FMT, NT, R, S, W>(TC_PASS);                                          \
+    tcgemv_body<FMT, NT, S, W>(TC_PASS);                                             \
   }
-#define TC_R 1
 #define TC_S 4
 #define TC_W 8
-#define DEF_TC(TAG, FMT, NT) DEF_TC_CFG(tcgemv_##TAG##_n##NT, FMT, NT, TC_R, TC_S, TC_W)
+#define DEF_TC(TAG, FMT, NT) DEF_TC_CFG(tcgemv_##TAG##_n##NT, FMT, NT, TC_S, TC_W)
 DEF_TC(fp8, FMT_FP8, 1)
 DEF_TC(fp8, FMT_FP8, 2)
 DEF_TC(fp8, FMT_FP8, 4)

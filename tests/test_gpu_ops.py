@@ -68,6 +68,7 @@ LINEAR_CASES = [
     ("bf16", 100, 72, None, None),            # ragged N, small K
     ("fp8", 100, 272, (32, 32), "ue8m0"),     # ragged N, a partial last K stage
     ("fp8", 200, 1024, (16, 64), "fp32"),     # row blocks inside a 16-row tile, 64-wide K blocks
+    ("fp8", 96, 640, (8, 128), "fp32"),       # two row blocks per tile: scales read in place
     ("fp4", 100, 288, (1, 32), "ue8m0"),      # ragged N, scale rows not 8-byte aligned
 ]
 

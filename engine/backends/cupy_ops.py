@@ -36,13 +36,13 @@ GEMM_TILE = 64
 GEMV_WARPS_TARGET = 132 * 32  # enough independent loads in flight to saturate an H200's HBM
 TC_MAX_ROWS = 32  # FP8 / FP4 segments of up to this many rows: tensor-core GEMV (gemv_tc.cu)
 # its configuration (kernels/gemv_tc.cu TC_W, TC_S, TC_R): blocks of 8 warps, each streaming its
-# tile through a 4-stage ring of 16 rows x 128 bytes
-TC_WARPS, TC_SMEM, TC_STAGE_BYTES = 8, 8 * 4 * 2048, 128
+# tile through a 4-stage ring of 16 rows x 128 bytes, each stage followed by its scales (128 bytes)
+TC_WARPS, TC_SMEM, TC_STAGE_BYTES = 8, 8 * 4 * (2048 + 128), 128
 TC_WARPS_TARGET = 132 * 24  # what the H200 holds resident (3 blocks of 8 warps per SM)
-# Fewest rows per segment for which the tensor-core GEMV beats the CUDA-core GEMV (H200, in CUDA
-# graphs: one row streams faster through the CUDA-core GEMV, e.g. wo_b 22 vs 38 us, 6 routed FP4
-# experts 128 vs 149 us; from 2 rows on the tensor cores win, up to 6x at 8 rows).
-TC_MIN_ROWS = 2
+# Fewest rows per segment for which the tensor-core GEMV beats the CUDA-core GEMV, per format
+# (H200, CUDA graphs, weights rotated past L2): FP8 one row streams faster through the CUDA-core
+# GEMV (wq_b 24.9 vs 29.9 us, wq_a 9.8 vs 12.2); FP4 already from one row (expert w1 12.4 vs 13.8).
+TC_MIN_ROWS = {FMT_FP8: 2, FMT_FP4: 1}
 _TC_CONFIGURED: set = set()
 _ELT_BLOCK = 256
 # decode attention: split the keys until about this many blocks run, each split >= this many keys
@@ -282,7 +282,7 @@ class CupyOps:
         args = (a, np.int32(a.shape[1]), y, np.int32(y.shape[1]), np.int32(n), np.int32(k), seg, wptrs, sptrs,
                 np.int32(w.block[0]), np.int32(w.block[1]), np.int32(w.gk))
         # (the tensor-core GEMV reads x in 128-column groups: segments must start on one)
-        if (TC_MIN_ROWS <= max_rows <= TC_MAX_ROWS and _tc_ok(w, a.shape[1])
+        if (TC_MIN_ROWS.get(w.fmt, 99) <= max_rows <= TC_MAX_ROWS and _tc_ok(w, a.shape[1])
                 and (isinstance(segs, cp.ndarray) or all(s[3] % 128 == 0 for s in segs))):
             self._run_tc(a, y, n, k, seg, wptrs, sptrs, w, max_rows)
         elif max_rows <= GEMV_MAX_ROWS:
