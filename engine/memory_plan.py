@@ -13,8 +13,10 @@ Per tensor-parallel rank (engine.tp.ShardPlan decides what each rank holds) the 
   data is read. Engram tables are counted as HOST bytes (pinned host memory: a token reads only a
   few rows of them), as are hash-routing tables (`tid2eid`).
 - state: max_seqs * (fixed + per_token * max_context), with (per_token, fixed) from
-  `Model.state_bytes_per_token` (the stored formats: V4.1 FP8 window rings, FP4 compressed KV and
-  MXFP4 indexer keys). Every rank keeps the whole (replicated) state of its sequences.
+  `Model.resident_state_bytes_per_token`: what a running sequence occupies on the device (float32
+  arrays, growth-buffer headroom), not its stored size (`Model.state_bytes_per_token`: V4.1's
+  FP8 window rings, FP4 compressed KV and MXFP4 indexer keys, 4-7x smaller), which is what the
+  host keeps between turns. Every rank keeps the whole (replicated) state of its sequences.
 - workspace (per rank; override with workspace_bytes), with T = prefill_chunk + max_seqs tokens
   in one step (a prefill budget plus one decode token per running sequence):
       activations  T * hidden * hc_mult * 4 * ACT_FACTOR        (mHC streams in / out, mixes, norms)
@@ -267,11 +269,11 @@ def _as_config(cfg) -> ModelConfig:
 
 
 def state_bytes(cfg: ModelConfig, context: int) -> int:
-    """Bytes of one sequence's state at `context` tokens (Model.state_bytes_per_token's formula,
-    which only reads the config)."""
+    """Device bytes of one running sequence's state at `context` tokens (the formula of
+    Model.resident_state_bytes_per_token, which only reads the config)."""
     from engine.model import Model
 
-    per_token, fixed = Model.state_bytes_per_token(SimpleNamespace(cfg=cfg))
+    per_token, fixed = Model.resident_state_bytes_per_token(SimpleNamespace(cfg=cfg))
     return int(math.ceil(fixed + per_token * context))
 
 

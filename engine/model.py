@@ -247,6 +247,26 @@ class Model:
                     per_token += (d + (di if kind == "csa" else 0)) * 4 / cfg.compress_ratios[i]
         return per_token, fixed
 
+    def resident_state_bytes_per_token(self) -> tuple[float, int]:
+        """(bytes per token of context, fixed bytes per sequence) that a running sequence's state
+        occupies in the backend's memory (what a GPU must hold), at most: every array is float32
+        (on the storage grids), and each one a decode step grows lives in a growth buffer with up
+        to 1 / rows.GROWTH of its rows plus rows.MIN_ROWS of headroom (engine/rows.py). V4.1:
+        the windows, every KV source's pending group (kv and gate rows, buffers of 2 x ratio rows)
+        and its entries and indexer keys. V4 decodes through plain arrays: its float32 formula."""
+        cfg = self.cfg
+        d, di, w = cfg.head_dim, cfg.index_head_dim, cfg.sliding_window - 1
+        if cfg.arch != "v41":
+            return Model.state_bytes_per_token(self)
+        # the window buffer: its w live rows and the new one, then max(MIN_ROWS, rows / GROWTH) spare
+        fixed = cfg.num_layers * (w + 1 + max(rows.MIN_ROWS, (w + 1) // rows.GROWTH)) * d * 4
+        per_token = 0.0
+        for src in cfg.kv_source_layer_ids:
+            ratio, width = cfg.compress_ratios[src], (d + di) * 4
+            per_token += width * (1 + 1 / rows.GROWTH) / ratio
+            fixed += rows.MIN_ROWS * width + (2 * ratio * 2 * d * 4 if ratio > 1 else 0)
+        return per_token, int(fixed)
+
     # ---- forward -----------------------------------------------------------------------
     def forward(self, states: list[SequenceState], chunks: list, all_logits: bool = False) -> list[np.ndarray]:
         """Feed chunks[i] (>= 1 token ids) to states[i]; advance the states. Returns, per sequence,

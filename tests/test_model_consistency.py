@@ -169,6 +169,40 @@ def test_v41_state_is_stored_in_deepseek_formats() -> None:
             assert (x is None) == (y is None) and (x is None or np.array_equal(x, y)), name
 
 
+def _resident_bytes(st) -> int:
+    """Bytes of the distinct memory blocks behind a state's arrays (growth buffers included)."""
+    seen = {}
+    for ls in st.layers:
+        for name in ("window", "buf_kv", "buf_gate", "ovl_kv", "ovl_gate", "entries",
+                     "idx_buf_kv", "idx_buf_gate", "idx_ovl_kv", "idx_ovl_gate", "idx_keys"):
+            a = getattr(ls, name)
+            while a is not None and a.base is not None and isinstance(a.base, np.ndarray):
+                a = a.base
+            if a is not None:
+                seen[id(a)] = a.nbytes
+    return sum(seen.values())
+
+
+def test_v41_resident_state_within_the_plan_formula() -> None:
+    """The memory plan's per-sequence device bytes (Model.resident_state_bytes_per_token) bound
+    what a decoding sequence really holds (float32 arrays and their growth buffers), and are
+    not loose: the stored size is 4-7x smaller and must not be what the GPUs are planned by."""
+    m = _model(DEMO_V41)
+    st = m.new_state()
+    ids = _ids(m, 400, 8)
+    m.forward([st], [ids[:100]])
+    worst = 0.0
+    per_token, fixed = m.resident_state_bytes_per_token()
+    for i, t in enumerate(ids[100:], start=101):  # token by token: the growth-buffer path
+        m.forward([st], [[t]])
+        got, bound = _resident_bytes(st), fixed + per_token * i
+        assert got <= bound, (i, got, bound)
+        worst = max(worst, got / bound)
+    assert worst > 0.6, worst
+    stored_per_token, stored_fixed = m.state_bytes_per_token()
+    assert stored_fixed + 400 * stored_per_token < 0.5 * (fixed + 400 * per_token)
+
+
 def test_v41_bounded_replay_is_exact() -> None:
     """Prefill computing only the replay cone after the last KV source gives the same last-token
     logits and the same state (hence the same continuation) as computing every row."""
