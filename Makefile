@@ -28,4 +28,4 @@ gpu-memcheck:
 gpu-bench:
 	test -f $(BENCH_CKPT)/config.json || $(PY) dsuf.py tiny-model $(BENCH_CKPT) --arch v41 \
 		--preset v41-flash-shaped --layers 2 --vocab 8192
-	$(PY) dsuf.py bench --ckpt $(BENCH_CKPT) --batches 1,8,32 --prefill 65536 --chunk 4096
+	$(PY) dsuf.py bench --ckpt $(BENCH_CKPT) --batches 1,8,32 --prefill 4096,65536 --chunk 4096

@@ -6,7 +6,7 @@ Three parts, each printed as a table:
    formats: FP8 32x32 UE8M0 attention / shared expert, FP4 routed experts) at M = 1, 8, 32 and a
    4k-row prefill, with the floor for each;
 3. with --ckpt: whole-model decode at batch 1/8/32 (time per step and per layer, tokens/s)
-   and a prefill of --prefill tokens, floors from the weight bytes a step reads. With --gpus
+   and prefills of --prefill tokens (4k and 64k), floors from the weight bytes a step reads. With --gpus
    0,1,...: the same over one tensor-parallel rank per GPU (floors from the busiest rank), and
    with --compare-tp1 the sharded logits against the model on one GPU.
 """
@@ -51,8 +51,12 @@ def _timeit_graph(fn, x, reps: int = 20) -> float:
 
     graphs = RegionGraphs(enabled=True)
 
-    def many(a):
-        return tuple(fn(a) for _ in range(reps))
+    def many(a):  # one flat tuple of every call's outputs (a region returns arrays)
+        out = []
+        for _ in range(reps):
+            r = fn(a)
+            out.extend(r if isinstance(r, tuple) else (r,))
+        return tuple(out)
 
     for _ in range(2):  # eager warm-up, then capture
         graphs("bench", many, x)
@@ -89,6 +93,16 @@ def _nbytes(w) -> int:
     return int(w.data.nbytes + (0 if w.scale is None else w.scale.nbytes))
 
 
+def _copies(w, nbytes: int = 256 << 20) -> list:
+    """w and copies of it, about nbytes in all (2 to 40): a graph that reads each once streams
+    them from HBM, where repeating one weight that fits the 50 MB L2 would time the cache."""
+    from engine.backends.cupy_ops import GpuWeight
+
+    c = max(2, min(40, -(-nbytes // _nbytes(w))))
+    return [w] + [GpuWeight(w.fmt, w.data.copy(), None if w.scale is None else w.scale.copy(), w.shape, w.block)
+                  for _ in range(c - 1)]
+
+
 def bench_linears(bw: float, rows=(1, 8, 32, 4096)) -> None:
     import cupy as cp
 
@@ -98,15 +112,20 @@ def bench_linears(bw: float, rows=(1, 8, 32, 4096)) -> None:
     print(f"\n{'linear':12s} {'N x K':>13s} {'fmt':>4s} " + " ".join(f"{'M=' + str(m):>18s}" for m in rows))
     for name, (n, k), fmt, _ in FLASH_LINEARS:
         w = _weight(fmt, n, k)
+        ws = _copies(w)
         cells = []
         for m in rows:
             x = cp.random.default_rng(1).standard_normal((m, k), dtype=cp.float32)
-            t = _timeit_graph(lambda a, w=w: ops.linear(a, w), x)
+            if m <= 32:  # memory-bound: one call per copy, so the weights come from HBM, not from L2
+                t = _timeit_graph(lambda a, ws=ws: tuple(ops.linear(a, v) for v in ws), x, reps=1) / len(ws)
+            else:
+                t = _timeit_graph(lambda a, w=w: ops.linear(a, w), x)
             floor = (_nbytes(w) + x.nbytes + m * n * 4) / bw
             flops = 2 * m * n * k / t
             cells.append(f"{t * 1e6:7.1f}us/{floor * 1e6:5.1f}" + (f" {flops / 1e12:4.0f}TF" if m > 32 else ""))
         print(f"{name:12s} {n:>6d}x{k:<6d} {fmt:>4s} " + " ".join(f"{c:>18s}" for c in cells))
-    print("(each cell: median per call, CUDA-graph replay / HBM floor, microseconds; TF = achieved TFLOP/s)")
+    print("(each cell: median per call, CUDA-graph replay / HBM floor, microseconds; up to 32 rows over copies of "
+          "the weight that L2 cannot hold; TF = achieved TFLOP/s)")
 
 
 def tensor_core_rate(n: int = 8192) -> float:
@@ -173,7 +192,7 @@ def _sync(devices: list[int]) -> None:
             cp.cuda.Device().synchronize()
 
 
-def bench_model(ckpt: str, bw: float, batches=(1, 8, 32), prefill: int = 4096, steps: int = 10,
+def bench_model(ckpt: str, bw: float, batches=(1, 8, 32), prefills=(4096, 65536), steps: int = 10,
                 chunk: int = 4096, gpus: list[int] | None = None, compare_tp1: bool = False) -> None:
     cfg, model, ranks, devices = _load(ckpt, gpus)
     stats = [_weight_stats(r) for r in ranks]
@@ -205,12 +224,13 @@ def bench_model(ckpt: str, bw: float, batches=(1, 8, 32), prefill: int = 4096, s
               f"{100 * floor / dt:9.1f}%")
     print(f"(graphs captured {sum(g.captures for g in graphs)}, replays {sum(g.replays for g in graphs)}; "
           "floor = weight + state bytes a step reads on the busiest GPU / copy bandwidth)")
-    if prefill:
+    if prefills:
         tc = tensor_core_rate()
         print(f"tensor-core rate (fp16 cuBLAS GEMM): {tc / 1e12:.0f} TFLOP/s per GPU")
+        model.forward([model.new_state()], [rng.integers(0, cfg.vocab_size, 64)])  # warm-up
+    for prefill in prefills:
         st = model.new_state()
         ids = rng.integers(0, cfg.vocab_size, prefill)
-        model.forward([model.new_state()], [ids[:64]])  # warm-up
         _sync(devices)
         t0 = time.perf_counter()
         for c0 in range(0, prefill, chunk):
@@ -223,7 +243,7 @@ def bench_model(ckpt: str, bw: float, batches=(1, 8, 32), prefill: int = 4096, s
                    for r in cfg.compress_ratios)
         macs = sum(ws["dense_macs"] for ws in stats) + nl * k * stats[0]["expert_macs"] + attn
         floor = 2 * prefill * macs / (tc * len(ranks))
-        print(f"prefill {prefill} tokens in chunks of {chunk}: {dt:.3f} s, {prefill / dt:.0f} tok/s, "
+        print(f"prefill {prefill} tokens in chunks of {min(chunk, prefill)}: {dt:.3f} s, {prefill / dt:.0f} tok/s, "
               f"{dt / nl * 1e3:.2f} ms/layer, {prefill / dt * nl:.0f} tok/s per layer; tensor-core floor "
               f"{floor:.3f} s ({100 * floor / dt:.1f}% of it)")
     if compare_tp1 and len(ranks) > 1:
@@ -247,12 +267,12 @@ def _compare_tp1(ckpt: str, cfg, model, device: int, rng) -> None:
 
 
 def bench_main(argv: list[str] | None = None) -> int:
-    """CLI entry: `bench [--ckpt DIR] [--batches 1,8,32] [--prefill N] [--chunk N] [--no-linears]
+    """CLI entry: `bench [--ckpt DIR] [--batches 1,8,32] [--prefill 4096,65536] [--chunk N] [--no-linears]
     [--gpus 0,1,2,3 [--compare-tp1]]`."""
     ap = argparse.ArgumentParser(prog="dsuf bench", description=__doc__.splitlines()[0])
     ap.add_argument("--ckpt", default=None, help="checkpoint to time whole-model decode / prefill on")
     ap.add_argument("--batches", default="1,8,32")
-    ap.add_argument("--prefill", type=int, default=4096, help="prompt tokens to time (0: none)")
+    ap.add_argument("--prefill", default="4096,65536", help="prompt lengths to time, e.g. 4096,65536 (0: none)")
     ap.add_argument("--chunk", type=int, default=4096, help="prefill chunk (tokens per forward)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--no-linears", action="store_true", help="skip the V4.1-Flash linear-kernel table")
@@ -265,6 +285,7 @@ def bench_main(argv: list[str] | None = None) -> int:
     if not a.no_linears:
         bench_linears(bw)
     if a.ckpt:
-        bench_model(a.ckpt, bw, tuple(int(b) for b in a.batches.split(",")), a.prefill, a.steps, a.chunk, gpus,
+        prefills = tuple(n for n in (int(v) for v in a.prefill.split(",")) if n > 0)
+        bench_model(a.ckpt, bw, tuple(int(b) for b in a.batches.split(",")), prefills, a.steps, a.chunk, gpus,
                     a.compare_tp1)
     return 0
