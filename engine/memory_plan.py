@@ -27,7 +27,11 @@ Per tensor-parallel rank (engine.tp.ShardPlan decides what each rank holds) the 
                                                                  one sequence, max_entries =
                                                                  max_context / smallest compress ratio)
       logits       max_seqs * vocab * 4
-- reserve: RESERVE_FRACTION of the GPU's bytes (allocator fragmentation, kernels, CUDA graphs).
+      graphs       the outputs the CUDA graphs of the layer regions keep (engine/backends/
+                   cuda_graphs.py): graph_bytes_per_row * the rows of the MAX_ROW_BUCKETS largest
+                   row counts up to MAX_GRAPH_ROWS (a step of a few decode rows and a short
+                   prompt's chunk is graphed too, so any count up to 64 can hold a bucket)
+- reserve: RESERVE_FRACTION of the GPU's bytes (allocator fragmentation, kernels, graph launches).
 
 A rank fits when weights + state + workspace + reserve <= gpu_bytes (the free bytes per GPU).
 """
@@ -55,6 +59,7 @@ __all__ = [
     "state_bytes",
     "weight_bytes",
     "workspace_bytes",
+    "graph_bytes_per_row",
     "plan_memory",
     "check",
     "max_sequences",
@@ -285,13 +290,42 @@ def workspace_bytes(cfg: ModelConfig, plan: ShardPlan, max_seqs: int, max_contex
               (cfg.arch != "v41" or i in cfg.kv_source_layer_ids)]
     max_entries = max_context // min(ratios) if ratios else 0
     local_heads = plan.heads[1] - plan.heads[0]
+    from engine.backends.cuda_graphs import MAX_GRAPH_ROWS, MAX_ROW_BUCKETS
+
+    graph_rows = sum(max(0, MAX_GRAPH_ROWS - i) for i in range(MAX_ROW_BUCKETS))
     return {
+        "graphs": graph_rows * graph_bytes_per_row(cfg, plan),
         "activations": t * cfg.hidden_size * cfg.hc_mult * 4 * ACT_FACTOR,
         "attention": t * local_heads * cfg.head_dim * 4 * 3,
         "moe": t * cfg.num_experts_per_tok * cfg.moe_intermediate_size * 4 * 3,
         "scores": min(prefill_chunk, max_context) * max_entries * 4 * 3,
         "logits": max_seqs * cfg.vocab_size * 4,
     }
+
+
+def graph_bytes_per_row(cfg: ModelConfig, plan: ShardPlan) -> int:
+    """Bytes per row of the float32 outputs of a forward's graphed regions (engine/model.py: per
+    layer `in`, `attn_out`, `ffn`, `out`), summed over the layers: what one row of a captured
+    batch size holds in graph buffers."""
+    d, hc, hd = cfg.hidden_size, cfg.hc_mult, cfg.head_dim
+    heads = plan.heads[1] - plan.heads[0]
+    mixes = 2 * hc + hc * hc  # pre, post, comb
+    total = 0
+    for i in range(cfg.num_layers):
+        # in: streams, normed input, q residual, q, K=V row, mixes, then V4.1's projections
+        n = hc * d + d + cfg.q_lora_rank + heads * hd + hd + mixes
+        ratio = cfg.compress_ratios[i]
+        if cfg.arch == "v41" and ratio:
+            indexed = i in cfg.index_source_layer_ids
+            if cfg.layer_kinds[i] == "source":  # compressor kv + gate, or the entry (+ indexer key)
+                n += 2 * hd if ratio > 1 else hd + (cfg.index_head_dim if indexed else 0)
+            if indexed:  # indexer query and head weights
+                n += cfg.index_n_heads * (cfg.index_head_dim + 1)
+        n += d if heads else 0  # attn_out (a rank without heads adds zeros instead)
+        n += hc * d + d + mixes  # ffn: streams, this rank's FFN part, mixes
+        n += hc * d  # out
+        total += n
+    return 4 * total
 
 
 # ---------------------------------------------------------------------------------------------

@@ -220,3 +220,32 @@ def test_engine_load_with_gpus_checks_memory_first(monkeypatch):
     with pytest.raises(Reached) as got:  # the plan fits two GPUs: one tensor-parallel rank on each
         Engine.load(None, gpus="0,1", max_seqs=4, max_context=4096)
     assert got.value.args == ([0, 1],)
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA-graph buffers: the formula against the outputs the regions really return
+
+
+@pytest.mark.parametrize("arch,size", [("v41", 1), ("v41", 2), ("v4", 1), ("v4", 4)])
+def test_graph_bytes_match_the_regions(tiny, arch, size):
+    """graph_bytes_per_row equals the bytes every graphed region of a one-row decode step returns,
+    on each tensor-parallel rank (numpy ranks: the regions are the same functions)."""
+    from engine.backends.numpy_ops import NumpyOps
+    from engine.tp import SimulatedTP
+
+    path = tiny[arch]
+    cfg, ckpt = _open(path)
+    tp = SimulatedTP(cfg, ckpt, NumpyOps, size, path / "tokenizer.json")
+    states = [tp.new_state()]
+    tp.forward(states, [list(range(3, 40))])
+    seen = {r: [] for r in range(size)}
+    for r, m in enumerate(tp.ranks):
+        def graphed(key, fn, *arrays, r=r):
+            out = fn(*arrays)
+            seen[r].append(sum(a.nbytes for a in (out if isinstance(out, tuple) else (out,)) if a is not None))
+            return out
+        m.ops.graphed = graphed
+    tp.forward(states, [[7]])  # one decode row
+    for r, m in enumerate(tp.ranks):
+        assert len(seen[r]) >= 3 * cfg.num_layers
+        assert sum(seen[r]) == mp.graph_bytes_per_row(cfg, m.plan), (arch, size, r)
