@@ -162,7 +162,7 @@ def _weight_stats(model) -> dict:
                 head=_nbytes(model.w.head))
 
 
-def _load(ckpt: str, gpus: list[int] | None):
+def _load(ckpt: str, gpus: list[int] | None, expert_split: str = "ep"):
     """(model, its per-rank Models, their CUDA devices): one GPU, or one rank per GPU."""
     import cupy as cp
 
@@ -176,7 +176,7 @@ def _load(ckpt: str, gpus: list[int] | None):
     if gpus and len(gpus) > 1:
         from engine.tp_gpu import GpuTP
 
-        model = GpuTP(cfg, ck, gpus, tok)
+        model = GpuTP(cfg, ck, gpus, tok, expert_split=expert_split)
         return cfg, model, model.ranks, list(gpus)
     dev = gpus[0] if gpus else cp.cuda.Device().id
     with cp.cuda.Device(dev):
@@ -193,14 +193,15 @@ def _sync(devices: list[int]) -> None:
 
 
 def bench_model(ckpt: str, bw: float, batches=(1, 8, 32), prefills=(4096, 65536), steps: int = 10,
-                chunk: int = 4096, gpus: list[int] | None = None, compare_tp1: bool = False) -> None:
-    cfg, model, ranks, devices = _load(ckpt, gpus)
+                chunk: int = 4096, gpus: list[int] | None = None, compare_tp1: bool = False,
+                expert_split: str = "ep") -> None:
+    cfg, model, ranks, devices = _load(ckpt, gpus, expert_split)
     stats = [_weight_stats(r) for r in ranks]
     e, k, nl, d = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.num_layers, cfg.head_dim
     rng = np.random.default_rng(0)
     ctx = 16  # tokens of context before the timed decode steps
     graphs = [r.ops.graphs for r in ranks]
-    tp = f", tensor parallel over GPUs {devices}" if len(ranks) > 1 else ""
+    tp = f", tensor parallel over GPUs {devices}, experts split by {expert_split}" if len(ranks) > 1 else ""
     print(f"\nmodel {ckpt}: {nl} layers, hidden {cfg.hidden_size}, {e} experts top-{k}; "
           f"CUDA graphs {'on' if graphs[0].enabled else 'off'}{tp}")
     print(f"{'batch':>6s} {'step ms':>9s} {'layer ms':>9s} {'tok/s':>9s} {'floor ms':>9s} {'% of floor':>10s}")
@@ -241,7 +242,9 @@ def bench_model(ckpt: str, bw: float, batches=(1, 8, 32), prefills=(4096, 65536)
         # window and, in compressed layers, the selected entries), spread over the ranks
         attn = sum(cfg.num_heads * d * 2 * (cfg.sliding_window + (cfg.index_topk if r else 0))
                    for r in cfg.compress_ratios)
-        macs = sum(ws["dense_macs"] for ws in stats) + nl * k * stats[0]["expert_macs"] + attn
+        # (one whole expert's multiply-adds: a rank holds whole experts, or a width slice of each)
+        expert = sum(ws["expert_macs"] * ws["owned"] for ws in stats) / e
+        macs = sum(ws["dense_macs"] for ws in stats) + nl * k * expert + attn
         floor = 2 * prefill * macs / (tc * len(ranks))
         print(f"prefill {prefill} tokens in chunks of {min(chunk, prefill)}: {dt:.3f} s, {prefill / dt:.0f} tok/s, "
               f"{dt / nl * 1e3:.2f} ms/layer, {prefill / dt * nl:.0f} tok/s per layer; tensor-core floor "
@@ -278,6 +281,8 @@ def bench_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-linears", action="store_true", help="skip the V4.1-Flash linear-kernel table")
     ap.add_argument("--gpus", default=None, help="e.g. 0,1,2,3: one tensor-parallel rank per GPU")
     ap.add_argument("--compare-tp1", action="store_true", help="with --gpus: logits vs the model on one GPU")
+    ap.add_argument("--expert-split", choices=("ep", "width"), default="ep",
+                    help="with --gpus: routed experts by expert id or by width")
     a = ap.parse_args(argv)
     gpus = [int(g) for g in a.gpus.split(",")] if a.gpus else None
     bw = copy_bandwidth()
@@ -287,5 +292,5 @@ def bench_main(argv: list[str] | None = None) -> int:
     if a.ckpt:
         prefills = tuple(n for n in (int(v) for v in a.prefill.split(",")) if n > 0)
         bench_model(a.ckpt, bw, tuple(int(b) for b in a.batches.split(",")), prefills, a.steps, a.chunk, gpus,
-                    a.compare_tp1)
+                    a.compare_tp1, a.expert_split)
     return 0

@@ -247,9 +247,9 @@ def _table_of(source, cfg: ModelConfig) -> _TableCheckpoint:
     return _TableCheckpoint(table, block)
 
 
-def weight_bytes(cfg: ModelConfig | dict, source, n_gpus: int = 1) -> list[RankWeights]:
-    """Per rank, the bytes of the weights load_weights would load for ShardPlan.make(cfg, r, n_gpus).
-    `source`: a Checkpoint, a checkpoint directory, or engine.tiny_model.tensor_specs(config)."""
+def weight_bytes(cfg: ModelConfig | dict, source, n_gpus: int = 1, expert_split: str = "ep") -> list[RankWeights]:
+    """Per rank, the bytes of the weights load_weights would load for ShardPlan.make(cfg, r, n_gpus,
+    expert_split). `source`: a Checkpoint, a checkpoint directory, or engine.tiny_model.tensor_specs(config)."""
     from engine.model import load_weights
 
     cfg = _as_config(cfg)
@@ -257,7 +257,7 @@ def weight_bytes(cfg: ModelConfig | dict, source, n_gpus: int = 1) -> list[RankW
     out = []
     for r in range(n_gpus):
         ops = _CountingOps()
-        load_weights(cfg, table, ops, ShardPlan.make(cfg, r, n_gpus))
+        load_weights(cfg, table, ops, ShardPlan.make(cfg, r, n_gpus, expert_split))
         for name, (_dt, shape) in table.table.items():  # hash routing tables: host int64 (np.asarray)
             if name.endswith("gate.tid2eid"):
                 ops.host["hash tables (host)"] = ops.host.get("hash tables (host)", 0) + math.prod(shape) * 8

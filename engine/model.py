@@ -155,8 +155,9 @@ def load_weights(cfg: ModelConfig, ckpt, ops, plan: ShardPlan) -> SimpleNamespac
         L.gate_w = lin(f + "gate.weight")
         L.gate_bias = opt_vec(f + "gate.bias")
         L.tid2eid = np.asarray(ckpt.raw(f + "gate.tid2eid").array, dtype=np.int64) if cfg.hash_layers[i] else None
-        L.experts = [(lin(f"{f}experts.{e}.w1.weight"), lin(f"{f}experts.{e}.w2.weight"),
-                      lin(f"{f}experts.{e}.w3.weight")) if plan.owns_expert(e) else None
+        ec = plan.expert_cols if plan.expert_split == "width" else None  # this rank's slice of each expert
+        L.experts = [(lin(f"{f}experts.{e}.w1.weight", rows=ec), lin(f"{f}experts.{e}.w2.weight", cols=ec),
+                      lin(f"{f}experts.{e}.w3.weight", rows=ec)) if plan.owns_expert(e) else None
                      for e in range(cfg.n_routed_experts)]
         sc = plan.shared_cols
         L.shared = (lin(f + "shared_experts.w1.weight", rows=sc), lin(f + "shared_experts.w2.weight", cols=sc),

@@ -3,7 +3,8 @@
 The plan (README "Tensor parallelism"): attention heads are split across ranks (wq_b rows,
 sinks, the wo_a blocks of the rank's heads, the wo_b columns of its groups; the one shared K=V
 head, the compressors and the indexer are replicated, since every head reads the same KV);
-routed experts are split by expert id (EP) and the shared expert by width; embedding and head
+routed experts are split by expert id (EP; or by width, `expert_split="width"`) and the shared
+expert by width; embedding and head
 are vocab-parallel. Everything else (mHC, norms, router, Engram) is replicated. Per layer that
 is two all-reduces of [tokens, hidden] (attention output, MoE output), plus one for the
 embedding and an all-gather of the logits.
@@ -27,6 +28,9 @@ class ShardingError(ValueError):
     """A model that cannot be split over the requested number of ranks."""
 
 
+EXPERT_SPLITS = ("ep", "width")
+
+
 def even_range(n: int, rank: int, size: int, unit: int = 1) -> tuple[int, int]:
     """Contiguous near-equal split of n items (in multiples of `unit`) over `size` ranks."""
     units = -(-n // unit)
@@ -44,11 +48,17 @@ class ShardPlan:
     vocab: tuple[int, int]  # local embedding / head rows
     experts: tuple[int, int]  # local routed experts [lo, hi)
     shared_cols: tuple[int, int]  # local slice of the shared expert's width
+    expert_cols: tuple[int, int] = (0, 0)  # local slice of every routed expert's width ("width" split)
+    expert_split: str = "ep"
 
     @classmethod
-    def make(cls, cfg, rank: int = 0, size: int = 1) -> ShardPlan:
+    def make(cls, cfg, rank: int = 0, size: int = 1, expert_split: str = "ep") -> ShardPlan:
+        """expert_split: routed experts by expert id ("ep": a rank holds whole experts) or by width
+        ("width": every rank holds a slice of every expert, like the shared expert)."""
         if not 0 <= rank < size:
             raise ShardingError(f"rank {rank} outside [0, {size})")
+        if expert_split not in EXPERT_SPLITS:
+            raise ShardingError(f"expert split {expert_split!r}: one of {', '.join(EXPERT_SPLITS)}")
         h, g = cfg.num_heads, cfg.o_groups
         hpg = h // g
         if size <= h:
@@ -61,11 +71,17 @@ class ShardPlan:
         else:  # more ranks than heads: one head each, the rest hold none (their attention part is 0)
             heads = (rank, rank + 1) if rank < h else (h, h)
         block = (cfg.weight_block_size or (1, 1))[0]
+        inter = cfg.moe_intermediate_size
+        if expert_split == "width":  # whole scale blocks of FP8 / FP4 rows (w1, w3) and columns (w2)
+            cols = even_range(inter, rank, size, unit=max(block, 32))
+            experts = (0, cfg.n_routed_experts) if cols[1] > cols[0] else (0, 0)
+        else:
+            cols, experts = (0, inter), even_range(cfg.n_routed_experts, rank, size)
         return cls(rank=rank, size=size, heads=heads,
                    vocab=even_range(cfg.vocab_size, rank, size, unit=block),
-                   experts=even_range(cfg.n_routed_experts, rank, size),
-                   shared_cols=even_range(cfg.moe_intermediate_size * max(cfg.n_shared_experts, 1), rank, size,
-                                          unit=max(block, 32)))
+                   experts=experts,
+                   shared_cols=even_range(inter * max(cfg.n_shared_experts, 1), rank, size, unit=max(block, 32)),
+                   expert_cols=cols, expert_split=expert_split)
 
     @property
     def single(self) -> bool:
@@ -175,12 +191,13 @@ class SimulatedTP:
     """N numpy ranks of one model in one process: each rank loads only its slices and keeps its
     own (replicated) sequence state; collectives are sums. Used to test the sharding math."""
 
-    def __init__(self, cfg, ckpt, make_ops, size: int, tokenizer_json=None, store_quantized: bool = True):
+    def __init__(self, cfg, ckpt, make_ops, size: int, tokenizer_json=None, store_quantized: bool = True,
+                 expert_split: str = "ep"):
         from engine.model import Model
 
         self.size = size
         self.ranks = [Model(cfg, ckpt, make_ops(), tokenizer_json, store_quantized,
-                            plan=ShardPlan.make(cfg, r, size)) for r in range(size)]
+                            plan=ShardPlan.make(cfg, r, size, expert_split)) for r in range(size)]
 
     def new_state(self) -> list:
         return [m.new_state() for m in self.ranks]

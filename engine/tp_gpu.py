@@ -32,7 +32,7 @@ class GpuTP:
     """A model sharded over `devices` (one rank each); the Model-like forward / new_state."""
 
     def __init__(self, cfg, ckpt, devices: list[int], tokenizer_json=None, store_quantized: bool = True,
-                 make_ops=None) -> None:
+                 make_ops=None, expert_split: str = "ep") -> None:
         import cupy as cp
 
         from engine.backends.cupy_ops import CupyOps
@@ -45,7 +45,7 @@ class GpuTP:
         for r, dev in enumerate(self.devices):
             with cp.cuda.Device(dev):
                 self.ranks.append(Model(cfg, ckpt, make_ops(), tokenizer_json, store_quantized,
-                                        plan=ShardPlan.make(cfg, r, self.size)))
+                                        plan=ShardPlan.make(cfg, r, self.size, expert_split)))
         self.model_key = self.ranks[0].model_key
         self.comms = None
         if len(set(self.devices)) == self.size:  # one rank per GPU: NCCL (also for one rank)

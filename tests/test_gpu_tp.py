@@ -20,17 +20,17 @@ from engine.tp import SimulatedTP  # noqa: E402
 DEMO = Path(__file__).resolve().parent.parent / "models" / "demo-v41"
 
 
-@pytest.mark.parametrize("size", [1, 2, 4])
-def test_gpu_tp_ranks_match_plain_gpu_path(size: int) -> None:
+@pytest.mark.parametrize("size,split", [(1, "ep"), (2, "ep"), (4, "ep"), (2, "width"), (4, "width")])
+def test_gpu_tp_ranks_match_plain_gpu_path(size: int, split: str) -> None:
     cfg = load_config(DEMO)
     ck, tok = Checkpoint(DEMO), DEMO / "tokenizer.json"
     ids = np.random.default_rng(size).integers(3, cfg.vocab_size, size=120).tolist()
     plain = Model(cfg, ck, CupyOps(), tok, store_quantized=False)
     ref = plain.forward([plain.new_state()], [ids], all_logits=True)[0]
-    tp = SimulatedTP(cfg, ck, CupyOps, size, tok, store_quantized=False)
+    tp = SimulatedTP(cfg, ck, CupyOps, size, tok, store_quantized=False, expert_split=split)
     out = tp.forward([tp.new_state()], [ids], all_logits=True)[0]
     err = float(np.abs(out - ref).max() / np.abs(ref).max())
-    print(f"TP{size} on one GPU vs plain GPU path: relative error {err:.2e}")
+    print(f"TP{size} ({split} experts) on one GPU vs plain GPU path: relative error {err:.2e}")
     assert err < 1e-3
     assert (out.argmax(-1) == ref.argmax(-1)).mean() > 0.97
 

@@ -249,3 +249,15 @@ def test_graph_bytes_match_the_regions(tiny, arch, size):
     for r, m in enumerate(tp.ranks):
         assert len(seen[r]) >= 3 * cfg.num_layers
         assert sum(seen[r]) == mp.graph_bytes_per_row(cfg, m.plan), (arch, size, r)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_width_split_experts_counted(tiny, n):
+    """Routed experts split by width: every rank holds a slice of every expert, the slices add up
+    to the whole experts, and no rank holds more than its share (rounded up to 32 columns)."""
+    cfg, ckpt = _open(tiny["v41"])
+    whole = mp.weight_bytes(cfg, ckpt, 1)[0].device["routed experts"]
+    ranks = [r.device.get("routed experts", 0) for r in mp.weight_bytes(cfg, ckpt, n, "width")]
+    ep = [r.device.get("routed experts", 0) for r in mp.weight_bytes(cfg, ckpt, n)]
+    assert sum(ranks) == whole == sum(ep)
+    assert max(ranks) <= whole * (-(-cfg.moe_intermediate_size // (32 * n)) * 32) / cfg.moe_intermediate_size

@@ -32,13 +32,13 @@ def ckpt_dir(request, tmp_path_factory) -> Path:
                             experts=16, hidden=128, vocab=1024, layers=4, moe_inter=256, **extra)
 
 
-def _run(d: Path, size: int, ids: list[int], quantized: bool) -> np.ndarray:
+def _run(d: Path, size: int, ids: list[int], quantized: bool, expert_split: str = "ep") -> np.ndarray:
     cfg = load_config(d)
     ck, tok = Checkpoint(d), d / "tokenizer.json"
     if size == 1:
         m = Model(cfg, ck, NumpyOps(), tok, quantized)
         return m.forward([m.new_state()], [ids], all_logits=True)[0]
-    tp = SimulatedTP(cfg, ck, NumpyOps, size, tok, quantized)
+    tp = SimulatedTP(cfg, ck, NumpyOps, size, tok, quantized, expert_split)
     st = tp.new_state()
     # a prefill chunk, then decode steps: the replicated per-rank states must stay in step too
     first = tp.forward([st], [ids[:-4]], all_logits=True)[0]
@@ -60,6 +60,27 @@ def test_tp_matches_single_rank(ckpt_dir: Path, size: int) -> None:
     per_pos = np.abs(out - ref).max(-1) / np.abs(ref).max()
     assert np.median(per_pos) < 1e-3 and (per_pos < 1e-2).mean() >= 0.95
     assert (out.argmax(-1) == ref.argmax(-1)).mean() >= 0.95
+
+
+@pytest.mark.parametrize("size", [2, 4, 8])
+def test_width_split_experts_match_single_rank(ckpt_dir: Path, size: int) -> None:
+    """Routed experts split by width (every rank a slice of every expert's w1 / w3 rows and w2
+    columns, summed by the MoE all-reduce) give TP=1's logits, like the expert-id split."""
+    ids = np.random.default_rng(size).integers(3, 1000, size=140).tolist()
+    ref, out = _run(ckpt_dir, 1, ids, False), _run(ckpt_dir, size, ids, False, "width")
+    assert np.abs(out - ref).max() / np.abs(ref).max() < 1e-5
+
+
+def test_width_split_slices_every_expert() -> None:
+    cfg = load_config(DEMO_V41)
+    for size in (2, 4, 8):
+        plans = [ShardPlan.make(cfg, r, size, "width") for r in range(size)]
+        cols = [p.expert_cols for p in plans if p.expert_cols[1] > p.expert_cols[0]]
+        assert cols[0][0] == 0 and cols[-1][1] == cfg.moe_intermediate_size
+        assert all(a[1] == b[0] for a, b in zip(cols, cols[1:], strict=False))  # contiguous, no overlap
+        assert all(p.experts == (0, cfg.n_routed_experts) for p in plans if p.expert_cols[1] > p.expert_cols[0])
+    with pytest.raises(ShardingError):
+        ShardPlan.make(cfg, 0, 2, "rows")
 
 
 def test_plans_cover_every_slice_once() -> None:
