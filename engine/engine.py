@@ -48,11 +48,12 @@ class Engine:
     @classmethod
     def load(cls, ckpt_dir: str | Path | None = None, backend: str = "numpy",
              gpus: str | list[int] | None = None, *, max_seqs: int = 32, max_context: int | None = None,
-             prefill_chunk: int = 512) -> Engine:
+             prefill_chunk: int = 512, expert_split: str = "ep") -> Engine:
         """Load a checkpoint directory (None: the embedded demo-v41 model). With `gpus` (ids or
         '0,1'): the cupy backend, after checking the memory plan for max_seqs sequences of
         max_context tokens (default: the model's context) against each GPU's free memory
-        (raises engine.memory_plan.MemoryPlanError when it does not fit)."""
+        (raises engine.memory_plan.MemoryPlanError when it does not fit); several GPUs split the
+        routed experts by expert id or by width (`expert_split`, engine/tp.py)."""
         path = Path(ckpt_dir) if ckpt_dir is not None else DEFAULT_CKPT
         cfg = load_config(path)
         tok_json = path / "tokenizer.json"
@@ -64,12 +65,12 @@ class Engine:
         device, plan, ids = None, None, []
         if gpus is not None:
             ids, plan = _plan_gpus(cfg, ckpt, gpus, max_seqs, max_context or cfg.max_position_embeddings,
-                                   prefill_chunk)
+                                   prefill_chunk, expert_split)
             backend, device = "cupy", ids[0]
         if len(ids) > 1:
             from engine.tp_gpu import GpuTP
 
-            model = GpuTP(cfg, ckpt, ids, tok_json)
+            model = GpuTP(cfg, ckpt, ids, tok_json, expert_split=expert_split)
         elif device is not None:
             import cupy
 
@@ -129,7 +130,8 @@ class Engine:
         return out
 
 
-def _plan_gpus(cfg: ModelConfig, ckpt: Checkpoint, gpus, max_seqs: int, max_context: int, prefill_chunk: int):
+def _plan_gpus(cfg: ModelConfig, ckpt: Checkpoint, gpus, max_seqs: int, max_context: int, prefill_chunk: int,
+               expert_split: str = "ep"):
     """--gpus: check the memory plan (one tensor-parallel rank per GPU) against the GPUs' free
     memory (MemoryPlanError if it does not fit); returns (the device ids, the plan)."""
     from engine import memory_plan as mp
@@ -137,6 +139,7 @@ def _plan_gpus(cfg: ModelConfig, ckpt: Checkpoint, gpus, max_seqs: int, max_cont
     ids = mp.parse_gpus(gpus)
     free = mp.gpu_free_bytes(ids)
     plan = mp.check(mp.plan_memory(cfg, ckpt, len(ids), min(free), max_seqs, max_context,
-                                   prefill_chunk=prefill_chunk, name=Path(ckpt.path).name))
+                                   prefill_chunk=prefill_chunk, name=Path(ckpt.path).name,
+                                   weights=mp.weight_bytes(cfg, ckpt, len(ids), expert_split)))
     log.info("%s", plan.summary())
     return ids, plan

@@ -38,6 +38,7 @@ class Options:
     ckpt: str | None = None
     backend: str = "numpy"
     gpus: str | None = None
+    expert_split: str = "ep"  # tensor parallel: routed experts by expert id or by width
     api_key: str | None = None
     max_batch: int = 32
     max_queue: int = 256
@@ -77,7 +78,8 @@ def _load_engine(opts: Options) -> Any:
     if opts.gpus and "gpus" in inspect.signature(Engine.load).parameters:
         kwargs["gpus"] = opts.gpus  # multi-GPU selection, once the engine takes it
         # the memory plan (engine/memory_plan.py) checks --max-batch sequences of --max-model-len
-        kwargs.update(max_seqs=opts.max_batch, max_context=opts.max_model_len, prefill_chunk=opts.prefill_chunk)
+        kwargs.update(max_seqs=opts.max_batch, max_context=opts.max_model_len, prefill_chunk=opts.prefill_chunk,
+                      expert_split=opts.expert_split)
     return Engine.load(opts.ckpt, backend=opts.backend, **kwargs)
 
 
@@ -600,6 +602,8 @@ async def _serve(app: web.Application, host: str, port: int) -> int:
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ckpt", default=None, help="checkpoint directory (default: embedded demo-v41)")
     p.add_argument("--gpus", default=None, help="GPUs to use, e.g. 0,1,2,3 (default: numpy on the CPU)")
+    p.add_argument("--expert-split", choices=("ep", "width"), default="ep",
+                   help="with several GPUs: routed experts split by expert id or by width")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("DSUF_API_KEY"), help="require Bearer auth on /v1/*")
@@ -626,6 +630,7 @@ def serve_main(args: argparse.Namespace) -> int:
     gpus = getattr(args, "gpus", None)
     app = build_app(
         ckpt=getattr(args, "ckpt", None), backend="cupy" if gpus else "numpy", gpus=gpus,
+        expert_split=getattr(args, "expert_split", "ep"),
         api_key=getattr(args, "api_key", None), max_batch=getattr(args, "max_batch", 32),
         max_queue=getattr(args, "max_queue", 256), prefill_chunk=getattr(args, "prefill_chunk", 512),
         max_model_len=getattr(args, "max_model_len", None), keepalive_s=getattr(args, "keepalive", 5.0),
