@@ -213,13 +213,16 @@ def test_engine_load_with_gpus_checks_memory_first(monkeypatch):
     class Reached(Exception):
         pass
 
-    def sharded(cfg, ckpt, devices, tok):  # stop where the GPUs would be touched (none in CI)
-        raise Reached(devices)
+    def sharded(cfg, ckpt, devices, tok, expert_split):  # stop where the GPUs would be touched (none in CI)
+        raise Reached(devices, expert_split)
 
     monkeypatch.setattr(engine.tp_gpu, "GpuTP", sharded)
     with pytest.raises(Reached) as got:  # the plan fits two GPUs: one tensor-parallel rank on each
         Engine.load(None, gpus="0,1", max_seqs=4, max_context=4096)
-    assert got.value.args == ([0, 1],)
+    assert got.value.args == ([0, 1], "ep")
+    with pytest.raises(Reached) as got:
+        Engine.load(None, gpus="0,1", max_seqs=4, max_context=4096, expert_split="width")
+    assert got.value.args == ([0, 1], "width")
 
 
 # ---------------------------------------------------------------------------------------------
