@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from engine.sampling import SamplingParams, allowed_mask, apply_penalties, make_rngs, sample
+from engine.sampling import SamplingParams, allowed_mask, apply_penalties, make_rngs, nucleus, sample
 
 VOCAB = 64
 
@@ -139,3 +139,48 @@ def test_logit_bias_bans_and_forces(logits):
     assert tok != best
     draws = _draws(logits, SamplingParams(temperature=1.0, logit_bias=((9, 100.0),)), 50)
     assert (draws == 9).all()
+
+
+# ---- the partial nucleus sort and the allowed-ids CDF give what the full-vocabulary ones give ----
+
+
+def _full_cdf_token(x: np.ndarray, mask: np.ndarray, t: float, u: float) -> int:
+    """The draw by definition: inverse CDF over the whole vocabulary, zeros where not allowed."""
+    scaled = np.where(mask, x / t, -np.inf)
+    cum = np.cumsum(np.exp(scaled - np.max(scaled)))
+    tok = min(int(np.searchsorted(cum, u * cum[-1], side="right")), len(cum) - 1)
+    return tok if mask[tok] else int(np.flatnonzero(mask)[-1])
+
+
+@pytest.mark.parametrize("vocab", [50, 5000, 129280])
+def test_nucleus_equals_a_full_sort(vocab):
+    g = np.random.default_rng(vocab)
+    for trial in range(12):
+        x = g.standard_normal(vocab) * g.uniform(0.5, 6.0)
+        if trial % 3 == 0:
+            x = np.round(x * 2) / 2  # many exact ties, the nucleus boundary among them
+        p = np.exp(x - x.max())
+        p /= p.sum()
+        for top_p in (0.05, 0.5, 0.9, 0.999, 0.9999999):
+            full = nucleus(p, top_p, first=vocab)
+            for first in (1, 4, 1024):  # from a tiny first guess the widening is exercised too
+                assert np.array_equal(nucleus(p, top_p, first=first), full), (trial, top_p, first)
+
+
+def test_sample_equals_the_full_vocabulary_draw():
+    g = np.random.default_rng(7)
+    vocab = 3000
+    cases = [SamplingParams(temperature=0.8), SamplingParams(temperature=1.3, top_p=0.9),
+             SamplingParams(temperature=0.7, top_k=40), SamplingParams(temperature=1.0, min_p=0.05),
+             SamplingParams(temperature=0.9, top_k=200, top_p=0.8, min_p=0.01)]
+    for i in range(40):
+        x = (g.standard_normal(vocab) * 3).astype(np.float32)
+        x[g.integers(0, vocab, 20)] = -np.inf  # banned ids (e.g. a -100 logit_bias pushed to -inf)
+        if i % 4 == 0:
+            x = np.round(x)
+        for params in cases:
+            rng_a, rng_b = make_rngs(i)[0], make_rngs(i)[0]
+            tok = sample(x, params, [], rng_a)[0]
+            x64 = np.asarray(x, dtype=np.float64)
+            want = _full_cdf_token(x64, allowed_mask(x64, params), params.temperature, rng_b.random())
+            assert tok == want, (i, params)
