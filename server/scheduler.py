@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import weakref
 from collections import deque
@@ -30,6 +31,26 @@ from .streaming import Delta, OutputProcessor
 log = logging.getLogger("dsuf.scheduler")
 
 _EXECUTORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+# Rows of a batch are sampled on several threads when the vocabulary is large (numpy releases the
+# GIL in its full-vocabulary passes: at 129k ids one draw costs 1-6 ms); each row owns its own
+# generator, so the tokens do not depend on the threads.
+PARALLEL_SAMPLE_VOCAB = 16384
+_SAMPLE_POOL: list[ThreadPoolExecutor] = []
+
+
+def sample_rows(logits: np.ndarray, rows: list[tuple[int, Sequence]]) -> list:
+    """sample() for each (row of logits, sequence) pair, in order."""
+    def one(job: tuple[int, Sequence]):
+        i, s = job
+        return sample(logits[i], s.params, s.generated, s.rng)
+
+    if len(rows) < 2 or logits.shape[-1] < PARALLEL_SAMPLE_VOCAB:
+        return [one(r) for r in rows]
+    if not _SAMPLE_POOL:
+        _SAMPLE_POOL.append(ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="sample"))
+    return list(_SAMPLE_POOL[0].map(one, rows))
 
 
 def engine_executor(engine: Any) -> ThreadPoolExecutor:
@@ -258,8 +279,8 @@ class Scheduler:
         for s, chunk in zip(batch, chunks, strict=True):
             if s.prefilling:  # snapshot before the state moves on (kvcache/serving.py)
                 kv_serving.snapshot_prompt(self.kv, s, s.n_prefilled + len(chunk))
-        results = [sample(logits[i], s.params, s.generated, s.rng) if do_sample[i] else None
-                   for i, s in enumerate(batch)]
+        drawn = iter(sample_rows(logits, [(i, s) for i, s in enumerate(batch) if do_sample[i]]))
+        results = [next(drawn) if do_sample[i] else None for i in range(len(batch))]
         for i, (s, chunk) in enumerate(zip(list(batch), list(chunks), strict=True)):
             if s.prefilling and s.n_prefilled + len(chunk) == len(s.prompt):
                 for f in self.running:
