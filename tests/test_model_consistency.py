@@ -11,7 +11,7 @@ from engine.backends.numpy_ops import NumpyOps
 from engine.checkpoint import Checkpoint
 from engine.config import load_config
 from engine.model import Model
-from engine.state import SequenceState, StateError
+from engine.state import _ARRAY_FIELDS, SequenceState, StateError
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_V41 = REPO / "models" / "demo-v41"
@@ -173,8 +173,7 @@ def _resident_bytes(st) -> int:
     """Bytes of the distinct memory blocks behind a state's arrays (growth buffers included)."""
     seen = {}
     for ls in st.layers:
-        for name in ("window", "buf_kv", "buf_gate", "ovl_kv", "ovl_gate", "entries",
-                     "idx_buf_kv", "idx_buf_gate", "idx_ovl_kv", "idx_ovl_gate", "idx_keys"):
+        for name in _ARRAY_FIELDS:
             a = getattr(ls, name)
             while a is not None and a.base is not None and isinstance(a.base, np.ndarray):
                 a = a.base
