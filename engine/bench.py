@@ -229,6 +229,13 @@ def bench_model(ckpt: str, bw: float, batches=(1, 8, 32), prefills=(4096, 65536)
         tc = tensor_core_rate()
         print(f"tensor-core rate (fp16 cuBLAS GEMM): {tc / 1e12:.0f} TFLOP/s per GPU")
         model.forward([model.new_state()], [rng.integers(0, cfg.vocab_size, 64)])  # warm-up
+        # multiply-adds per token: weights (dense + top-k experts) + attention (q.k and p.v over the
+        # window and, in compressed layers, the selected entries), spread over the ranks
+        attn = sum(cfg.num_heads * d * 2 * (cfg.sliding_window + (cfg.index_topk if r else 0))
+                   for r in cfg.compress_ratios)
+        # (one whole expert's multiply-adds: a rank holds whole experts, or a width slice of each)
+        expert = sum(ws["expert_macs"] * ws["owned"] for ws in stats) / e
+        macs = sum(ws["dense_macs"] for ws in stats) + nl * k * expert + attn
     for prefill in prefills:
         st = model.new_state()
         ids = rng.integers(0, cfg.vocab_size, prefill)
@@ -238,13 +245,6 @@ def bench_model(ckpt: str, bw: float, batches=(1, 8, 32), prefills=(4096, 65536)
             model.forward([st], [ids[c0:c0 + chunk]])
         _sync(devices)
         dt = time.perf_counter() - t0
-        # multiply-adds per token: weights (dense + top-k experts) + attention (q.k and p.v over the
-        # window and, in compressed layers, the selected entries), spread over the ranks
-        attn = sum(cfg.num_heads * d * 2 * (cfg.sliding_window + (cfg.index_topk if r else 0))
-                   for r in cfg.compress_ratios)
-        # (one whole expert's multiply-adds: a rank holds whole experts, or a width slice of each)
-        expert = sum(ws["expert_macs"] * ws["owned"] for ws in stats) / e
-        macs = sum(ws["dense_macs"] for ws in stats) + nl * k * expert + attn
         floor = 2 * prefill * macs / (tc * len(ranks))
         print(f"prefill {prefill} tokens in chunks of {min(chunk, prefill)}: {dt:.3f} s, {prefill / dt:.0f} tok/s, "
               f"{dt / nl * 1e3:.2f} ms/layer, {prefill / dt * nl:.0f} tok/s per layer; tensor-core floor "
@@ -272,6 +272,8 @@ def _compare_tp1(ckpt: str, cfg, model, device: int, rng) -> None:
 def bench_main(argv: list[str] | None = None) -> int:
     """CLI entry: `bench [--ckpt DIR] [--batches 1,8,32] [--prefill 4096,65536] [--chunk N] [--no-linears]
     [--gpus 0,1,2,3 [--compare-tp1]]`."""
+    from engine.tp import EXPERT_SPLITS
+
     ap = argparse.ArgumentParser(prog="dsuf bench", description=__doc__.splitlines()[0])
     ap.add_argument("--ckpt", default=None, help="checkpoint to time whole-model decode / prefill on")
     ap.add_argument("--batches", default="1,8,32")
@@ -281,7 +283,7 @@ def bench_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-linears", action="store_true", help="skip the V4.1-Flash linear-kernel table")
     ap.add_argument("--gpus", default=None, help="e.g. 0,1,2,3: one tensor-parallel rank per GPU")
     ap.add_argument("--compare-tp1", action="store_true", help="with --gpus: logits vs the model on one GPU")
-    ap.add_argument("--expert-split", choices=("ep", "width"), default="ep",
+    ap.add_argument("--expert-split", choices=EXPERT_SPLITS, default="ep",
                     help="with --gpus: routed experts by expert id or by width")
     a = ap.parse_args(argv)
     gpus = [int(g) for g in a.gpus.split(",")] if a.gpus else None

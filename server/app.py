@@ -602,7 +602,9 @@ async def _serve(app: web.Application, host: str, port: int) -> int:
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ckpt", default=None, help="checkpoint directory (default: embedded demo-v41)")
     p.add_argument("--gpus", default=None, help="GPUs to use, e.g. 0,1,2,3 (default: numpy on the CPU)")
-    p.add_argument("--expert-split", choices=("ep", "width"), default="ep",
+    from engine.tp import EXPERT_SPLITS
+
+    p.add_argument("--expert-split", choices=EXPERT_SPLITS, default="ep",
                    help="with several GPUs: routed experts split by expert id or by width")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)

@@ -10,6 +10,7 @@ uses the same engine, so the loop stays free for HTTP.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
@@ -37,7 +38,11 @@ _EXECUTORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # GIL in its full-vocabulary passes: at 129k ids one draw costs 1-6 ms); each row owns its own
 # generator, so the tokens do not depend on the threads.
 PARALLEL_SAMPLE_VOCAB = 16384
-_SAMPLE_POOL: list[ThreadPoolExecutor] = []
+
+
+@functools.cache
+def _sample_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="sample")
 
 
 def sample_rows(logits: np.ndarray, rows: list[tuple[int, Sequence]]) -> list:
@@ -48,9 +53,7 @@ def sample_rows(logits: np.ndarray, rows: list[tuple[int, Sequence]]) -> list:
 
     if len(rows) < 2 or logits.shape[-1] < PARALLEL_SAMPLE_VOCAB:
         return [one(r) for r in rows]
-    if not _SAMPLE_POOL:
-        _SAMPLE_POOL.append(ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="sample"))
-    return list(_SAMPLE_POOL[0].map(one, rows))
+    return list(_sample_pool().map(one, rows))
 
 
 def engine_executor(engine: Any) -> ThreadPoolExecutor:
