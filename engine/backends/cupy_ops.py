@@ -33,6 +33,9 @@ _FMT_TAG = {FMT_F32: "f32", FMT_BF16: "bf16", FMT_FP8: "fp8", FMT_FP4: "fp4"}
 _EPC = {FMT_F32: 4, FMT_BF16: 8, FMT_FP8: 16, FMT_FP4: 32}  # elements per 16-byte chunk
 GEMV_MAX_ROWS = 8  # up to this many rows per segment: CUDA-core GEMV, else tensor-core GEMM
 GEMM_TILE = 64
+# one row on BF16 weights (the lm_head) through gemv1 (kernels/linear.cu: x in shared memory,
+# whole rows per warp, 4 blocks per SM, blocks striding over the rows)
+GEMV1_FORMATS, GEMV1_MAX_K, GEMV1_BLOCKS = (FMT_BF16,), 24576, 132 * 4
 GEMV_WARPS_TARGET = 132 * 32  # enough independent loads in flight to saturate an H200's HBM
 TC_MAX_ROWS = 32  # FP8 / FP4 segments of up to this many rows: tensor-core GEMV (gemv_tc.cu)
 # its configuration (kernels/gemv_tc.cu TC_W, TC_S, TC_R): blocks of 8 warps, each streaming its
@@ -113,6 +116,13 @@ def _gemv_split(n: int, nchunks: int, rpw: int, nseg: int) -> int:
     while kw < 8 and warps * kw < GEMV_WARPS_TARGET and nchunks >= 32 * kw * 2:
         kw *= 2
     return kw
+
+
+def _gemv1_ok(a: cp.ndarray, k: int, segs) -> bool:
+    """The one-row GEMV stages x[row0, acol:acol + k] in shared memory with 16-byte copies."""
+    if k > GEMV1_MAX_K or a.shape[1] % 4 or isinstance(segs, cp.ndarray):
+        return False
+    return all((s[1] * a.shape[1] + s[3]) % 4 == 0 for s in segs)
 
 
 def _tc_ok(w: GpuWeight, lda: int) -> bool:
@@ -285,6 +295,13 @@ class CupyOps:
         if (TC_MIN_ROWS.get(w.fmt, 99) <= max_rows <= TC_MAX_ROWS and _tc_ok(w, a.shape[1])
                 and (isinstance(segs, cp.ndarray) or all(s[3] % 128 == 0 for s in segs))):
             self._run_tc(a, y, n, k, seg, wptrs, sptrs, w, max_rows)
+        elif max_rows == 1 and w.fmt in GEMV1_FORMATS and _gemv1_ok(a, k, segs):
+            fn = K.function("linear", f"gemv1_{tag}")
+            if fn not in _TC_CONFIGURED:  # x in shared memory: opt in to more than 48 KB once
+                fn.max_dynamic_shared_size_bytes = GEMV1_MAX_K * 4
+                _TC_CONFIGURED.add(fn)
+            blocks = max(1, min(-(-n // 8), GEMV1_BLOCKS // nseg))
+            fn((blocks, nseg), (256,), args, shared_mem=k * 4)
         elif max_rows <= GEMV_MAX_ROWS:
             mt = 1 if max_rows <= 1 else 2 if max_rows <= 2 else 4 if max_rows <= 4 else 8
             rpw = 4
@@ -339,6 +356,11 @@ class CupyOps:
         # 2 layers' bf16 linears at 32 rows, 1.6 ms on the GEMM)
         small = rows <= GEMV_MAX_ROWS or (fmt in (FMT_BF16, FMT_F32) and rows <= TC_MAX_ROWS)
         step = GEMV_MAX_ROWS if small else GEMM_TILE
+        if fmt == FMT_FP8 and GEMV_MAX_ROWS < rows <= TC_MAX_ROWS:
+            # 17-32 FP8 rows as two 16-row tensor-core GEMV segments: reading each weight twice beats
+            # one 32-row pass, which re-reads x from L2 per 16-row tile (H200, graphs, L2 rotated:
+            # wq_b 103 -> 73 us, wo_b 120 -> 87, shared w1 54 -> 36)
+            step = 16
         segs = [(w_index, row0 + r, min(step, rows - r), a_col, y_col) for r in range(0, rows, step)]
         return segs, min(rows, step)
 
