@@ -17,13 +17,13 @@ serve:
 
 # On a GPU machine: the GPU tests, the same under compute-sanitizer, and the benchmark on a
 # full-width V4.1-Flash-shaped 2-layer checkpoint (written once to BENCH_CKPT, 15 GB).
-GPU_TESTS = tests/test_gpu_ops.py tests/test_gpu_model.py tests/test_gpu_tp.py
+GPU_TESTS = tests/test_gpu_ops.py tests/test_gpu_sampling.py tests/test_gpu_model.py tests/test_gpu_tp.py
 
 gpu-test:
 	$(PY) -m pytest -q -s $(GPU_TESTS)
 
 gpu-memcheck:
-	compute-sanitizer --tool memcheck --error-exitcode 1 $(PY) -m pytest -q -x tests/test_gpu_ops.py
+	compute-sanitizer --tool memcheck --error-exitcode 1 $(PY) -m pytest -q -x tests/test_gpu_ops.py tests/test_gpu_sampling.py
 
 gpu-bench:
 	test -f $(BENCH_CKPT)/config.json || $(PY) dsuf.py tiny-model $(BENCH_CKPT) --arch v41 \

@@ -15,7 +15,7 @@ import numpy as np
 from engine.checkpoint import Checkpoint
 from engine.config import ModelConfig, load_config
 from engine.model import Model
-from engine.sampling import SamplingParams, make_rngs, sample
+from engine.sampling import SampleJob, SamplingParams, make_rngs
 from engine.state import SequenceState
 from engine.tokenizer import Tokenizer
 
@@ -112,6 +112,13 @@ class Engine:
         with self._on_device():
             return np.stack(self.model.forward(states, chunks))
 
+    def step_sample(self, states: list[SequenceState], chunks: list[list[int]], jobs: list[SampleJob]) -> list:
+        """One batched forward, then one token per job (job.row: an index into states), drawn
+        where the logits are (on the GPU with the cupy backend). Returns per job
+        (token, logprob | None, top_logprobs | None) as engine.sampling.sample does."""
+        with self._on_device():
+            return self.model.step_sample(states, chunks, jobs)
+
     # ---- convenience for the CLI and tests ------------------------------------------------
     def generate(self, prompt_ids: list[int], max_tokens: int, params: SamplingParams | None = None,
                  stop_at_eos: bool = True, state: SequenceState | None = None) -> list[int]:
@@ -119,14 +126,14 @@ class Engine:
         params = params or SamplingParams(temperature=0.0)
         rng = make_rngs(params.seed)[0]
         st = state or self.new_state()
-        logits = self.step([st], [list(prompt_ids)])[0]
         out: list[int] = []
+        chunk = list(prompt_ids)
         while len(out) < max_tokens:
-            tok, _, _ = sample(logits, params, out, rng)
+            tok = self.step_sample([st], [chunk], [SampleJob(0, params, out, rng)])[0][0]
             out.append(tok)
-            if stop_at_eos and tok in self.eos_ids or len(out) >= max_tokens:
+            if stop_at_eos and tok in self.eos_ids:
                 break
-            logits = self.step([st], [[tok]])[0]
+            chunk = [tok]
         return out
 
 

@@ -269,14 +269,22 @@ class Model:
         return per_token, int(fixed)
 
     # ---- forward -----------------------------------------------------------------------
-    def forward(self, states: list[SequenceState], chunks: list, all_logits: bool = False) -> list[np.ndarray]:
+    def forward(self, states: list[SequenceState], chunks: list, all_logits: bool = False,
+                on_device: bool = False) -> list[np.ndarray]:
         """Feed chunks[i] (>= 1 token ids) to states[i]; advance the states. Returns, per sequence,
-        logits [vocab] of its last token (or [len(chunk), vocab] with all_logits)."""
+        logits [vocab] of its last token (or [len(chunk), vocab] with all_logits); on_device: the
+        last tokens' logits as one backend array [len(states), vocab], left on the device."""
         if not self.plan.single:
             raise RuntimeError("a sharded rank runs under engine.tp.run_ranks (forward_steps)")
-        return run_single(self.forward_steps(states, chunks, all_logits))
+        return run_single(self.forward_steps(states, chunks, all_logits, on_device))
 
-    def forward_steps(self, states: list[SequenceState], chunks: list, all_logits: bool = False):
+    def step_sample(self, states: list[SequenceState], chunks: list, jobs: list) -> list:
+        """forward(), then one token per engine.sampling.SampleJob (its row: the index of a state)
+        drawn by the backend: on the GPU only the tokens and logprobs come back."""
+        return self.ops.sample_rows(self.forward(states, chunks, on_device=True), jobs)
+
+    def forward_steps(self, states: list[SequenceState], chunks: list, all_logits: bool = False,
+                      on_device: bool = False):
         """The forward as a generator: yields a Collective wherever ranks must combine partial
         results and resumes with the combined value (engine/tp.py drives it)."""
         cfg, ops = self.cfg, self.ops
@@ -350,8 +358,10 @@ class Model:
             final = ops.hc_collapse(hs, pre_mix[rows])
         else:
             final = ops.hc_collapse(hs, ops.hc_head_pre(hs, *self.w.hc_head, cfg.rms_norm_eps, cfg.hc_eps))
-        local_logits = ops.to_host(ops.linear(ops.rmsnorm(final, self.w.norm, cfg.rms_norm_eps), self.w.head))
-        logits = yield Collective("gather", local_logits)
+        local_logits = ops.linear(ops.rmsnorm(final, self.w.norm, cfg.rms_norm_eps), self.w.head)
+        if on_device and not all_logits:
+            return (yield Collective("gather", local_logits))
+        logits = yield Collective("gather", ops.to_host(local_logits))
         if not all_logits:
             return [logits[i] for i in range(len(seqs))]
         return [logits[s.rows] for s in seqs]

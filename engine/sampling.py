@@ -7,7 +7,10 @@ same tokens whatever else shares the batch.
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,17 +44,35 @@ def make_rngs(seed: int | None, n: int = 1) -> list[np.random.Generator]:
     return [np.random.Generator(np.random.PCG64(c)) for c in children]
 
 
+def logit_deltas(generated_ids: Sequence[int], presence: float, frequency: float,
+                 logit_bias: Sequence[tuple[int, float]], vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """What penalties and logit_bias add to the logits: (unique ids, float64 deltas), so that
+    logits[ids] += deltas. Penalties follow OpenAI: c[j] * frequency + (c[j] > 0) * presence is
+    subtracted for the c[j] earlier occurrences of j; bias ids outside the vocabulary are ignored."""
+    ids = np.zeros(0, dtype=np.int64)
+    vals = np.zeros(0, dtype=np.float64)
+    if (presence != 0.0 or frequency != 0.0) and len(generated_ids):
+        ids, counts = np.unique(np.asarray(generated_ids, dtype=np.int64), return_counts=True)
+        keep = (ids >= 0) & (ids < vocab)
+        ids, vals = ids[keep], -(counts[keep] * frequency + presence)
+    if logit_bias:
+        b_ids = np.array([t for t, _ in logit_bias], dtype=np.int64)
+        b_vals = np.array([b for _, b in logit_bias], dtype=np.float64)
+        keep = (b_ids >= 0) & (b_ids < vocab)
+        ids, inv = np.unique(np.concatenate([ids, b_ids[keep]]), return_inverse=True)
+        merged = np.zeros(ids.size)
+        np.add.at(merged, inv, np.concatenate([vals, b_vals[keep]]))
+        vals = merged
+    return ids, vals
+
+
 def apply_penalties(
     logits: np.ndarray, generated_ids: Sequence[int], presence: float, frequency: float
 ) -> np.ndarray:
     """OpenAI's definition: logit[j] -= c[j] * frequency + (c[j] > 0) * presence (returns a copy)."""
     out = np.array(logits, dtype=np.float64)
-    if (presence == 0.0 and frequency == 0.0) or len(generated_ids) == 0:
-        return out
-    ids, counts = np.unique(np.asarray(generated_ids, dtype=np.int64), return_counts=True)
-    keep = (ids >= 0) & (ids < out.shape[-1])
-    ids, counts = ids[keep], counts[keep]
-    out[ids] -= counts * frequency + presence
+    ids, vals = logit_deltas(generated_ids, presence, frequency, (), out.shape[-1])
+    out[ids] += vals
     return out
 
 
@@ -117,12 +138,13 @@ def sample(
     Returns (token_id, logprob, top_logprobs). logprob / top_logprobs are None unless
     params.logprobs; they are the model's own distribution (log-softmax of the raw logits,
     before penalties, temperature and truncation), as vLLM reports by default.
-    top_logprobs is [(token_id, logprob)] in descending order, length params.top_logprobs.
+    top_logprobs is [(token_id, logprob)] in descending order (ties by id), length
+    params.top_logprobs.
     """
-    x = apply_penalties(logits, generated_ids, params.presence_penalty, params.frequency_penalty)
-    for tid, bias in params.logit_bias:
-        if 0 <= tid < x.shape[-1]:
-            x[tid] += bias
+    x = np.array(logits, dtype=np.float64)
+    ids, vals = logit_deltas(generated_ids, params.presence_penalty, params.frequency_penalty,
+                             params.logit_bias, x.shape[-1])
+    x[ids] += vals
     if params.greedy:
         token = int(np.argmax(x))
     else:
@@ -140,7 +162,40 @@ def sample(
     top: list[tuple[int, float]] = []
     k = min(int(params.top_logprobs), lp.shape[-1])
     if k > 0:
-        idx = np.argpartition(-lp, k - 1)[:k]
-        idx = idx[np.argsort(-lp[idx], kind="stable")]
+        vocab = lp.shape[-1]
+        idx = np.flatnonzero(lp >= np.partition(lp, vocab - k)[vocab - k])  # the k largest and ties
+        idx = idx[np.argsort(-lp[idx], kind="stable")][:k]
         top = [(int(i), float(lp[i])) for i in idx]
     return token, float(lp[token]), top
+
+
+@dataclass
+class SampleJob:
+    """One token to draw from row `row` of a step's logits."""
+
+    row: int
+    params: SamplingParams
+    generated: Sequence[int]  # this sequence's tokens so far (penalties)
+    rng: np.random.Generator
+
+
+# Rows of a batch are sampled on several threads when the vocabulary is large (numpy releases the
+# GIL in its full-vocabulary passes: at 129k ids one draw costs 1-6 ms); each job owns its own
+# generator, so the tokens do not depend on the threads.
+PARALLEL_SAMPLE_VOCAB = 16384
+
+
+@functools.cache
+def _sample_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="sample")
+
+
+def sample_batch(logits: np.ndarray, jobs: Sequence[SampleJob]) -> list:
+    """sample() for each job on host logits [rows, vocab], in order (the numpy backend's way;
+    the CuPy backend draws on the device: engine/backends/cupy_sampling.py)."""
+    def one(j: SampleJob):
+        return sample(logits[j.row], j.params, j.generated, j.rng)
+
+    if len(jobs) < 2 or logits.shape[-1] < PARALLEL_SAMPLE_VOCAB:
+        return [one(j) for j in jobs]
+    return list(_sample_pool().map(one, jobs))

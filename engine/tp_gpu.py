@@ -4,8 +4,9 @@ Rank r's Model (engine/model.py, its ShardPlan slice of the weights read straigh
 safetensors files) lives on devices[r] with its own CupyOps (kernels, region CUDA graphs).
 `engine.tp.run_ranks` resumes each rank's forward generator under its device until the next
 collective; sums are NCCL all-reduces (cupy.cuda.nccl, in place, one group call over all
-ranks on each device's current stream), and the logits gather is a host concatenation (every
-rank already copies its vocabulary slice to the host).
+ranks on each device's current stream), and the logits gather is a host concatenation of the
+ranks' vocabulary slices, or (step_sample) a device-to-device gather onto the first GPU, where
+the tokens are drawn.
 
 Sequence state: K=V, compressors, indexer and Engram are replicated, so every rank holds an
 identical copy of a sequence's state. The caller sees one SequenceState per sequence: rank 0's;
@@ -71,13 +72,39 @@ class GpuTP:
         states[0].replicas = states[1:]
         return states[0]
 
-    def forward(self, states: list[SequenceState], chunks: list, all_logits: bool = False) -> list[np.ndarray]:
+    def forward(self, states: list[SequenceState], chunks: list, all_logits: bool = False,
+                on_device: bool = False) -> list[np.ndarray]:
         per_rank = self._per_rank(states)
-        gens = [m.forward_steps(per_rank[r], chunks, all_logits) for r, m in enumerate(self.ranks)]
+        gens = [m.forward_steps(per_rank[r], chunks, all_logits, on_device) for r, m in enumerate(self.ranks)]
         outs = run_ranks(gens, reduce=self._reduce, contexts=[self._device(d) for d in self.devices])
         return outs[0]
 
+    def step_sample(self, states: list[SequenceState], chunks: list, jobs: list) -> list:
+        """Model.step_sample: the vocabulary slices are gathered on rank 0's device and drawn there."""
+        logits = self.forward(states, chunks, on_device=True)
+        with self.cp.cuda.Device(self.devices[0]):
+            return self.ranks[0].ops.sample_rows(logits, jobs)
+
     # ---- internals ---------------------------------------------------------------------------
+    def _gather_on_first(self, msgs: list[Collective]):
+        """The ranks' logits slices [rows, v_r] (device arrays), joined along the vocabulary on
+        devices[0]: each other rank's slice is copied device to device once its stream made it."""
+        cp, first = self.cp, self.devices[0]
+        parts = []
+        for dev, m in zip(self.devices, msgs, strict=True):
+            with cp.cuda.Device(dev):
+                src = cp.ascontiguousarray(m.value, dtype=cp.float32)
+                if dev != first:
+                    cp.cuda.get_current_stream().synchronize()
+            if dev != first:
+                with cp.cuda.Device(first):
+                    dst = cp.empty(src.shape, dtype=cp.float32)
+                    dst.data.copy_from_device_async(src.data, src.nbytes)
+                    src = dst
+            parts.append(src)
+        with cp.cuda.Device(first):
+            return cp.concatenate(parts, axis=-1)
+
     def _device(self, dev: int):
         return lambda: self.cp.cuda.Device(dev)
 
@@ -99,9 +126,11 @@ class GpuTP:
 
     def _reduce(self, msgs: list[Collective]) -> list:
         op = msgs[0].op
+        cp = self.cp
+        if op == "gather" and isinstance(msgs[0].value, cp.ndarray):
+            return [self._gather_on_first(msgs)] * self.size
         if op != "sum":
             return [combine(msgs)] * self.size  # the logits gather: host arrays
-        cp = self.cp
         parts = [cp.ascontiguousarray(m.value, dtype=cp.float32) for m in msgs]
         if self.comms is None:  # ranks share a device: a plain sum, one copy per rank
             total = parts[0].copy()

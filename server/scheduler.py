@@ -10,9 +10,7 @@ uses the same engine, so the loop stays free for HTTP.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
-import os
 import time
 import weakref
 from collections import deque
@@ -22,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.sampling import SamplingParams, make_rngs, sample
+from engine.sampling import SampleJob, SamplingParams, make_rngs
 from kvcache import serving as kv_serving
 
 from .metrics import Metrics
@@ -32,28 +30,6 @@ from .streaming import Delta, OutputProcessor
 log = logging.getLogger("dsuf.scheduler")
 
 _EXECUTORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-# Rows of a batch are sampled on several threads when the vocabulary is large (numpy releases the
-# GIL in its full-vocabulary passes: at 129k ids one draw costs 1-6 ms); each row owns its own
-# generator, so the tokens do not depend on the threads.
-PARALLEL_SAMPLE_VOCAB = 16384
-
-
-@functools.cache
-def _sample_pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="sample")
-
-
-def sample_rows(logits: np.ndarray, rows: list[tuple[int, Sequence]]) -> list:
-    """sample() for each (row of logits, sequence) pair, in order."""
-    def one(job: tuple[int, Sequence]):
-        i, s = job
-        return sample(logits[i], s.params, s.generated, s.rng)
-
-    if len(rows) < 2 or logits.shape[-1] < PARALLEL_SAMPLE_VOCAB:
-        return [one(r) for r in rows]
-    return list(_sample_pool().map(one, rows))
 
 
 def engine_executor(engine: Any) -> ThreadPoolExecutor:
@@ -278,20 +254,22 @@ class Scheduler:
         for s in batch:
             if s.state is None:
                 s.state = self.engine.new_state()
-        logits = self.engine.step([s.state for s in batch], chunks)
+        # choices waiting on a leader whose prompt completes now draw from the leader's row
+        forks = [(i, f) for i, (s, chunk) in enumerate(zip(batch, chunks, strict=True))
+                 if s.prefilling and s.n_prefilled + len(chunk) == len(s.prompt)
+                 for f in self.running if f.leader is s and f.prefilling and not f.finished]
+        jobs = [SampleJob(i, s.params, s.generated, s.rng) for i, s in enumerate(batch) if do_sample[i]]
+        jobs += [SampleJob(i, f.params, f.generated, f.rng) for i, f in forks]
+        drawn = iter(self.engine.step_sample([s.state for s in batch], chunks, jobs))
         for s, chunk in zip(batch, chunks, strict=True):
             if s.prefilling:  # snapshot before the state moves on (kvcache/serving.py)
                 kv_serving.snapshot_prompt(self.kv, s, s.n_prefilled + len(chunk))
-        drawn = iter(sample_rows(logits, [(i, s) for i, s in enumerate(batch) if do_sample[i]]))
         results = [next(drawn) if do_sample[i] else None for i in range(len(batch))]
-        for i, (s, chunk) in enumerate(zip(list(batch), list(chunks), strict=True)):
-            if s.prefilling and s.n_prefilled + len(chunk) == len(s.prompt):
-                for f in self.running:
-                    if f.leader is s and f.prefilling and not f.finished:
-                        f.state = s.state.clone()
-                        batch.append(f)
-                        chunks.append([])
-                        results.append(sample(logits[i], f.params, f.generated, f.rng))
+        for i, f in forks:
+            f.state = batch[i].state.clone()
+            batch.append(f)
+            chunks.append([])
+            results.append(next(drawn))
         return results
 
     def _apply(self, batch: list[Sequence], chunks: list[list[int]], results: list) -> None:

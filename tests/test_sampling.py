@@ -187,21 +187,18 @@ def test_sample_equals_the_full_vocabulary_draw():
 
 
 def test_rows_sampled_on_threads_draw_what_one_thread_draws():
-    """server.scheduler.sample_rows samples a large-vocabulary batch on several threads; every
-    sequence's own generator keeps its tokens what sequential sampling gives."""
-    from types import SimpleNamespace
-
-    from server.scheduler import PARALLEL_SAMPLE_VOCAB, sample_rows
+    """engine.sampling.sample_batch samples a large-vocabulary batch on several threads; every
+    job's own generator keeps its tokens what sequential sampling gives."""
+    from engine.sampling import PARALLEL_SAMPLE_VOCAB, SampleJob, sample_batch
 
     g = np.random.default_rng(3)
     logits = (g.standard_normal((12, PARALLEL_SAMPLE_VOCAB * 2)) * 3).astype(np.float32)
     params = [SamplingParams(temperature=0.9, top_p=0.9), SamplingParams(temperature=0.0),
               SamplingParams(temperature=1.2, top_k=30, logprobs=True, top_logprobs=3)]
 
-    def rows():
-        return [(i, SimpleNamespace(params=params[i % 3], generated=[1, 2, i], rng=make_rngs(100 + i)[0]))
-                for i in range(12)]
+    def jobs():
+        return [SampleJob(11 - i, params[i % 3], [1, 2, i], make_rngs(100 + i)[0]) for i in range(12)]
 
     for _ in range(3):
-        seq = [sample(logits[i], s.params, s.generated, s.rng) for i, s in rows()]
-        assert sample_rows(logits, rows()) == seq
+        seq = [sample(logits[j.row], j.params, j.generated, j.rng) for j in jobs()]
+        assert sample_batch(logits, jobs()) == seq

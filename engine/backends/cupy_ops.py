@@ -23,6 +23,7 @@ import numpy as np
 
 from engine import formats
 from engine import kernels as K
+from engine.backends import cupy_sampling
 from engine.backends.cuda_graphs import RegionGraphs
 from engine.backends.pinned import PinnedUploader
 from engine.kernels import FMT_BF16, FMT_F32, FMT_FP4, FMT_FP8
@@ -252,6 +253,10 @@ class CupyOps:
 
     def to_host(self, x) -> np.ndarray:
         return cp.asnumpy(x) if isinstance(x, cp.ndarray) else np.asarray(x)
+
+    def sample_rows(self, logits: cp.ndarray, jobs: list) -> list:
+        """One token per engine.sampling.SampleJob, drawn on the device (cupy_sampling.py)."""
+        return cupy_sampling.sample_rows(self.asarray(logits), jobs, upload=self.asarray)
 
     def copy_rows(self, jobs: list) -> None:
         """Row copies (src, src_row, dst, dst_row, rows) between C-contiguous 2-D arrays of one width,

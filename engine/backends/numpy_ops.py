@@ -12,6 +12,7 @@ import numpy as np
 
 from engine import formats
 from engine.rows import Span
+from engine.sampling import sample_batch
 
 F32 = np.float32
 NEG_INF = F32(-np.inf)
@@ -44,6 +45,10 @@ class NumpyOps:
 
     def to_host(self, x) -> np.ndarray:
         return np.asarray(x)
+
+    def sample_rows(self, logits: np.ndarray, jobs: list) -> list:
+        """One token per engine.sampling.SampleJob from logits [rows, vocab]."""
+        return sample_batch(np.asarray(logits), jobs)
 
     def copy_rows(self, jobs: list) -> None:
         """Row copies (src, src_row, dst, dst_row, rows) between 2-D arrays of one width, in order."""

@@ -1,0 +1,85 @@
+"""Sampling on the device (kernels/sampling.cu): the CuPy backend's engine.sampling.sample_batch.
+
+The host builds one table for the whole batch: per job its row, top-k, logprobs request,
+temperature, top-p, min-p and the uniform its own generator draws (exactly where sample() draws
+it, so seeded streams stay those of the numpy backend; passed as float64), followed by the penalty / logit_bias
+deltas (engine.sampling.logit_deltas). One upload, one launch (a block per job), one download of
+[jobs, 42] words: the token, its logprob and the top logprobs. The [batch, vocab] logits stay on
+the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import cupy as cp
+import numpy as np
+
+from engine import kernels as K
+from engine.sampling import SampleJob, logit_deltas
+
+# kernels/sampling.cu J_* / O_* / SMP_*
+JOB_ROW, JOB_TOPK, JOB_NTOP, JOB_PEN0, JOB_PEN1, JOB_WORK = 0, 1, 2, 3, 4, 5
+JOB_TEMP, JOB_TOPP, JOB_MINP, JOB_U = 6, 7, 8, 10  # JOB_U: a float64 in words 10-11
+JOB_WORDS = 12
+TOP_N = 20
+OUT_TOKEN, OUT_LP, OUT_IDS, OUT_LPS, OUT_WORDS = 0, 1, 2, 2 + TOP_N, 2 + 2 * TOP_N
+THREADS = 1024
+
+
+def job_table(jobs: Sequence[SampleJob], vocab: int) -> tuple[np.ndarray, int, int]:
+    """The kernel's int32 input [header | delta ids | delta values] (floats by bit pattern);
+    returns it with the number of deltas and of rows that need a scratch copy of their logits.
+    Draws each non-greedy job's uniform from its generator."""
+    head = np.zeros((len(jobs), JOB_WORDS), dtype=np.int32)
+    hf = head.view(np.float32)
+    ids, vals, nwork = [], [], 0
+    off = 0
+    for j, job in enumerate(jobs):
+        p = job.params
+        if p.logprobs and p.top_logprobs > TOP_N:
+            raise ValueError(f"top_logprobs is at most {TOP_N}")
+        d_ids, d_vals = logit_deltas(job.generated, p.presence_penalty, p.frequency_penalty, p.logit_bias, vocab)
+        head[j, JOB_ROW] = job.row
+        head[j, JOB_TOPK] = p.top_k if 0 < p.top_k < vocab else 0
+        head[j, JOB_NTOP] = p.top_logprobs if p.logprobs else -1
+        head[j, JOB_PEN0], head[j, JOB_PEN1] = off, off + d_ids.size
+        head[j, JOB_WORK] = nwork if d_ids.size else -1
+        nwork += bool(d_ids.size)
+        off += d_ids.size
+        ids.append(d_ids)
+        vals.append(d_vals)
+        hf[j, JOB_TEMP] = 0.0 if p.greedy else p.temperature
+        hf[j, JOB_TOPP] = p.top_p
+        hf[j, JOB_MINP] = p.min_p
+        head[j, JOB_U:JOB_U + 2] = np.array([0.0 if p.greedy else job.rng.random()]).view(np.int32)
+    tail_ids = np.concatenate(ids).astype(np.int32) if off else np.zeros(0, np.int32)
+    tail_vals = np.concatenate(vals).astype(np.float32).view(np.int32) if off else np.zeros(0, np.int32)
+    return np.concatenate([head.reshape(-1), tail_ids, tail_vals]), off, nwork
+
+
+def sample_rows(logits: cp.ndarray, jobs: Sequence[SampleJob], upload=cp.asarray) -> list:
+    """sample() for each job, drawn on the device from logits [rows, vocab] (float32)."""
+    if not jobs:
+        return []
+    logits = cp.ascontiguousarray(logits, dtype=cp.float32)
+    vocab = logits.shape[-1]
+    table, ndelta, nwork = job_table(jobs, vocab)
+    dev = upload(table)
+    nh = len(jobs) * JOB_WORDS
+    work = cp.empty((max(nwork, 1), vocab), dtype=cp.float32)
+    out = cp.empty((len(jobs), OUT_WORDS), dtype=cp.int32)
+    K.function("sampling", "sample_rows")((len(jobs),), (THREADS,), (
+        logits, np.int32(vocab), dev, dev[nh:nh + ndelta], dev[nh + ndelta:], work, out))
+    host = cp.asnumpy(out)
+    hf = host.view(np.float32)
+    results = []
+    for j, job in enumerate(jobs):
+        tok = int(host[j, OUT_TOKEN])
+        if not job.params.logprobs:
+            results.append((tok, None, None))
+            continue
+        k = min(job.params.top_logprobs, vocab)
+        top = [(int(host[j, OUT_IDS + a]), float(hf[j, OUT_LPS + a])) for a in range(k)]
+        results.append((tok, float(hf[j, OUT_LP]), top))
+    return results

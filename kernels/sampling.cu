@@ -1,0 +1,295 @@
+// Token sampling on the GPU: engine/sampling.py's sample() for one row per block, so that only
+// the drawn token (and logprobs) leave the device instead of [batch, vocab] logits.
+//
+// Per job: x = logits + penalty/bias deltas (unique ids, merged on the host); greedy = argmax
+// (first index on ties). Otherwise, on the temperature-scaled distribution e_i = exp((x_i - max)/T):
+// top-k keeps every key >= the k-th largest (ties included, as numpy's `scaled >= kth`); min-p
+// keeps e_i >= min_p (p_i >= min_p * p_max); top-p keeps the shortest prefix of the tokens in
+// descending order (ties by id) whose mass reaches top_p; the argmax always survives. The draw
+// is the inverse CDF over the allowed ids in id order at the host generator's uniform u.
+// Logprobs are the log-softmax of the raw logits: the token's and the n largest (ties by id).
+//
+// Thread t owns ids [t*C, (t+1)*C) for the id-order passes (tie ranks, CDF; the row is in L2 by
+// then); the radix passes stride over the row. Probability mass is summed in 2^-40 fixed point
+// (radix_select.cuh), so every sum is exact and a job draws the same token whatever the order of
+// the atomics. The exponentials are float32: a draw may differ from the float64 reference only
+// where u*W lies within rounding of a CDF step or a top-p sum of top_p.
+#include "radix_select.cuh"
+
+#define SMP_THREADS 1024
+#define SMP_TOPN 20  // OpenAI's top_logprobs limit (server/protocol.py MAX_TOP_LOGPROBS)
+
+// job header: int32 words (floats by bit pattern) -- engine/backends/cupy_sampling.py JOB_*
+#define J_ROW 0    // logits row
+#define J_TOPK 1   // 0: off
+#define J_NTOP 2   // -1: no logprobs; else how many top logprobs (<= SMP_TOPN)
+#define J_PEN0 3   // deltas pen[PEN0:PEN1] (ids, then values) apply to this row
+#define J_PEN1 4
+#define J_WORK 5   // row of the scratch buffer for x when it has deltas, else -1 (x = logits)
+#define J_TEMP 6   // f32; <= 0: greedy
+#define J_TOPP 7   // f32; >= 1: off
+#define J_MINP 8   // f32; <= 0: off
+#define J_U 10     // f64 uniform in [0, 1) (words 10-11: 8-byte aligned)
+#define J_WORDS 12
+// output: int32 words per job
+#define O_TOKEN 0
+#define O_LP 1                 // f32
+#define O_IDS 2                // SMP_TOPN ids
+#define O_LPS (2 + SMP_TOPN)  // SMP_TOPN f32
+#define O_WORDS (2 + 2 * SMP_TOPN)
+
+// max key with the smallest index: (key << 32) | ~index, maximized over the block
+__device__ __forceinline__ u64 block_max_u64(u64 v, u64* red) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const u64 t = __shfl_xor_sync(0xffffffffu, v, o);
+    v = t > v ? t : v;
+  }
+  __syncthreads();
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    u64 t = lane < (int)(blockDim.x >> 5) ? red[lane] : 0ull;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const u64 s = __shfl_xor_sync(0xffffffffu, t, o);
+      t = s > t ? s : t;
+    }
+    if (lane == 0) red[32] = t;
+  }
+  __syncthreads();
+  return red[32];
+}
+
+// Exclusive prefix sum over the block in thread order; *total gets the sum.
+__device__ __forceinline__ u64 block_exclusive_scan(u64 v, u64* red, u64* total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  u64 inc = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const u64 t = __shfl_up_sync(0xffffffffu, inc, o);
+    if (lane >= o) inc += t;
+  }
+  __syncthreads();
+  if (lane == 31) red[warp] = inc;
+  __syncthreads();
+  if (warp == 0) {
+    const u64 w = lane < nw ? red[lane] : 0ull;
+    u64 wi = w;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const u64 t = __shfl_up_sync(0xffffffffu, wi, o);
+      if (lane >= o) wi += t;
+    }
+    red[lane] = wi - w;  // exclusive, per warp
+    if (lane == 31) red[32] = wi;
+  }
+  __syncthreads();
+  *total = red[32];
+  return red[warp] + inc - v;
+}
+
+__device__ __forceinline__ u64 block_sum_u64(u64 v, u64* red) {
+  u64 total;
+  block_exclusive_scan(v, red, &total);
+  return total;
+}
+
+// logits: [rows, V] f32; jobs: [J, J_WORDS]; pen_ids / pen_val: the deltas; work: [*, V] f32
+// scratch for rows with deltas; out: [J, O_WORDS]. grid = J, block = SMP_THREADS.
+extern "C" __global__ void __launch_bounds__(SMP_THREADS) sample_rows(
+    const float* __restrict__ logits, int V, const int* __restrict__ jobs, const int* __restrict__ pen_ids,
+    const float* __restrict__ pen_val, float* __restrict__ work, int* __restrict__ out) {
+  __shared__ u64 hist[256];
+  __shared__ u32 pick[6];
+  __shared__ float red[33];
+  __shared__ u64 red64[33];
+  __shared__ int s_tok;
+  __shared__ int top_ids[SMP_TOPN];
+  __shared__ float top_val[SMP_TOPN];
+  __shared__ int s_ntop;
+
+  const int* jb = jobs + (size_t)blockIdx.x * J_WORDS;
+  int* o = out + (size_t)blockIdx.x * O_WORDS;
+  const int tid = threadIdx.x, nt = blockDim.x;
+  const float* raw = logits + (size_t)jb[J_ROW] * V;
+  const float* x = raw;
+  if (jb[J_WORK] >= 0) {  // penalties / logit_bias: x = raw + deltas in scratch
+    float* w = work + (size_t)jb[J_WORK] * V;
+    for (int i = tid; i < V; i += nt) w[i] = raw[i];
+    __syncthreads();
+    for (int p = jb[J_PEN0] + tid; p < jb[J_PEN1]; p += nt) w[pen_ids[p]] += pen_val[p];
+    __syncthreads();  // (global writes of this block are visible to it after the barrier)
+    x = w;
+  }
+  const int C = (((V + nt - 1) / nt) + 3) & ~3;  // this thread's ids: [c0, c1)
+  const int c0 = min(V, tid * C), c1 = min(V, c0 + C);
+
+  // ---- argmax (first index among the largest key) ----
+  u64 best = 0ull;
+  for (int i = tid; i < V; i += nt) {
+    const u64 v = ((u64)order_key(__float_as_uint(x[i])) << 32) | (u64)(0xffffffffu - (u32)i);
+    best = v > best ? v : best;
+  }
+  best = block_max_u64(best, red64);
+  const int amax = (int)(0xffffffffu - (u32)(best & 0xffffffffull));
+  const float temp = __int_as_float(jb[J_TEMP]);
+  int token = amax;
+
+  if (temp > 0.f && (best >> 32) != 0ull) {
+    const float m = x[amax], inv_t = 1.f / temp;
+    const float top_p = __int_as_float(jb[J_TOPP]), min_p = __int_as_float(jb[J_MINP]);
+    const int top_k = jb[J_TOPK];
+    // top-k: every key >= the k-th largest
+    u32 kth = 0u;
+    if (top_k > 0 && top_k < V) {
+      const RadixPick pk = radix_pick(
+          V, (u64)top_k, [&](int i) { return order_key(__float_as_uint(x[i])); },
+          [](int, u32) { return 1ull; }, hist, pick);
+      kth = pk.key;  // (all: a prefix of the k-th key; the same set)
+    }
+    auto key_k = [&](int i) {  // key if i survives top-k, else 0
+      const u32 key = order_key(__float_as_uint(x[i]));
+      return key >= kth ? key : 0u;
+    };
+    auto e_of = [&](float v) { return expf((v - m) * inv_t); };  // p_i / p_max, in (0, 1]
+    auto mass = [&](float e) { return (u64)__float2ull_rn(e * RADIX_ONE); };
+    u64 z = 0ull;
+    for (int i = tid; i < V; i += nt) z += key_k(i) ? mass(e_of(x[i])) : 0ull;
+    z = block_sum_u64(z, red64);
+    // top-p: the crossing key t; keys above it are in, and the first `need` of its ties by id
+    u32 pt = 0u;
+    bool p_all = true;
+    u64 need = 0ull;
+    const u64 want = (u64)ceil((double)top_p * (double)z);
+    if (top_p < 1.f && want < z) {
+      const RadixPick pp = radix_pick(
+          V, want > 0ull ? want : 1ull, key_k, [&](int i, u32) { return mass(e_of(x[i])); }, hist, pick);
+      pt = pp.key;
+      p_all = pp.all;
+      if (!p_all) {
+        const u64 et = mass(e_of(key_value(pt)));  // > 0: the crossing bin has weight
+        need = et ? (pp.rem + et - 1ull) / et : 1ull;
+      }
+    }
+    // ties of pt before this thread's ids (id order)
+    u64 tie0 = 0ull;
+    if (!p_all) {
+      u64 cnt = 0ull, tot;
+      for (int i = c0; i < c1; ++i) cnt += key_k(i) == pt ? 1ull : 0ull;
+      tie0 = block_exclusive_scan(cnt, red64, &tot);
+    }
+    auto weight = [&](int i, u64& ties) {  // mass of i if it is allowed, else 0 (ties: pt-ties seen)
+      const u32 key = key_k(i);
+      if (key == 0u) return 0ull;  // (the argmax always has a key)
+      bool ok = p_all ? key >= pt : key > pt;
+      if (!p_all && key == pt) ok = ties++ < need;
+      const float e = e_of(x[i]);
+      ok = ok && (min_p <= 0.f || e >= min_p);
+      return ok || i == amax ? mass(e) : 0ull;
+    };
+    // CDF over the allowed ids in id order: this thread's partial sum, the block scan, then the
+    // thread whose range holds floor(u * W) walks it again (integer sums: it always finds it)
+    u64 part = 0ull, ties = tie0;
+    for (int i = c0; i < c1; ++i) part += weight(i, ties);
+    u64 total;
+    const u64 before = block_exclusive_scan(part, red64, &total);
+    const double u = fmin(fmax(*(const double*)(jb + J_U), 0.0), 0.9999999);
+    const u64 target = (u64)(u * (double)total);  // < total (the argmax alone weighs 2^40)
+    if (tid == 0) s_tok = amax;
+    __syncthreads();
+    if (before <= target && target < before + part) {
+      u64 acc = before;
+      ties = tie0;
+      for (int i = c0; i < c1; ++i) {
+        acc += weight(i, ties);
+        if (acc > target) {
+          s_tok = i;
+          break;
+        }
+      }
+    }
+    __syncthreads();
+    token = s_tok;
+  }
+
+  // ---- logprobs of the raw logits ----
+  const int ntop = jb[J_NTOP];
+  if (ntop >= 0) {
+    float mr = 0.f;
+    if (x == raw) {
+      mr = raw[amax];
+    } else {
+      u64 b = 0ull;
+      for (int i = tid; i < V; i += nt) {
+        const u64 v = ((u64)order_key(__float_as_uint(raw[i])) << 32) | (u64)(0xffffffffu - (u32)i);
+        b = v > b ? v : b;
+      }
+      b = block_max_u64(b, red64);
+      mr = raw[(int)(0xffffffffu - (u32)(b & 0xffffffffull))];
+    }
+    float zr = 0.f;
+    for (int i = tid; i < V; i += nt) zr += expf(raw[i] - mr);
+    zr = block_sum(zr, red);
+    const float lse = mr + logf(zr);
+    if (ntop > 0) {
+      const int n = min(ntop, min(SMP_TOPN, V));
+      auto rkey = [&](int i) { return order_key(__float_as_uint(raw[i])); };
+      const RadixPick pn = radix_pick(V, (u64)n, rkey, [](int, u32) { return 1ull; }, hist, pick);
+      if (tid == 0) s_ntop = 0;
+      __syncthreads();
+      // keys above the n-th (all: at or above its prefix), then its first ties by id
+      for (int i = tid; i < V; i += nt) {
+        const u32 k = rkey(i);
+        if (k != 0u && (pn.all ? k >= pn.key : k > pn.key)) {
+          const int s = atomicAdd(&s_ntop, 1);
+          if (s < SMP_TOPN) {
+            top_ids[s] = i;
+            top_val[s] = raw[i];
+          }
+        }
+      }
+      if (!pn.all) {
+        u64 cnt = 0ull, tot;
+        for (int i = c0; i < c1; ++i) cnt += rkey(i) == pn.key ? 1ull : 0ull;
+        const int r0 = (int)block_exclusive_scan(cnt, red64, &tot);  // (syncs s_ntop too)
+        const int base = s_ntop, want = (int)pn.rem;
+        int r = r0;
+        for (int i = c0; i < c1 && r < want; ++i) {
+          if (rkey(i) == pn.key) {
+            if (base + r < SMP_TOPN) {
+              top_ids[base + r] = i;
+              top_val[base + r] = raw[i];
+            }
+            ++r;
+          }
+        }
+        __syncthreads();
+        if (tid == 0) s_ntop = min(SMP_TOPN, base + want);
+      }
+      __syncthreads();
+      if (tid == 0) {  // at most 20: insertion sort by value descending, id ascending
+        const int cnt = min(s_ntop, n);
+        for (int a = 1; a < cnt; ++a) {
+          const int id = top_ids[a];
+          const float v = top_val[a];
+          int b = a - 1;
+          while (b >= 0 && (top_val[b] < v || (top_val[b] == v && top_ids[b] > id))) {
+            top_ids[b + 1] = top_ids[b];
+            top_val[b + 1] = top_val[b];
+            --b;
+          }
+          top_ids[b + 1] = id;
+          top_val[b + 1] = v;
+        }
+        for (int a = 0; a < SMP_TOPN; ++a) {
+          o[O_IDS + a] = a < cnt ? top_ids[a] : -1;
+          o[O_LPS + a] = __float_as_int(a < cnt ? top_val[a] - lse : 0.f);
+        }
+      }
+    }
+    if (tid == 0) o[O_LP] = __float_as_int(raw[token] - lse);
+  }
+  if (tid == 0) o[O_TOKEN] = token;
+}
