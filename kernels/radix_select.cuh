@@ -32,32 +32,44 @@ struct RadixPick {
 
 // Among candidates (key != 0) with weights in [0, 2^40], the key t where the weight summed from
 // the largest key down first reaches target (> 0): W(key > t) < target <= W(key >= t).
-// key_of(i) -> u32 (0: not a candidate); weight_of(i, key) -> u64. Every thread of the block must
-// call it; it returns the same value to all. smem: hist >= 256 u64, pick >= 6 words, both unused
-// by the caller meanwhile.
-template <class KeyF, class WeightF>
+// key_of(i) -> u32 (0: not a candidate); weight_of(i, key) -> u64 (UNIT: every weight is 1).
+// Every thread of the block must call it; it returns the same value to all. smem: hist >= 256 u64
+// per warp, pick >= 6 words, both unused by the caller meanwhile.
+template <bool UNIT, class KeyF, class WeightF>
 __device__ RadixPick radix_pick(int N, u64 target, KeyF key_of, WeightF weight_of, u64* hist, u32* pick) {
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nt = blockDim.x;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nt = blockDim.x, nw = nt >> 5;
+  u64* own = hist + 256 * warp;  // this warp's histogram: no atomics, no contention between warps
   // Block-uniform state. Invariant: the crossing element is among the keys matching `pref` on
   // the bits of `pmask`, and `rem` is the weight still needed from them.
   u32 pref = 0u, pmask = 0u;
   u64 rem = target, above = 0ull;
   bool all = false;
   for (int shift = 24; shift >= 0 && !all; shift -= 8) {
-    for (int b = tid; b < 256; b += nt) hist[b] = 0ull;
+    for (int b = tid; b < 256 * nw; b += nt) hist[b] = 0ull;
     __syncthreads();
     // whole warps iterate together (base is uniform), so __match_any_sync sees all 32 lanes; the
-    // lanes of one bin add their weights first (two 32-bit warp reductions of the high and low
-    // 20 bits), so tie-heavy rows do not pile onto one shared atomic
+    // lanes of one bin add up first (two 32-bit warp reductions of the high and low 20 bits of
+    // the weights), then one lane per distinct bin adds to the warp's own histogram
     for (int base = 0; base < N; base += nt) {
       const int i = base + tid;
       const u32 key = i < N ? key_of(i) : 0u;
       const bool take = key != 0u && (key & pmask) == pref;
       const u32 bin = take ? (key >> shift) & 255u : 256u;
-      const u64 w = take ? weight_of(i, key) : 0ull;
       const u32 peers = __match_any_sync(0xffffffffu, bin);
-      const u32 hi = __reduce_add_sync(peers, (u32)(w >> 20)), lo = __reduce_add_sync(peers, (u32)w & 0xfffffu);
-      if (take && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], ((u64)hi << 20) + lo);
+      u64 sum;
+      if (UNIT) {
+        sum = (u64)__popc(peers);
+      } else {
+        const u64 w = take ? weight_of(i, key) : 0ull;
+        sum = ((u64)__reduce_add_sync(peers, (u32)(w >> 20)) << 20) + __reduce_add_sync(peers, (u32)w & 0xfffffu);
+      }
+      if (take && lane == __ffs(peers) - 1) own[bin] += sum;
+    }
+    __syncthreads();
+    for (int b = tid; b < 256; b += nt) {  // the warps' histograms into the first one
+      u64 t = hist[b];
+      for (int w = 1; w < nw; ++w) t += hist[256 * w + b];
+      hist[b] = t;
     }
     __syncthreads();
     if (warp == 0) {

@@ -9,8 +9,9 @@
 // is the inverse CDF over the allowed ids in id order at the host generator's uniform u.
 // Logprobs are the log-softmax of the raw logits: the token's and the n largest (ties by id).
 //
-// Thread t owns ids [t*C, (t+1)*C) for the id-order passes (tie ranks, CDF; the row is in L2 by
-// then); the radix passes stride over the row. Probability mass is summed in 2^-40 fixed point
+// Warp w owns a contiguous segment of ids for the id-order passes (tie ranks, CDF), read 32
+// consecutive ids at a time (coalesced; ranks within them by ballot, sums by warp scan); the
+// other passes stride over the row. Probability mass is summed in 2^-40 fixed point
 // (radix_select.cuh), so every sum is exact and a job draws the same token whatever the order of
 // the atomics. The exponentials are float32: a draw may differ from the float64 reference only
 // where u*W lies within rounding of a CDF step or a top-p sum of top_p.
@@ -62,46 +63,49 @@ __device__ __forceinline__ u64 block_max_u64(u64 v, u64* red) {
   return red[32];
 }
 
-// Exclusive prefix sum over the block in thread order; *total gets the sum.
-__device__ __forceinline__ u64 block_exclusive_scan(u64 v, u64* red, u64* total) {
+__device__ __forceinline__ u64 warp_sum_u64(u64 v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// v: a per-warp value (the same in every lane). Returns the sum over the warps before this one;
+// *total gets the sum over all warps. Every thread of the block must call it.
+__device__ __forceinline__ u64 warp_offsets(u64 v, u64* red, u64* total) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-  u64 inc = v;
+  __syncthreads();
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  const u64 r = lane < nw ? red[lane] : 0ull;
+  *total = warp_sum_u64(r);
+  return warp_sum_u64(lane < warp ? r : 0ull);
+}
+
+// Inclusive scan over the lanes of a warp.
+__device__ __forceinline__ u64 warp_scan_u64(u64 v) {
+  const int lane = threadIdx.x & 31;
 #pragma unroll
   for (int o = 1; o < 32; o <<= 1) {
-    const u64 t = __shfl_up_sync(0xffffffffu, inc, o);
-    if (lane >= o) inc += t;
+    const u64 t = __shfl_up_sync(0xffffffffu, v, o);
+    if (lane >= o) v += t;
   }
-  __syncthreads();
-  if (lane == 31) red[warp] = inc;
-  __syncthreads();
-  if (warp == 0) {
-    const u64 w = lane < nw ? red[lane] : 0ull;
-    u64 wi = w;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const u64 t = __shfl_up_sync(0xffffffffu, wi, o);
-      if (lane >= o) wi += t;
-    }
-    red[lane] = wi - w;  // exclusive, per warp
-    if (lane == 31) red[32] = wi;
-  }
-  __syncthreads();
-  *total = red[32];
-  return red[warp] + inc - v;
+  return v;
 }
 
 __device__ __forceinline__ u64 block_sum_u64(u64 v, u64* red) {
   u64 total;
-  block_exclusive_scan(v, red, &total);
+  warp_offsets(warp_sum_u64(v), red, &total);
   return total;
 }
 
 // logits: [rows, V] f32; jobs: [J, J_WORDS]; pen_ids / pen_val: the deltas; work: [*, V] f32
-// scratch for rows with deltas; out: [J, O_WORDS]. grid = J, block = SMP_THREADS.
+// scratch for rows with deltas; out: [J, O_WORDS]. grid = J, block = SMP_THREADS, dynamic shared
+// memory SMP_SMEM (the radix histograms, one per warp).
+#define SMP_SMEM (256 * (SMP_THREADS / 32) * 8)
 extern "C" __global__ void __launch_bounds__(SMP_THREADS) sample_rows(
     const float* __restrict__ logits, int V, const int* __restrict__ jobs, const int* __restrict__ pen_ids,
     const float* __restrict__ pen_val, float* __restrict__ work, int* __restrict__ out) {
-  __shared__ u64 hist[256];
+  extern __shared__ u64 hist[];
   __shared__ u32 pick[6];
   __shared__ float red[33];
   __shared__ u64 red64[33];
@@ -112,7 +116,8 @@ extern "C" __global__ void __launch_bounds__(SMP_THREADS) sample_rows(
 
   const int* jb = jobs + (size_t)blockIdx.x * J_WORDS;
   int* o = out + (size_t)blockIdx.x * O_WORDS;
-  const int tid = threadIdx.x, nt = blockDim.x;
+  const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, warp = tid >> 5;
+  const u32 lt = (1u << lane) - 1u;  // lanes below this one
   const float* raw = logits + (size_t)jb[J_ROW] * V;
   const float* x = raw;
   if (jb[J_WORK] >= 0) {  // penalties / logit_bias: x = raw + deltas in scratch
@@ -123,8 +128,9 @@ extern "C" __global__ void __launch_bounds__(SMP_THREADS) sample_rows(
     __syncthreads();  // (global writes of this block are visible to it after the barrier)
     x = w;
   }
-  const int C = (((V + nt - 1) / nt) + 3) & ~3;  // this thread's ids: [c0, c1)
-  const int c0 = min(V, tid * C), c1 = min(V, c0 + C);
+  // this warp's ids [s0, s1), visited 32 at a time
+  const int nw = nt >> 5, S = (V + 32 * nw - 1) / (32 * nw) * 32;
+  const int s0 = min(V, warp * S), s1 = min(V, s0 + S);
 
   // ---- argmax (first index among the largest key) ----
   u64 best = 0ull;
@@ -144,7 +150,7 @@ extern "C" __global__ void __launch_bounds__(SMP_THREADS) sample_rows(
     // top-k: every key >= the k-th largest
     u32 kth = 0u;
     if (top_k > 0 && top_k < V) {
-      const RadixPick pk = radix_pick(
+      const RadixPick pk = radix_pick<true>(
           V, (u64)top_k, [&](int i) { return order_key(__float_as_uint(x[i])); },
           [](int, u32) { return 1ull; }, hist, pick);
       kth = pk.key;  // (all: a prefix of the k-th key; the same set)
@@ -164,7 +170,7 @@ extern "C" __global__ void __launch_bounds__(SMP_THREADS) sample_rows(
     u64 need = 0ull;
     const u64 want = (u64)ceil((double)top_p * (double)z);
     if (top_p < 1.f && want < z) {
-      const RadixPick pp = radix_pick(
+      const RadixPick pp = radix_pick<false>(
           V, want > 0ull ? want : 1ull, key_k, [&](int i, u32) { return mass(e_of(x[i])); }, hist, pick);
       pt = pp.key;
       p_all = pp.all;
@@ -173,41 +179,56 @@ extern "C" __global__ void __launch_bounds__(SMP_THREADS) sample_rows(
         need = et ? (pp.rem + et - 1ull) / et : 1ull;
       }
     }
-    // ties of pt before this thread's ids (id order)
-    u64 tie0 = 0ull;
+    const u32 tie_key = p_all ? 0xffffffffu : pt;  // (no key is all ones: no ties to rank)
+    // ties of pt in the warps before this one (id order)
+    u64 tie0 = 0ull, tot;
     if (!p_all) {
-      u64 cnt = 0ull, tot;
-      for (int i = c0; i < c1; ++i) cnt += key_k(i) == pt ? 1ull : 0ull;
-      tie0 = block_exclusive_scan(cnt, red64, &tot);
+      u64 cnt = 0ull;
+      for (int base = s0; base < s1; base += 32) {
+        const int i = base + lane;
+        cnt += __popc(__ballot_sync(0xffffffffu, i < s1 && key_k(i) == tie_key));
+      }
+      tie0 = warp_offsets(cnt, red64, &tot);
     }
-    auto weight = [&](int i, u64& ties) {  // mass of i if it is allowed, else 0 (ties: pt-ties seen)
-      const u32 key = key_k(i);
+    // mass of id i if allowed (rank: its rank among the ties of pt), else 0
+    auto weight = [&](int i, u32 key, u64 rank) {
       if (key == 0u) return 0ull;  // (the argmax always has a key)
-      bool ok = p_all ? key >= pt : key > pt;
-      if (!p_all && key == pt) ok = ties++ < need;
+      bool ok = p_all ? key >= pt : (key > pt || (key == pt && rank < need));
       const float e = e_of(x[i]);
       ok = ok && (min_p <= 0.f || e >= min_p);
       return ok || i == amax ? mass(e) : 0ull;
     };
-    // CDF over the allowed ids in id order: this thread's partial sum, the block scan, then the
-    // thread whose range holds floor(u * W) walks it again (integer sums: it always finds it)
+    // one group of 32 ids of this warp's segment: the lane's weight; ties advances
+    auto group = [&](int base, u64& ties) {
+      const int i = base + lane;
+      const u32 key = i < s1 ? key_k(i) : 0u;
+      const u32 bal = __ballot_sync(0xffffffffu, key == tie_key);
+      const u64 w = weight(i, key, ties + __popc(bal & lt));
+      ties += __popc(bal);
+      return w;
+    };
+    // CDF over the allowed ids in id order: the warps' sums, their offsets, then the warp whose
+    // segment holds floor(u * W) walks it again (integer sums: it always finds it)
     u64 part = 0ull, ties = tie0;
-    for (int i = c0; i < c1; ++i) part += weight(i, ties);
+    for (int base = s0; base < s1; base += 32) part += group(base, ties);
+    part = warp_sum_u64(part);
     u64 total;
-    const u64 before = block_exclusive_scan(part, red64, &total);
+    const u64 before = warp_offsets(part, red64, &total);
     const double u = fmin(fmax(*(const double*)(jb + J_U), 0.0), 0.9999999);
     const u64 target = (u64)(u * (double)total);  // < total (the argmax alone weighs 2^40)
     if (tid == 0) s_tok = amax;
     __syncthreads();
-    if (before <= target && target < before + part) {
+    if (before <= target && target < before + part) {  // warp-uniform
       u64 acc = before;
       ties = tie0;
-      for (int i = c0; i < c1; ++i) {
-        acc += weight(i, ties);
-        if (acc > target) {
-          s_tok = i;
+      for (int base = s0; base < s1; base += 32) {
+        const u64 inc = warp_scan_u64(group(base, ties));
+        const u32 hit = __ballot_sync(0xffffffffu, acc + inc > target);
+        if (hit) {
+          if (lane == 0) s_tok = base + __ffs(hit) - 1;
           break;
         }
+        acc += __shfl_sync(0xffffffffu, inc, 31);
       }
     }
     __syncthreads();
@@ -236,7 +257,7 @@ extern "C" __global__ void __launch_bounds__(SMP_THREADS) sample_rows(
     if (ntop > 0) {
       const int n = min(ntop, min(SMP_TOPN, V));
       auto rkey = [&](int i) { return order_key(__float_as_uint(raw[i])); };
-      const RadixPick pn = radix_pick(V, (u64)n, rkey, [](int, u32) { return 1ull; }, hist, pick);
+      const RadixPick pn = radix_pick<true>(V, (u64)n, rkey, [](int, u32) { return 1ull; }, hist, pick);
       if (tid == 0) s_ntop = 0;
       __syncthreads();
       // keys above the n-th (all: at or above its prefix), then its first ties by id
@@ -252,21 +273,25 @@ extern "C" __global__ void __launch_bounds__(SMP_THREADS) sample_rows(
       }
       if (!pn.all) {
         u64 cnt = 0ull, tot;
-        for (int i = c0; i < c1; ++i) cnt += rkey(i) == pn.key ? 1ull : 0ull;
-        const int r0 = (int)block_exclusive_scan(cnt, red64, &tot);  // (syncs s_ntop too)
-        const int base = s_ntop, want = (int)pn.rem;
-        int r = r0;
-        for (int i = c0; i < c1 && r < want; ++i) {
-          if (rkey(i) == pn.key) {
-            if (base + r < SMP_TOPN) {
-              top_ids[base + r] = i;
-              top_val[base + r] = raw[i];
-            }
-            ++r;
+        for (int base = s0; base < s1; base += 32) {
+          const int i = base + lane;
+          cnt += __popc(__ballot_sync(0xffffffffu, i < s1 && rkey(i) == pn.key));
+        }
+        u64 r = warp_offsets(cnt, red64, &tot);  // (syncs s_ntop too)
+        const int above = s_ntop, want = (int)pn.rem;
+        for (int base = s0; base < s1 && r < (u64)want; base += 32) {
+          const int i = base + lane;
+          const bool eq = i < s1 && rkey(i) == pn.key;
+          const u32 bal = __ballot_sync(0xffffffffu, eq);
+          const u64 rank = r + __popc(bal & lt);
+          if (eq && rank < (u64)want && above + (int)rank < SMP_TOPN) {
+            top_ids[above + rank] = i;
+            top_val[above + rank] = raw[i];
           }
+          r += __popc(bal);
         }
         __syncthreads();
-        if (tid == 0) s_ntop = min(SMP_TOPN, base + want);
+        if (tid == 0) s_ntop = min(SMP_TOPN, above + want);
       }
       __syncthreads();
       if (tid == 0) {  // at most 20: insertion sort by value descending, id ascending

@@ -10,13 +10,13 @@
 // scores: f32 bits [S, N]; mask: bool [S, N], fully written; 1 <= k <= N. grid = S.
 extern "C" __global__ void __launch_bounds__(TOPK_THREADS) topk_mask(const u32* __restrict__ scores,
                                                                      u8* __restrict__ mask, int N, int k) {
-  __shared__ u64 hist[256];
+  __shared__ u64 hist[256 * (TOPK_THREADS / 32)];  // 32 KB
   __shared__ u32 pick[6];
   __shared__ u32 wcnt[TOPK_THREADS / 32];
   const u32* x = scores + (size_t)blockIdx.x * N;
   u8* m = mask + (size_t)blockIdx.x * N;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nt = blockDim.x;
-  const RadixPick p = radix_pick(
+  const RadixPick p = radix_pick<true>(
       N, (u64)k, [&](int i) { return order_key(x[i]); }, [](int, u32) { return 1ull; }, hist, pick);
   const bool all = p.all;
   const u32 pref = p.key, kk = (u32)p.rem;

@@ -66,6 +66,35 @@ def _teacher_forced(store_quantized: bool) -> tuple[list[float], int, list[int]]
     return errs, flips, tokens
 
 
+def test_step_sample_draws_from_the_models_logits():
+    """Model.step_sample on the GPU (a batch of prompts, mixed sampling settings, rows out of
+    order, one row drawn twice) draws what the reference sampler draws from the same forward's
+    logits, except where float32 may decide a row differently (test_gpu_sampling._close_call)."""
+    from test_gpu_sampling import LP_TOL, _close_call
+
+    from engine.sampling import SampleJob, SamplingParams, make_rngs, sample_batch
+
+    gpu = _model(CupyOps())
+    tok = Tokenizer.from_dir(DEMO)
+    chunks = [tok.encode(PROMPT), tok.encode("The capital of France is"), tok.encode("1, 2, 3,")]
+    params = [SamplingParams(temperature=0.0, logprobs=True, top_logprobs=3),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=1),
+              SamplingParams(temperature=1.0, top_k=20, presence_penalty=0.5, logprobs=True, top_logprobs=2)]
+
+    def jobs():
+        rngs = make_rngs(7, 4)
+        return [SampleJob(r, params[i % 3], [5, 9, 9], rngs[i]) for i, r in enumerate([2, 0, 1, 2])]
+
+    logits = np.stack(gpu.forward([_gpu_state(gpu) for _ in chunks], chunks))
+    want = sample_batch(logits, jobs())
+    got = gpu.step_sample([_gpu_state(gpu) for _ in chunks], chunks, jobs())
+    for j, (g, w) in zip(jobs(), zip(got, want, strict=True), strict=True):
+        if g[0] != w[0]:
+            assert _close_call(logits[j.row], j.params, j.generated, j.rng.random()), (j, g, w)
+        elif w[1] is not None:
+            assert abs(g[1] - w[1]) < LP_TOL and [t for t, _ in g[2]] == [t for t, _ in w[2]]
+
+
 def test_demo_v41_unquantized_state_matches():
     """Without V4.1's state rounding the backends differ only by float32 summation order."""
     errs, flips, _ = _teacher_forced(store_quantized=False)

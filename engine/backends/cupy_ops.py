@@ -256,7 +256,8 @@ class CupyOps:
 
     def sample_rows(self, logits: cp.ndarray, jobs: list) -> list:
         """One token per engine.sampling.SampleJob, drawn on the device (cupy_sampling.py)."""
-        return cupy_sampling.sample_rows(self.asarray(logits), jobs, upload=self.asarray)
+        return cupy_sampling.sample_rows(self.asarray(logits), jobs,
+                                         upload=lambda table: self.asarray(table, dtype=np.int32))
 
     def copy_rows(self, jobs: list) -> None:
         """Row copies (src, src_row, dst, dst_row, rows) between C-contiguous 2-D arrays of one width,

@@ -25,6 +25,14 @@ JOB_WORDS = 12
 TOP_N = 20
 OUT_TOKEN, OUT_LP, OUT_IDS, OUT_LPS, OUT_WORDS = 0, 1, 2, 2 + TOP_N, 2 + 2 * TOP_N
 THREADS = 1024
+SMEM = 256 * (THREADS // 32) * 8  # SMP_SMEM: one 256-bin u64 radix histogram per warp
+
+
+def _kernel():
+    fn = K.function("sampling", "sample_rows")
+    if fn.max_dynamic_shared_size_bytes < SMEM:  # above the default 48 KB: opt in once
+        fn.max_dynamic_shared_size_bytes = SMEM
+    return fn
 
 
 def job_table(jobs: Sequence[SampleJob], vocab: int) -> tuple[np.ndarray, int, int]:
@@ -59,18 +67,21 @@ def job_table(jobs: Sequence[SampleJob], vocab: int) -> tuple[np.ndarray, int, i
 
 
 def sample_rows(logits: cp.ndarray, jobs: Sequence[SampleJob], upload=cp.asarray) -> list:
-    """sample() for each job, drawn on the device from logits [rows, vocab] (float32)."""
+    """sample() for each job, drawn on the device from logits [rows, vocab] (float32).
+    upload(int32 numpy array) -> the same int32 array on the device."""
     if not jobs:
         return []
     logits = cp.ascontiguousarray(logits, dtype=cp.float32)
     vocab = logits.shape[-1]
     table, ndelta, nwork = job_table(jobs, vocab)
     dev = upload(table)
+    if dev.dtype != cp.int32:
+        raise TypeError(f"the job table must reach the device as int32, not {dev.dtype}")
     nh = len(jobs) * JOB_WORDS
     work = cp.empty((max(nwork, 1), vocab), dtype=cp.float32)
     out = cp.empty((len(jobs), OUT_WORDS), dtype=cp.int32)
-    K.function("sampling", "sample_rows")((len(jobs),), (THREADS,), (
-        logits, np.int32(vocab), dev, dev[nh:nh + ndelta], dev[nh + ndelta:], work, out))
+    _kernel()((len(jobs),), (THREADS,), (
+        logits, np.int32(vocab), dev, dev[nh:nh + ndelta], dev[nh + ndelta:], work, out), shared_mem=SMEM)
     host = cp.asnumpy(out)
     hf = host.view(np.float32)
     results = []
