@@ -60,9 +60,7 @@ def logit_deltas(generated_ids: Sequence[int], presence: float, frequency: float
         b_vals = np.array([b for _, b in logit_bias], dtype=np.float64)
         keep = (b_ids >= 0) & (b_ids < vocab)
         ids, inv = np.unique(np.concatenate([ids, b_ids[keep]]), return_inverse=True)
-        merged = np.zeros(ids.size)
-        np.add.at(merged, inv, np.concatenate([vals, b_vals[keep]]))
-        vals = merged
+        vals = np.bincount(inv, weights=np.concatenate([vals, b_vals[keep]]), minlength=ids.size)
     return ids, vals
 
 

@@ -102,6 +102,7 @@ __device__ __forceinline__ u64 block_sum_u64(u64 v, u64* red) {
 // scratch for rows with deltas; out: [J, O_WORDS]. grid = J, block = SMP_THREADS, dynamic shared
 // memory SMP_SMEM (the radix histograms, one per warp).
 #define SMP_SMEM (256 * (SMP_THREADS / 32) * 8)
+#define SMP_GROUPS 128  // per warp: group sums and tie counts fit SMP_SMEM (V <= 131072 at 1024 threads)
 extern "C" __global__ void __launch_bounds__(SMP_THREADS) sample_rows(
     const float* __restrict__ logits, int V, const int* __restrict__ jobs, const int* __restrict__ pen_ids,
     const float* __restrict__ pen_val, float* __restrict__ work, int* __restrict__ out) {
@@ -207,21 +208,49 @@ extern "C" __global__ void __launch_bounds__(SMP_THREADS) sample_rows(
       ties += __popc(bal);
       return w;
     };
-    // CDF over the allowed ids in id order: the warps' sums, their offsets, then the warp whose
-    // segment holds floor(u * W) walks it again (integer sums: it always finds it)
+    // CDF over the allowed ids in id order: the warps' sums (each group's sum and tie count kept
+    // in shared memory, in the radix histograms' space), their offsets, then the warp whose
+    // segment holds floor(u * W) finds its group and scans only that (integer sums: exact)
+    const int G = S / 32;  // groups of 32 ids per warp
+    const bool keep = G <= SMP_GROUPS;
+    u64* gsum = hist + warp * SMP_GROUPS;
+    u64* gtie = hist + (nw + warp) * SMP_GROUPS;
     u64 part = 0ull, ties = tie0;
-    for (int base = s0; base < s1; base += 32) part += group(base, ties);
-    part = warp_sum_u64(part);
+    for (int base = s0, g = 0; base < s1; base += 32, ++g) {
+      const u64 t0 = ties;
+      const u64 gs = warp_sum_u64(group(base, ties));
+      if (keep && lane == 0) {
+        gsum[g] = gs;
+        gtie[g] = t0;
+      }
+      part += gs;
+    }
     u64 total;
-    const u64 before = warp_offsets(part, red64, &total);
+    const u64 before = warp_offsets(part, red64, &total);  // (syncs gsum / gtie too)
     const double u = fmin(fmax(*(const double*)(jb + J_U), 0.0), 0.9999999);
     const u64 target = (u64)(u * (double)total);  // < total (the argmax alone weighs 2^40)
     if (tid == 0) s_tok = amax;
     __syncthreads();
     if (before <= target && target < before + part) {  // warp-uniform
       u64 acc = before;
+      int from = s0;  // the first group that may hold the target
       ties = tie0;
-      for (int base = s0; base < s1; base += 32) {
+      if (keep) {
+        const int gw = (s1 - s0 + 31) / 32;  // this warp's groups (the last segments are shorter)
+        for (int c = 0; c < gw; c += 32) {
+          const u64 v = c + lane < gw ? gsum[c + lane] : 0ull, inc = warp_scan_u64(v);
+          const u32 hit = __ballot_sync(0xffffffffu, acc + inc > target);
+          if (hit) {
+            const int l = __ffs(hit) - 1, g = c + l;
+            acc += __shfl_sync(0xffffffffu, inc - v, l);
+            from = s0 + 32 * g;
+            ties = gtie[g];
+            break;
+          }
+          acc += __shfl_sync(0xffffffffu, inc, 31);
+        }
+      }
+      for (int base = from; base < s1; base += 32) {
         const u64 inc = warp_scan_u64(group(base, ties));
         const u32 hit = __ballot_sync(0xffffffffu, acc + inc > target);
         if (hit) {

@@ -202,3 +202,20 @@ def test_rows_sampled_on_threads_draw_what_one_thread_draws():
     for _ in range(3):
         seq = [sample(logits[j.row], j.params, j.generated, j.rng) for j in jobs()]
         assert sample_batch(logits, jobs()) == seq
+
+
+def test_logit_deltas_merge_penalties_and_bias_per_id():
+    """One delta per id: the penalties of an id that also has a bias add up with it; bias ids
+    outside the vocabulary are dropped; no penalties without earlier tokens."""
+    from engine.sampling import logit_deltas
+
+    ids, vals = logit_deltas([4, 4, 9], 0.5, 0.25, ((4, 2.0), (7, -1.0), (50, 3.0), (-1, 1.0)), 10)
+    assert ids.tolist() == [4, 7, 9]
+    assert np.allclose(vals, [-(2 * 0.25 + 0.5) + 2.0, -1.0, -(0.25 + 0.5)])
+    ids, vals = logit_deltas([], 0.5, 0.25, (), 10)
+    assert ids.size == 0 and vals.size == 0
+    x = np.arange(10, dtype=np.float32)
+    ids, vals = logit_deltas([4, 4, 9], 0.5, 0.25, (), 10)
+    y = x.astype(np.float64)
+    y[ids] += vals
+    assert np.allclose(y, apply_penalties(x, [4, 4, 9], 0.5, 0.25))
