@@ -74,3 +74,12 @@ def module(name: str):
 @functools.cache
 def function(mod: str, name: str):
     return module(mod).get_function(name)
+
+
+@functools.cache
+def function_with_smem(mod: str, name: str, smem_bytes: int):
+    """function(), allowed smem_bytes of dynamic shared memory (above the default 48 KB a kernel
+    must opt in; done once per kernel and size)."""
+    fn = function(mod, name)
+    fn.max_dynamic_shared_size_bytes = smem_bytes
+    return fn

@@ -94,14 +94,13 @@ class GpuTP:
         for dev, m in zip(self.devices, msgs, strict=True):
             with cp.cuda.Device(dev):
                 src = cp.ascontiguousarray(m.value, dtype=cp.float32)
-                if dev != first:
-                    cp.cuda.get_current_stream().synchronize()
-            if dev != first:
-                with cp.cuda.Device(first):
-                    dst = cp.empty(src.shape, dtype=cp.float32)
-                    dst.data.copy_from_device_async(src.data, src.nbytes)
-                    src = dst
-            parts.append(src)
+                if dev == first:
+                    parts.append(src)
+                    continue
+                cp.cuda.get_current_stream().synchronize()
+            with cp.cuda.Device(first):
+                parts.append(cp.empty(src.shape, dtype=cp.float32))
+                parts[-1].data.copy_from_device_async(src.data, src.nbytes)
         with cp.cuda.Device(first):
             return cp.concatenate(parts, axis=-1)
 

@@ -1,13 +1,14 @@
 // Block-wide radix selection over one row of float keys: the k-th largest (weights 1) or the
 // key where the probability mass summed from the top reaches a target (weights e^x). 4 passes of
-// 8 bits over the row with a shared 256-bin histogram; no sort, no scratch memory.
+// 8 bits over the row with a 256-bin histogram per warp in shared memory; no sort, no atomics, no
+// scratch memory.
 // Used by topk.cu (indexer top-k) and sampling.cu (top-k / top-p / top logprobs).
 #pragma once
 #include "dsuf_common.cuh"
 
 // Float bits -> u32 whose unsigned order is the float order. -0.0 folds to +0.0 first (bitwise:
-// adding 0.0f would also flush subnormals under -ftz). -inf (and NaN of either sign below it)
-// maps to 0 = "not a candidate"; every finite value and +inf maps above 0x007fffff.
+// adding 0.0f would also flush subnormals under -ftz). -inf and NaN map to 0 = "not a
+// candidate"; every finite value and +inf maps above 0x007fffff.
 __device__ __forceinline__ u32 order_key(u32 u) {
   if (u == 0x80000000u) u = 0u;
   const u32 key = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
@@ -19,12 +20,11 @@ __device__ __forceinline__ float key_value(u32 key) {
 }
 
 // Weights are integers: counts, or probability mass in fixed point (RADIX_ONE = 1.0), so every
-// sum is exact and the selection does not depend on the order of the atomics.
+// sum is exact and the selection does not depend on the order of the additions.
 #define RADIX_ONE 1099511627776.0f  // 2^40: a weight is at most 2^40, a row sums below 2^57
 
 struct RadixPick {
   u32 key;  // exact key t of the crossing element, or (all) a key prefix: take every key >= it
-  u64 above;  // weight of the candidates with key > t (exact case)
   u64 rem;    // weight still needed from the candidates with key == t (exact case)
   bool all;   // the selection is "key >= key": fewer than target in total (key 0: every
               // candidate), or the crossing bin is taken whole
@@ -42,7 +42,7 @@ __device__ RadixPick radix_pick(int N, u64 target, KeyF key_of, WeightF weight_o
   // Block-uniform state. Invariant: the crossing element is among the keys matching `pref` on
   // the bits of `pmask`, and `rem` is the weight still needed from them.
   u32 pref = 0u, pmask = 0u;
-  u64 rem = target, above = 0ull;
+  u64 rem = target;
   bool all = false;
   for (int shift = 24; shift >= 0 && !all; shift -= 8) {
     for (int b = tid; b < 256 * nw; b += nt) hist[b] = 0ull;
@@ -111,7 +111,6 @@ __device__ RadixPick radix_pick(int N, u64 target, KeyF key_of, WeightF weight_o
       all = true;  // the prefix so far (0 on the first pass) selects every remaining candidate
     } else {
       const u64 r = ((u64)pick[3] << 32) | pick[2], cnt = ((u64)pick[5] << 32) | pick[4];
-      above += rem - r;  // weight of the bins above the crossing one
       pref |= pick[1] << shift;
       pmask |= 255u << shift;
       rem = r;
@@ -119,5 +118,5 @@ __device__ RadixPick radix_pick(int N, u64 target, KeyF key_of, WeightF weight_o
     }
     __syncthreads();  // pick[] is rewritten by the next pass
   }
-  return RadixPick{pref, above, rem, all};
+  return RadixPick{pref, rem, all};
 }

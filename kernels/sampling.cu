@@ -13,7 +13,7 @@
 // consecutive ids at a time (coalesced; ranks within them by ballot, sums by warp scan); the
 // other passes stride over the row. Probability mass is summed in 2^-40 fixed point
 // (radix_select.cuh), so every sum is exact and a job draws the same token whatever the order of
-// the atomics. The exponentials are float32: a draw may differ from the float64 reference only
+// the additions. The exponentials are float32: a draw may differ from the float64 reference only
 // where u*W lies within rounding of a CDF step or a top-p sum of top_p.
 #include "radix_select.cuh"
 
@@ -61,6 +61,17 @@ __device__ __forceinline__ u64 block_max_u64(u64 v, u64* red) {
   }
   __syncthreads();
   return red[32];
+}
+
+// Index of the largest order_key(v[i]) over the block, the first on ties (every thread gets it).
+__device__ __forceinline__ int block_argmax(const float* v, int V, u64* red) {
+  u64 best = 0ull;  // (key << 32) | ~index
+  for (int i = threadIdx.x; i < V; i += blockDim.x) {
+    const u64 t = ((u64)order_key(__float_as_uint(v[i])) << 32) | (u64)(0xffffffffu - (u32)i);
+    best = t > best ? t : best;
+  }
+  best = block_max_u64(best, red);
+  return (int)(0xffffffffu - (u32)(best & 0xffffffffull));
 }
 
 __device__ __forceinline__ u64 warp_sum_u64(u64 v) {
@@ -133,18 +144,11 @@ extern "C" __global__ void __launch_bounds__(SMP_THREADS) sample_rows(
   const int nw = nt >> 5, S = (V + 32 * nw - 1) / (32 * nw) * 32;
   const int s0 = min(V, warp * S), s1 = min(V, s0 + S);
 
-  // ---- argmax (first index among the largest key) ----
-  u64 best = 0ull;
-  for (int i = tid; i < V; i += nt) {
-    const u64 v = ((u64)order_key(__float_as_uint(x[i])) << 32) | (u64)(0xffffffffu - (u32)i);
-    best = v > best ? v : best;
-  }
-  best = block_max_u64(best, red64);
-  const int amax = (int)(0xffffffffu - (u32)(best & 0xffffffffull));
+  const int amax = block_argmax(x, V, red64);
   const float temp = __int_as_float(jb[J_TEMP]);
   int token = amax;
 
-  if (temp > 0.f && (best >> 32) != 0ull) {
+  if (temp > 0.f && order_key(__float_as_uint(x[amax])) != 0u) {  // (not a row of -inf / NaN only)
     const float m = x[amax], inv_t = 1.f / temp;
     const float top_p = __int_as_float(jb[J_TOPP]), min_p = __int_as_float(jb[J_MINP]);
     const int top_k = jb[J_TOPK];
@@ -267,18 +271,7 @@ extern "C" __global__ void __launch_bounds__(SMP_THREADS) sample_rows(
   // ---- logprobs of the raw logits ----
   const int ntop = jb[J_NTOP];
   if (ntop >= 0) {
-    float mr = 0.f;
-    if (x == raw) {
-      mr = raw[amax];
-    } else {
-      u64 b = 0ull;
-      for (int i = tid; i < V; i += nt) {
-        const u64 v = ((u64)order_key(__float_as_uint(raw[i])) << 32) | (u64)(0xffffffffu - (u32)i);
-        b = v > b ? v : b;
-      }
-      b = block_max_u64(b, red64);
-      mr = raw[(int)(0xffffffffu - (u32)(b & 0xffffffffull))];
-    }
+    const float mr = raw[x == raw ? amax : block_argmax(raw, V, red64)];
     float zr = 0.f;
     for (int i = tid; i < V; i += nt) zr += expf(raw[i] - mr);
     zr = block_sum(zr, red);

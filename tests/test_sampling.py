@@ -214,8 +214,7 @@ def test_logit_deltas_merge_penalties_and_bias_per_id():
     assert np.allclose(vals, [-(2 * 0.25 + 0.5) + 2.0, -1.0, -(0.25 + 0.5)])
     ids, vals = logit_deltas([], 0.5, 0.25, (), 10)
     assert ids.size == 0 and vals.size == 0
-    x = np.arange(10, dtype=np.float32)
-    ids, vals = logit_deltas([4, 4, 9], 0.5, 0.25, (), 10)
-    y = x.astype(np.float64)
-    y[ids] += vals
-    assert np.allclose(y, apply_penalties(x, [4, 4, 9], 0.5, 0.25))
+    want = np.arange(10, dtype=np.float64)
+    want[4] -= 2 * 0.25 + 0.5
+    want[9] -= 0.25 + 0.5
+    assert np.allclose(apply_penalties(np.arange(10, dtype=np.float32), [4, 4, 9], 0.5, 0.25), want)

@@ -47,7 +47,6 @@ TC_WARPS_TARGET = 132 * 24  # what the H200 holds resident (3 blocks of 8 warps 
 # (H200, CUDA graphs, weights rotated past L2): FP8 one row streams faster through the CUDA-core
 # GEMV (wq_b 24.9 vs 29.9 us, wq_a 9.8 vs 12.2); FP4 already from one row (expert w1 12.4 vs 13.8).
 TC_MIN_ROWS = {FMT_FP8: 2, FMT_FP4: 1}
-_TC_CONFIGURED: set = set()
 _ELT_BLOCK = 256
 # decode attention: split the keys until about this many blocks run, each split >= this many keys
 ATT_BLOCKS_TARGET, ATT_MIN_SPLIT = 132 * 2, 64
@@ -302,10 +301,7 @@ class CupyOps:
                 and (isinstance(segs, cp.ndarray) or all(s[3] % 128 == 0 for s in segs))):
             self._run_tc(a, y, n, k, seg, wptrs, sptrs, w, max_rows)
         elif max_rows == 1 and w.fmt in GEMV1_FORMATS and _gemv1_ok(a, k, segs):
-            fn = K.function("linear", f"gemv1_{tag}")
-            if fn not in _TC_CONFIGURED:  # x in shared memory: opt in to more than 48 KB once
-                fn.max_dynamic_shared_size_bytes = GEMV1_MAX_K * 4
-                _TC_CONFIGURED.add(fn)
+            fn = K.function_with_smem("linear", f"gemv1_{tag}", GEMV1_MAX_K * 4)  # x in shared memory
             blocks = max(1, min(-(-n // 8), GEMV1_BLOCKS // nseg))
             fn((blocks, nseg), (256,), args, shared_mem=k * 4)
         elif max_rows <= GEMV_MAX_ROWS:
@@ -323,10 +319,7 @@ class CupyOps:
         """Tensor-core GEMV: split x into scaled hi / lo f16 terms, then one launch over the segments."""
         xs, xinv = self._tc_split_x(a, w.fmt == FMT_FP4)
         nt = 1 if max_rows <= 8 else 2 if max_rows <= 16 else 4
-        fn = K.function("gemv_tc", f"tcgemv_{_FMT_TAG[w.fmt]}_n{nt}")
-        if fn not in _TC_CONFIGURED:  # opt in to > 48 KB of dynamic shared memory, once
-            fn.max_dynamic_shared_size_bytes = TC_SMEM
-            _TC_CONFIGURED.add(fn)
+        fn = K.function_with_smem("gemv_tc", f"tcgemv_{_FMT_TAG[w.fmt]}_n{nt}", TC_SMEM)
         tiles, nseg = -(-n // 16), seg.size // 5
         kw = _tc_split(tiles * nseg, -(-w.row_bytes() // TC_STAGE_BYTES))
         fn((-(-tiles // (TC_WARPS // kw)), nseg), (32 * TC_WARPS,), (

@@ -28,13 +28,6 @@ THREADS = 1024
 SMEM = 256 * (THREADS // 32) * 8  # SMP_SMEM: one 256-bin u64 radix histogram per warp
 
 
-def _kernel():
-    fn = K.function("sampling", "sample_rows")
-    if fn.max_dynamic_shared_size_bytes < SMEM:  # above the default 48 KB: opt in once
-        fn.max_dynamic_shared_size_bytes = SMEM
-    return fn
-
-
 def job_table(jobs: Sequence[SampleJob], vocab: int) -> tuple[np.ndarray, int, int]:
     """The kernel's int32 input [header | delta ids | delta values] (floats by bit pattern);
     returns it with the number of deltas and of rows that need a scratch copy of their logits.
@@ -81,7 +74,7 @@ def sample_rows(logits: cp.ndarray, jobs: Sequence[SampleJob], upload=cp.asarray
     nh = len(jobs) * JOB_WORDS
     work = cp.empty((nwork, vocab), dtype=cp.float32) if nwork else logits  # (unread without deltas)
     out = cp.empty((len(jobs), OUT_WORDS), dtype=cp.int32)
-    _kernel()((len(jobs),), (THREADS,), (
+    K.function_with_smem("sampling", "sample_rows", SMEM)((len(jobs),), (THREADS,), (
         logits, np.int32(vocab), dev, dev[nh:nh + ndelta], dev[nh + ndelta:], work, out), shared_mem=SMEM)
     host = cp.asnumpy(out)
     hf = host.view(np.float32)
