@@ -306,27 +306,35 @@ class Model:
         ids_all, pos_all = np.concatenate(ids), np.concatenate(pos)
         hash_ids = self._engram_hashes(seqs, ids) if self.hasher else None
 
-        v0, v1 = self.plan.vocab
-        local = (ids_all >= v0) & (ids_all < v1)  # vocab-parallel: other ranks hold the other rows
-        x = ops.embed(self.w.embed, np.where(local, ids_all - v0, 0))
-        if not local.all():
-            x = x * ops.asarray(local[:, None])
-        x = yield Collective("sum", x)
-        h = ops.xp.repeat(x[:, None, :], cfg.hc_mult, axis=1)
+        hash_dev = None
+        if self.plan.single:  # the embedding and the initial streams as one region
+            t = ids_all.size  # (token ids and Engram hash ids go up in one copy)
+            up = ops.asarray(ids_all if hash_ids is None else np.concatenate([ids_all, hash_ids.reshape(-1)]),
+                             dtype=np.int64)
+            if hash_ids is not None:
+                hash_dev = up[t:].reshape(hash_ids.shape)
+            h, pre_mix = ops.graphed(("embed",), self._streams, up[:t])
+        else:
+            v0, v1 = self.plan.vocab
+            local = (ids_all >= v0) & (ids_all < v1)  # vocab-parallel: other ranks hold the other rows
+            x = ops.embed(self.w.embed, np.where(local, ids_all - v0, 0))
+            if not local.all():
+                x = x * ops.asarray(local[:, None])
+            h, pre_mix = self._streams(None, (yield Collective("sum", x)))
         # cos / sin of both RoPE tables in one host->device copy
         tabs = ops.asarray(np.stack([*rope_tables(self.freq_main, pos_all, cfg.rope_main.attention_factor),
                                      *rope_tables(self.freq_comp, pos_all, cfg.rope_compress.attention_factor)]))
         ropes = {"main": (tabs[0], tabs[1]), "compress": (tabs[2], tabs[3])}
-        pre_mix = None
-        if cfg.arch == "v41":  # single-pass mHC: the first site collapses stream 0
-            pre_mix = ops.xp.zeros((len(ids_all), cfg.hc_mult), dtype=np.float32)
-            pre_mix[:, 0] = 1.0
         advance = [s.pos.size for s in seqs]
         replay_from = self._replay_start() if not all_logits else cfg.num_layers
-        hash_dev = ops.asarray(hash_ids, dtype=np.int64) if hash_ids is not None else None
+        if hash_ids is not None and hash_dev is None:
+            hash_dev = ops.asarray(hash_ids, dtype=np.int64)
         batch: dict = {}  # what a V4.1 decode step's index sources publish to later layers
-        # Each layer runs as four "regions" (pure functions of device arrays: ops.graphed may replay
-        # them as CUDA graphs) around the per-sequence attention, which reads and grows the state.
+        # Each layer runs as "regions" (pure functions of device arrays: ops.graphed may replay them
+        # as CUDA graphs) around the per-sequence attention, which reads and grows the state: its
+        # projections before; after, on one rank, the rest of the layer as one region, under tensor
+        # parallelism three (output projection, FFN, stream update) with an all-reduce after the
+        # first two. A host-bound decode step pays ~40 us per region replay.
         for li, L in enumerate(self.w.layers):
             if li >= replay_from:  # bounded replay: drop rows no later output or state depends on
                 idx = self._keep_trailing(seqs, 1 + (cfg.num_layers - li) * (cfg.sliding_window - 1))
@@ -335,16 +343,18 @@ class Model:
                     ropes = {k: (c[idx], sn[idx]) for k, (c, sn) in ropes.items()}
                     hash_dev = hash_dev[ops.asarray(idx, dtype=np.int64)] if hash_dev is not None else None
             cos, sin = ropes["compress" if cfg.compress_ratios[li] else "main"]
-            eng = None
-            if L.engram is not None:
-                eng = ops.xp.ascontiguousarray(hash_dev[:, cfg.engram_layer_ids.index(li)])
+            eng = hash_dev if L.engram is not None else None
             h, xa, q_res, q, kv, pre_a, post_a, comb_a, *extra = ops.graphed(
                 ("in", id(L)), lambda *a, li=li, L=L: self._layer_in(li, L, *a), h, pre_mix, eng, cos, sin)
             out = self._attention(li, L, xa, q_res, q, kv, seqs, _Projected(*extra), batch)
+            route_hash = ops.asarray(L.tid2eid[ids_all], dtype=np.int64) if L.tid2eid is not None else None
+            if self.plan.single:  # no collectives: the rest of the layer is one region (one graph)
+                h, pre_mix = ops.graphed(("post", id(L)), lambda *a, li=li, L=L: self._post(li, L, *a),
+                                         out, cos, sin, h, pre_a, post_a, comb_a, route_hash)
+                continue
             part = (ops.graphed(("attn_out", id(L)), lambda *a, L=L: self._attn_out(L, *a), out, cos, sin)
                     if out is not None else ops.xp.zeros((xa.shape[0], cfg.hidden_size), dtype=np.float32))
             attn = yield Collective("sum", part)
-            route_hash = ops.asarray(L.tid2eid[ids_all], dtype=np.int64) if L.tid2eid is not None else None
             h, ffn_part, pre_f, post_f, comb_f = ops.graphed(
                 ("ffn", id(L)), lambda *a, li=li, L=L: self._ffn(li, L, *a), attn, h, pre_a, post_a, comb_a, route_hash)
             ffn = yield Collective("sum", ffn_part)
@@ -352,13 +362,10 @@ class Model:
             pre_mix = pre_f
         for s, n in zip(seqs, advance, strict=True):
             s.state.position += n
-        rows = np.arange(len(ids_all)) if all_logits else np.array([s.rows.stop - 1 for s in seqs])
-        hs = h[rows]
-        if cfg.arch == "v41":
-            final = ops.hc_collapse(hs, pre_mix[rows])
-        else:
-            final = ops.hc_collapse(hs, ops.hc_head_pre(hs, *self.w.hc_head, cfg.rms_norm_eps, cfg.hc_eps))
-        local_logits = ops.linear(ops.rmsnorm(final, self.w.norm, cfg.rms_norm_eps), self.w.head)
+        last = np.array([s.rows.stop - 1 for s in seqs])
+        if not all_logits and not np.array_equal(last, np.arange(len(ids_all))):  # (decode: every row)
+            h, pre_mix = h[ops.asarray(last, dtype=np.int64)], pre_mix[last] if pre_mix is not None else None
+        local_logits = ops.graphed(("head",), self._head, h, pre_mix)
         if on_device and not all_logits:
             return (yield Collective("gather", local_logits))
         logits = yield Collective("gather", ops.to_host(local_logits))
@@ -416,8 +423,8 @@ class Model:
     def _layer_in(self, li: int, L, h, pre_mix, engram_ids, cos, sin):
         """Engram, the attention-site mHC mix and the q / K=V projections of every token."""
         cfg, ops = self.cfg, self.ops
-        if L.engram is not None:
-            h = self._engram(L, h, engram_ids)
+        if L.engram is not None:  # (engram_ids: every Engram layer's hash ids, one column each)
+            h = self._engram(L, h, ops.xp.ascontiguousarray(engram_ids[:, cfg.engram_layer_ids.index(li)]))
         pre_a, post_a, comb_a = ops.hc_mixes(h, *L.hc_attn, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
         xa = ops.rmsnorm(ops.hc_collapse(h, pre_mix if cfg.arch == "v41" else pre_a), L.attn_norm, cfg.rms_norm_eps)
         t, hn, d = xa.shape[0], self.plan.heads[1] - self.plan.heads[0], cfg.head_dim
@@ -458,6 +465,35 @@ class Model:
             p[4] = ops.fake_quant_fp4(q, 32) if self.store_quantized else q  # the indexer scores in MXFP4
             p[5] = ops.linear(x, L.idx.weights_proj)
         return tuple(p)
+
+    def _streams(self, ids, x=None):
+        """The hc_mult residual streams of the embedded tokens (x, or the rows of ids) and V4.1's
+        first collapse weights (single-pass mHC: the first site collapses stream 0; V4: None)."""
+        cfg, ops = self.cfg, self.ops
+        if x is None:
+            x = ops.embed(self.w.embed, ids)
+        h = ops.xp.repeat(x[:, None, :], cfg.hc_mult, axis=1)
+        pre_mix = None
+        if cfg.arch == "v41":
+            pre_mix = ops.xp.zeros((x.shape[0], cfg.hc_mult), dtype=np.float32)
+            pre_mix[:, 0] = 1.0
+        return h, pre_mix
+
+    def _post(self, li: int, L, out, cos, sin, h, pre_a, post_a, comb_a, route_hash):
+        """A single rank's layer after the attention: output projection, FFN, the streams updated.
+        Returns the new streams and the next layer's collapse weights."""
+        attn = self._attn_out(L, out, cos, sin)
+        h, ffn, pre_f, post_f, comb_f = self._ffn(li, L, attn, h, pre_a, post_a, comb_a, route_hash)
+        return self.ops.hc_expand(ffn, h, post_f, comb_f), pre_f
+
+    def _head(self, h, pre_mix):
+        """The streams' final collapse, norm and this rank's vocabulary slice of the logits."""
+        cfg, ops = self.cfg, self.ops
+        if cfg.arch == "v41":
+            final = ops.hc_collapse(h, pre_mix)
+        else:
+            final = ops.hc_collapse(h, ops.hc_head_pre(h, *self.w.hc_head, cfg.rms_norm_eps, cfg.hc_eps))
+        return ops.linear(ops.rmsnorm(final, self.w.norm, cfg.rms_norm_eps), self.w.head)
 
     def _attn_out(self, L, out, cos, sin):
         """RoPE undone on the attention output, then the grouped output projection."""

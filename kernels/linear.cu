@@ -2,7 +2,8 @@
 //
 // One launch serves dense, grouped (block-diagonal wo_a) and MoE (per-expert) projections: a
 // segment table says, per segment, which weight (index into wptrs/sptrs), which rows of x and y,
-// and column offsets into x and y. Two kernels:
+// and column offsets into x and y. Three kernels:
+//  * gemvx: one row of x, CUDA cores, x staged in shared memory (decode at batch 1; below).
 //  * gemv: MT <= 8 rows, CUDA cores. Each warp owns RPW output rows; every weight byte is read
 //    once per launch with 16-byte coalesced loads and dequantized in registers (decode).
 //  * gemm: 64x64x32 tiles, bf16 mma.sync with f32 accumulation (prefill). Weights are
@@ -405,83 +406,133 @@ DEF_GATHER(f32, FMT_F32)
 DEF_GATHER(bf16, FMT_BF16)
 DEF_GATHER(fp8, FMT_FP8)
 DEF_GATHER(fp4, FMT_FP4)
-// ---- one-row BF16 GEMV with x staged in shared memory (the lm_head at batch 1) -----------------
-// y[row0, ycol + n] = sum_k x[row0, acol + k] * W[n, k], one row of x per segment (same segment
-// table as gemv). Each warp streams whole weight rows, PC 16-byte chunks per lane in flight, and
-// reads x from shared memory (staged once per block through cp.async while the first row's
-// weights are in flight); blocks stride over the rows. H200, 8192x5120 bf16: 74% of HBM
-// bandwidth, gemv 65%. (The same scheme on FP8 lost to gemv: 21% vs 44% on 32768x1280, whose
-// short rows leave too little in flight per warp.) grid (blocks, nseg), block 256, dynamic
-// shared memory K * 4 bytes.
-__device__ __forceinline__ void cpa16(float* dst, const void* src) {
-  const u32 d = (u32)__cvta_generic_to_shared(dst);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src));
-}
-
-template <int FMT, int PC>
-__device__ __forceinline__ void gemv1_body(const float* __restrict__ A, int lda, float* __restrict__ Y, int ldy,
+// ---- one-row GEMV with x staged in shared memory, permuted (decode at batch 1) -------------------
+// The CUDA-core GEMVs above read x from L1 at a 4 * EPC-byte stride between lanes (lane l holds
+// weight chunk c + l): each float4 load of x touches 16 (FP8) cache lines, so the x reads, not the
+// weights, saturate the L1 pipeline (FP8 carries 16 weights per 16 bytes, so x is 4x the weight
+// bytes). Here each block first copies its segment's row of x into shared memory in chunk-major
+// order, float4 i of chunk c at ((c / 32) * (EPC / 4) + i) * 32 + c % 32, so that the warp's float4
+// reads for one i are 512 contiguous bytes (4 wavefronts, conflict-free), and each x read serves
+// RPW weight rows. Blocks stride over groups of 8 / kw row groups; the kw warps of a row group
+// split its 32-chunk slices and reduce through shared memory in a fixed order.
+// grid (blocks, nseg), block 256, dynamic shared memory ceil(K / (32 EPC)) * 32 EPC * 4 bytes.
+template <int FMT, int RPW, int PC>
+__device__ __forceinline__ void gemvx_body(const float* __restrict__ A, int lda, float* __restrict__ Y, int ldy,
                                            int N, int K, const int* __restrict__ segs,
                                            const u64* __restrict__ wptrs, const u64* __restrict__ sptrs,
-                                           int bn, int bk, int gk) {
+                                           int bn, int bk, int gk, int kw) {
   extern __shared__ __align__(16) float xsh[];
-  constexpr int EPC = Fmt<FMT>::EPC;
+  __shared__ float red[8][RPW];
+  constexpr int EPC = Fmt<FMT>::EPC, Q = EPC / 4;
   const int* sg = segs + 5 * blockIdx.y;
   const int widx = sg[0], row0 = sg[1], rows = sg[2], acol = sg[3], ycol = sg[4];
   if (rows <= 0) return;
   const u8* W = (const u8*)wptrs[widx];
   const void* S = (const void*)sptrs[widx];
-  const float* xg = A + (size_t)row0 * lda + acol;
-  for (int i = threadIdx.x; i < K / 4; i += blockDim.x) cpa16(xsh + 4 * i, xg + 4 * i);
-  asm volatile("cp.async.commit_group;");
-  const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-  const int nwarps = gridDim.x * warps, nch = K / EPC;
+  const int nch = K / EPC, slices = (nch + 31) / 32;
+  {
+    const float* xg = A + (size_t)row0 * lda + acol;
+    for (int j = threadIdx.x; j < slices * 32 * Q; j += blockDim.x) {  // j: float4 index of x, in k order
+      const int c = j / Q, i = j - c * Q;
+      float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (c < nch) v = __ldg((const float4*)(xg + 4 * j));
+      *(float4*)(xsh + (((c >> 5) * Q + i) * 32 + (c & 31)) * 4) = v;
+    }
+  }
+  __syncthreads();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int gpb = 8 / kw, group = warp / kw, part = warp - group * kw;
   const size_t row_bytes = (size_t)K * Fmt<FMT>::NUM / Fmt<FMT>::DEN;
   const int ksh = (bk & (bk - 1)) == 0 ? __ffs(bk) - 1 : -1;
-  uint4 raw[PC];
-  float sc[PC];
-  auto load = [&](int n, int c0) {  // one piece of row n: PC chunks per lane, and their scales
-    const u8* Wr = W + (size_t)n * row_bytes;
-    const int srow = gemv_scale_row<FMT>(n, bn, gk);
+  const int ngroups = (N + RPW - 1) / RPW, nbi = (ngroups + gpb - 1) / gpb;
+  for (int bi = blockIdx.x; bi < nbi; bi += gridDim.x) {  // uniform over the block (barriers below)
+    const int n0 = (bi * gpb + group) * RPW;
+    int srow[RPW];
 #pragma unroll
-    for (int p = 0; p < PC; ++p) {
-      const int c = c0 + 32 * p + lane;
-      const bool ok = c < nch;
-      raw[p] = ok ? ldg16(Wr + (size_t)c * 16) : make_uint4(0, 0, 0, 0);
-      sc[p] = ok ? gemv_scale<FMT>(S, srow, c * EPC, bk, ksh) : 0.f;
-    }
-  };
-  int n = blockIdx.x * warps + (threadIdx.x >> 5);
-  if (n < N) load(n, 0);  // the first weights are on their way while x is staged
-  asm volatile("cp.async.wait_all;");
-  __syncthreads();
-  bool loaded = true;
-  for (; n < N; n += nwarps) {
-    float acc = 0.f;
-    for (int c0 = 0; c0 < nch; c0 += 32 * PC) {
-      if (!loaded) load(n, c0);
-      loaded = false;
+    for (int r = 0; r < RPW; ++r) srow[r] = gemv_scale_row<FMT>(n0 + r < N ? n0 + r : 0, bn, gk);
+    float acc[RPW];
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) acc[r] = 0.f;
+    for (int s0 = part * PC; s0 < (n0 < N ? slices : 0); s0 += kw * PC) {
+      uint4 raw[PC][RPW];
+      float sc[PC][RPW];
 #pragma unroll
       for (int p = 0; p < PC; ++p) {
-        const int c = c0 + 32 * p + lane;
-        if (c < nch) {
-          const float* xk = xsh + c * EPC;
-          float dot = 0.f;
+        const int c = (s0 + p) * 32 + lane;
 #pragma unroll
-          for (int g = 0; g < EPC / 4; ++g) {
-            float w4[4];
-            deq4_unscaled<FMT>(raw[p], g, w4);
-            const float4 a = *(const float4*)(xk + 4 * g);
-            dot += w4[0] * a.x + w4[1] * a.y + w4[2] * a.z + w4[3] * a.w;
-          }
-          acc += sc[p] * dot;
+        for (int r = 0; r < RPW; ++r) {
+          const bool ok = s0 + p < slices && c < nch && n0 + r < N;
+          raw[p][r] = ok ? ldg16(W + (size_t)(n0 + r) * row_bytes + (size_t)c * 16) : make_uint4(0, 0, 0, 0);
+          sc[p][r] = ok ? gemv_scale<FMT>(S, srow[r], c * EPC, bk, ksh) : 0.f;
         }
       }
+#pragma unroll
+      for (int p = 0; p < PC; ++p) {
+        const float* xs = xsh + (size_t)(s0 + p) * Q * 128 + lane * 4;  // (zeros past nch)
+        float dot[RPW];
+#pragma unroll
+        for (int r = 0; r < RPW; ++r) dot[r] = 0.f;
+        if (s0 + p < slices) {
+          if (FMT == FMT_FP4) {
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+              const float4 xa = *(const float4*)(xs + (2 * q) * 128), xb = *(const float4*)(xs + (2 * q + 1) * 128);
+#pragma unroll
+              for (int r = 0; r < RPW; ++r) {
+                float w8[8];
+                deq8_fp4(word(raw[p][r], q), w8);
+                dot[r] += w8[0] * xa.x + w8[1] * xa.y + w8[2] * xa.z + w8[3] * xa.w +
+                          w8[4] * xb.x + w8[5] * xb.y + w8[6] * xb.z + w8[7] * xb.w;
+              }
+            }
+          } else {
+#pragma unroll
+            for (int g = 0; g < Q; ++g) {
+              const float4 xv = *(const float4*)(xs + g * 128);
+#pragma unroll
+              for (int r = 0; r < RPW; ++r) {
+                float w4[4];
+                deq4_unscaled<FMT>(raw[p][r], g, w4);
+                dot[r] += w4[0] * xv.x + w4[1] * xv.y + w4[2] * xv.z + w4[3] * xv.w;
+              }
+            }
+          }
+        }
+#pragma unroll
+        for (int r = 0; r < RPW; ++r) acc[r] += sc[p][r] * dot[r];
+      }
     }
-    acc = warp_sum(acc);
-    if (lane == 0) Y[(size_t)row0 * ldy + ycol + n] = acc;
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) acc[r] = warp_sum(acc[r]);
+    if (kw > 1) {  // the row group's partial sums, in a fixed order (deterministic)
+      if (lane == 0) {
+#pragma unroll
+        for (int r = 0; r < RPW; ++r) red[warp][r] = acc[r];
+      }
+      __syncthreads();
+      if (part == 0) {
+#pragma unroll
+        for (int r = 0; r < RPW; ++r) {
+          float v = red[warp][r];
+          for (int j = 1; j < kw; ++j) v += red[warp + j][r];
+          acc[r] = v;
+        }
+      }
+      __syncthreads();
+    }
+    if (part == 0 && lane == 0) {
+#pragma unroll
+      for (int r = 0; r < RPW; ++r)
+        if (n0 + r < N) Y[(size_t)row0 * ldy + ycol + n0 + r] = acc[r];
+    }
   }
 }
 
-#define DEF_GEMV1(NAME, FMT, PC) \
-  extern "C" __global__ void __launch_bounds__(256) NAME(GEMV_ARGS) { gemv1_body<FMT, PC>(GEMV_PASS); }
-DEF_GEMV1(gemv1_bf16, FMT_BF16, 8)
+#define DEF_GEMVX(NAME, FMT, RPW, PC) \
+  extern "C" __global__ void __launch_bounds__(256) NAME(GEMV_ARGS, int kw) { gemvx_body<FMT, RPW, PC>(GEMV_PASS, kw); }
+// (H200, one row, graphs, weights past L2, vs gemv: wo_a 19.8 -> 13.6 us, wo_b 21.7 -> 18.6, shared w1+w3
+// 15.2 -> 12.1, six experts' gate + up 64 -> 40 (FP4, vs the tensor-core GEMV), lm_head 25 -> 24)
+DEF_GEMVX(gemvx_f32, FMT_F32, 4, 2)
+DEF_GEMVX(gemvx_bf16, FMT_BF16, 4, 2)
+DEF_GEMVX(gemvx_fp8, FMT_FP8, 4, 2)
+DEF_GEMVX(gemvx_fp4, FMT_FP4, 2, 2)  // (FP4's dequantization needs the registers of 4 rows)

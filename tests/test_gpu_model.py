@@ -209,7 +209,8 @@ def test_cuda_graphs_replay_equals_eager():
             nxt = [[int(np.argmax(lg))] for lg in logits]
         runs[graphs] = (np.stack(out), [s.to_bytes() for s in states], ops.graphs)
     eager, graphed = runs[False], runs[True]
-    assert graphed[2].captures > 0 and graphed[2].replays >= 9 * 4 * 6
+    # (a step replays the embedding, two regions per layer and the head: at least 6 steps' worth)
+    assert graphed[2].captures > 0 and graphed[2].replays >= 6 * (2 + 2 * model.cfg.num_layers)
     assert eager[2].captures == 0
     assert np.array_equal(eager[0], graphed[0])
     assert eager[1] == graphed[1]

@@ -15,6 +15,7 @@ reshapes / gathers are CuPy glue.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -34,9 +35,10 @@ _FMT_TAG = {FMT_F32: "f32", FMT_BF16: "bf16", FMT_FP8: "fp8", FMT_FP4: "fp4"}
 _EPC = {FMT_F32: 4, FMT_BF16: 8, FMT_FP8: 16, FMT_FP4: 32}  # elements per 16-byte chunk
 GEMV_MAX_ROWS = 8  # up to this many rows per segment: CUDA-core GEMV, else tensor-core GEMM
 GEMM_TILE = 64
-# one row on BF16 weights (the lm_head) through gemv1 (kernels/linear.cu: x in shared memory,
-# whole rows per warp, 4 blocks per SM, blocks striding over the rows)
-GEMV1_FORMATS, GEMV1_MAX_K, GEMV1_BLOCKS = (FMT_BF16,), 24576, 132 * 4
+# one row of x, any format: gemvx (kernels/linear.cu: x staged in shared memory in chunk order,
+# RPW weight rows per warp, PC 32-chunk slices in flight per row, blocks striding over the rows)
+GEMVX_RPW = {FMT_F32: 4, FMT_BF16: 4, FMT_FP8: 4, FMT_FP4: 2}
+GEMVX_PC, GEMVX_MAX_SMEM, GEMVX_WARPS_TARGET = 2, 200 << 10, 2048
 GEMV_WARPS_TARGET = 132 * 32  # enough independent loads in flight to saturate an H200's HBM
 TC_MAX_ROWS = 32  # FP8 / FP4 segments of up to this many rows: tensor-core GEMV (gemv_tc.cu)
 # its configuration (kernels/gemv_tc.cu TC_W, TC_S, TC_R): blocks of 8 warps, each streaming its
@@ -44,9 +46,9 @@ TC_MAX_ROWS = 32  # FP8 / FP4 segments of up to this many rows: tensor-core GEMV
 TC_WARPS, TC_SMEM, TC_STAGE_BYTES = 8, 8 * 4 * (2048 + 128), 128
 TC_WARPS_TARGET = 132 * 24  # what the H200 holds resident (3 blocks of 8 warps per SM)
 # Fewest rows per segment for which the tensor-core GEMV beats the CUDA-core GEMV, per format
-# (H200, CUDA graphs, weights rotated past L2): FP8 one row streams faster through the CUDA-core
-# GEMV (wq_b 24.9 vs 29.9 us, wq_a 9.8 vs 12.2); FP4 already from one row (expert w1 12.4 vs 13.8).
-TC_MIN_ROWS = {FMT_FP8: 2, FMT_FP4: 1}
+# (H200, CUDA graphs, weights rotated past L2): one row of either streams faster through gemvx
+# (FP8 wq_b 18.5 vs 29.9 us; FP4 six experts' gate + up 40 vs 64).
+TC_MIN_ROWS = {FMT_FP8: 2, FMT_FP4: 2}
 _ELT_BLOCK = 256
 # decode attention: split the keys until about this many blocks run, each split >= this many keys
 ATT_BLOCKS_TARGET, ATT_MIN_SPLIT = 132 * 2, 64
@@ -118,11 +120,33 @@ def _gemv_split(n: int, nchunks: int, rpw: int, nseg: int) -> int:
     return kw
 
 
-def _gemv1_ok(a: cp.ndarray, k: int, segs) -> bool:
-    """The one-row GEMV stages x[row0, acol:acol + k] in shared memory with 16-byte copies."""
-    if k > GEMV1_MAX_K or a.shape[1] % 4 or isinstance(segs, cp.ndarray):
+def _gemvx_smem(fmt: int, k: int) -> int:
+    """gemvx's shared memory: x padded to whole 32-chunk slices, as float32."""
+    epc = _EPC[fmt]
+    return -(-(k // epc) // 32) * 32 * epc * 4
+
+
+def _gemvx_ok(a: cp.ndarray, w: GpuWeight, segs) -> bool:
+    """gemvx stages x[row0, acol:acol + k] with 16-byte loads: every segment's start on 4 floats
+    (a device-built MoE table starts its rows at column 0)."""
+    if _gemvx_smem(w.fmt, w.shape[1]) > GEMVX_MAX_SMEM or a.shape[1] % 4:
         return False
-    return all((s[1] * a.shape[1] + s[3]) % 4 == 0 for s in segs)
+    return isinstance(segs, cp.ndarray) or all((s[1] * a.shape[1] + s[3]) % 4 == 0 for s in segs)
+
+
+def _gemvx_split(groups: int, slices: int) -> int:
+    """Warps sharing one gemvx row group (1, 2, 4 or 8): split K while the launch has fewer than
+    GEMVX_WARPS_TARGET warps and each warp keeps >= 2 passes of GEMVX_PC slices (H200: wq_a, wkv 4;
+    wo_b, shared w1+w3 2; wq_b, wo_a, the experts 1)."""
+    kw = 1
+    while kw < 8 and groups * kw < GEMVX_WARPS_TARGET and slices >= 2 * kw * GEMVX_PC:
+        kw *= 2
+    return kw
+
+
+@functools.cache
+def _sm_count() -> int:
+    return int(cp.cuda.Device().attributes["MultiProcessorCount"])
 
 
 def _tc_ok(w: GpuWeight, lda: int) -> bool:
@@ -182,6 +206,7 @@ class CupyOps:
         self._group_ptrs: dict[tuple[int, int], tuple] = {}
         self._seg_offsets: dict[tuple, cp.ndarray] = {}  # fused gate / up: w3 segment offsets
         self._uploader = PinnedUploader()
+        self._no_scale = cp.zeros(1, F32)  # the scale argument of unscaled tables
 
     # ---- weights ---------------------------------------------------------------------
     def prepare_table(self, table, scale=None) -> cp.ndarray:
@@ -300,10 +325,14 @@ class CupyOps:
         if (TC_MIN_ROWS.get(w.fmt, 99) <= max_rows <= TC_MAX_ROWS and _tc_ok(w, a.shape[1])
                 and (isinstance(segs, cp.ndarray) or all(s[3] % 128 == 0 for s in segs))):
             self._run_tc(a, y, n, k, seg, wptrs, sptrs, w, max_rows)
-        elif max_rows == 1 and w.fmt in GEMV1_FORMATS and _gemv1_ok(a, k, segs):
-            fn = K.function_with_smem("linear", f"gemv1_{tag}", GEMV1_MAX_K * 4)  # x in shared memory
-            blocks = max(1, min(-(-n // 8), GEMV1_BLOCKS // nseg))
-            fn((blocks, nseg), (256,), args, shared_mem=k * 4)
+        elif max_rows == 1 and _gemvx_ok(a, w, segs):
+            smem = _gemvx_smem(w.fmt, k)
+            fn = K.function_with_smem("linear", f"gemvx_{tag}", GEMVX_MAX_SMEM)
+            groups = -(-n // GEMVX_RPW[w.fmt])
+            kw = _gemvx_split(groups * nseg, -(-(k // _EPC[w.fmt]) // 32))
+            per_sm = max(1, min(65536 // (256 * max(fn.num_regs, 32)), (228 << 10) // (smem + 1024)))
+            blocks = max(1, min(-(-groups // (8 // kw)), _sm_count() * per_sm // nseg))
+            fn((blocks, nseg), (256,), (*args, np.int32(kw)), shared_mem=smem)
         elif max_rows <= GEMV_MAX_ROWS:
             mt = 1 if max_rows <= 1 else 2 if max_rows <= 2 else 4 if max_rows <= 4 else 8
             rpw = 4
@@ -439,7 +468,7 @@ class CupyOps:
             return table.dequant()[ids_d]
         if flat.size:
             fn = K.function("linear", f"gather_{_FMT_TAG[table.fmt]}")
-            fn((flat.size,), (128,), (table.data, table.scale if table.scale is not None else cp.zeros(1, F32),
+            fn((flat.size,), (128,), (table.data, table.scale if table.scale is not None else self._no_scale,
                                       flat, out, np.int32(k), np.int32(table.block[0]), np.int32(table.block[1]),
                                       np.int32(table.gk)))
         return out.reshape(*ids_d.shape, k)
