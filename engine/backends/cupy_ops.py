@@ -47,7 +47,7 @@ TC_WARPS, TC_SMEM, TC_STAGE_BYTES = 8, 8 * 4 * (2048 + 128), 128
 TC_WARPS_TARGET = 132 * 24  # what the H200 holds resident (3 blocks of 8 warps per SM)
 # Fewest rows per segment for which the tensor-core GEMV beats the CUDA-core GEMV, per format
 # (H200, CUDA graphs, weights rotated past L2): one row of either streams faster through gemvx
-# (FP8 wq_b 18.5 vs 29.9 us; FP4 six experts' gate + up 40 vs 64).
+# (FP8 wq_b 19.1 vs 29.9 us; FP4 six experts' gate + up 40 vs 64).
 TC_MIN_ROWS = {FMT_FP8: 2, FMT_FP4: 2}
 _ELT_BLOCK = 256
 # decode attention: split the keys until about this many blocks run, each split >= this many keys
