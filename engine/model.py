@@ -313,7 +313,7 @@ class Model:
                              dtype=np.int64)
             if hash_ids is not None:
                 hash_dev = up[t:].reshape(hash_ids.shape)
-            h, pre_mix = ops.graphed(("embed",), self._streams, up[:t])
+            h, pre_mix = ops.graphed(("embed", id(self.w)), self._streams, up[:t])
         else:
             v0, v1 = self.plan.vocab
             local = (ids_all >= v0) & (ids_all < v1)  # vocab-parallel: other ranks hold the other rows
@@ -365,7 +365,7 @@ class Model:
         last = np.array([s.rows.stop - 1 for s in seqs])
         if not all_logits and not np.array_equal(last, np.arange(len(ids_all))):  # (decode: every row)
             h, pre_mix = h[ops.asarray(last, dtype=np.int64)], pre_mix[last] if pre_mix is not None else None
-        local_logits = ops.graphed(("head",), self._head, h, pre_mix)
+        local_logits = ops.graphed(("head", id(self.w)), self._head, h, pre_mix)
         if on_device and not all_logits:
             return (yield Collective("gather", local_logits))
         logits = yield Collective("gather", ops.to_host(local_logits))
