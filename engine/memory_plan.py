@@ -305,12 +305,15 @@ def workspace_bytes(cfg: ModelConfig, plan: ShardPlan, max_seqs: int, max_contex
 
 def graph_bytes_per_row(cfg: ModelConfig, plan: ShardPlan) -> int:
     """Bytes per row of the float32 outputs of a forward's graphed regions (engine/model.py: per
-    layer `in`, `attn_out`, `ffn`, `out`), summed over the layers: what one row of a captured
-    batch size holds in graph buffers."""
+    layer `in`, then `post` on one rank or `attn_out`, `ffn`, `out` under tensor parallelism; on
+    one rank the `embed` region; the `head`), summed: what one row of a captured batch size holds
+    in graph buffers."""
     d, hc, hd = cfg.hidden_size, cfg.hc_mult, cfg.head_dim
     heads = plan.heads[1] - plan.heads[0]
     mixes = 2 * hc + hc * hc  # pre, post, comb
-    total = 0
+    total = plan.vocab[1] - plan.vocab[0]  # head: this rank's logits
+    if plan.single:  # embed: the streams (and V4.1's first collapse weights)
+        total += hc * d + (hc if cfg.arch == "v41" else 0)
     for i in range(cfg.num_layers):
         # in: streams, normed input, q residual, q, K=V row, mixes, then V4.1's projections
         n = hc * d + d + cfg.q_lora_rank + heads * hd + hd + mixes
@@ -321,9 +324,12 @@ def graph_bytes_per_row(cfg: ModelConfig, plan: ShardPlan) -> int:
                 n += 2 * hd if ratio > 1 else hd + (cfg.index_head_dim if indexed else 0)
             if indexed:  # indexer query and head weights
                 n += cfg.index_n_heads * (cfg.index_head_dim + 1)
-        n += d if heads else 0  # attn_out (a rank without heads adds zeros instead)
-        n += hc * d + d + mixes  # ffn: streams, this rank's FFN part, mixes
-        n += hc * d  # out
+        if plan.single:
+            n += hc * d + hc  # post: the streams, the next collapse weights
+        else:
+            n += d if heads else 0  # attn_out (a rank without heads adds zeros instead)
+            n += hc * d + d + mixes  # ffn: streams, this rank's FFN part, mixes
+            n += hc * d  # out
         total += n
     return 4 * total
 

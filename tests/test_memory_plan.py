@@ -250,7 +250,7 @@ def test_graph_bytes_match_the_regions(tiny, arch, size):
         m.ops.graphed = graphed
     tp.forward(states, [[7]])  # one decode row
     for r, m in enumerate(tp.ranks):
-        assert len(seen[r]) >= 3 * cfg.num_layers
+        assert len(seen[r]) >= 2 * cfg.num_layers + 1
         assert sum(seen[r]) == mp.graph_bytes_per_row(cfg, m.plan), (arch, size, r)
 
 
