@@ -306,29 +306,27 @@ class Model:
         ids_all, pos_all = np.concatenate(ids), np.concatenate(pos)
         hash_ids = self._engram_hashes(seqs, ids) if self.hasher else None
 
-        hash_dev = None
         if self.plan.single:  # the embedding and the initial streams as one region
             t = ids_all.size  # (token ids and Engram hash ids go up in one copy)
             up = ops.asarray(ids_all if hash_ids is None else np.concatenate([ids_all, hash_ids.reshape(-1)]),
                              dtype=np.int64)
-            if hash_ids is not None:
-                hash_dev = up[t:].reshape(hash_ids.shape)
-            h, pre_mix = ops.graphed(("embed", id(self.w)), self._streams, up[:t])
+            hash_dev = up[t:].reshape(hash_ids.shape) if hash_ids is not None else None
+            h, pre_mix = ops.graphed(("embed", id(self.w)), lambda i: self._streams(ops.embed(self.w.embed, i)),
+                                     up[:t])
         else:
             v0, v1 = self.plan.vocab
             local = (ids_all >= v0) & (ids_all < v1)  # vocab-parallel: other ranks hold the other rows
             x = ops.embed(self.w.embed, np.where(local, ids_all - v0, 0))
             if not local.all():
                 x = x * ops.asarray(local[:, None])
-            h, pre_mix = self._streams(None, (yield Collective("sum", x)))
+            h, pre_mix = self._streams((yield Collective("sum", x)))
+            hash_dev = ops.asarray(hash_ids, dtype=np.int64) if hash_ids is not None else None
         # cos / sin of both RoPE tables in one host->device copy
         tabs = ops.asarray(np.stack([*rope_tables(self.freq_main, pos_all, cfg.rope_main.attention_factor),
                                      *rope_tables(self.freq_comp, pos_all, cfg.rope_compress.attention_factor)]))
         ropes = {"main": (tabs[0], tabs[1]), "compress": (tabs[2], tabs[3])}
         advance = [s.pos.size for s in seqs]
         replay_from = self._replay_start() if not all_logits else cfg.num_layers
-        if hash_ids is not None and hash_dev is None:
-            hash_dev = ops.asarray(hash_ids, dtype=np.int64)
         batch: dict = {}  # what a V4.1 decode step's index sources publish to later layers
         # Each layer runs as "regions" (pure functions of device arrays: ops.graphed may replay them
         # as CUDA graphs) around the per-sequence attention, which reads and grows the state: its
@@ -466,12 +464,10 @@ class Model:
             p[5] = ops.linear(x, L.idx.weights_proj)
         return tuple(p)
 
-    def _streams(self, ids, x=None):
-        """The hc_mult residual streams of the embedded tokens (x, or the rows of ids) and V4.1's
-        first collapse weights (single-pass mHC: the first site collapses stream 0; V4: None)."""
+    def _streams(self, x):
+        """The hc_mult residual streams of the embedded tokens x and V4.1's first collapse weights
+        (single-pass mHC: the first site collapses stream 0; V4: None)."""
         cfg, ops = self.cfg, self.ops
-        if x is None:
-            x = ops.embed(self.w.embed, ids)
         h = ops.xp.repeat(x[:, None, :], cfg.hc_mult, axis=1)
         pre_mix = None
         if cfg.arch == "v41":
