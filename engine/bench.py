@@ -188,6 +188,18 @@ def _load(ckpt: str, gpus: list[int] | None, expert_split: str = "ep"):
     return cfg, model, [model], [dev]
 
 
+def _decode_graph_seconds(graphs, rows: int) -> float:
+    """Device seconds of the last decode-step graph captured at `rows` rows, replayed back to back
+    (its state writes repeat the same rows: harmless for timing); nan where none was captured."""
+    import cupy as cp
+
+    steps = [g for key, g in graphs.captured(rows) if isinstance(key[0], tuple) and key[0][0] == "decode"]
+    if not steps:
+        return float("nan")
+    stream = cp.cuda.get_current_stream()
+    return _timeit(lambda: steps[-1].launch(stream), iters=20)
+
+
 def _sync(devices: list[int]) -> None:
     import cupy as cp
 
@@ -208,7 +220,8 @@ def bench_model(ckpt: str, bw: float, batches=(1, 8, 32), prefills=(4096, 65536)
     tp = f", tensor parallel over GPUs {devices}, experts split by {expert_split}" if len(ranks) > 1 else ""
     print(f"\nmodel {ckpt}: {nl} layers, hidden {cfg.hidden_size}, {e} experts top-{k}; "
           f"CUDA graphs {'on' if graphs[0].enabled else 'off'}{tp}")
-    print(f"{'batch':>6s} {'step ms':>9s} {'layer ms':>9s} {'tok/s':>9s} {'floor ms':>9s} {'% of floor':>10s}")
+    print(f"{'batch':>6s} {'step ms':>9s} {'layer ms':>9s} {'tok/s':>9s} {'floor ms':>9s} {'% of floor':>10s} "
+          f"{'graph ms':>9s}")
     for b in batches:
         states = [model.new_state() for _ in range(b)]
         model.forward(states, [rng.integers(0, cfg.vocab_size, ctx) for _ in range(b)])
@@ -226,11 +239,13 @@ def bench_model(ckpt: str, bw: float, batches=(1, 8, 32), prefills=(4096, 65536)
         # the busiest rank sets the pace: its slices, and the experts it holds that the batch touches
         floor = max(ws["dense"] + nl * ws["owned"] * (1 - (1 - k / e) ** b) * ws["expert"] + ws["head"] + state
                     for ws in stats) / bw
+        step_graph = _decode_graph_seconds(graphs[0], b) if len(ranks) == 1 else float("nan")
         print(f"{b:6d} {dt * 1e3:9.2f} {dt / nl * 1e3:9.3f} {b / dt:9.1f} {floor * 1e3:9.3f} "
-              f"{100 * floor / dt:9.1f}%")
+              f"{100 * floor / dt:9.1f}% {step_graph * 1e3:9.3f}")
     print(f"(graphs captured {sum(g.captures for g in graphs)}, replays {sum(g.replays for g in graphs)}; "
           "a step = forward + greedy draw on the device; "
-          "floor = weight + state bytes a step reads on the busiest GPU / copy bandwidth)")
+          "floor = weight + state bytes a step reads on the busiest GPU / copy bandwidth; "
+          "graph ms = the decode step's forward graph replayed back to back: its device time, no host in it)")
     if prefills:
         tc = tensor_core_rate()
         print(f"tensor-core rate (fp16 cuBLAS GEMM): {tc / 1e12:.0f} TFLOP/s per GPU")

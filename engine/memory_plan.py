@@ -11,7 +11,7 @@ Per tensor-parallel rank (engine.tp.ShardPlan decides what each rank holds) the 
   checkpoint whose arrays are zero-stride views and a recording "ops" that only counts, so the
   slicing (heads, vocab rows, experts, shared-expert width) is exactly the model's and no byte of
   data is read. Engram tables are counted as HOST bytes (pinned host memory: a token reads only a
-  few rows of them), as are hash-routing tables (`tid2eid`).
+  few rows of them); hash-routing tables (`tid2eid`, int64) are device bytes, gathered on the GPU.
 - state: max_seqs * (fixed + per_token * max_context), with (per_token, fixed) from
   `Model.resident_state_bytes_per_token`: what a running sequence occupies on the device (float32
   arrays, growth-buffer headroom), not its stored size (`Model.state_bytes_per_token`: V4.1's
@@ -258,9 +258,6 @@ def weight_bytes(cfg: ModelConfig | dict, source, n_gpus: int = 1, expert_split:
     for r in range(n_gpus):
         ops = _CountingOps()
         load_weights(cfg, table, ops, ShardPlan.make(cfg, r, n_gpus, expert_split))
-        for name, (_dt, shape) in table.table.items():  # hash routing tables: host int64 (np.asarray)
-            if name.endswith("gate.tid2eid"):
-                ops.host["hash tables (host)"] = ops.host.get("hash tables (host)", 0) + math.prod(shape) * 8
         out.append(RankWeights(ops.device, ops.host, ops.tensors))
     return out
 
@@ -379,7 +376,7 @@ class MemoryPlan:
 
     @property
     def host_bytes(self) -> int:
-        """Host memory for the Engram / hash tables (one copy, shared by the ranks of a host)."""
+        """Host memory for the Engram tables (one copy, shared by the ranks of a host)."""
         return max((sum(r.host.values()) for r in self.ranks), default=0)
 
     def consumers(self, rank: RankPlan | None = None) -> list[tuple[str, int]]:
@@ -399,7 +396,7 @@ class MemoryPlan:
                          f"{g(r.reserve):>11} {g(r.total):>11}  {'yes' if r.total <= self.gpu_bytes else 'NO'}")
         w = self.worst
         lines.append(f"largest (rank {w.rank}): " + ", ".join(f"{k} {g(v)}" for k, v in self.consumers(w)[:4]))
-        lines.append(f"state per sequence: {g(self.state_per_seq)}; host memory (Engram / hash tables): "
+        lines.append(f"state per sequence: {g(self.state_per_seq)}; host memory (Engram tables): "
                      f"{g(self.host_bytes)}")
         return "\n".join(lines)
 

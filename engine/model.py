@@ -25,8 +25,8 @@ import numpy as np
 
 from engine import rows
 from engine.config import ModelConfig, RopeSpec
+from engine.decode_plan import StepInputs, plan_decode
 from engine.engram import NgramHasher
-from engine.rows import Span
 from engine.state import V41_CODECS, LayerState, SequenceState, place
 from engine.tp import Collective, ShardPlan, run_single, slice_weight
 
@@ -154,7 +154,7 @@ def load_weights(cfg: ModelConfig, ckpt, ops, plan: ShardPlan) -> SimpleNamespac
         f = p + "ffn."
         L.gate_w = lin(f + "gate.weight")
         L.gate_bias = opt_vec(f + "gate.bias")
-        L.tid2eid = np.asarray(ckpt.raw(f + "gate.tid2eid").array, dtype=np.int64) if cfg.hash_layers[i] else None
+        L.tid2eid = ops.asarray(ckpt.raw(f + "gate.tid2eid").array, dtype=np.int64) if cfg.hash_layers[i] else None
         ec = plan.expert_cols if plan.expert_split == "width" else None  # this rank's slice of each expert
         L.experts = [(lin(f"{f}experts.{e}.w1.weight", rows=ec), lin(f"{f}experts.{e}.w2.weight", cols=ec),
                       lin(f"{f}experts.{e}.w3.weight", rows=ec)) if plan.owns_expert(e) else None
@@ -290,7 +290,7 @@ class Model:
         cfg, ops = self.cfg, self.ops
         if len(states) != len(chunks) or not states:
             raise ValueError("forward needs one chunk per state")
-        seqs, ids, pos, start = [], [], [], 0
+        seqs, ids, start = [], [], 0
         for st, ch in zip(states, chunks, strict=True):
             place(st, getattr(ops, "placement", ops.name), ops.asarray)  # e.g. one restored from bytes
             ch = np.asarray(ch, dtype=np.int64).reshape(-1)
@@ -298,54 +298,75 @@ class Model:
                 raise ValueError("every chunk needs at least one token")
             if ch.min() < 0 or ch.max() >= cfg.vocab_size:
                 raise ValueError(f"token id out of range [0, {cfg.vocab_size})")
-            p = st.position + np.arange(ch.size)
-            seqs.append(_Seq(st, slice(start, start + ch.size), p, {}))
+            seqs.append(_Seq(st, slice(start, start + ch.size), st.position + np.arange(ch.size), {}))
             ids.append(ch)
-            pos.append(p)
             start += ch.size
-        ids_all, pos_all = np.concatenate(ids), np.concatenate(pos)
-        hash_ids = self._engram_hashes(seqs, ids) if self.hasher else None
-
-        if self.plan.single:  # the embedding and the initial streams as one region
-            t = ids_all.size  # (token ids and Engram hash ids go up in one copy)
-            up = ops.asarray(ids_all if hash_ids is None else np.concatenate([ids_all, hash_ids.reshape(-1)]),
-                             dtype=np.int64)
-            hash_dev = up[t:].reshape(hash_ids.shape) if hash_ids is not None else None
-            h, pre_mix = ops.graphed(("embed", id(self.w)), lambda i: self._streams(ops.embed(self.w.embed, i)),
-                                     up[:t])
+        ids_all, pos_all = np.concatenate(ids), np.concatenate([s.pos for s in seqs])
+        # A V4.1 decode step plans every layer's state rows on the host first (engine/decode_plan.py):
+        # its device half then has the same launches whatever the positions (one graph on one GPU).
+        decode = cfg.arch == "v41" and all(ch.size == 1 for ch in ids)
+        layers = None
+        if decode:
+            growth: list = []
+            layers = plan_decode(cfg, states, ops.xp, growth, self._comp_rope_tables,
+                                 self.plan.heads[1] > self.plan.heads[0])
+            ops.copy_rows(growth)
+        inputs = StepInputs(
+            ids=ids_all, hash_ids=self._engram_hashes(seqs, ids) if self.hasher else None, layers=layers,
+            rope=np.stack([*rope_tables(self.freq_main, pos_all, cfg.rope_main.attention_factor),
+                           *rope_tables(self.freq_comp, pos_all, cfg.rope_compress.attention_factor)]))
+        if decode and self.plan.single:
+            local_logits = ops.graphed_step(("decode", id(self.w)), inputs,
+                                            lambda st: run_single(self._run(st, seqs, all_logits)), rows=len(seqs))
         else:
+            local_logits = yield from self._run(ops.stage(inputs), seqs, all_logits)
+        for s, ch in zip(seqs, ids, strict=True):
+            s.state.position += ch.size
+        if on_device and not all_logits:
+            return (yield Collective("gather", local_logits))
+        logits = yield Collective("gather", ops.to_host(local_logits))
+        if not all_logits:
+            return [logits[i] for i in range(len(seqs))]
+        return [logits[s.rows] for s in seqs]
+
+    def _run(self, st: StepInputs, seqs: list[_Seq], all_logits: bool):
+        """The forward's device work over staged inputs (ops.stage), as a generator like
+        forward_steps: the embedding, every layer, the head; returns this rank's logits (of each
+        sequence's last row, or of every row with all_logits)."""
+        cfg, ops = self.cfg, self.ops
+        ids, hash_ids = st.ids, st.hash_ids
+        if self.plan.single:  # the embedding and the initial streams as one region
+            h, pre_mix = ops.graphed(("embed", id(self.w)), lambda i: self._streams(ops.embed(self.w.embed, i)), ids)
+        else:  # vocab-parallel: other ranks hold the other rows
             v0, v1 = self.plan.vocab
-            local = (ids_all >= v0) & (ids_all < v1)  # vocab-parallel: other ranks hold the other rows
-            x = ops.embed(self.w.embed, np.where(local, ids_all - v0, 0))
-            if not local.all():
-                x = x * ops.asarray(local[:, None])
+            local = (ids >= v0) & (ids < v1)
+            x = ops.embed(self.w.embed, ops.xp.where(local, ids - v0, 0)) * local[:, None]
             h, pre_mix = self._streams((yield Collective("sum", x)))
-            hash_dev = ops.asarray(hash_ids, dtype=np.int64) if hash_ids is not None else None
-        # cos / sin of both RoPE tables in one host->device copy
-        tabs = ops.asarray(np.stack([*rope_tables(self.freq_main, pos_all, cfg.rope_main.attention_factor),
-                                     *rope_tables(self.freq_comp, pos_all, cfg.rope_compress.attention_factor)]))
-        ropes = {"main": (tabs[0], tabs[1]), "compress": (tabs[2], tabs[3])}
-        advance = [s.pos.size for s in seqs]
+        ropes = {"main": (st.rope[0], st.rope[1]), "compress": (st.rope[2], st.rope[3])}
         replay_from = self._replay_start() if not all_logits else cfg.num_layers
         batch: dict = {}  # what a V4.1 decode step's index sources publish to later layers
         # Each layer runs as "regions" (pure functions of device arrays: ops.graphed may replay them
         # as CUDA graphs) around the per-sequence attention, which reads and grows the state: its
         # projections before; after, on one rank, the rest of the layer as one region, under tensor
         # parallelism three (output projection, FFN, stream update) with an all-reduce after the
-        # first two. A host-bound decode step pays ~40 us per region replay.
+        # first two. (A V4.1 decode step on one rank is a graph as a whole: its regions run inline.)
         for li, L in enumerate(self.w.layers):
             if li >= replay_from:  # bounded replay: drop rows no later output or state depends on
                 idx = self._keep_trailing(seqs, 1 + (cfg.num_layers - li) * (cfg.sliding_window - 1))
                 if idx is not None:
-                    h, pre_mix, ids_all = h[ops.asarray(idx, dtype=np.int64)], pre_mix[idx], ids_all[idx]
+                    idx = ops.asarray(idx, dtype=np.int64)
+                    h, pre_mix, ids = h[idx], pre_mix[idx], ids[idx]
                     ropes = {k: (c[idx], sn[idx]) for k, (c, sn) in ropes.items()}
-                    hash_dev = hash_dev[ops.asarray(idx, dtype=np.int64)] if hash_dev is not None else None
+                    hash_ids = hash_ids[idx] if hash_ids is not None else None
             cos, sin = ropes["compress" if cfg.compress_ratios[li] else "main"]
-            eng = hash_dev if L.engram is not None else None
+            eng = hash_ids if L.engram is not None else None
             h, xa, q_res, q, kv, pre_a, post_a, comb_a, *extra = ops.graphed(
                 ("in", id(L)), lambda *a, li=li, L=L: self._layer_in(li, L, *a), h, pre_mix, eng, cos, sin)
-            out = self._attention(li, L, xa, q_res, q, kv, seqs, _Projected(*extra), batch)
-            route_hash = ops.asarray(L.tid2eid[ids_all], dtype=np.int64) if L.tid2eid is not None else None
+            if st.layers is not None:
+                out = self._decode_attend(li, L, q, kv, _Projected(*extra), st.layers[li], batch)
+            else:
+                out = self._attention(li, L, xa, q_res, q, kv, seqs, _Projected(*extra))
+            route_hash = L.tid2eid[ids] if L.tid2eid is not None else None
             if self.plan.single:  # no collectives: the rest of the layer is one region (one graph)
                 h, pre_mix = ops.graphed(("post", id(L)), lambda *a, li=li, L=L: self._post(li, L, *a),
                                          out, cos, sin, h, pre_a, post_a, comb_a, route_hash)
@@ -358,18 +379,10 @@ class Model:
             ffn = yield Collective("sum", ffn_part)
             h = ops.graphed(("out", id(L)), ops.hc_expand, ffn, h, post_f, comb_f)
             pre_mix = pre_f
-        for s, n in zip(seqs, advance, strict=True):
-            s.state.position += n
         last = np.array([s.rows.stop - 1 for s in seqs])
-        if not all_logits and not np.array_equal(last, np.arange(len(ids_all))):  # (decode: every row)
+        if not all_logits and not np.array_equal(last, np.arange(h.shape[0])):  # (decode: every row)
             h, pre_mix = h[ops.asarray(last, dtype=np.int64)], pre_mix[last] if pre_mix is not None else None
-        local_logits = ops.graphed(("head", id(self.w)), self._head, h, pre_mix)
-        if on_device and not all_logits:
-            return (yield Collective("gather", local_logits))
-        logits = yield Collective("gather", ops.to_host(local_logits))
-        if not all_logits:
-            return [logits[i] for i in range(len(seqs))]
-        return [logits[s.rows] for s in seqs]
+        return ops.graphed(("head", id(self.w)), self._head, h, pre_mix)
 
     # ---- bounded replay ----------------------------------------------------------------
     def _replay_start(self) -> int:
@@ -519,12 +532,10 @@ class Model:
         return y
 
     # ---- attention ---------------------------------------------------------------------
-    def _attention(self, li: int, L, x, q_res, q, kv, seqs: list[_Seq], proj: _Projected, batch: dict):
+    def _attention(self, li: int, L, x, q_res, q, kv, seqs: list[_Seq], proj: _Projected):
         """Each sequence's queries over its window, the new K=V rows and its compressed entries;
         grows the state. Returns the per-head output [T, H, D] (None on a rank without heads)."""
         cfg, ops, xp = self.cfg, self.ops, self.ops.xp
-        if cfg.arch == "v41" and all(s.pos.size == 1 for s in seqs):
-            return self._decode_v41(li, L, q, kv, seqs, proj, batch)
         hn, d = self.plan.heads[1] - self.plan.heads[0], cfg.head_dim
         ratio = cfg.compress_ratios[li]
         win = cfg.sliding_window
@@ -564,104 +575,51 @@ class Model:
         return out if hn else None
 
     # V4.1 decode -------------------------------------------------------------------------
-    def _decode_v41(self, li: int, L, q, kv, seqs: list[_Seq], p: _Projected, batch: dict):
-        """A V4.1 layer's state update and attention for one new token per sequence, batched: every
-        state array grows in place by one batched row copy (engine/rows.py), the compressor pools
-        the groups that close in one go, the indexer scores every sequence in one launch, and one
-        attention launch reads windows and entries where they lie. Same values as the chunk path
+    def _decode_attend(self, li: int, L, q, kv, p: _Projected, lp, batch: dict):
+        """The device half of a V4.1 layer's decode step (lp: its staged LayerPlan, see
+        engine/decode_plan.py): the new rows into the state, the closing groups pooled into
+        entries and indexer keys, the index source's top-k published in `batch`, then one
+        attention launch over each window and its group's selected entries, read in place. Every
+        sequence in one launch per op, whatever its phase; same values as the chunk path
         (_attention over _v41_compressed), which the consistency tests check bit for bit."""
         cfg, ops, xp = self.cfg, self.ops, self.ops.xp
-        ratio, kind, win, d = cfg.compress_ratios[li], cfg.layer_kinds[li], cfg.sliding_window, cfg.head_dim
-        states = [s.state.layers[li] for s in seqs]
-        jobs, keys, closing = [], [], []
-        for b, ls in enumerate(states):  # the window (and the keys this token attends to)
-            buf, start, end = rows.reserve(xp, ls, "window", d, 1, jobs)
-            jobs.append((kv, b, buf, end, 1))
-            keys.append(Span(buf, start, end + 1 - start))
-            rows.commit(ls, "window", buf, max(start, end + 2 - win), end + 1)
-        appends = []  # (state, field, source rows, row) of new compressed entries / indexer keys
-        if kind == "source" and ratio > 1:  # the new row joins its group's pending rows
-            for b, ls in enumerate(states):
-                pend = []
-                for name, src in (("buf_kv", p.comp_kv), ("buf_gate", p.comp_gate)):
-                    # (a group's rows are pooled, then the buffer is reused from its start)
-                    buf, start, end = rows.reserve(xp, ls, name, src.shape[1], 1, jobs, room=ratio)
-                    jobs.append((src, b, buf, end, 1))
-                    pend.append(Span(buf, start, end + 1 - start))
-                    rows.commit(ls, name, *((buf, 0, 0) if end + 1 - start == ratio else (buf, start, end + 1)))
-                if pend[0].n == ratio:
-                    closing.append((ls, *pend))
-        elif kind == "source":  # ratio 1: each token is its own group, projected already
-            for b, ls in enumerate(states):
-                appends.append((ls, "entries", p.entry, b))
-                if p.idx_key is not None:
-                    appends.append((ls, "idx_keys", p.idx_key, b))
-        ops.copy_rows(jobs)
-        if closing:
-            appends += self._decode_pool(L, closing, ratio)
-        jobs = []
-        for ls, name, src, r in appends:
-            buf, start, end = rows.reserve(xp, ls, name, src.shape[1], 1, jobs)
-            jobs.append((src, r, buf, end, 1))
-            rows.commit(ls, name, buf, start, end + 1)
-        ops.copy_rows(jobs)
-        grp = cfg.kv_group_source(li)
-        if L.idx is not None:
-            self._decode_index(li, p, [rows.span(s.state.layers[grp], "idx_keys") for s in seqs], batch)
+        eps = cfg.rms_norm_eps
+        ops.scatter_rows(kv, lp.win_dst)
+        entry, key = p.entry, p.idx_key
+        if lp.pool_kv is not None:  # ratio > 1: the new rows join their groups; closing groups pool
+            ops.scatter_rows(p.comp_kv, lp.pend_kv)
+            ops.scatter_rows(p.comp_gate, lp.pend_gate)
+            latent = ops.rmsnorm(ops.gated_pool_rows(lp.pool_kv, lp.pool_gate, cfg.compress_ratios[li], cfg.head_dim),
+                                 L.comp.norm, eps)
+            cos, sin = lp.pool_rope[0], lp.pool_rope[1]  # at each group's first position
+            entry = ops.rope(latent, cos, sin)
+            if self.store_quantized:  # compressed KV is stored as FP4 e2m1 + e4m3 scale per 16
+                entry = ops.fake_quant_fp4(entry, 16, e4m3_scales=True)
+            if L.idx is not None:
+                k = ops.rope(ops.rmsnorm(ops.linear(latent, L.idx.wk), L.idx.k_norm, eps), cos, sin)
+                key = ops.fake_quant_fp4(k, 32) if self.store_quantized else k  # MXFP4 indexer keys
+        if lp.entry_dst is not None:
+            ops.scatter_rows(entry, lp.entry_dst)
+        if lp.key_dst is not None:
+            ops.scatter_rows(key, lp.key_dst)
+        if lp.keys is not None:  # index source: every sequence's top-k over its group's keys
+            scores = ops.indexer_scores_spans(p.idx_q, lp.keys, p.idx_w, cfg.index_n_heads, cfg.index_head_dim,
+                                              lp.keys_cap)
+            if lp.cand == "source":
+                batch["cand"] = self._candidate_blocks(scores, lp.cand_last)
+            elif lp.cand == "filter":
+                scores = xp.where(batch["cand"], scores, NEG_INF)
+            batch["topk"] = ops.topk_mask(scores, min(cfg.index_topk, lp.keys_cap))
         if self.plan.heads[1] == self.plan.heads[0]:
             return None
-        sources, pub = [], batch.get("topk")
-        for b, (s, k) in enumerate(zip(seqs, keys, strict=True)):
-            srcs = [(k, None)]
-            if ratio and grp >= 0:  # the group's entries under this sequence's published top-k
-                es = rows.span(s.state.layers[grp], "entries")
-                if es.n and pub is not None and pub[1][b] == es.n:
-                    srcs.append((es, Span(pub[0], b, es.n)))
-            sources.append(srcs)
-        return ops.attention_decode(q, sources, L.sinks, d**-0.5)
+        return ops.attend_decode(q, lp.attend, batch.get("topk"), L.sinks, cfg.head_dim**-0.5, lp.attend_cap)
 
-    def _decode_pool(self, L, closing: list, ratio: int) -> list:
-        """Entries (and indexer keys) of the groups that close this step: closing lists (layer
-        state, pending kv Span, pending gate Span) with `ratio` rows each. Returns the appends."""
-        cfg, ops, xp = self.cfg, self.ops, self.ops.xp
-        g, dd = len(closing), closing[0][1].buf.shape[1]
-        kvg, gg = xp.empty((g * ratio, dd), np.float32), xp.empty((g * ratio, dd), np.float32)
-        ops.copy_rows([job for i, (_, skv, sg) in enumerate(closing) for job in (
-            (skv.buf, skv.start, kvg, i * ratio, ratio), (sg.buf, sg.start, gg, i * ratio, ratio))])
-        latent = ops.rmsnorm(ops.gated_pool(kvg.reshape(g, ratio, dd), gg.reshape(g, ratio, dd)), L.comp.norm,
-                             cfg.rms_norm_eps)
-        first = np.array([ls.n_entries * ratio for ls, _, _ in closing])  # each group's first position
-        cos, sin = self._comp_tables(first)  # (shared by the entries and the indexer keys)
-        rotated = ops.rope(latent, cos, sin)
-        if self.store_quantized:
-            rotated = ops.fake_quant_fp4(rotated, 16, e4m3_scales=True)
-        out = [(ls, "entries", rotated, i) for i, (ls, _, _) in enumerate(closing)]
-        if L.idx is not None:
-            k = ops.rope(ops.rmsnorm(ops.linear(latent, L.idx.wk), L.idx.k_norm, cfg.rms_norm_eps), cos, sin)
-            k = ops.fake_quant_fp4(k, 32) if self.store_quantized else k
-            out += [(ls, "idx_keys", k, i) for i, (ls, _, _) in enumerate(closing)]
-        return out
-
-    def _decode_index(self, li: int, p: _Projected, keys: list[Span], batch: dict) -> None:
-        """Index source at decode: every sequence's top-k over its group's keys, published to the
-        later layers as (mask [B, max n], each sequence's n)."""
-        cfg, ops, xp = self.cfg, self.ops, self.ops.xp
-        ns = tuple(k.n for k in keys)
-        if max(ns) == 0:
-            return
-        scores = ops.indexer_scores_spans(p.idx_q, keys, p.idx_w, cfg.index_n_heads, cfg.index_head_dim)
-        cand = cfg.candidate_source_layer_id
-        if li == cand:
-            batch["cand"] = (self._candidate_blocks(scores, np.array(ns)), ns)
-        elif 0 <= cand < li and batch.get("cand") is not None:
-            cmask, cns = batch["cand"]
-            if cns == ns:  # (the candidate source scored the same keys: same ratio)
-                scores = xp.where(cmask, scores, NEG_INF)
-        batch["topk"] = (ops.topk_mask(scores, min(cfg.index_topk, max(ns))), ns)
+    def _comp_rope_tables(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return rope_tables(self.freq_comp, positions, self.cfg.rope_compress.attention_factor)
 
     def _comp_tables(self, positions: np.ndarray) -> tuple:
         """Compressed-RoPE cos / sin at these positions, on the device in one upload."""
-        t = self.ops.asarray(np.stack(rope_tables(self.freq_comp, positions, self.cfg.rope_compress.attention_factor)))
+        t = self.ops.asarray(np.stack(self._comp_rope_tables(positions)))
         return t[0], t[1]
 
     def _comp_rope(self, x, first: int, ratio: int):
@@ -739,14 +697,16 @@ class Model:
             scores = xp.where(ops.asarray(np.arange(n)[None, :] < lens[:, None], dtype=bool), scores, NEG_INF)
         cand = cfg.candidate_source_layer_id
         if li == cand:
-            s.shared["cand"] = self._candidate_blocks(scores, lens)
+            s.shared["cand"] = self._candidate_blocks(scores, ops.asarray((lens - 1) // cfg.candidate_block_size,
+                                                                          dtype=np.int64))
         elif 0 <= cand < li and s.shared.get("cand") is not None and s.shared["cand"].shape[1] == n:
             scores = xp.where(s.shared["cand"], scores, NEG_INF)
         s.shared["topk"] = ops.topk_mask(scores, min(cfg.index_topk, n))
 
-    def _candidate_blocks(self, scores, lens: np.ndarray):
+    def _candidate_blocks(self, scores, last):
         """Level one of the two-level top-k: the best blocks of `candidate_block_size` entries per
-        query (block score = its best entry); the block holding the newest entry is always kept."""
+        query (block score = its best entry); the block holding the newest entry (last: each row's,
+        a backend int64 array, -1 when nothing is visible yet) is always kept."""
         cfg, ops, xp = self.cfg, self.ops, self.ops.xp
         bs = cfg.candidate_block_size
         s, n = scores.shape
@@ -754,14 +714,7 @@ class Model:
         padded = xp.full((s, nb * bs), NEG_INF, dtype=np.float32)
         padded[:, :n] = scores
         block = padded.reshape(s, nb, bs).max(axis=-1)
-        last = (lens.astype(np.int64) - 1) // bs  # -1 when nothing is visible yet
-        if s <= 4:  # decode: a few scalar writes instead of a host->device mask
-            for i, b in enumerate(last):
-                if b >= 0:
-                    block[i, int(b)] = np.float32(np.inf)
-        else:
-            pin = ops.asarray(np.arange(nb)[None, :] == last[:, None], dtype=bool)
-            block = xp.where(pin, np.float32(np.inf), block)
+        block = xp.where(xp.arange(nb)[None, :] == last[:, None], np.float32(np.inf), block)
         keep = ops.topk_mask(block, min(cfg.candidate_topk_blocks, nb))
         return xp.repeat(keep, bs, axis=1)[:, :n]
 

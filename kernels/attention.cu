@@ -113,22 +113,24 @@ extern "C" __global__ void __launch_bounds__(256) attention(const float* __restr
 // Sequence b reads two K=V sources from its table entry tab[6 b ..]: (rows0 ptr, n0, mask0 ptr,
 // rows1 ptr, n1, mask1 ptr); a source's rows are [n, D] f32, its mask bool [n] (visible where
 // true; a null pointer: all visible). Its keys are source 0's rows then source 1's, so no
-// concatenated copy of window + compressed entries is ever made.
+// concatenated copy of window + compressed entries is ever made. With `masks` given, source 1's
+// mask is row b of masks [B, masks_ld] where the table's mask1 field is non-zero (a decode step's
+// published top-k, which the table built on the host cannot point at).
 // grid (ceil(H/8), B, nsplit), block 256; split z covers keys [z * chunk, (z + 1) * chunk).
 // nsplit == 1 writes out [B, H, D] directly; otherwise each split writes its unnormalised
 // partial o to part_o [B, H, nsplit, D] and (m, l) to part_ml [B, H, nsplit, 2] for
 // attention_combine.
 extern "C" __global__ void __launch_bounds__(256) attention_decode(
-    const float* __restrict__ q, const long long* __restrict__ tab, const float* __restrict__ sinks,
-    float* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, int H, int D, int nsplit,
-    int chunk, float scale) {
+    const float* __restrict__ q, const long long* __restrict__ tab, const bool* __restrict__ masks, int masks_ld,
+    const float* __restrict__ sinks, float* __restrict__ out, float* __restrict__ part_o,
+    float* __restrict__ part_ml, int H, int D, int nsplit, int chunk, float scale) {
   const int h = blockIdx.x * 8 + (threadIdx.x >> 5), b = blockIdx.y, z = blockIdx.z, nd = D / 32;
   const bool active = h < H;
   const long long* e = tab + 6 * b;
   const float* r0 = (const float*)e[0];
   const float* r1 = (const float*)e[3];
   const bool* m0 = (const bool*)e[2];
-  const bool* m1 = (const bool*)e[5];
+  const bool* m1 = masks == nullptr ? (const bool*)e[5] : e[5] ? masks + (size_t)b * masks_ld : nullptr;
   const int n0 = (int)e[1], total = n0 + (int)e[4];
   float qr[ATT_DPL], o[ATT_DPL], m = -DSUF_INF, l = 0.f;
   load_query(q + ((size_t)b * H + (active ? h : 0)) * D, active, nd, qr, o);

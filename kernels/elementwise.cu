@@ -268,15 +268,8 @@ extern "C" __global__ void engram_mix(const float* __restrict__ h, const float* 
   for (int i = threadIdx.x; i < D; i += blockDim.x) y[row * D + i] = hr[i] + gate * v[i];
 }
 
-// kv, gate [G, R, D] -> out[g, d] = sum_r softmax_r(gate[g, :, d]) * kv[g, r, d]
-extern "C" __global__ void gated_pool(const float* __restrict__ kv, const float* __restrict__ gate,
-                                      float* __restrict__ out, long long total, int R, int D) {
-  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= total) return;
-  const long long g = i / D;
-  const int d = (int)(i % D);
-  const float* gr = gate + g * R * D + d;
-  const float* kr = kv + g * R * D + d;
+// sum_r softmax_r(gate[r * D]) * kv[r * D]: one column of a group's R rows
+__device__ __forceinline__ float pool_column(const float* __restrict__ kr, const float* __restrict__ gr, int R, int D) {
   float m = -DSUF_INF;
   for (int r = 0; r < R; ++r) m = fmaxf(m, gr[(size_t)r * D]);
   if (!isfinite(m)) m = 0.f;
@@ -284,7 +277,30 @@ extern "C" __global__ void gated_pool(const float* __restrict__ kv, const float*
   for (int r = 0; r < R; ++r) s += expf(gr[(size_t)r * D] - m);
   float acc = 0.f;
   for (int r = 0; r < R; ++r) acc += kr[(size_t)r * D] * (expf(gr[(size_t)r * D] - m) / s);
-  out[i] = acc;
+  return acc;
+}
+
+// kv, gate [G, R, D] -> out[g, d] = sum_r softmax_r(gate[g, :, d]) * kv[g, r, d]
+extern "C" __global__ void gated_pool(const float* __restrict__ kv, const float* __restrict__ gate,
+                                      float* __restrict__ out, long long total, int R, int D) {
+  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= total) return;
+  const long long g = i / D;
+  const int d = (int)(i % D);
+  out[i] = pool_column(kv + g * R * D + d, gate + g * R * D + d, R, D);
+}
+
+// Decode: the same for the group of sequence b, whose R rows start at kvs[2 b] / gates[2 b] (span
+// tables: address, count); a zero address (no group closes) gives a zero row. out [B, D].
+extern "C" __global__ void gated_pool_rows(const long long* __restrict__ kvs, const long long* __restrict__ gates,
+                                           float* __restrict__ out, long long total, int R, int D) {
+  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= total) return;
+  const long long b = i / D;
+  const int d = (int)(i % D);
+  const float* kr = (const float*)kvs[2 * b];
+  const float* gr = (const float*)gates[2 * b];
+  out[i] = kr == nullptr ? 0.f : pool_column(kr + d, gr + d, R, D);
 }
 
 // silu(min(gate, limit)) * clip(up, -limit, limit)   (no clamp when limit <= 0)
@@ -335,4 +351,19 @@ extern "C" __global__ void copy_rows(const long long* __restrict__ tab) {
   const long long n = t[2] / 16;
   for (long long i = (long long)blockIdx.y * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.y * blockDim.x)
     dst[i] = src[i];
+}
+
+// Row b of src [B, W] (rows ld floats apart) to the address dst[b], skipped where it is 0: a decode
+// step's new state rows, each into its own sequence's buffer. vec4: W, ld and the addresses are
+// multiples of 4 floats. grid (B), block 128.
+extern "C" __global__ void scatter_rows(const float* __restrict__ src, const long long* __restrict__ dst, int W,
+                                        int ld, int vec4) {
+  float* d = (float*)dst[blockIdx.x];
+  if (d == nullptr) return;
+  const float* s = src + (size_t)blockIdx.x * ld;
+  if (vec4) {
+    for (int i = threadIdx.x; i < W / 4; i += blockDim.x) ((float4*)d)[i] = ((const float4*)s)[i];
+  } else {
+    for (int i = threadIdx.x; i < W; i += blockDim.x) d[i] = s[i];
+  }
 }

@@ -157,9 +157,14 @@ class DualOps:
     def graphed(self, key, fn, *arrays):  # op by op, eagerly: each op is compared
         return fn(*arrays)
 
+    def graphed_step(self, key, inputs, run, rows):
+        return run(self.gpu.stage(inputs))
+
     def __getattr__(self, name):
         fn = getattr(self.gpu, name)
-        if name in ("prepare", "asarray", "to_host", "copy_rows") or not callable(fn):  # (copy_rows: in place)
+        # (in place, or reading staged address tables the reference cannot: test_gpu_ops checks those)
+        if name in ("prepare", "asarray", "to_host", "copy_rows", "stage", "scatter_rows", "gated_pool_rows",
+                    "attend_decode", "indexer_scores_spans") or not callable(fn):
             return fn
 
         def call(*args, **kw):
@@ -209,8 +214,9 @@ def test_cuda_graphs_replay_equals_eager():
             nxt = [[int(np.argmax(lg))] for lg in logits]
         runs[graphs] = (np.stack(out), [s.to_bytes() for s in states], ops.graphs)
     eager, graphed = runs[False], runs[True]
-    # (a step replays the embedding, two regions per layer and the head: at least 6 steps' worth)
-    assert graphed[2].captures > 0 and graphed[2].replays >= 6 * (2 + 2 * model.cfg.num_layers)
+    # (a decode step is one graph: replayed for at least half of the 12 steps)
+    steps = [sig for sig in graphed[2]._graphs if sig[0][0][0] == "decode"]
+    assert steps and graphed[2].replays >= 6
     assert eager[2].captures == 0
     assert np.array_equal(eager[0], graphed[0])
     assert eager[1] == graphed[1]

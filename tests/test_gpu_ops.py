@@ -438,6 +438,69 @@ def test_copy_rows():
         GPU.copy_rows([(gpu_s[0], 299, gpu_d[0], 0, 2)])  # past the source's end
 
 
+def _staged_layer(plan, ops):
+    """A LayerPlan staged by a backend (its tables only: ids / rope left empty)."""
+    from engine.decode_plan import StepInputs
+
+    st = ops.stage(StepInputs(ids=np.zeros(1, np.int64), hash_ids=None, rope=np.zeros((4, 1, 1), np.float32),
+                              layers=[plan]))
+    return st.layers[0]
+
+
+def test_staged_decode_ops():
+    """The ops of a V4.1 decode step's device half (engine/decode_plan.py), from tables staged by
+    each backend (the GPU's: one upload of row addresses), against the numpy reference: new rows
+    scattered into state buffers (some sequences skipped), closing groups pooled (one sequence
+    without a closing group: a zero row), the indexer over each sequence's keys at a capacity width,
+    and the attention over windows and top-k-masked entries (one sequence without entries) sized
+    for a longer capacity than any sequence has."""
+    from engine.decode_plan import LayerPlan
+
+    b, h, d, dh, ratio = 5, 64, 512, 128, 2
+    bufs = {"win": [rnd(140, d) for _ in range(b)], "pend": [rnd(4, d) for _ in range(b)],
+            "gate": [rnd(4, d) for _ in range(b)], "ents": [rnd(700, d) for _ in range(b)],
+            "keys": [rnd(700, dh) for _ in range(b)]}
+    ns = [600, 0, 37, 1, 257]
+    win_n = [128, 1, 50, 128, 9]
+    closes = [True, False, True, True, True]
+
+    def plan_on(xp_bufs):
+        g = xp_bufs
+        return LayerPlan(
+            win_dst=[Span(g["win"][i], 3 + win_n[i] - 1, 1) if i != 1 else None for i in range(b)],
+            attend=[(Span(g["win"][i], 3, win_n[i]), Span(g["ents"][i], 20, ns[i]) if ns[i] else None)
+                    for i in range(b)],
+            attend_cap=1024, mask_cap=1024,
+            pool_kv=[Span(g["pend"][i], 1, ratio) if closes[i] else None for i in range(b)],
+            pool_gate=[Span(g["gate"][i], 1, ratio) if closes[i] else None for i in range(b)],
+            keys=[Span(g["keys"][i], 30, ns[i]) for i in range(b)], keys_cap=1024)
+
+    gpu_bufs = {k: [cp.asarray(a) for a in v] for k, v in bufs.items()}
+    ref_bufs = {k: [a.copy() for a in v] for k, v in bufs.items()}
+    pr, pg = plan_on(ref_bufs), plan_on(gpu_bufs)
+    sr, sg = _staged_layer(pr, REF), _staged_layer(pg, GPU)
+    new = rnd(b, d)
+    REF.scatter_rows(new, sr.win_dst)
+    GPU.scatter_rows(cp.asarray(new), sg.win_dst)
+    for r, g in zip(ref_bufs["win"], gpu_bufs["win"], strict=True):
+        np.testing.assert_array_equal(cp.asnumpy(g), r)
+    pooled_ref = REF.gated_pool_rows(sr.pool_kv, sr.pool_gate, ratio, d)
+    assert not pooled_ref[1].any()
+    assert rel(GPU.gated_pool_rows(sg.pool_kv, sg.pool_gate, ratio, d), pooled_ref) < 1e-6
+    q, w = rnd(b, 32, dh), rnd(b, 32)
+    sc_ref = REF.indexer_scores_spans(q, sr.keys, w, 32, dh, sr.keys_cap)
+    sc_gpu = cp.asnumpy(GPU.indexer_scores_spans(cp.asarray(q), sg.keys, cp.asarray(w), 32, dh, sg.keys_cap))
+    assert sc_gpu.shape == sc_ref.shape == (b, 1024)
+    np.testing.assert_array_equal(np.isneginf(sc_gpu), np.isneginf(sc_ref))
+    fin = np.isfinite(sc_ref)
+    assert rel(sc_gpu[fin], sc_ref[fin]) < 1e-5
+    mask = RNG.random((b, 1024)) < 0.3
+    qa, sinks = rnd(b, h, d), rnd(h)
+    ref = REF.attend_decode(qa, sr.attend, mask, sinks, d**-0.5, sr.attend_cap)
+    got = GPU.attend_decode(cp.asarray(qa), sg.attend, cp.asarray(mask), cp.asarray(sinks), d**-0.5, sg.attend_cap)
+    assert rel(got, ref) < 1e-5
+
+
 @pytest.mark.parametrize("s,n,h,dh", [(1, 2048, 32, 128), (9, 333, 64, 128), (3, 40, 16, 32)])
 def test_indexer_scores(s, n, h, dh):
     q, k, w = rnd(s, h, dh), rnd(n, dh), rnd(s, h)

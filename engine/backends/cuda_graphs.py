@@ -63,12 +63,26 @@ class RegionGraphs:
         self._pool = cp.cuda.MemoryPool()
         self.replays = 0
         self.captures = 0
+        self._inside = False
 
-    def __call__(self, key, fn, *arrays):
-        if not self.enabled or any(a is not None and (a.ndim == 0 or a.shape[0] > MAX_GRAPH_ROWS) for a in arrays):
+    def __call__(self, key, fn, *arrays, rows: int | None = None):
+        """fn(*arrays), as a graph once the same key and input shapes come again. rows: the
+        batch rows the region computes (default: the first input's leading dimension). A region
+        called inside another (a decode step's layers) runs inline, part of the outer graph."""
+        if self._inside:
+            return fn(*arrays)
+        self._inside = True
+        try:
+            return self._call(key, fn, arrays, rows)
+        finally:
+            self._inside = False
+
+    def _call(self, key, fn, arrays: tuple, rows: int | None):
+        if rows is None:
+            rows = next((a.shape[0] for a in arrays if a is not None and a.ndim), MAX_GRAPH_ROWS + 1)
+        if not self.enabled or rows > MAX_GRAPH_ROWS or any(a is not None and a.ndim == 0 for a in arrays):
             return fn(*arrays)
         sig = (key, tuple(None if a is None else (a.shape, a.dtype.str) for a in arrays))
-        rows = next(a.shape[0] for a in arrays if a is not None)
         if sig in self._graphs:
             cap = self._graphs[sig]
             self._buckets.move_to_end(rows)
@@ -82,6 +96,11 @@ class RegionGraphs:
         if cap is None:  # capture failed once: this region stays eager
             return fn(*arrays)
         return self._replay(cap, fn, arrays)
+
+    def captured(self, rows: int) -> list:
+        """(key, CUDA graph) of every region captured at `rows` batch rows, oldest first (a
+        benchmark times a decode step's graph on its own with them)."""
+        return [(sig[0], c.graph) for sig, c in self._graphs.items() if c is not None and self._rows.get(sig) == rows]
 
     def _make_room(self, rows: int) -> None:
         """Before the first capture at a new row count: drop the least recently used bucket's

@@ -24,7 +24,7 @@ import numpy as np
 
 from engine import formats
 from engine import kernels as K
-from engine.backends import cupy_sampling
+from engine.backends import cupy_sampling, cupy_staging
 from engine.backends.cuda_graphs import RegionGraphs
 from engine.backends.pinned import PinnedUploader
 from engine.kernels import FMT_BF16, FMT_F32, FMT_FP4, FMT_FP8
@@ -778,7 +778,26 @@ class CupyOps:
                     keep.append(mk)
                     mp = _ptr(mk)
                 tab[i, 3 * j:3 * j + 3] = (kp, n, mp)
-        longest = max(1, int((tab[:, 1] + tab[:, 4]).max()))
+        longest = int((tab[:, 1] + tab[:, 4]).max())
+        return self._attention_decode(q, self.asarray(tab, dtype=np.int64), None, sinks, scale, longest, out)
+
+    def attend_decode(self, q: cp.ndarray, attend: cp.ndarray, mask: cp.ndarray | None, sinks: cp.ndarray,
+                      scale: float, longest: int) -> cp.ndarray:
+        """A V4.1 decode step's attention from its staged table (engine/decode_plan.py: each
+        sequence's window, then its group's entries under row b of the published top-k `mask`);
+        the split over the keys is sized for `longest` keys (the plan's capacity bucket), so the
+        launch is the same whatever the exact counts."""
+        b, h, d = q.shape
+        out = cp.empty((b, h, d), F32)
+        if b == 0:
+            return out
+        return self._attention_decode(q, attend, mask, sinks, scale, longest, out)
+
+    def _attention_decode(self, q, tab: cp.ndarray, masks, sinks, scale: float, longest: int, out) -> cp.ndarray:
+        b, h, d = q.shape
+        if d % 32 or d > 512:
+            raise ValueError(f"attention kernel needs head_dim % 32 == 0 and <= 512 (got {d})")
+        longest = max(1, longest)
         blocks = -(-h // 8) * b
         nsplit = max(1, min(-(-ATT_BLOCKS_TARGET // blocks), -(-longest // ATT_MIN_SPLIT)))
         per_split = -(-longest // nsplit)
@@ -788,9 +807,12 @@ class CupyOps:
         part_o = cp.empty((b, h, nsplit, d), F32) if nsplit > 1 else out
         part_ml = cp.empty((b, h, nsplit, 2), F32) if nsplit > 1 else out
         qc, sk = _c32(q), _c32(sinks)
+        masks_ld = 0 if masks is None else masks.shape[1]
+        if masks is not None and (masks.dtype != cp.bool_ or not masks.flags.c_contiguous):
+            raise ValueError("attend_decode: the mask must be a C-contiguous bool [B, N] array")
         K.function("attention", "attention_decode")((-(-h // 8), b, nsplit), (256,), (
-            qc, self.asarray(tab, dtype=np.int64), sk, out, part_o, part_ml, np.int32(h), np.int32(d),
-            np.int32(nsplit), np.int32(chunk), F32(scale)), shared_mem=16 * d * 4)
+            qc, tab, masks if masks is not None else _NULL, np.int32(masks_ld), sk, out, part_o, part_ml,
+            np.int32(h), np.int32(d), np.int32(nsplit), np.int32(chunk), F32(scale)), shared_mem=16 * d * 4)
         if nsplit > 1:
             K.function("attention", "attention_combine")((-(-(b * h) // 8),), (256,), (
                 part_o, part_ml, sk, out, np.int32(b * h), np.int32(h), np.int32(d), np.int32(nsplit)))
@@ -810,20 +832,24 @@ class CupyOps:
             F32(head_dim**-0.5), F32(n_heads**-0.5)), shared_mem=(h * dh + h) * 4)
         return out
 
-    def indexer_scores_spans(self, q: cp.ndarray, keys: list, w: cp.ndarray, n_heads: int,
-                             head_dim: int) -> cp.ndarray:
-        """Decode: query row b against its own keys (keys[b], a Span of rows, read in place) ->
-        [B, max n], -inf past each row's n. One launch."""
+    def indexer_scores_spans(self, q: cp.ndarray, keys, w: cp.ndarray, n_heads: int, head_dim: int,
+                             width: int | None = None) -> cp.ndarray:
+        """Decode: query row b against its own keys (keys[b], a Span of rows, read in place; or a
+        staged [B, 2] table of (address, count)) -> [B, width] (default: the largest count), -inf
+        past each row's count. One launch."""
         b, h, dh = q.shape
-        ldo = max((k.n for k in keys), default=0)
-        out = cp.empty((b, ldo), F32)
-        if b == 0 or ldo == 0:
+        if not isinstance(keys, cp.ndarray):
+            if width is None:
+                width = max((k.n for k in keys), default=0)
+            keys = self.asarray(np.array([(_span_ptr(k, dh) if k.n else 0, k.n) for k in keys], np.int64),
+                                dtype=np.int64)
+        out = cp.empty((b, width), F32)
+        if b == 0 or width == 0:
             return out
         if dh % 32 or dh > 256:
             raise ValueError(f"indexer kernel needs index_head_dim % 32 == 0 and <= 256 (got {dh})")
-        tab = np.array([(_span_ptr(k, dh) if k.n else 0, k.n) for k in keys], np.int64).reshape(-1)
-        K.function("attention", "indexer_scores_spans")((math.ceil(ldo / 32), b), (256,), (
-            _c32(q), self.asarray(tab, dtype=np.int64), _c32(w), out, np.int32(h), np.int32(ldo), np.int32(dh),
+        K.function("attention", "indexer_scores_spans")((math.ceil(width / 32), b), (256,), (
+            _c32(q), keys, _c32(w), out, np.int32(h), np.int32(width), np.int32(dh),
             F32(head_dim**-0.5), F32(n_heads**-0.5)), shared_mem=(h * dh + h) * 4)
         return out
 
@@ -848,6 +874,38 @@ class CupyOps:
             K.function("elementwise", "gated_pool")(_grid(out.size), (_ELT_BLOCK,), (
                 _c32(kv), _c32(gate), out, np.int64(out.size), np.int32(r), np.int32(d)))
         return out
+
+    def gated_pool_rows(self, kv: cp.ndarray, gate: cp.ndarray, ratio: int, width: int) -> cp.ndarray:
+        """Decode: row b pools the `ratio` pending rows of sequence b's closing group (staged span
+        tables [B, 2] of kv and gate rows; address 0: no group closes, a zero row) -> [B, width]."""
+        out = cp.empty((kv.shape[0], width), F32)
+        if out.size:
+            K.function("elementwise", "gated_pool_rows")(_grid(out.size), (_ELT_BLOCK,), (
+                kv, gate, out, np.int64(out.size), np.int32(ratio), np.int32(width)))
+        return out
+
+    def scatter_rows(self, src: cp.ndarray, dst: cp.ndarray) -> None:
+        """Row b of src [B, W] into the state row at address dst[b] (a staged table; 0: none)."""
+        b, w = src.shape
+        if not b:
+            return
+        src = _c32(src)
+        vec4 = int(w % 4 == 0 and src.data.ptr % 16 == 0)
+        K.function("elementwise", "scatter_rows")((b,), (128,), (src, dst, np.int32(w), np.int32(w), np.int32(vec4)))
+
+    # ---- a step's inputs -------------------------------------------------------------
+    def stage(self, inputs):
+        """A step's inputs (engine/decode_plan.py StepInputs) on the device: tables of addresses
+        and host arrays, in one int64 and one float32 upload (cupy_staging.py)."""
+        i64, f32, layout = cupy_staging.pack(inputs)
+        return layout.views(self.asarray(i64, dtype=np.int64), self.asarray(f32))
+
+    def graphed_step(self, key, inputs, run, rows: int):
+        """run(staged inputs) as one CUDA graph per (key, launch signature): a whole decode step
+        replays with one upload of its tables and one graph launch."""
+        i64, f32, layout = cupy_staging.pack(inputs)
+        return self.graphs((key, inputs.signature()), lambda a, b: run(layout.views(a, b)),
+                           self.asarray(i64, dtype=np.int64), self.asarray(f32), rows=rows)
 
     # ---- state quantization ----------------------------------------------------------
     def fake_quant_fp8(self, x: cp.ndarray, block: int = 32) -> cp.ndarray:

@@ -60,6 +60,21 @@ class NumpyOps:
         GPU backend replays it as a CUDA graph once its shapes repeat."""
         return fn(*arrays)
 
+    def stage(self, inputs):
+        """A step's inputs (engine/decode_plan.py StepInputs) as this backend's ops read them: here
+        as they are (Spans of state rows, host arrays); the GPU backend uploads address tables."""
+        return inputs
+
+    def graphed_step(self, key, inputs, run, rows: int):
+        """run(staged inputs): a whole decode step (the GPU backend replays it as one graph)."""
+        return run(self.stage(inputs))
+
+    def scatter_rows(self, src: np.ndarray, dst: list) -> None:
+        """Row b of src into the state row dst[b] (a Span of one row of a buffer; None: none)."""
+        for b, sp in enumerate(dst):
+            if sp is not None:
+                sp.buf[sp.start] = src[b]
+
     # ---- dense math ------------------------------------------------------------------
     def linear(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         """y = x @ w.T with w [out, in]. einsum's own loops, not BLAS: each row's result is then
@@ -217,6 +232,14 @@ class NumpyOps:
             out[b] = self.attention(q[b:b + 1], keys, np.zeros((1, keys.shape[0]), F32), sinks, scale)[0]
         return out
 
+    def attend_decode(self, q: np.ndarray, attend: list, mask: np.ndarray | None, sinks: np.ndarray,
+                      scale: float, longest: int) -> np.ndarray:
+        """A V4.1 decode step's attention (engine/decode_plan.py): attend[b] = (window Span, group
+        entries Span or None), the entries masked by row b of the published top-k `mask`.
+        (longest sizes the GPU kernel's split; the result does not depend on it.)"""
+        return self.attention_decode(q, [[(w, None)] + ([(e, Span(mask, b, e.n))] if e is not None else [])
+                                         for b, (w, e) in enumerate(attend)], sinks, scale)
+
     def indexer_scores(self, q: np.ndarray, k: np.ndarray, w: np.ndarray, n_heads: int, head_dim: int) -> np.ndarray:
         """sum_h w[s,h] * relu(q[s,h] . k[n]) * head_dim^-0.5 * n_heads^-0.5 -> [S, N]."""
         s, h, d = q.shape
@@ -225,10 +248,11 @@ class NumpyOps:
         return np.sum(scores * (w * F32(n_heads**-0.5))[:, :, None], axis=1, dtype=F32)
 
     def indexer_scores_spans(self, q: np.ndarray, keys: list, w: np.ndarray, n_heads: int,
-                             head_dim: int) -> np.ndarray:
-        """Decode: query row b against its own keys (keys[b], a Span of rows) -> [B, max n], -inf
-        past each row's n."""
-        out = np.full((q.shape[0], max((k.n for k in keys), default=0)), NEG_INF, dtype=F32)
+                             head_dim: int, width: int | None = None) -> np.ndarray:
+        """Decode: query row b against its own keys (keys[b], a Span of rows) -> [B, width]
+        (default: the largest n), -inf past each row's n."""
+        width = max((k.n for k in keys), default=0) if width is None else width
+        out = np.full((q.shape[0], width), NEG_INF, dtype=F32)
         for b, k in enumerate(keys):
             if k.n:
                 out[b, : k.n] = self.indexer_scores(q[b : b + 1], k.view(), w[b : b + 1], n_heads, head_dim)[0]
@@ -246,6 +270,15 @@ class NumpyOps:
     def gated_pool(self, kv: np.ndarray, gate: np.ndarray) -> np.ndarray:
         """kv, gate [G, R, D] -> sum_r softmax_r(gate) * kv  [G, D] (softmax over the window)."""
         return np.sum(kv * _softmax(gate, axis=1), axis=1, dtype=F32)
+
+    def gated_pool_rows(self, kv: list, gate: list, ratio: int, width: int) -> np.ndarray:
+        """Decode: row b pools the `ratio` pending rows of sequence b's closing group (kv[b],
+        gate[b]: Spans of them; None: no group closes, a zero row) -> [B, width]."""
+        out = np.zeros((len(kv), width), F32)
+        for b, (k, g) in enumerate(zip(kv, gate, strict=True)):
+            if k is not None:
+                out[b] = self.gated_pool(k.view()[None], g.view()[None])[0]
+        return out
 
     # ---- state quantization (DeepSeek's stored formats, applied as fake-quant) ----------
     def fake_quant_fp8(self, x: np.ndarray, block: int = 32) -> np.ndarray:

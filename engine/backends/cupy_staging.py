@@ -1,0 +1,93 @@
+"""A step's inputs (engine/decode_plan.py StepInputs) as the GPU kernels read them, in one upload.
+
+Spans and destination rows become device addresses (int64), host arrays go up as they are; all
+int64 values travel in one array and all float32 values in another. `Layout` remembers where
+each field lies, so the same views can be cut from a CUDA graph's own copy of the two arrays:
+a decode step's graph reads this step's tables wherever the state buffers are.
+
+Tables (int64): "rows" [B] the address of each destination row (0: none); "spans" [B, 2]
+(address of the first row, count); "attend" [B, 6] (window address, count, 0, entries address,
+count, 1 if the published top-k mask row b masks them), kernels/attention.cu attention_decode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields, replace
+
+import cupy as cp
+import numpy as np
+
+from engine.decode_plan import ATTEND, F32, I64, ROWS, SPANS, LayerPlan, StepInputs
+
+
+def _addr(sp) -> int:
+    """Device address of a Span's first row (C-contiguous float32 rows), 0 for None / no buffer."""
+    if sp is None or sp.buf is None:
+        return 0
+    buf = sp.buf
+    if buf.dtype != np.float32 or not buf.flags.c_contiguous or buf.ndim != 2 or sp.start + sp.n > buf.shape[0]:
+        raise ValueError("a staged Span must cover C-contiguous float32 rows of a 2-D buffer")
+    return int(buf.data.ptr) + sp.start * buf.shape[1] * 4
+
+
+def _table(kind: str, value: list) -> np.ndarray:
+    if kind == ROWS:
+        return np.array([_addr(sp) for sp in value], np.int64)
+    if kind == SPANS:
+        return np.array([(_addr(sp), 0 if sp is None else sp.n) for sp in value], np.int64).reshape(-1, 2)
+    if kind == ATTEND:
+        return np.array([(_addr(w), w.n, 0, _addr(e), 0, 0) if e is None else (_addr(w), w.n, 0, _addr(e), e.n, 1)
+                         for w, e in value], np.int64).reshape(-1, 6)
+    raise ValueError(f"unknown staged field kind {kind!r}")
+
+
+_STEP_FIELDS = [(f.name, f.metadata["kind"]) for f in fields(StepInputs) if "kind" in f.metadata]
+_LAYER_FIELDS = [(f.name, f.metadata["kind"]) for f in fields(LayerPlan) if "kind" in f.metadata]
+
+
+class Layout:
+    """Where each staged field of a StepInputs lies in the packed int64 / float32 arrays."""
+
+    def __init__(self) -> None:
+        self.step: list = []  # (field name, dtype, offset, shape)
+        self.layers: list | None = None  # per layer: (the LayerPlan with its tables taken out, slots)
+
+    @staticmethod
+    def _cut(slots: list, i64: cp.ndarray, f32: cp.ndarray) -> dict:
+        return {name: (i64 if dt is np.int64 else f32)[off:off + int(np.prod(shape))].reshape(shape)
+                for name, dt, off, shape in slots}
+
+    def views(self, i64: cp.ndarray, f32: cp.ndarray) -> StepInputs:
+        """The StepInputs whose tables are views of i64 / f32 (no copy, no kernel)."""
+        step = self._cut(self.step, i64, f32)
+        layers = None if self.layers is None else [replace(lp, **self._cut(slots, i64, f32))
+                                                    for lp, slots in self.layers]
+        return StepInputs(ids=step["ids"], hash_ids=step.get("hash_ids"), rope=step["rope"], layers=layers)
+
+
+def pack(inputs: StepInputs) -> tuple[np.ndarray, np.ndarray, Layout]:
+    """(int64 array, float32 array, Layout) of a step's inputs."""
+    lay = Layout()
+    parts: dict = {np.int64: [], np.float32: []}
+    size = {np.int64: 0, np.float32: 0}
+
+    def put(slots: list, name: str, kind: str, value) -> None:
+        dt = np.float32 if kind == F32 else np.int64
+        arr = np.ascontiguousarray(value, dtype=dt) if kind in (F32, I64) else _table(kind, value)
+        slots.append((name, dt, size[dt], arr.shape))
+        parts[dt].append(arr.reshape(-1))
+        size[dt] += arr.size
+
+    for name, kind in _STEP_FIELDS:
+        if (v := getattr(inputs, name)) is not None:
+            put(lay.step, name, kind, v)
+    if inputs.layers is not None:
+        lay.layers = []
+        for lp in inputs.layers:
+            slots: list = []
+            for name, kind in _LAYER_FIELDS:
+                if (v := getattr(lp, name)) is not None:
+                    put(slots, name, kind, v)
+            lay.layers.append((replace(lp, **{s[0]: None for s in slots}), slots))
+    out = [np.concatenate(parts[dt]) if parts[dt] else np.zeros(1, dt) for dt in (np.int64, np.float32)]
+    return out[0], out[1], lay
