@@ -75,16 +75,18 @@ _NAMES = [f.name for f in fields(LayerPlan)]
 @dataclass
 class StepInputs:
     """A forward's per-step inputs: token ids [T], Engram hash ids [T, cols] (or None), RoPE cos /
-    sin of both tables at each row's position [4, T, rope/2], and for a V4.1 decode step each
-    layer's plan."""
+    sin of both tables at each row's position [4, T, rope/2]; for V4.1 sequences fed one token
+    each layer's plan of their decode step, and where prompt chunks share the step, the rows of
+    those one-token sequences in the batch (dec_rows)."""
 
     ids: np.ndarray = field(metadata={"kind": I64})
     hash_ids: np.ndarray | None = field(metadata={"kind": I64})
     rope: np.ndarray = field(metadata={"kind": F32})
     layers: list | None = None
+    dec_rows: np.ndarray | None = field(default=None, metadata={"kind": I64})
 
     def signature(self) -> tuple:
-        shapes = tuple(None if a is None else a.shape for a in (self.ids, self.hash_ids, self.rope))
+        shapes = tuple(None if a is None else a.shape for a in (self.ids, self.hash_ids, self.rope, self.dec_rows))
         return shapes + (None if self.layers is None else tuple(lp.signature() for lp in self.layers),)
 
 

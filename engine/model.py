@@ -202,6 +202,10 @@ class _Projected(NamedTuple):
     def rows(self, r: slice) -> _Projected:
         return _Projected(*(None if a is None else a[r] for a in self))
 
+    def take(self, idx) -> _Projected:
+        """The rows at indices idx (a backend int64 array), gathered."""
+        return _Projected(*(None if a is None else a[idx] for a in self))
+
 
 class Model:
     def __init__(self, cfg: ModelConfig, ckpt, ops, tokenizer_json: str | Path | None = None,
@@ -302,20 +306,25 @@ class Model:
             ids.append(ch)
             start += ch.size
         ids_all, pos_all = np.concatenate(ids), np.concatenate([s.pos for s in seqs])
-        # A V4.1 decode step plans every layer's state rows on the host first (engine/decode_plan.py):
-        # its device half then has the same launches whatever the positions (one graph on one GPU).
-        decode = cfg.arch == "v41" and all(ch.size == 1 for ch in ids)
-        layers = None
-        if decode:
+        # V4.1 sequences fed one token take the batched decode path: every layer's state rows are
+        # planned on the host first (engine/decode_plan.py), so its device half has the same launches
+        # whatever the positions; a step of only such sequences is one graph on one GPU. Prompt
+        # chunks sharing the step take the chunk path beside them.
+        dec = [i for i, ch in enumerate(ids) if ch.size == 1] if cfg.arch == "v41" else []
+        layers = dec_rows = None
+        if dec:
             growth: list = []
-            layers = plan_decode(cfg, states, ops.xp, growth, self._comp_rope_tables,
+            layers = plan_decode(cfg, [states[i] for i in dec], ops.xp, growth, self._comp_rope_tables,
                                  self.plan.heads[1] > self.plan.heads[0])
             ops.copy_rows(growth)
+            if len(dec) < len(seqs):
+                dec_rows = np.array([seqs[i].rows.start for i in dec], np.int64)
         inputs = StepInputs(
             ids=ids_all, hash_ids=self._engram_hashes(seqs, ids) if self.hasher else None, layers=layers,
             rope=np.stack([*rope_tables(self.freq_main, pos_all, cfg.rope_main.attention_factor),
-                           *rope_tables(self.freq_comp, pos_all, cfg.rope_compress.attention_factor)]))
-        if decode and self.plan.single:
+                           *rope_tables(self.freq_comp, pos_all, cfg.rope_compress.attention_factor)]),
+            dec_rows=dec_rows)
+        if layers is not None and dec_rows is None and self.plan.single:
             local_logits = ops.graphed_step(("decode", id(self.w)), inputs,
                                             lambda st: run_single(self._run(st, seqs, all_logits)), rows=len(seqs))
         else:
@@ -343,6 +352,10 @@ class Model:
             x = ops.embed(self.w.embed, ops.xp.where(local, ids - v0, 0)) * local[:, None]
             h, pre_mix = self._streams((yield Collective("sum", x)))
         ropes = {"main": (st.rope[0], st.rope[1]), "compress": (st.rope[2], st.rope[3])}
+        # a step mixing decode rows (st.layers plans their sequences) with prompt chunks (the chunk path)
+        dseqs = [s for s in seqs if s.pos.size == 1] if st.layers is not None else []
+        cseqs = [s for s in seqs if s.pos.size > 1] if st.layers is not None else seqs
+        drows = st.dec_rows
         replay_from = self._replay_start() if not all_logits else cfg.num_layers
         batch: dict = {}  # what a V4.1 decode step's index sources publish to later layers
         # Each layer runs as "regions" (pure functions of device arrays: ops.graphed may replay them
@@ -358,14 +371,21 @@ class Model:
                     h, pre_mix, ids = h[idx], pre_mix[idx], ids[idx]
                     ropes = {k: (c[idx], sn[idx]) for k, (c, sn) in ropes.items()}
                     hash_ids = hash_ids[idx] if hash_ids is not None else None
+                    if dseqs and cseqs:
+                        drows = ops.asarray([s.rows.start for s in dseqs], dtype=np.int64)
             cos, sin = ropes["compress" if cfg.compress_ratios[li] else "main"]
             eng = hash_ids if L.engram is not None else None
             h, xa, q_res, q, kv, pre_a, post_a, comb_a, *extra = ops.graphed(
                 ("in", id(L)), lambda *a, li=li, L=L: self._layer_in(li, L, *a), h, pre_mix, eng, cos, sin)
-            if st.layers is not None:
-                out = self._decode_attend(li, L, q, kv, _Projected(*extra), st.layers[li], batch)
+            proj = _Projected(*extra)
+            if not cseqs:
+                out = self._decode_attend(li, L, q, kv, proj, st.layers[li], batch)
             else:
-                out = self._attention(li, L, xa, q_res, q, kv, seqs, _Projected(*extra))
+                out = self._attention(li, L, xa, q_res, q, kv, cseqs, proj)
+                if dseqs:  # the one-token sequences' rows, batched, beside the chunks
+                    o = self._decode_attend(li, L, q[drows], kv[drows], proj.take(drows), st.layers[li], batch)
+                    if out is not None:
+                        out[drows] = o
             route_hash = L.tid2eid[ids] if L.tid2eid is not None else None
             if self.plan.single:  # no collectives: the rest of the layer is one region (one graph)
                 h, pre_mix = ops.graphed(("post", id(L)), lambda *a, li=li, L=L: self._post(li, L, *a),
@@ -541,7 +561,9 @@ class Model:
         win = cfg.sliding_window
         # decode (one query per sequence): every sequence in one launch over its sources in place
         decode = bool(hn) and all(s.pos.size == 1 for s in seqs)
-        out = xp.empty_like(q) if len(seqs) > 1 and not decode else None
+        # (a lone sequence's output is the whole output unless other rows share the step)
+        whole = len(seqs) == 1 and seqs[0].rows == slice(0, q.shape[0])
+        out = xp.empty_like(q) if not whole and not decode else None
         sources = []
         for s in seqs:
             st = s.state.layers[li]

@@ -100,6 +100,27 @@ def test_decode_batch_at_different_positions(model: Model) -> None:
         _close(np.concatenate(g), ref)
 
 
+def test_decode_rows_beside_prompt_chunks(model: Model) -> None:
+    """A forward mixing one-token steps (V4.1: the batched decode path) with prompt chunks (the
+    chunk path), as the scheduler runs them while prompts arrive: each sequence equals itself fed
+    alone at once. Positions cross compressor groups and the sliding window."""
+    seqs = [_ids(model, n, 20 + i) for i, n in enumerate((70, 60, 12))]
+    alone = [model.forward([model.new_state()], [x], all_logits=True)[0] for x in seqs]
+    states = [model.new_state() for _ in seqs]
+    got = [[model.forward([states[0]], [seqs[0][:25]], all_logits=True)[0]], [], []]
+    pos = [25, 0, 0]
+    step = [1, 9, 1]  # the first and third decode token by token, the second comes in chunks of 9
+    while any(p < len(x) for p, x in zip(pos, seqs, strict=True)):
+        live = [i for i in range(3) if pos[i] < len(seqs[i])]
+        chunks = [seqs[i][pos[i]:pos[i] + step[i]] for i in live]
+        out = model.forward([states[i] for i in live], chunks, all_logits=True)
+        for j, i in enumerate(live):
+            got[i].append(out[j])
+            pos[i] += len(chunks[j])
+    for g, ref in zip(got, alone, strict=True):
+        _close(np.concatenate(g), ref)
+
+
 def test_engram_decode_hashes_equal_chunk_hashes() -> None:
     """The batched one-token hash (decode) equals the per-chunk hash, for histories shorter than
     the n-gram (the first tokens of a sequence) and full ones."""

@@ -62,7 +62,7 @@ class Layout:
         step = self._cut(self.step, i64, f32)
         layers = None if self.layers is None else [replace(lp, **self._cut(slots, i64, f32))
                                                     for lp, slots in self.layers]
-        return StepInputs(ids=step["ids"], hash_ids=step.get("hash_ids"), rope=step["rope"], layers=layers)
+        return StepInputs(**{name: step.get(name) for name, _ in _STEP_FIELDS}, layers=layers)
 
 
 def pack(inputs: StepInputs) -> tuple[np.ndarray, np.ndarray, Layout]:
