@@ -18,7 +18,7 @@ selections equal those over the exact widths, and a context crosses a bucket ~lo
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 
@@ -34,20 +34,24 @@ def capacity(n: int) -> int:
 
 
 # How a backend stages each field (CupyOps.stage): "rows": per sequence a destination row or
-# None; "spans": per sequence a Span of rows (n may be 0) or None; "attend": per sequence (window
-# Span, entries Span or None); "f32" / "i64": host arrays uploaded as they are; anything else
-# (ints, strings) is static: it fixes the step's launches and keys its graph.
-ROWS, SPANS, ATTEND, F32, I64 = "rows", "spans", "attend", "f32", "i64"
+# None; "spans": per sequence a Span of rows (n may be 0) or None; "f32" / "i64": host arrays
+# uploaded as they are; "host": read by the staging only; anything else (ints, strings) is static:
+# it fixes the step's launches and keys its graph. A layer's window rows and attention sources
+# (`win_dst`, `attend`) are staged from the step's WindowPlan and the layer's entries source.
+ROWS, SPANS, F32, I64, HOST = "rows", "spans", "f32", "i64", "host"
 
 
 @dataclass
 class LayerPlan:
     """One V4.1 layer's decode step for B sequences (lists are per sequence, in batch order)."""
 
-    win_dst: list = field(metadata={"kind": ROWS})  # where each new K=V row goes
-    attend: list = field(metadata={"kind": ATTEND})  # (window incl. the new row, group entries or None)
-    attend_cap: int = 0  # capacity of the longest key list (window + entries): the attention's split
-    mask_cap: int = 0  # width of the published top-k mask that masks the entries
+    # attention: the entries of KV source `ents_from` (its `entries`) under the top-k mask that
+    # index source `mask_from` publishes (-1: none), mask_cap wide; attend_cap: capacity of the
+    # longest key list (window + entries), which sizes the attention's split
+    ents_from: int = -1
+    mask_from: int = -1
+    mask_cap: int = 0
+    attend_cap: int = 0
     # ratio > 1 KV source: the new compressor rows' destinations, the closing groups' pending rows
     # (None where a sequence's group does not close) and RoPE at each group's first position
     pend_kv: list | None = field(default=None, metadata={"kind": ROWS})
@@ -55,34 +59,56 @@ class LayerPlan:
     pool_kv: list | None = field(default=None, metadata={"kind": SPANS})
     pool_gate: list | None = field(default=None, metadata={"kind": SPANS})
     pool_rope: np.ndarray | None = field(default=None, metadata={"kind": F32})  # [2, B, rope/2]
-    # KV source: where each sequence's new compressed entry / indexer key goes (None: none)
+    # KV source: where each sequence's new compressed entry / indexer key goes (None: none), and
+    # each sequence's entries after this step (what its group's layers attend)
     entry_dst: list | None = field(default=None, metadata={"kind": ROWS})
     key_dst: list | None = field(default=None, metadata={"kind": ROWS})
+    entries: list | None = field(default=None, metadata={"kind": HOST})
     # index source: each sequence's group keys, the scores' width, its role at the candidate level
     keys: list | None = field(default=None, metadata={"kind": SPANS})
     keys_cap: int = 0
     cand: str = ""  # "source": this layer picks the candidate blocks; "filter": its scores are cut to them
     cand_last: np.ndarray | None = field(default=None, metadata={"kind": I64})  # [B] newest block (-1: none)
+    pub_ns: np.ndarray | None = field(default=None, metadata={"kind": HOST})  # [B] key counts it scored
+    # staged (ops.stage): where each sequence's new K=V row goes, and what its query attends
+    win_dst: object = None
+    attend: object = None
+
+    def static(self) -> dict:
+        """The fields that are no tables (they fix the launches)."""
+        return {name: getattr(self, name) for name in STATIC}
 
     def signature(self) -> tuple:
-        """What fixes this layer's launches: which parts it has and its static widths."""
-        return tuple(v if not isinstance(v, (list, np.ndarray)) else True for v in map(self.__getattribute__, _NAMES))
+        """What fixes this layer's launches: its static fields and which tables it has."""
+        return (*map(self.__getattribute__, STATIC), *(getattr(self, name) is None for name in _TABLES))
 
 
-_NAMES = [f.name for f in fields(LayerPlan)]
+STATIC = ("ents_from", "mask_from", "mask_cap", "attend_cap", "keys_cap", "cand")
+_TABLES = [f.name for f in fields(LayerPlan) if "kind" in f.metadata]
+
+
+@dataclass
+class WindowPlan:
+    """Every sequence's WindowBlock this step (engine/rows.py): in each layer l the new K=V row
+    goes to row dst[b] of blocks[b][l], and the query attends rows start[b] .. dst[b]."""
+
+    blocks: list  # [layers, rows, width] buffers, one per sequence
+    start: np.ndarray  # int64 [B]
+    dst: np.ndarray  # int64 [B]
 
 
 @dataclass
 class StepInputs:
     """A forward's per-step inputs: token ids [T], Engram hash ids [T, cols] (or None), RoPE cos /
     sin of both tables at each row's position [4, T, rope/2]; for V4.1 sequences fed one token
-    each layer's plan of their decode step, and where prompt chunks share the step, the rows of
-    those one-token sequences in the batch (dec_rows)."""
+    their windows and each layer's plan of their decode step, and where prompt chunks share the
+    step, the rows of those one-token sequences in the batch (dec_rows)."""
 
     ids: np.ndarray = field(metadata={"kind": I64})
     hash_ids: np.ndarray | None = field(metadata={"kind": I64})
     rope: np.ndarray = field(metadata={"kind": F32})
     layers: list | None = None
+    window: WindowPlan | None = None
     dec_rows: np.ndarray | None = field(default=None, metadata={"kind": I64})
 
     def signature(self) -> tuple:
@@ -90,31 +116,54 @@ class StepInputs:
         return shapes + (None if self.layers is None else tuple(lp.signature() for lp in self.layers),)
 
 
-def plan_decode(cfg, states: list, xp, growth: list, rope_comp, heads: bool) -> list[LayerPlan]:
-    """Every layer's LayerPlan for one new token per state, committing the grown state views.
-    Copies of rows into a grown buffer are appended to `growth` (ops.copy_rows jobs, to run
+def plan_decode(cfg, states: list, xp, growth: list, rope_comp, heads: bool) -> tuple[WindowPlan, list[LayerPlan]]:
+    """The windows and every layer's LayerPlan for one new token per state, committing the grown
+    state. Copies of rows into a grown buffer are appended to `growth` (ops.copy_rows jobs, to run
     before the step); rope_comp(positions) -> (cos, sin) of the compressed RoPE; heads: whether
     this rank attends (a tensor-parallel rank may hold no query heads)."""
-    published: dict = {}  # index sources' (per-sequence key counts, width) for the later layers
-    return [_plan_layer(cfg, li, states, xp, growth, rope_comp, heads, published) for li in range(cfg.num_layers)]
+    keep = cfg.sliding_window - 1
+    blocks, start, dst = [], np.zeros(len(states), np.int64), np.zeros(len(states), np.int64)
+    for b, s in enumerate(states):  # every layer's window grows by one row, in one block per sequence
+        blk = rows.window_block(xp, s.layers, cfg.head_dim, keep, growth)
+        blocks.append(blk.buf)
+        start[b], dst[b] = blk.start, blk.end
+        blk.end += 1
+        blk.start = max(blk.start, blk.end - keep)
+    win = WindowPlan(blocks, start, dst)
+    layers: list[LayerPlan] = []
+    published: dict = {}  # index sources' key counts, for the later layers
+    for li, grp in enumerate(_group_sources(cfg)):
+        layers.append(_plan_layer(cfg, li, grp, states, xp, growth, rope_comp, published))
+    if heads:
+        _plan_attention(cfg, layers, win)
+    return win, layers
 
 
-def _plan_layer(cfg, li: int, states: list, xp, growth: list, rope_comp, heads: bool, published: dict) -> LayerPlan:
-    ratio, kind, win, d = cfg.compress_ratios[li], cfg.layer_kinds[li], cfg.sliding_window, cfg.head_dim
-    lss = [s.layers[li] for s in states]
-    p = LayerPlan(win_dst=[], attend=[])
-    windows = []
-    for ls in lss:
-        buf, start, end = rows.reserve(xp, ls, "window", d, 1, growth)
-        p.win_dst.append(Span(buf, end, 1))
-        windows.append(Span(buf, start, end + 1 - start))
-        rows.commit(ls, "window", buf, max(start, end + 2 - win), end + 1)
-    indexed = li in cfg.index_source_layer_ids
+def _group_sources(cfg) -> list[int]:
+    """Each layer's KV source (-1: none), worked out once per config."""
+    got = _GROUPS.get(id(cfg))
+    if got is None or got[0] is not cfg:
+        got = _GROUPS[id(cfg)] = (cfg, [cfg.kv_group_source(li) for li in range(cfg.num_layers)])
+    return got[1]
+
+
+_GROUPS: dict = {}
+
+
+def _plan_layer(cfg, li: int, grp: int, states: list, xp, growth: list, rope_comp, published: dict) -> LayerPlan:
+    kind, indexed = cfg.layer_kinds[li], li in cfg.index_source_layer_ids
+    p = LayerPlan()
+    if grp >= 0 and "topk" in published:  # (grp >= 0: a compressed layer with a KV source)
+        p.ents_from, p.mask_from = grp, published["topk"]
+    if kind != "source" and not indexed:
+        return p
+    ratio, d = cfg.compress_ratios[li], cfg.head_dim
     if kind == "source":
-        appends = [False] * len(lss)
+        lss = [s.layers[li] for s in states]
         if ratio > 1:  # the new row joins its group's pending rows; full groups are pooled
             p.pend_kv, p.pend_gate, p.pool_kv, p.pool_gate = [], [], [], []
             first = np.zeros(len(lss), np.int64)
+            appends = []
             for b, ls in enumerate(lss):
                 pend = []
                 for name, dst in (("buf_kv", p.pend_kv), ("buf_gate", p.pend_gate)):
@@ -123,7 +172,7 @@ def _plan_layer(cfg, li: int, states: list, xp, growth: list, rope_comp, heads: 
                     dst.append(Span(buf, end, 1))
                     pend.append(Span(buf, start, end + 1 - start))
                     rows.commit(ls, name, *((buf, 0, 0) if end + 1 - start == ratio else (buf, start, end + 1)))
-                appends[b] = pend[0].n == ratio
+                appends.append(pend[0].n == ratio)
                 p.pool_kv.append(pend[0] if appends[b] else None)
                 p.pool_gate.append(pend[1] if appends[b] else None)
                 first[b] = ls.n_entries * ratio
@@ -133,36 +182,64 @@ def _plan_layer(cfg, li: int, states: list, xp, growth: list, rope_comp, heads: 
         p.entry_dst = _append(xp, lss, "entries", d, appends, growth)
         if indexed:
             p.key_dst = _append(xp, lss, "idx_keys", cfg.index_head_dim, appends, growth)
-    grp = cfg.kv_group_source(li)
+        p.entries = [rows.span(ls, "entries") for ls in lss]
     if indexed:
         p.keys = [rows.span(s.layers[grp], "idx_keys") for s in states]
-        ns = tuple(k.n for k in p.keys)
-        if max(ns) == 0:  # nothing to score yet: earlier publications stand
+        ns = np.array([k.n for k in p.keys], np.int64)
+        if ns.max() == 0:  # nothing to score yet: earlier publications stand
             p.keys = None
         else:
-            p.keys_cap = capacity(max(ns))
+            p.keys_cap, p.pub_ns = capacity(int(ns.max())), ns
             cand = cfg.candidate_source_layer_id
             if li == cand:
                 p.cand = "source"
-                p.cand_last = (np.array(ns, np.int64) - 1) // cfg.candidate_block_size
+                p.cand_last = (ns - 1) // cfg.candidate_block_size
                 published["cand"] = ns
-            elif 0 <= cand < li and published.get("cand") == ns:  # (same keys: same ratio)
+            elif 0 <= cand < li and np.array_equal(published.get("cand"), ns):  # (same keys: same ratio)
                 p.cand = "filter"
-            published["topk"] = (ns, p.keys_cap)
-    if not heads:
-        return p
-    pub = published.get("topk")
-    longest = 0
-    for s, w in zip(states, windows, strict=True):
-        ents = None
-        if ratio and grp >= 0:  # the group's entries under this sequence's published top-k
-            es = rows.span(s.layers[grp], "entries")
-            if es.n and pub is not None and pub[0][len(p.attend)] == es.n:
-                ents, p.mask_cap = es, pub[1]
-        p.attend.append((w, ents))
-        longest = max(longest, w.n + (ents.n if ents is not None else 0))
-    p.attend_cap = capacity(longest)
+            published["topk"] = li
+    if grp >= 0 and "topk" in published:  # (this layer's own publication, if it made one)
+        p.ents_from, p.mask_from = grp, published["topk"]
     return p
+
+
+def attended_entries(layers: list[LayerPlan], lp: LayerPlan) -> np.ndarray | None:
+    """Which sequences' queries in layer lp attend their group's entries (bool [B]; None: none):
+    those with entries whose count the published top-k mask scored."""
+    if lp.ents_from < 0:
+        return None
+    n = np.array([sp.n for sp in layers[lp.ents_from].entries], np.int64)
+    return (n > 0) & (layers[lp.mask_from].pub_ns == n)
+
+
+def with_spans(inputs: StepInputs) -> StepInputs:
+    """The step with every layer's window destinations and attention sources as Spans: (window
+    rows, attended entries or None) per sequence (the numpy backend's staging)."""
+    if inputs.window is None:
+        return inputs
+    w, out = inputs.window, []
+    for li, lp in enumerate(inputs.layers):
+        ok = attended_entries(inputs.layers, lp)
+        ents = inputs.layers[lp.ents_from].entries if ok is not None else None
+        out.append(replace(lp, win_dst=[Span(blk[li], int(e), 1) for blk, e in zip(w.blocks, w.dst, strict=True)],
+                           attend=[(Span(blk[li], int(s0), int(e + 1 - s0)), ents[b] if ok is not None and ok[b]
+                                    else None) for b, (blk, s0, e) in enumerate(zip(w.blocks, w.start, w.dst,
+                                                                                   strict=True))]))
+    return replace(inputs, layers=out)
+
+
+def _plan_attention(cfg, layers: list[LayerPlan], win: WindowPlan) -> None:
+    """Each layer's mask width and attention capacity (layers reading one group share them)."""
+    n_win = win.dst + 1 - win.start
+    done: dict = {}
+    for lp in layers:
+        key = (lp.ents_from, lp.mask_from)
+        if key not in done:
+            ok = attended_entries(layers, lp)
+            longest = n_win if ok is None else n_win + np.where(
+                ok, [sp.n for sp in layers[lp.ents_from].entries], 0)
+            done[key] = (layers[lp.mask_from].keys_cap if ok is not None else 0, capacity(int(longest.max())))
+        lp.mask_cap, lp.attend_cap = done[key]
 
 
 def _append(xp, lss: list, name: str, width: int, which: list, growth: list) -> list:

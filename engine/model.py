@@ -311,11 +311,11 @@ class Model:
         # whatever the positions; a step of only such sequences is one graph on one GPU. Prompt
         # chunks sharing the step take the chunk path beside them.
         dec = [i for i, ch in enumerate(ids) if ch.size == 1] if cfg.arch == "v41" else []
-        layers = dec_rows = None
+        window = layers = dec_rows = None
         if dec:
             growth: list = []
-            layers = plan_decode(cfg, [states[i] for i in dec], ops.xp, growth, self._comp_rope_tables,
-                                 self.plan.heads[1] > self.plan.heads[0])
+            window, layers = plan_decode(cfg, [states[i] for i in dec], ops.xp, growth, self._comp_rope_tables,
+                                         self.plan.heads[1] > self.plan.heads[0])
             ops.copy_rows(growth)
             if len(dec) < len(seqs):
                 dec_rows = np.array([seqs[i].rows.start for i in dec], np.int64)
@@ -323,7 +323,7 @@ class Model:
             ids=ids_all, hash_ids=self._engram_hashes(seqs, ids) if self.hasher else None, layers=layers,
             rope=np.stack([*rope_tables(self.freq_main, pos_all, cfg.rope_main.attention_factor),
                            *rope_tables(self.freq_comp, pos_all, cfg.rope_compress.attention_factor)]),
-            dec_rows=dec_rows)
+            window=window, dec_rows=dec_rows)
         if layers is not None and dec_rows is None and self.plan.single:
             local_logits = ops.graphed_step(("decode", id(self.w)), inputs,
                                             lambda st: run_single(self._run(st, seqs, all_logits)), rows=len(seqs))

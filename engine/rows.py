@@ -70,3 +70,39 @@ def _held(ls, name: str, arr) -> tuple | None:
     """(buffer, first live row) behind ls.<name> if it is still the view commit() made, else None."""
     sp = ls.spare.get(name)
     return (sp[0], sp[1]) if sp is not None and sp[2] is arr else None
+
+
+class WindowBlock:
+    """Every layer's sliding window of one sequence in one buffer [layers, rows, width]: each
+    layer's live rows are start .. end, the same for all, so a decode step appends every layer's
+    new row at `end` with no per-layer work on the host (engine/decode_plan.py). LayerState.window
+    reads its rows through the block; setting a layer's window to anything else detaches that
+    layer, and a block serves a step only while every layer is attached."""
+
+    __slots__ = ("buf", "start", "end", "attached")
+
+    def __init__(self, buf, start: int, end: int, attached: int) -> None:
+        self.buf, self.start, self.end, self.attached = buf, start, end, attached
+
+    def rows(self, layer: int):
+        return self.buf[layer, self.start : self.end]
+
+
+def window_block(xp, layers: list, width: int, keep: int, jobs: list) -> WindowBlock:
+    """The WindowBlock of a sequence's layer states with room for one more row in every layer:
+    theirs, or a new one (keep + 1 + MIN_ROWS rows, so one every MIN_ROWS + 1 steps) that gets
+    every layer's live rows through copy jobs added to `jobs`. keep: the rows a window holds
+    between steps (sliding_window - 1)."""
+    blk = layers[0]._block
+    if blk is not None and blk.attached == len(layers) and blk.end < blk.buf.shape[1]:
+        return blk
+    wins = [ls.window for ls in layers]
+    n = int(wins[0].shape[0])
+    if any(int(w.shape[0]) != n for w in wins):
+        raise ValueError("a sequence's layers must hold windows of one length")
+    new = WindowBlock(xp.empty((len(layers), keep + 1 + MIN_ROWS, width), dtype=np.float32), 0, n, len(layers))
+    for li, (ls, w) in enumerate(zip(layers, wins, strict=True)):
+        if n:
+            jobs.append((xp.ascontiguousarray(w), 0, new.buf[li], 0, n))
+        ls.attach(new, li)
+    return new

@@ -64,6 +64,29 @@ class LayerState:
     def n_entries(self) -> int:
         return 0 if self.entries is None else int(self.entries.shape[0])
 
+    def attach(self, block, layer: int) -> None:
+        """Read the window from row block `block`'s layer `layer` from now on (engine/rows.py)."""
+        if self._block is not None and self._block is not block:
+            self._block.attached -= 1
+        self._block, self._layer, self._window = block, layer, None
+
+
+def _get_window(self: LayerState):
+    return self._window if self._block is None else self._block.rows(self._layer)
+
+
+def _set_window(self: LayerState, value) -> None:
+    if self._block is not None:  # set otherwise (a prompt chunk's concatenation): leave the block
+        self._block.attached -= 1
+        self._block = None
+    self._window = value
+
+
+# `window` is a property over the field: the last rows of its own, or its rows of the sequence's
+# WindowBlock while decode steps append to every layer at once (engine/rows.py).
+LayerState._block, LayerState._layer = None, 0
+LayerState.window = property(_get_window, _set_window)
+
 
 @dataclass
 class SequenceState:

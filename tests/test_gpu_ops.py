@@ -438,52 +438,43 @@ def test_copy_rows():
         GPU.copy_rows([(gpu_s[0], 299, gpu_d[0], 0, 2)])  # past the source's end
 
 
-def _staged_layer(plan, ops):
-    """A LayerPlan staged by a backend (its tables only: ids / rope left empty)."""
-    from engine.decode_plan import StepInputs
-
-    st = ops.stage(StepInputs(ids=np.zeros(1, np.int64), hash_ids=None, rope=np.zeros((4, 1, 1), np.float32),
-                              layers=[plan]))
-    return st.layers[0]
-
-
 def test_staged_decode_ops():
-    """The ops of a V4.1 decode step's device half (engine/decode_plan.py), from tables staged by
-    each backend (the GPU's: one upload of row addresses), against the numpy reference: new rows
-    scattered into state buffers (some sequences skipped), closing groups pooled (one sequence
-    without a closing group: a zero row), the indexer over each sequence's keys at a capacity width,
-    and the attention over windows and top-k-masked entries (one sequence without entries) sized
-    for a longer capacity than any sequence has."""
-    from engine.decode_plan import LayerPlan
+    """The ops of a V4.1 decode step's device half (engine/decode_plan.py), from a plan staged by
+    each backend (the GPU's: one upload of address tables), against the numpy reference: the new
+    K=V rows scattered into each sequence's window block, closing groups pooled (one sequence
+    without a closing group: a zero row), the indexer over each sequence's keys at a capacity
+    width, and the attention over windows and top-k-masked entries (one sequence without entries,
+    one whose entry count the mask did not score) sized for a longer capacity than any sequence has."""
+    from engine.decode_plan import LayerPlan, StepInputs, WindowPlan
 
     b, h, d, dh, ratio = 5, 64, 512, 128, 2
-    bufs = {"win": [rnd(140, d) for _ in range(b)], "pend": [rnd(4, d) for _ in range(b)],
+    start = np.array([3, 0, 10, 50, 7], np.int64)
+    dst = start + np.array([127, 0, 49, 127, 8])
+    ns, pub = [600, 0, 37, 1, 257], [600, 0, 37, 2, 257]
+    closes = [True, False, True, True, True]
+    host = {"blocks": [rnd(1, 200, d) for _ in range(b)], "pend": [rnd(4, d) for _ in range(b)],
             "gate": [rnd(4, d) for _ in range(b)], "ents": [rnd(700, d) for _ in range(b)],
             "keys": [rnd(700, dh) for _ in range(b)]}
-    ns = [600, 0, 37, 1, 257]
-    win_n = [128, 1, 50, 128, 9]
-    closes = [True, False, True, True, True]
 
-    def plan_on(xp_bufs):
-        g = xp_bufs
-        return LayerPlan(
-            win_dst=[Span(g["win"][i], 3 + win_n[i] - 1, 1) if i != 1 else None for i in range(b)],
-            attend=[(Span(g["win"][i], 3, win_n[i]), Span(g["ents"][i], 20, ns[i]) if ns[i] else None)
-                    for i in range(b)],
-            attend_cap=1024, mask_cap=1024,
+    def staged(ops, xp):
+        g = {k: [xp.asarray(a) for a in v] for k, v in host.items()}
+        plan = LayerPlan(
+            ents_from=0, mask_from=0, mask_cap=1024, attend_cap=1024,
             pool_kv=[Span(g["pend"][i], 1, ratio) if closes[i] else None for i in range(b)],
             pool_gate=[Span(g["gate"][i], 1, ratio) if closes[i] else None for i in range(b)],
+            entries=[Span(g["ents"][i], 20, ns[i]) for i in range(b)], pub_ns=np.array(pub, np.int64),
             keys=[Span(g["keys"][i], 30, ns[i]) for i in range(b)], keys_cap=1024)
+        step = StepInputs(ids=np.arange(b, dtype=np.int64), hash_ids=None, rope=rnd(4, b, 32), layers=[plan],
+                          window=WindowPlan(g["blocks"], start, dst))
+        return g, ops.stage(step).layers[0]
 
-    gpu_bufs = {k: [cp.asarray(a) for a in v] for k, v in bufs.items()}
-    ref_bufs = {k: [a.copy() for a in v] for k, v in bufs.items()}
-    pr, pg = plan_on(ref_bufs), plan_on(gpu_bufs)
-    sr, sg = _staged_layer(pr, REF), _staged_layer(pg, GPU)
+    (ref_g, sr), (gpu_g, sg) = staged(REF, np), staged(GPU, cp)
     new = rnd(b, d)
     REF.scatter_rows(new, sr.win_dst)
     GPU.scatter_rows(cp.asarray(new), sg.win_dst)
-    for r, g in zip(ref_bufs["win"], gpu_bufs["win"], strict=True):
+    for r, g in zip(ref_g["blocks"], gpu_g["blocks"], strict=True):
         np.testing.assert_array_equal(cp.asnumpy(g), r)
+    assert all(np.array_equal(ref_g["blocks"][i][0, dst[i]], new[i]) for i in range(b))
     pooled_ref = REF.gated_pool_rows(sr.pool_kv, sr.pool_gate, ratio, d)
     assert not pooled_ref[1].any()
     assert rel(GPU.gated_pool_rows(sg.pool_kv, sg.pool_gate, ratio, d), pooled_ref) < 1e-6
@@ -494,6 +485,7 @@ def test_staged_decode_ops():
     np.testing.assert_array_equal(np.isneginf(sc_gpu), np.isneginf(sc_ref))
     fin = np.isfinite(sc_ref)
     assert rel(sc_gpu[fin], sc_ref[fin]) < 1e-5
+    assert [e is not None for _, e in sr.attend] == [True, False, True, False, True]
     mask = RNG.random((b, 1024)) < 0.3
     qa, sinks = rnd(b, h, d), rnd(h)
     ref = REF.attend_decode(qa, sr.attend, mask, sinks, d**-0.5, sr.attend_cap)

@@ -6,8 +6,9 @@ each field lies, so the same views can be cut from a CUDA graph's own copy of th
 a decode step's graph reads this step's tables wherever the state buffers are.
 
 Tables (int64): "rows" [B] the address of each destination row (0: none); "spans" [B, 2]
-(address of the first row, count); "attend" [B, 6] (window address, count, 0, entries address,
-count, 1 if the published top-k mask row b masks them), kernels/attention.cu attention_decode.
+(address of the first row, count); per layer, from the step's window blocks, `win_dst` [B] and
+`attend` [B, 6] (window address, count, 0, entries address, count, 1 if the published top-k
+mask row b masks them: kernels/attention.cu attention_decode).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import fields, replace
 import cupy as cp
 import numpy as np
 
-from engine.decode_plan import ATTEND, F32, I64, ROWS, SPANS, LayerPlan, StepInputs
+from engine.decode_plan import F32, HOST, I64, ROWS, SPANS, LayerPlan, StepInputs, attended_entries
 
 
 def _addr(sp) -> int:
@@ -35,10 +36,33 @@ def _table(kind: str, value: list) -> np.ndarray:
         return np.array([_addr(sp) for sp in value], np.int64)
     if kind == SPANS:
         return np.array([(_addr(sp), 0 if sp is None else sp.n) for sp in value], np.int64).reshape(-1, 2)
-    if kind == ATTEND:
-        return np.array([(_addr(w), w.n, 0, _addr(e), 0, 0) if e is None else (_addr(w), w.n, 0, _addr(e), e.n, 1)
-                         for w, e in value], np.int64).reshape(-1, 6)
     raise ValueError(f"unknown staged field kind {kind!r}")
+
+
+def _window_tables(inputs: StepInputs) -> tuple[np.ndarray, np.ndarray]:
+    """Every layer's window destinations [L, B] and attention tables [L, B, 6], computed at once:
+    addresses in each sequence's WindowBlock, then the group entries where the layer attends them
+    (layers reading the same group under the same mask share one table of addresses)."""
+    w, layers = inputs.window, inputs.layers
+    base = np.array([int(b.data.ptr) for b in w.blocks], np.int64)
+    cap = np.array([b.shape[1] for b in w.blocks], np.int64)
+    row = w.blocks[0].shape[2] * 4
+    off = np.arange(len(layers), dtype=np.int64)[:, None] * cap[None, :]
+    att = np.zeros((len(layers), len(w.blocks), 6), np.int64)
+    att[:, :, 0] = base + (off + w.start) * row
+    att[:, :, 1] = w.dst + 1 - w.start
+    by_source: dict = {}
+    for li, lp in enumerate(layers):
+        by_source.setdefault((lp.ents_from, lp.mask_from), []).append(li)
+    for (src, _), lis in by_source.items():
+        ok = attended_entries(layers, layers[lis[0]])
+        if ok is None or not ok.any():
+            continue
+        ents = layers[src].entries
+        att[lis, :, 3] = np.where(ok, [_addr(sp) for sp in ents], 0)
+        att[lis, :, 4] = np.where(ok, [sp.n for sp in ents], 0)
+        att[lis, :, 5] = ok
+    return base + (off + w.dst) * row, att
 
 
 _STEP_FIELDS = [(f.name, f.metadata["kind"]) for f in fields(StepInputs) if "kind" in f.metadata]
@@ -50,7 +74,7 @@ class Layout:
 
     def __init__(self) -> None:
         self.step: list = []  # (field name, dtype, offset, shape)
-        self.layers: list | None = None  # per layer: (the LayerPlan with its tables taken out, slots)
+        self.layers: list | None = None  # per layer: (its static fields, slots)
 
     @staticmethod
     def _cut(slots: list, i64: cp.ndarray, f32: cp.ndarray) -> dict:
@@ -60,8 +84,11 @@ class Layout:
     def views(self, i64: cp.ndarray, f32: cp.ndarray) -> StepInputs:
         """The StepInputs whose tables are views of i64 / f32 (no copy, no kernel)."""
         step = self._cut(self.step, i64, f32)
-        layers = None if self.layers is None else [replace(lp, **self._cut(slots, i64, f32))
-                                                    for lp, slots in self.layers]
+        layers = None if self.layers is None else [LayerPlan(**static, **self._cut(slots, i64, f32))
+                                                    for static, slots in self.layers]
+        if layers is not None and "win_dst" in step:
+            layers = [replace(lp, win_dst=step["win_dst"][li], attend=step["attend"][li])
+                      for li, lp in enumerate(layers)]
         return StepInputs(**{name: step.get(name) for name, _ in _STEP_FIELDS}, layers=layers)
 
 
@@ -81,13 +108,16 @@ def pack(inputs: StepInputs) -> tuple[np.ndarray, np.ndarray, Layout]:
     for name, kind in _STEP_FIELDS:
         if (v := getattr(inputs, name)) is not None:
             put(lay.step, name, kind, v)
+    if inputs.window is not None:
+        for name, table in zip(("win_dst", "attend"), _window_tables(inputs), strict=True):
+            put(lay.step, name, I64, table)
     if inputs.layers is not None:
         lay.layers = []
         for lp in inputs.layers:
             slots: list = []
             for name, kind in _LAYER_FIELDS:
-                if (v := getattr(lp, name)) is not None:
+                if (v := getattr(lp, name)) is not None and kind != HOST:
                     put(slots, name, kind, v)
-            lay.layers.append((replace(lp, **{s[0]: None for s in slots}), slots))
+            lay.layers.append((lp.static(), slots))
     out = [np.concatenate(parts[dt]) if parts[dt] else np.zeros(1, dt) for dt in (np.int64, np.float32)]
     return out[0], out[1], lay

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine import formats
+from engine.decode_plan import with_spans
 from engine.rows import Span
 from engine.sampling import sample_batch
 
@@ -62,8 +63,8 @@ class NumpyOps:
 
     def stage(self, inputs):
         """A step's inputs (engine/decode_plan.py StepInputs) as this backend's ops read them: here
-        as they are (Spans of state rows, host arrays); the GPU backend uploads address tables."""
-        return inputs
+        Spans of state rows and host arrays; the GPU backend uploads address tables."""
+        return with_spans(inputs)
 
     def graphed_step(self, key, inputs, run, rows: int):
         """run(staged inputs): a whole decode step (the GPU backend replays it as one graph)."""
