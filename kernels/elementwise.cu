@@ -99,29 +99,13 @@ extern "C" __global__ void __launch_bounds__(256) hc_mix_partial(const float* __
   float ss = x[0] * x[0] + x[1] * x[1] + x[2] * x[2] + x[3] * x[3];
   ss = warp_sum(ss);
   if (lane == 0) red[warp][NM] = ss;
-  // 8 fn rows at a time: their loads are all in flight before the first reduction (one row at a
-  // time paid a memory latency per row: ~9 us per call for V4.1's 24 rows)
-  const bool vec = (F & 3) == 0 && i0 + 3 < F;
-  for (int m0 = 0; m0 < NM; m0 += 8) {
-    float a[8];
+  for (int m = 0; m < NM; ++m) {
+    const float* f = fn + (size_t)m * F;
+    float a = 0.f;
 #pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      a[k] = 0.f;
-      if (m0 + k >= NM) continue;
-      const float* f = fn + (size_t)(m0 + k) * F;
-      if (vec) {
-        const float4 w = __ldg((const float4*)(f + i0));
-        a[k] = x[0] * w.x + x[1] * w.y + x[2] * w.z + x[3] * w.w;
-      } else {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) a[k] += i0 + j < F ? x[j] * f[i0 + j] : 0.f;
-      }
-    }
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      const float v = warp_sum(a[k]);
-      if (lane == 0 && m0 + k < NM) red[warp][m0 + k] = v;
-    }
+    for (int j = 0; j < 4; ++j) a += i0 + j < F ? x[j] * f[i0 + j] : 0.f;
+    a = warp_sum(a);
+    if (lane == 0) red[warp][m] = a;
   }
   __syncthreads();
   for (int m = threadIdx.x; m <= NM; m += blockDim.x) {
