@@ -38,8 +38,21 @@ extern "C" __global__ void __launch_bounds__(256) route_topk(const float* __rest
     }
   }
   __syncwarp();
-  float wsum = 0.f, wk[16];
-  long long ik[16];
+  // Lane l owns experts l + 32 i: their biased scores sit in registers and a bit of `taken` marks
+  // each one picked, so a round is a scan of 16 registers and a warp argmax (the scan over shared
+  // memory with a check against every earlier pick cost ~14 us per launch at 384 experts).
+  constexpr int PER = ROUTE_MAXE / 32;
+  float v[PER];
+  unsigned taken = 0;
+#pragma unroll
+  for (int i = 0; i < PER; ++i) {
+    const int e = lane + 32 * i;
+    v[i] = e < E ? (bias ? sc[e] + bias[e] : sc[e]) : 0.f;
+    if (e >= E) taken |= 1u << i;
+  }
+  __shared__ float wk_all[8][16];
+  __shared__ long long ik_all[8][16];
+  float wsum = 0.f;
   for (int k = 0; k < K && k < 16; ++k) {
     long long best_e;
     if (hash_ids) {
@@ -47,12 +60,13 @@ extern "C" __global__ void __launch_bounds__(256) route_topk(const float* __rest
     } else {
       float bv = -DSUF_INF;
       int be = 0x7fffffff;
-      for (int e = lane; e < E; e += 32) {
-        bool taken = false;
-        for (int j = 0; j < k; ++j) taken |= (ik[j] == e);
-        if (taken) continue;
-        const float v = bias ? sc[e] + bias[e] : sc[e];
-        if (v > bv || (be == 0x7fffffff)) { bv = v; be = e; }
+#pragma unroll
+      for (int i = 0; i < PER; ++i) {  // ascending expert ids: the first of equal scores wins
+        if ((taken >> i) & 1u) continue;
+        if (v[i] > bv || be == 0x7fffffff) {
+          bv = v[i];
+          be = lane + 32 * i;
+        }
       }
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) {
@@ -60,17 +74,23 @@ extern "C" __global__ void __launch_bounds__(256) route_topk(const float* __rest
         const int oe = __shfl_xor_sync(0xffffffffu, be, o);
         if (ov > bv || (ov == bv && oe < be)) { bv = ov; be = oe; }
       }
+      if ((be & 31) == lane) taken |= 1u << (be >> 5);
       best_e = be;
     }
-    ik[k] = best_e;
-    wk[k] = sc[best_e];
-    wsum += wk[k];
+    const float w = sc[best_e];
+    if (lane == 0) {
+      wk_all[warp][k] = w;
+      ik_all[warp][k] = best_e;
+    }
+    wsum += w;
   }
+  __syncwarp();
   if (lane != 0) return;
   for (int k = 0; k < K && k < 16; ++k) {
-    const float v = (normalise && (K > 1 || hash_ids)) ? wk[k] / (wsum + 1e-20f) : wk[k];
-    wout[(size_t)t * K + k] = v * rscale;
-    iout[(size_t)t * K + k] = ik[k];
+    const float w = wk_all[warp][k];
+    const float out = (normalise && (K > 1 || hash_ids)) ? w / (wsum + 1e-20f) : w;
+    wout[(size_t)t * K + k] = out * rscale;
+    iout[(size_t)t * K + k] = ik_all[warp][k];
   }
 }
 

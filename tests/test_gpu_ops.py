@@ -197,6 +197,22 @@ def test_route(scoring, bias, hashed):
     assert (cp.asnumpy(gi_) == ri).mean() > 0.99
 
 
+def test_route_ties_pick_lower_ids():
+    """Experts with equal biased scores (repeated router rows) are picked lowest id first, as the
+    reference's stable argsort does; 384 experts and 200 (a partial last register) per token."""
+    for e in (384, 200):
+        t, k, d = 5, 6, 64
+        rows = rnd(7, d, scale=0.3)
+        gw = Weight("w", rows[np.arange(e) % 7], "f32", shape=(e, d))
+        x = rnd(t, d)
+        for b in (None, np.repeat(rnd(1), e).astype(np.float32)):
+            rw, ri = REF.route(x, REF.prepare(gw), b, k, "sqrtsoftplus", 1.0, 1.5, True)
+            gwt, git = GPU.route(cp.asarray(x), GPU.prepare(gw), None if b is None else cp.asarray(b), k,
+                                 "sqrtsoftplus", 1.0, 1.5, True)
+            assert np.array_equal(cp.asnumpy(git), ri)
+            assert rel(gwt, rw) < 1e-5
+
+
 def test_swiglu_mlp():
     d, inter = 5120, 2304
     w1, w2, w3 = (make_weight("fp8", *s) for s in ((inter, d), (d, inter), (inter, d)))

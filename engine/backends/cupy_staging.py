@@ -21,25 +21,36 @@ import numpy as np
 from engine.decode_plan import F32, HOST, I64, ROWS, SPANS, LayerPlan, StepInputs, attended_entries
 
 
-def _addr(sp) -> int:
-    """Device address of a Span's first row (C-contiguous float32 rows), 0 for None / no buffer."""
-    if sp is None or sp.buf is None:
-        return 0
-    buf = sp.buf
-    if buf.dtype != np.float32 or not buf.flags.c_contiguous or buf.ndim != 2 or sp.start + sp.n > buf.shape[0]:
-        raise ValueError("a staged Span must cover C-contiguous float32 rows of a 2-D buffer")
-    return int(buf.data.ptr) + sp.start * buf.shape[1] * 4
+class _Addresses:
+    """Device addresses of Spans' first rows, each buffer checked once per step (a step's spans
+    share a few buffers per sequence: its pending rows, entries and keys)."""
+
+    def __init__(self) -> None:
+        self._bufs: dict = {}  # id(buffer) -> (buffer, address, row bytes, rows)
+
+    def __call__(self, sp) -> int:
+        """Address of sp's first row (C-contiguous float32 rows of a 2-D buffer); 0 for None."""
+        if sp is None or sp.buf is None:
+            return 0
+        got = self._bufs.get(id(sp.buf))
+        if got is None:
+            buf = sp.buf
+            if buf.dtype != np.float32 or not buf.flags.c_contiguous or buf.ndim != 2:
+                raise ValueError("a staged Span must cover C-contiguous float32 rows of a 2-D buffer")
+            got = self._bufs[id(buf)] = (buf, int(buf.data.ptr), buf.shape[1] * 4, buf.shape[0])
+        if sp.start + sp.n > got[3]:
+            raise ValueError("a staged Span runs past its buffer")
+        return got[1] + sp.start * got[2]
+
+    def table(self, kind: str, value: list) -> np.ndarray:
+        if kind == ROWS:
+            return np.array([self(sp) for sp in value], np.int64)
+        if kind == SPANS:
+            return np.array([(self(sp), 0 if sp is None else sp.n) for sp in value], np.int64).reshape(-1, 2)
+        raise ValueError(f"unknown staged field kind {kind!r}")
 
 
-def _table(kind: str, value: list) -> np.ndarray:
-    if kind == ROWS:
-        return np.array([_addr(sp) for sp in value], np.int64)
-    if kind == SPANS:
-        return np.array([(_addr(sp), 0 if sp is None else sp.n) for sp in value], np.int64).reshape(-1, 2)
-    raise ValueError(f"unknown staged field kind {kind!r}")
-
-
-def _window_tables(inputs: StepInputs) -> tuple[np.ndarray, np.ndarray]:
+def _window_tables(inputs: StepInputs, addr: _Addresses) -> tuple[np.ndarray, np.ndarray]:
     """Every layer's window destinations [L, B] and attention tables [L, B, 6], computed at once:
     addresses in each sequence's WindowBlock, then the group entries where the layer attends them
     (layers reading the same group under the same mask share one table of addresses)."""
@@ -59,7 +70,7 @@ def _window_tables(inputs: StepInputs) -> tuple[np.ndarray, np.ndarray]:
         if ok is None or not ok.any():
             continue
         ents = layers[src].entries
-        att[lis, :, 3] = np.where(ok, [_addr(sp) for sp in ents], 0)
+        att[lis, :, 3] = np.where(ok, [addr(sp) for sp in ents], 0)
         att[lis, :, 4] = np.where(ok, [sp.n for sp in ents], 0)
         att[lis, :, 5] = ok
     return base + (off + w.dst) * row, att
@@ -94,13 +105,13 @@ class Layout:
 
 def pack(inputs: StepInputs) -> tuple[np.ndarray, np.ndarray, Layout]:
     """(int64 array, float32 array, Layout) of a step's inputs."""
-    lay = Layout()
+    lay, addr = Layout(), _Addresses()
     parts: dict = {np.int64: [], np.float32: []}
     size = {np.int64: 0, np.float32: 0}
 
     def put(slots: list, name: str, kind: str, value) -> None:
         dt = np.float32 if kind == F32 else np.int64
-        arr = np.ascontiguousarray(value, dtype=dt) if kind in (F32, I64) else _table(kind, value)
+        arr = np.ascontiguousarray(value, dtype=dt) if kind in (F32, I64) else addr.table(kind, value)
         slots.append((name, dt, size[dt], arr.shape))
         parts[dt].append(arr.reshape(-1))
         size[dt] += arr.size
@@ -109,7 +120,7 @@ def pack(inputs: StepInputs) -> tuple[np.ndarray, np.ndarray, Layout]:
         if (v := getattr(inputs, name)) is not None:
             put(lay.step, name, kind, v)
     if inputs.window is not None:
-        for name, table in zip(("win_dst", "attend"), _window_tables(inputs), strict=True):
+        for name, table in zip(("win_dst", "attend"), _window_tables(inputs, addr), strict=True):
             put(lay.step, name, I64, table)
     if inputs.layers is not None:
         lay.layers = []
