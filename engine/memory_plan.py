@@ -30,7 +30,9 @@ Per tensor-parallel rank (engine.tp.ShardPlan decides what each rank holds) the 
       graphs       the outputs the CUDA graphs of the layer regions keep (engine/backends/
                    cuda_graphs.py): graph_bytes_per_row * the rows of the MAX_ROW_BUCKETS largest
                    row counts up to MAX_GRAPH_ROWS (a step of a few decode rows and a short
-                   prompt's chunk is graphed too, so any count up to 64 can hold a bucket)
+                   prompt's chunk is graphed too, so any count up to 64 can hold a bucket); a
+                   V4.1 decode step graphed whole on one GPU keeps less: its logits, and
+                   intermediates from the same pool, which never holds more than one step's
 - reserve: RESERVE_FRACTION of the GPU's bytes (allocator fragmentation, kernels, graph launches).
 
 A rank fits when weights + state + workspace + reserve <= gpu_bytes (the free bytes per GPU).
