@@ -121,6 +121,31 @@ def test_decode_rows_beside_prompt_chunks(model: Model) -> None:
         _close(np.concatenate(g), ref)
 
 
+def test_decode_step_launches_repeat_between_capacity_buckets() -> None:
+    """A V4.1 decode step's launch signature (what keys its CUDA graph on the GPU) stays the same
+    from step to step and changes only where a context crosses a capacity bucket (a power of two),
+    so the step's graph is captured a few times per sequence, not once per step."""
+    from engine.decode_plan import capacity
+
+    m = _model(DEMO_V41)
+    states = [m.new_state(), m.new_state()]
+    m.forward(states, [_ids(m, 30, 1), _ids(m, 9, 2)])
+    sigs = []
+    real = m.ops.graphed_step
+
+    def record(key, inputs, run, rows):
+        sigs.append(inputs.signature())
+        return real(key, inputs, run, rows)
+
+    m.ops.graphed_step = record
+    for t in _ids(m, 150, 3):
+        m.forward(states, [[t], [t]])
+    changes = sum(a != b for a, b in zip(sigs[:-1], sigs[1:], strict=True))
+    # the windows (up to 128 rows) and the groups' entries cross 64, 128 and 256 at most
+    assert 1 <= changes <= 8, changes
+    assert len({capacity(n) for n in (1, 64)}) == 1 and capacity(65) == 128
+
+
 def test_engram_decode_hashes_equal_chunk_hashes() -> None:
     """The batched one-token hash (decode) equals the per-chunk hash, for histories shorter than
     the n-gram (the first tokens of a sequence) and full ones."""
