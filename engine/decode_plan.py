@@ -70,6 +70,8 @@ class LayerPlan:
     cand: str = ""  # "source": this layer picks the candidate blocks; "filter": its scores are cut to them
     cand_last: np.ndarray | None = field(default=None, metadata={"kind": I64})  # [B] newest block (-1: none)
     pub_ns: np.ndarray | None = field(default=None, metadata={"kind": HOST})  # [B] key counts it scored
+    # which sequences attend their group's entries (bool [B], see plan_attention; None: none)
+    attended: np.ndarray | None = field(default=None, metadata={"kind": HOST})
     # staged (ops.stage): where each sequence's new K=V row goes, and what its query attends
     win_dst: object = None
     attend: object = None
@@ -132,22 +134,12 @@ def plan_decode(cfg, states: list, xp, growth: list, rope_comp, heads: bool) -> 
     win = WindowPlan(blocks, start, dst)
     layers: list[LayerPlan] = []
     published: dict = {}  # index sources' key counts, for the later layers
-    for li, grp in enumerate(_group_sources(cfg)):
+    for li in range(cfg.num_layers):
+        grp = cfg.kv_group_source(li)
         layers.append(_plan_layer(cfg, li, grp, states, xp, growth, rope_comp, published))
     if heads:
-        _plan_attention(cfg, layers, win)
+        plan_attention(layers, win)
     return win, layers
-
-
-def _group_sources(cfg) -> list[int]:
-    """Each layer's KV source (-1: none), worked out once per config."""
-    got = _GROUPS.get(id(cfg))
-    if got is None or got[0] is not cfg:
-        got = _GROUPS[id(cfg)] = (cfg, [cfg.kv_group_source(li) for li in range(cfg.num_layers)])
-    return got[1]
-
-
-_GROUPS: dict = {}
 
 
 def _plan_layer(cfg, li: int, grp: int, states: list, xp, growth: list, rope_comp, published: dict) -> LayerPlan:
@@ -203,15 +195,6 @@ def _plan_layer(cfg, li: int, grp: int, states: list, xp, growth: list, rope_com
     return p
 
 
-def attended_entries(layers: list[LayerPlan], lp: LayerPlan) -> np.ndarray | None:
-    """Which sequences' queries in layer lp attend their group's entries (bool [B]; None: none):
-    those with entries whose count the published top-k mask scored."""
-    if lp.ents_from < 0:
-        return None
-    n = np.array([sp.n for sp in layers[lp.ents_from].entries], np.int64)
-    return (n > 0) & (layers[lp.mask_from].pub_ns == n)
-
-
 def with_spans(inputs: StepInputs) -> StepInputs:
     """The step with every layer's window destinations and attention sources as Spans: (window
     rows, attended entries or None) per sequence (the numpy backend's staging)."""
@@ -219,7 +202,7 @@ def with_spans(inputs: StepInputs) -> StepInputs:
         return inputs
     w, out = inputs.window, []
     for li, lp in enumerate(inputs.layers):
-        ok = attended_entries(inputs.layers, lp)
+        ok = lp.attended
         ents = inputs.layers[lp.ents_from].entries if ok is not None else None
         out.append(replace(lp, win_dst=[Span(blk[li], int(e), 1) for blk, e in zip(w.blocks, w.dst, strict=True)],
                            attend=[(Span(blk[li], int(s0), int(e + 1 - s0)), ents[b] if ok is not None and ok[b]
@@ -228,18 +211,22 @@ def with_spans(inputs: StepInputs) -> StepInputs:
     return replace(inputs, layers=out)
 
 
-def _plan_attention(cfg, layers: list[LayerPlan], win: WindowPlan) -> None:
-    """Each layer's mask width and attention capacity (layers reading one group share them)."""
+def plan_attention(layers: list[LayerPlan], win: WindowPlan) -> None:
+    """Each layer's attended sequences, mask width and attention capacity. A sequence attends its
+    group's entries where it has some and the published top-k mask scored that many; layers
+    reading one group under one mask share the result."""
     n_win = win.dst + 1 - win.start
     done: dict = {}
     for lp in layers:
         key = (lp.ents_from, lp.mask_from)
         if key not in done:
-            ok = attended_entries(layers, lp)
-            longest = n_win if ok is None else n_win + np.where(
-                ok, [sp.n for sp in layers[lp.ents_from].entries], 0)
-            done[key] = (layers[lp.mask_from].keys_cap if ok is not None else 0, capacity(int(longest.max())))
-        lp.mask_cap, lp.attend_cap = done[key]
+            ok, longest, mask_cap = None, n_win, 0
+            if lp.ents_from >= 0:
+                n = np.array([sp.n for sp in layers[lp.ents_from].entries], np.int64)
+                ok = (n > 0) & (layers[lp.mask_from].pub_ns == n)
+                longest, mask_cap = n_win + np.where(ok, n, 0), layers[lp.mask_from].keys_cap
+            done[key] = (ok, mask_cap, capacity(int(longest.max())))
+        lp.attended, lp.mask_cap, lp.attend_cap = done[key]
 
 
 def _append(xp, lss: list, name: str, width: int, which: list, growth: list) -> list:

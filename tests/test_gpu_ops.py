@@ -461,7 +461,7 @@ def test_staged_decode_ops():
     without a closing group: a zero row), the indexer over each sequence's keys at a capacity
     width, and the attention over windows and top-k-masked entries (one sequence without entries,
     one whose entry count the mask did not score) sized for a longer capacity than any sequence has."""
-    from engine.decode_plan import LayerPlan, StepInputs, WindowPlan
+    from engine.decode_plan import LayerPlan, StepInputs, WindowPlan, plan_attention
 
     b, h, d, dh, ratio = 5, 64, 512, 128, 2
     start = np.array([3, 0, 10, 50, 7], np.int64)
@@ -475,13 +475,15 @@ def test_staged_decode_ops():
     def staged(ops, xp):
         g = {k: [xp.asarray(a) for a in v] for k, v in host.items()}
         plan = LayerPlan(
-            ents_from=0, mask_from=0, mask_cap=1024, attend_cap=1024,
+            ents_from=0, mask_from=0,
             pool_kv=[Span(g["pend"][i], 1, ratio) if closes[i] else None for i in range(b)],
             pool_gate=[Span(g["gate"][i], 1, ratio) if closes[i] else None for i in range(b)],
             entries=[Span(g["ents"][i], 20, ns[i]) for i in range(b)], pub_ns=np.array(pub, np.int64),
             keys=[Span(g["keys"][i], 30, ns[i]) for i in range(b)], keys_cap=1024)
+        window = WindowPlan(g["blocks"], start, dst)
+        plan_attention([plan], window)
         step = StepInputs(ids=np.arange(b, dtype=np.int64), hash_ids=None, rope=rnd(4, b, 32), layers=[plan],
-                          window=WindowPlan(g["blocks"], start, dst))
+                          window=window)
         return g, ops.stage(step).layers[0]
 
     (ref_g, sr), (gpu_g, sg) = staged(REF, np), staged(GPU, cp)
@@ -502,6 +504,7 @@ def test_staged_decode_ops():
     fin = np.isfinite(sc_ref)
     assert rel(sc_gpu[fin], sc_ref[fin]) < 1e-5
     assert [e is not None for _, e in sr.attend] == [True, False, True, False, True]
+    assert sr.mask_cap == sr.attend_cap == 1024  # (128 window rows + 600 entries, the longest)
     mask = RNG.random((b, 1024)) < 0.3
     qa, sinks = rnd(b, h, d), rnd(h)
     ref = REF.attend_decode(qa, sr.attend, mask, sinks, d**-0.5, sr.attend_cap)

@@ -894,18 +894,23 @@ class CupyOps:
         K.function("elementwise", "scatter_rows")((b,), (128,), (src, dst, np.int32(w), np.int32(w), np.int32(vec4)))
 
     # ---- a step's inputs -------------------------------------------------------------
+    def _upload(self, inputs) -> tuple:
+        """A step's inputs packed (cupy_staging.py): the int64 and float32 arrays on the device,
+        and where each field lies in them."""
+        i64, f32, layout = cupy_staging.pack(inputs)
+        return self.asarray(i64, dtype=np.int64), self.asarray(f32), layout
+
     def stage(self, inputs):
         """A step's inputs (engine/decode_plan.py StepInputs) on the device: tables of addresses
-        and host arrays, in one int64 and one float32 upload (cupy_staging.py)."""
-        i64, f32, layout = cupy_staging.pack(inputs)
-        return layout.views(self.asarray(i64, dtype=np.int64), self.asarray(f32))
+        and host arrays, in one int64 and one float32 upload."""
+        i64, f32, layout = self._upload(inputs)
+        return layout.views(i64, f32)
 
     def graphed_step(self, key, inputs, run, rows: int):
         """run(staged inputs) as one CUDA graph per (key, launch signature): a whole decode step
         replays with one upload of its tables and one graph launch."""
-        i64, f32, layout = cupy_staging.pack(inputs)
-        return self.graphs((key, inputs.signature()), lambda a, b: run(layout.views(a, b)),
-                           self.asarray(i64, dtype=np.int64), self.asarray(f32), rows=rows)
+        i64, f32, layout = self._upload(inputs)
+        return self.graphs((key, inputs.signature()), lambda a, b: run(layout.views(a, b)), i64, f32, rows=rows)
 
     # ---- state quantization ----------------------------------------------------------
     def fake_quant_fp8(self, x: cp.ndarray, block: int = 32) -> cp.ndarray:

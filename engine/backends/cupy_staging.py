@@ -18,7 +18,7 @@ from dataclasses import fields, replace
 import cupy as cp
 import numpy as np
 
-from engine.decode_plan import F32, HOST, I64, ROWS, SPANS, LayerPlan, StepInputs, attended_entries
+from engine.decode_plan import F32, HOST, I64, ROWS, SPANS, LayerPlan, StepInputs
 
 
 class _Addresses:
@@ -66,7 +66,7 @@ def _window_tables(inputs: StepInputs, addr: _Addresses) -> tuple[np.ndarray, np
     for li, lp in enumerate(layers):
         by_source.setdefault((lp.ents_from, lp.mask_from), []).append(li)
     for (src, _), lis in by_source.items():
-        ok = attended_entries(layers, layers[lis[0]])
+        ok = layers[lis[0]].attended
         if ok is None or not ok.any():
             continue
         ents = layers[src].entries
