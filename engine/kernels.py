@@ -83,3 +83,62 @@ def function_with_smem(mod: str, name: str, smem_bytes: int):
     fn = function(mod, name)
     fn.max_dynamic_shared_size_bytes = smem_bytes
     return fn
+
+
+# ---- programmatic dependent launch ------------------------------------------------------------
+# While a stream is being captured into a CUDA graph, a kernel launched through launch(pdl=True)
+# gets the programmatic-stream-serialization attribute: its blocks may start as soon as the
+# previous kernel's blocks have all called dsuf_launch_dependents() (kernels/dsuf_common.cuh), so
+# the part before its dsuf_grid_wait() (a GEMV's L2 prefetch of its weights) overlaps the
+# previous kernel. Eager launches stay plain CuPy launches (building a launch config from Python
+# per call would cost more than a small kernel).
+def _ctypes_args(args) -> tuple[tuple, tuple]:
+    import ctypes
+
+    import numpy as np
+
+    vals, types = [], []
+    for a in args:
+        if hasattr(a, "data") and hasattr(a.data, "ptr"):  # a CuPy array: its device pointer
+            vals.append(a.data.ptr)
+            types.append(ctypes.c_void_p)
+        elif isinstance(a, np.generic):
+            vals.append(a.item())
+            types.append(np.ctypeslib.as_ctypes_type(a.dtype))
+        else:
+            raise TypeError(f"launch(): unsupported kernel argument {type(a).__name__}")
+    return tuple(vals), tuple(types)
+
+
+def launch(fn, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0, pdl: bool = False) -> None:
+    """Launch a RawKernel on the current stream; pdl=True: as a programmatic dependent launch when
+    the stream is capturing (the kernel must call dsuf_grid_wait() before reading its inputs)."""
+    import cupy
+
+    stream = cupy.cuda.get_current_stream()
+    if not (pdl and _pdl_ok() and stream.is_capturing()):
+        fn(grid, block, args, shared_mem=shared_mem)
+        return
+    from cuda.bindings import driver as cu
+
+    grid, block = (tuple(grid) + (1, 1))[:3], (tuple(block) + (1, 1))[:3]
+    cfg = cu.CUlaunchConfig()
+    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
+    cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block
+    cfg.sharedMemBytes = shared_mem
+    cfg.hStream = cu.CUstream(stream.ptr)
+    attr = cu.CUlaunchAttribute()
+    attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    cfg.attrs = [attr]
+    cfg.numAttrs = 1
+    err, = cu.cuLaunchKernelEx(cfg, cu.CUfunction(fn.kernel.ptr), _ctypes_args(args), 0)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuLaunchKernelEx({fn.name}): {err}")
+
+
+@functools.cache
+def _pdl_ok() -> bool:
+    """PDL needs sm_90+; DSUF_PDL=0 turns it off (to compare, or to rule it out)."""
+    m = re.match(r"\d+", device_arch())
+    return os.environ.get("DSUF_PDL", "1") != "0" and m is not None and int(m.group()) >= 90

@@ -191,6 +191,11 @@ class _CountingOps:
         self.tensors[w.name] = (int(stored), int(dev))
         return None
 
+    def prepare_rows(self, ws: list):
+        """Weights the backends stack into one (engine/tp.py stack_rows): booked one by one."""
+        for w in ws:
+            self.prepare(w)
+
     def prepare_table(self, table, scale=None):
         """Engram tables: booked as host bytes in their stored format (pinned host memory)."""
         used_scale = scale is not None and table.fmt == "fp8"  # a float table's scales are unused

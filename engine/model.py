@@ -28,7 +28,7 @@ from engine.config import ModelConfig, RopeSpec
 from engine.decode_plan import StepInputs, plan_decode
 from engine.engram import NgramHasher
 from engine.state import V41_CODECS, LayerState, SequenceState, place
-from engine.tp import Collective, ShardPlan, run_single, slice_weight
+from engine.tp import Collective, ShardPlan, rows_stackable, run_single, slice_weight
 
 NEG_INF = np.float32(-np.inf)
 
@@ -120,11 +120,15 @@ def load_weights(cfg: ModelConfig, ckpt, ops, plan: ShardPlan) -> SimpleNamespac
             attn_norm=vec(p + "attn_norm.weight"), ffn_norm=vec(p + "ffn_norm.weight"),
             hc_attn=(vec(p + "hc_attn_fn"), vec(p + "hc_attn_scale"), vec(p + "hc_attn_base")),
             hc_ffn=(vec(p + "hc_ffn_fn"), vec(p + "hc_ffn_scale"), vec(p + "hc_ffn_base")),
-            wq_a=lin(a + "wq_a.weight"), q_norm=vec(a + "q_norm.weight"),
-            wq_b=lin(a + "wq_b.weight", rows=(h0 * d, h1 * d)),
-            wkv=lin(a + "wkv.weight"), kv_norm=vec(a + "kv_norm.weight"),
+            q_norm=vec(a + "q_norm.weight"), wq_b=lin(a + "wq_b.weight", rows=(h0 * d, h1 * d)),
+            kv_norm=vec(a + "kv_norm.weight"),
             sinks=vec(a + "attn_sink")[h0:h1], comp=None, idx=None, engram=None, wo_a=None, wo_b=None,
         )
+        # the q and K=V latents both project x: one stacked weight (one GEMV) where the formats allow
+        wq_a, wkv = (ckpt.weight(names.resolve(a + n)) for n in ("wq_a.weight", "wkv.weight"))
+        both = rows_stackable([wq_a, wkv])
+        L.wq_a, L.wkv = (None, None) if both else (ops.prepare(wq_a), ops.prepare(wkv))
+        L.wq_kv, L.q_rank = (ops.prepare_rows([wq_a, wkv]) if both else None), wq_a.shape[0]
         groups = plan.head_groups(cfg)
         if groups:  # the wo_a blocks of this rank's heads, and the wo_b columns of their groups
             (g0, lo, hi), gl = groups[0], groups[-1][0]
@@ -457,14 +461,19 @@ class Model:
         if L.engram is not None:  # (engram_ids: every Engram layer's hash ids, one column each)
             h = self._engram(L, h, ops.xp.ascontiguousarray(engram_ids[:, cfg.engram_layer_ids.index(li)]))
         pre_a, post_a, comb_a = ops.hc_mixes(h, *L.hc_attn, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
-        xa = ops.rmsnorm(ops.hc_collapse(h, pre_mix if cfg.arch == "v41" else pre_a), L.attn_norm, cfg.rms_norm_eps)
+        xa = ops.hc_collapse_norm(h, pre_mix if cfg.arch == "v41" else pre_a, L.attn_norm, cfg.rms_norm_eps)
         t, hn, d = xa.shape[0], self.plan.heads[1] - self.plan.heads[0], cfg.head_dim
-        q_res = ops.rmsnorm(ops.linear(xa, L.wq_a), L.q_norm, cfg.rms_norm_eps)
+        if L.wq_kv is not None:
+            qkv = ops.linear(xa, L.wq_kv)
+            q_lat, kv_lat = qkv[:, : L.q_rank], qkv[:, L.q_rank :]
+        else:
+            q_lat, kv_lat = ops.linear(xa, L.wq_a), ops.linear(xa, L.wkv)
+        q_res = ops.rmsnorm(q_lat, L.q_norm, cfg.rms_norm_eps)
         q = ops.linear(q_res, L.wq_b).reshape(t, hn, d)
         if cfg.arch == "v4":
             q = ops.rmsnorm(q, None, cfg.rms_norm_eps)
         q = ops.rope(q, cos, sin)
-        kv = ops.rope(ops.rmsnorm(ops.linear(xa, L.wkv), L.kv_norm, cfg.rms_norm_eps), cos, sin)
+        kv = ops.rope(ops.rmsnorm(kv_lat, L.kv_norm, cfg.rms_norm_eps), cos, sin)
         if self.store_quantized:
             kv = ops.fake_quant_fp8(kv, 32)  # the window is stored as FP8 e4m3 + UE8M0 per 32
         return (h, xa, q_res, q, kv, pre_a, post_a, comb_a, *self._v41_projections(li, L, xa, q_res, cos, sin))
@@ -518,11 +527,9 @@ class Model:
     def _head(self, h, pre_mix):
         """The streams' final collapse, norm and this rank's vocabulary slice of the logits."""
         cfg, ops = self.cfg, self.ops
-        if cfg.arch == "v41":
-            final = ops.hc_collapse(h, pre_mix)
-        else:
-            final = ops.hc_collapse(h, ops.hc_head_pre(h, *self.w.hc_head, cfg.rms_norm_eps, cfg.hc_eps))
-        return ops.linear(ops.rmsnorm(final, self.w.norm, cfg.rms_norm_eps), self.w.head)
+        if cfg.arch != "v41":
+            pre_mix = ops.hc_head_pre(h, *self.w.hc_head, cfg.rms_norm_eps, cfg.hc_eps)
+        return ops.linear(ops.hc_collapse_norm(h, pre_mix, self.w.norm, cfg.rms_norm_eps), self.w.head)
 
     def _attn_out(self, L, out, cos, sin):
         """RoPE undone on the attention output, then the grouped output projection."""
@@ -538,7 +545,7 @@ class Model:
         cfg, ops = self.cfg, self.ops
         h = ops.hc_expand(attn, h, post_a, comb_a)
         pre_f, post_f, comb_f = ops.hc_mixes(h, *L.hc_ffn, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
-        xf = ops.rmsnorm(ops.hc_collapse(h, pre_a if cfg.arch == "v41" else pre_f), L.ffn_norm, cfg.rms_norm_eps)
+        xf = ops.hc_collapse_norm(h, pre_a if cfg.arch == "v41" else pre_f, L.ffn_norm, cfg.rms_norm_eps)
         return h, self._moe(li, L, xf, route_hash), pre_f, post_f, comb_f
 
     # ---- MoE ---------------------------------------------------------------------------

@@ -126,6 +126,24 @@ def slice_weight(w, rows: tuple[int, int] | None = None, cols: tuple[int, int] |
     raise ShardingError(f"{w.name}: cannot slice format {w.fmt}")
 
 
+def rows_stackable(ws: list) -> bool:
+    """Whether weights of one input can be stacked along their output rows (stack_rows): the same
+    format, blocks and width, and FP8 scale blocks that do not straddle two of them."""
+    w0 = ws[0]
+    if any((w.fmt, w.block, w.scale_fmt, w.shape[1]) != (w0.fmt, w0.block, w0.scale_fmt, w0.shape[1]) for w in ws):
+        return False
+    return w0.fmt != "fp8" or all(w.shape[0] % w0.block[0] == 0 for w in ws[:-1])
+
+
+def stack_rows(ws: list):
+    """Weights of one input stacked along their output rows as one Weight, so that projections of
+    one input run as one GEMV (rows_stackable must hold)."""
+    w0 = ws[0]
+    scale = None if w0.scale is None else np.concatenate([np.asarray(w.scale) for w in ws])
+    return replace(w0, name="+".join(w.name for w in ws), data=np.concatenate([np.asarray(w.data) for w in ws]),
+                   scale=scale, shape=(sum(w.shape[0] for w in ws), w0.shape[1]))
+
+
 # ---------------------------------------------------------------------------------------------
 # Collectives and the lockstep driver
 

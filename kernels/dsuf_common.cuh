@@ -9,6 +9,27 @@ typedef unsigned long long u64;
 
 #define DSUF_INF __int_as_float(0x7f800000)
 
+// Programmatic dependent launch (engine/kernels.py launch(pdl=True), sm_90+). A kernel launched
+// that way may start while the previous kernel still runs: before dsuf_grid_wait() it may only
+// read what no kernel of the step writes (weights, constant tables). dsuf_launch_dependents()
+// lets such a successor start now; without a PDL successor both are no-ops.
+__device__ __forceinline__ void dsuf_grid_wait() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void dsuf_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+// Asynchronous prefetch of `bytes` (a multiple of 16, from a 16-byte aligned address) into L2.
+__device__ __forceinline__ void prefetch_l2(const void* p, u32 bytes) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+#endif
+}
+
 // Weight storage formats (engine/kernels.py FMT_*).
 #define FMT_F32 0
 #define FMT_BF16 1

@@ -6,6 +6,7 @@
 // y[r, :] = x[r, :] / sqrt(mean(x^2) + eps) * w   (w may be null). grid (rows), block 256.
 extern "C" __global__ void rmsnorm(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y,
                                    int D, float eps) {
+  dsuf_launch_dependents();
   __shared__ float red[33];
   const float* xr = x + (size_t)blockIdx.x * D;
   float* yr = y + (size_t)blockIdx.x * D;
@@ -25,6 +26,7 @@ extern "C" __global__ void rmsnorm(const float* __restrict__ x, const float* __r
 #define RMS_VPT 8
 extern "C" __global__ void __launch_bounds__(256) rmsnorm_v4(const float* __restrict__ x, const float* __restrict__ w,
                                                              float* __restrict__ y, int D, float eps) {
+  dsuf_launch_dependents();
   __shared__ float red[33];
   const float4* xr = (const float4*)(x + (size_t)blockIdx.x * D);
   float4* yr = (float4*)(y + (size_t)blockIdx.x * D);
@@ -57,6 +59,7 @@ extern "C" __global__ void __launch_bounds__(256) rmsnorm_v4(const float* __rest
 // [T, M, D]; cos/sin [T, P]; sign = -1 rotates back. One thread per (t, m, channel).
 extern "C" __global__ void rope(const float* __restrict__ x, const float* __restrict__ cs, const float* __restrict__ sn,
                                 float* __restrict__ y, long long total, int M, int D, int P, float sign) {
+  dsuf_launch_dependents();
   long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= total) return;
   const int d = (int)(i % D);
@@ -214,9 +217,130 @@ extern "C" __global__ void hc_mixes(const float* __restrict__ part, int S, const
   for (int i = 0; i < hc * hc; ++i) comb[(size_t)t * hc * hc + i] = c[i];
 }
 
+// Both mHC steps in one launch (NM <= 32, hc a power of two with hc*hc <= 32): grid (T, S), block
+// 256, block s dots the 512-float slice s of F (128 float4 positions x 2 halves of the fn rows, every
+// load of a thread in flight at once) and writes its partials; the last block of row t to finish
+// (counter cnt[t], which it resets to 0) sums the S partials in a fixed order (deterministic) and
+// finishes as hc_mixes does. At b = 1 that is 40 blocks, one round trip each, and no second launch.
+#define HCF_SLICE 512
+#define HCF_ROWS 16  // fn rows per half-block (NM <= 32)
+extern "C" __global__ void __launch_bounds__(256) hc_mix(const float* __restrict__ h, const float* __restrict__ fn,
+                                                         int F, int NM, float* __restrict__ part,
+                                                         int* __restrict__ cnt, const float* __restrict__ scale,
+                                                         const float* __restrict__ base, int hc, float norm_eps,
+                                                         float hc_eps, int iters, int mode, float* __restrict__ pre,
+                                                         float* __restrict__ post, float* __restrict__ comb) {
+  __shared__ float red[8][HCF_ROWS + 1];
+  __shared__ float fin[8][33];
+  __shared__ int last;
+  const int t = blockIdx.x, s = blockIdx.y, S = gridDim.y;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, half = threadIdx.x >> 7;
+  const int per = (NM + 1) >> 1, m0 = half * per;
+  const int i0 = s * HCF_SLICE + (threadIdx.x & 127) * 4;
+  const bool in = i0 < F;  // (F % 4 == 0)
+  const float4 x = in ? __ldg((const float4*)(h + (size_t)t * F + i0)) : make_float4(0.f, 0.f, 0.f, 0.f);
+  float4 f[HCF_ROWS];
+#pragma unroll
+  for (int j = 0; j < HCF_ROWS; ++j)
+    f[j] = in && j < per && m0 + j < NM ? __ldg((const float4*)(fn + (size_t)(m0 + j) * F + i0))
+                                        : make_float4(0.f, 0.f, 0.f, 0.f);
+  float v = half == 0 ? x.x * x.x + x.y * x.y + x.z * x.z + x.w * x.w : 0.f;
+  v = warp_sum(v);
+  if (lane == 0) red[warp][HCF_ROWS] = v;
+#pragma unroll
+  for (int j = 0; j < HCF_ROWS; ++j) {
+    if (j < per) {
+      float a = x.x * f[j].x + x.y * f[j].y + x.z * f[j].z + x.w * f[j].w;
+      a = warp_sum(a);
+      if (lane == 0) red[warp][j] = a;
+    }
+  }
+  __syncthreads();
+  float* pt = part + (size_t)t * S * (NM + 1);
+  if (threadIdx.x <= NM) {  // value m: the 4 warps of its half, in order
+    const int m = threadIdx.x, hf = m < NM && m >= per ? 1 : 0, j = m == NM ? HCF_ROWS : m - hf * per;
+    float a = 0.f;
+    for (int w = 0; w < 4; ++w) a += red[hf * 4 + w][j];
+    pt[(size_t)s * (NM + 1) + m] = a;
+  }
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(cnt + t, 1) == S - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  {  // lane m, warp w: partials s = w, w + 8, ...; then the 8 warps in order
+    float a = 0.f;
+    if (lane <= NM) {
+#pragma unroll 8
+      for (int q = warp; q < S; q += 8) a += __ldcg(pt + (size_t)q * (NM + 1) + lane);
+    }
+    fin[warp][lane] = a;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) cnt[t] = 0;  // ready for the next launch (and graph replay)
+  if (warp != 0) return;
+  float mv = 0.f;
+  for (int w = 0; w < 8; ++w) mv += fin[w][lane];
+  const float rstd = 1.f / sqrtf(__shfl_sync(0xffffffffu, mv, NM) / (float)F + norm_eps);
+  fin[0][lane] = mv * rstd;
+  __syncwarp();
+  if (mode == 1) {
+    if (lane < hc) pre[t * hc + lane] = sigmoidf_(fin[0][lane] * scale[0] + base[lane]) + hc_eps;
+    return;
+  }
+  hc_sinkhorn_warp(fin[0], scale, base, hc, hc_eps, iters, t, pre, post, comb);
+}
+
+// out[t, :] = rmsnorm(sum_i pre[t, i] * h[t, i, :]) * w: hc_collapse and rmsnorm_v4 in one launch
+// (D % 4 == 0, D <= 8192; grid (T), block 256; w may be null).
+extern "C" __global__ void __launch_bounds__(256) hc_collapse_norm(const float* __restrict__ h,
+                                                                   const float* __restrict__ pre,
+                                                                   const float* __restrict__ w,
+                                                                   float* __restrict__ y, int hc, int D, float eps) {
+  dsuf_launch_dependents();
+  __shared__ float red[33];
+  const int t = blockIdx.x, n4 = D >> 2;
+  float4 v[RMS_VPT];
+#pragma unroll
+  for (int j = 0; j < RMS_VPT; ++j) v[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+  for (int i = 0; i < hc; ++i) {  // (unrolled: the streams' loads in flight together)
+    const float p = pre[t * hc + i];
+    const float4* hr = (const float4*)(h + ((size_t)t * hc + i) * D);
+#pragma unroll
+    for (int j = 0; j < RMS_VPT; ++j) {
+      const int c = threadIdx.x + j * 256;
+      if (c < n4) {
+        const float4 a = __ldg(hr + c);
+        v[j].x += p * a.x; v[j].y += p * a.y; v[j].z += p * a.z; v[j].w += p * a.w;
+      }
+    }
+  }
+  float s = 0.f;
+#pragma unroll
+  for (int j = 0; j < RMS_VPT; ++j) s += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
+  s = block_sum(s, red);
+  const float r = 1.f / sqrtf(s / (float)D + eps);
+  float4* yr = (float4*)(y + (size_t)t * D);
+#pragma unroll
+  for (int j = 0; j < RMS_VPT; ++j) {
+    const int c = threadIdx.x + j * 256;
+    if (c < n4) {
+      float4 o = make_float4(v[j].x * r, v[j].y * r, v[j].z * r, v[j].w * r);
+      if (w) {
+        const float4 g = __ldg((const float4*)w + c);
+        o.x *= g.x; o.y *= g.y; o.z *= g.z; o.w *= g.w;
+      }
+      yr[c] = o;
+    }
+  }
+}
+
 // out[t, d] = sum_i pre[t, i] * h[t, i, d]
 extern "C" __global__ void hc_collapse(const float* __restrict__ h, const float* __restrict__ pre,
                                        float* __restrict__ out, long long total, int hc, int D) {
+  dsuf_launch_dependents();
   long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= total) return;
   const long long t = i / D;
@@ -230,6 +354,7 @@ extern "C" __global__ void hc_collapse(const float* __restrict__ h, const float*
 extern "C" __global__ void hc_expand(const float* __restrict__ out, const float* __restrict__ res,
                                      const float* __restrict__ post, const float* __restrict__ comb,
                                      float* __restrict__ y, long long total, int hc, int D) {
+  dsuf_launch_dependents();
   long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= total) return;
   const int d = (int)(i % D);
@@ -294,6 +419,7 @@ extern "C" __global__ void gated_pool(const float* __restrict__ kv, const float*
 // tables: address, count); a zero address (no group closes) gives a zero row. out [B, D].
 extern "C" __global__ void gated_pool_rows(const long long* __restrict__ kvs, const long long* __restrict__ gates,
                                            float* __restrict__ out, long long total, int R, int D) {
+  dsuf_launch_dependents();
   long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= total) return;
   const long long b = i / D;
@@ -314,6 +440,7 @@ __device__ __forceinline__ float swiglu1(float g, float u, float limit) {
 
 extern "C" __global__ void swiglu(const float* __restrict__ gate, const float* __restrict__ up,
                                   float* __restrict__ y, long long total, float limit) {
+  dsuf_launch_dependents();
   long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= total) return;
   y[i] = swiglu1(gate[i], up[i], limit);
@@ -322,6 +449,7 @@ extern "C" __global__ void swiglu(const float* __restrict__ gate, const float* _
 // swiglu of a fused gate / up output: gu [rows, 2 * inter] (gate columns, then up) -> y [rows, inter]
 extern "C" __global__ void swiglu_pairs(const float* __restrict__ gu, float* __restrict__ y, long long total,
                                         int inter, float limit) {
+  dsuf_launch_dependents();
   long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= total) return;
   const long long r = i / inter;
@@ -333,6 +461,7 @@ extern "C" __global__ void swiglu_pairs(const float* __restrict__ gu, float* __r
 extern "C" __global__ void moe_combine(const float* __restrict__ out, const float* __restrict__ w,
                                        const int* __restrict__ inv, float* __restrict__ y, long long total, int K,
                                        int D) {
+  dsuf_launch_dependents();
   long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= total) return;
   const long long t = i / D;
@@ -358,6 +487,7 @@ extern "C" __global__ void copy_rows(const long long* __restrict__ tab) {
 // multiples of 4 floats. grid (B), block 128.
 extern "C" __global__ void scatter_rows(const float* __restrict__ src, const long long* __restrict__ dst, int W,
                                         int ld, int vec4) {
+  dsuf_launch_dependents();
   float* d = (float*)dst[blockIdx.x];
   if (d == nullptr) return;
   const float* s = src + (size_t)blockIdx.x * ld;

@@ -420,10 +420,21 @@ template <int FMT, int RPW, int PC>
 __device__ __forceinline__ void gemvx_body(const float* __restrict__ A, int lda, float* __restrict__ Y, int ldy,
                                            int N, int K, const int* __restrict__ segs,
                                            const u64* __restrict__ wptrs, const u64* __restrict__ sptrs,
-                                           int bn, int bk, int gk, int kw) {
+                                           int bn, int bk, int gk, int kw, int pf) {
   extern __shared__ __align__(16) float xsh[];
   __shared__ float red[8][RPW];
   constexpr int EPC = Fmt<FMT>::EPC, Q = EPC / 4;
+  const int gpb = 8 / kw;
+  if (pf > 0 && threadIdx.x == 0) {  // (pf > 0: segs and wptrs are constant tables, see launch())
+    // this block's first pf row groups into L2 while the previous kernel finishes
+    const int* sg = segs + 5 * blockIdx.y;
+    const u8* W = (const u8*)wptrs[sg[0]];
+    const size_t rb = (size_t)K * Fmt<FMT>::NUM / Fmt<FMT>::DEN;
+    const int step = gpb * RPW;
+    for (int i = 0, n0 = blockIdx.x * step; i < pf && n0 < N; ++i, n0 += gridDim.x * step)
+      prefetch_l2(W + n0 * rb, (u32)((min(N, n0 + step) - n0) * rb));
+  }
+  dsuf_grid_wait();
   const int* sg = segs + 5 * blockIdx.y;
   const int widx = sg[0], row0 = sg[1], rows = sg[2], acol = sg[3], ycol = sg[4];
   if (rows <= 0) return;
@@ -441,7 +452,7 @@ __device__ __forceinline__ void gemvx_body(const float* __restrict__ A, int lda,
   }
   __syncthreads();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int gpb = 8 / kw, group = warp / kw, part = warp - group * kw;
+  const int group = warp / kw, part = warp - group * kw;
   const size_t row_bytes = (size_t)K * Fmt<FMT>::NUM / Fmt<FMT>::DEN;
   const int ksh = (bk & (bk - 1)) == 0 ? __ffs(bk) - 1 : -1;
   const int ngroups = (N + RPW - 1) / RPW, nbi = (ngroups + gpb - 1) / gpb;
@@ -502,6 +513,9 @@ __device__ __forceinline__ void gemvx_body(const float* __restrict__ A, int lda,
         for (int r = 0; r < RPW; ++r) acc[r] += sc[p][r] * dot[r];
       }
     }
+    // (a GEMV successor's prefetch starts once this block's weight loads are all issued: launched
+    // at our start it competed with them, H200: shared w1 + w3 19 -> 25 us)
+    if (bi + gridDim.x >= nbi) dsuf_launch_dependents();
 #pragma unroll
     for (int r = 0; r < RPW; ++r) acc[r] = warp_sum(acc[r]);
     if (kw > 1) {  // the row group's partial sums, in a fixed order (deterministic)
@@ -529,7 +543,9 @@ __device__ __forceinline__ void gemvx_body(const float* __restrict__ A, int lda,
 }
 
 #define DEF_GEMVX(NAME, FMT, RPW, PC) \
-  extern "C" __global__ void __launch_bounds__(256) NAME(GEMV_ARGS, int kw) { gemvx_body<FMT, RPW, PC>(GEMV_PASS, kw); }
+  extern "C" __global__ void __launch_bounds__(256) NAME(GEMV_ARGS, int kw, int pf) { \
+    gemvx_body<FMT, RPW, PC>(GEMV_PASS, kw, pf);                                        \
+  }
 // (H200, one row, graphs, weights past L2, vs gemv: wo_a 19.8 -> 13.6 us, wo_b 21.7 -> 18.6, shared w1+w3
 // 15.2 -> 12.1, six experts' gate + up 64 -> 40 (FP4, vs the tensor-core GEMV), lm_head 25 -> 24)
 DEF_GEMVX(gemvx_f32, FMT_F32, 4, 2)

@@ -101,12 +101,15 @@ extern "C" __global__ void __launch_bounds__(256) route_topk(const float* __rest
 // (the token of each sorted pair); segs [maxseg * 5]: each expert's run of sorted pairs cut into
 // segments of at most `step` rows, (expert, first sorted row, rows, 0, 0) in sorted order, every
 // unused trailing slot (0, 0, 0, 0, 0) (rows = 0: the linear kernels skip it).
+// dup_col > 0: segs holds 2 * maxseg slots, the second half repeating the first with expert
+// e + E and y column dup_col (w3 after w1 in one pointer table: gate and up in one launch).
 // One block of MOE_GROUP_MAXP threads, P <= MOE_GROUP_MAXP, E <= 2^21. Keys expert << 10 | pair
 // are unique, so a bitonic sort of them in shared memory is deterministic and stable by pair.
 #define MOE_GROUP_MAXP 1024
 extern "C" __global__ void __launch_bounds__(MOE_GROUP_MAXP) moe_group(const long long* __restrict__ ids, int P,
                                                                        int K, int E, int step, int maxseg,
-                                                                       int* __restrict__ order, int* __restrict__ inv,
+                                                                       int dup_col, int* __restrict__ order,
+                                                                       int* __restrict__ inv,
                                                                        int* __restrict__ gather, int* __restrict__ segs) {
   __shared__ u32 key[MOE_GROUP_MAXP];
   __shared__ int wcount[MOE_GROUP_MAXP / 32];
@@ -174,7 +177,13 @@ extern "C" __global__ void __launch_bounds__(MOE_GROUP_MAXP) moe_group(const lon
     if (s < maxseg) {
       int* sg = segs + 5 * s;
       sg[0] = e; sg[1] = p; sg[2] = rows; sg[3] = 0; sg[4] = 0;
+      if (dup_col > 0) {
+        sg += 5 * maxseg;
+        sg[0] = e + E; sg[1] = p; sg[2] = rows; sg[3] = 0; sg[4] = dup_col;
+      }
     }
   }
   for (int q = 5 * total + tid; q < 5 * maxseg; q += blockDim.x) segs[q] = 0;
+  if (dup_col > 0)
+    for (int q = 5 * total + tid; q < 5 * maxseg; q += blockDim.x) segs[5 * maxseg + q] = 0;
 }

@@ -35,6 +35,7 @@ __device__ __forceinline__ float e2m1_round(float x) {
 
 extern "C" __global__ void fake_quant_fp8(const float* __restrict__ x, float* __restrict__ y, long long nblocks,
                                           int block) {
+  dsuf_launch_dependents();
   const long long b = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (b >= nblocks) return;
   const float* xb = x + b * block;
@@ -50,6 +51,7 @@ extern "C" __global__ void fake_quant_fp8(const float* __restrict__ x, float* __
 
 extern "C" __global__ void fake_quant_fp4(const float* __restrict__ x, float* __restrict__ y, long long nblocks,
                                           int block, int e4m3_scales) {
+  dsuf_launch_dependents();
   const long long b = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (b >= nblocks) return;
   const float* xb = x + b * block;

@@ -139,9 +139,10 @@ def test_rope(shape, inverse):
     assert rel(got, REF.rope(x, c, s, inverse)) < 1e-6
 
 
-@pytest.mark.parametrize("t,hc", [(1, 4), (6, 4), (2, 3), (2, 8)])  # hc 4: one lane per comb entry; 3, 8: serial
-def test_hc_mixes_and_head(t, hc):
-    d = 5120
+# hc 4: the fused one-launch kernel (hc_mix, also every hc_head_pre); 3, 8: two launches, a serial finish.
+# d 1000: the last 512-float slice is partial.
+@pytest.mark.parametrize("t,hc,d", [(1, 4, 5120), (6, 4, 5120), (3, 4, 1000), (2, 3, 5120), (2, 8, 5120)])
+def test_hc_mixes_and_head(t, hc, d):
     nm = (2 + hc) * hc
     h = rnd(t, hc, d)
     fn, scale, base = rnd(nm, hc * d, scale=0.01), rnd(3), rnd(nm)
@@ -149,6 +150,9 @@ def test_hc_mixes_and_head(t, hc):
     got = GPU.hc_mixes(*(cp.asarray(a) for a in (h, fn, scale, base)), 1e-6, 1e-6, 20)
     for g, r in zip(got, ref, strict=True):
         assert rel(g, r) < 1e-4
+    again = GPU.hc_mixes(*(cp.asarray(a) for a in (h, fn, scale, base)), 1e-6, 1e-6, 20)
+    for g, r in zip(again, got, strict=True):  # the fused kernel's block counters reset themselves
+        assert cp.array_equal(g, r)
     fn4, base4 = rnd(hc, hc * d, scale=0.01), rnd(hc)
     ref = REF.hc_head_pre(h, fn4, scale, base4, 1e-6, 1e-6)
     got = GPU.hc_head_pre(*(cp.asarray(a) for a in (h, fn4, scale, base4)), 1e-6, 1e-6)
@@ -159,6 +163,10 @@ def test_hc_collapse_expand():
     t, hc, d = 5, 4, 5120
     h, pre, post, comb, out = rnd(t, hc, d), rnd(t, hc), rnd(t, hc), rnd(t, hc, hc), rnd(t, d)
     assert rel(GPU.hc_collapse(cp.asarray(h), cp.asarray(pre)), REF.hc_collapse(h, pre)) < F32_TOL
+    w = rnd(d)
+    for wt in (w, None):  # collapse + RMSNorm in one launch
+        got = GPU.hc_collapse_norm(cp.asarray(h), cp.asarray(pre), None if wt is None else cp.asarray(wt), 1e-6)
+        assert rel(got, REF.hc_collapse_norm(h, pre, wt, 1e-6)) < F32_TOL
     got = GPU.hc_expand(cp.asarray(out), cp.asarray(h), cp.asarray(post), cp.asarray(comb))
     assert rel(got, REF.hc_expand(out, h, post, comb)) < F32_TOL
 
@@ -216,7 +224,7 @@ def test_route_ties_pick_lower_ids():
 def test_swiglu_mlp():
     d, inter = 5120, 2304
     w1, w2, w3 = (make_weight("fp8", *s) for s in ((inter, d), (d, inter), (inter, d)))
-    for t in (1, 20):
+    for t in (1, 20, 64):  # (gate and up as one launch: gemvx, tensor-core GEMV, GEMM)
         x = rnd(t, d)
         ref = REF.swiglu_mlp(x, *(REF.prepare(w) for w in (w1, w2, w3)), 10.0)
         got = GPU.swiglu_mlp(cp.asarray(x), *(GPU.prepare(w) for w in (w1, w2, w3)), 10.0)
@@ -313,7 +321,8 @@ def test_moe_group_kernel(t, k, e, step):
     buf = cp.full(8 * p, -1, cp.int32)
     segs, order, inv, gather = buf[:5 * p], buf[5 * p:6 * p], buf[6 * p:7 * p], buf[7 * p:]
     K.function("moe", "moe_group")((1,), (1024,), (cp.asarray(ids), np.int32(p), np.int32(k), np.int32(e),
-                                                    np.int32(step), np.int32(p), order, inv, gather, segs))
+                                                    np.int32(step), np.int32(p), np.int32(0), order, inv, gather,
+                                                    segs))
     for got, ref in zip((order, inv, gather, segs), _group_ref(ids, e, step, p), strict=True):
         assert np.array_equal(cp.asnumpy(got), ref)
     # through the helper moe() uses: its tighter maxseg still holds every segment
@@ -322,6 +331,13 @@ def test_moe_group_kernel(t, k, e, step):
     assert got[0].size == 5 * ms
     for g, ref in zip(got, (_group_ref(ids, e, step, ms)[i] for i in (3, 2, 1, 0)), strict=True):
         assert np.array_equal(cp.asnumpy(g), ref)
+    # doubled for gate and up in one launch: the second half is w3's (experts e.., y column 77)
+    segs2 = cp.asnumpy(GPU._moe_group(cp.asarray(ids), e, step, 77)[0]).reshape(2, ms, 5)
+    ref = _group_ref(ids, e, step, ms)[3].reshape(ms, 5)
+    assert np.array_equal(segs2[0], ref)
+    used = ref[:, 2] > 0
+    assert np.array_equal(segs2[1][used], ref[used] + np.array([e, 0, 0, 0, 77]))
+    assert not segs2[1][~used].any()
 
 
 def test_moe_cuda_graph():

@@ -101,3 +101,27 @@ def test_unsplittable_plans_fail_clearly() -> None:
     with pytest.raises(ShardingError, match="rank"):
         ShardPlan.make(cfg, 4, 4)
     assert even_range(10, 3, 4) == (8, 10) and even_range(100, 1, 2, unit=32) == (64, 100)
+
+
+
+def test_stack_rows_equals_the_stacked_dequantized_weights():
+    """Projections of one input stacked into one weight (wq_a over wkv): the same values, row for row;
+    FP8 scale blocks that would straddle two weights, or mixed formats, are refused."""
+    from engine import formats
+    from engine.checkpoint import Weight
+    from engine.tp import rows_stackable, stack_rows
+
+    rng = np.random.default_rng(3)
+
+    def fp8(n: int, k: int) -> Weight:
+        q, sc = formats.quant_fp8_blocks(rng.standard_normal((n, k)).astype(np.float32), (32, 32), "ue8m0")
+        return Weight("w", q, "fp8", sc, "ue8m0", (32, 32), (n, k))
+
+    a, b = fp8(96, 128), fp8(40, 128)
+    assert rows_stackable([a, b])
+    s = stack_rows([a, b])
+    assert s.shape == (136, 128)
+    assert np.array_equal(s.dequant(), np.concatenate([a.dequant(), b.dequant()]))
+    assert not rows_stackable([fp8(80, 128), b])  # a's last scale block would cover b's first rows
+    bf = Weight("w", formats.f32_to_bf16(rng.standard_normal((40, 128)).astype(np.float32)), "bf16", shape=(40, 128))
+    assert not rows_stackable([a, bf])

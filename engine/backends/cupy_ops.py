@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 
 import cupy as cp
@@ -29,6 +30,7 @@ from engine.backends.cuda_graphs import RegionGraphs
 from engine.backends.pinned import PinnedUploader
 from engine.kernels import FMT_BF16, FMT_F32, FMT_FP4, FMT_FP8
 from engine.rows import Span
+from engine.tp import stack_rows
 
 F32 = np.float32
 _FMT_TAG = {FMT_F32: "f32", FMT_BF16: "bf16", FMT_FP8: "fp8", FMT_FP4: "fp4"}
@@ -39,6 +41,8 @@ GEMM_TILE = 64
 # RPW weight rows per warp, PC 32-chunk slices in flight per row, blocks striding over the rows)
 GEMVX_RPW = {FMT_F32: 4, FMT_BF16: 4, FMT_FP8: 4, FMT_FP4: 2}
 GEMVX_PC, GEMVX_MAX_SMEM, GEMVX_WARPS_TARGET = 2, 200 << 10, 2048
+GEMVX_PASSES = int(os.environ.get("DSUF_GEMVX_PASSES", "2"))  # (fewest passes per warp; an experiment knob)
+GEMVX_PREFETCH_BYTES = 32 << 20  # a captured gemvx prefetches up to this much weight into L2 (H200: 50 MB)
 GEMV_WARPS_TARGET = 132 * 32  # enough independent loads in flight to saturate an H200's HBM
 TC_MAX_ROWS = 32  # FP8 / FP4 segments of up to this many rows: tensor-core GEMV (gemv_tc.cu)
 # its configuration (kernels/gemv_tc.cu TC_W, TC_S, TC_R): blocks of 8 warps, each streaming its
@@ -54,6 +58,7 @@ _ELT_BLOCK = 256
 ATT_BLOCKS_TARGET, ATT_MIN_SPLIT = 132 * 2, 64
 _NULL = np.uint64(0)  # a null pointer kernel argument
 COPY_ROWS_MAX = 64 << 10  # copy_rows: larger copies (a state buffer's growth) go through cudaMemcpyAsync
+HC_COUNTERS = 1 << 16  # rows the fused mHC mix handles per launch (one int32 block counter each)
 MOE_DEVICE_MAX_PAIRS = 1024  # moe(): up to this many (token, expert) pairs are grouped on the device
 _MOE_GROUP_MAXP = 1024  # kernels/moe.cu MOE_GROUP_MAXP: moe_group runs one block, one thread a pair
 
@@ -136,10 +141,11 @@ def _gemvx_ok(a: cp.ndarray, w: GpuWeight, segs) -> bool:
 
 def _gemvx_split(groups: int, slices: int) -> int:
     """Warps sharing one gemvx row group (1, 2, 4 or 8): split K while the launch has fewer than
-    GEMVX_WARPS_TARGET warps and each warp keeps >= 2 passes of GEMVX_PC slices (H200: wq_a, wkv 4;
-    wo_b, shared w1+w3 2; wq_b, wo_a, the experts 1)."""
+    GEMVX_WARPS_TARGET warps and each warp keeps a whole pass of GEMVX_PC slices: a small GEMV is
+    a chain of load round trips, one per pass (V4.1-Flash: wq_a 8, wkv 4, shared w1 + w3 4, shared w2
+    2; wq_b, wo_a, wo_b, the experts 1)."""
     kw = 1
-    while kw < 8 and groups * kw < GEMVX_WARPS_TARGET and slices >= 2 * kw * GEMVX_PC:
+    while kw < 8 and groups * kw < GEMVX_WARPS_TARGET and slices >= 2 * kw * GEMVX_PC // GEMVX_PASSES:
         kw *= 2
     return kw
 
@@ -204,11 +210,17 @@ class CupyOps:
         self._tables: dict[int, tuple] = {}  # id(expert list) -> (list, pointer tables)
         self._seg_cache: dict[tuple, cp.ndarray] = {}
         self._group_ptrs: dict[tuple[int, int], tuple] = {}
+        self._pair_ptrs: dict[tuple[int, int], tuple] = {}  # (w1, w3) -> one pointer table (swiglu_mlp)
         self._seg_offsets: dict[tuple, cp.ndarray] = {}  # fused gate / up: w3 segment offsets
         self._uploader = PinnedUploader()
         self._no_scale = cp.zeros(1, F32)  # the scale argument of unscaled tables
+        self._hc_count = cp.zeros(HC_COUNTERS, dtype=cp.int32)  # hc_mix's block counters (each resets its own)
 
     # ---- weights ---------------------------------------------------------------------
+    def prepare_rows(self, ws: list) -> GpuWeight:
+        """Weights of one input as one, stacked along their output rows (engine/tp.py stack_rows)."""
+        return self.prepare(stack_rows(ws))
+
     def prepare_table(self, table, scale=None) -> cp.ndarray:
         """An Engram table, dequantized on the host and placed on the device (host-resident
         pinned tables, which the memory plan assumes, are still to come)."""
@@ -312,15 +324,17 @@ class CupyOps:
 
     # ---- linear kernels ----------------------------------------------------------------
     def _run_linear(self, a: cp.ndarray, y: cp.ndarray, n: int, k: int, segs,
-                    wptrs: cp.ndarray, sptrs: cp.ndarray, w: GpuWeight, max_rows: int) -> None:
+                    wptrs: cp.ndarray, sptrs: cp.ndarray, w: GpuWeight, max_rows: int, lda: int | None = None) -> None:
         """Launch the tensor-core GEMV (FP8 / FP4, 2 <= max_rows <= 32), the GEMV (max_rows <= 8) or
         the GEMM kernel over a segment table (a list of (weight, row0, rows, a_col, y_col), or that
-        table already on the device)."""
+        table already on the device). lda = 0 (with max_rows 1): every segment reads a's row 0."""
         tag = _FMT_TAG[w.fmt]
         seg = segs if isinstance(segs, cp.ndarray) else self._segs_device(segs)
         nseg = seg.size // 5
-        args = (a, np.int32(a.shape[1]), y, np.int32(y.shape[1]), np.int32(n), np.int32(k), seg, wptrs, sptrs,
-                np.int32(w.block[0]), np.int32(w.block[1]), np.int32(w.gk))
+        if lda is not None and max_rows != 1:
+            raise ValueError("_run_linear: a row stride override needs one-row segments")
+        args = (a, np.int32(a.shape[1] if lda is None else lda), y, np.int32(y.shape[1]), np.int32(n), np.int32(k),
+                seg, wptrs, sptrs, np.int32(w.block[0]), np.int32(w.block[1]), np.int32(w.gk))
         # (the tensor-core GEMV reads x in 128-column groups: segments must start on one)
         if (TC_MIN_ROWS.get(w.fmt, 99) <= max_rows <= TC_MAX_ROWS and _tc_ok(w, a.shape[1])
                 and (isinstance(segs, cp.ndarray) or all(s[3] % 128 == 0 for s in segs))):
@@ -331,8 +345,16 @@ class CupyOps:
             groups = -(-n // GEMVX_RPW[w.fmt])
             kw = _gemvx_split(groups * nseg, -(-(k // _EPC[w.fmt]) // 32))
             per_sm = max(1, min(65536 // (256 * max(fn.num_regs, 32)), (228 << 10) // (smem + 1024)))
-            blocks = max(1, min(-(-groups // (8 // kw)), _sm_count() * per_sm // nseg))
-            fn((blocks, nseg), (256,), (*args, np.int32(kw)), shared_mem=smem)
+            nbi = -(-groups // (8 // kw))
+            blocks = max(1, min(nbi, _sm_count() * per_sm // nseg))
+            # within a captured step: launched early (PDL), each block prefetching its first row groups
+            # of the weight into L2 while the previous kernel runs. Only where the segment table is a
+            # constant of ours; a table the step builds (MoE routing) is read after the wait.
+            pf = 0
+            if not isinstance(segs, cp.ndarray):
+                chunk = (8 // kw) * GEMVX_RPW[w.fmt] * w.row_bytes()  # one block's row groups per pass
+                pf = min(-(-nbi // blocks), max(1, GEMVX_PREFETCH_BYTES // (blocks * nseg * chunk)))
+            K.launch(fn, (blocks, nseg), (256,), (*args, np.int32(kw), np.int32(pf)), shared_mem=smem, pdl=True)
         elif max_rows <= GEMV_MAX_ROWS:
             mt = 1 if max_rows <= 1 else 2 if max_rows <= 2 else 4 if max_rows <= 4 else 8
             rpw = 4
@@ -516,6 +538,14 @@ class CupyOps:
                    norm_eps: float, hc_eps: float, iters: int, mode: int, pre, post, comb) -> None:
         """Partial dots, then the fixed-order finish: mode 0 -> pre, post, comb; 1 -> pre only."""
         t, hc, d = streams.shape
+        nm, f = fn.shape[0], hc * d
+        if nm <= 32 and f % 4 == 0 and t <= HC_COUNTERS and (mode == 1 or (hc * hc <= 32 and hc & (hc - 1) == 0)):
+            s = -(-f // 512)
+            part = cp.empty((t, s, nm + 1), F32)
+            K.function("elementwise", "hc_mix")((t, s), (256,), (
+                _c32(streams), _c32(fn), np.int32(f), np.int32(nm), part, self._hc_count, _c32(scale), _c32(base),
+                np.int32(hc), F32(norm_eps), F32(hc_eps), np.int32(iters), np.int32(mode), pre, post, comb))
+            return
         part, s = self._hc_partials(streams, fn)
         K.function("elementwise", "hc_mixes")((t,), (128,), (
             part, np.int32(s), _c32(scale), _c32(base), np.int32(hc), np.int32(hc * d), np.int32(fn.shape[0]),
@@ -538,6 +568,19 @@ class CupyOps:
         if t:
             self._hc_finish(streams, fn, scale, base, norm_eps, hc_eps, 0, 1, pre, pre, pre)
         return pre
+
+    def hc_collapse_norm(self, streams: cp.ndarray, pre: cp.ndarray, weight: cp.ndarray | None,
+                         eps: float) -> cp.ndarray:
+        """rmsnorm(hc_collapse(streams, pre), weight, eps) in one launch."""
+        t, hc, d = streams.shape
+        if d % 4 or d > 8192:
+            return self.rmsnorm(self.hc_collapse(streams, pre), weight, eps)
+        out = cp.empty((t, d), F32)
+        if t:
+            K.function("elementwise", "hc_collapse_norm")((t,), (256,), (
+                _c32(streams), _c32(pre), _c32(weight) if weight is not None else _NULL, out, np.int32(hc),
+                np.int32(d), F32(eps)))
+        return out
 
     def hc_collapse(self, streams: cp.ndarray, pre: cp.ndarray) -> cp.ndarray:
         t, hc, d = streams.shape
@@ -582,7 +625,26 @@ class CupyOps:
         return y
 
     def swiglu_mlp(self, x: cp.ndarray, w1, w2, w3, limit: float) -> cp.ndarray:
-        return self.linear(self._swiglu(self.linear(x, w1), self.linear(x, w3), limit), w2)
+        """w2(swiglu(w1 x, w3 x)); gate and up as one launch over a two-weight pointer table where
+        w1 and w3 match (the shared expert: one GEMV's fixed cost instead of two)."""
+        w1, w2, w3 = (w if isinstance(w, GpuWeight) else self.prepare(w) for w in (w1, w2, w3))
+        a = _c32(x).reshape(-1, w1.shape[1])
+        m, inter = a.shape[0], w1.shape[0]
+        if (w1.fmt, w1.shape, w1.block) != (w3.fmt, w3.shape, w3.block) or not w1.kernel_ok(m) or m == 0:
+            return self.linear(self._swiglu(self.linear(x, w1), self.linear(x, w3), limit), w2)
+        hit = self._pair_ptrs.get((id(w1), id(w3)))
+        if hit is None or hit[0] is not w1 or hit[1] is not w3:
+            hit = (w1, w3, cp.asarray(np.array([_ptr(w1.data), _ptr(w3.data)], np.uint64)),
+                   cp.asarray(np.array([_ptr(w1.scale), _ptr(w3.scale)], np.uint64)))
+            self._pair_ptrs[(id(w1), id(w3))] = hit
+        s1, mr = self._row_segments(m, 0, fmt=w1.fmt)
+        s3, _ = self._row_segments(m, 1, 0, 0, inter, fmt=w1.fmt)
+        gu = cp.empty((m, 2 * inter), F32)
+        self._run_linear(a, gu, inter, w1.shape[1], s1 + s3, hit[2], hit[3], w1, mr)
+        act = cp.empty((m, inter), F32)
+        K.function("elementwise", "swiglu_pairs")(_grid(act.size), (_ELT_BLOCK,), (
+            gu, act, np.int64(act.size), np.int32(inter), F32(limit)))
+        return self.linear(act, w2).reshape(*x.shape[:-1], w2.shape[0])
 
     def _expert_tables(self, experts: list):
         """Device pointer tables (data, scale) of w1, w2, w3 over a layer's experts, built once."""
@@ -614,21 +676,23 @@ class CupyOps:
         pairs gives ceil(c / step) <= (c + step - 1) / step, and at most min(E, p) experts have pairs."""
         return min(p, (p + min(n_experts, p) * (step - 1) + step - 1) // step)
 
-    def _moe_group(self, ids, n_experts: int, step: int) -> tuple[cp.ndarray, ...]:
+    def _moe_group(self, ids, n_experts: int, step: int, dup_col: int = 0) -> tuple[cp.ndarray, ...]:
         """Pairs of ids [T, k] grouped by expert on the device (kernels/moe.cu moe_group), int32:
         segs [maxseg * 5] (runs cut every `step` rows; unused slots rows = 0), gather [P] (token of
-        each sorted pair), inv [P] (sorted position of each pair), order [P] (stable argsort)."""
+        each sorted pair), inv [P] (sorted position of each pair), order [P] (stable argsort).
+        dup_col > 0: segs is [2 * maxseg * 5], its second half for w3 (experts E.., y column dup_col)."""
         ids = cp.ascontiguousarray(cp.asarray(ids), dtype=cp.int64)
         t, k = ids.shape
         p = t * k
         if p > _MOE_GROUP_MAXP or n_experts > 1 << 21:
             raise ValueError(f"moe_group: {p} pairs over {n_experts} experts (<= {_MOE_GROUP_MAXP}, 2^21)")
         ms = self._moe_max_segments(p, n_experts, step)
-        buf = cp.empty(5 * ms + 3 * p, cp.int32)  # one allocation, its size fixed by (T, k, E)
-        o = 5 * ms
+        o = 5 * ms * (2 if dup_col else 1)
+        buf = cp.empty(o + 3 * p, cp.int32)  # one allocation, its size fixed by (T, k, E)
         segs, gather, inv, order = buf[:o], buf[o:o + p], buf[o + p:o + 2 * p], buf[o + 2 * p:]
         K.function("moe", "moe_group")((1,), (_MOE_GROUP_MAXP,), (
-            ids, np.int32(p), np.int32(k), np.int32(n_experts), np.int32(step), np.int32(ms), order, inv, gather, segs))
+            ids, np.int32(p), np.int32(k), np.int32(n_experts), np.int32(step), np.int32(ms), np.int32(dup_col),
+            order, inv, gather, segs))
         return segs, gather, inv, order
 
     def _moe_device(self, x: cp.ndarray, tabs, n_experts: int, weights, ids, limit: float) -> cp.ndarray:
@@ -636,28 +700,37 @@ class CupyOps:
         An expert gets at most one pair per token, so segments of min(8, T) rows (GEMV) split no run
         that the host path would keep whole; they bound the rows per segment even if ids repeat."""
         step = min(GEMV_MAX_ROWS, x.shape[0])
-        segs, gather, inv, _ = self._moe_group(ids, n_experts, step)
-        return self._moe_project(x, gather, tabs, segs, step, weights, inv, int(ids.shape[1]), limit)
+        dup = tabs[0][0].shape[0] if len(tabs) > 3 else 0  # gate and up: one doubled segment table
+        segs, gather, inv, _ = self._moe_group(ids, n_experts, step, dup)
+        return self._moe_project(x, gather, tabs, segs, step, weights, inv, int(ids.shape[1]), limit,
+                                 doubled=bool(dup))
 
     def _moe_project(self, x: cp.ndarray, gather: cp.ndarray, tabs, segs: cp.ndarray, max_rows: int, weights,
-                     inv: cp.ndarray, k: int, limit: float) -> cp.ndarray:
+                     inv: cp.ndarray, k: int, limit: float, doubled: bool = False) -> cp.ndarray:
         """The experts over pairs sorted by expert (x rows gather [P]): w1, w3, swiglu, w2, each one
-        launch over the segment table; then y[t] = sum_j weights[t, j] * out[inv[t * k + j]]."""
+        launch over the segment table; then y[t] = sum_j weights[t, j] * out[inv[t * k + j]].
+        doubled: segs already holds w3's half after w1's (moe_group dup_col)."""
         d = x.shape[1]
         p = gather.size
-        xp_rows = x[gather]
+        # one token (decode at batch 1): every pair reads row 0, so x itself with a zero row stride
+        # stands in for the gathered rows (one-row segments only: the GEMV kernels)
+        shared_row = x.shape[0] == 1 and max_rows == 1
+        xp_rows, lda = (x, 0) if shared_row else (x[gather], None)
         (w1, p1, s1), (w2, p2, s2), (w3, p3, s3) = tabs[:3]
         inter = w1.shape[0]
-        if len(tabs) > 3:  # gate and up in one launch: w3's segments index the second half of the
-            # table and write columns inter.. of one [P, 2 * inter] output (x split once, twice the blocks)
+        if doubled:
+            segs_gu, segs = segs, segs[: segs.size // 2]
+        elif len(tabs) > 3:
             n_exp = p1.size
             off = self._seg_offsets.get((segs.size, n_exp, inter))
             if off is None:
                 off = cp.asarray(np.tile(np.array([n_exp, 0, 0, 0, inter], np.int32), segs.size // 5))
                 self._seg_offsets[(segs.size, n_exp, inter)] = off
+            segs_gu = cp.concatenate([segs, segs + off])
+        if len(tabs) > 3:  # gate and up in one launch: w3's segments index the second half of the
+            # table and write columns inter.. of one [P, 2 * inter] output (x split once, twice the blocks)
             gu = cp.empty((p, 2 * inter), F32)
-            self._run_linear(xp_rows, gu, inter, d, cp.concatenate([segs, segs + off]), tabs[3][1], tabs[3][2],
-                             w1, max_rows)
+            self._run_linear(xp_rows, gu, inter, d, segs_gu, tabs[3][1], tabs[3][2], w1, max_rows, lda)
             act = cp.empty((p, inter), F32)
             if act.size:
                 K.function("elementwise", "swiglu_pairs")(_grid(act.size), (_ELT_BLOCK,), (
@@ -665,8 +738,8 @@ class CupyOps:
         else:
             gate = cp.empty((p, inter), F32)
             up = cp.empty((p, inter), F32)
-            self._run_linear(xp_rows, gate, inter, d, segs, p1, s1, w1, max_rows)
-            self._run_linear(xp_rows, up, inter, d, segs, p3, s3, w3, max_rows)
+            self._run_linear(xp_rows, gate, inter, d, segs, p1, s1, w1, max_rows, lda)
+            self._run_linear(xp_rows, up, inter, d, segs, p3, s3, w3, max_rows, lda)
             act = self._swiglu(gate, up, limit)
         out = cp.empty((p, d), F32)
         self._run_linear(act, out, d, inter, segs, p2, s2, w2, max_rows)

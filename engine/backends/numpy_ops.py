@@ -14,6 +14,7 @@ from engine import formats
 from engine.decode_plan import with_spans
 from engine.rows import Span
 from engine.sampling import sample_batch
+from engine.tp import stack_rows
 
 F32 = np.float32
 NEG_INF = F32(-np.inf)
@@ -31,6 +32,10 @@ class NumpyOps:
         if isinstance(weight, np.ndarray):
             return np.ascontiguousarray(weight, dtype=F32)
         return np.ascontiguousarray(dequantize(weight), dtype=F32)
+
+    def prepare_rows(self, ws: list) -> np.ndarray:
+        """Weights of one input as one, stacked along their output rows (engine/tp.py stack_rows)."""
+        return self.prepare(stack_rows(ws))
 
     def prepare_table(self, table, scale=None) -> np.ndarray:
         """An Engram table (a row gather source): FP8 rows with a per-32 scale (`scale`, a RawTensor)
@@ -147,6 +152,11 @@ class NumpyOps:
         t = streams.shape[0]
         flat = self.rmsnorm(streams.reshape(t, -1), None, norm_eps)
         return _sigmoid(self.linear(flat, fn) * scale[0] + base) + F32(hc_eps)
+
+    def hc_collapse_norm(self, streams: np.ndarray, pre: np.ndarray, weight: np.ndarray | None,
+                         eps: float) -> np.ndarray:
+        """A sub-layer's input: the streams collapsed by `pre`, RMS-normalised."""
+        return self.rmsnorm(self.hc_collapse(streams, pre), weight, eps)
 
     def hc_collapse(self, streams: np.ndarray, pre: np.ndarray) -> np.ndarray:
         return np.sum(pre[:, :, None] * streams, axis=1, dtype=F32)
