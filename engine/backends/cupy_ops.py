@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass
 
 import cupy as cp
@@ -39,9 +38,9 @@ GEMV_MAX_ROWS = 8  # up to this many rows per segment: CUDA-core GEMV, else tens
 GEMM_TILE = 64
 # one row of x, any format: gemvx (kernels/linear.cu: x staged in shared memory in chunk order,
 # RPW weight rows per warp, PC 32-chunk slices in flight per row, blocks striding over the rows)
-GEMVX_RPW = {FMT_F32: 4, FMT_BF16: 4, FMT_FP8: 4, FMT_FP4: 2}
-GEMVX_PC, GEMVX_MAX_SMEM, GEMVX_WARPS_TARGET = 2, 200 << 10, 2048
-GEMVX_PASSES = int(os.environ.get("DSUF_GEMVX_PASSES", "2"))  # (fewest passes per warp; an experiment knob)
+GEMVX_RPW = {FMT_F32: 4, FMT_BF16: 4, FMT_FP8: 2, FMT_FP4: 2}  # (kernels/linear.cu DEF_GEMVX)
+GEMVX_PC = {FMT_F32: 2, FMT_BF16: 2, FMT_FP8: 2, FMT_FP4: 2}
+GEMVX_MAX_SMEM, GEMVX_WARPS_TARGET = 200 << 10, 2048
 GEMVX_PREFETCH_BYTES = 32 << 20  # a captured gemvx prefetches up to this much weight into L2 (H200: 50 MB)
 GEMV_WARPS_TARGET = 132 * 32  # enough independent loads in flight to saturate an H200's HBM
 TC_MAX_ROWS = 32  # FP8 / FP4 segments of up to this many rows: tensor-core GEMV (gemv_tc.cu)
@@ -139,13 +138,13 @@ def _gemvx_ok(a: cp.ndarray, w: GpuWeight, segs) -> bool:
     return isinstance(segs, cp.ndarray) or all((s[1] * a.shape[1] + s[3]) % 4 == 0 for s in segs)
 
 
-def _gemvx_split(groups: int, slices: int) -> int:
+def _gemvx_split(groups: int, slices: int, pc: int) -> int:
     """Warps sharing one gemvx row group (1, 2, 4 or 8): split K while the launch has fewer than
-    GEMVX_WARPS_TARGET warps and each warp keeps a whole pass of GEMVX_PC slices: a small GEMV is
-    a chain of load round trips, one per pass (V4.1-Flash: wq_a 8, wkv 4, shared w1 + w3 4, shared w2
-    2; wq_b, wo_a, wo_b, the experts 1)."""
+    GEMVX_WARPS_TARGET warps and each warp keeps a whole pass of pc slices (a small GEMV is a chain
+    of load round trips, one per pass; at least two passes each measured 0.730 against 0.724 ms per
+    flash-shaped decode step, H200)."""
     kw = 1
-    while kw < 8 and groups * kw < GEMVX_WARPS_TARGET and slices >= 2 * kw * GEMVX_PC // GEMVX_PASSES:
+    while kw < 8 and groups * kw < GEMVX_WARPS_TARGET and slices >= kw * pc:
         kw *= 2
     return kw
 
@@ -343,7 +342,7 @@ class CupyOps:
             smem = _gemvx_smem(w.fmt, k)
             fn = K.function_with_smem("linear", f"gemvx_{tag}", GEMVX_MAX_SMEM)
             groups = -(-n // GEMVX_RPW[w.fmt])
-            kw = _gemvx_split(groups * nseg, -(-(k // _EPC[w.fmt]) // 32))
+            kw = _gemvx_split(groups * nseg, -(-(k // _EPC[w.fmt]) // 32), GEMVX_PC[w.fmt])
             per_sm = max(1, min(65536 // (256 * max(fn.num_regs, 32)), (228 << 10) // (smem + 1024)))
             nbi = -(-groups // (8 // kw))
             blocks = max(1, min(nbi, _sm_count() * per_sm // nseg))
