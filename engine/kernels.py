@@ -76,12 +76,19 @@ def function(mod: str, name: str):
     return module(mod).get_function(name)
 
 
-@functools.cache
 def function_with_smem(mod: str, name: str, smem_bytes: int):
     """function(), allowed smem_bytes of dynamic shared memory (above the default 48 KB a kernel
-    must opt in; done once per kernel and size)."""
+    must opt in; done once per kernel, size and device: the attribute belongs to the module loaded
+    on the current device, and tensor-parallel ranks launch on several)."""
+    import cupy
+
+    return _with_smem(mod, name, smem_bytes, cupy.cuda.Device().id)
+
+
+@functools.cache
+def _with_smem(mod: str, name: str, smem_bytes: int, device: int):
     fn = function(mod, name)
-    fn.max_dynamic_shared_size_bytes = smem_bytes
+    fn.max_dynamic_shared_size_bytes = smem_bytes  # (sets it on `device`'s copy of the kernel)
     return fn
 
 
