@@ -302,6 +302,7 @@ def bench_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk", type=int, default=4096, help="prefill chunk (tokens per forward)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--no-linears", action="store_true", help="skip the V4.1-Flash linear-kernel table")
+    ap.add_argument("--linear-rows", default="1,8,32,4096", help="rows of x in the linear-kernel table")
     ap.add_argument("--gpus", default=None, help="e.g. 0,1,2,3: one tensor-parallel rank per GPU")
     ap.add_argument("--compare-tp1", action="store_true", help="with --gpus: logits vs the model on one GPU")
     ap.add_argument("--expert-split", choices=EXPERT_SPLITS, default="ep",
@@ -311,7 +312,7 @@ def bench_main(argv: list[str] | None = None) -> int:
     bw = copy_bandwidth()
     print(f"copy bandwidth: {bw / 1e12:.2f} TB/s (read + write)")
     if not a.no_linears:
-        bench_linears(bw)
+        bench_linears(bw, tuple(int(m) for m in a.linear_rows.split(",")))
     if a.ckpt:
         prefills = tuple(n for n in (int(v) for v in a.prefill.split(",")) if n > 0)
         bench_model(a.ckpt, bw, tuple(int(b) for b in a.batches.split(",")), prefills, a.steps, a.chunk, gpus,

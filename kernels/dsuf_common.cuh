@@ -59,6 +59,12 @@ __device__ __forceinline__ float e8m0_scaled(u32 e, int shift) {
   return __uint_as_float(((u32)b) << 23);
 }
 
+// word i of a 16-byte load; a read-only 16-byte load
+__device__ __forceinline__ u32 word(const uint4& v, int i) {
+  return i == 0 ? v.x : (i == 1 ? v.y : (i == 2 ? v.z : v.w));
+}
+__device__ __forceinline__ uint4 ldg16(const void* p) { return __ldg((const uint4*)p); }
+
 __device__ __forceinline__ float bf16_lo(u32 w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf16_hi(u32 w) { return __uint_as_float(w & 0xffff0000u); }
 

@@ -22,10 +22,6 @@ template <> struct Fmt<FMT_BF16> { static constexpr int EPC = 8; static constexp
 template <> struct Fmt<FMT_FP8> { static constexpr int EPC = 16; static constexpr int NUM = 1, DEN = 1; };
 template <> struct Fmt<FMT_FP4> { static constexpr int EPC = 32; static constexpr int NUM = 1, DEN = 2; };
 
-__device__ __forceinline__ u32 word(const uint4& v, int i) {
-  return i == 0 ? v.x : (i == 1 ? v.y : (i == 2 ? v.z : v.w));
-}
-
 // Scale of the 16-byte chunk starting at element k0 of row n (raw-decode factor folded in).
 template <int FMT>
 __device__ __forceinline__ float chunk_scale(const void* S, int n, int k0, int bn, int bk, int gk) {
@@ -98,8 +94,6 @@ __device__ __forceinline__ void deq8_fp4(u32 w, float* o) {
     o[i + 4] = h2f(p >> 16);
   }
 }
-
-__device__ __forceinline__ uint4 ldg16(const void* p) { return __ldg((const uint4*)p); }
 
 // ---------------------------------------------------------------------------------------------
 // GEMV: block = 8 warps in 8/KW row groups of RPW consecutive output rows; the KW warps of a

@@ -103,6 +103,55 @@ def test_tensor_gemv_row_scales(fmt):
         assert np.linalg.norm(got[i] - ref[i]) / np.linalg.norm(ref[i]) < F32_TOL, i
 
 
+GEMVR_CASES = [c for c in LINEAR_CASES if c[0] in ("fp8", "fp4")] + [
+    ("fp8", 4096, 7168, (128, 128), "ue8m0"),  # V4-style wide K
+    ("fp8", 36, 96, (32, 32), "ue8m0"),       # K short of one 128 unit, two partial tiles
+    ("fp8", 64, 1040, (64, 64), "fp32"),      # K ends inside a unit's second granule
+    ("fp4", 24, 128, (1, 32), "ue8m0"),       # one unit
+]
+
+
+@pytest.mark.parametrize("fmt,n,k,block,sfmt", GEMVR_CASES)
+@pytest.mark.parametrize("scale", [1.0, 1e-30, 0.0, 1e30, "mixed"])
+def test_register_tensor_gemv(fmt, n, k, block, sfmt, scale, monkeypatch):
+    """gemvr (one row; x scaled from 1e-30 to 1e30, zero, or tiny elements among ordinary ones):
+    float32-grade results, bit-identical when replayed in a captured graph (early weight loads, PDL)."""
+    from engine.backends import cupy_ops
+
+    monkeypatch.setattr(cupy_ops, "GEMVR", "all")
+    calls = []
+    run_reg = CupyOps._run_reg
+    monkeypatch.setattr(CupyOps, "_run_reg", staticmethod(lambda *a, **kw: (calls.append(1), run_reg(*a, **kw))))
+    w = make_weight(fmt, n, k, block, sfmt)
+    x = rnd(1, k)
+    if scale == "mixed":
+        x[0, ::7] *= 1e-6
+    else:
+        x *= np.float32(scale)
+    ref = REF.linear(x, REF.prepare(w)).astype(np.float64)
+    gw = GPU.prepare(w)
+    got = cp.asnumpy(GPU.linear(cp.asarray(x), gw)).astype(np.float64)
+    gemvr = fmt == "fp4" and k % 128 == 0 or fmt == "fp8" and block[1] >= 32 and block[0] % 16 == 0
+    assert bool(calls) == gemvr
+    assert np.isfinite(got).all()
+    if scale == 0.0:
+        assert (got == 0).all()
+    else:
+        assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < F32_TOL
+    stream, pool = cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool()
+    with stream:
+        xd = cp.asarray(x)
+        GPU.linear(xd, gw)  # (kernels loaded before capture)
+        with cp.cuda.using_allocator(pool.malloc):
+            stream.begin_capture()
+            y = GPU.linear(xd, gw)
+            graph = stream.end_capture()
+        y.fill(0)
+        graph.launch(stream)
+        stream.synchronize()
+        assert np.array_equal(cp.asnumpy(y), got.astype(np.float32))
+
+
 @pytest.mark.parametrize("t", [1, 5, 20, 40])
 def test_grouped_linear(t):
     w = make_weight("fp8", 8 * 1024, 4096)

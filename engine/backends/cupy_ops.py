@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 
 import cupy as cp
@@ -52,6 +53,18 @@ TC_WARPS_TARGET = 132 * 24  # what the H200 holds resident (3 blocks of 8 warps 
 # (H200, CUDA graphs, weights rotated past L2): one row of either streams faster through gemvx
 # (FP8 wq_b 19.1 vs 29.9 us; FP4 six experts' gate + up 40 vs 64).
 TC_MIN_ROWS = {FMT_FP8: 2, FMT_FP4: 2}
+# One row of FP8 / FP4: the register-fed tensor-core GEMV (kernels/gemv_tc.cu gemvr_*), GEMVR_U units
+# of 128 k in flight per lane. It issues about a fifth of gemvx's instructions per weight byte, yet
+# neither reaches half of HBM bandwidth at one row: both wait on loads (too few bytes in flight), and
+# gemvr holds fewer per warp. Measured in a flash-shaped decode step (H200, graphs, us, gemvx -> gemvr):
+# wins wq_b 20.9 -> 17.2, wo_a 17.5 -> 16.3, shared w1 + w3 15.2 -> 13.2, wo_b 19.2 -> 18.8; loses
+# shared w2 8.1 -> 9.5, the indexer's wq_b 6.4 -> 7.3, Engram's wkv (K 6144) 46.8 -> 54.3, the FP4
+# experts 43.1 -> 53.9. So by default: FP8 launches of >= GEMVR_MIN_BYTES of weight with K <=
+# GEMVR_MAX_K. DSUF_GEMVR=0: never; =all: every eligible launch (to measure).
+GEMVR = os.environ.get("DSUF_GEMVR", "1")
+GEMVR_MIN_BYTES, GEMVR_MAX_K = 16 << 20, 5120
+GEMVR_U = {FMT_FP8: 2, FMT_FP4: 4}
+GEMVR_WARPS_TARGET = 132 * 24
 _ELT_BLOCK = 256
 # decode attention: split the keys until about this many blocks run, each split >= this many keys
 ATT_BLOCKS_TARGET, ATT_MIN_SPLIT = 132 * 2, 64
@@ -147,6 +160,35 @@ def _gemvx_split(groups: int, slices: int, pc: int) -> int:
     while kw < 8 and groups * kw < GEMVX_WARPS_TARGET and slices >= kw * pc:
         kw *= 2
     return kw
+
+
+def _gemvr_smem(k: int) -> int:
+    """gemvr's shared memory: x's hi and lo f16 columns (16 bytes of padding per 64 halves, a
+    column 32 mod 128 bytes), its group scales, the tile reduction (kernels/gemv_tc.cu)."""
+    ngx = -(-k // 128)
+    return 2 * ((288 * ngx + 127) // 128 * 128 + 32) + 4 * ngx + 512
+
+
+def _nseg(segs) -> int:
+    return segs.size // 5 if isinstance(segs, cp.ndarray) else len(segs)
+
+
+def _gemvr_ok(a: cp.ndarray, w: GpuWeight, segs, rows: int) -> bool:
+    """gemvr: one row; FP8 in K blocks of a power of two >= 32 and row blocks of 16-row multiples, K
+    in 16-byte chunks; FP4 rows of whole 128-element units; x read as float4 from each segment's start."""
+    if GEMVR == "0" or rows != 1 or a.shape[1] % 4:
+        return False
+    n, k = w.shape
+    bn, bk = w.block
+    if GEMVR != "all" and (w.fmt != FMT_FP8 or n * k * _nseg(segs) < GEMVR_MIN_BYTES or k > GEMVR_MAX_K):
+        return False
+    if w.fmt == FMT_FP8:
+        ok = k % 16 == 0 and bk >= 32 and bk & (bk - 1) == 0 and bn % 16 == 0
+    else:
+        ok = w.fmt == FMT_FP4 and k % 128 == 0
+    if not ok or _gemvr_smem(k) > GEMVX_MAX_SMEM:
+        return False
+    return isinstance(segs, cp.ndarray) or all((s[1] * a.shape[1] + s[3]) % 4 == 0 for s in segs)
 
 
 @functools.cache
@@ -335,7 +377,9 @@ class CupyOps:
         args = (a, np.int32(a.shape[1] if lda is None else lda), y, np.int32(y.shape[1]), np.int32(n), np.int32(k),
                 seg, wptrs, sptrs, np.int32(w.block[0]), np.int32(w.block[1]), np.int32(w.gk))
         # (the tensor-core GEMV reads x in 128-column groups: segments must start on one)
-        if (TC_MIN_ROWS.get(w.fmt, 99) <= max_rows <= TC_MAX_ROWS and _tc_ok(w, a.shape[1])
+        if _gemvr_ok(a, w, segs, max_rows):
+            self._run_reg(args, n, k, seg, nseg, w, constant=not isinstance(segs, cp.ndarray))
+        elif (TC_MIN_ROWS.get(w.fmt, 99) <= max_rows <= TC_MAX_ROWS and _tc_ok(w, a.shape[1])
                 and (isinstance(segs, cp.ndarray) or all(s[3] % 128 == 0 for s in segs))):
             self._run_tc(a, y, n, k, seg, wptrs, sptrs, w, max_rows)
         elif max_rows == 1 and _gemvx_ok(a, w, segs):
@@ -363,6 +407,24 @@ class CupyOps:
         else:
             fn = K.function("linear", f"gemm_{tag}")
             fn((math.ceil(n / GEMM_TILE), nseg), (128,), args)
+
+    @staticmethod
+    def _run_reg(args: tuple, n: int, k: int, seg: cp.ndarray, nseg: int, w: GpuWeight, constant: bool) -> None:
+        """Register-fed tensor-core GEMV over one-row segments. Warps split K while the launch is short
+        of GEMVR_WARPS_TARGET and each keeps a whole pass of U units; blocks stride over the 16-row
+        tiles. constant: the segment table is ours, so blocks may load weights early (PDL)."""
+        u = GEMVR_U[w.fmt]
+        smem = _gemvr_smem(k)
+        fn = K.function_with_smem("gemv_tc", f"gemvr_{_FMT_TAG[w.fmt]}", GEMVX_MAX_SMEM)
+        tiles, units = -(-n // 16), -(-k // 128)
+        kw = 1
+        while kw < 8 and tiles * nseg * kw < GEMVR_WARPS_TARGET and units >= 2 * kw * u:
+            kw *= 2
+        per_sm = max(1, min(65536 // (256 * max(fn.num_regs, 32)), (228 << 10) // (smem + 1024)))
+        nbi = -(-tiles // (8 // kw))
+        blocks = max(1, min(nbi, _sm_count() * per_sm // nseg))
+        K.launch(fn, (blocks, nseg), (256,), (*args, np.int32(kw), np.int32(1 if constant else 0)),
+                 shared_mem=smem, pdl=True)
 
     def _run_tc(self, a: cp.ndarray, y: cp.ndarray, n: int, k: int, seg: cp.ndarray,
                 wptrs: cp.ndarray, sptrs: cp.ndarray, w: GpuWeight, max_rows: int) -> None:
