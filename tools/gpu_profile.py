@@ -1,0 +1,122 @@
+#!/usr/bin/env python3
+"""Where a decode step's device time goes, on a GPU machine (a developer's tool; not the runtime).
+
+  timeline CKPT [--batch B]   kernels of one decode-step graph replay in launch order, with their
+                              durations and the totals per kernel name (CUPTI through
+                              torch.profiler, so torch must be installed; PDL lets a kernel start
+                              before its predecessor ends, so its span may include that overlap)
+  step CKPT                   one eager decode step (graphs off) inside the NVTX range "decode",
+                              for Nsight Compute: DSUF_GRAPHS=0 ncu --nvtx --nvtx-include decode/
+                              -k regex:hc_mix python tools/gpu_profile.py step CKPT
+  linear NAME                 three eager one-row calls of a V4.1-Flash linear of the bench table
+                              (engine/bench.py FLASH_LINEARS, e.g. wo_b), for ncu --launch-skip 2
+
+DSUF_GEMVR / DSUF_PDL / DSUF_GRAPHS select the paths as they do for the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def _decode_ready(ckpt: str, batch: int):
+    """The model on this GPU with `batch` sequences of 16 tokens, warmed through 4 decode steps."""
+    from engine.bench import GREEDY, SampleJob, _load
+
+    cfg, model, _, _ = _load(ckpt, None)
+    rng = np.random.default_rng(0)
+    states = [model.new_state() for _ in range(batch)]
+    model.forward(states, [rng.integers(0, cfg.vocab_size, 16) for _ in range(batch)])
+    toks = [[int(t)] for t in rng.integers(0, cfg.vocab_size, batch)]
+    jobs = [SampleJob(i, GREEDY, [], rng) for i in range(batch)]
+    for _ in range(4):
+        toks = [[t] for t, _, _ in model.step_sample(states, toks, jobs)]
+    return model, states, toks, jobs
+
+
+def timeline(ckpt: str, batch: int) -> None:
+    import cupy as cp
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    model, *_ = _decode_ready(ckpt, batch)
+    graphs = [g for key, g in model.ops.graphs.captured(batch) if isinstance(key[0], tuple) and key[0][0] == "decode"]
+    if not graphs:
+        raise SystemExit("no decode-step graph was captured (DSUF_GRAPHS=0, or not a V4.1 checkpoint)")
+    stream = cp.cuda.get_current_stream()
+    for _ in range(5):
+        graphs[-1].launch(stream)
+    stream.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            graphs[-1].launch(stream)
+        stream.synchronize()
+    ev = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                key=lambda e: e.time_range.start)
+    n = len(ev) // 3
+    one = ev[n:2 * n]  # the middle replay
+    t0, totals = one[0].time_range.start, collections.defaultdict(float)
+    print(f"{'start us':>9s} {'us':>7s}  kernel")
+    for e in one:
+        totals[e.name] += e.time_range.elapsed_us()
+        print(f"{e.time_range.start - t0:9.1f} {e.time_range.elapsed_us():7.1f}  {e.name[:70]}")
+    print(f"\none replay: {one[-1].time_range.end - t0:.1f} us, {n} kernels; per kernel name:")
+    for name, us in sorted(totals.items(), key=lambda kv: -kv[1]):
+        print(f"{us:9.1f}  {name[:70]}")
+
+
+def step(ckpt: str) -> None:
+    import cupy as cp
+
+    model, states, toks, jobs = _decode_ready(ckpt, 1)
+    cp.cuda.Device().synchronize()
+    cp.cuda.nvtx.RangePush("decode")
+    model.step_sample(states, toks, jobs)
+    cp.cuda.Device().synchronize()
+    cp.cuda.nvtx.RangePop()
+
+
+def linear(name: str) -> None:
+    import cupy as cp
+
+    from engine.backends.cupy_ops import CupyOps
+    from engine.bench import FLASH_LINEARS, _weight
+
+    shapes = {nm: (shape, fmt) for nm, shape, fmt, _ in FLASH_LINEARS}
+    if name not in shapes:
+        raise SystemExit(f"unknown linear {name!r}; one of {', '.join(shapes)}")
+    (n, k), fmt = shapes[name]
+    ops, w = CupyOps(), _weight(fmt, n, k)
+    x = cp.random.default_rng(1).standard_normal((1, k), dtype=cp.float32)
+    for _ in range(3):
+        ops.linear(x, w)
+    cp.cuda.Device().synchronize()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="what", required=True)
+    t = sub.add_parser("timeline")
+    t.add_argument("ckpt")
+    t.add_argument("--batch", type=int, default=1)
+    sub.add_parser("step").add_argument("ckpt")
+    sub.add_parser("linear").add_argument("name")
+    a = ap.parse_args()
+    if a.what == "timeline":
+        timeline(a.ckpt, a.batch)
+    elif a.what == "step":
+        step(a.ckpt)
+    else:
+        linear(a.name)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
