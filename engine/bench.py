@@ -221,7 +221,7 @@ def bench_model(ckpt: str, bw: float, batches=(1, 8, 32), prefills=(4096, 65536)
     print(f"\nmodel {ckpt}: {nl} layers, hidden {cfg.hidden_size}, {e} experts top-{k}; "
           f"CUDA graphs {'on' if graphs[0].enabled else 'off'}{tp}")
     print(f"{'batch':>6s} {'step ms':>9s} {'layer ms':>9s} {'tok/s':>9s} {'floor ms':>9s} {'% of floor':>10s} "
-          f"{'graph ms':>9s}")
+          f"{'graph ms':>9s} {'graph %':>8s}")
     for b in batches:
         states = [model.new_state() for _ in range(b)]
         model.forward(states, [rng.integers(0, cfg.vocab_size, ctx) for _ in range(b)])
@@ -241,11 +241,12 @@ def bench_model(ckpt: str, bw: float, batches=(1, 8, 32), prefills=(4096, 65536)
                     for ws in stats) / bw
         step_graph = _decode_graph_seconds(graphs[0], b) if len(ranks) == 1 else float("nan")
         print(f"{b:6d} {dt * 1e3:9.2f} {dt / nl * 1e3:9.3f} {b / dt:9.1f} {floor * 1e3:9.3f} "
-              f"{100 * floor / dt:9.1f}% {step_graph * 1e3:9.3f}")
+              f"{100 * floor / dt:9.1f}% {step_graph * 1e3:9.3f} {100 * floor / step_graph:7.1f}%")
     print(f"(graphs captured {sum(g.captures for g in graphs)}, replays {sum(g.replays for g in graphs)}; "
           "a step = forward + greedy draw on the device; "
           "floor = weight + state bytes a step reads on the busiest GPU / copy bandwidth; "
-          "graph ms = the decode step's forward graph replayed back to back: its device time, no host in it)")
+          "graph ms = the decode step's forward graph replayed back to back: its device time, no host in it; "
+          "graph % = floor / graph ms)")
     if prefills:
         tc = tensor_core_rate()
         print(f"tensor-core rate (fp16 cuBLAS GEMM): {tc / 1e12:.0f} TFLOP/s per GPU")
