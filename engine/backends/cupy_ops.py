@@ -64,7 +64,6 @@ TC_MIN_ROWS = {FMT_FP8: 2, FMT_FP4: 2}
 GEMVR = os.environ.get("DSUF_GEMVR", "1")
 GEMVR_MIN_BYTES, GEMVR_MAX_K = 16 << 20, 5120
 GEMVR_U = {FMT_FP8: 2, FMT_FP4: 4}
-GEMVR_WARPS_TARGET = 132 * 24
 _ELT_BLOCK = 256
 # decode attention: split the keys until about this many blocks run, each split >= this many keys
 ATT_BLOCKS_TARGET, ATT_MIN_SPLIT = 132 * 2, 64
@@ -146,9 +145,22 @@ def _gemvx_smem(fmt: int, k: int) -> int:
 def _gemvx_ok(a: cp.ndarray, w: GpuWeight, segs) -> bool:
     """gemvx stages x[row0, acol:acol + k] with 16-byte loads: every segment's start on 4 floats
     (a device-built MoE table starts its rows at column 0)."""
-    if _gemvx_smem(w.fmt, w.shape[1]) > GEMVX_MAX_SMEM or a.shape[1] % 4:
+    if _gemvx_smem(w.fmt, w.shape[1]) > GEMVX_MAX_SMEM:
+        return False
+    return _x_rows_aligned(a, segs)
+
+
+def _x_rows_aligned(a: cp.ndarray, segs) -> bool:
+    """Every segment's row of x starts on 4 floats, for the one-row GEMVs' float4 staging (a
+    device-built MoE table starts its rows at column 0)."""
+    if a.shape[1] % 4:
         return False
     return isinstance(segs, cp.ndarray) or all((s[1] * a.shape[1] + s[3]) % 4 == 0 for s in segs)
+
+
+def _blocks_per_sm(fn, smem: int) -> int:
+    """Blocks of 256 threads of `fn` with `smem` bytes of dynamic shared memory one SM holds."""
+    return max(1, min(65536 // (256 * max(fn.num_regs, 32)), (228 << 10) // (smem + 1024)))
 
 
 def _gemvx_split(groups: int, slices: int, pc: int) -> int:
@@ -169,26 +181,20 @@ def _gemvr_smem(k: int) -> int:
     return 2 * ((288 * ngx + 127) // 128 * 128 + 32) + 4 * ngx + 512
 
 
-def _nseg(segs) -> int:
-    return segs.size // 5 if isinstance(segs, cp.ndarray) else len(segs)
-
-
-def _gemvr_ok(a: cp.ndarray, w: GpuWeight, segs, rows: int) -> bool:
+def _gemvr_ok(a: cp.ndarray, w: GpuWeight, segs, nseg: int, rows: int) -> bool:
     """gemvr: one row; FP8 in K blocks of a power of two >= 32 and row blocks of 16-row multiples, K
     in 16-byte chunks; FP4 rows of whole 128-element units; x read as float4 from each segment's start."""
-    if GEMVR == "0" or rows != 1 or a.shape[1] % 4:
+    if GEMVR == "0" or rows != 1:
         return False
     n, k = w.shape
     bn, bk = w.block
-    if GEMVR != "all" and (w.fmt != FMT_FP8 or n * k * _nseg(segs) < GEMVR_MIN_BYTES or k > GEMVR_MAX_K):
+    if GEMVR != "all" and (w.fmt != FMT_FP8 or n * k * nseg < GEMVR_MIN_BYTES or k > GEMVR_MAX_K):
         return False
     if w.fmt == FMT_FP8:
         ok = k % 16 == 0 and bk >= 32 and bk & (bk - 1) == 0 and bn % 16 == 0
     else:
         ok = w.fmt == FMT_FP4 and k % 128 == 0
-    if not ok or _gemvr_smem(k) > GEMVX_MAX_SMEM:
-        return False
-    return isinstance(segs, cp.ndarray) or all((s[1] * a.shape[1] + s[3]) % 4 == 0 for s in segs)
+    return ok and _gemvr_smem(k) <= GEMVX_MAX_SMEM and _x_rows_aligned(a, segs)
 
 
 @functools.cache
@@ -377,7 +383,7 @@ class CupyOps:
         args = (a, np.int32(a.shape[1] if lda is None else lda), y, np.int32(y.shape[1]), np.int32(n), np.int32(k),
                 seg, wptrs, sptrs, np.int32(w.block[0]), np.int32(w.block[1]), np.int32(w.gk))
         # (the tensor-core GEMV reads x in 128-column groups: segments must start on one)
-        if _gemvr_ok(a, w, segs, max_rows):
+        if _gemvr_ok(a, w, segs, nseg, max_rows):
             self._run_reg(args, n, k, seg, nseg, w, constant=not isinstance(segs, cp.ndarray))
         elif (TC_MIN_ROWS.get(w.fmt, 99) <= max_rows <= TC_MAX_ROWS and _tc_ok(w, a.shape[1])
                 and (isinstance(segs, cp.ndarray) or all(s[3] % 128 == 0 for s in segs))):
@@ -387,7 +393,7 @@ class CupyOps:
             fn = K.function_with_smem("linear", f"gemvx_{tag}", GEMVX_MAX_SMEM)
             groups = -(-n // GEMVX_RPW[w.fmt])
             kw = _gemvx_split(groups * nseg, -(-(k // _EPC[w.fmt]) // 32), GEMVX_PC[w.fmt])
-            per_sm = max(1, min(65536 // (256 * max(fn.num_regs, 32)), (228 << 10) // (smem + 1024)))
+            per_sm = _blocks_per_sm(fn, smem)
             nbi = -(-groups // (8 // kw))
             blocks = max(1, min(nbi, _sm_count() * per_sm // nseg))
             # within a captured step: launched early (PDL), each block prefetching its first row groups
@@ -411,16 +417,17 @@ class CupyOps:
     @staticmethod
     def _run_reg(args: tuple, n: int, k: int, seg: cp.ndarray, nseg: int, w: GpuWeight, constant: bool) -> None:
         """Register-fed tensor-core GEMV over one-row segments. Warps split K while the launch is short
-        of GEMVR_WARPS_TARGET and each keeps a whole pass of U units; blocks stride over the 16-row
-        tiles. constant: the segment table is ours, so blocks may load weights early (PDL)."""
+        of TC_WARPS_TARGET (what the GPU holds resident) and each keeps a whole pass of U units;
+        blocks stride over the 16-row tiles. constant: the segment table is ours, so blocks may load
+        weights early (PDL)."""
         u = GEMVR_U[w.fmt]
         smem = _gemvr_smem(k)
         fn = K.function_with_smem("gemv_tc", f"gemvr_{_FMT_TAG[w.fmt]}", GEMVX_MAX_SMEM)
         tiles, units = -(-n // 16), -(-k // 128)
         kw = 1
-        while kw < 8 and tiles * nseg * kw < GEMVR_WARPS_TARGET and units >= 2 * kw * u:
+        while kw < 8 and tiles * nseg * kw < TC_WARPS_TARGET and units >= 2 * kw * u:
             kw *= 2
-        per_sm = max(1, min(65536 // (256 * max(fn.num_regs, 32)), (228 << 10) // (smem + 1024)))
+        per_sm = _blocks_per_sm(fn, smem)
         nbi = -(-tiles // (8 // kw))
         blocks = max(1, min(nbi, _sm_count() * per_sm // nseg))
         K.launch(fn, (blocks, nseg), (256,), (*args, np.int32(kw), np.int32(1 if constant else 0)),
