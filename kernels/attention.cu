@@ -27,11 +27,19 @@ __device__ __forceinline__ void attend_rows(const float (&qr)[ATT_DPL], float (&
       vis = b > -DSUF_INF;
     }
     if (!__syncthreads_or(vis)) continue;
-    for (int idx = threadIdx.x; idx < ATT_TN * D4; idx += blockDim.x) {
-      const int r = idx / D4, c = idx % D4;
-      float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (rp[r] != nullptr) v = __ldg((const float4*)rp[r] + c);
-      ((float4*)kvs)[idx] = v;
+    {  // every load of the tile in flight before the first store (a loop with a runtime trip
+       // count issued them one L2 round trip at a time); blockDim.x == 256, D <= 32 * ATT_DPL
+      constexpr int PER = ATT_TN * ATT_DPL * 8 / 256;  // float4 per thread at the widest D
+      float4 v[PER];
+#pragma unroll
+      for (int j = 0; j < PER; ++j) {
+        const int idx = threadIdx.x + j * 256, r = idx / D4, c = idx - r * D4;
+        const float* p = idx < ATT_TN * D4 ? rp[r] : nullptr;
+        v[j] = p != nullptr ? __ldg((const float4*)p + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+#pragma unroll
+      for (int j = 0; j < PER; ++j)
+        if (threadIdx.x + j * 256 < ATT_TN * D4) ((float4*)kvs)[threadIdx.x + j * 256] = v[j];
     }
     __syncthreads();
     if (active) {
