@@ -86,6 +86,34 @@ __device__ __forceinline__ u32 f2h_rn(float f) {
   return h;
 }
 
+// x's 128-element groups are scaled by 2^sh, sh bringing the group's max |x| into [2^13, 2^14)
+// (0 for a zero or non-finite max: NaN is ignored here and propagates through the products
+// instead), then split into f16 hi + lo terms (22 mantissa bits: float32-grade products).
+__device__ __forceinline__ int x_group_shift(float m) {
+  int sh = 0;
+  if (m > 0.f && m <= 3.0e38f) {
+    int e;
+    frexpf(m, &e);  // m = f * 2^e, f in [0.5, 1)
+    sh = 14 - e;
+    sh = sh < -125 ? -125 : (sh > 125 ? 125 : sh);
+  }
+  return sh;
+}
+__device__ __forceinline__ float pow2f(int e) { return __uint_as_float((u32)(127 + e) << 23); }
+// four elements of one group (v) -> f16 hi and lo terms of v * 2^sh; returns 2^-sh (the group's inverse)
+__device__ __forceinline__ float split_group4(float4 v, u32* hi, u32* lo) {
+  const float m = warp_max(fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+  const int sh = x_group_shift(m);
+  const float scale = pow2f(sh);
+  const float x[4] = {v.x * scale, v.y * scale, v.z * scale, v.w * scale};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    hi[i] = f2h_rn(x[i]);
+    lo[i] = f2h_rn(x[i] - h2f(hi[i]));
+  }
+  return pow2f(-sh);
+}
+
 
 // ---------------------------------------------------------------------------------------------
 // x [rows, lda] f32 -> XS [rows, lda / 4] uint4 (layout `perm`, above) and XINV [rows, ngx],
@@ -100,24 +128,9 @@ extern "C" __global__ void __launch_bounds__(256) tc_split_x(const float* __rest
   const bool ok = e0 < lda;
   float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
   if (ok) v = __ldg((const float4*)(A + (size_t)blockIdx.y * lda + e0));
-  // group max (NaN is ignored here and propagates through the products instead)
-  const float m = warp_max(fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
-  int sh = 0;  // scale 2^sh: the group's max lands in [2^13, 2^14)
-  if (m > 0.f && m <= 3.0e38f) {
-    int e;
-    frexpf(m, &e);  // m = f * 2^e, f in [0.5, 1)
-    sh = 14 - e;
-    sh = sh < -125 ? -125 : (sh > 125 ? 125 : sh);
-  }
-  const float scale = __uint_as_float((u32)(127 + sh) << 23);
-  if (lane == 0) XINV[(size_t)blockIdx.y * ngx + gi] = __uint_as_float((u32)(127 - sh) << 23);
-  const float x[4] = {v.x * scale, v.y * scale, v.z * scale, v.w * scale};
   u32 hi[4], lo[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    hi[i] = f2h_rn(x[i]);
-    lo[i] = f2h_rn(x[i] - h2f(hi[i]));
-  }
+  const float inv = split_group4(v, hi, lo);
+  if (lane == 0) XINV[(size_t)blockIdx.y * ngx + gi] = inv;
   uint4 o;
   if (perm == 0) {
     o = make_uint4(hi[0] | (hi[1] << 16), hi[2] | (hi[3] << 16), lo[0] | (lo[1] << 16), lo[2] | (lo[3] << 16));
@@ -429,6 +442,43 @@ DEF_TC(fp4, FMT_FP4, 2)
 DEF_TC(fp4, FMT_FP4, 4)
 
 
+// One row of x (K floats) -> shared memory as the one-row GEMVs' B operand: two f16 columns (hi,
+// lo terms) cs bytes apart, each 128-k group scaled by a power of two (inverse in xinv[group]),
+// half k at byte 2k + 16 (k / 64) of its column (FP4: permuted within each 8, see gemvr). Zeros
+// past K. One warp per group, nw warps (this one `warp`), four groups' loads in flight per warp (a
+// warp reduction per group kept the loop from overlapping them: one L2 round trip per group).
+template <bool F8>
+__device__ __forceinline__ void stage_x_cols(const float* __restrict__ x, int K, u8* cols, int cs, float* xinv,
+                                             int warp, int nw, int lane) {
+  const int ngx = (K + 127) / 128;
+  for (int g0 = warp; g0 < ngx; g0 += 4 * nw) {
+    float4 v[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int e0 = (g0 + nw * j) * 128 + 4 * lane;
+      v[j] = e0 < K ? __ldg((const float4*)(x + e0)) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int gi = g0 + nw * j, e0 = gi * 128 + 4 * lane;
+      if (gi >= ngx) break;  // (uniform over the warp)
+      u32 hv[4], lv[4];
+      const float inv = split_group4(v[j], hv, lv);
+      if (lane == 0) xinv[gi] = inv;
+      const int kp = e0 + 8 * (e0 >> 6);  // padded half index of element e0 (16 bytes per 64 halves)
+      if (F8) {
+        *(uint2*)(cols + 2 * kp) = make_uint2(hv[0] | (hv[1] << 16), hv[2] | (hv[3] << 16));
+        *(uint2*)(cols + cs + 2 * kp) = make_uint2(lv[0] | (lv[1] << 16), lv[2] | (lv[3] << 16));
+      } else {  // element e of an 8-group at 2e (e < 4) or 2(e - 4) + 1
+        u16* hi = (u16*)cols + (kp & ~7) + (lane & 1);
+        u16* lo = (u16*)(cols + cs) + (kp & ~7) + (lane & 1);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) hi[2 * i] = (u16)hv[i], lo[2 * i] = (u16)lv[i];
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Register-fed tensor-core GEMV for decode at one row of x, FP8 and FP4 weights. Same arguments
 // and segment table as gemvx (kernels/linear.cu); every segment has one row.
@@ -535,48 +585,7 @@ __device__ __forceinline__ void gemvr_body(const float* __restrict__ A, int lda,
     }
   }
 
-  // stage x: one warp per 128-k group, four groups' loads in flight at a time (a warp reduction per
-  // group kept the loop from overlapping them: one L2 round trip per group)
-  for (int g0 = warp; g0 < ngx; g0 += 32) {
-    float4 v[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int e0 = (g0 + 8 * j) * 128 + 4 * lane;
-      v[j] = e0 < K ? __ldg((const float4*)(A + (size_t)row0 * lda + acol + e0)) : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int gi = g0 + 8 * j, e0 = gi * 128 + 4 * lane;
-      if (gi >= ngx) break;  // (uniform over the warp)
-      const float mx = warp_max(fmaxf(fmaxf(fabsf(v[j].x), fabsf(v[j].y)), fmaxf(fabsf(v[j].z), fabsf(v[j].w))));
-      int sh = 0;  // the group's max lands in [2^13, 2^14) (NaN is ignored here and propagates)
-      if (mx > 0.f && mx <= 3.0e38f) {
-        int e;
-        frexpf(mx, &e);
-        sh = 14 - e;
-        sh = sh < -125 ? -125 : (sh > 125 ? 125 : sh);
-      }
-      const float scale = __uint_as_float((u32)(127 + sh) << 23);
-      if (lane == 0) xinv[gi] = __uint_as_float((u32)(127 - sh) << 23);
-      const float x[4] = {v[j].x * scale, v[j].y * scale, v[j].z * scale, v[j].w * scale};
-      u32 hv[4], lv[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        hv[i] = f2h_rn(x[i]);
-        lv[i] = f2h_rn(x[i] - h2f(hv[i]));
-      }
-      const int kp = e0 + 8 * (e0 >> 6);  // padded half index of element e0 (16 bytes per 64 halves)
-      if (F8) {
-        *(uint2*)(gr_smem + 2 * kp) = make_uint2(hv[0] | (hv[1] << 16), hv[2] | (hv[3] << 16));
-        *(uint2*)(gr_smem + cs + 2 * kp) = make_uint2(lv[0] | (lv[1] << 16), lv[2] | (lv[3] << 16));
-      } else {  // element e of an 8-group at 2e (e < 4) or 2(e - 4) + 1
-        u16* hi = (u16*)gr_smem + (kp & ~7) + (lane & 1);
-        u16* lo = (u16*)(gr_smem + cs) + (kp & ~7) + (lane & 1);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) hi[2 * i] = (u16)hv[i], lo[2 * i] = (u16)lv[i];
-      }
-    }
-  }
+  stage_x_cols<F8>(A + (size_t)row0 * lda + acol, K, gr_smem, cs, xinv, warp, 8, lane);
   __syncthreads();
 
   const bool feeds = (g >> 1) == t;  // this lane loads B column g = 2t + term (granule t)
