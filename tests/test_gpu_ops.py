@@ -307,11 +307,13 @@ def _moe_experts(e: int) -> tuple[list, list]:
     return [p[0] for p in _MOE_POOL[:e]], [p[1] for p in _MOE_POOL[:e]]
 
 
-def _moe_route(t: int, e: int, max_count: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Distinct experts per token (as routing gives), optionally at most max_count pairs an expert."""
-    for _ in range(100):
+def _moe_route(t: int, e: int, max_count: int | None = None, min_max: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct experts per token (as routing gives), optionally at most max_count pairs an expert
+    and at least one expert with min_max pairs."""
+    for _ in range(1000):
         ids = np.stack([RNG.permutation(e)[:MOE_K] for _ in range(t)])
-        if max_count is None or np.bincount(ids.ravel()).max() <= max_count:
+        most = np.bincount(ids.ravel()).max()
+        if (max_count is None or most <= max_count) and most >= min_max:
             return ids, RNG.random((t, MOE_K), dtype=np.float32)
     raise AssertionError("no routing within max_count")
 
@@ -337,7 +339,9 @@ def test_moe_device(t, e, monkeypatch):
 def test_moe_device_matches_host(t, e, monkeypatch):
     _, gws = _moe_experts(e)
     x = cp.asarray(rnd(t, MOE_D))
-    ids, wts = _moe_route(t, e, max_count=8)  # the host path stays on the GEMV too
+    # the host path stays on the GEMV too, and on the same kernel as the device path's segments of
+    # min(8, t) rows: one row at t = 1, else the multi-row tensor-core GEMV (an expert with 2 pairs)
+    ids, wts = _moe_route(t, e, max_count=8, min_max=min(t, 2))
     ids, wts = cp.asarray(ids), cp.asarray(wts)
     dev = cp.asnumpy(GPU.moe(x, gws, wts, ids, 10.0))
     monkeypatch.setattr("engine.backends.cupy_ops.MOE_DEVICE_MAX_PAIRS", 0)
