@@ -668,3 +668,358 @@ __device__ __forceinline__ void gemvr_body(const float* __restrict__ A, int lda,
   extern "C" __global__ void __launch_bounds__(256, 3) NAME(GR_ARGS) { gemvr_body<FMT, U>(GR_PASS); }
 DEF_GR(gemvr_fp8, FMT_FP8, 2)
 DEF_GR(gemvr_fp4, FMT_FP4, 4)
+
+
+// ---------------------------------------------------------------------------------------------
+// Ring-fed tensor-core GEMV for decode at one row of x (gemvb, opt-in: engine DSUF_GEMVB=1), FP8 and
+// FP4 weights: gemvr's MMA scheme (lane (g, t): granule t of rows g, g + 8; B columns keep the
+// granules apart; x staged as f16 hi / lo columns) with each warp's weights streamed into its own
+// shared-memory ring, by every lane's 16-byte cp.async (gemvb_<fmt>) or one bulk copy per row by the
+// copy engine (gemvb_<fmt>_bulk), completion counted on an mbarrier per slot.
+//
+// Why it was tried: gemvr holds its loads in registers (4 KB in flight per warp, a full memory
+// latency waited per pass) and leaves a fifth of the SMs' time idle at the end (320 one-tile blocks
+// over 132 SMs). Here a warp keeps D stages in flight without registers and the work is split
+// evenly by stage. Measured on the H200 it is not faster yet (engine/backends/cupy_ops.py GEMVB):
+// its warps mostly wait on their slots, DRAM ~34% busy.
+//
+// Work: stage = one 16-row tile x GB_SU units of 128 k (FP8 8 KB, FP4 4 KB), then its scales
+// (4-byte cp.async tracked by the same mbarrier). The active segments' (rows > 0) stages, in
+// (segment, tile, stage) order, are cut into G contiguous block ranges, each into 8 warp ranges
+// (stream-K): a warp walks its range with its own ring of D slots, refilling a slot as soon as it
+// has multiplied it. A tile inside one warp's range is reduced in the warp and written; a tile cut
+// between warps of a block is summed by the last of them (shared-memory counter, warp order); a
+// tile cut between blocks leaves each block's sum in ws (slot 0: the block's first tile, 1: its
+// last) and the block that finishes it last (a counter per tile, reset by that block: graph-safe)
+// adds them in block order. Deterministic: replays are bit-identical. A block range meets at most
+// two segments (G >= the active segments), whose rows of x the block stages first.
+// grid (G), block 32 * GB_W, dynamic shared memory: host _gemvb_layout.
+#define GB_W 8   // warps per block
+#define GB_SU 4  // units of 128 k per stage
+#define GB_DMAX 4
+template <int FMT>
+struct GbRing {
+  static constexpr int UB = FMT == FMT_FP8 ? 128 : 64;                    // bytes of a row per unit
+  static constexpr int RS = GB_SU * UB + (FMT == FMT_FP8 ? 16 : 64);      // ring row stride: conflict-free reads
+  static constexpr int SCB = FMT == FMT_FP8 ? 4 * 4 * GB_SU : 16 * 4 * GB_SU;  // FP8 a scale per granule;
+  static constexpr int STAGE = 16 * RS + SCB;                              // FP4 16 rows x 4 UE8M0 per unit
+};
+
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_tx(u32 bar, u32 bytes) {  // arrive, expecting `bytes` of copies
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+  asm volatile(
+      "{\n .reg .pred p;\n GB_WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      " @!p bra GB_WAIT;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+// the mbarrier's current phase also waits for this thread's cp.async copies issued so far
+__device__ __forceinline__ void mbar_track_cp_async(u32 bar) {
+  asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+// bytes (a multiple of 16) global -> shared by the copy engine, counted on mbarrier `bar`
+__device__ __forceinline__ void bulk_g2s(u32 dst, const void* src, u32 bytes, u32 bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+
+// The stream-K split: T stages over G blocks (G <= T: none empty); each block's range over its
+// GB_W warps (some empty when the block has fewer than GB_W stages).
+struct GbSplit {
+  long long T;
+  int G;
+  __device__ __forceinline__ void block_range(int b, int& l, int& h) const {
+    l = (int)(T * b / G);
+    h = (int)(T * (b + 1) / G);
+  }
+  // the block whose range holds stage s: the last one whose range starts at or before s
+  __device__ __forceinline__ int block_of(int s) const { return (int)(((s + 1) * (long long)G + T - 1) / T - 1); }
+};
+// stage index s -> (segment, tile, stage of the tile), walked forward without divisions
+struct GbCursor {
+  int a, tile, st;
+  __device__ __forceinline__ void set(int s, int tiles, int sps) {
+    a = s / (tiles * sps);
+    const int r = s - a * tiles * sps;
+    tile = r / sps;
+    st = r - tile * sps;
+  }
+  __device__ __forceinline__ void next(int tiles, int sps) {
+    if (++st == sps) {
+      st = 0;
+      if (++tile == tiles) {
+        tile = 0;
+        ++a;
+      }
+    }
+  }
+};
+
+template <int FMT, bool BULK>
+__device__ __forceinline__ void gemvb_body(const float* __restrict__ A, int lda, float* __restrict__ Y, int ldy, int N,
+                                           int K, const int* __restrict__ segs, int nseg,
+                                           const u64* __restrict__ wptrs, const u64* __restrict__ sptrs, int bn,
+                                           int bk, int gk, int D, int ltmax, int pf, float* __restrict__ ws,
+                                           int* __restrict__ cnt) {
+  extern __shared__ __align__(128) u8 gb_smem[];
+  constexpr bool F8 = FMT == FMT_FP8;
+  using R = GbRing<FMT>;
+  __shared__ int act[64];  // the active segments, in table order
+  __shared__ int nact;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int ngx = (K + 127) / 128, sps = (ngx + GB_SU - 1) / GB_SU, tiles = (N + 15) / 16;
+  const int row_bytes = F8 ? K : K / 2, bsh = __ffs(bk) - 1;
+  const u32 bars = smem_addr(gb_smem) + warp * (8 * GB_DMAX);  // this warp's D slot barriers
+  const u32 ring = smem_addr(gb_smem) + 8 * GB_DMAX * GB_W + warp * D * R::STAGE;
+  const u8* ring_p = gb_smem + 8 * GB_DMAX * GB_W + warp * D * R::STAGE;
+  const int cs = ((288 * ngx + 127) & ~127) + 32;  // bytes per staged x column (= 32 mod 128)
+  const int xslot = 2 * cs + ((4 * ngx + 15) & ~15);
+  u8* xbase = gb_smem + 8 * GB_DMAX * GB_W + GB_W * D * R::STAGE;
+  float* part = (float*)(xbase + (nseg > 1 ? 2 : 1) * xslot);  // [ltmax][GB_W][16]: sums of tiles cut between warps
+  int* lcnt = (int*)(part + ltmax * GB_W * 16);  // [ltmax]: their arrivals
+
+  if (!pf) dsuf_grid_wait();  // a segment table the step builds (MoE routing)
+  if (threadIdx.x == 0) {
+    int n = 0;
+    for (int i = 0; i < nseg && n < 64; ++i)
+      if (segs[5 * i + 2] > 0) act[n++] = i;
+    nact = n;
+  }
+  for (int i = threadIdx.x; i < ltmax; i += blockDim.x) lcnt[i] = 0;
+  if (lane == 0) {
+    for (int i = 0; i < D; ++i) mbar_init(bars + 8 * i, 1);  // the issuing lane's arrival + the bytes
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  GbSplit sp;
+  sp.T = (long long)nact * tiles * sps;
+  sp.G = (int)min((long long)gridDim.x, sp.T);
+  if ((int)blockIdx.x >= sp.G) return;  // (the whole block: no stage to do)
+  int bl, bh;
+  sp.block_range(blockIdx.x, bl, bh);
+  const int blen = bh - bl;
+  const int lo = bl + blen * warp / GB_W, hi = bl + blen * (warp + 1) / GB_W;
+  const int per_seg = tiles * sps;
+
+  // the issuing cursor (D stages ahead of the multiplying one), its segment's pointers cached
+  GbCursor ic;
+  ic.set(lo, tiles, sps);
+  int ia = -1, islot = 0;
+  const u8* Wt = nullptr;
+  const void* Sc = nullptr;
+  auto issue = [&]() {  // the stage under ic into slot islot; both advance
+    if (ic.a != ia) {
+      const int wi = segs[5 * act[ic.a]];
+      Wt = (const u8*)wptrs[wi];
+      Sc = (const void*)sptrs[wi];
+      ia = ic.a;
+    }
+    const int n0 = ic.tile * 16, st = ic.st, kb = st * GB_SU * R::UB;
+    const int bytes = min(GB_SU * R::UB, row_bytes - kb), nr = min(16, N - n0);
+    const u32 dst = ring + islot * R::STAGE, bar = bars + 8 * islot;
+    const u32 scd = dst + 16 * R::RS;
+    if (F8) {  // lane = 4 u + t: unit u's granule t
+      const int k = st * GB_SU * 128 + 32 * lane;
+      const bool in = k < K;
+      if (lane < 4 * GB_SU)
+        cp_async4(scd + 4 * lane, (const float*)Sc + (size_t)(n0 / bn) * gk + (in ? k >> bsh : 0), in ? 4 : 0);
+    } else {  // word wd (4 granules = one unit) of row rr
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int idx = lane + 32 * j, rr = idx >> 2, wd = idx & 3, gi = st * GB_SU * 4 + 4 * wd;
+        const bool in = gi < gk;  // (gk % 4 == 0)
+        cp_async4(scd + 16 * rr + 4 * wd, (const u8*)Sc + (size_t)min(n0 + rr, N - 1) * gk + (in ? gi : 0),
+                  in ? 4 : 0);
+      }
+    }
+    if (!BULK) {  // the weights by 16-byte cp.async of every lane (chunks past a row's end skipped)
+      constexpr int CPR = GB_SU * R::UB / 16;  // chunks per row
+#pragma unroll
+      for (int j = 0; j < 16 * CPR / 32; ++j) {
+        const int idx = lane + 32 * j, rr = idx / CPR, ch = idx % CPR;
+        if (rr < nr && ch * 16 < bytes)
+          cp_async16(dst + rr * R::RS + ch * 16, Wt + (size_t)(n0 + rr) * row_bytes + kb + ch * 16, 16);
+      }
+    }
+    mbar_track_cp_async(bar);
+    __syncwarp();
+    if (BULK) {  // one bulk copy per row by the copy engine
+      if (lane == 0) mbar_arrive_tx(bar, nr * bytes);
+      __syncwarp();
+      if (lane < nr) bulk_g2s(dst + lane * R::RS, Wt + (size_t)(n0 + lane) * row_bytes + kb, bytes, bar);
+    } else if (lane == 0) {
+      mbar_arrive(bar);
+    }
+    ic.next(tiles, sps);
+    islot = islot + 1 == D ? 0 : islot + 1;
+  };
+  for (int q = 0; q < D && lo + q < hi; ++q) issue();  // (before the grid wait when pf)
+  if (pf) dsuf_grid_wait();
+
+  // x: the rows of the (at most two) segments of the block's range
+  const int xa0 = bl / per_seg, xa1 = (bh - 1) / per_seg;
+  const int* sg0 = segs + 5 * act[xa0];
+  const int* sg1 = segs + 5 * act[xa1];
+  const float* x0 = A + (size_t)sg0[1] * lda + sg0[3];
+  const float* x1 = A + (size_t)sg1[1] * lda + sg1[3];
+  stage_x_cols<F8>(x0, K, xbase, cs, (float*)(xbase + 2 * cs), warp, GB_W, lane);
+  if (x1 != x0) stage_x_cols<F8>(x1, K, xbase + xslot, cs, (float*)(xbase + xslot + 2 * cs), warp, GB_W, lane);
+  __syncthreads();
+  if (lo >= hi) return;
+
+  const bool feeds = (g >> 1) == t;  // this lane loads B column g = 2t + term (granule t)
+  const int xo = (g & 1) * cs + 2 * (32 * t + 8 * (t >> 1));
+  const uint4 z = make_uint4(0, 0, 0, 0);
+  const int lt0 = bl / sps;  // the block's first (flat) tile: local tile indices count from it
+  int ca = -1;  // the tile's segment, cached: its x slot and y row
+  const u8* xc = nullptr;
+  const float* xinv = nullptr;
+  float* y = nullptr;
+  GbCursor c;
+  c.set(lo, tiles, sps);
+  int slot = 0;
+  u32 phase = 0;
+  float acc0 = 0.f, acc1 = 0.f;  // granule t's share of rows n0 + g, n0 + g + 8
+  for (int s = lo; s < hi; ++s) {
+    const int st = c.st, n0 = c.tile * 16;
+    if (c.a != ca) {
+      const int* sg = segs + 5 * act[c.a];
+      const u8* xs = (A + (size_t)sg[1] * lda + sg[3] == x0) ? xbase : xbase + xslot;
+      xc = xs + xo;
+      xinv = (const float*)(xs + 2 * cs);
+      y = Y + (size_t)sg[1] * ldy + sg[4];
+      ca = c.a;
+    }
+    if (s == hi - 1) dsuf_launch_dependents();
+    mbar_wait(bars + 8 * slot, phase);
+    const u8* stg = ring_p + slot * R::STAGE;
+#pragma unroll
+    for (int u = 0; u < GB_SU; ++u) {
+      const int un = st * GB_SU + u, k = un * 128 + 32 * t;
+      if (un >= ngx) break;  // (uniform over the warp)
+      const bool live = k < K;
+      const u8* pa = stg + g * R::RS + u * R::UB;
+      const u8* pb = pa + 8 * R::RS;
+      uint4 xv[4] = {z, z, z, z};  // B fragments (zeros in the lanes that feed none)
+      if (feeds) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) xv[j] = *(const uint4*)(xc + un * 288 + 16 * j);
+      }
+      float cc[4] = {0.f, 0.f, 0.f, 0.f}, fa, fb;
+      if (F8) {
+        uint4 wa[2], wb[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const bool ok = live && k + 16 * h < K;  // (K % 16 == 0; the ring holds stale bytes past K)
+          wa[h] = ok ? *(const uint4*)(pa + 32 * t + 16 * h) : z;
+          wb[h] = ok ? *(const uint4*)(pb + 32 * t + 16 * h) : z;
+        }
+#pragma unroll
+        for (int w = 0; w < 8; ++w) {
+          const u32 va = word(wa[w >> 2], w & 3), vb = word(wb[w >> 2], w & 3);
+          const uint4& x = xv[w >> 1];
+          mma_f16(cc, e4m3x2_to_f16x2(va), e4m3x2_to_f16x2(vb), e4m3x2_to_f16x2(va >> 16),
+                  e4m3x2_to_f16x2(vb >> 16), (w & 1) ? x.z : x.x, (w & 1) ? x.w : x.y);
+        }
+        fa = fb = ((const float*)(stg + 16 * R::RS))[4 * u + t];  // (0 past K)
+      } else {  // (K % 128 == 0)
+        const uint4 wa = *(const uint4*)(pa + 16 * t), wb = *(const uint4*)(pb + 16 * t);
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          u32 qa[4], qb[4];
+          fp4_pairs(word(wa, w), qa);
+          fp4_pairs(word(wb, w), qb);
+          mma_f16(cc, qa[0], qb[0], qa[1], qb[1], xv[w].x, xv[w].y);
+          mma_f16(cc, qa[2], qb[2], qa[3], qb[3], xv[w].z, xv[w].w);
+        }
+        fa = e8m0_scaled(stg[16 * R::RS + 16 * g + 4 * u + t], 14);
+        fb = e8m0_scaled(stg[16 * R::RS + 16 * (g + 8) + 4 * u + t], 14);
+      }
+      const float xs = xinv[un];
+      acc0 += (cc[0] + cc[1]) * (fa * xs);
+      acc1 += (cc[2] + cc[3]) * (fb * xs);
+    }
+    // the slot is read: refill it (generic-proxy reads before the copy engine's writes)
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncwarp();
+    if (s + D < hi) issue();
+    if (++slot == D) {
+      slot = 0;
+      phase ^= 1u;
+    }
+    const int ft = c.a * tiles + c.tile;  // the tile's flat index
+    c.next(tiles, sps);
+    if (st != sps - 1 && s != hi - 1) continue;
+    // the end of this warp's share of tile ft
+    acc0 += __shfl_xor_sync(0xffffffffu, acc0, 1);
+    acc1 += __shfl_xor_sync(0xffffffffu, acc1, 1);
+    acc0 += __shfl_xor_sync(0xffffffffu, acc0, 2);
+    acc1 += __shfl_xor_sync(0xffffffffu, acc1, 2);
+    const int s0 = ft * sps, s1 = s0 + sps;  // the tile's stages
+    float v = 0.f;  // lane r < 16: row n0 + r of this warp's (then the block's) sum
+    {
+      const float o = __shfl_sync(0xffffffffu, acc1, (lane & 7) * 4);
+      v = __shfl_sync(0xffffffffu, acc0, (lane & 7) * 4);
+      v = lane < 8 ? v : o;
+    }
+    acc0 = acc1 = 0.f;
+    if (s0 < lo || s1 > hi) {  // cut between warps of the block: the last of them adds their sums
+      const int l = max(s0, bl), h = min(s1, bh), lt = ft - lt0;
+      const int j0 = ((l - bl + 1) * GB_W + blen - 1) / blen - 1, j1 = ((h - bl) * GB_W + blen - 1) / blen - 1;
+      int nparts = 0;
+      for (int j = j0; j <= j1; ++j) nparts += bl + blen * j / GB_W < bl + blen * (j + 1) / GB_W;
+      if (nparts > 1) {
+        if (lane < 16) part[(lt * GB_W + warp) * 16 + lane] = v;
+        __threadfence_block();
+        __syncwarp();
+        int last = 0;
+        if (lane == 0) last = atomicAdd(lcnt + lt, 1) == nparts - 1;
+        if (!__shfl_sync(0xffffffffu, last, 0)) continue;
+        __threadfence_block();
+        v = 0.f;
+        for (int j = j0; j <= j1; ++j)
+          if (bl + blen * j / GB_W < bl + blen * (j + 1) / GB_W && lane < 16)
+            v += ((volatile float*)part)[(lt * GB_W + j) * 16 + lane];
+      }
+      if (s0 < bl || s1 > bh) {  // also cut between blocks: the last block adds the blocks' sums
+        const int pb = bl / sps == ft ? 0 : 1;  // the block's first tile: slot 0, its last: 1
+        if (lane < 16) ws[(2 * blockIdx.x + pb) * 16 + lane] = v;
+        __threadfence();
+        __syncwarp();
+        const int b0 = sp.block_of(s0), b1 = sp.block_of(s1 - 1);
+        int done = 0;
+        if (lane == 0) done = atomicAdd(cnt + ft, 1) == b1 - b0;
+        if (!__shfl_sync(0xffffffffu, done, 0)) continue;
+        __threadfence();
+        v = 0.f;
+        for (int b = b0; b <= b1; ++b) {
+          int l2, h2;
+          sp.block_range(b, l2, h2);
+          if (lane < 16) v += __ldcg(ws + (2 * b + (l2 / sps == ft ? 0 : 1)) * 16 + lane);
+        }
+        if (lane == 0) cnt[ft] = 0;
+      }
+    }
+    if (lane < 16 && n0 + lane < N) y[n0 + lane] = v;
+  }
+}
+
+#define GB_ARGS const float *A, int lda, float *Y, int ldy, int N, int K, const int *segs, int nseg, \
+                const u64 *wptrs, const u64 *sptrs, int bn, int bk, int gk, int D, int ltmax, int pf, float *ws, int *cnt
+#define GB_PASS A, lda, Y, ldy, N, K, segs, nseg, wptrs, sptrs, bn, bk, gk, D, ltmax, pf, ws, cnt
+// gemvb_<fmt>: weights by every lane's 16-byte cp.async; gemvb_<fmt>_bulk: by the copy engine
+#define DEF_GB(NAME, FMT, BULK) \
+  extern "C" __global__ void __launch_bounds__(32 * GB_W, 1) NAME(GB_ARGS) { gemvb_body<FMT, BULK>(GB_PASS); }
+DEF_GB(gemvb_fp8, FMT_FP8, false)
+DEF_GB(gemvb_fp4, FMT_FP4, false)
+DEF_GB(gemvb_fp8_bulk, FMT_FP8, true)
+DEF_GB(gemvb_fp4_bulk, FMT_FP4, true)

@@ -113,15 +113,24 @@ GEMVR_CASES = [c for c in LINEAR_CASES if c[0] in ("fp8", "fp4")] + [
 
 @pytest.mark.parametrize("fmt,n,k,block,sfmt", GEMVR_CASES)
 @pytest.mark.parametrize("scale", [1.0, 1e-30, 0.0, 1e30, "mixed"])
-def test_register_tensor_gemv(fmt, n, k, block, sfmt, scale, monkeypatch):
-    """gemvr (one row; x scaled from 1e-30 to 1e30, zero, or tiny elements among ordinary ones):
-    float32-grade results, bit-identical when replayed in a captured graph (early weight loads, PDL)."""
+@pytest.mark.parametrize("kernel", ["gemvr", "gemvb", "gemvb_bulk"])
+def test_register_tensor_gemv(fmt, n, k, block, sfmt, scale, kernel, monkeypatch):
+    """gemvr and gemvb, its weights by lanes' cp.async or by bulk copies (one row; x scaled from
+    1e-30 to 1e30, zero, or tiny elements among ordinary ones): float32-grade results, bit-identical
+    when replayed in a captured graph (early weight loads, PDL; gemvb: tiles cut between warps and
+    blocks summed in a fixed order, counters reset)."""
     from engine.backends import cupy_ops
 
     monkeypatch.setattr(cupy_ops, "GEMVR", "all")
+    monkeypatch.setattr(cupy_ops, "GEMVB", "0" if kernel == "gemvr" else "1")
+    monkeypatch.setattr(cupy_ops, "GEMVB_COPY", "bulk" if kernel == "gemvb_bulk" else "lanes")
     calls = []
-    run_reg = CupyOps._run_reg
-    monkeypatch.setattr(CupyOps, "_run_reg", staticmethod(lambda *a, **kw: (calls.append(1), run_reg(*a, **kw))))
+    if kernel == "gemvr":
+        run_reg = CupyOps._run_reg
+        monkeypatch.setattr(CupyOps, "_run_reg", staticmethod(lambda *a, **kw: (calls.append(1), run_reg(*a, **kw))))
+    else:
+        run_bulk = CupyOps._run_bulk
+        monkeypatch.setattr(CupyOps, "_run_bulk", lambda self, *a, **kw: (calls.append(1), run_bulk(self, *a, **kw)))
     w = make_weight(fmt, n, k, block, sfmt)
     x = rnd(1, k)
     if scale == "mixed":
@@ -150,6 +159,57 @@ def test_register_tensor_gemv(fmt, n, k, block, sfmt, scale, monkeypatch):
         graph.launch(stream)
         stream.synchronize()
         assert np.array_equal(cp.asnumpy(y), got.astype(np.float32))
+
+
+@pytest.mark.parametrize("fmt,n,k", [("fp8", 200, 4096), ("fp4", 2304, 1024), ("fp8", 5120, 4608), ("fp4", 24, 128)])
+@pytest.mark.parametrize("device_table", [False, True])
+@pytest.mark.parametrize("copy", ["lanes", "bulk"])
+def test_ring_gemv_segments(fmt, n, k, device_table, copy, monkeypatch):
+    """gemvb over a table of one-row segments (three weights, rows of x and y columns of their own,
+    unused slots when the table is built on the device): stages of several segments in one block,
+    x restaged per segment, tiles cut between blocks. Each launch equals the reference, and a second
+    launch and a graph replay are bit-identical to the first (the tile counters reset themselves)."""
+    from engine.backends import cupy_ops
+
+    monkeypatch.setattr(cupy_ops, "GEMVB", "1")
+    monkeypatch.setattr(cupy_ops, "GEMVB_COPY", copy)
+    src = [make_weight(fmt, n, k, (128, 128), "ue8m0") for _ in range(3)]
+    ws, refs = [GPU.prepare(w) for w in src], [REF.prepare(w) for w in src]
+    x = rnd(4, k)
+    segs = [(2, 3, 1, 0, 0), (0, 1, 1, 0, n), (1, 1, 1, 0, 2 * n), (0, 0, 1, 0, 3 * n)]
+    if device_table:  # unused slots (rows 0) between and after, as moe_group leaves them
+        segs = [segs[0], (1, 0, 0, 0, 0), *segs[1:], (0, 0, 0, 0, 0)]
+    wp = cp.asarray(np.array([w.data.data.ptr for w in ws], np.uint64))
+    sp = cp.asarray(np.array([w.scale.data.ptr for w in ws], np.uint64))
+    xd = cp.asarray(x)
+    seg_arg = cp.asarray(np.asarray(segs, np.int32).reshape(-1)) if device_table else segs
+    calls = []
+    run_bulk = CupyOps._run_bulk
+
+    def run() -> cp.ndarray:
+        y = cp.full((4, 4 * n), np.nan, dtype=cp.float32)
+        GPU._run_linear(xd, y, n, k, seg_arg, wp, sp, ws[0], 1)
+        return y
+
+    import unittest.mock as um
+    with um.patch.object(CupyOps, "_run_bulk", lambda self, *a, **kw: (calls.append(1), run_bulk(self, *a, **kw))):
+        got = cp.asnumpy(run())
+        again = cp.asnumpy(run())
+    assert calls
+    for wi, row, rows, _, col in segs:
+        if rows:
+            want = REF.linear(x[row:row + 1], refs[wi])
+            assert rel(got[row:row + 1, col:col + n], want) < F32_TOL
+    assert np.array_equal(got, again, equal_nan=True)
+    stream, pool = cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool()
+    with stream, cp.cuda.using_allocator(pool.malloc):
+        stream.begin_capture()
+        y = run()
+        graph = stream.end_capture()
+        for _ in range(2):
+            graph.launch(stream)
+            stream.synchronize()
+            assert np.array_equal(cp.asnumpy(y), got, equal_nan=True)
 
 
 @pytest.mark.parametrize("t", [1, 5, 20, 40])
