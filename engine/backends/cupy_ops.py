@@ -188,11 +188,15 @@ def _gemvx_split(groups: int, slices: int, pc: int) -> int:
     return kw
 
 
+def _x_cols_bytes(k: int) -> int:
+    """A row of x staged for gemvr / gemvb (kernels/gemv_tc.cu stage_x_cols): its hi and lo f16
+    columns, 16 bytes of padding per 64 halves, each column 32 mod 128 bytes."""
+    return 2 * ((288 * -(-k // 128) + 127) // 128 * 128 + 32)
+
+
 def _gemvr_smem(k: int) -> int:
-    """gemvr's shared memory: x's hi and lo f16 columns (16 bytes of padding per 64 halves, a
-    column 32 mod 128 bytes), its group scales, the tile reduction (kernels/gemv_tc.cu)."""
-    ngx = -(-k // 128)
-    return 2 * ((288 * ngx + 127) // 128 * 128 + 32) + 4 * ngx + 512
+    """gemvr's shared memory: x's staged columns, its group scales, the tile reduction."""
+    return _x_cols_bytes(k) + 4 * -(-k // 128) + 512
 
 
 def _gemvr_ok(a: cp.ndarray, w: GpuWeight, segs, nseg: int, rows: int) -> bool:
@@ -234,7 +238,7 @@ def _gemvb_layout(fmt: int, n: int, k: int, nseg: int, blocks: int) -> tuple[int
     total = nseg * -(-n // 16) * sps
     rng = -(-total // max(1, min(blocks, total)))  # stages of a block's range, at most
     ltmax = -(-rng // sps) + 1
-    xslot = 2 * ((288 * ngx + 127) // 128 * 128 + 32) + -(-4 * ngx // 16) * 16
+    xslot = _x_cols_bytes(k) + -(-4 * ngx // 16) * 16  # (its group scales, 16-byte aligned)
     fixed = 8 * GB_DMAX * GB_W + (2 if nseg > 1 else 1) * xslot + ltmax * (GB_W * 16 * 4 + 4)
     d = max(2, min(GB_DMAX, GEMVB_RING_BYTES // (GB_W * stage), (GEMVX_MAX_SMEM - fixed) // (GB_W * stage)))
     return d, ltmax, fixed + GB_W * d * stage
