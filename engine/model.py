@@ -462,21 +462,29 @@ class Model:
             h = self._engram(L, h, ops.xp.ascontiguousarray(engram_ids[:, cfg.engram_layer_ids.index(li)]))
         pre_a, post_a, comb_a = ops.hc_mixes(h, *L.hc_attn, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
         xa = ops.hc_collapse_norm(h, pre_mix if cfg.arch == "v41" else pre_a, L.attn_norm, cfg.rms_norm_eps)
-        t, hn, d = xa.shape[0], self.plan.heads[1] - self.plan.heads[0], cfg.head_dim
         if L.wq_kv is not None:
             qkv = ops.linear(xa, L.wq_kv)
             q_lat, kv_lat = qkv[:, : L.q_rank], qkv[:, L.q_rank :]
         else:
             q_lat, kv_lat = ops.linear(xa, L.wq_a), ops.linear(xa, L.wkv)
         q_res = ops.rmsnorm(q_lat, L.q_norm, cfg.rms_norm_eps)
-        q = ops.linear(q_res, L.wq_b).reshape(t, hn, d)
-        if cfg.arch == "v4":
-            q = ops.rmsnorm(q, None, cfg.rms_norm_eps)
-        q = ops.rope(q, cos, sin)
+        # the query heads (wq_b, the largest projection here) as a side branch, beside the K=V,
+        # compressor and indexer chain of small kernels
+        q = ops.side(self._query_heads, L, q_res, cos, sin)
         kv = ops.rope(ops.rmsnorm(kv_lat, L.kv_norm, cfg.rms_norm_eps), cos, sin)
         if self.store_quantized:
             kv = ops.fake_quant_fp8(kv, 32)  # the window is stored as FP8 e4m3 + UE8M0 per 32
-        return (h, xa, q_res, q, kv, pre_a, post_a, comb_a, *self._v41_projections(li, L, xa, q_res, cos, sin))
+        extra = self._v41_projections(li, L, xa, q_res, cos, sin)
+        return (h, xa, q_res, q.result(), kv, pre_a, post_a, comb_a, *extra)
+
+    def _query_heads(self, L, q_res, cos, sin):
+        """q_res -> this rank's query heads [T, H, D], RoPE applied."""
+        cfg, ops = self.cfg, self.ops
+        t, hn = q_res.shape[0], self.plan.heads[1] - self.plan.heads[0]
+        q = ops.linear(q_res, L.wq_b).reshape(t, hn, cfg.head_dim)
+        if cfg.arch == "v4":
+            q = ops.rmsnorm(q, None, cfg.rms_norm_eps)
+        return ops.rope(q, cos, sin)
 
     def _v41_projections(self, li: int, L, x, q_res, cos, sin) -> tuple:
         """The token-wise part of a V4.1 layer's compressor and indexer (see _Projected), done for
@@ -551,11 +559,13 @@ class Model:
     # ---- MoE ---------------------------------------------------------------------------
     def _moe(self, li: int, L, x, hash_ids):
         cfg, ops = self.cfg, self.ops
+        # the shared expert does not wait for the routing: a side branch, beside the routed experts
+        shared = ops.side(ops.swiglu_mlp, x, *L.shared, cfg.swiglu_limit) if L.shared is not None else None
         weights, experts = ops.route(x, L.gate_w, L.gate_bias, cfg.num_experts_per_tok, cfg.scoring_func,
                                      cfg.gate_temp, cfg.routed_scaling_factor, cfg.norm_topk_prob, hash_ids)
         y = ops.moe(x, L.experts, weights, experts, cfg.swiglu_limit)  # this rank's experts only
-        if L.shared is not None:
-            y = y + ops.swiglu_mlp(x, *L.shared, cfg.swiglu_limit)
+        if shared is not None:
+            y = y + shared.result()
         return y
 
     # ---- attention ---------------------------------------------------------------------

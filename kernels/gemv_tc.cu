@@ -506,7 +506,7 @@ __device__ __forceinline__ void stage_x_cols(const float* __restrict__ x, int K,
 // first weights before waiting on the previous kernel (PDL). A quad, then the kw warps sharing a
 // tile, reduce in a fixed order (graph replays are bit-identical).
 // grid (blocks, nseg), block 256, dynamic shared memory: host _gemvr_smem.
-template <int FMT, int U>
+template <int FMT, int U, bool PIPE>
 __device__ __forceinline__ void gemvr_body(const float* __restrict__ A, int lda, float* __restrict__ Y, int ldy,
                                            int N, int K, const int* __restrict__ segs,
                                            const u64* __restrict__ wptrs, const u64* __restrict__ sptrs,
@@ -532,33 +532,35 @@ __device__ __forceinline__ void gemvr_body(const float* __restrict__ A, int lda,
 
   u32 wa[U][NW], wb[U][NW];  // granule t of rows g, g + 8
   u32 sa[U], sb[U];          // FP8: the block scale (f32 bits, rows share it); FP4: UE8M0 bytes
-  // units u0, u0 + kw, ... (U of them) of tile n0 -> registers
-  auto load = [&](int n0, int u0) {
+  // unit un of tile n0 -> register slot i
+  auto load_one = [&](int i, int n0, int un) {
     const int na = min(n0 + g, N - 1), nb = min(n0 + g + 8, N - 1);
     const u8* ra = Wt + (size_t)na * row_bytes;
     const u8* rb = Wt + (size_t)nb * row_bytes;
+    const int k = un * 128 + 32 * t;
+    const bool live = un < ngx && k < K;
+    const uint4 z = make_uint4(0, 0, 0, 0);
+    if (F8) {
 #pragma unroll
-    for (int i = 0; i < U; ++i) {
-      const int un = u0 + i * kw, k = un * 128 + 32 * t;
-      const bool live = un < ngx && k < K;
-      const uint4 z = make_uint4(0, 0, 0, 0);
-      if (F8) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const bool ok = live && k + 16 * h < K;  // (K % 16 == 0)
-          const uint4 pa = ok ? ldg16(ra + k + 16 * h) : z, pb = ok ? ldg16(rb + k + 16 * h) : z;
-          wa[i][4 * h] = pa.x; wa[i][4 * h + 1] = pa.y; wa[i][4 * h + 2] = pa.z; wa[i][4 * h + 3] = pa.w;
-          wb[i][4 * h] = pb.x; wb[i][4 * h + 1] = pb.y; wb[i][4 * h + 2] = pb.z; wb[i][4 * h + 3] = pb.w;
-        }
-        sa[i] = sb[i] = live ? __float_as_uint(__ldg((const float*)Sc + (size_t)(n0 / bn) * gk + (k >> bsh))) : 0u;
-      } else {  // (K % 128 == 0)
-        const uint4 pa = live ? ldg16(ra + k / 2) : z, pb = live ? ldg16(rb + k / 2) : z;
-        wa[i][0] = pa.x; wa[i][1] = pa.y; wa[i][2] = pa.z; wa[i][3] = pa.w;
-        wb[i][0] = pb.x; wb[i][1] = pb.y; wb[i][2] = pb.z; wb[i][3] = pb.w;
-        sa[i] = live ? __ldg((const u8*)Sc + (size_t)na * gk + k / 32) : 0u;
-        sb[i] = live ? __ldg((const u8*)Sc + (size_t)nb * gk + k / 32) : 0u;
+      for (int h = 0; h < 2; ++h) {
+        const bool ok = live && k + 16 * h < K;  // (K % 16 == 0)
+        const uint4 pa = ok ? ldg16(ra + k + 16 * h) : z, pb = ok ? ldg16(rb + k + 16 * h) : z;
+        wa[i][4 * h] = pa.x; wa[i][4 * h + 1] = pa.y; wa[i][4 * h + 2] = pa.z; wa[i][4 * h + 3] = pa.w;
+        wb[i][4 * h] = pb.x; wb[i][4 * h + 1] = pb.y; wb[i][4 * h + 2] = pb.z; wb[i][4 * h + 3] = pb.w;
       }
+      sa[i] = sb[i] = live ? __float_as_uint(__ldg((const float*)Sc + (size_t)(n0 / bn) * gk + (k >> bsh))) : 0u;
+    } else {  // (K % 128 == 0)
+      const uint4 pa = live ? ldg16(ra + k / 2) : z, pb = live ? ldg16(rb + k / 2) : z;
+      wa[i][0] = pa.x; wa[i][1] = pa.y; wa[i][2] = pa.z; wa[i][3] = pa.w;
+      wb[i][0] = pb.x; wb[i][1] = pb.y; wb[i][2] = pb.z; wb[i][3] = pb.w;
+      sa[i] = live ? __ldg((const u8*)Sc + (size_t)na * gk + k / 32) : 0u;
+      sb[i] = live ? __ldg((const u8*)Sc + (size_t)nb * gk + k / 32) : 0u;
     }
+  };
+  // units u0, u0 + kw, ... (U of them) of tile n0 -> registers
+  auto load = [&](int n0, int u0) {
+#pragma unroll
+    for (int i = 0; i < U; ++i) load_one(i, n0, u0 + i * kw);
   };
 
   bool preloaded = false;
@@ -595,9 +597,11 @@ __device__ __forceinline__ void gemvr_body(const float* __restrict__ A, int lda,
     const int n0 = (bi * tpb + warp / kw) * 16;
     float acc0 = 0.f, acc1 = 0.f;  // granule t's share of rows n0 + g, n0 + g + 8
     if (n0 < N) {
+      if (PIPE && !preloaded) load(n0, part);
       for (int u0 = part; u0 < ngx; u0 += U * kw) {
-        if (!preloaded) load(n0, u0);
+        if (!PIPE && !preloaded) load(n0, u0);
         preloaded = false;
+        const int nx = u0 + U * kw;  // the next pass (PIPE: its loads go out unit by unit, below)
 #pragma unroll
         for (int i = 0; i < U; ++i) {
           const int un = u0 + i * kw;
@@ -629,6 +633,7 @@ __device__ __forceinline__ void gemvr_body(const float* __restrict__ A, int lda,
           const float fb = F8 ? fa : e8m0_scaled(sb[i], 14) * xs;
           acc0 += (c[0] + c[1]) * fa;
           acc1 += (c[2] + c[3]) * fb;
+          if (PIPE && nx < ngx) load_one(i, n0, nx + i * kw);  // slot i is free: refill it
         }
       }
     }
@@ -663,11 +668,16 @@ __device__ __forceinline__ void gemvr_body(const float* __restrict__ A, int lda,
 #define GR_ARGS const float *A, int lda, float *Y, int ldy, int N, int K, const int *segs, const u64 *wptrs, \
                 const u64 *sptrs, int bn, int bk, int gk, int kw, int pf
 #define GR_PASS A, lda, Y, ldy, N, K, segs, wptrs, sptrs, bn, bk, gk, kw, pf
-// U: units (128 k) in flight per lane
-#define DEF_GR(NAME, FMT, U) \
-  extern "C" __global__ void __launch_bounds__(256, 3) NAME(GR_ARGS) { gemvr_body<FMT, U>(GR_PASS); }
-DEF_GR(gemvr_fp8, FMT_FP8, 2)
-DEF_GR(gemvr_fp4, FMT_FP4, 4)
+// U: units (128 k) in flight per lane; PIPE: each unit's registers reloaded (next pass) as soon as it
+// is multiplied, so a lane keeps ~U units in flight instead of draining to none every pass; MINB:
+// blocks per SM the registers must allow (engine/backends/cupy_ops.py GEMVR_KERNELS). Measured on
+// the H200 (graphs, weights past L2): PIPE changes FP8 by +-1 us (noise); six FP4 experts at one
+// token (gate + up, then down) take 75.5 us with FP4 U = 8 pipelined, 84.5 through gemvx, 100.7
+// with U = 4 unpipelined.
+#define DEF_GR(NAME, FMT, U, PIPE, MINB) \
+  extern "C" __global__ void __launch_bounds__(256, MINB) NAME(GR_ARGS) { gemvr_body<FMT, U, PIPE>(GR_PASS); }
+DEF_GR(gemvr_fp8, FMT_FP8, 2, false, 3)
+DEF_GR(gemvr_fp4, FMT_FP4, 8, true, 2)
 
 
 // ---------------------------------------------------------------------------------------------

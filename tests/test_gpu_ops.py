@@ -353,6 +353,37 @@ def test_moe(t):
     assert rel(got, ref) < (F32_TOL if np.bincount(ids.ravel()).max() <= 8 else GEMM_TOL)
 
 
+def test_side_branch_matches_inline():
+    """CupyOps.side: the shared expert forked onto a second stream beside the routed experts (as
+    Model._moe does) equals both run inline, bit for bit, eagerly and replayed as a CUDA graph (the
+    fork and join become graph edges); the branch's input is a temporary the caller drops at once."""
+    from engine.backends.cuda_graphs import RegionGraphs
+
+    e, k, d, inter = 8, 6, 5120, 2304
+    shared = tuple(GPU.prepare(make_weight("fp8", *s)) for s in ((inter, d), (d, inter), (inter, d)))
+    experts = [tuple(GPU.prepare(make_weight("fp4", *s)) for s in ((inter, d), (d, inter), (inter, d)))
+               for _ in range(e)]
+    x = cp.asarray(rnd(1, d))
+    ids = cp.asarray(RNG.permutation(e)[:k].reshape(1, k))
+    wts = cp.asarray(RNG.random((1, k), dtype=np.float32))
+
+    def inline(a):
+        return GPU.moe(a, experts, wts, ids, 10.0) + GPU.swiglu_mlp(a, *shared, 10.0)
+
+    def branched(a):
+        b = GPU.side(GPU.swiglu_mlp, a * 1.0, *shared, 10.0)
+        y = GPU.moe(a, experts, wts, ids, 10.0)
+        return y + b.result()
+
+    ref = cp.asnumpy(inline(x))
+    assert np.isfinite(ref).all() and np.abs(ref).max() > 0
+    assert np.array_equal(cp.asnumpy(branched(x)), ref)
+    graphs = RegionGraphs(enabled=True)
+    for _ in range(4):  # eager, capture, then replays
+        assert np.array_equal(cp.asnumpy(graphs("side", branched, x)), ref)
+    assert graphs.captures == 1 and graphs.replays >= 2
+
+
 # MoE with the pairs grouped on the device (T * top-k <= MOE_DEVICE_MAX_PAIRS): narrow fp4 experts,
 # so that hundreds of them stay cheap to build. At these widths the GEMV never splits K (too few
 # chunks), so the device and host paths launch the same per-row arithmetic.

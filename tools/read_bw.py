@@ -160,6 +160,33 @@ def _time(fn, iters: int = 10) -> float:
     return cp.cuda.get_elapsed_time(a, b) / 1e3 / iters
 
 
+def _spans(mod, buf, out, sms: int, copy: float, span: int, row) -> None:
+    """Reads of `span` bytes as a decode step makes them: one launch per weight, back to back in a
+    CUDA graph, each on a slice of the buffer not in L2 (what a GEMV of that size can reach)."""
+    import cupy as cp
+    import numpy as np
+
+    slices = min(32, buf.nbytes // span)
+    stream = cp.cuda.Stream(non_blocking=True)
+    for warps, u, grid_stride in ((16, 1, False), (24, 1, False), (32, 1, False), (32, 2, True)):
+        fn = mod.get_function(f"ldg_u{u}" if grid_stride else f"ldgr_u{u}")
+        grid = sms * warps // 8
+        with stream:
+            stream.begin_capture()
+            for i in range(slices):
+                p = buf[i * span:(i + 1) * span]
+                if grid_stride:
+                    fn((grid,), (256,), (p, np.int64(span // 16), out))
+                else:
+                    fn((grid,), (256,), (p, np.int32(span // (16 * 8192)), np.int32(8192), out))
+            g = stream.end_capture()
+            t = _time(lambda g=g: g.launch(stream)) / slices
+        name = "ldg" if grid_stride else "ldg-rows"
+        row(name, f"{span >> 20} MB spans, {warps} warps/SM, {u} x 16 B" if grid_stride else
+            f"{span >> 20} MB spans, {warps} warps/SM, {u} x 128 k", warps * 32 * u * (16 if grid_stride else 64),
+            t, span)
+
+
 def main() -> int:
     import cupy as cp
     import numpy as np
@@ -169,6 +196,8 @@ def main() -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gib", type=float, default=2.0, help="buffer size (far above L2)")
+    ap.add_argument("--spans", default="", help="comma-separated MB: instead of the sweep, read spans of these"
+                    " sizes (a decode GEMV's weight) in a CUDA graph of launches on rotating slices")
     a = ap.parse_args()
     mod = cp.RawModule(code=SOURCE, options=("-std=c++17", f"-arch=sm_{K.device_arch()}"))
     sms = int(cp.cuda.Device().attributes["MultiProcessorCount"])
@@ -183,6 +212,10 @@ def main() -> int:
         bw = moved / seconds
         print(f"{name:10s} {cfg:44s} {inflight / 1024:10.0f} KB {bw / 1e12:6.2f} {100 * bw / copy:6.1f}%")
 
+    if a.spans:
+        for mb in (float(x) for x in a.spans.split(",")):
+            _spans(mod, buf, out, sms, copy, int(mb * (1 << 20)) // (16 * 8192) * (16 * 8192), row)
+        return 0
     n16 = nbytes // 16
     for warps in (8, 16, 32, 64):
         for u in (1, 2, 4, 8, 16):

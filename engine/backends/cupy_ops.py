@@ -55,15 +55,17 @@ TC_WARPS_TARGET = 132 * 24  # what the H200 holds resident (3 blocks of 8 warps 
 TC_MIN_ROWS = {FMT_FP8: 2, FMT_FP4: 2}
 # One row of FP8 / FP4: the register-fed tensor-core GEMV (kernels/gemv_tc.cu gemvr_*), GEMVR_U units
 # of 128 k in flight per lane. It issues about a fifth of gemvx's instructions per weight byte, yet
-# neither reaches half of HBM bandwidth at one row: both wait on loads (too few bytes in flight), and
-# gemvr holds fewer per warp. Measured in a flash-shaped decode step (H200, graphs, us, gemvx -> gemvr):
-# wins wq_b 20.9 -> 17.2, wo_a 17.5 -> 16.3, shared w1 + w3 15.2 -> 13.2, wo_b 19.2 -> 18.8; loses
-# shared w2 8.1 -> 9.5, the indexer's wq_b 6.4 -> 7.3, Engram's wkv (K 6144) 46.8 -> 54.3, the FP4
-# experts 43.1 -> 53.9. So by default: FP8 launches of >= GEMVR_MIN_BYTES of weight with K <=
-# GEMVR_MAX_K. DSUF_GEMVR=0: never; =all: every eligible launch (to measure).
+# neither reaches half of HBM bandwidth at one row: a launch costs ~3.5 us however small (H200, in a
+# graph), and even an L2-resident weight streams at ~1.5-3 TB/s. Measured in a flash-shaped decode
+# step (H200, graphs, us, gemvx -> gemvr): wins wq_b 20.9 -> 17.2, wo_a 17.5 -> 16.3, shared w1 + w3
+# 15.2 -> 13.2, wo_b 19.2 -> 18.8; loses shared w2 8.1 -> 9.5, the indexer's wq_b 6.4 -> 7.3, Engram's
+# wkv (K 6144) 46.8 -> 54.3. FP4 (the routed experts) runs the pipelined U = 8 kernel: six experts at
+# one token 84.5 (gemvx) -> 75.5 us. So by default: every FP4 launch, and FP8 launches of >=
+# GEMVR_MIN_BYTES of weight with K <= GEMVR_MAX_K. DSUF_GEMVR=0: never; =all: every eligible launch.
 GEMVR = os.environ.get("DSUF_GEMVR", "1")
 GEMVR_MIN_BYTES, GEMVR_MAX_K = 16 << 20, 5120
-GEMVR_U = {FMT_FP8: 2, FMT_FP4: 4}
+GEMVR_U = {FMT_FP8: 2, FMT_FP4: 8}
+GEMVR_BLOCKS_PER_SM = {FMT_FP8: 3, FMT_FP4: 2}  # what each kernel's registers allow (DEF_GR's MINB)
 # One row of FP8 / FP4, opt-in (DSUF_GEMVB=1, ahead of gemvr): the shared-memory-ring tensor-core GEMV
 # (kernels/gemv_tc.cu gemvb_*): each warp streams stages (a 16-row tile x GB_SU units of 128 k, then
 # their scales) into its own ring of D slots (about GEMVB_RING_BYTES per block of 8 warps, one block
@@ -86,6 +88,20 @@ COPY_ROWS_MAX = 64 << 10  # copy_rows: larger copies (a state buffer's growth) g
 HC_COUNTERS = 1 << 16  # rows the fused mHC mix handles per launch (one int32 block counter each)
 MOE_DEVICE_MAX_PAIRS = 1024  # moe(): up to this many (token, expert) pairs are grouped on the device
 _MOE_GROUP_MAXP = 1024  # kernels/moe.cu MOE_GROUP_MAXP: moe_group runs one block, one thread a pair
+
+
+class SideBranch:
+    """The result of CupyOps.side: joined into the current stream by result(). Until then it holds
+    the branch's inputs, so that memory the caller frees meanwhile is not handed to a kernel of
+    the main stream while the branch may still read it."""
+
+    def __init__(self, out, done: cp.cuda.Event, keep: tuple) -> None:
+        self._out, self._done, self._keep = out, done, keep
+
+    def result(self):
+        cp.cuda.get_current_stream().wait_event(self._done)
+        self._keep = None
+        return self._out
 
 
 @dataclass
@@ -205,9 +221,27 @@ def _gemvr_ok(a: cp.ndarray, w: GpuWeight, segs, nseg: int, rows: int) -> bool:
     if GEMVR == "0" or rows != 1:
         return False
     n, k = w.shape
-    if GEMVR != "all" and (w.fmt != FMT_FP8 or n * k * nseg < GEMVR_MIN_BYTES or k > GEMVR_MAX_K):
+    if GEMVR != "all" and w.fmt == FMT_FP8 and (n * k * nseg < GEMVR_MIN_BYTES or k > GEMVR_MAX_K):
         return False
     return _gemvr_shape_ok(w) and _gemvr_smem(k) <= GEMVX_MAX_SMEM and _x_rows_aligned(a, segs)
+
+
+def _gemvr_config(fmt: int, n: int, k: int, nseg: int) -> tuple[str, int, int]:
+    """gemvr's kernel, units in flight per lane (U) and warps per 16-row tile (kw). FP8: warps split
+    K while the launch is short of TC_WARPS_TARGET and each keeps a whole pass of U units. FP4: only
+    while every warp of the launch stays resident at once (one round: a second, partial round cost
+    the experts more than fewer warps did)."""
+    u = GEMVR_U[fmt]
+    tiles, units = -(-n // 16), -(-k // 128)
+    kw = 1
+    if fmt == FMT_FP8:
+        while kw < 8 and tiles * nseg * kw < TC_WARPS_TARGET and units >= 2 * kw * u:
+            kw *= 2
+    else:
+        resident = _sm_count() * 8 * GEMVR_BLOCKS_PER_SM[fmt]
+        while kw < 8 and tiles * nseg * 2 * kw <= resident and units >= 4 * kw * u:
+            kw *= 2
+    return f"gemvr_{_FMT_TAG[fmt]}", u, kw
 
 
 def _gemvr_shape_ok(w: GpuWeight) -> bool:
@@ -329,8 +363,10 @@ class CupyOps:
         self._uploader = PinnedUploader()
         self._no_scale = cp.zeros(1, F32)  # the scale argument of unscaled tables
         self._hc_count = cp.zeros(HC_COUNTERS, dtype=cp.int32)  # hc_mix's block counters (each resets its own)
-        self._gb_ws: cp.ndarray | None = None  # gemvb's partial sums and tile counters (made on first use)
-        self._gb_count: cp.ndarray | None = None
+        # gemvb's partial sums and tile counters, one pair per stream (a side branch may run one
+        # concurrently with the main stream's), made on first use
+        self._gb_scratch: dict[int, tuple[cp.ndarray, cp.ndarray]] = {}
+        self._side_stream: cp.cuda.Stream | None = None  # side(): made on first use, on this device
 
     # ---- weights ---------------------------------------------------------------------
     def prepare_rows(self, ws: list) -> GpuWeight:
@@ -438,6 +474,26 @@ class CupyOps:
         """Run a fixed-shape region of the forward, as a CUDA graph once its shapes repeat."""
         return self.graphs(key, fn, *arrays)
 
+    def side(self, fn, *args) -> SideBranch:
+        """fn(*args) enqueued on a second stream, forked from the current one here: it runs
+        concurrently with what the caller enqueues next, until .result() joins it back. Inside a
+        graph capture the fork and join become the graph's edges, so a decode step's independent
+        chains (the shared expert beside the routed ones) overlap their launch latencies and fill
+        each other's idle memory time. fn must not use device scratch shared with the main
+        stream's ops (hc_mixes' block counters); the GEMVs keep theirs per stream."""
+        main = cp.cuda.get_current_stream()
+        if self._side_stream is None:
+            self._side_stream = cp.cuda.Stream(non_blocking=True)
+        side = self._side_stream
+        fork = cp.cuda.Event(disable_timing=True)
+        fork.record(main)
+        side.wait_event(fork)
+        with side:
+            out = fn(*args)
+        done = cp.cuda.Event(disable_timing=True)
+        done.record(side)
+        return SideBranch(out, done, args)
+
     # ---- linear kernels ----------------------------------------------------------------
     def _run_linear(self, a: cp.ndarray, y: cp.ndarray, n: int, k: int, segs,
                     wptrs: cp.ndarray, sptrs: cp.ndarray, w: GpuWeight, max_rows: int, lda: int | None = None) -> None:
@@ -495,27 +551,24 @@ class CupyOps:
         d, ltmax, smem = _gemvb_layout(w.fmt, n, k, nseg, blocks)
         suffix = "_bulk" if GEMVB_COPY == "bulk" else ""
         fn = K.function_with_smem("gemv_tc", f"gemvb_{_FMT_TAG[w.fmt]}{suffix}", GEMVX_MAX_SMEM)
-        if self._gb_ws is None:
-            self._gb_ws = cp.empty(2 * 16 * GB_MAX_BLOCKS, F32)
-            self._gb_count = cp.zeros(GB_COUNTERS, dtype=cp.int32)
+        sid = cp.cuda.get_current_stream().ptr
+        if sid not in self._gb_scratch:
+            self._gb_scratch[sid] = (cp.empty(2 * 16 * GB_MAX_BLOCKS, F32), cp.zeros(GB_COUNTERS, dtype=cp.int32))
+        ws, count = self._gb_scratch[sid]
         a, lda, y, ldy, n_, k_, seg_, wptrs, sptrs, bn, bk, gk = args
-        tail = (np.int32(d), np.int32(ltmax), np.int32(1 if constant else 0), self._gb_ws, self._gb_count)
+        tail = (np.int32(d), np.int32(ltmax), np.int32(1 if constant else 0), ws, count)
         K.launch(fn, (blocks,), (32 * GB_W,), (a, lda, y, ldy, n_, k_, seg_, np.int32(nseg), wptrs, sptrs, bn, bk, gk,
                                                *tail), shared_mem=smem, pdl=True)
 
     @staticmethod
     def _run_reg(args: tuple, n: int, k: int, seg: cp.ndarray, nseg: int, w: GpuWeight, constant: bool) -> None:
-        """Register-fed tensor-core GEMV over one-row segments. Warps split K while the launch is short
-        of TC_WARPS_TARGET (what the GPU holds resident) and each keeps a whole pass of U units;
-        blocks stride over the 16-row tiles. constant: the segment table is ours, so blocks may load
-        weights early (PDL)."""
-        u = GEMVR_U[w.fmt]
+        """Register-fed tensor-core GEMV over one-row segments (configuration: _gemvr_config); blocks
+        stride over the 16-row tiles. constant: the segment table is ours, so blocks may load weights
+        early (PDL)."""
+        name, _, kw = _gemvr_config(w.fmt, n, k, nseg)
         smem = _gemvr_smem(k)
-        fn = K.function_with_smem("gemv_tc", f"gemvr_{_FMT_TAG[w.fmt]}", GEMVX_MAX_SMEM)
-        tiles, units = -(-n // 16), -(-k // 128)
-        kw = 1
-        while kw < 8 and tiles * nseg * kw < TC_WARPS_TARGET and units >= 2 * kw * u:
-            kw *= 2
+        fn = K.function_with_smem("gemv_tc", name, GEMVX_MAX_SMEM)
+        tiles = -(-n // 16)
         per_sm = _blocks_per_sm(fn, smem)
         nbi = -(-tiles // (8 // kw))
         blocks = max(1, min(nbi, _sm_count() * per_sm // nseg))

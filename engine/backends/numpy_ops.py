@@ -20,6 +20,16 @@ F32 = np.float32
 NEG_INF = F32(-np.inf)
 
 
+class Done:
+    """A branch already computed (NumpyOps.side)."""
+
+    def __init__(self, value) -> None:
+        self.value = value
+
+    def result(self):
+        return self.value
+
+
 class NumpyOps:
     """Reference implementation of every op of the forward pass, float32 throughout."""
 
@@ -65,6 +75,11 @@ class NumpyOps:
         """Run a region of the forward (a pure function of arrays). Here simply fn(*arrays); the
         GPU backend replays it as a CUDA graph once its shapes repeat."""
         return fn(*arrays)
+
+    def side(self, fn, *args) -> Done:
+        """fn(*args) as a branch the caller joins with .result() (the GPU backend runs it on a
+        second stream, concurrently); here simply computed now."""
+        return Done(fn(*args))
 
     def stage(self, inputs):
         """A step's inputs (engine/decode_plan.py StepInputs) as this backend's ops read them: here
