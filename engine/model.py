@@ -494,6 +494,8 @@ class Model:
         ratio = cfg.compress_ratios[li]
         if cfg.arch != "v41" or not ratio:
             return tuple(p)
+        # the indexer's queries and head weights: a side branch, beside the compressor's chain
+        idx = ops.side(self._index_queries, L, x, q_res, cos, sin) if L.idx is not None else None
         if cfg.layer_kinds[li] == "source":
             c = L.comp
             kv = ops.linear(x, c.wkv)
@@ -507,12 +509,15 @@ class Model:
                 if L.idx is not None:
                     k = ops.rope(ops.rmsnorm(ops.linear(latent, L.idx.wk), L.idx.k_norm, cfg.rms_norm_eps), cos, sin)
                     p[3] = ops.fake_quant_fp4(k, 32) if self.store_quantized else k  # MXFP4 indexer keys
-        if L.idx is not None:
-            hi, di = cfg.index_n_heads, cfg.index_head_dim
-            q = ops.rope(ops.linear(q_res, L.idx.wq_b).reshape(-1, hi, di), cos, sin)
-            p[4] = ops.fake_quant_fp4(q, 32) if self.store_quantized else q  # the indexer scores in MXFP4
-            p[5] = ops.linear(x, L.idx.weights_proj)
+        if idx is not None:
+            p[4], p[5] = idx.result()
         return tuple(p)
+
+    def _index_queries(self, L, x, q_res, cos, sin) -> tuple:
+        """The V4.1 indexer's queries (RoPE, then MXFP4 as its scores read them) and head weights."""
+        cfg, ops = self.cfg, self.ops
+        q = ops.rope(ops.linear(q_res, L.idx.wq_b).reshape(-1, cfg.index_n_heads, cfg.index_head_dim), cos, sin)
+        return (ops.fake_quant_fp4(q, 32) if self.store_quantized else q), ops.linear(x, L.idx.weights_proj)
 
     def _streams(self, x):
         """The hc_mult residual streams of the embedded tokens x and V4.1's first collapse weights

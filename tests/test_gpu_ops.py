@@ -355,8 +355,9 @@ def test_moe(t):
 
 def test_side_branch_matches_inline():
     """CupyOps.side: the shared expert forked onto a second stream beside the routed experts (as
-    Model._moe does) equals both run inline, bit for bit, eagerly and replayed as a CUDA graph (the
-    fork and join become graph edges); the branch's input is a temporary the caller drops at once."""
+    Model._moe does) equals both run inline, bit for bit, replayed as a CUDA graph (the fork and join
+    become graph edges; eagerly the branch runs inline); the branch's input is a temporary the
+    caller drops at once."""
     from engine.backends.cuda_graphs import RegionGraphs
 
     e, k, d, inter = 8, 6, 5120, 2304
@@ -382,6 +383,7 @@ def test_side_branch_matches_inline():
     for _ in range(4):  # eager, capture, then replays
         assert np.array_equal(cp.asnumpy(graphs("side", branched, x)), ref)
     assert graphs.captures == 1 and graphs.replays >= 2
+    assert GPU._side_stream is not None  # (the capture forked)
 
 
 # MoE with the pairs grouped on the device (T * top-k <= MOE_DEVICE_MAX_PAIRS): narrow fp4 experts,

@@ -95,11 +95,12 @@ class SideBranch:
     the branch's inputs, so that memory the caller frees meanwhile is not handed to a kernel of
     the main stream while the branch may still read it."""
 
-    def __init__(self, out, done: cp.cuda.Event, keep: tuple) -> None:
+    def __init__(self, out, done: cp.cuda.Event | None, keep: tuple) -> None:
         self._out, self._done, self._keep = out, done, keep
 
     def result(self):
-        cp.cuda.get_current_stream().wait_event(self._done)
+        if self._done is not None:  # (None: computed inline)
+            cp.cuda.get_current_stream().wait_event(self._done)
         self._keep = None
         return self._out
 
@@ -480,8 +481,14 @@ class CupyOps:
         graph capture the fork and join become the graph's edges, so a decode step's independent
         chains (the shared expert beside the routed ones) overlap their launch latencies and fill
         each other's idle memory time. fn must not use device scratch shared with the main
-        stream's ops (hc_mixes' block counters); the GEMVs keep theirs per stream."""
+        stream's ops (hc_mixes' block counters); the GEMVs keep theirs per stream.
+        Only while capturing: eagerly fn runs inline, because an eager branch may fill a cache
+        (segment tables, pointer tables) or the pinned upload ring on its own stream, and the main
+        stream could read that entry before the join. A capture runs after the region's eager
+        warm-up, with its caches full and uploads not staged through the ring."""
         main = cp.cuda.get_current_stream()
+        if not main.is_capturing():
+            return SideBranch(fn(*args), None, ())
         if self._side_stream is None:
             self._side_stream = cp.cuda.Stream(non_blocking=True)
         side = self._side_stream
