@@ -113,24 +113,15 @@ GEMVR_CASES = [c for c in LINEAR_CASES if c[0] in ("fp8", "fp4")] + [
 
 @pytest.mark.parametrize("fmt,n,k,block,sfmt", GEMVR_CASES)
 @pytest.mark.parametrize("scale", [1.0, 1e-30, 0.0, 1e30, "mixed"])
-@pytest.mark.parametrize("kernel", ["gemvr", "gemvb", "gemvb_bulk"])
-def test_register_tensor_gemv(fmt, n, k, block, sfmt, scale, kernel, monkeypatch):
-    """gemvr and gemvb, its weights by lanes' cp.async or by bulk copies (one row; x scaled from
-    1e-30 to 1e30, zero, or tiny elements among ordinary ones): float32-grade results, bit-identical
-    when replayed in a captured graph (early weight loads, PDL; gemvb: tiles cut between warps and
-    blocks summed in a fixed order, counters reset)."""
+def test_register_tensor_gemv(fmt, n, k, block, sfmt, scale, monkeypatch):
+    """gemvr (one row; x scaled from 1e-30 to 1e30, zero, or tiny elements among ordinary ones):
+    float32-grade results, bit-identical when replayed in a captured graph (early weight loads, PDL)."""
     from engine.backends import cupy_ops
 
     monkeypatch.setattr(cupy_ops, "GEMVR", "all")
-    monkeypatch.setattr(cupy_ops, "GEMVB", "0" if kernel == "gemvr" else "1")
-    monkeypatch.setattr(cupy_ops, "GEMVB_COPY", "bulk" if kernel == "gemvb_bulk" else "lanes")
     calls = []
-    if kernel == "gemvr":
-        run_reg = CupyOps._run_reg
-        monkeypatch.setattr(CupyOps, "_run_reg", staticmethod(lambda *a, **kw: (calls.append(1), run_reg(*a, **kw))))
-    else:
-        run_bulk = CupyOps._run_bulk
-        monkeypatch.setattr(CupyOps, "_run_bulk", lambda self, *a, **kw: (calls.append(1), run_bulk(self, *a, **kw)))
+    run_reg = CupyOps._run_reg
+    monkeypatch.setattr(CupyOps, "_run_reg", staticmethod(lambda *a, **kw: (calls.append(1), run_reg(*a, **kw))))
     w = make_weight(fmt, n, k, block, sfmt)
     x = rnd(1, k)
     if scale == "mixed":
@@ -163,16 +154,13 @@ def test_register_tensor_gemv(fmt, n, k, block, sfmt, scale, kernel, monkeypatch
 
 @pytest.mark.parametrize("fmt,n,k", [("fp8", 200, 4096), ("fp4", 2304, 1024), ("fp8", 5120, 4608), ("fp4", 24, 128)])
 @pytest.mark.parametrize("device_table", [False, True])
-@pytest.mark.parametrize("copy", ["lanes", "bulk"])
-def test_ring_gemv_segments(fmt, n, k, device_table, copy, monkeypatch):
-    """gemvb over a table of one-row segments (three weights, rows of x and y columns of their own,
-    unused slots when the table is built on the device): stages of several segments in one block,
-    x restaged per segment, tiles cut between blocks. Each launch equals the reference, and a second
-    launch and a graph replay are bit-identical to the first (the tile counters reset themselves)."""
+def test_register_gemv_segments(fmt, n, k, device_table, monkeypatch):
+    """gemvr over a table of one-row segments (three weights, rows of x and y columns of their own,
+    unused slots when the table is built on the device, as moe_group leaves them). Each launch
+    equals the reference, and a second launch and a graph replay are bit-identical to the first."""
     from engine.backends import cupy_ops
 
-    monkeypatch.setattr(cupy_ops, "GEMVB", "1")
-    monkeypatch.setattr(cupy_ops, "GEMVB_COPY", copy)
+    monkeypatch.setattr(cupy_ops, "GEMVR", "all")
     src = [make_weight(fmt, n, k, (128, 128), "ue8m0") for _ in range(3)]
     ws, refs = [GPU.prepare(w) for w in src], [REF.prepare(w) for w in src]
     x = rnd(4, k)
@@ -184,17 +172,16 @@ def test_ring_gemv_segments(fmt, n, k, device_table, copy, monkeypatch):
     xd = cp.asarray(x)
     seg_arg = cp.asarray(np.asarray(segs, np.int32).reshape(-1)) if device_table else segs
     calls = []
-    run_bulk = CupyOps._run_bulk
+    run_reg = CupyOps._run_reg
+    monkeypatch.setattr(CupyOps, "_run_reg", staticmethod(lambda *a, **kw: (calls.append(1), run_reg(*a, **kw))))
 
     def run() -> cp.ndarray:
         y = cp.full((4, 4 * n), np.nan, dtype=cp.float32)
         GPU._run_linear(xd, y, n, k, seg_arg, wp, sp, ws[0], 1)
         return y
 
-    import unittest.mock as um
-    with um.patch.object(CupyOps, "_run_bulk", lambda self, *a, **kw: (calls.append(1), run_bulk(self, *a, **kw))):
-        got = cp.asnumpy(run())
-        again = cp.asnumpy(run())
+    got = cp.asnumpy(run())
+    again = cp.asnumpy(run())
     assert calls
     for wi, row, rows, _, col in segs:
         if rows:

@@ -11,7 +11,7 @@
   linear NAME                 three eager one-row calls of a V4.1-Flash linear of the bench table
                               (engine/bench.py FLASH_LINEARS, e.g. wo_b), for ncu --launch-skip 2
 
-DSUF_GEMVR / DSUF_GEMVB / DSUF_PDL / DSUF_GRAPHS select the paths as they do for the server.
+DSUF_GEMVR / DSUF_PDL / DSUF_GRAPHS select the paths as they do for the server.
 """
 
 from __future__ import annotations

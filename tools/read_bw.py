@@ -15,7 +15,7 @@ Prints, for a buffer far larger than L2, TB/s and the percentage of the device-t
   bulk     one thread per block streaming its tiles through S shared-memory slots by
            cp.async.bulk, each stage P copies of C bytes: P = 1 is one contiguous piece (weights
            stored tile by tile), P = 16 pieces at a row stride (16 rows of a row-major matrix, as
-           gemvb copies them).
+           the removed gemvb copied them).
 With --spans, reads of a decode GEMV's size instead: one launch per span, back to back in a CUDA
 graph, each span past L2 (H200: 32 MB spans 87% of the copy rate, 8 MB 59%: a launch costs ~1.6 us).
 The one-row GEMVs reach 35-50% of the copy rate (README); this says which of these gets ~90% and

@@ -66,20 +66,6 @@ GEMVR = os.environ.get("DSUF_GEMVR", "1")
 GEMVR_MIN_BYTES, GEMVR_MAX_K = 16 << 20, 5120
 GEMVR_U = {FMT_FP8: 2, FMT_FP4: 8}
 GEMVR_BLOCKS_PER_SM = {FMT_FP8: 3, FMT_FP4: 2}  # what each kernel's registers allow (DEF_GR's MINB)
-# One row of FP8 / FP4, opt-in (DSUF_GEMVB=1, ahead of gemvr): the shared-memory-ring tensor-core GEMV
-# (kernels/gemv_tc.cu gemvb_*): each warp streams stages (a 16-row tile x GB_SU units of 128 k, then
-# their scales) into its own ring of D slots (about GEMVB_RING_BYTES per block of 8 warps, one block
-# per SM) by every lane's cp.async or (DSUF_GEMVB_COPY=bulk) the copy engine; the stages are split
-# evenly over the warps (stream-K). Off by default: on the H200 it is slower than gemvx / gemvr on
-# every V4.1-Flash one-row linear but wo_b (us, graphs, weights past L2, gemvb -> default: wq_a 9.8
-# -> 6.3, wq_b 19.8 -> 18.2, wkv 9.3 -> 5.0, wo_b 21.5 -> 22.5, shared w1 11.6 -> 8.9, experts w1 10.2
-# -> 9.1), a decode step's graph 0.706 against 0.683 ms. Nsight Compute on wo_b: DRAM 34%, its warps
-# mostly spinning on their slots' barriers, i.e. still short of bytes in flight per SM.
-GEMVB = os.environ.get("DSUF_GEMVB", "0")
-GEMVB_COPY = os.environ.get("DSUF_GEMVB_COPY", "lanes")  # lanes: 16-byte cp.async per lane; bulk: copy engine
-GEMVB_RING_BYTES = int(os.environ.get("DSUF_GEMVB_RING", str(128 << 10)))
-GB_W, GB_SU, GB_DMAX, GB_MAX_SEGS = 8, 4, 4, 64  # (kernels/gemv_tc.cu: warps, units per stage, slots, act[])
-GB_COUNTERS, GB_MAX_BLOCKS = 1 << 16, 1024  # tiles cut between warps: a counter each; partial-sum slots
 _ELT_BLOCK = 256
 # decode attention: split the keys until about this many blocks run, each split >= this many keys
 ATT_BLOCKS_TARGET, ATT_MIN_SPLIT = 132 * 2, 64
@@ -206,7 +192,7 @@ def _gemvx_split(groups: int, slices: int, pc: int) -> int:
 
 
 def _x_cols_bytes(k: int) -> int:
-    """A row of x staged for gemvr / gemvb (kernels/gemv_tc.cu stage_x_cols): its hi and lo f16
+    """A row of x staged for gemvr (kernels/gemv_tc.cu stage_x_cols): its hi and lo f16
     columns, 16 bytes of padding per 64 halves, each column 32 mod 128 bytes."""
     return 2 * ((288 * -(-k // 128) + 127) // 128 * 128 + 32)
 
@@ -246,57 +232,13 @@ def _gemvr_config(fmt: int, n: int, k: int, nseg: int) -> tuple[str, int, int]:
 
 
 def _gemvr_shape_ok(w: GpuWeight) -> bool:
-    """The register-scheme GEMVs (gemvr, gemvb): FP8 in K blocks of a power of two >= 32 and row
+    """The register-scheme GEMV (gemvr): FP8 in K blocks of a power of two >= 32 and row
     blocks of 16-row multiples, K in 16-byte chunks; FP4 rows of whole 128-element units."""
     k = w.shape[1]
     bn, bk = w.block
     if w.fmt == FMT_FP8:
         return k % 16 == 0 and bk >= 32 and bk & (bk - 1) == 0 and bn % 16 == 0
     return w.fmt == FMT_FP4 and k % 128 == 0
-
-
-def _gemvb_stage_bytes(fmt: int) -> int:
-    """One ring stage of gemvb: 16 rows of GB_SU units, each row padded, then the stage's scales
-    (kernels/gemv_tc.cu GbRing)."""
-    if fmt == FMT_FP8:
-        return 16 * (GB_SU * 128 + 16) + 16 * GB_SU
-    return 16 * (GB_SU * 64 + 64) + 64 * GB_SU
-
-
-def _gemvb_layout(fmt: int, n: int, k: int, nseg: int, blocks: int) -> tuple[int, int, int]:
-    """gemvb's slots per warp (D), bound on the tiles a block's range meets (ltmax) and dynamic shared
-    memory: the warps' barriers, their rings, the staged rows of x (one, or two where the table has
-    several segments) as gemvr stages them, the sums of tiles cut between warps and their counters."""
-    stage = _gemvb_stage_bytes(fmt)
-    ngx = -(-k // 128)
-    sps = -(-ngx // GB_SU)
-    total = nseg * -(-n // 16) * sps
-    rng = -(-total // max(1, min(blocks, total)))  # stages of a block's range, at most
-    ltmax = -(-rng // sps) + 1
-    xslot = _x_cols_bytes(k) + -(-4 * ngx // 16) * 16  # (its group scales, 16-byte aligned)
-    fixed = 8 * GB_DMAX * GB_W + (2 if nseg > 1 else 1) * xslot + ltmax * (GB_W * 16 * 4 + 4)
-    d = max(2, min(GB_DMAX, GEMVB_RING_BYTES // (GB_W * stage), (GEMVX_MAX_SMEM - fixed) // (GB_W * stage)))
-    return d, ltmax, fixed + GB_W * d * stage
-
-
-def _gemvb_blocks(n: int, k: int, nseg: int) -> int:
-    """gemvb's grid: one block per SM, fewer when the launch has fewer stages, at least one per
-    segment (so that a block's stages meet at most two rows of x)."""
-    units = -(-k // 128)
-    stages = nseg * -(-n // 16) * -(-units // GB_SU)
-    return min(stages, max(_sm_count(), nseg), GB_MAX_BLOCKS)
-
-
-def _gemvb_ok(a: cp.ndarray, w: GpuWeight, segs, nseg: int, rows: int) -> bool:
-    """gemvb (when DSUF_GEMVB=1): gemvr's formats and shapes (one row), weight rows 16-byte aligned for
-    the copies (every GpuWeight's data is its own allocation), a table of <= GB_MAX_SEGS segments."""
-    if GEMVB == "0" or rows != 1 or nseg > GB_MAX_SEGS or not _gemvr_shape_ok(w):
-        return False
-    n, k = w.shape
-    if nseg * -(-n // 16) > GB_COUNTERS or w.data.data.ptr % 16:
-        return False
-    smem = _gemvb_layout(w.fmt, n, k, nseg, _gemvb_blocks(n, k, nseg))[2]
-    return smem <= GEMVX_MAX_SMEM and _x_rows_aligned(a, segs)
 
 
 @functools.cache
@@ -364,9 +306,6 @@ class CupyOps:
         self._uploader = PinnedUploader()
         self._no_scale = cp.zeros(1, F32)  # the scale argument of unscaled tables
         self._hc_count = cp.zeros(HC_COUNTERS, dtype=cp.int32)  # hc_mix's block counters (each resets its own)
-        # gemvb's partial sums and tile counters, one pair per stream (a side branch may run one
-        # concurrently with the main stream's), made on first use
-        self._gb_scratch: dict[int, tuple[cp.ndarray, cp.ndarray]] = {}
         self._side_stream: cp.cuda.Stream | None = None  # side(): made on first use, on this device
 
     # ---- weights ---------------------------------------------------------------------
@@ -481,7 +420,7 @@ class CupyOps:
         graph capture the fork and join become the graph's edges, so a decode step's independent
         chains (the shared expert beside the routed ones) overlap their launch latencies and fill
         each other's idle memory time. fn must not use device scratch shared with the main
-        stream's ops (hc_mixes' block counters); the GEMVs keep theirs per stream.
+        stream's ops (hc_mixes' block counters).
         Only while capturing: eagerly fn runs inline, because an eager branch may fill a cache
         (segment tables, pointer tables) or the pinned upload ring on its own stream, and the main
         stream could read that entry before the join. A capture runs after the region's eager
@@ -515,9 +454,7 @@ class CupyOps:
         args = (a, np.int32(a.shape[1] if lda is None else lda), y, np.int32(y.shape[1]), np.int32(n), np.int32(k),
                 seg, wptrs, sptrs, np.int32(w.block[0]), np.int32(w.block[1]), np.int32(w.gk))
         # (the tensor-core GEMV reads x in 128-column groups: segments must start on one)
-        if _gemvb_ok(a, w, segs, nseg, max_rows):
-            self._run_bulk(args, n, k, seg, nseg, w, constant=not isinstance(segs, cp.ndarray))
-        elif _gemvr_ok(a, w, segs, nseg, max_rows):
+        if _gemvr_ok(a, w, segs, nseg, max_rows):
             self._run_reg(args, n, k, seg, nseg, w, constant=not isinstance(segs, cp.ndarray))
         elif (TC_MIN_ROWS.get(w.fmt, 99) <= max_rows <= TC_MAX_ROWS and _tc_ok(w, a.shape[1])
                 and (isinstance(segs, cp.ndarray) or all(s[3] % 128 == 0 for s in segs))):
@@ -547,25 +484,6 @@ class CupyOps:
         else:
             fn = K.function("linear", f"gemm_{tag}")
             fn((math.ceil(n / GEMM_TILE), nseg), (128,), args)
-
-    def _run_bulk(self, args: tuple, n: int, k: int, seg: cp.ndarray, nseg: int, w: GpuWeight,
-                  constant: bool) -> None:
-        """Ring-fed tensor-core GEMV over one-row segments: one block of 8 warps per SM (fewer
-        when the launch has fewer stages; at least one per segment, so that a block's stages meet at
-        most two rows of x). constant: the segment table is ours, so the warps start their copies
-        before the previous kernel ends (PDL)."""
-        blocks = _gemvb_blocks(n, k, nseg)
-        d, ltmax, smem = _gemvb_layout(w.fmt, n, k, nseg, blocks)
-        suffix = "_bulk" if GEMVB_COPY == "bulk" else ""
-        fn = K.function_with_smem("gemv_tc", f"gemvb_{_FMT_TAG[w.fmt]}{suffix}", GEMVX_MAX_SMEM)
-        sid = cp.cuda.get_current_stream().ptr
-        if sid not in self._gb_scratch:
-            self._gb_scratch[sid] = (cp.empty(2 * 16 * GB_MAX_BLOCKS, F32), cp.zeros(GB_COUNTERS, dtype=cp.int32))
-        ws, count = self._gb_scratch[sid]
-        a, lda, y, ldy, n_, k_, seg_, wptrs, sptrs, bn, bk, gk = args
-        tail = (np.int32(d), np.int32(ltmax), np.int32(1 if constant else 0), ws, count)
-        K.launch(fn, (blocks,), (32 * GB_W,), (a, lda, y, ldy, n_, k_, seg_, np.int32(nseg), wptrs, sptrs, bn, bk, gk,
-                                               *tail), shared_mem=smem, pdl=True)
 
     @staticmethod
     def _run_reg(args: tuple, n: int, k: int, seg: cp.ndarray, nseg: int, w: GpuWeight, constant: bool) -> None:
