@@ -670,7 +670,7 @@ __device__ __forceinline__ void gemvr_body(const float* __restrict__ A, int lda,
 #define GR_PASS A, lda, Y, ldy, N, K, segs, wptrs, sptrs, bn, bk, gk, kw, pf
 // U: units (128 k) in flight per lane; PIPE: each unit's registers reloaded (next pass) as soon as it
 // is multiplied, so a lane keeps ~U units in flight instead of draining to none every pass; MINB:
-// blocks per SM the registers must allow (engine/backends/cupy_ops.py GEMVR_KERNELS). Measured on
+// blocks per SM the registers must allow (engine/backends/cupy_ops.py GEMVR_BLOCKS_PER_SM). Measured on
 // the H200 (graphs, weights past L2): PIPE changes FP8 by +-1 us (noise); six FP4 experts at one
 // token (gate + up, then down) take 75.5 us with FP4 U = 8 pipelined, 84.5 through gemvx, 100.7
 // with U = 4 unpipelined.

@@ -203,8 +203,8 @@ def _gemvr_smem(k: int) -> int:
 
 
 def _gemvr_ok(a: cp.ndarray, w: GpuWeight, segs, nseg: int, rows: int) -> bool:
-    """gemvr: one row; FP8 in K blocks of a power of two >= 32 and row blocks of 16-row multiples, K
-    in 16-byte chunks; FP4 rows of whole 128-element units; x read as float4 from each segment's start."""
+    """gemvr: one row, a weight it can read (_gemvr_shape_ok), chosen by DSUF_GEMVR's rule (GEMVR
+    above), x read as float4 from each segment's start."""
     if GEMVR == "0" or rows != 1:
         return False
     n, k = w.shape
@@ -213,8 +213,8 @@ def _gemvr_ok(a: cp.ndarray, w: GpuWeight, segs, nseg: int, rows: int) -> bool:
     return _gemvr_shape_ok(w) and _gemvr_smem(k) <= GEMVX_MAX_SMEM and _x_rows_aligned(a, segs)
 
 
-def _gemvr_config(fmt: int, n: int, k: int, nseg: int) -> tuple[str, int, int]:
-    """gemvr's kernel, units in flight per lane (U) and warps per 16-row tile (kw). FP8: warps split
+def _gemvr_config(fmt: int, n: int, k: int, nseg: int) -> tuple[str, int]:
+    """gemvr's kernel and warps per 16-row tile (kw), for GEMVR_U units in flight per lane. FP8: warps split
     K while the launch is short of TC_WARPS_TARGET and each keeps a whole pass of U units. FP4: only
     while every warp of the launch stays resident at once (one round: a second, partial round cost
     the experts more than fewer warps did)."""
@@ -228,7 +228,7 @@ def _gemvr_config(fmt: int, n: int, k: int, nseg: int) -> tuple[str, int, int]:
         resident = _sm_count() * 8 * GEMVR_BLOCKS_PER_SM[fmt]
         while kw < 8 and tiles * nseg * 2 * kw <= resident and units >= 4 * kw * u:
             kw *= 2
-    return f"gemvr_{_FMT_TAG[fmt]}", u, kw
+    return f"gemvr_{_FMT_TAG[fmt]}", kw
 
 
 def _gemvr_shape_ok(w: GpuWeight) -> bool:
@@ -490,7 +490,7 @@ class CupyOps:
         """Register-fed tensor-core GEMV over one-row segments (configuration: _gemvr_config); blocks
         stride over the 16-row tiles. constant: the segment table is ours, so blocks may load weights
         early (PDL)."""
-        name, _, kw = _gemvr_config(w.fmt, n, k, nseg)
+        name, kw = _gemvr_config(w.fmt, n, k, nseg)
         smem = _gemvr_smem(k)
         fn = K.function_with_smem("gemv_tc", name, GEMVX_MAX_SMEM)
         tiles = -(-n // 16)
