@@ -14,6 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from aiohttp import web
 
 from engine.sampling import SamplingParams
@@ -50,6 +51,52 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> APIE
 
 
 # ---------------------------------------------------------------- typed field readers
+
+
+# Deeper than any real request (tool schemas nest a few tens of levels). Checked before json.loads:
+# its C scanner recurses once per level, and a finalizer that the garbage collector runs at that
+# depth fails with RecursionError outside our control (an unraisable error, not a clean 400).
+MAX_JSON_DEPTH = 256
+
+
+_BRACKET_STEP = np.zeros(256, np.int8)
+_BRACKET_STEP[[ord("["), ord("{")]] = 1
+_BRACKET_STEP[[ord("]"), ord("}")]] = -1
+
+
+def json_depth(raw: bytes) -> int:
+    """Deepest nesting of [ and { in a JSON text, brackets inside strings not counted."""
+    if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:
+        return 0  # cannot be too deep; skip the scan for ordinary bodies
+    b = np.frombuffer(raw, np.uint8)
+    quote = b == ord('"')
+    escaped = np.flatnonzero(quote[1:] & (b[:-1] == ord("\\"))) + 1
+    if escaped.size:  # a quote is escaped when an odd run of backslashes precedes it
+        plain = np.where(b != ord("\\"), np.arange(b.size), -1)
+        run = escaped - 1 - np.maximum.accumulate(plain)[escaped - 1]
+        quote[escaped[run % 2 == 1]] = False
+    # a byte after an odd number of real quotes is inside a string (the quotes themselves do not step)
+    inside = np.bitwise_xor.accumulate(quote.view(np.uint8))
+    step = _BRACKET_STEP[b] * (inside ^ 1).view(np.int8)
+    return int(np.cumsum(step, dtype=np.int32).max(initial=0))
+
+
+def parse_body(raw: bytes) -> Any:
+    """A request body as JSON, or a 400 that says what is wrong with it."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise bad(f"request body is not valid UTF-8 (byte {e.start})") from None
+    if not text.strip():
+        raise bad("request body is empty; expected a JSON object")
+    if json_depth(raw) > MAX_JSON_DEPTH:
+        raise bad(f"invalid JSON: nested deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise bad(f"invalid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except RecursionError:
+        raise bad("invalid JSON: nested too deeply") from None
 
 
 def _is_int(v: Any) -> bool:

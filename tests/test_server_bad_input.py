@@ -111,6 +111,28 @@ def test_bad_request(server, path, body, status, hint):
         assert hint in (err["param"] or "", err["code"] or ""), err
 
 
+@pytest.mark.parametrize("text,depth", [
+    ('{"a": [1, {"b": []}]}', 3),
+    ('"[[[[" ' * 100, 0),  # brackets inside strings do not nest
+    ('["\\\\", ' + "[" * 300 + "]" * 300 + "]", 301),  # an escaped backslash ends before the quote
+    ('["\\"' + "[" * 300 + '"]', 1),  # an escaped quote does not end the string
+])
+def test_json_depth(text, depth):
+    from server.protocol import MAX_JSON_DEPTH, json_depth
+
+    big = text.count("[") + text.count("{") > MAX_JSON_DEPTH
+    assert json_depth(text.encode()) == (depth if big else 0)
+
+
+def test_nesting_at_the_limit_parses():
+    from server.protocol import MAX_JSON_DEPTH, parse_body
+
+    deep = "[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH
+    assert parse_body(deep.encode())
+    with pytest.raises(Exception, match="nested deeper"):
+        parse_body(("[" + deep + "]").encode())
+
+
 def test_ten_megabyte_body(server):
     body = _chat(messages=[{"role": "user", "content": "A" * (10 << 20)}])
     got, _, raw = _raw(server, "POST", "/v1/chat/completions", body)
