@@ -27,6 +27,7 @@ from engine import rows
 from engine.config import ModelConfig, RopeSpec
 from engine.decode_plan import StepInputs, plan_decode
 from engine.engram import NgramHasher
+from engine.state import F32 as NO_CODEC
 from engine.state import V41_CODECS, LayerState, SequenceState, place
 from engine.tp import Collective, ShardPlan, rows_stackable, run_single, slice_weight
 
@@ -138,23 +139,33 @@ def load_weights(cfg: ModelConfig, ckpt, ops, plan: ShardPlan) -> SimpleNamespac
             L.wo_b = lin(a + "wo_b.weight", cols=(g0 * ol, (gl + 1) * ol))
             L.wo_groups = len(groups)
         kind = cfg.layer_kinds[i]
+        # V4.1: the compressor's kv and gate and the indexer's head weights all project x (BF16, no
+        # scales): loaded into L.x_proj, stacked into one GEMV where the formats allow
+        xw = {}
         if kind in ("source", "csa", "hca"):
             c = a + "compressor."
             ratio = cfg.compress_ratios[i]
+            has_gate = cfg.arch == "v4" or ratio > 1
+            if cfg.arch == "v41":
+                xw.update({"comp_kv": c + "wkv.weight", **({"comp_gate": c + "wgate.weight"} if has_gate else {})})
             L.comp = SimpleNamespace(
-                wkv=lin(c + "wkv.weight"), norm=vec(c + "norm.weight"),
-                wgate=lin(c + "wgate.weight") if (cfg.arch == "v4" or ratio > 1) else None,
+                wkv=lin(c + "wkv.weight") if cfg.arch == "v4" else None, norm=vec(c + "norm.weight"),
+                wgate=lin(c + "wgate.weight") if cfg.arch == "v4" else None,
                 ape=vec(c + "ape") if cfg.arch == "v4" else None,
             )
         if (cfg.arch == "v41" and i in cfg.index_source_layer_ids) or kind == "csa":
             x = a + "indexer."
-            L.idx = SimpleNamespace(wq_b=lin(x + "wq_b.weight"), weights_proj=lin(x + "weights_proj.weight"))
+            if cfg.arch == "v41":
+                xw["idx_w"] = x + "weights_proj.weight"
+            L.idx = SimpleNamespace(wq_b=lin(x + "wq_b.weight"),
+                                    weights_proj=lin(x + "weights_proj.weight") if cfg.arch == "v4" else None)
             if cfg.arch == "v41" and kind == "source":
                 L.idx.wk, L.idx.k_norm = lin(x + "wk.weight"), vec(x + "k_norm.weight")
             if kind == "csa":
                 ic = x + "compressor."
                 L.idx.comp = SimpleNamespace(wkv=lin(ic + "wkv.weight"), wgate=lin(ic + "wgate.weight"),
                                              ape=vec(ic + "ape"), norm=vec(ic + "norm.weight"))
+        L.x_proj = _x_projection_weights(ckpt, names, ops, xw)
         f = p + "ffn."
         L.gate_w = lin(f + "gate.weight")
         L.gate_bias = opt_vec(f + "gate.bias")
@@ -174,6 +185,17 @@ def load_weights(cfg: ModelConfig, ckpt, ops, plan: ShardPlan) -> SimpleNamespac
                                        qk=ops.asarray(ckpt.f32(e + "q_weight") * ckpt.f32(e + "k_weight")))
         w.layers.append(L)
     return w
+
+
+def _x_projection_weights(ckpt, names, ops, parts: dict) -> list:
+    """[(weight, ((part, first row, end row), ...)), ...]: the named projections of one input, as one
+    stacked weight where rows_stackable allows, else one weight each."""
+    ws = {part: ckpt.weight(names.resolve(n)) for part, n in parts.items()}
+    if len(ws) > 1 and rows_stackable(list(ws.values())):
+        ends = np.cumsum([w.shape[0] for w in ws.values()])
+        return [(ops.prepare_rows(list(ws.values())), tuple((part, int(e - w.shape[0]), int(e))
+                                                            for (part, w), e in zip(ws.items(), ends, strict=True)))]
+    return [(ops.prepare(w), ((part, 0, w.shape[0]),)) for part, w in ws.items()]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -471,9 +493,7 @@ class Model:
         # the query heads (wq_b, the largest projection here) as a side branch, beside the K=V,
         # compressor and indexer chain of small kernels
         q = ops.side(self._query_heads, L, q_res, cos, sin)
-        kv = ops.rope(ops.rmsnorm(kv_lat, L.kv_norm, cfg.rms_norm_eps), cos, sin)
-        if self.store_quantized:
-            kv = ops.fake_quant_fp8(kv, 32)  # the window is stored as FP8 e4m3 + UE8M0 per 32
+        kv = ops.norm_rope_quant(kv_lat, cos, sin, (L.kv_norm, cfg.rms_norm_eps), self._codec("window"))
         extra = self._v41_projections(li, L, xa, q_res, cos, sin)
         return (h, xa, q_res, q.result(), kv, pre_a, post_a, comb_a, *extra)
 
@@ -482,9 +502,7 @@ class Model:
         cfg, ops = self.cfg, self.ops
         t, hn = q_res.shape[0], self.plan.heads[1] - self.plan.heads[0]
         q = ops.linear(q_res, L.wq_b).reshape(t, hn, cfg.head_dim)
-        if cfg.arch == "v4":
-            q = ops.rmsnorm(q, None, cfg.rms_norm_eps)
-        return ops.rope(q, cos, sin)
+        return ops.norm_rope_quant(q, cos, sin, (None, cfg.rms_norm_eps) if cfg.arch == "v4" else None)
 
     def _v41_projections(self, li: int, L, x, q_res, cos, sin) -> tuple:
         """The token-wise part of a V4.1 layer's compressor and indexer (see _Projected), done for
@@ -494,30 +512,43 @@ class Model:
         ratio = cfg.compress_ratios[li]
         if cfg.arch != "v41" or not ratio:
             return tuple(p)
-        # the indexer's queries and head weights: a side branch, beside the compressor's chain
-        idx = ops.side(self._index_queries, L, x, q_res, cos, sin) if L.idx is not None else None
+        # the indexer's queries: a side branch, beside the compressor's chain
+        idx = ops.side(self._index_queries, L, q_res, cos, sin) if L.idx is not None else None
+        xs = {}
+        for w, parts in L.x_proj:  # (the compressor's kv / gate and the indexer's head weights)
+            y = ops.linear(x, w)
+            xs.update({part: y[:, r0:r1] if len(parts) > 1 else y for part, r0, r1 in parts})
         if cfg.layer_kinds[li] == "source":
-            c = L.comp
-            kv = ops.linear(x, c.wkv)
             if ratio > 1:
-                p[0], p[1] = kv, ops.linear(x, c.wgate)
+                p[0], p[1] = xs["comp_kv"], xs["comp_gate"]
             else:  # every token closes its own group at its own position: the entry and key now
-                latent = ops.rmsnorm(kv, c.norm, cfg.rms_norm_eps)
-                p[2] = ops.rope(latent, cos, sin)
-                if self.store_quantized:  # compressed KV is stored as FP4 e2m1 + e4m3 scale per 16
-                    p[2] = ops.fake_quant_fp4(p[2], 16, e4m3_scales=True)
-                if L.idx is not None:
-                    k = ops.rope(ops.rmsnorm(ops.linear(latent, L.idx.wk), L.idx.k_norm, cfg.rms_norm_eps), cos, sin)
-                    p[3] = ops.fake_quant_fp4(k, 32) if self.store_quantized else k  # MXFP4 indexer keys
+                p[2], p[3] = self._entry_and_key(L, xs["comp_kv"], cos, sin)
         if idx is not None:
-            p[4], p[5] = idx.result()
+            p[4], p[5] = idx.result(), xs["idx_w"]
         return tuple(p)
 
-    def _index_queries(self, L, x, q_res, cos, sin) -> tuple:
-        """The V4.1 indexer's queries (RoPE, then MXFP4 as its scores read them) and head weights."""
+    def _index_queries(self, L, q_res, cos, sin):
+        """The V4.1 indexer's queries: RoPE, then MXFP4 (the grid of the keys they are scored against)."""
         cfg, ops = self.cfg, self.ops
-        q = ops.rope(ops.linear(q_res, L.idx.wq_b).reshape(-1, cfg.index_n_heads, cfg.index_head_dim), cos, sin)
-        return (ops.fake_quant_fp4(q, 32) if self.store_quantized else q), ops.linear(x, L.idx.weights_proj)
+        q = ops.linear(q_res, L.idx.wq_b).reshape(-1, cfg.index_n_heads, cfg.index_head_dim)
+        return ops.norm_rope_quant(q, cos, sin, None, self._codec("idx_keys"))
+
+    def _codec(self, field: str) -> int:
+        """The state codec (engine/state.py) a V4.1 state field's rows are rounded onto."""
+        return V41_CODECS[field] if self.store_quantized else NO_CODEC
+
+    def _entry_and_key(self, L, pooled, cos, sin) -> tuple:
+        """A closed group's compressed entry and indexer key (None without an indexer) from its
+        pooled row (pre-norm), RoPE at the group's first position: the entry is the normed latent
+        rotated (stored as FP4 e2m1 + e4m3 scale per 16), the key the latent through wk, normed and
+        rotated (MXFP4)."""
+        ops, eps = self.ops, self.cfg.rms_norm_eps
+        latent, entry = ops.norm_rope_quant(pooled, cos, sin, (L.comp.norm, eps), self._codec("entries"),
+                                            keep_normed=True)
+        if L.idx is None:
+            return entry, None
+        key = ops.norm_rope_quant(ops.linear(latent, L.idx.wk), cos, sin, (L.idx.k_norm, eps), self._codec("idx_keys"))
+        return entry, key
 
     def _streams(self, x):
         """The hc_mult residual streams of the embedded tokens x and V4.1's first collapse weights
@@ -627,21 +658,13 @@ class Model:
         sequence in one launch per op, whatever its phase; same values as the chunk path
         (_attention over _v41_compressed), which the consistency tests check bit for bit."""
         cfg, ops, xp = self.cfg, self.ops, self.ops.xp
-        eps = cfg.rms_norm_eps
         ops.scatter_rows(kv, lp.win_dst)
         entry, key = p.entry, p.idx_key
         if lp.pool_kv is not None:  # ratio > 1: the new rows join their groups; closing groups pool
             ops.scatter_rows(p.comp_kv, lp.pend_kv)
             ops.scatter_rows(p.comp_gate, lp.pend_gate)
-            latent = ops.rmsnorm(ops.gated_pool_rows(lp.pool_kv, lp.pool_gate, cfg.compress_ratios[li], cfg.head_dim),
-                                 L.comp.norm, eps)
-            cos, sin = lp.pool_rope[0], lp.pool_rope[1]  # at each group's first position
-            entry = ops.rope(latent, cos, sin)
-            if self.store_quantized:  # compressed KV is stored as FP4 e2m1 + e4m3 scale per 16
-                entry = ops.fake_quant_fp4(entry, 16, e4m3_scales=True)
-            if L.idx is not None:
-                k = ops.rope(ops.rmsnorm(ops.linear(latent, L.idx.wk), L.idx.k_norm, eps), cos, sin)
-                key = ops.fake_quant_fp4(k, 32) if self.store_quantized else k  # MXFP4 indexer keys
+            pooled = ops.gated_pool_rows(lp.pool_kv, lp.pool_gate, cfg.compress_ratios[li], cfg.head_dim)
+            entry, key = self._entry_and_key(L, pooled, lp.pool_rope[0], lp.pool_rope[1])  # (at groups' first rows)
         if lp.entry_dst is not None:
             ops.scatter_rows(entry, lp.entry_dst)
         if lp.key_dst is not None:
@@ -679,20 +702,15 @@ class Model:
         cfg, ops, xp = self.cfg, self.ops, self.ops.xp
         ratio = cfg.compress_ratios[li]
         st = s.state.layers[li]
-        latent, first, rotated, keys_new = None, 0, None, None
+        rotated, keys_new = None, None
         if cfg.layer_kinds[li] == "source":
             if ratio == 1:
                 rotated, keys_new = p.entry, p.idx_key
             else:
-                latent, first = self._v41_pool(L, p, st, ratio)
-                if latent is not None:
-                    rotated = self._comp_rope(latent, first, ratio)
-                    if self.store_quantized:  # compressed KV is stored as FP4 e2m1 + e4m3 scale per 16
-                        rotated = ops.fake_quant_fp4(rotated, 16, e4m3_scales=True)
-                    if L.idx is not None:
-                        k = ops.rmsnorm(ops.linear(latent, L.idx.wk), L.idx.k_norm, cfg.rms_norm_eps)
-                        k = self._comp_rope(k, first, ratio)
-                        keys_new = ops.fake_quant_fp4(k, 32) if self.store_quantized else k  # MXFP4 keys
+                pooled, first = self._v41_pool(L, p, st, ratio)
+                if pooled is not None:  # RoPE at each closing group's first position
+                    cos, sin = self._comp_tables(first + ratio * np.arange(pooled.shape[0]))
+                    rotated, keys_new = self._entry_and_key(L, pooled, cos, sin)
             if keys_new is not None:  # (a copy: region outputs are rewritten by the next step's replay)
                 st.idx_keys = keys_new.copy() if st.idx_keys is None else ops.cat([st.idx_keys, keys_new])
         if L.idx is not None:
@@ -709,10 +727,9 @@ class Model:
         return entries, mask
 
     def _v41_pool(self, L, p: _Projected, st: LayerState, ratio: int):
-        """Pre-RoPE latents of the ratio > 1 groups that close in this chunk (None if none), and
-        the position of the first."""
-        cfg, ops = self.cfg, self.ops
-        c = L.comp
+        """Pooled rows (before the norm) of the ratio > 1 groups that close in this chunk (None if
+        none), and the position of the first."""
+        ops = self.ops
         first = st.n_entries * ratio
         kv, gate = p.comp_kv, p.comp_gate
         if st.buf_kv is not None and st.buf_kv.shape[0]:
@@ -723,8 +740,7 @@ class Model:
         if usable == 0:
             return None, first
         g, dd = usable // ratio, kv.shape[1]
-        pooled = ops.gated_pool(kv[:usable].reshape(g, ratio, dd), gate[:usable].reshape(g, ratio, dd))
-        return ops.rmsnorm(pooled, c.norm, cfg.rms_norm_eps), first
+        return ops.gated_pool(kv[:usable].reshape(g, ratio, dd), gate[:usable].reshape(g, ratio, dd)), first
 
     def _v41_index(self, li: int, p: _Projected, s: _Seq) -> None:
         """Index source: publish this sequence's top-k mask (and candidate blocks) for the group."""

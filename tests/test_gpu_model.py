@@ -16,7 +16,7 @@ from gpu_required import require_gpu
 cp = require_gpu()
 
 from engine.backends.cupy_ops import CupyOps, GpuWeight, _host_dequant  # noqa: E402
-from engine.backends.numpy_ops import NumpyOps  # noqa: E402
+from engine.backends.numpy_ops import NumpyOps, fake_quant  # noqa: E402
 from engine.checkpoint import Checkpoint  # noqa: E402
 from engine.config import load_config  # noqa: E402
 from engine.model import Model  # noqa: E402
@@ -159,6 +159,20 @@ class DualOps:
 
     def graphed_step(self, key, inputs, run, rows):
         return run(self.gpu.stage(inputs))
+
+    def norm_rope_quant(self, x, cos, sin, norm=None, quant=0, keep_normed=False):
+        """Compared in two parts: before the quantization within float32 tolerance, and the
+        quantization exactly, on the GPU's own unquantized result (after another summation order a
+        value near a rounding boundary may round the other way)."""
+        out = self.gpu.norm_rope_quant(x, cos, sin, norm, quant, keep_normed)
+        plain = self.gpu.norm_rope_quant(x, cos, sin, norm, 0, keep_normed)
+        ref = self.ref.norm_rope_quant(*_host((x, cos, sin, norm)), 0, keep_normed)
+        key = f"norm_rope_quant[{'>8' if x.shape[0] > 8 else '<=8'} rows]"
+        self.worst[key] = max(self.worst.get(key, 0.0), _err(plain, ref))
+        got, plain = (out[1], plain[1]) if keep_normed else (out, plain)
+        want = fake_quant(self.ref, _host(plain), quant)
+        self.worst["norm_rope_quant codec"] = max(self.worst.get("norm_rope_quant codec", 0.0), _err(got, want))
+        return out
 
     def __getattr__(self, name):
         fn = getattr(self.gpu, name)

@@ -235,6 +235,48 @@ def test_rope(shape, inverse):
     assert rel(got, REF.rope(x, c, s, inverse)) < 1e-6
 
 
+# (x's shape, RoPE pairs, norm: "w" weighted / "1" unweighted / None, state codec, keep_normed);
+# widths 64..512 (8..128 threads a row, partial last blocks), a strided column slice (the K=V half of
+# a stacked projection), one width the kernel does not take (the chain of launches instead)
+NRQ_CASES = [((3, 512), 32, "w", 1, False), ((5, 512), 32, "w", 2, True), ((4, 128), 32, "w", 3, False),
+             ((3, 64, 128), 32, None, 3, False), ((2, 8, 512), 32, "1", 0, False), ((5, 64), 16, "w", 1, True),
+             ((7, 256), 32, "w", 2, False), ((2, 100), 16, "w", 0, False)]
+
+
+@pytest.mark.parametrize("shape,pairs,norm,codec,keep", NRQ_CASES)
+@pytest.mark.parametrize("strided", [False, True])
+def test_norm_rope_quant(shape, pairs, norm, codec, keep, strided):
+    """The fused kernel against the numpy chain (rmsnorm, rope, fake-quant): float32 tolerance
+    before the quantization; the quantization itself exact, applied by the reference to the
+    kernel's own unquantized result (a value near a rounding boundary may round either way after
+    a different summation order, so the chain's quantized values are not compared bit for bit)."""
+    if strided and len(shape) != 2:
+        pytest.skip("a strided view is a 2-D column slice")
+    x = rnd(*shape, scale=3.0)
+    xd = cp.asarray(x)
+    if strided:  # x as the trailing columns of a wider array, read in place
+        wide = cp.asarray(rnd(shape[0], 1024 + shape[1]))
+        wide[:, 1024:] = xd
+        xd = wide[:, 1024:]
+    ang = rnd(shape[0], pairs)
+    c, s = np.cos(ang), np.sin(ang)
+    w = rnd(shape[-1]) if norm == "w" else None
+    nh = None if norm is None else (w, 1e-6)
+    nd = None if norm is None else (None if w is None else cp.asarray(w), 1e-6)
+    args = (cp.asarray(c), cp.asarray(s), nd)
+    plain = GPU.norm_rope_quant(xd, *args, 0, keep, fused=True)
+    ref = REF.norm_rope_quant(x, c, s, nh, 0, keep)
+    for g, r in zip(plain if keep else (plain,), ref if keep else (ref,), strict=True):
+        assert rel(g, r) < F32_TOL
+    got = GPU.norm_rope_quant(xd, *args, codec, keep, fused=True)
+    if keep:
+        assert np.array_equal(cp.asnumpy(got[0]), cp.asnumpy(plain[0]))
+        got, plain = got[1], plain[1]
+    want = {0: lambda a: a, 1: lambda a: REF.fake_quant_fp8(a, 32), 2: lambda a: REF.fake_quant_fp4(a, 16, True),
+            3: lambda a: REF.fake_quant_fp4(a, 32)}[codec](cp.asnumpy(plain))
+    assert np.array_equal(cp.asnumpy(got), want), np.argwhere(cp.asnumpy(got) != want)[:5]
+
+
 # hc 4: the fused one-launch kernel (hc_mix, also every hc_head_pre); 3, 8: two launches, a serial finish.
 # d 1000: the last 512-float slice is partial.
 @pytest.mark.parametrize("t,hc,d", [(1, 4, 5120), (6, 4, 5120), (3, 4, 1000), (2, 3, 5120), (2, 8, 5120)])
@@ -642,6 +684,12 @@ def test_staged_decode_ops():
     for r, g in zip(ref_g["blocks"], gpu_g["blocks"], strict=True):
         np.testing.assert_array_equal(cp.asnumpy(g), r)
     assert all(np.array_equal(ref_g["blocks"][i][0, dst[i]], new[i]) for i in range(b))
+    wide = rnd(b, d + 64)  # rows of a column slice (a stacked projection's part), read in place
+    REF.scatter_rows(wide[:, 64:], sr.win_dst)
+    GPU.scatter_rows(cp.asarray(wide)[:, 64:], sg.win_dst)
+    for r, g in zip(ref_g["blocks"], gpu_g["blocks"], strict=True):
+        np.testing.assert_array_equal(cp.asnumpy(g), r)
+    assert all(np.array_equal(ref_g["blocks"][i][0, dst[i]], wide[i, 64:]) for i in range(b))
     pooled_ref = REF.gated_pool_rows(sr.pool_kv, sr.pool_gate, ratio, d)
     assert not pooled_ref[1].any()
     assert rel(GPU.gated_pool_rows(sg.pool_kv, sg.pool_gate, ratio, d), pooled_ref) < 1e-6

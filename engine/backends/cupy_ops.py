@@ -25,8 +25,10 @@ import numpy as np
 
 from engine import formats
 from engine import kernels as K
+from engine import state as codecs
 from engine.backends import cupy_sampling, cupy_staging
 from engine.backends.cuda_graphs import RegionGraphs
+from engine.backends.numpy_ops import norm_rope_quant_chain
 from engine.backends.pinned import PinnedUploader
 from engine.kernels import FMT_BF16, FMT_F32, FMT_FP4, FMT_FP8
 from engine.rows import Span
@@ -63,6 +65,9 @@ TC_MIN_ROWS = {FMT_FP8: 2, FMT_FP4: 2}
 # one token 84.5 (gemvx) -> 75.5 us. So by default: every FP4 launch, and FP8 launches of >=
 # GEMVR_MIN_BYTES of weight with K <= GEMVR_MAX_K. DSUF_GEMVR=0: never; =all: every eligible launch.
 GEMVR = os.environ.get("DSUF_GEMVR", "1")
+# norm_rope_quant as one kernel (1) or as its chain of rmsnorm / rope / fake_quant launches (0). Off
+# by default until the GPU tests have passed with it on an H200 (tests force it on).
+FUSED_NORM_ROPE = os.environ.get("DSUF_FUSED_NORM_ROPE", "0") == "1"
 GEMVR_MIN_BYTES, GEMVR_MAX_K = 16 << 20, 5120
 GEMVR_U = {FMT_FP8: 2, FMT_FP4: 8}
 GEMVR_BLOCKS_PER_SM = {FMT_FP8: 3, FMT_FP4: 2}  # what each kernel's registers allow (DEF_GR's MINB)
@@ -657,6 +662,33 @@ class CupyOps:
             F32(-1.0 if inverse else 1.0)))
         return y
 
+    def norm_rope_quant(self, x: cp.ndarray, cos: cp.ndarray, sin: cp.ndarray, norm: tuple | None = None,
+                        quant: int = codecs.F32, keep_normed: bool = False, fused: bool | None = None):
+        """NumpyOps.norm_rope_quant in one launch (kernels/quant.cu norm_rope_quant) where a row
+        is 32..512 wide (a power of two) and RoPE starts on a float4 boundary; a 2-D x with a row
+        stride (a column slice of a stacked projection) is read in place."""
+        if quant not in (codecs.F32, codecs.FP8_UE8M0_32, codecs.FP4_E4M3_16, codecs.FP4_UE8M0_32):
+            raise ValueError(f"unknown state codec {quant}")
+        d, p = x.shape[-1], cos.shape[-1]
+        tpr = d // 4
+        fused = FUSED_NORM_ROPE if fused is None else fused
+        if (not fused or x.size == 0 or d % 4 or not 8 <= tpr <= 128 or tpr & (tpr - 1) or d < 2 * p
+                or (d - 2 * p) % 4):
+            return norm_rope_quant_chain(self, x, cos, sin, norm, quant, keep_normed)
+        if not (x.ndim == 2 and x.dtype == F32 and x.strides[1] == 4 and x.strides[0] % 16 == 0
+                and x.data.ptr % 16 == 0):
+            x = _c32(x)
+        rows = x.size // d if x.flags.c_contiguous else x.shape[0]
+        ld = d if x.flags.c_contiguous else x.strides[0] // 4
+        y = cp.empty(x.shape, F32)
+        yn = cp.empty(x.shape, F32) if keep_normed else None
+        w = _c32(norm[0]) if norm is not None and norm[0] is not None else None
+        K.function("quant", "norm_rope_quant")((-(-rows // (128 // tpr)),), (128,), (
+            x, np.int64(ld), np.int32(rows), np.int32(d), np.int32(norm is not None), _NULL if w is None else w,
+            F32(norm[1] if norm is not None else 0.0), _c32(cos), _c32(sin), np.int32(rows // x.shape[0]),
+            np.int32(p), F32(1.0), np.int32(quant), y, _NULL if yn is None else yn))
+        return (yn, y) if keep_normed else y
+
     # ---- mHC -------------------------------------------------------------------------
     def _hc_partials(self, streams: cp.ndarray, fn: cp.ndarray) -> tuple[cp.ndarray, int]:
         t, hc, d = streams.shape
@@ -1097,9 +1129,11 @@ class CupyOps:
         b, w = src.shape
         if not b:
             return
-        src = _c32(src)
-        vec4 = int(w % 4 == 0 and src.data.ptr % 16 == 0)
-        K.function("elementwise", "scatter_rows")((b,), (128,), (src, dst, np.int32(w), np.int32(w), np.int32(vec4)))
+        if src.dtype != F32 or src.strides[1] != 4 or src.strides[0] % 4:
+            src = _c32(src)
+        ld = src.strides[0] // 4  # (rows of a column slice, e.g. of a stacked projection, read in place)
+        vec4 = int(w % 4 == 0 and ld % 4 == 0 and src.data.ptr % 16 == 0)
+        K.function("elementwise", "scatter_rows")((b,), (128,), (src, dst, np.int32(w), np.int32(ld), np.int32(vec4)))
 
     # ---- a step's inputs -------------------------------------------------------------
     def _upload(self, inputs) -> tuple:

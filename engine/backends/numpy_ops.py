@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine import formats
+from engine import state as codecs
 from engine.decode_plan import with_spans
 from engine.rows import Span
 from engine.sampling import sample_batch
@@ -28,6 +29,30 @@ class Done:
 
     def result(self):
         return self.value
+
+
+def fake_quant(ops, x, codec: int):
+    """x onto a state codec's grid (engine/state.py: FP8_UE8M0_32, FP4_E4M3_16, FP4_UE8M0_32;
+    F32: unchanged) through ops' fake_quant_* ops."""
+    if codec == codecs.FP8_UE8M0_32:
+        return ops.fake_quant_fp8(x, 32)
+    if codec == codecs.FP4_E4M3_16:
+        return ops.fake_quant_fp4(x, 16, e4m3_scales=True)
+    if codec == codecs.FP4_UE8M0_32:
+        return ops.fake_quant_fp4(x, 32)
+    if codec != codecs.F32:
+        raise ValueError(f"unknown state codec {codec}")
+    return x
+
+
+def norm_rope_quant_chain(ops, x, cos, sin, norm: tuple | None = None, quant: int = codecs.F32,
+                          keep_normed: bool = False):
+    """ops.norm_rope_quant as the chain of ops it stands for: rmsnorm (norm = (weight or None,
+    eps); None: no norm), RoPE, fake-quant onto a state codec. Returns the result, or (normed
+    before RoPE, result) with keep_normed."""
+    n = x if norm is None else ops.rmsnorm(x, norm[0], norm[1])
+    y = fake_quant(ops, ops.rope(n, cos, sin), quant)
+    return (n, y) if keep_normed else y
 
 
 class NumpyOps:
@@ -142,6 +167,12 @@ class NumpyOps:
         out[..., -rd::2] = even * c - odd * s
         out[..., -rd + 1 :: 2] = even * s + odd * c
         return out
+
+    def norm_rope_quant(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, norm: tuple | None = None,
+                        quant: int = codecs.F32, keep_normed: bool = False):
+        """A state row's chain: RMSNorm (norm = (weight or None, eps)), RoPE (as rope()), then
+        fake-quant onto a state codec (engine/state.py). With keep_normed: (normed, result)."""
+        return norm_rope_quant_chain(self, x, cos, sin, norm, quant, keep_normed)
 
     # ---- mHC -------------------------------------------------------------------------
     def hc_mixes(self, streams: np.ndarray, fn: np.ndarray, scale: np.ndarray, base: np.ndarray,
