@@ -29,7 +29,7 @@ from engine.decode_plan import StepInputs, plan_decode
 from engine.engram import NgramHasher
 from engine.state import F32 as NO_CODEC
 from engine.state import V41_CODECS, LayerState, SequenceState, place
-from engine.tp import Collective, ShardPlan, rows_stackable, run_single, slice_weight
+from engine.tp import Collective, ShardPlan, StepRegion, rows_stackable, run_single, slice_weight
 
 NEG_INF = np.float32(-np.inf)
 
@@ -350,9 +350,16 @@ class Model:
             rope=np.stack([*rope_tables(self.freq_main, pos_all, cfg.rope_main.attention_factor),
                            *rope_tables(self.freq_comp, pos_all, cfg.rope_compress.attention_factor)]),
             window=window, dec_rows=dec_rows)
-        if layers is not None and dec_rows is None and self.plan.single:
-            local_logits = ops.graphed_step(("decode", id(self.w)), inputs,
-                                            lambda st: run_single(self._run(st, seqs, all_logits)), rows=len(seqs))
+        if layers is not None and dec_rows is None:  # a decode step alone: one graph per rank
+            key = ("decode", id(self.w))
+
+            def run(st):
+                return self._run(st, seqs, all_logits)
+
+            if self.plan.single:
+                local_logits = ops.graphed_step(key, inputs, lambda st: run_single(run(st)), rows=len(seqs))
+            else:  # every rank's step at once, as the driver runs them (engine/tp.py StepRegion)
+                local_logits = yield Collective("step", StepRegion(key, inputs, run, ops, len(seqs)))
         else:
             local_logits = yield from self._run(ops.stage(inputs), seqs, all_logits)
         for s, ch in zip(seqs, ids, strict=True):
@@ -482,8 +489,8 @@ class Model:
         cfg, ops = self.cfg, self.ops
         if L.engram is not None:  # (engram_ids: every Engram layer's hash ids, one column each)
             h = self._engram(L, h, ops.xp.ascontiguousarray(engram_ids[:, cfg.engram_layer_ids.index(li)]))
-        pre_a, post_a, comb_a = ops.hc_mixes(h, *L.hc_attn, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
-        xa = ops.hc_collapse_norm(h, pre_mix if cfg.arch == "v41" else pre_a, L.attn_norm, cfg.rms_norm_eps)
+        mix = self._site_mixes(h, L.hc_attn)
+        xa = ops.hc_collapse_norm(h, pre_mix if cfg.arch == "v41" else mix.result()[0], L.attn_norm, cfg.rms_norm_eps)
         if L.wq_kv is not None:
             qkv = ops.linear(xa, L.wq_kv)
             q_lat, kv_lat = qkv[:, : L.q_rank], qkv[:, L.q_rank :]
@@ -495,7 +502,16 @@ class Model:
         q = ops.side(self._query_heads, L, q_res, cos, sin)
         kv = ops.norm_rope_quant(kv_lat, cos, sin, (L.kv_norm, cfg.rms_norm_eps), self._codec("window"))
         extra = self._v41_projections(li, L, xa, q_res, cos, sin)
-        return (h, xa, q_res, q.result(), kv, pre_a, post_a, comb_a, *extra)
+        return (h, xa, q_res, q.result(), kv, *mix.result(), *extra)
+
+    def _site_mixes(self, h, hc_weights):
+        """An mHC site's mixes (pre, post, comb) of the streams h, as a side branch: V4.1's
+        single-pass mHC collapses with the previous site's weights, so these are needed only at the
+        site's expand (after the attention, or the FFN) and run beside everything until then. (V4
+        collapses with its own: its result() is taken at once.) No two mixes overlap: each site's
+        is joined before the next site forks its own (they share the block counters)."""
+        cfg = self.cfg
+        return self.ops.side(self.ops.hc_mixes, h, *hc_weights, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
 
     def _query_heads(self, L, q_res, cos, sin):
         """q_res -> this rank's query heads [T, H, D], RoPE applied."""
@@ -588,9 +604,10 @@ class Model:
         """Attention residual into the streams, the FFN-site mHC mix and this rank's MoE part."""
         cfg, ops = self.cfg, self.ops
         h = ops.hc_expand(attn, h, post_a, comb_a)
-        pre_f, post_f, comb_f = ops.hc_mixes(h, *L.hc_ffn, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
-        xf = ops.hc_collapse_norm(h, pre_a if cfg.arch == "v41" else pre_f, L.ffn_norm, cfg.rms_norm_eps)
-        return h, self._moe(li, L, xf, route_hash), pre_f, post_f, comb_f
+        mix = self._site_mixes(h, L.hc_ffn)
+        xf = ops.hc_collapse_norm(h, pre_a if cfg.arch == "v41" else mix.result()[0], L.ffn_norm, cfg.rms_norm_eps)
+        y = self._moe(li, L, xf, route_hash)
+        return (h, y, *mix.result())
 
     # ---- MoE ---------------------------------------------------------------------------
     def _moe(self, li: int, L, x, hash_ids):

@@ -18,7 +18,7 @@ tests the sharding math on CPUs), GPU ranks with NCCL later.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator, Iterable
+from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -170,12 +170,41 @@ def combine(msgs: list[Collective]) -> object:
     raise RuntimeError(f"unknown collective {op!r}")
 
 
+@dataclass
+class StepRegion:
+    """A rank's whole decode step offered to the driver as one region (a Collective "step"):
+    run(staged inputs) is the rank's generator over it (Model._run), with its own collectives.
+    The driver runs every rank's step eagerly (run_steps) or, on GPUs, as one CUDA graph per rank
+    with the all-reduces inside (engine/tp_gpu.py)."""
+
+    key: tuple
+    inputs: object  # engine.decode_plan.StepInputs
+    run: Callable
+    ops: object
+    rows: int
+
+
+def run_steps(msgs: list[Collective], reduce=None, contexts=None) -> list:
+    """Every rank's StepRegion run eagerly: inputs staged by the rank's backend, its generator
+    driven like the forward's; one result per rank."""
+    ctx = contexts or [contextlib.nullcontext] * len(msgs)
+    gens = []
+    for r, m in enumerate(msgs):
+        with ctx[r]():
+            gens.append(m.value.run(m.value.ops.stage(m.value.inputs)))
+    return run_ranks(gens, reduce, contexts)
+
+
 def run_ranks(gens: Iterable[Generator], reduce=None, contexts=None) -> list:
     """Drive the ranks' forward generators to completion; returns each rank's return value.
-    reduce(msgs) -> one reply per rank (default: everyone gets `combine(msgs)`); contexts[r]
-    is entered around every resumption of rank r (e.g. its CUDA device)."""
+    reduce(msgs) -> one reply per rank (default: everyone gets `combine(msgs)`, and each rank
+    its own result of a "step", see run_steps); contexts[r] is entered around every resumption
+    of rank r (e.g. its CUDA device)."""
     gens = list(gens)
     ctx = contexts or [contextlib.nullcontext] * len(gens)
+    if reduce is None:
+        def reduce(msgs: list) -> list:
+            return run_steps(msgs, None, contexts) if msgs[0].op == "step" else [combine(msgs)] * len(msgs)
 
     def resume(r: int, g: Generator, value=None, first: bool = False):
         with ctx[r]():
@@ -191,7 +220,9 @@ def run_ranks(gens: Iterable[Generator], reduce=None, contexts=None) -> list:
             return [m.value for m in msgs]
         if any(done):
             raise RuntimeError("ranks finished at different collectives")
-        replies = reduce(msgs) if reduce is not None else [combine(msgs)] * len(gens)
+        if any(m.op != msgs[0].op for m in msgs):
+            raise RuntimeError(f"ranks disagree on the next collective: {[m.op for m in msgs]}")
+        replies = reduce(msgs)
         msgs = [resume(r, g, replies[r]) for r, g in enumerate(gens)]
 
 

@@ -13,20 +13,32 @@ identical copy of a sequence's state. The caller sees one SequenceState per sequ
 the others' copies ride along in its `replicas`. A state restored from bytes (host arrays) is
 placed on every device before its first step.
 
+A decode step alone (one token per sequence) comes to the driver as one StepRegion per rank
+(engine/tp.py). With DSUF_TP_GRAPHS=1 each rank's step is captured as one CUDA graph, the NCCL
+all-reduces inside it (one group call over the ranks' capturing streams), and later steps replay
+every rank's graph: one launch per GPU instead of a few per layer. Off by default until the GPU
+tests have run with it; otherwise each rank's step runs as per-layer region graphs with the
+all-reduces between them.
+
 The same driver runs several ranks on one device (devices [0, 0]): collectives are then device
-sums instead of NCCL, which lets one GPU test the sharded path.
+sums instead of NCCL, which lets one GPU test the sharded path (their steps are never captured:
+each rank's capture would read another's stream).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 
 import numpy as np
 
 from engine.state import SequenceState, place
-from engine.tp import Collective, ShardPlan, combine, run_ranks
+from engine.tp import Collective, ShardPlan, combine, run_ranks, run_steps
 
 log = logging.getLogger("dsuf.tp")
+
+STEP_GRAPHS = os.environ.get("DSUF_TP_GRAPHS", "0") == "1"
 
 
 class GpuTP:
@@ -48,6 +60,9 @@ class GpuTP:
                 self.ranks.append(Model(cfg, ckpt, make_ops(), tokenizer_json, store_quantized,
                                         plan=ShardPlan.make(cfg, r, self.size, expert_split)))
         self.model_key = self.ranks[0].model_key
+        self.step_graphs = STEP_GRAPHS
+        # what each rank's work runs under: its device, and while its step is captured, the capture
+        self._ctx = [self._device(d) for d in self.devices]
         self.comms = None
         if len(set(self.devices)) == self.size:  # one rank per GPU: NCCL (also for one rank)
             from cupy.cuda import nccl
@@ -76,7 +91,7 @@ class GpuTP:
                 on_device: bool = False) -> list[np.ndarray]:
         per_rank = self._per_rank(states)
         gens = [m.forward_steps(per_rank[r], chunks, all_logits, on_device) for r, m in enumerate(self.ranks)]
-        outs = run_ranks(gens, reduce=self._reduce, contexts=[self._device(d) for d in self.devices])
+        outs = run_ranks(gens, reduce=self._reduce, contexts=self._ctx)
         return outs[0]
 
     def step_sample(self, states: list[SequenceState], chunks: list, jobs: list) -> list:
@@ -126,11 +141,16 @@ class GpuTP:
     def _reduce(self, msgs: list[Collective]) -> list:
         op = msgs[0].op
         cp = self.cp
+        if op == "step":
+            return self._steps(msgs)
         if op == "gather" and isinstance(msgs[0].value, cp.ndarray):
             return [self._gather_on_first(msgs)] * self.size
         if op != "sum":
             return [combine(msgs)] * self.size  # the logits gather: host arrays
-        parts = [cp.ascontiguousarray(m.value, dtype=cp.float32) for m in msgs]
+        parts = []
+        for ctx, m in zip(self._ctx, msgs, strict=True):
+            with ctx():
+                parts.append(cp.ascontiguousarray(m.value, dtype=cp.float32))
         if self.comms is None:  # ranks share a device: a plain sum, one copy per rank
             total = parts[0].copy()
             for p in parts[1:]:
@@ -138,10 +158,93 @@ class GpuTP:
             return [total] + [total.copy() for _ in parts[1:]]
         nccl = self.nccl
         nccl.groupStart()
-        for dev, comm, p in zip(self.devices, self.comms, parts, strict=True):
-            with cp.cuda.Device(dev):
+        for ctx, comm, p in zip(self._ctx, self.comms, parts, strict=True):
+            with ctx():  # (each rank's current stream: a capturing one while its step is captured)
                 comm.allReduce(p.data.ptr, p.data.ptr, p.size, nccl.NCCL_FLOAT32, nccl.NCCL_SUM,
                                cp.cuda.get_current_stream().ptr)
         nccl.groupEnd()
         return parts
+
+    # ---- a decode step as one graph per rank -------------------------------------------------
+    def _steps(self, msgs: list[Collective]) -> list:
+        """Every rank's StepRegion: eagerly on its first sight, captured (all ranks at once, the
+        all-reduces inside) on its second, replayed after that."""
+        if not self.step_graphs or self.comms is None:
+            return run_steps(msgs, self._reduce, self._ctx)
+        steps = [m.value for m in msgs]
+        staged, sigs, modes = [], [], []
+        for ctx, s in zip(self._ctx, steps, strict=True):
+            with ctx():
+                i64, f32, layout = s.ops._upload(s.inputs)
+                staged.append((i64, f32, layout))
+                sigs.append(s.ops.graphs.signature((s.key, s.inputs.signature()), (i64, f32)))
+                modes.append(s.ops.graphs.mode(sigs[-1], s.rows, (i64, f32)))
+        mode = modes[0] if all(m == modes[0] for m in modes) else "eager"
+        if mode == "capture":  # (a capture runs nothing: the graphs are then replayed)
+            mode = "replay" if self._capture(steps, sigs, staged) else "eager"
+        if mode == "replay":
+            outs = []
+            for ctx, s, sig, (i64, f32, _) in zip(self._ctx, steps, sigs, staged, strict=True):
+                with ctx():
+                    outs.append(s.ops.graphs.replay(sig, _not_direct, (i64, f32)))
+            return outs
+        with contextlib.ExitStack() as inline:  # the steps' regions inline, as in a graph
+            for s in steps:
+                inline.enter_context(s.ops.graphs.inline())
+            gens = [s.run(layout.views(i64, f32)) for s, (i64, f32, layout) in zip(steps, staged, strict=True)]
+            return run_ranks(gens, self._reduce, self._ctx)
+
+    def _capture(self, steps: list, sigs: list, staged: list) -> bool:
+        """Capture every rank's step (its inputs copied into its graph's own buffers) with the
+        collectives inside; whether every rank kept its graph (else all stay eager)."""
+        cp = self.cp
+        caps = []
+        try:
+            for ctx, s, sig, (i64, f32, _) in zip(self._ctx, steps, sigs, staged, strict=True):
+                with ctx():
+                    caps.append(s.ops.graphs.begin_capture(sig, (i64, f32), s.rows, keep=s.run))
+        except Exception as e:  # noqa: BLE001 - end the captures begun; the steps run eagerly
+            for dev, s, c in zip(self.devices, steps, caps, strict=False):
+                with cp.cuda.Device(dev):
+                    s.ops.graphs.end_capture(c, None, e)
+            for s, sig in zip(steps, sigs, strict=True):
+                s.ops.graphs.forget(sig)
+            return False
+        plain = self._ctx
+        self._ctx = [_within(self._device(d), s.ops.graphs, c)
+                     for d, s, c in zip(self.devices, steps, caps, strict=True)]
+        outs, err = [None] * self.size, None
+        try:
+            with contextlib.ExitStack() as inline:
+                for s in steps:
+                    inline.enter_context(s.ops.graphs.inline())
+                gens = [s.run(lay.views(*c.inputs)) for s, c, (_, _, lay) in zip(steps, caps, staged, strict=True)]
+                outs = run_ranks(gens, self._reduce, self._ctx)
+        except Exception as e:  # noqa: BLE001 - the steps run eagerly instead
+            err = e
+        finally:
+            self._ctx = plain
+        kept = []
+        for dev, s, c, out in zip(self.devices, steps, caps, outs, strict=True):
+            with cp.cuda.Device(dev):
+                kept.append(s.ops.graphs.end_capture(c, out, err))
+        if not all(kept):
+            for s, sig in zip(steps, sigs, strict=True):
+                s.ops.graphs.forget(sig)
+            return False
+        return True
+
+
+def _within(device_ctx, graphs, cap):
+    """A rank's context while its step is captured: its device, then its capture's stream and
+    graph memory pool (entered anew around each resumption)."""
+    @contextlib.contextmanager
+    def enter():
+        with device_ctx(), graphs.capturing(cap):
+            yield
+    return enter
+
+
+def _not_direct(*_):
+    raise RuntimeError("a captured decode step's inputs are always copies, never read in place")
 

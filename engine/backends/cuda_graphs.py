@@ -19,6 +19,7 @@ another graph's output is read in place (no copy), so chained regions cost no co
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections import OrderedDict
@@ -41,6 +42,18 @@ class _Captured:
     fn: object  # keeps the region's weights (and so the key's id()) alive as long as the graph
     slots: list  # per input: None (absent), ("copy", buffer) or ("direct", pointer)
     out: object
+
+
+@dataclass
+class _Capturing:
+    """A capture under way (RegionGraphs.begin_capture)."""
+
+    sig: tuple
+    stream: object
+    caller: object  # the stream it was forked from, joined back at the end
+    slots: list
+    inputs: tuple  # what the captured work reads: the inputs' graph-owned copies
+    keep: object = None
 
 
 def _arrays(out) -> list:
@@ -71,31 +84,58 @@ class RegionGraphs:
         called inside another (a decode step's layers) runs inline, part of the outer graph."""
         if self._inside:
             return fn(*arrays)
-        self._inside = True
-        try:
+        with self.inline():
             return self._call(key, fn, arrays, rows)
+
+    @contextlib.contextmanager
+    def inline(self):
+        """Regions called inside this run inline (part of an enclosing graph or step)."""
+        outer, self._inside = self._inside, True
+        try:
+            yield
         finally:
-            self._inside = False
+            self._inside = outer
 
     def _call(self, key, fn, arrays: tuple, rows: int | None):
         if rows is None:
             rows = next((a.shape[0] for a in arrays if a is not None and a.ndim), MAX_GRAPH_ROWS + 1)
+        sig = self.signature(key, arrays)
+        mode = self.mode(sig, rows, arrays)
+        if mode == "replay":
+            return self.replay(sig, fn, arrays)
+        if mode == "eager":
+            return fn(*arrays)
+        cap = self.begin_capture(sig, arrays, rows, keep=fn)
+        out, err = None, None
+        try:
+            with self.capturing(cap):
+                out = fn(*cap.inputs)
+        except Exception as e:  # noqa: BLE001 - an op that cannot be captured: stay eager
+            err = e
+        if not self.end_capture(cap, out, err):
+            return fn(*arrays)
+        return self.replay(sig, fn, arrays)
+
+    # ---- the steps of a capture, also driven from outside (engine/tp_gpu.py captures every
+    # rank's decode step at once, the all-reduces inside) --------------------------------------
+    @staticmethod
+    def signature(key, arrays: tuple) -> tuple:
+        return (key, tuple(None if a is None else (a.shape, a.dtype.str) for a in arrays))
+
+    def mode(self, sig, rows: int, arrays: tuple = ()) -> str:
+        """What a call of region `sig` does now: "eager" (graphs off, too many rows, first sight,
+        or a region that failed to capture), "capture" (second sight), or "replay"."""
         if not self.enabled or rows > MAX_GRAPH_ROWS or any(a is not None and a.ndim == 0 for a in arrays):
-            return fn(*arrays)
-        sig = (key, tuple(None if a is None else (a.shape, a.dtype.str) for a in arrays))
+            return "eager"
         if sig in self._graphs:
-            cap = self._graphs[sig]
-            self._buckets.move_to_end(rows)
-        elif sig not in self._seen:  # first time: warm up eagerly
+            if self._graphs[sig] is None:  # capture failed once: this region stays eager
+                return "eager"
+            self._buckets.move_to_end(self._rows[sig])
+            return "replay"
+        if sig not in self._seen:  # first time: warm up eagerly
             self._seen.add(sig)
-            return fn(*arrays)
-        else:
-            self._make_room(rows)
-            cap = self._capture(sig, fn, arrays)
-            self._rows[sig] = rows
-        if cap is None:  # capture failed once: this region stays eager
-            return fn(*arrays)
-        return self._replay(cap, fn, arrays)
+            return "eager"
+        return "capture"
 
     def captured(self, rows: int) -> list:
         """(key, CUDA graph) of every region captured at `rows` batch rows, oldest first (a
@@ -120,7 +160,13 @@ class RegionGraphs:
             self.evictions += 1
         self._buckets[rows] = None
 
-    def _capture(self, sig, fn, arrays) -> _Captured | None:
+    def begin_capture(self, sig, arrays: tuple, rows: int, keep=None) -> _Capturing:
+        """Start capturing region `sig`: its inputs copied into buffers of the graphs' pool (or,
+        for another graph's output, read in place), a capture begun on a fresh stream forked
+        from the current one. Work for it runs inside `capturing(cap)`, then end_capture. keep:
+        what the graph keeps alive (the region's function, holding the weights its key names)."""
+        self._make_room(rows)
+        self._rows[sig] = rows
         slots, inputs = [], []
         with cp.cuda.using_allocator(self._pool.malloc):
             for a in arrays:
@@ -134,28 +180,52 @@ class RegionGraphs:
                     buf = cp.ascontiguousarray(a).copy()
                     slots.append(("copy", buf))
                     inputs.append(buf)
-            caller = cp.cuda.get_current_stream()
-            stream = cp.cuda.Stream(non_blocking=True)
-            stream.wait_event(caller.record())
-            try:
-                with stream:
-                    stream.begin_capture(mode=cp.cuda.runtime.streamCaptureModeRelaxed)
-                    try:
-                        out = fn(*inputs)
-                    finally:
-                        graph = stream.end_capture()
-            except Exception as e:  # noqa: BLE001 - an op that cannot be captured: stay eager
-                log.warning("region %s not captured (%s: %s); it runs eagerly", sig[0], type(e).__name__, e)
-                self._graphs[sig] = None
-                caller.wait_event(stream.record())
-                return None
-            caller.wait_event(stream.record())
+        caller = cp.cuda.get_current_stream()
+        stream = cp.cuda.Stream(non_blocking=True)
+        stream.wait_event(caller.record())
+        stream.begin_capture(mode=cp.cuda.runtime.streamCaptureModeRelaxed)
+        return _Capturing(sig, stream, caller, slots, tuple(inputs), keep)
+
+    @contextlib.contextmanager
+    def capturing(self, cap: _Capturing):
+        """Work enqueued inside this goes into cap's graph: its stream current, allocations from
+        the graphs' pool (so eager work never lands in memory a graph writes)."""
+        with cp.cuda.using_allocator(self._pool.malloc), cap.stream:
+            yield
+
+    def end_capture(self, cap: _Capturing, out, error: Exception | None = None) -> bool:
+        """End cap's capture; keep its graph with `out` (the region's outputs, its graph's
+        buffers from now on). On an error (raised while capturing, or by the capture itself) the
+        region is marked to stay eager; returns whether a graph was kept."""
+        try:
+            graph = cap.stream.end_capture()
+        except Exception as e:  # noqa: BLE001 - e.g. an op that invalidated the capture
+            error = error or e
+        cap.caller.wait_event(cap.stream.record())
+        if error is not None:
+            log.warning("region %s not captured (%s: %s); it runs eagerly", cap.sig[0], type(error).__name__, error)
+            self._graphs[cap.sig] = None
+            return False
         for a in _arrays(out):
             self._owned.add(a.data.ptr)
-        cap = _Captured(graph, fn, slots, out)
-        self._graphs[sig] = cap
+        self._graphs[cap.sig] = _Captured(graph, cap.keep, cap.slots, out)
         self.captures += 1
-        return cap
+        return True
+
+    def forget(self, sig) -> None:
+        """Drop region `sig`'s graph, if any; the region stays eager (e.g. when another rank's
+        part of a step failed to capture)."""
+        cap = self._graphs.get(sig)
+        if cap is not None:
+            for a in _arrays(cap.out):
+                self._owned.discard(a.data.ptr)
+            self.captures -= 1
+        self._graphs[sig] = None
+
+    def replay(self, sig, fn, arrays: tuple):
+        """Region `sig`'s graph on this call's inputs (fn(*arrays) eagerly where an input that
+        was another graph's output now lies elsewhere)."""
+        return self._replay(self._graphs[sig], fn, arrays)
 
     def _replay(self, cap: _Captured, fn, arrays):
         stream = cp.cuda.get_current_stream()

@@ -424,8 +424,8 @@ class CupyOps:
         concurrently with what the caller enqueues next, until .result() joins it back. Inside a
         graph capture the fork and join become the graph's edges, so a decode step's independent
         chains (the shared expert beside the routed ones) overlap their launch latencies and fill
-        each other's idle memory time. fn must not use device scratch shared with the main
-        stream's ops (hc_mixes' block counters).
+        each other's idle memory time. fn must not use device scratch that the main stream's ops
+        use before the join (hc_mixes' block counters: one mix at a time).
         Only while capturing: eagerly fn runs inline, because an eager branch may fill a cache
         (segment tables, pointer tables) or the pinned upload ring on its own stream, and the main
         stream could read that entry before the join. A capture runs after the region's eager
