@@ -5,6 +5,10 @@
                               durations and the totals per kernel name (CUPTI through
                               torch.profiler, so torch must be installed; PDL lets a kernel start
                               before its predecessor ends, so its span may include that overlap)
+  prefill CKPT [--context N] [--chunk C]
+                              one prompt chunk of C tokens fed after N tokens of context: its
+                              wall time against the sum of its kernels' times (the rest is the
+                              host and its synchronizations) and the totals per kernel name
   step CKPT                   one eager decode step (graphs off) inside the NVTX range "decode",
                               for Nsight Compute: DSUF_GRAPHS=0 ncu --nvtx --nvtx-include decode/
                               -k regex:hc_mix python tools/gpu_profile.py step CKPT
@@ -43,7 +47,6 @@ def _decode_ready(ckpt: str, batch: int):
 
 def timeline(ckpt: str, batch: int) -> None:
     import cupy as cp
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     model, *_ = _decode_ready(ckpt, batch)
@@ -58,8 +61,7 @@ def timeline(ckpt: str, batch: int) -> None:
         for _ in range(3):
             graphs[-1].launch(stream)
         stream.synchronize()
-    ev = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                key=lambda e: e.time_range.start)
+    ev = _cuda_events(prof)
     n = len(ev) // 3
     one = ev[n:2 * n]  # the middle replay
     t0, totals = one[0].time_range.start, collections.defaultdict(float)
@@ -70,6 +72,45 @@ def timeline(ckpt: str, batch: int) -> None:
     print(f"\none replay: {one[-1].time_range.end - t0:.1f} us, {n} kernels; per kernel name:")
     for name, us in sorted(totals.items(), key=lambda kv: -kv[1]):
         print(f"{us:9.1f}  {name[:70]}")
+
+
+def _cuda_events(prof) -> list:
+    import torch
+
+    return sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                  key=lambda e: e.time_range.start)
+
+
+def prefill(ckpt: str, context: int, chunk: int) -> None:
+    import time
+
+    import cupy as cp
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine.bench import _load
+
+    cfg, model, _, _ = _load(ckpt, None)
+    rng = np.random.default_rng(0)
+    st = model.new_state()
+    for start in range(0, context, chunk):
+        model.forward([st], [rng.integers(0, cfg.vocab_size, min(chunk, context - start))])
+    ids = rng.integers(0, cfg.vocab_size, chunk)
+    cp.cuda.Device().synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        model.forward([st], [ids])
+        cp.cuda.Device().synchronize()
+        wall = time.perf_counter() - t0
+    ev = _cuda_events(prof)
+    totals, counts = collections.defaultdict(float), collections.Counter()
+    for e in ev:
+        totals[e.name] += e.time_range.elapsed_us()
+        counts[e.name] += 1
+    busy = sum(totals.values())
+    print(f"chunk of {chunk} tokens after {context}: wall {wall * 1e3:.1f} ms, kernels {busy / 1e3:.1f} ms "
+          f"({len(ev)} launches); per kernel name (ms, launches):")
+    for name, us in sorted(totals.items(), key=lambda kv: -kv[1])[:30]:
+        print(f"{us / 1e3:9.2f} {counts[name]:6d}  {name[:70]}")
 
 
 def step(ckpt: str) -> None:
@@ -106,11 +147,17 @@ def main() -> int:
     t = sub.add_parser("timeline")
     t.add_argument("ckpt")
     t.add_argument("--batch", type=int, default=1)
+    p = sub.add_parser("prefill")
+    p.add_argument("ckpt")
+    p.add_argument("--context", type=int, default=32768)
+    p.add_argument("--chunk", type=int, default=4096)
     sub.add_parser("step").add_argument("ckpt")
     sub.add_parser("linear").add_argument("name")
     a = ap.parse_args()
     if a.what == "timeline":
         timeline(a.ckpt, a.batch)
+    elif a.what == "prefill":
+        prefill(a.ckpt, a.context, a.chunk)
     elif a.what == "step":
         step(a.ckpt)
     else:
