@@ -212,6 +212,11 @@ class _Seq:
     shared: dict  # per-forward V4.1 group state: top-k mask, candidate blocks
 
 
+def _joined(x):
+    """x, or the value of a side branch (ops.side) joined into the current stream here."""
+    return x.result() if hasattr(x, "result") else x
+
+
 class _Projected(NamedTuple):
     """Token-wise outputs of a V4.1 layer's compressor / indexer projections (None where the
     layer has no such part): compressor kv / gate of every row (ratio > 1 sources), the RoPE'd
@@ -389,6 +394,9 @@ class Model:
         dseqs = [s for s in seqs if s.pos.size == 1] if st.layers is not None else []
         cseqs = [s for s in seqs if s.pos.size > 1] if st.layers is not None else seqs
         drows = st.dec_rows
+        # a decode step whose regions run inline (one graph, or eagerly) keeps its query branches
+        # open past the layer's projections: joined where the indexer and the attention read them
+        late = not cseqs and ops.regions_inline()
         replay_from = self._replay_start() if not all_logits else cfg.num_layers
         batch: dict = {}  # what a V4.1 decode step's index sources publish to later layers
         # Each layer runs as "regions" (pure functions of device arrays: ops.graphed may replay them
@@ -409,7 +417,7 @@ class Model:
             cos, sin = ropes["compress" if cfg.compress_ratios[li] else "main"]
             eng = hash_ids if L.engram is not None else None
             h, xa, q_res, q, kv, pre_a, post_a, comb_a, *extra = ops.graphed(
-                ("in", id(L)), lambda *a, li=li, L=L: self._layer_in(li, L, *a), h, pre_mix, eng, cos, sin)
+                ("in", id(L)), lambda *a, li=li, L=L: self._layer_in(li, L, *a, late=late), h, pre_mix, eng, cos, sin)
             proj = _Projected(*extra)
             if not cseqs:
                 out = self._decode_attend(li, L, q, kv, proj, st.layers[li], batch)
@@ -484,8 +492,9 @@ class Model:
         return ops.engram_mix(h, key, value, L.engram.qk, cfg.rms_norm_eps)
 
     # ---- layer regions (token-wise, fixed shapes: CUDA-graph material) ---------------------
-    def _layer_in(self, li: int, L, h, pre_mix, engram_ids, cos, sin):
-        """Engram, the attention-site mHC mix and the q / K=V projections of every token."""
+    def _layer_in(self, li: int, L, h, pre_mix, engram_ids, cos, sin, late: bool = False):
+        """Engram, the attention-site mHC mix and the q / K=V projections of every token. late: the
+        query heads and the indexer's queries are returned as open side branches (see _joined)."""
         cfg, ops = self.cfg, self.ops
         if L.engram is not None:  # (engram_ids: every Engram layer's hash ids, one column each)
             h = self._engram(L, h, ops.xp.ascontiguousarray(engram_ids[:, cfg.engram_layer_ids.index(li)]))
@@ -501,8 +510,8 @@ class Model:
         # compressor and indexer chain of small kernels
         q = ops.side(self._query_heads, L, q_res, cos, sin)
         kv = ops.norm_rope_quant(kv_lat, cos, sin, (L.kv_norm, cfg.rms_norm_eps), self._codec("window"))
-        extra = self._v41_projections(li, L, xa, q_res, cos, sin)
-        return (h, xa, q_res, q.result(), kv, *mix.result(), *extra)
+        extra = self._v41_projections(li, L, xa, q_res, cos, sin, late)
+        return (h, xa, q_res, q if late else q.result(), kv, *mix.result(), *extra)
 
     def _site_mixes(self, h, hc_weights):
         """An mHC site's mixes (pre, post, comb) of the streams h, as a side branch: V4.1's
@@ -520,7 +529,7 @@ class Model:
         q = ops.linear(q_res, L.wq_b).reshape(t, hn, cfg.head_dim)
         return ops.norm_rope_quant(q, cos, sin, (None, cfg.rms_norm_eps) if cfg.arch == "v4" else None)
 
-    def _v41_projections(self, li: int, L, x, q_res, cos, sin) -> tuple:
+    def _v41_projections(self, li: int, L, x, q_res, cos, sin, late: bool = False) -> tuple:
         """The token-wise part of a V4.1 layer's compressor and indexer (see _Projected), done for
         every row here so it can be graphed; the attention then only appends and selects."""
         cfg, ops = self.cfg, self.ops
@@ -540,7 +549,7 @@ class Model:
             else:  # every token closes its own group at its own position: the entry and key now
                 p[2], p[3] = self._entry_and_key(L, xs["comp_kv"], cos, sin)
         if idx is not None:
-            p[4], p[5] = idx.result(), xs["idx_w"]
+            p[4], p[5] = idx if late else idx.result(), xs["idx_w"]
         return tuple(p)
 
     def _index_queries(self, L, q_res, cos, sin):
@@ -686,14 +695,16 @@ class Model:
             ops.scatter_rows(entry, lp.entry_dst)
         if lp.key_dst is not None:
             ops.scatter_rows(key, lp.key_dst)
+        idx_q = _joined(p.idx_q)  # (always joined: a graph's capture must join every branch it forked)
         if lp.keys is not None:  # index source: every sequence's top-k over its group's keys
-            scores = ops.indexer_scores_spans(p.idx_q, lp.keys, p.idx_w, cfg.index_n_heads, cfg.index_head_dim,
+            scores = ops.indexer_scores_spans(idx_q, lp.keys, p.idx_w, cfg.index_n_heads, cfg.index_head_dim,
                                               lp.keys_cap)
             if lp.cand == "source":
                 batch["cand"] = self._candidate_blocks(scores, lp.cand_last)
             elif lp.cand == "filter":
                 scores = xp.where(batch["cand"], scores, NEG_INF)
             batch["topk"] = ops.topk_mask(scores, min(cfg.index_topk, lp.keys_cap))
+        q = _joined(q)
         if self.plan.heads[1] == self.plan.heads[0]:
             return None
         return ops.attend_decode(q, lp.attend, batch.get("topk"), L.sinks, cfg.head_dim**-0.5, lp.attend_cap)

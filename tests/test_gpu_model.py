@@ -178,7 +178,8 @@ class DualOps:
         fn = getattr(self.gpu, name)
         # (in place, or reading staged address tables the reference cannot: test_gpu_ops checks those)
         if name in ("prepare", "prepare_rows", "asarray", "to_host", "copy_rows", "stage", "scatter_rows",
-                    "gated_pool_rows", "attend_decode", "indexer_scores_spans", "side") or not callable(fn):
+                    "gated_pool_rows", "attend_decode", "indexer_scores_spans", "side",
+                    "regions_inline") or not callable(fn):
             return fn
 
         def call(*args, **kw):

@@ -87,6 +87,11 @@ class RegionGraphs:
         with self.inline():
             return self._call(key, fn, arrays, rows)
 
+    @property
+    def inline_now(self) -> bool:
+        """Whether a region called now runs inline (graphs off, or inside a region or step)."""
+        return self._inside or not self.enabled
+
     @contextlib.contextmanager
     def inline(self):
         """Regions called inside this run inline (part of an enclosing graph or step)."""

@@ -419,6 +419,11 @@ class CupyOps:
         """Run a fixed-shape region of the forward, as a CUDA graph once its shapes repeat."""
         return self.graphs(key, fn, *arrays)
 
+    def regions_inline(self) -> bool:
+        """Whether graphed regions called now run inline: graphs off, or inside an enclosing
+        graph or step (so a region may return open side branches, joined later in that capture)."""
+        return self.graphs.inline_now
+
     def side(self, fn, *args) -> SideBranch:
         """fn(*args) enqueued on a second stream, forked from the current one here: it runs
         concurrently with what the caller enqueues next, until .result() joins it back. Inside a

@@ -101,6 +101,10 @@ class NumpyOps:
         GPU backend replays it as a CUDA graph once its shapes repeat."""
         return fn(*arrays)
 
+    def regions_inline(self) -> bool:
+        """Whether graphed regions called now run inline (here: always; no graphs)."""
+        return True
+
     def side(self, fn, *args) -> Done:
         """fn(*args) as a branch the caller joins with .result() (the GPU backend runs it on a
         second stream, concurrently); here simply computed now."""
