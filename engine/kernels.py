@@ -76,19 +76,21 @@ def function(mod: str, name: str):
     return module(mod).get_function(name)
 
 
+_SMEM_ALLOWED: dict = {}  # (module, kernel, device) -> the dynamic shared memory it may use now
+
+
 def function_with_smem(mod: str, name: str, smem_bytes: int):
     """function(), allowed smem_bytes of dynamic shared memory (above the default 48 KB a kernel
-    must opt in; done once per kernel, size and device: the attribute belongs to the module loaded
-    on the current device, and tensor-parallel ranks launch on several)."""
+    must opt in; per kernel and device: the attribute belongs to the module loaded on the current
+    device, and tensor-parallel ranks launch on several). Only ever raised: a launch of a kernel
+    with less after one with more must not lower the limit below what the larger one needs."""
     import cupy
 
-    return _with_smem(mod, name, smem_bytes, cupy.cuda.Device().id)
-
-
-@functools.cache
-def _with_smem(mod: str, name: str, smem_bytes: int, device: int):
     fn = function(mod, name)
-    fn.max_dynamic_shared_size_bytes = smem_bytes  # (sets it on `device`'s copy of the kernel)
+    key = (mod, name, cupy.cuda.Device().id)
+    if _SMEM_ALLOWED.get(key, 0) < smem_bytes:
+        fn.max_dynamic_shared_size_bytes = smem_bytes  # (sets it on the current device's copy)
+        _SMEM_ALLOWED[key] = smem_bytes
     return fn
 
 

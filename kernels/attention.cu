@@ -238,12 +238,56 @@ __device__ __forceinline__ void indexer_row(const float* __restrict__ q, const f
   }
 }
 
+// The same with lanes over heads (lanes != 0 in the kernels below): a warp's lanes each take heads
+// lane, lane + 32, ... and dot the key row, staged in the warp's shared memory, with their heads'
+// queries (staged with a row stride of Dh + 1 floats, so the 32 lanes' reads fall in 32 banks):
+// one warp reduction per key instead of one per head, whose chain of H dependent reductions bound
+// indexer_row at ~6 us per key (64 heads) however few keys there are. Other summation order (the
+// dots run along k, the heads' terms in a lane, then across lanes). Dynamic shared memory:
+// H * (Dh + 1) + H + 8 * Dh floats.
+__device__ __forceinline__ void indexer_row_heads(const float* __restrict__ q, const float* __restrict__ k,
+                                                  const float* __restrict__ w, float* __restrict__ out, int H,
+                                                  int N, int ldo, int Dh, float dscale, float hscale) {
+  extern __shared__ __align__(16) float qs[];
+  float* ws = qs + H * (Dh + 1);
+  float* kbuf = ws + H;
+  const int s = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int i = threadIdx.x; i < H * Dh; i += blockDim.x) qs[(i / Dh) * (Dh + 1) + i % Dh] = q[(size_t)s * H * Dh + i];
+  for (int i = threadIdx.x; i < H; i += blockDim.x) ws[i] = w[(size_t)s * H + i] * hscale;
+  __syncthreads();
+  float* kw = kbuf + warp * Dh;
+  for (int j = 0; j < IDX_KPW; ++j) {
+    const int n = blockIdx.x * 32 + warp * IDX_KPW + j;
+    if (n >= ldo) break;
+    if (n >= N) {
+      if (lane == 0) out[(size_t)s * ldo + n] = __int_as_float(0xff800000);
+      continue;
+    }
+    for (int i = lane; i < Dh; i += 32) kw[i] = k[(size_t)n * Dh + i];
+    __syncwarp();
+    float acc = 0.f;
+    for (int hh = lane; hh < H; hh += 32) {
+      const float* qh = qs + hh * (Dh + 1);
+      float d = 0.f;
+#pragma unroll 8
+      for (int i = 0; i < Dh; ++i) d += qh[i] * kw[i];
+      acc += fmaxf(d, 0.f) * dscale * ws[hh];
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) out[(size_t)s * ldo + n] = acc;
+    __syncwarp();  // (kw is rewritten for the next key)
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(256) indexer_scores(const float* __restrict__ q,
                                                                 const float* __restrict__ k,
                                                                 const float* __restrict__ w,
                                                                 float* __restrict__ out, int S, int H, int N,
-                                                                int Dh, float dscale, float hscale) {
-  indexer_row(q, k, w, out, H, N, N, Dh, dscale, hscale);
+                                                                int Dh, float dscale, float hscale, int lanes) {
+  if (lanes)
+    indexer_row_heads(q, k, w, out, H, N, N, Dh, dscale, hscale);
+  else
+    indexer_row(q, k, w, out, H, N, N, Dh, dscale, hscale);
 }
 
 // Decode: query row s against its own keys, kspan[2 s] = pointer, kspan[2 s + 1] = count; out
@@ -252,7 +296,10 @@ extern "C" __global__ void __launch_bounds__(256) indexer_scores_spans(const flo
                                                                       const long long* __restrict__ kspan,
                                                                       const float* __restrict__ w,
                                                                       float* __restrict__ out, int H, int ldo,
-                                                                      int Dh, float dscale, float hscale) {
+                                                                      int Dh, float dscale, float hscale, int lanes) {
   const long long* e = kspan + 2 * blockIdx.y;
-  indexer_row(q, (const float*)e[0], w, out, H, (int)e[1], ldo, Dh, dscale, hscale);
+  if (lanes)
+    indexer_row_heads(q, (const float*)e[0], w, out, H, (int)e[1], ldo, Dh, dscale, hscale);
+  else
+    indexer_row(q, (const float*)e[0], w, out, H, (int)e[1], ldo, Dh, dscale, hscale);
 }

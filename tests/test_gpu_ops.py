@@ -607,9 +607,11 @@ def test_attention_decode_spans():
     assert rel(got, ref) < 1e-5
 
 
-def test_indexer_scores_spans():
+@pytest.mark.parametrize("lanes", [False, True])
+def test_indexer_scores_spans(lanes):
     """Each decode query against its own keys (rows of a buffer at an offset; one sequence without
-    keys yet), -inf past each sequence's count; equal to the single-sequence kernel's rows."""
+    keys yet), -inf past each sequence's count; equal to the single-sequence kernel's rows. lanes:
+    the lanes-over-heads path (DSUF_INDEXER_LANES)."""
     h, dh = 32, 128
     counts = [700, 0, 5, 333]
     q, w = rnd(len(counts), h, dh), rnd(len(counts), h)
@@ -617,7 +619,8 @@ def test_indexer_scores_spans():
     offs = [int(RNG.integers(0, 50)) for _ in counts]
     ref = REF.indexer_scores_spans(q, [Span(bf, o, n) for bf, o, n in zip(bufs, offs, counts, strict=True)], w, h, dh)
     got = GPU.indexer_scores_spans(cp.asarray(q), [Span(cp.asarray(bf), o, n) for bf, o, n in
-                                                   zip(bufs, offs, counts, strict=True)], cp.asarray(w), h, dh)
+                                                   zip(bufs, offs, counts, strict=True)], cp.asarray(w), h, dh,
+                                       lanes=lanes)
     got = cp.asnumpy(got)
     assert got.shape == (4, 700)
     np.testing.assert_array_equal(np.isneginf(got), np.isneginf(ref))
@@ -709,11 +712,14 @@ def test_staged_decode_ops():
     assert rel(got, ref) < 1e-5
 
 
-@pytest.mark.parametrize("s,n,h,dh", [(1, 2048, 32, 128), (9, 333, 64, 128), (3, 40, 16, 32)])
-def test_indexer_scores(s, n, h, dh):
+@pytest.mark.parametrize("s,n,h,dh", [(1, 2048, 32, 128), (9, 333, 64, 128), (3, 40, 16, 32), (2, 70, 40, 64),
+                                     (2, 50, 64, 256)])
+@pytest.mark.parametrize("lanes", [False, True])
+def test_indexer_scores(s, n, h, dh, lanes):
+    """(h 40: heads not a multiple of the lanes; dh 256: over 48 KB of shared memory)"""
     q, k, w = rnd(s, h, dh), rnd(n, dh), rnd(s, h)
     ref = REF.indexer_scores(q, k, w, h, dh)
-    assert rel(GPU.indexer_scores(cp.asarray(q), cp.asarray(k), cp.asarray(w), h, dh), ref) < 1e-5
+    assert rel(GPU.indexer_scores(cp.asarray(q), cp.asarray(k), cp.asarray(w), h, dh, lanes=lanes), ref) < 1e-5
 
 
 def test_topk_mask_ties():

@@ -68,6 +68,9 @@ GEMVR = os.environ.get("DSUF_GEMVR", "1")
 # norm_rope_quant as one kernel (1) or as its chain of rmsnorm / rope / fake_quant launches (0). Off
 # by default until the GPU tests have passed with it on an H200 (tests force it on).
 FUSED_NORM_ROPE = os.environ.get("DSUF_FUSED_NORM_ROPE", "0") == "1"
+# The indexer's scores with lanes over heads (kernels/attention.cu indexer_row_heads: one warp
+# reduction per key, not one per head); off by default until its GPU tests have run on an H200.
+INDEXER_LANES = os.environ.get("DSUF_INDEXER_LANES", "0") == "1"
 GEMVR_MIN_BYTES, GEMVR_MAX_K = 16 << 20, 5120
 GEMVR_U = {FMT_FP8: 2, FMT_FP4: 8}
 GEMVR_BLOCKS_PER_SM = {FMT_FP8: 3, FMT_FP4: 2}  # what each kernel's registers allow (DEF_GR's MINB)
@@ -281,6 +284,17 @@ def _span_ptr(sp: Span, width: int) -> int:
             or sp.start + sp.n > buf.shape[0]:
         raise ValueError(f"a Span must cover C-contiguous float32 rows of width {width}")
     return int(buf.data.ptr) + sp.start * width * 4
+
+
+def _indexer_path(h: int, dh: int, lanes: bool | None) -> tuple[bool, int]:
+    """(lanes over heads?, dynamic shared memory bytes) of an indexer scores launch."""
+    lanes = INDEXER_LANES if lanes is None else lanes
+    return lanes, 4 * (h * (dh + 1) + h + 8 * dh if lanes else h * dh + h)
+
+
+def _smem_function(mod: str, name: str, smem: int):
+    """A kernel launched with smem bytes of dynamic shared memory (opted in above the default 48 KB)."""
+    return K.function_with_smem(mod, name, smem) if smem > 48 << 10 else K.function(mod, name)
 
 
 def _c32(x) -> cp.ndarray:
@@ -1063,8 +1077,10 @@ class CupyOps:
                 part_o, part_ml, sk, out, np.int32(b * h), np.int32(h), np.int32(d), np.int32(nsplit)))
         return out
 
-    def indexer_scores(self, q: cp.ndarray, k: cp.ndarray, w: cp.ndarray, n_heads: int, head_dim: int) -> cp.ndarray:
-        """sum_h w[s,h] * relu(q[s,h] . k[n]) * head_dim^-0.5 * n_heads^-0.5 -> [S, N]."""
+    def indexer_scores(self, q: cp.ndarray, k: cp.ndarray, w: cp.ndarray, n_heads: int, head_dim: int,
+                       lanes: bool | None = None) -> cp.ndarray:
+        """sum_h w[s,h] * relu(q[s,h] . k[n]) * head_dim^-0.5 * n_heads^-0.5 -> [S, N]. lanes:
+        the lanes-over-heads kernel path (default INDEXER_LANES)."""
         s, h, dh = q.shape
         n = k.shape[0]
         out = cp.empty((s, n), F32)
@@ -1072,13 +1088,14 @@ class CupyOps:
             return out
         if dh % 32 or dh > 256:
             raise ValueError(f"indexer kernel needs index_head_dim % 32 == 0 and <= 256 (got {dh})")
-        K.function("attention", "indexer_scores")((math.ceil(n / 32), s), (256,), (
+        lanes, smem = _indexer_path(h, dh, lanes)
+        _smem_function("attention", "indexer_scores", smem)((math.ceil(n / 32), s), (256,), (
             _c32(q), _c32(k), _c32(w), out, np.int32(s), np.int32(h), np.int32(n), np.int32(dh),
-            F32(head_dim**-0.5), F32(n_heads**-0.5)), shared_mem=(h * dh + h) * 4)
+            F32(head_dim**-0.5), F32(n_heads**-0.5), np.int32(lanes)), shared_mem=smem)
         return out
 
     def indexer_scores_spans(self, q: cp.ndarray, keys, w: cp.ndarray, n_heads: int, head_dim: int,
-                             width: int | None = None) -> cp.ndarray:
+                             width: int | None = None, lanes: bool | None = None) -> cp.ndarray:
         """Decode: query row b against its own keys (keys[b], a Span of rows, read in place; or a
         staged [B, 2] table of (address, count)) -> [B, width] (default: the largest count), -inf
         past each row's count. One launch."""
@@ -1093,9 +1110,10 @@ class CupyOps:
             return out
         if dh % 32 or dh > 256:
             raise ValueError(f"indexer kernel needs index_head_dim % 32 == 0 and <= 256 (got {dh})")
-        K.function("attention", "indexer_scores_spans")((math.ceil(width / 32), b), (256,), (
+        lanes, smem = _indexer_path(h, dh, lanes)
+        _smem_function("attention", "indexer_scores_spans", smem)((math.ceil(width / 32), b), (256,), (
             _c32(q), keys, _c32(w), out, np.int32(h), np.int32(width), np.int32(dh),
-            F32(head_dim**-0.5), F32(n_heads**-0.5)), shared_mem=(h * dh + h) * 4)
+            F32(head_dim**-0.5), F32(n_heads**-0.5), np.int32(lanes)), shared_mem=smem)
         return out
 
     def topk_mask(self, scores: cp.ndarray, k: int) -> cp.ndarray:
