@@ -703,11 +703,13 @@ class Model:
                 batch["cand"] = self._candidate_blocks(scores, lp.cand_last)
             elif lp.cand == "filter":
                 scores = xp.where(batch["cand"], scores, NEG_INF)
-            batch["topk"] = ops.topk_mask(scores, min(cfg.index_topk, lp.keys_cap))
+            batch["topk_k"] = min(cfg.index_topk, lp.keys_cap)
+            batch["topk"] = ops.topk_mask(scores, batch["topk_k"])
         q = _joined(q)
         if self.plan.heads[1] == self.plan.heads[0]:
             return None
-        return ops.attend_decode(q, lp.attend, batch.get("topk"), L.sinks, cfg.head_dim**-0.5, lp.attend_cap)
+        return ops.attend_decode(q, lp.attend, batch.get("topk"), L.sinks, cfg.head_dim**-0.5, lp.attend_cap,
+                                 cfg.sliding_window, batch.get("topk_k", 0))
 
     def _comp_rope_tables(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return rope_tables(self.freq_comp, positions, self.cfg.rope_compress.attention_factor)

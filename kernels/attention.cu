@@ -124,6 +124,10 @@ extern "C" __global__ void __launch_bounds__(256) attention(const float* __restr
 // concatenated copy of window + compressed entries is ever made. With `masks` given, source 1's
 // mask is row b of masks [B, masks_ld] where the table's mask1 field is non-zero (a decode step's
 // published top-k, which the table built on the host cannot point at).
+// With `rows1` given (mask_rows below), a masked source 1 is read through row b's list of its
+// visible rows instead (cnt1[b] of them, rows1 + b * rows1_ld): tiles of 16 visible rows, where
+// walking the mask visits every tile that holds one selected entry (at a long context nearly one
+// tile per selected entry, and every tile's mask bytes).
 // grid (ceil(H/8), B, nsplit), block 256; split z covers keys [z * chunk, (z + 1) * chunk).
 // nsplit == 1 writes out [B, H, D] directly; otherwise each split writes its unnormalised
 // partial o to part_o [B, H, nsplit, D] and (m, l) to part_ml [B, H, nsplit, 2] for
@@ -131,7 +135,8 @@ extern "C" __global__ void __launch_bounds__(256) attention(const float* __restr
 extern "C" __global__ void __launch_bounds__(256) attention_decode(
     const float* __restrict__ q, const long long* __restrict__ tab, const bool* __restrict__ masks, int masks_ld,
     const float* __restrict__ sinks, float* __restrict__ out, float* __restrict__ part_o,
-    float* __restrict__ part_ml, int H, int D, int nsplit, int chunk, float scale) {
+    float* __restrict__ part_ml, int H, int D, int nsplit, int chunk, float scale, const int* __restrict__ rows1,
+    const int* __restrict__ cnt1, int rows1_ld) {
   const int h = blockIdx.x * 8 + (threadIdx.x >> 5), b = blockIdx.y, z = blockIdx.z, nd = D / 32;
   const bool active = h < H;
   const long long* e = tab + 6 * b;
@@ -139,12 +144,18 @@ extern "C" __global__ void __launch_bounds__(256) attention_decode(
   const float* r1 = (const float*)e[3];
   const bool* m0 = (const bool*)e[2];
   const bool* m1 = masks == nullptr ? (const bool*)e[5] : e[5] ? masks + (size_t)b * masks_ld : nullptr;
-  const int n0 = (int)e[1], total = n0 + (int)e[4];
+  const int* l1 = rows1 != nullptr && m1 != nullptr ? rows1 + (size_t)b * rows1_ld : nullptr;
+  const int n0 = (int)e[1], n1 = (int)e[4], total = n0 + (l1 != nullptr ? cnt1[b] : n1);
   float qr[ATT_DPL], o[ATT_DPL], m = -DSUF_INF, l = 0.f;
   load_query(q + ((size_t)b * H + (active ? h : 0)) * D, active, nd, qr, o);
   const int lo = z * chunk, hi = min(total, lo + chunk);
   attend_rows(qr, o, m, l, active, lo, hi, D, scale, [&](int n, float& bias) {
     const bool in0 = n < n0;
+    if (!in0 && l1 != nullptr) {  // the i-th visible row of source 1 (a mask's true past its rows: none)
+      const int j = l1[n - n0];
+      bias = j < n1 ? 0.f : -DSUF_INF;
+      return r1 + (size_t)(j < n1 ? j : 0) * D;
+    }
     const int i = in0 ? n : n - n0;
     const bool* mk = in0 ? m0 : m1;
     bias = (mk == nullptr || mk[i]) ? 0.f : -DSUF_INF;
@@ -164,6 +175,37 @@ extern "C" __global__ void __launch_bounds__(256) attention_decode(
   if (lane == 0) {
     part_ml[(bh * nsplit + z) * 2] = m;
     part_ml[(bh * nsplit + z) * 2 + 1] = l;
+  }
+}
+
+// The positions of each row's true values in ascending order: masks [B, N] bool -> rows [B, K]
+// (the first K of them), cnt[B]. grid (B), block 256: thread t counts its contiguous slice of the
+// row, an exclusive scan over the threads gives its offset, then it writes its positions.
+extern "C" __global__ void __launch_bounds__(256) mask_rows(const bool* __restrict__ masks, int N, int* __restrict__ rows,
+                                                          int* __restrict__ cnt, int K) {
+  __shared__ int warp_tot[8];
+  const bool* m = masks + (size_t)blockIdx.x * N;
+  const int per = (N + 255) / 256, c0 = threadIdx.x * per, c1 = min(N, c0 + per);
+  int n = 0;
+  for (int c = c0; c < c1; ++c) n += m[c];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int incl = n;  // inclusive scan within the warp, then the warps' totals
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int v = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += v;
+  }
+  if (lane == 31) warp_tot[warp] = incl;
+  __syncthreads();
+  int off = incl - n;
+  for (int w = 0; w < warp; ++w) off += warp_tot[w];
+  int* r = rows + (size_t)blockIdx.x * K;
+  for (int c = c0; c < c1 && off < K; ++c)
+    if (m[c]) r[off++] = c;
+  if (threadIdx.x == 255) {
+    int total = 0;
+    for (int w = 0; w < 8; ++w) total += warp_tot[w];
+    cnt[blockIdx.x] = min(total, K);
   }
 }
 

@@ -710,6 +710,28 @@ def test_staged_decode_ops():
     ref = REF.attend_decode(qa, sr.attend, mask, sinks, d**-0.5, sr.attend_cap)
     got = GPU.attend_decode(cp.asarray(qa), sg.attend, cp.asarray(mask), cp.asarray(sinks), d**-0.5, sg.attend_cap)
     assert rel(got, ref) < 1e-5
+    # a top-k mask (at most 40 true a row; two past each row's entries, which count for nothing), the
+    # entries read through each row's list of selected rows (DSUF_ATTEND_ROWS) and through the mask
+    topk = np.zeros((b, 1024), bool)
+    for i, n in enumerate(ns):
+        topk[i, RNG.choice(n, min(n, 30), replace=False)] = True
+        topk[i, RNG.choice(np.arange(n, 1024), 2, replace=False)] = True
+    ref = REF.attend_decode(qa, sr.attend, topk, sinks, d**-0.5, sr.attend_cap)
+    for rows in (False, True):
+        got = GPU.attend_decode(cp.asarray(qa), sg.attend, cp.asarray(topk), cp.asarray(sinks), d**-0.5,
+                                sg.attend_cap, 128, 40, rows=rows)
+        assert rel(got, ref) < 1e-5, rows
+
+
+@pytest.mark.parametrize("b,n,k", [(1, 16384, 512), (5, 1000, 64), (3, 70, 70), (2, 300, 8)])
+def test_mask_rows(b, n, k):
+    """Each mask row's true positions in order, the first k of them, and how many (at most k)."""
+    mask = RNG.random((b, n)) < min(1.0, 1.3 * k / n)
+    rows, cnt = GPU._mask_rows(cp.asarray(mask), k)
+    rows, cnt = cp.asnumpy(rows), cp.asnumpy(cnt)
+    for i in range(b):
+        want = np.flatnonzero(mask[i])[:k]
+        assert cnt[i] == want.size and np.array_equal(rows[i, :cnt[i]], want), i
 
 
 @pytest.mark.parametrize("s,n,h,dh", [(1, 2048, 32, 128), (9, 333, 64, 128), (3, 40, 16, 32), (2, 70, 40, 64),

@@ -71,6 +71,10 @@ FUSED_NORM_ROPE = os.environ.get("DSUF_FUSED_NORM_ROPE", "0") == "1"
 # The indexer's scores with lanes over heads (kernels/attention.cu indexer_row_heads: one warp
 # reduction per key, not one per head); off by default until its GPU tests have run on an H200.
 INDEXER_LANES = os.environ.get("DSUF_INDEXER_LANES", "0") == "1"
+# Decode attention reads a masked source through each row's list of visible rows (kernels/attention.cu
+# mask_rows) where that bounds its keys far below the entries' count (a long context); off by default
+# until its GPU tests have run on an H200.
+ATTEND_ROWS = os.environ.get("DSUF_ATTEND_ROWS", "0") == "1"
 GEMVR_MIN_BYTES, GEMVR_MAX_K = 16 << 20, 5120
 GEMVR_U = {FMT_FP8: 2, FMT_FP4: 8}
 GEMVR_BLOCKS_PER_SM = {FMT_FP8: 3, FMT_FP4: 2}  # what each kernel's registers allow (DEF_GR's MINB)
@@ -326,6 +330,7 @@ class CupyOps:
         self._no_scale = cp.zeros(1, F32)  # the scale argument of unscaled tables
         self._hc_count = cp.zeros(HC_COUNTERS, dtype=cp.int32)  # hc_mix's block counters (each resets its own)
         self._side_stream: cp.cuda.Stream | None = None  # side(): made on first use, on this device
+        self._rows_of_mask: tuple | None = None  # (mask, k, its row lists): attend_decode's last
 
     # ---- weights ---------------------------------------------------------------------
     def prepare_rows(self, ws: list) -> GpuWeight:
@@ -1041,18 +1046,40 @@ class CupyOps:
         return self._attention_decode(q, self.asarray(tab, dtype=np.int64), None, sinks, scale, longest, out)
 
     def attend_decode(self, q: cp.ndarray, attend: cp.ndarray, mask: cp.ndarray | None, sinks: cp.ndarray,
-                      scale: float, longest: int) -> cp.ndarray:
+                      scale: float, longest: int, window: int = 0, selected: int = 0,
+                      rows: bool | None = None) -> cp.ndarray:
         """A V4.1 decode step's attention from its staged table (engine/decode_plan.py: each
         sequence's window, then its group's entries under row b of the published top-k `mask`);
         the split over the keys is sized for `longest` keys (the plan's capacity bucket), so the
-        launch is the same whatever the exact counts."""
+        launch is the same whatever the exact counts. With at most `window` window rows and
+        `selected` true values per mask row given, the entries are read through each row's list of
+        selected rows where that is far shorter (rows: force that path on or off; default
+        ATTEND_ROWS); the lists of one mask serve every layer that reads it."""
         b, h, d = q.shape
         out = cp.empty((b, h, d), F32)
         if b == 0:
             return out
-        return self._attention_decode(q, attend, mask, sinks, scale, longest, out)
+        rows = ATTEND_ROWS if rows is None else rows
+        lists = None
+        if rows and mask is not None and selected > 0 and 2 * (window + selected) <= longest:
+            lists = self._mask_rows(mask, selected)
+            longest = window + selected
+        return self._attention_decode(q, attend, mask, sinks, scale, longest, out, lists)
 
-    def _attention_decode(self, q, tab: cp.ndarray, masks, sinks, scale: float, longest: int, out) -> cp.ndarray:
+    def _mask_rows(self, mask: cp.ndarray, k: int) -> tuple:
+        """(rows [B, k] int32, counts [B] int32): each mask row's true positions (kernels/attention.cu
+        mask_rows), computed once per mask (kept with it: the layers of a group read one mask)."""
+        hit = self._rows_of_mask
+        if hit is not None and hit[0] is mask and hit[1] == k:
+            return hit[2]
+        b, n = mask.shape
+        lists = (cp.empty((b, k), cp.int32), cp.empty((b,), cp.int32))
+        K.function("attention", "mask_rows")((b,), (256,), (mask, np.int32(n), lists[0], lists[1], np.int32(k)))
+        self._rows_of_mask = (mask, k, lists)
+        return lists
+
+    def _attention_decode(self, q, tab: cp.ndarray, masks, sinks, scale: float, longest: int, out,
+                          lists: tuple | None = None) -> cp.ndarray:
         b, h, d = q.shape
         if d % 32 or d > 512:
             raise ValueError(f"attention kernel needs head_dim % 32 == 0 and <= 512 (got {d})")
@@ -1071,7 +1098,9 @@ class CupyOps:
             raise ValueError("attend_decode: the mask must be a C-contiguous bool [B, N] array")
         K.function("attention", "attention_decode")((-(-h // 8), b, nsplit), (256,), (
             qc, tab, masks if masks is not None else _NULL, np.int32(masks_ld), sk, out, part_o, part_ml,
-            np.int32(h), np.int32(d), np.int32(nsplit), np.int32(chunk), F32(scale)), shared_mem=16 * d * 4)
+            np.int32(h), np.int32(d), np.int32(nsplit), np.int32(chunk), F32(scale),
+            _NULL if lists is None else lists[0], _NULL if lists is None else lists[1],
+            np.int32(0 if lists is None else lists[0].shape[1])), shared_mem=16 * d * 4)
         if nsplit > 1:
             K.function("attention", "attention_combine")((-(-(b * h) // 8),), (256,), (
                 part_o, part_ml, sk, out, np.int32(b * h), np.int32(h), np.int32(d), np.int32(nsplit)))

@@ -294,10 +294,10 @@ class NumpyOps:
         return out
 
     def attend_decode(self, q: np.ndarray, attend: list, mask: np.ndarray | None, sinks: np.ndarray,
-                      scale: float, longest: int) -> np.ndarray:
+                      scale: float, longest: int, window: int = 0, selected: int = 0) -> np.ndarray:
         """A V4.1 decode step's attention (engine/decode_plan.py): attend[b] = (window Span, group
         entries Span or None), the entries masked by row b of the published top-k `mask`.
-        (longest sizes the GPU kernel's split; the result does not depend on it.)"""
+        (longest, window and selected size the GPU kernel's work; the result does not depend on them.)"""
         return self.attention_decode(q, [[(w, None)] + ([(e, Span(mask, b, e.n))] if e is not None else [])
                                          for b, (w, e) in enumerate(attend)], sinks, scale)
 
