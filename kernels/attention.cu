@@ -242,82 +242,71 @@ extern "C" __global__ void __launch_bounds__(256) attention_combine(const float*
 
 // out[s, n] = sum_h w[s, h] * H^-0.5 * relu(q[s, h] . k[n]) * Dh^-0.5
 // q [S, H, Dh], k [N, Dh], w [S, H]. Dh % 32 == 0, Dh <= 256. grid (ceil(N/32), S), block 256:
-// each warp scores 4 keys; q[s] and w[s] sit in dynamic shared memory (H*Dh + H floats).
-// Keys n in [N, ldo) of the row (a decode batch's padding) get -inf.
+// each warp scores 4 keys; q[s] and w[s] sit in dynamic shared memory. Keys n in [N, ldo) of the
+// row (a decode batch's padding) get -inf. Two ways to score a key (LANES):
+//  - lanes over k: each head's dot is split over the lanes and reduced across them, one warp
+//    reduction per head; the chain of H dependent reductions bounds it at ~6 us per key (64 heads)
+//    however few keys there are;
+//  - lanes over heads (DSUF_INDEXER_LANES): lane l takes heads l, l + 32, ... and dots the key row,
+//    staged in the warp's shared memory, with its heads' queries (rows Dh + 1 floats apart, so the
+//    lanes' reads fall in 32 banks): one reduction per key. Another summation order.
+// Dynamic shared memory: H * Dh + H floats, lanes over heads H * (Dh + 1) + H + 8 * Dh.
 #define IDX_KPW 4
+__device__ __forceinline__ float key_score_over_k(const float* __restrict__ kn, const float* qs, const float* ws,
+                                                  int H, int Dh, float dscale) {
+  const int lane = threadIdx.x & 31, nd = Dh / 32;
+  float kr[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) kr[i] = i < nd ? kn[lane + 32 * i] : 0.f;
+  float acc = 0.f;
+  for (int hh = 0; hh < H; ++hh) {
+    float d = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      if (i < nd) d += qs[hh * Dh + lane + 32 * i] * kr[i];
+    d = warp_sum(d);
+    acc += fmaxf(d, 0.f) * dscale * ws[hh];
+  }
+  return acc;
+}
+
+__device__ __forceinline__ float key_score_over_heads(const float* __restrict__ kn, const float* qs, const float* ws,
+                                                      float* kw, int H, int Dh, float dscale) {
+  const int lane = threadIdx.x & 31;
+  for (int i = lane; i < Dh; i += 32) kw[i] = kn[i];
+  __syncwarp();
+  float acc = 0.f;
+  for (int hh = lane; hh < H; hh += 32) {
+    const float* qh = qs + hh * (Dh + 1);
+    float d = 0.f;
+#pragma unroll 8
+    for (int i = 0; i < Dh; ++i) d += qh[i] * kw[i];
+    acc += fmaxf(d, 0.f) * dscale * ws[hh];
+  }
+  __syncwarp();  // (kw is rewritten for the next key)
+  return warp_sum(acc);
+}
+
+template <bool LANES>
 __device__ __forceinline__ void indexer_row(const float* __restrict__ q, const float* __restrict__ k,
                                             const float* __restrict__ w, float* __restrict__ out, int H, int N,
                                             int ldo, int Dh, float dscale, float hscale) {
   extern __shared__ __align__(16) float qs[];
-  float* ws = qs + H * Dh;
-  const int s = blockIdx.y;
-  for (int i = threadIdx.x; i < H * Dh; i += blockDim.x) qs[i] = q[(size_t)s * H * Dh + i];
-  for (int i = threadIdx.x; i < H; i += blockDim.x) ws[i] = w[(size_t)s * H + i] * hscale;
-  __syncthreads();
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int nd = Dh / 32;
-#pragma unroll
-  for (int j = 0; j < IDX_KPW; ++j) {
-    const int n = blockIdx.x * 32 + warp * IDX_KPW + j;
-    if (n >= ldo) break;
-    if (n >= N) {
-      if (lane == 0) out[(size_t)s * ldo + n] = __int_as_float(0xff800000);
-      continue;
-    }
-    float kr[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) kr[i] = i < nd ? k[(size_t)n * Dh + lane + 32 * i] : 0.f;
-    float acc = 0.f;
-    for (int hh = 0; hh < H; ++hh) {
-      float d = 0.f;
-#pragma unroll
-      for (int i = 0; i < 8; ++i)
-        if (i < nd) d += qs[hh * Dh + lane + 32 * i] * kr[i];
-      d = warp_sum(d);
-      acc += fmaxf(d, 0.f) * dscale * ws[hh];
-    }
-    if (lane == 0) out[(size_t)s * ldo + n] = acc;
-  }
-}
-
-// The same with lanes over heads (lanes != 0 in the kernels below): a warp's lanes each take heads
-// lane, lane + 32, ... and dot the key row, staged in the warp's shared memory, with their heads'
-// queries (staged with a row stride of Dh + 1 floats, so the 32 lanes' reads fall in 32 banks):
-// one warp reduction per key instead of one per head, whose chain of H dependent reductions bound
-// indexer_row at ~6 us per key (64 heads) however few keys there are. Other summation order (the
-// dots run along k, the heads' terms in a lane, then across lanes). Dynamic shared memory:
-// H * (Dh + 1) + H + 8 * Dh floats.
-__device__ __forceinline__ void indexer_row_heads(const float* __restrict__ q, const float* __restrict__ k,
-                                                  const float* __restrict__ w, float* __restrict__ out, int H,
-                                                  int N, int ldo, int Dh, float dscale, float hscale) {
-  extern __shared__ __align__(16) float qs[];
-  float* ws = qs + H * (Dh + 1);
-  float* kbuf = ws + H;
+  const int qld = LANES ? Dh + 1 : Dh;
+  float* ws = qs + H * qld;
   const int s = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  for (int i = threadIdx.x; i < H * Dh; i += blockDim.x) qs[(i / Dh) * (Dh + 1) + i % Dh] = q[(size_t)s * H * Dh + i];
+  for (int i = threadIdx.x; i < H * Dh; i += blockDim.x) qs[(i / Dh) * qld + i % Dh] = q[(size_t)s * H * Dh + i];
   for (int i = threadIdx.x; i < H; i += blockDim.x) ws[i] = w[(size_t)s * H + i] * hscale;
   __syncthreads();
-  float* kw = kbuf + warp * Dh;
+#pragma unroll
   for (int j = 0; j < IDX_KPW; ++j) {
     const int n = blockIdx.x * 32 + warp * IDX_KPW + j;
     if (n >= ldo) break;
-    if (n >= N) {
-      if (lane == 0) out[(size_t)s * ldo + n] = __int_as_float(0xff800000);
-      continue;
-    }
-    for (int i = lane; i < Dh; i += 32) kw[i] = k[(size_t)n * Dh + i];
-    __syncwarp();
-    float acc = 0.f;
-    for (int hh = lane; hh < H; hh += 32) {
-      const float* qh = qs + hh * (Dh + 1);
-      float d = 0.f;
-#pragma unroll 8
-      for (int i = 0; i < Dh; ++i) d += qh[i] * kw[i];
-      acc += fmaxf(d, 0.f) * dscale * ws[hh];
-    }
-    acc = warp_sum(acc);
+    float acc = __int_as_float(0xff800000);
+    if (n < N)
+      acc = LANES ? key_score_over_heads(k + (size_t)n * Dh, qs, ws, ws + H + warp * Dh, H, Dh, dscale)
+                  : key_score_over_k(k + (size_t)n * Dh, qs, ws, H, Dh, dscale);
     if (lane == 0) out[(size_t)s * ldo + n] = acc;
-    __syncwarp();  // (kw is rewritten for the next key)
   }
 }
 
@@ -327,9 +316,9 @@ extern "C" __global__ void __launch_bounds__(256) indexer_scores(const float* __
                                                                 float* __restrict__ out, int S, int H, int N,
                                                                 int Dh, float dscale, float hscale, int lanes) {
   if (lanes)
-    indexer_row_heads(q, k, w, out, H, N, N, Dh, dscale, hscale);
+    indexer_row<true>(q, k, w, out, H, N, N, Dh, dscale, hscale);
   else
-    indexer_row(q, k, w, out, H, N, N, Dh, dscale, hscale);
+    indexer_row<false>(q, k, w, out, H, N, N, Dh, dscale, hscale);
 }
 
 // Decode: query row s against its own keys, kspan[2 s] = pointer, kspan[2 s + 1] = count; out
@@ -341,7 +330,7 @@ extern "C" __global__ void __launch_bounds__(256) indexer_scores_spans(const flo
                                                                       int Dh, float dscale, float hscale, int lanes) {
   const long long* e = kspan + 2 * blockIdx.y;
   if (lanes)
-    indexer_row_heads(q, (const float*)e[0], w, out, H, (int)e[1], ldo, Dh, dscale, hscale);
+    indexer_row<true>(q, (const float*)e[0], w, out, H, (int)e[1], ldo, Dh, dscale, hscale);
   else
-    indexer_row(q, (const float*)e[0], w, out, H, (int)e[1], ldo, Dh, dscale, hscale);
+    indexer_row<false>(q, (const float*)e[0], w, out, H, (int)e[1], ldo, Dh, dscale, hscale);
 }

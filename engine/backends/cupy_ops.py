@@ -68,7 +68,7 @@ GEMVR = os.environ.get("DSUF_GEMVR", "1")
 # norm_rope_quant as one kernel (1) or as its chain of rmsnorm / rope / fake_quant launches (0). Off
 # by default until the GPU tests have passed with it on an H200 (tests force it on).
 FUSED_NORM_ROPE = os.environ.get("DSUF_FUSED_NORM_ROPE", "0") == "1"
-# The indexer's scores with lanes over heads (kernels/attention.cu indexer_row_heads: one warp
+# The indexer's scores with lanes over heads (kernels/attention.cu indexer_row<true>: one warp
 # reduction per key, not one per head); off by default until its GPU tests have run on an H200.
 INDEXER_LANES = os.environ.get("DSUF_INDEXER_LANES", "0") == "1"
 # Decode attention reads a masked source through each row's list of visible rows (kernels/attention.cu
