@@ -672,6 +672,13 @@ class Model:
             out = ops.attention_decode(q, sources, L.sinks, d**-0.5)
         return out if hn else None
 
+    def _causal_cols(self, lens: np.ndarray, n: int):
+        """Bool [S, n] on the backend: column j < lens[s] (the compressed entries or keys query s
+        may see), built there rather than on the host and uploaded ([4096, 16384] at a 64k
+        context)."""
+        xp = self.ops.xp
+        return xp.arange(n)[None, :] < self.ops.asarray(lens, dtype=np.int64)[:, None]
+
     def _window_bias(self, s: _Seq, n_keys: int):
         """Bias [S, n_keys] (0 or -inf) of a chunk's queries over its window keys (the state's
         window rows, then the chunk's): built on the device, once per forward for every layer that
@@ -798,7 +805,7 @@ class Model:
         scores = ops.indexer_scores(p.idx_q, keys, p.idx_w, hi, di)
         lens = (s.pos + 1) // ratio
         if not (lens >= n).all():  # queries that see only part of the keys (prefill)
-            scores = xp.where(ops.asarray(np.arange(n)[None, :] < lens[:, None], dtype=bool), scores, NEG_INF)
+            scores = xp.where(self._causal_cols(lens, n), scores, NEG_INF)
         cand = cfg.candidate_source_layer_id
         if li == cand:
             s.shared["cand"] = self._candidate_blocks(scores, ops.asarray((lens - 1) // cfg.candidate_block_size,
@@ -867,7 +874,7 @@ class Model:
             st.entries = new if st.entries is None else ops.cat([st.entries, new], axis=0)
         lens = (s.pos + 1) // ratio
         n = st.n_entries
-        visible = np.arange(n)[None, :] < lens[:, None]
+        visible = self._causal_cols(lens, n)
         if csa:
             ic = L.idx.comp
             newk = self._v4_pool(ops.linear(x, ic.wkv), ops.linear(x, ic.wgate), ic.ape, ic.norm, st, "idx_",
@@ -878,8 +885,8 @@ class Model:
                 hi, di = cfg.index_n_heads, cfg.index_head_dim
                 q = self._query_rope(ops.linear(q_res, L.idx.wq_b).reshape(-1, hi, di), s.pos)
                 scores = ops.indexer_scores(q, st.idx_keys, ops.linear(x, L.idx.weights_proj), hi, di)
-                scores = xp.where(ops.asarray(visible, dtype=bool), scores, NEG_INF)
+                scores = xp.where(visible, scores, NEG_INF)
                 visible = ops.topk_mask(scores, min(cfg.index_topk, n))
         if n == 0:
             return None, None
-        return st.entries, ops.asarray(visible, dtype=bool)
+        return st.entries, visible
