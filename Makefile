@@ -24,7 +24,7 @@ gpu-test:
 
 # The paths still opt-in (README: not yet made default until they have passed here), all on, through
 # the model and tensor-parallel tests (their kernel tests in test_gpu_ops.py force them either way).
-OPT_IN = DSUF_FUSED_NORM_ROPE=1 DSUF_INDEXER_LANES=1 DSUF_TP_GRAPHS=1 DSUF_ATTEND_ROWS=1
+OPT_IN = DSUF_FUSED_NORM_ROPE=1 DSUF_INDEXER_LANES=1 DSUF_TP_GRAPHS=1 DSUF_ATTEND_ROWS=1 DSUF_SPARSE_PREFILL=1
 
 gpu-test-opt-in:
 	$(OPT_IN) $(PY) -m pytest -q -s tests/test_gpu_model.py tests/test_gpu_tp.py

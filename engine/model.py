@@ -650,20 +650,22 @@ class Model:
             keys = ops.cat([st.window, kv[r]], axis=0)
             st.window = keys[max(keys.shape[0] - (win - 1), 0):] if win > 1 else keys[:0]
             srcs = [(keys, None)]  # a decode query sees its whole window
-            bias = None if decode else self._window_bias(s, keys.shape[0])
+            comp = cvis = None
             if ratio:
                 comp, cvis = (self._v41_compressed(li, L, proj.rows(r), s) if cfg.arch == "v41"
                               else self._v4_compressed(li, L, x[r], q_res[r], s))
-                if comp is not None and comp.shape[0]:
-                    if decode:
-                        srcs.append((comp, cvis[0]))
-                    else:
-                        keys = ops.cat([keys, comp], axis=0)
-                        bias = ops.cat([bias, xp.where(cvis, np.float32(0.0), NEG_INF).astype(np.float32)], axis=1)
+                if comp is None or not comp.shape[0]:
+                    comp = cvis = None
+                elif decode:
+                    srcs.append((comp, cvis[0]))
             if decode:
                 sources.append(srcs)
-            elif hn:
-                o = ops.attention(q[r], keys, bias, L.sinks, d**-0.5)
+            elif hn:  # query i sees window keys lo[i] .. hi[i] (the state's rows, then the chunk's)
+                i = np.arange(s.pos.size) + (keys.shape[0] - s.pos.size)
+                lo, hi = np.maximum(i - (win - 1), 0), i + 1
+                # (V4.1's masks and V4 CSA's are top-k selections; V4 HCA's only the causal limit)
+                most = cfg.index_topk if cfg.arch == "v41" or cfg.layer_kinds[li] == "csa" else 0
+                o = ops.attention_ranges(q[r], keys, lo, hi, comp, cvis, L.sinks, d**-0.5, most)
                 if out is None:
                     out = o
                 else:
@@ -678,23 +680,6 @@ class Model:
         context)."""
         xp = self.ops.xp
         return xp.arange(n)[None, :] < self.ops.asarray(lens, dtype=np.int64)[:, None]
-
-    def _window_bias(self, s: _Seq, n_keys: int):
-        """Bias [S, n_keys] (0 or -inf) of a chunk's queries over its window keys (the state's
-        window rows, then the chunk's): built on the device, once per forward for every layer that
-        sees the same rows (a 4096-token chunk's is 69 MB: built with numpy on the host it took 0.23 s
-        a layer on a development machine, then an upload)."""
-        key = (int(s.pos[0]), s.pos.size, n_keys)
-        hit = s.shared.get("window_bias")
-        if hit is not None and hit[0] == key:
-            return hit[1]
-        ops, xp = self.ops, self.ops.xp
-        pos = ops.asarray(s.pos, dtype=np.int64)
-        kpos = ops.asarray(np.arange(s.pos[0] - (n_keys - s.pos.size), s.pos[-1] + 1), dtype=np.int64)
-        visible = (kpos[None, :] <= pos[:, None]) & (kpos[None, :] > pos[:, None] - self.cfg.sliding_window)
-        bias = xp.where(visible, np.float32(0.0), NEG_INF).astype(np.float32)
-        s.shared["window_bias"] = (key, bias)
-        return bias
 
     # V4.1 decode -------------------------------------------------------------------------
     def _decode_attend(self, li: int, L, q, kv, p: _Projected, lp, batch: dict):

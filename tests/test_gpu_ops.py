@@ -723,6 +723,29 @@ def test_staged_decode_ops():
         assert rel(got, ref) < 1e-5, rows
 
 
+@pytest.mark.parametrize("n_state,s,n_e,k", [(127, 300, 900, 40), (0, 70, 0, 0), (20, 200, 50, 0)])
+def test_attention_ranges(n_state, s, n_e, k):
+    """A prompt chunk's attention (each query: a window range of the keys, then its entries under
+    its mask row, at most k true; k 0: a plain causal mask), dense under a device-built bias,
+    sparse (DSUF_SPARSE_PREFILL) through the decode kernel, and sparse through row lists
+    (DSUF_ATTEND_ROWS), against the numpy reference."""
+    h, d, win = 16, 512, 128
+    keys, q, sinks = rnd(n_state + s, d), rnd(s, h, d), rnd(h)
+    i = np.arange(s) + n_state
+    lo, hi = np.maximum(i - (win - 1), 0), i + 1
+    entries = rnd(n_e, d) if n_e else None
+    emask = None
+    if n_e:
+        emask = np.zeros((s, n_e), bool)
+        for r in range(s):
+            emask[r, RNG.choice(n_e, min(n_e, k) if k else int(RNG.integers(0, n_e + 1)), replace=False)] = True
+    ref = REF.attention_ranges(q, keys, lo, hi, entries, emask, sinks, d**-0.5, k)
+    args = (cp.asarray(q), cp.asarray(keys), lo, hi, None if entries is None else cp.asarray(entries),
+            None if emask is None else cp.asarray(emask), cp.asarray(sinks), d**-0.5, k)
+    for sparse, rows in ((False, False), (True, False), (True, True)):
+        assert rel(GPU.attention_ranges(*args, sparse=sparse, rows=rows), ref) < 1e-5, (sparse, rows)
+
+
 @pytest.mark.parametrize("b,n,k", [(1, 16384, 512), (5, 1000, 64), (3, 70, 70), (2, 300, 8)])
 def test_mask_rows(b, n, k):
     """Each mask row's true positions in order, the first k of them, and how many (at most k)."""

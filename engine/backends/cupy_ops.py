@@ -75,6 +75,10 @@ INDEXER_LANES = os.environ.get("DSUF_INDEXER_LANES", "0") == "1"
 # mask_rows) where that bounds its keys far below the entries' count (a long context); off by default
 # until its GPU tests have run on an H200.
 ATTEND_ROWS = os.environ.get("DSUF_ATTEND_ROWS", "0") == "1"
+# A prompt chunk's attention as one decode-kernel query per row (its window's range, then its
+# selected entries; through row lists with ATTEND_ROWS) instead of the dense kernel over every key
+# under a [S, keys] bias; off by default until its GPU tests have run on an H200.
+SPARSE_PREFILL = os.environ.get("DSUF_SPARSE_PREFILL", "0") == "1"
 GEMVR_MIN_BYTES, GEMVR_MAX_K = 16 << 20, 5120
 GEMVR_U = {FMT_FP8: 2, FMT_FP4: 8}
 GEMVR_BLOCKS_PER_SM = {FMT_FP8: 3, FMT_FP4: 2}  # what each kernel's registers allow (DEF_GR's MINB)
@@ -1001,6 +1005,43 @@ class CupyOps:
             _c32(q), _c32(kv), _c32(bias), _c32(sinks), out, np.int32(s), np.int32(h), np.int32(n), np.int32(d),
             F32(scale)), shared_mem=16 * d * 4)
         return out
+
+    def attention_ranges(self, q: cp.ndarray, keys: cp.ndarray, lo: np.ndarray, hi: np.ndarray,
+                         entries: cp.ndarray | None, emask: cp.ndarray | None, sinks: cp.ndarray, scale: float,
+                         selected: int = 0, sparse: bool | None = None, rows: bool | None = None) -> cp.ndarray:
+        """NumpyOps.attention_ranges: by default the dense kernel over every key under a bias
+        built here on the device; sparse (default SPARSE_PREFILL): one attention_decode query per
+        row, its window read as a range and its entries under its mask row (through the row's
+        list of selected rows where `selected` bounds them, with rows, default ATTEND_ROWS)."""
+        s, h, d = q.shape
+        sparse = SPARSE_PREFILL if sparse is None else sparse
+        rows = ATTEND_ROWS if rows is None else rows
+        if not sparse or s == 0:
+            j = cp.arange(keys.shape[0])
+            lo_d, hi_d = self.asarray(lo, dtype=np.int64), self.asarray(hi, dtype=np.int64)
+            bias = cp.where((j[None, :] >= lo_d[:, None]) & (j[None, :] < hi_d[:, None]), F32(0.0), F32(-np.inf))
+            if entries is not None:
+                keys = self.cat([keys, entries], axis=0)
+                bias = self.cat([bias.astype(F32), cp.where(emask, F32(0.0), F32(-np.inf)).astype(F32)], axis=1)
+            return self.attention(q, keys, bias.astype(F32), sinks, scale)
+        if d % 32 or d > 512:
+            raise ValueError(f"attention kernel needs head_dim % 32 == 0 and <= 512 (got {d})")
+        keys = _c32(keys)
+        tab = np.zeros((s, 6), np.int64)
+        tab[:, 0] = _ptr(keys) + np.asarray(lo, np.int64) * d * 4
+        tab[:, 1] = np.asarray(hi, np.int64) - np.asarray(lo, np.int64)
+        masks, lists, n_e = None, None, 0
+        if entries is not None:
+            entries = _c32(entries)
+            masks = cp.ascontiguousarray(emask, dtype=cp.bool_)
+            n_e = entries.shape[0]
+            tab[:, 3], tab[:, 4], tab[:, 5] = _ptr(entries), n_e, 1
+            if rows and 0 < selected and 2 * selected <= n_e:
+                lists = self._mask_rows(masks, selected)
+        longest = int(tab[:, 1].max()) + (selected if lists is not None else n_e)
+        out = cp.empty((s, h, d), F32)
+        # (keys / entries stay referenced here until the launch below is enqueued)
+        return self._attention_decode(q, self.asarray(tab, dtype=np.int64), masks, sinks, scale, longest, out, lists)
 
     def attention_decode(self, q: cp.ndarray, sources: list, sinks: cp.ndarray, scale: float) -> cp.ndarray:
         """Decode attention of B sequences, one query each, in one launch: q [B, H, D]; sources[b]

@@ -278,6 +278,16 @@ class NumpyOps:
             out[s] = np.einsum("hn,nd->hd", p / denom[:, None], keys)
         return out
 
+    def attention_ranges(self, q: np.ndarray, keys: np.ndarray, lo: np.ndarray, hi: np.ndarray,
+                         entries: np.ndarray | None, emask: np.ndarray | None, sinks: np.ndarray, scale: float,
+                         selected: int = 0) -> np.ndarray:
+        """A prompt chunk's attention: query s over keys rows lo[s] .. hi[s] - 1 (its window) and,
+        given entries, the rows j of entries where emask[s, j]. (selected, an upper bound on each
+        mask row's true values or 0, sizes the GPU kernel's work; the result does not depend on it.)"""
+        return self.attention_decode(q, [[(keys[lo[s]:hi[s]], None)] + ([] if entries is None else
+                                                                          [(entries, emask[s])])
+                                         for s in range(q.shape[0])], sinks, scale)
+
     def attention_decode(self, q: np.ndarray, sources: list, sinks: np.ndarray, scale: float) -> np.ndarray:
         """Decode attention of B sequences, one query each: q [B, H, D]; sources[b] lists (kv [n, D],
         mask bool [n] or None = all visible) K=V sources of sequence b, either of them possibly a
