@@ -126,10 +126,7 @@ def load_weights(cfg: ModelConfig, ckpt, ops, plan: ShardPlan) -> SimpleNamespac
             sinks=vec(a + "attn_sink")[h0:h1], comp=None, idx=None, engram=None, wo_a=None, wo_b=None,
         )
         # the q and K=V latents both project x: one stacked weight (one GEMV) where the formats allow
-        wq_a, wkv = (ckpt.weight(names.resolve(a + n)) for n in ("wq_a.weight", "wkv.weight"))
-        both = rows_stackable([wq_a, wkv])
-        L.wq_a, L.wkv = (None, None) if both else (ops.prepare(wq_a), ops.prepare(wkv))
-        L.wq_kv, L.q_rank = (ops.prepare_rows([wq_a, wkv]) if both else None), wq_a.shape[0]
+        L.qkv = _stacked_projections(ckpt, names, ops, {"q_lat": a + "wq_a.weight", "kv_lat": a + "wkv.weight"})
         groups = plan.head_groups(cfg)
         if groups:  # the wo_a blocks of this rank's heads, and the wo_b columns of their groups
             (g0, lo, hi), gl = groups[0], groups[-1][0]
@@ -139,15 +136,14 @@ def load_weights(cfg: ModelConfig, ckpt, ops, plan: ShardPlan) -> SimpleNamespac
             L.wo_b = lin(a + "wo_b.weight", cols=(g0 * ol, (gl + 1) * ol))
             L.wo_groups = len(groups)
         kind = cfg.layer_kinds[i]
-        # V4.1: the compressor's kv and gate and the indexer's head weights all project x (BF16, no
-        # scales): loaded into L.x_proj, stacked into one GEMV where the formats allow
+        # V4.1: the compressor's kv and gate and the indexer's head weights also all project x (BF16,
+        # no scales): L.x_proj, stacked likewise
         xw = {}
         if kind in ("source", "csa", "hca"):
             c = a + "compressor."
             ratio = cfg.compress_ratios[i]
-            has_gate = cfg.arch == "v4" or ratio > 1
             if cfg.arch == "v41":
-                xw.update({"comp_kv": c + "wkv.weight", **({"comp_gate": c + "wgate.weight"} if has_gate else {})})
+                xw.update({"comp_kv": c + "wkv.weight", **({"comp_gate": c + "wgate.weight"} if ratio > 1 else {})})
             L.comp = SimpleNamespace(
                 wkv=lin(c + "wkv.weight") if cfg.arch == "v4" else None, norm=vec(c + "norm.weight"),
                 wgate=lin(c + "wgate.weight") if cfg.arch == "v4" else None,
@@ -165,7 +161,7 @@ def load_weights(cfg: ModelConfig, ckpt, ops, plan: ShardPlan) -> SimpleNamespac
                 ic = x + "compressor."
                 L.idx.comp = SimpleNamespace(wkv=lin(ic + "wkv.weight"), wgate=lin(ic + "wgate.weight"),
                                              ape=vec(ic + "ape"), norm=vec(ic + "norm.weight"))
-        L.x_proj = _x_projection_weights(ckpt, names, ops, xw)
+        L.x_proj = _stacked_projections(ckpt, names, ops, xw)
         f = p + "ffn."
         L.gate_w = lin(f + "gate.weight")
         L.gate_bias = opt_vec(f + "gate.bias")
@@ -187,7 +183,7 @@ def load_weights(cfg: ModelConfig, ckpt, ops, plan: ShardPlan) -> SimpleNamespac
     return w
 
 
-def _x_projection_weights(ckpt, names, ops, parts: dict) -> list:
+def _stacked_projections(ckpt, names, ops, parts: dict) -> list:
     """[(weight, ((part, first row, end row), ...)), ...]: the named projections of one input, as one
     stacked weight where rows_stackable allows, else one weight each."""
     ws = {part: ckpt.weight(names.resolve(n)) for part, n in parts.items()}
@@ -500,18 +496,23 @@ class Model:
             h = self._engram(L, h, ops.xp.ascontiguousarray(engram_ids[:, cfg.engram_layer_ids.index(li)]))
         mix = self._site_mixes(h, L.hc_attn)
         xa = ops.hc_collapse_norm(h, pre_mix if cfg.arch == "v41" else mix.result()[0], L.attn_norm, cfg.rms_norm_eps)
-        if L.wq_kv is not None:
-            qkv = ops.linear(xa, L.wq_kv)
-            q_lat, kv_lat = qkv[:, : L.q_rank], qkv[:, L.q_rank :]
-        else:
-            q_lat, kv_lat = ops.linear(xa, L.wq_a), ops.linear(xa, L.wkv)
-        q_res = ops.rmsnorm(q_lat, L.q_norm, cfg.rms_norm_eps)
+        lat = self._project(xa, L.qkv)
+        q_res = ops.rmsnorm(lat["q_lat"], L.q_norm, cfg.rms_norm_eps)
         # the query heads (wq_b, the largest projection here) as a side branch, beside the K=V,
         # compressor and indexer chain of small kernels
         q = ops.side(self._query_heads, L, q_res, cos, sin)
-        kv = ops.norm_rope_quant(kv_lat, cos, sin, (L.kv_norm, cfg.rms_norm_eps), self._codec("window"))
+        kv = ops.norm_rope_quant(lat["kv_lat"], cos, sin, (L.kv_norm, cfg.rms_norm_eps), self._codec("window"))
         extra = self._v41_projections(li, L, xa, q_res, cos, sin, late)
         return (h, xa, q_res, q if late else q.result(), kv, *mix.result(), *extra)
+
+    def _project(self, x, stacked: list) -> dict:
+        """Projections of x by name, from _stacked_projections' weights (a stacked weight's parts
+        are column slices of its one GEMV's output)."""
+        out = {}
+        for w, parts in stacked:
+            y = self.ops.linear(x, w)
+            out.update({part: y[:, r0:r1] if len(parts) > 1 else y for part, r0, r1 in parts})
+        return out
 
     def _site_mixes(self, h, hc_weights):
         """An mHC site's mixes (pre, post, comb) of the streams h, as a side branch: V4.1's
@@ -539,10 +540,7 @@ class Model:
             return tuple(p)
         # the indexer's queries: a side branch, beside the compressor's chain
         idx = ops.side(self._index_queries, L, q_res, cos, sin) if L.idx is not None else None
-        xs = {}
-        for w, parts in L.x_proj:  # (the compressor's kv / gate and the indexer's head weights)
-            y = ops.linear(x, w)
-            xs.update({part: y[:, r0:r1] if len(parts) > 1 else y for part, r0, r1 in parts})
+        xs = self._project(x, L.x_proj)  # (the compressor's kv / gate and the indexer's head weights)
         if cfg.layer_kinds[li] == "source":
             if ratio > 1:
                 p[0], p[1] = xs["comp_kv"], xs["comp_gate"]
@@ -709,13 +707,13 @@ class Model:
                 batch["cand"] = self._candidate_blocks(scores, lp.cand_last)
             elif lp.cand == "filter":
                 scores = xp.where(batch["cand"], scores, NEG_INF)
-            batch["topk_k"] = min(cfg.index_topk, lp.keys_cap)
-            batch["topk"] = ops.topk_mask(scores, batch["topk_k"])
+            batch["topk"] = ops.topk_mask(scores, min(cfg.index_topk, lp.keys_cap))
         q = _joined(q)
         if self.plan.heads[1] == self.plan.heads[0]:
             return None
-        return ops.attend_decode(q, lp.attend, batch.get("topk"), L.sinks, cfg.head_dim**-0.5, lp.attend_cap,
-                                 cfg.sliding_window, batch.get("topk_k", 0))
+        mask = batch.get("topk")  # (its width is the publishing layer's keys_cap: at most index_topk true a row)
+        return ops.attend_decode(q, lp.attend, mask, L.sinks, cfg.head_dim**-0.5, lp.attend_cap, cfg.sliding_window,
+                                 0 if mask is None else min(cfg.index_topk, mask.shape[1]))
 
     def _comp_rope_tables(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return rope_tables(self.freq_comp, positions, self.cfg.rope_compress.attention_factor)

@@ -188,11 +188,7 @@ class GpuTP:
                 with ctx():
                     outs.append(s.ops.graphs.replay(sig, _not_direct, (i64, f32)))
             return outs
-        with contextlib.ExitStack() as inline:  # the steps' regions inline, as in a graph
-            for s in steps:
-                inline.enter_context(s.ops.graphs.inline())
-            gens = [s.run(layout.views(i64, f32)) for s, (i64, f32, layout) in zip(steps, staged, strict=True)]
-            return run_ranks(gens, self._reduce, self._ctx)
+        return self._run_inline(steps, [layout.views(i64, f32) for i64, f32, layout in staged])
 
     def _capture(self, steps: list, sigs: list, staged: list) -> bool:
         """Capture every rank's step (its inputs copied into its graph's own buffers) with the
@@ -215,11 +211,7 @@ class GpuTP:
                      for d, s, c in zip(self.devices, steps, caps, strict=True)]
         outs, err = [None] * self.size, None
         try:
-            with contextlib.ExitStack() as inline:
-                for s in steps:
-                    inline.enter_context(s.ops.graphs.inline())
-                gens = [s.run(lay.views(*c.inputs)) for s, c, (_, _, lay) in zip(steps, caps, staged, strict=True)]
-                outs = run_ranks(gens, self._reduce, self._ctx)
+            outs = self._run_inline(steps, [lay.views(*c.inputs) for c, (_, _, lay) in zip(caps, staged, strict=True)])
         except Exception as e:  # noqa: BLE001 - the steps run eagerly instead
             err = e
         finally:
@@ -233,6 +225,14 @@ class GpuTP:
                 s.ops.graphs.forget(sig)
             return False
         return True
+
+    def _run_inline(self, steps: list, views: list) -> list:
+        """Every rank's step over its staged views, its regions inline (as inside a graph), the
+        collectives through _reduce under each rank's current context."""
+        with contextlib.ExitStack() as inline:
+            for s in steps:
+                inline.enter_context(s.ops.graphs.inline())
+            return run_ranks([s.run(v) for s, v in zip(steps, views, strict=True)], self._reduce, self._ctx)
 
 
 def _within(device_ctx, graphs, cap):

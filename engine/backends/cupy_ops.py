@@ -1019,11 +1019,12 @@ class CupyOps:
         if not sparse or s == 0:
             j = cp.arange(keys.shape[0])
             lo_d, hi_d = self.asarray(lo, dtype=np.int64), self.asarray(hi, dtype=np.int64)
-            bias = cp.where((j[None, :] >= lo_d[:, None]) & (j[None, :] < hi_d[:, None]), F32(0.0), F32(-np.inf))
+            visible = (j[None, :] >= lo_d[:, None]) & (j[None, :] < hi_d[:, None])
+            bias = cp.where(visible, F32(0.0), F32(-np.inf)).astype(F32, copy=False)
             if entries is not None:
                 keys = self.cat([keys, entries], axis=0)
-                bias = self.cat([bias.astype(F32), cp.where(emask, F32(0.0), F32(-np.inf)).astype(F32)], axis=1)
-            return self.attention(q, keys, bias.astype(F32), sinks, scale)
+                bias = self.cat([bias, cp.where(emask, F32(0.0), F32(-np.inf)).astype(F32, copy=False)], axis=1)
+            return self.attention(q, keys, bias, sinks, scale)
         if d % 32 or d > 512:
             raise ValueError(f"attention kernel needs head_dim % 32 == 0 and <= 512 (got {d})")
         keys = _c32(keys)
