@@ -34,46 +34,8 @@ __device__ __forceinline__ float e2m1_round(float x) {
   return (__float_as_uint(x) >> 31) ? -v : v;
 }
 
-extern "C" __global__ void fake_quant_fp8(const float* __restrict__ x, float* __restrict__ y, long long nblocks,
-                                          int block) {
-  dsuf_launch_dependents();
-  const long long b = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (b >= nblocks) return;
-  const float* xb = x + b * block;
-  float* yb = y + b * block;
-  float amax = 0.f;
-  for (int i = 0; i < block; ++i) amax = fmaxf(amax, fabsf(xb[i]));
-  const float scale = pow2_ceil(fmaxf(amax, 1e-4f) * (1.0f / 448.0f));
-  for (int i = 0; i < block; ++i) {
-    const float q = fminf(fmaxf(xb[i] / scale, -448.f), 448.f);
-    yb[i] = e4m3_round(q) * scale;
-  }
-}
-
-extern "C" __global__ void fake_quant_fp4(const float* __restrict__ x, float* __restrict__ y, long long nblocks,
-                                          int block, int e4m3_scales) {
-  dsuf_launch_dependents();
-  const long long b = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (b >= nblocks) return;
-  const float* xb = x + b * block;
-  float* yb = y + b * block;
-  float amax = 0.f;
-  for (int i = 0; i < block; ++i) amax = fmaxf(amax, fabsf(xb[i]));
-  float scale;
-  if (e4m3_scales) {
-    scale = e4m3_round(fmaxf(amax, 6.f * 0.001953125f) / 6.f);
-  } else {
-    scale = pow2_ceil(fmaxf(amax, 6.f * 1.1754943508222875e-38f) * 0.1666666716337204f);
-  }
-  for (int i = 0; i < block; ++i) {
-    const float q = fminf(fmaxf(xb[i] / scale, -6.f), 6.f);
-    yb[i] = e2m1_round(q) * scale;
-  }
-}
-
-// One value onto the grid of fake_quant_fp8 / fake_quant_fp4 given its block's amax. mode: the
-// state codec (engine/state.py): 1 FP8 e4m3 / UE8M0 per 32, 2 FP4 e2m1 / e4m3 scale per 16, 3 FP4
-// e2m1 / UE8M0 per 32 (the same math as those kernels).
+// One value onto a state codec's grid given its block's amax. mode: the codec (engine/state.py):
+// 1 FP8 e4m3 / UE8M0, 2 FP4 e2m1 / e4m3 scale, 3 FP4 e2m1 / UE8M0 (MXFP4).
 __device__ __forceinline__ float quant_scale(float amax, int mode) {
   if (mode == 1) return pow2_ceil(fmaxf(amax, 1e-4f) * (1.0f / 448.0f));
   if (mode == 2) return e4m3_round(fmaxf(amax, 6.f * 0.001953125f) / 6.f);
@@ -82,6 +44,30 @@ __device__ __forceinline__ float quant_scale(float amax, int mode) {
 __device__ __forceinline__ float quant_value(float v, float scale, int mode) {
   if (mode == 1) return e4m3_round(fminf(fmaxf(v / scale, -448.f), 448.f)) * scale;
   return e2m1_round(fminf(fmaxf(v / scale, -6.f), 6.f)) * scale;
+}
+
+// Thread b's block of `block` channels onto codec `mode`'s grid.
+__device__ __forceinline__ void fake_quant_block(const float* __restrict__ x, float* __restrict__ y,
+                                                 long long nblocks, int block, int mode) {
+  dsuf_launch_dependents();
+  const long long b = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (b >= nblocks) return;
+  const float* xb = x + b * block;
+  float* yb = y + b * block;
+  float amax = 0.f;
+  for (int i = 0; i < block; ++i) amax = fmaxf(amax, fabsf(xb[i]));
+  const float scale = quant_scale(amax, mode);
+  for (int i = 0; i < block; ++i) yb[i] = quant_value(xb[i], scale, mode);
+}
+
+extern "C" __global__ void fake_quant_fp8(const float* __restrict__ x, float* __restrict__ y, long long nblocks,
+                                          int block) {
+  fake_quant_block(x, y, nblocks, block, 1);
+}
+
+extern "C" __global__ void fake_quant_fp4(const float* __restrict__ x, float* __restrict__ y, long long nblocks,
+                                          int block, int e4m3_scales) {
+  fake_quant_block(x, y, nblocks, block, e4m3_scales ? 2 : 3);
 }
 
 // rows of width D (row r at x + r * ldx; D % 4 == 0, TPR = D / 4 a power of two in 8..128):
