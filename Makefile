@@ -1,7 +1,7 @@
 PY ?= python3
 BENCH_CKPT ?= $(or $(TMPDIR),/tmp)/dsuf-flash2
 
-.PHONY: test lint pytest serve gpu-test gpu-test-opt-in gpu-memcheck gpu-bench
+.PHONY: test lint pytest serve gpu-test gpu-test-fallbacks gpu-memcheck gpu-memcheck-model gpu-bench
 
 # The README's test command: lint, then the whole suite (GPU tests skip where no GPU is present).
 test: lint pytest
@@ -22,17 +22,25 @@ GPU_TESTS = tests/test_gpu_ops.py tests/test_gpu_sampling.py tests/test_gpu_mode
 gpu-test:
 	$(PY) -m pytest -q -s $(GPU_TESTS)
 
-# The paths still opt-in (README: not yet made default until they have passed here), all on, through
-# the model and tensor-parallel tests (their kernel tests in test_gpu_ops.py force them either way).
-OPT_IN = DSUF_FUSED_NORM_ROPE=1 DSUF_INDEXER_LANES=1 DSUF_TP_GRAPHS=1 DSUF_ATTEND_ROWS=1 DSUF_SPARSE_PREFILL=1
+# The older paths kept behind flags (=0) for A/B timing, all off, through the model and
+# tensor-parallel tests (their kernel tests in test_gpu_ops.py force both ways).
+FALLBACKS = DSUF_FUSED_NORM_ROPE=0 DSUF_INDEXER_LANES=0 DSUF_TP_GRAPHS=0 DSUF_ATTEND_ROWS=0 DSUF_SPARSE_PREFILL=0
 
-gpu-test-opt-in:
-	$(OPT_IN) $(PY) -m pytest -q -s tests/test_gpu_model.py tests/test_gpu_tp.py
+gpu-test-fallbacks:
+	$(FALLBACKS) $(PY) -m pytest -q -s tests/test_gpu_model.py tests/test_gpu_tp.py
 
 # (--report-api-errors no: cuda.bindings probes driver entry points through cuGetProcAddress, which
-# memcheck would count as errors; memory errors still fail the run)
+# memcheck would count as errors; memory errors still fail the run.) DSUF_DIRECT_ALLOC=1 gives every
+# array its own allocation so memcheck sees its bounds; the canary's planted overrun must be reported
+# first, or a clean run would prove nothing.
+MEMCHECK = DSUF_DIRECT_ALLOC=1 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1
+
 gpu-memcheck:
-	compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1 $(PY) -m pytest -q -x tests/test_gpu_ops.py tests/test_gpu_sampling.py
+	! $(MEMCHECK) $(PY) tools/memcheck_canary.py
+	$(MEMCHECK) $(PY) -m pytest -q tests/test_gpu_ops.py tests/test_gpu_sampling.py
+
+gpu-memcheck-model:
+	$(MEMCHECK) $(PY) -m pytest -q tests/test_gpu_model.py tests/test_gpu_tp.py
 
 gpu-bench:
 	test -f $(BENCH_CKPT)/config.json || $(PY) dsuf.py tiny-model $(BENCH_CKPT) --arch v41 \

@@ -14,11 +14,10 @@ the others' copies ride along in its `replicas`. A state restored from bytes (ho
 placed on every device before its first step.
 
 A decode step alone (one token per sequence) comes to the driver as one StepRegion per rank
-(engine/tp.py). With DSUF_TP_GRAPHS=1 each rank's step is captured as one CUDA graph, the NCCL
-all-reduces inside it (one group call over the ranks' capturing streams), and later steps replay
-every rank's graph: one launch per GPU instead of a few per layer. Off by default until the GPU
-tests have run with it; otherwise each rank's step runs as per-layer region graphs with the
-all-reduces between them.
+(engine/tp.py). By default each rank's step is captured as one CUDA graph, the NCCL all-reduces
+inside it (one group call over the ranks' capturing streams), and later steps replay every rank's
+graph: one launch per GPU instead of a few per layer. DSUF_TP_GRAPHS=0 runs each rank's step as
+per-layer region graphs with the all-reduces between them.
 
 The same driver runs several ranks on one device (devices [0, 0]): collectives are then device
 sums instead of NCCL, which lets one GPU test the sharded path (their steps are never captured:
@@ -38,7 +37,7 @@ from engine.tp import Collective, ShardPlan, combine, run_ranks, run_steps
 
 log = logging.getLogger("dsuf.tp")
 
-STEP_GRAPHS = os.environ.get("DSUF_TP_GRAPHS", "0") == "1"
+STEP_GRAPHS = os.environ.get("DSUF_TP_GRAPHS", "1") != "0"
 
 
 class GpuTP:
