@@ -1,7 +1,7 @@
 PY ?= python3
 BENCH_CKPT ?= $(or $(TMPDIR),/tmp)/dsuf-flash2
 
-.PHONY: test lint pytest serve gpu-test gpu-test-fallbacks gpu-memcheck gpu-memcheck-model gpu-bench
+.PHONY: test lint pytest serve gpu-test gpu-test-opt-in gpu-test-fallbacks gpu-memcheck gpu-memcheck-model gpu-bench
 
 # The README's test command: lint, then the whole suite (GPU tests skip where no GPU is present).
 test: lint pytest
@@ -28,6 +28,13 @@ FALLBACKS = DSUF_FUSED_NORM_ROPE=0 DSUF_INDEXER_LANES=0 DSUF_TP_GRAPHS=0 DSUF_AT
 
 gpu-test-fallbacks:
 	$(FALLBACKS) $(PY) -m pytest -q -s tests/test_gpu_model.py tests/test_gpu_tp.py
+
+# Paths written and compiled but not yet run on a GPU, so off by default: the model and TP tests
+# with them on (their kernel tests in test_gpu_ops.py force them either way).
+OPT_IN = DSUF_INDEXER_TC=1
+
+gpu-test-opt-in:
+	$(OPT_IN) $(PY) -m pytest -q -s tests/test_gpu_model.py tests/test_gpu_tp.py
 
 # (--report-api-errors no: cuda.bindings probes driver entry points through cuGetProcAddress, which
 # memcheck would count as errors; memory errors still fail the run.) DSUF_DIRECT_ALLOC=1 gives every

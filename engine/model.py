@@ -785,7 +785,8 @@ class Model:
             return
         n = keys.shape[0]
         hi, di = cfg.index_n_heads, cfg.index_head_dim
-        scores = ops.indexer_scores(p.idx_q, keys, p.idx_w, hi, di)
+        # (queries and keys rounded onto the same codec's grid are exact in bf16)
+        scores = ops.indexer_scores(p.idx_q, keys, p.idx_w, hi, di, exact=self._codec("idx_keys") != NO_CODEC)
         lens = (s.pos + 1) // ratio
         if not (lens >= n).all():  # queries that see only part of the keys (prefill)
             scores = xp.where(self._causal_cols(lens, n), scores, NEG_INF)

@@ -321,6 +321,133 @@ extern "C" __global__ void __launch_bounds__(256) indexer_scores(const float* __
     indexer_row<false>(q, k, w, out, H, N, N, Dh, dscale, hscale);
 }
 
+// Prefill: the same scores on tensor cores (mma.m16n8k16, bf16 in, f32 accumulate), for many
+// queries against many keys (a prompt chunk against its compressed keys: 4096 x 16384 x 64 heads
+// x 128 at a 64k context, 0.55 TFLOP). A block takes QB = 128 / H queries, i.e. 128 (query, head)
+// rows, keeps them in shared memory and walks all N keys, 64 at a time (so the keys, a few MB,
+// come from L2 and the queries are read once). 8 warps in 4 x 2 over the 128 x 64 tile, each
+// 32 rows (one query's heads: H % 32 == 0) x 32 keys. Each operand is held as TERMS bf16 terms
+// (bf16_term4): 3 carry an f32 exactly and the products t_i * t_j with i + j < 3 are summed (the
+// rest lie below f32 rounding); 1 where the caller knows its values are bf16-exact (the FP4 / FP8
+// state codecs: e2m1 or e4m3 times a power of two or an e4m3 scale), the same sums then, 6x fewer
+// MMAs. Epilogue per key tile: relu * Dh^-0.5 * w * H^-0.5 per row, summed over the warp's rows by
+// shuffles, then over the query's H / 32 warps in a fixed order. Another summation order than the
+// CUDA-core kernels. Requires H % 32 == 0, 128 % H == 0, Dh % 16 == 0, Dh <= 128.
+// grid (ceil(S / QB)), block 256; dynamic shared memory (TERMS * 192 * (Dh + 8)) * 2 + 1024 bytes.
+#define ITC_ROWS 128
+#define ITC_KEYS 64
+template <int TERMS>
+__device__ __forceinline__ void indexer_tc_body(const float* __restrict__ q, const float* __restrict__ k,
+                                                const float* __restrict__ w, float* __restrict__ out, int S, int H,
+                                                int N, int Dh, float dscale, float hscale) {
+  extern __shared__ __align__(16) u16 itc[];
+  const int ld = Dh + 8;  // bf16 per shared row: rows 16 B apart mod 128, conflict-free fragment loads
+  u16* As = itc;                                      // [TERMS][128][ld] the block's (query, head) rows
+  u16* Ks = As + TERMS * ITC_ROWS * ld;               // [TERMS][64][ld] one key tile
+  float* red = (float*)(Ks + TERMS * ITC_KEYS * ld);  // [8 warps][32 keys] per-warp sums
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+  const int wm = (warp >> 1) * 32, wn = (warp & 1) * 32;
+  const int qb = ITC_ROWS / H, s0 = blockIdx.x * qb, rows = min(qb, S - s0) * H, c4n = Dh / 4;
+  for (int idx = tid; idx < ITC_ROWS * c4n; idx += blockDim.x) {
+    const int r = idx / c4n, c = 4 * (idx % c4n);
+    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (r < rows) v = __ldg((const float4*)(q + ((size_t)s0 * H + r) * Dh + c));
+    float e[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int term = 0; term < TERMS; ++term) *(uint2*)&As[(term * ITC_ROWS + r) * ld + c] = bf16_term4(e);
+  }
+  float wr[2][2];  // this thread's rows' head weights: row wm + 16 i + g + 8 h
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = wm + 16 * i + g + 8 * h;
+      wr[i][h] = r < rows ? w[(size_t)s0 * H + r] * hscale : 0.f;
+    }
+  for (int n0 = 0; n0 < N; n0 += ITC_KEYS) {
+    __syncthreads();  // the last tile's Ks and red reads are done (and, first, As is written)
+    for (int idx = tid; idx < ITC_KEYS * c4n; idx += blockDim.x) {
+      const int r = idx / c4n, c = 4 * (idx % c4n);
+      float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (n0 + r < N) v = __ldg((const float4*)(k + (size_t)(n0 + r) * Dh + c));
+      float e[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int term = 0; term < TERMS; ++term) *(uint2*)&Ks[(term * ITC_KEYS + r) * ld + c] = bf16_term4(e);
+    }
+    __syncthreads();
+    float acc[2][4][4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+    for (int ks = 0; ks < Dh; ks += 16) {
+#pragma unroll
+      for (int tk = TERMS - 1; tk >= 0; --tk) {  // smallest terms first
+        u32 b[4][2];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const u16* kr = Ks + (tk * ITC_KEYS + wn + 8 * j + g) * ld + ks + 2 * t;
+          b[j][0] = *(const u32*)kr;
+          b[j][1] = *(const u32*)(kr + 8);
+        }
+#pragma unroll
+        for (int tq = TERMS - 1 - tk; tq >= 0; --tq) {
+          u32 a[2][4];
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            const u16* ar = As + (tq * ITC_ROWS + wm + 16 * i + g) * ld + ks + 2 * t;
+            a[i][0] = *(const u32*)ar;
+            a[i][1] = *(const u32*)(ar + 8 * ld);
+            a[i][2] = *(const u32*)(ar + 8);
+            a[i][3] = *(const u32*)(ar + 8 * ld + 8);
+          }
+#pragma unroll
+          for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) mma_bf16(acc[i][j], a[i], b[j]);
+        }
+      }
+    }
+    // acc[i][j][2 h + c]: row wm + 16 i + g + 8 h, key wn + 8 j + 2 t + c
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        float p = 0.f;
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) p += fmaxf(acc[i][j][2 * h + c], 0.f) * dscale * wr[i][h];
+        p += __shfl_xor_sync(0xffffffffu, p, 4);
+        p += __shfl_xor_sync(0xffffffffu, p, 8);
+        p += __shfl_xor_sync(0xffffffffu, p, 16);
+        if (g == 0) red[warp * 32 + 8 * j + 2 * t + c] = p;
+      }
+    __syncthreads();
+    const int wpq = H / 32;  // warps (row groups of 32) per query
+    for (int idx = tid; idx < qb * ITC_KEYS; idx += blockDim.x) {
+      const int qi = idx / ITC_KEYS, kk = idx % ITC_KEYS, n = n0 + kk;
+      if (s0 + qi < S && n < N) {
+        float sum = 0.f;
+        for (int rg = qi * wpq; rg < (qi + 1) * wpq; ++rg) sum += red[(2 * rg + kk / 32) * 32 + kk % 32];
+        out[(size_t)(s0 + qi) * N + n] = sum;
+      }
+    }
+  }
+}
+
+#define DEF_INDEXER_TC(TERMS)                                                                             \
+  extern "C" __global__ void __launch_bounds__(256)                                                       \
+      indexer_scores_tc##TERMS(const float* __restrict__ q, const float* __restrict__ k,                \
+                               const float* __restrict__ w, float* __restrict__ out, int S, int H, int N, \
+                               int Dh, float dscale, float hscale) {                                     \
+    indexer_tc_body<TERMS>(q, k, w, out, S, H, N, Dh, dscale, hscale);                                   \
+  }
+DEF_INDEXER_TC(1)
+DEF_INDEXER_TC(3)
+
 // Decode: query row s against its own keys, kspan[2 s] = pointer, kspan[2 s + 1] = count; out
 // [S, ldo], -inf past each row's count. grid (ceil(ldo / 32), S).
 extern "C" __global__ void __launch_bounds__(256) indexer_scores_spans(const float* __restrict__ q,

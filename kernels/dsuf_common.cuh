@@ -75,6 +75,23 @@ __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
   return d;
 }
 
+// The next bf16 term of 4 floats, as two bf16x2 words, leaving the remainder in e: three terms
+// carry an f32's 24 bits, so tensor-core products of the terms add up to f32 products.
+__device__ __forceinline__ uint2 bf16_term4(float* e) {
+  const u32 lo = pack_bf16x2(e[0], e[1]), hi = pack_bf16x2(e[2], e[3]);
+  e[0] -= bf16_lo(lo); e[1] -= bf16_hi(lo); e[2] -= bf16_lo(hi); e[3] -= bf16_hi(hi);
+  return make_uint2(lo, hi);
+}
+
+// c += a (16x16 bf16, row) * b (16x8 bf16, col), f32 accumulation: mma.m16n8k16 fragments.
+__device__ __forceinline__ void mma_bf16(float* c, const u32* a, const u32* b) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

@@ -255,14 +255,6 @@ DEF_GEMV_FMT(fp4, FMT_FP4)
 #define BK 32
 #define LDS (BK + 8)  // bf16 elements per smem row: 80 B, conflict-free fragment loads
 
-__device__ __forceinline__ void mma_bf16(float* c, const u32* a, const u32* b) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
 template <int FMT>
 __device__ __forceinline__ void gemm_body(GEMV_ARGS) {
   constexpr int EPC = Fmt<FMT>::EPC;
@@ -296,11 +288,7 @@ __device__ __forceinline__ void gemm_body(GEMV_ARGS) {
       if (r < rows) v = __ldg((const float4*)(A + (size_t)(row0 + r) * lda + acol + k0 + 4 * c4));
       float e[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-      for (int term = 0; term < 3; ++term) {
-        const u32 lo = pack_bf16x2(e[0], e[1]), hi = pack_bf16x2(e[2], e[3]);
-        *(uint2*)&As[term][r][4 * c4] = make_uint2(lo, hi);
-        e[0] -= bf16_lo(lo); e[1] -= bf16_hi(lo); e[2] -= bf16_lo(hi); e[3] -= bf16_hi(hi);
-      }
+      for (int term = 0; term < 3; ++term) *(uint2*)&As[term][r][4 * c4] = bf16_term4(e);
     }
     // weights: 64 rows x CPR chunks, dequantized to bf16
     for (int idx = tid; idx < BN * CPR; idx += 128) {

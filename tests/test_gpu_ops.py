@@ -767,6 +767,31 @@ def test_indexer_scores(s, n, h, dh, lanes):
     assert rel(GPU.indexer_scores(cp.asarray(q), cp.asarray(k), cp.asarray(w), h, dh, lanes=lanes), ref) < 1e-5
 
 
+def _on_fp4_grid(*shape) -> np.ndarray:
+    """Random non-zero e2m1 values times powers of two: bf16-exact, like a state codec's rows."""
+    mag = RNG.choice(np.array([0.5, 1, 1.5, 2, 3, 4, 6], np.float32), shape)
+    sign = RNG.choice(np.array([-1, 1], np.float32), shape)
+    return (mag * sign * np.exp2(RNG.integers(-4, 3, shape))).astype(np.float32)
+
+
+@pytest.mark.parametrize("s,n,h,dh", [(16, 2048, 64, 128), (37, 333, 64, 128), (5, 70, 32, 64), (9, 1000, 128, 32),
+                                     (300, 129, 64, 128)])
+def test_indexer_scores_tc(s, n, h, dh):
+    """The tensor-core path (forced on; DSUF_INDEXER_TC): f32 inputs as three bf16 terms equal the
+    reference to f32 precision; inputs on a codec's grid as one term (exact=True) equal the
+    three-term result bit for bit (the other terms are zeros) and the reference. (s 5, h 32: a
+    block of 4 queries with one query; n 129, 333: a part key tile; dh 32 and 64.)"""
+    q, k, w = rnd(s, h, dh), rnd(n, dh), rnd(s, h)
+    ref = REF.indexer_scores(q, k, w, h, dh)
+    assert rel(GPU.indexer_scores(cp.asarray(q), cp.asarray(k), cp.asarray(w), h, dh, tc=True), ref) < 1e-5
+    qg, kg = _on_fp4_grid(s, h, dh), _on_fp4_grid(n, dh)
+    ref = REF.indexer_scores(qg, kg, w, h, dh, exact=True)
+    one = GPU.indexer_scores(cp.asarray(qg), cp.asarray(kg), cp.asarray(w), h, dh, exact=True, tc=True)
+    three = GPU.indexer_scores(cp.asarray(qg), cp.asarray(kg), cp.asarray(w), h, dh, tc=True)
+    np.testing.assert_array_equal(cp.asnumpy(one), cp.asnumpy(three))
+    assert rel(one, ref) < 1e-5
+
+
 def test_topk_mask_ties():
     sc = rnd(6, 1000)
     sc[0, :] = 0.0  # all tied: lower index first

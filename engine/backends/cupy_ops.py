@@ -89,6 +89,10 @@ ATTEND_ROWS = _on("DSUF_ATTEND_ROWS")
 # selected entries; through row lists with ATTEND_ROWS) instead of the dense kernel over every key
 # under a [S, keys] bias: 708 -> 356 ms for a 4096-token chunk after 32768 (flash-shaped, 2 layers).
 SPARSE_PREFILL = _on("DSUF_SPARSE_PREFILL")
+# A prompt chunk's indexer scores on tensor cores (kernels/attention.cu indexer_scores_tc*) for
+# launches of at least ITC_MIN_QUERIES queries; off by default until its GPU tests have run.
+INDEXER_TC = os.environ.get("DSUF_INDEXER_TC", "0") == "1"
+ITC_ROWS, ITC_MIN_QUERIES = 128, 16  # (query, head) rows per block (ITC_ROWS in the kernel)
 GEMVR_MIN_BYTES, GEMVR_MAX_K = 16 << 20, 5120
 GEMVR_U = {FMT_FP8: 2, FMT_FP4: 8}
 GEMVR_BLOCKS_PER_SM = {FMT_FP8: 3, FMT_FP4: 2}  # what each kernel's registers allow (DEF_GR's MINB)
@@ -302,6 +306,19 @@ def _span_ptr(sp: Span, width: int) -> int:
             or sp.start + sp.n > buf.shape[0]:
         raise ValueError(f"a Span must cover C-contiguous float32 rows of width {width}")
     return int(buf.data.ptr) + sp.start * width * 4
+
+
+def _indexer_tc_shape(s: int, h: int, dh: int, forced: bool = False) -> bool:
+    """Whether the tensor-core indexer kernel takes this launch (kernels/attention.cu
+    indexer_tc_body's limits; and enough queries to fill its tiles, unless forced)."""
+    return (h % 32 == 0 and ITC_ROWS % h == 0 and dh % 16 == 0 and dh <= 128
+            and (forced or s >= ITC_MIN_QUERIES))
+
+
+def _indexer_tc_smem(dh: int, terms: int) -> int:
+    """Dynamic shared memory of indexer_scores_tc<terms>: 192 bf16 rows of dh + 8, per term, and
+    the warps' sums."""
+    return terms * (ITC_ROWS + 64) * (dh + 8) * 2 + 8 * 32 * 4
 
 
 def _indexer_path(h: int, dh: int, lanes: bool | None) -> tuple[bool, int]:
@@ -1159,13 +1176,22 @@ class CupyOps:
         return out
 
     def indexer_scores(self, q: cp.ndarray, k: cp.ndarray, w: cp.ndarray, n_heads: int, head_dim: int,
-                       lanes: bool | None = None) -> cp.ndarray:
-        """sum_h w[s,h] * relu(q[s,h] . k[n]) * head_dim^-0.5 * n_heads^-0.5 -> [S, N]. lanes:
-        the lanes-over-heads kernel path (default INDEXER_LANES)."""
+                       exact: bool = False, lanes: bool | None = None, tc: bool | None = None) -> cp.ndarray:
+        """sum_h w[s,h] * relu(q[s,h] . k[n]) * head_dim^-0.5 * n_heads^-0.5 -> [S, N]. Many
+        queries on tensor cores where the shape allows (tc: force that path on or off; default
+        INDEXER_TC), q and k as one bf16 term each if `exact` (values on a state codec's grid), else
+        three; otherwise the CUDA-core kernel (lanes: its lanes-over-heads path, default INDEXER_LANES)."""
         s, h, dh = q.shape
         n = k.shape[0]
         out = cp.empty((s, n), F32)
         if s == 0 or n == 0:
+            return out
+        if (INDEXER_TC if tc is None else tc) and _indexer_tc_shape(s, h, dh, forced=tc is not None):
+            terms = 1 if exact else 3
+            _smem_function("attention", f"indexer_scores_tc{terms}", _indexer_tc_smem(dh, terms))(
+                (math.ceil(s / (ITC_ROWS // h)),), (256,), (
+                    _c32(q), _c32(k), _c32(w), out, np.int32(s), np.int32(h), np.int32(n), np.int32(dh),
+                    F32(head_dim**-0.5), F32(n_heads**-0.5)), shared_mem=_indexer_tc_smem(dh, terms))
             return out
         if dh % 32 or dh > 256:
             raise ValueError(f"indexer kernel needs index_head_dim % 32 == 0 and <= 256 (got {dh})")

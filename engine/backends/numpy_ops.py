@@ -311,8 +311,10 @@ class NumpyOps:
         return self.attention_decode(q, [[(w, None)] + ([(e, Span(mask, b, e.n))] if e is not None else [])
                                          for b, (w, e) in enumerate(attend)], sinks, scale)
 
-    def indexer_scores(self, q: np.ndarray, k: np.ndarray, w: np.ndarray, n_heads: int, head_dim: int) -> np.ndarray:
-        """sum_h w[s,h] * relu(q[s,h] . k[n]) * head_dim^-0.5 * n_heads^-0.5 -> [S, N]."""
+    def indexer_scores(self, q: np.ndarray, k: np.ndarray, w: np.ndarray, n_heads: int, head_dim: int,
+                       exact: bool = False) -> np.ndarray:
+        """sum_h w[s,h] * relu(q[s,h] . k[n]) * head_dim^-0.5 * n_heads^-0.5 -> [S, N]. exact: q and
+        k hold values bf16 represents exactly (a state codec's grid), which a backend may use."""
         s, h, d = q.shape
         dots = np.einsum("xd,nd->xn", q.reshape(s * h, d), k).reshape(s, h, -1)
         scores = np.maximum(dots, F32(0.0)) * F32(head_dim**-0.5)
