@@ -12,6 +12,8 @@ import os
 import re
 from pathlib import Path
 
+import numpy as np
+
 KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
 # Architectures we build for: Hopper, Blackwell B200/GB200, B300/GB300 ('a' = arch-specific).
 TARGET_ARCHS = ("90a", "100a", "103a")
@@ -45,9 +47,16 @@ def source(name: str) -> str:
     return expand(KERNEL_DIR / f"{name}.cu")
 
 
+# DSUF_PDL_ALL=1: every kernel of ours inside a captured step is a programmatic dependent launch
+# (kernels/dsuf_common.cuh DSUF_PDL_PROLOGUE, compiled in by the macro below; function() returns
+# launchers that go through launch(pdl=True)), not only the weight-prefetching GEMVs. Off by default
+# until its GPU tests have run on an H200.
+PDL_ALL = os.environ.get("DSUF_PDL_ALL", "0") == "1"
+
+
 def options(arch: str) -> tuple[str, ...]:
     """NVRTC options for one target, e.g. arch '90a'."""
-    return (*BASE_OPTIONS, f"-arch=sm_{arch}")
+    return (*BASE_OPTIONS, f"-arch=sm_{arch}", *(("-DDSUF_PDL_ALL",) if PDL_ALL else ()))
 
 
 def device_arch() -> str:
@@ -71,9 +80,28 @@ def module(name: str):
     return cupy.RawModule(code=source(name), options=options(device_arch()))
 
 
+class _PdlLauncher:
+    """A RawKernel called like one, its launches inside a captured step made programmatic dependent
+    launches (launch(pdl=True); eager launches stay plain). Arguments launch() cannot pass (not a
+    CuPy array or NumPy scalar) make a plain launch: the kernel's wait is then a no-op."""
+
+    def __init__(self, fn) -> None:
+        self.raw = fn
+
+    def __call__(self, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> None:
+        if all(isinstance(a, np.generic) or hasattr(getattr(a, "data", None), "ptr") for a in args):
+            launch(self.raw, grid, block, args, shared_mem=shared_mem, pdl=True)
+        else:
+            self.raw(grid, block, args, shared_mem=shared_mem)
+
+    def __getattr__(self, name: str):
+        return getattr(self.raw, name)
+
+
 @functools.cache
 def function(mod: str, name: str):
-    return module(mod).get_function(name)
+    fn = module(mod).get_function(name)
+    return _PdlLauncher(fn) if PDL_ALL else fn
 
 
 _SMEM_ALLOWED: dict = {}  # (module, kernel, device) -> the dynamic shared memory it may use now
@@ -89,7 +117,8 @@ def function_with_smem(mod: str, name: str, smem_bytes: int):
     fn = function(mod, name)
     key = (mod, name, cupy.cuda.Device().id)
     if _SMEM_ALLOWED.get(key, 0) < smem_bytes:
-        fn.max_dynamic_shared_size_bytes = smem_bytes  # (sets it on the current device's copy)
+        raw = fn.raw if isinstance(fn, _PdlLauncher) else fn
+        raw.max_dynamic_shared_size_bytes = smem_bytes  # (sets it on the current device's copy)
         _SMEM_ALLOWED[key] = smem_bytes
     return fn
 
@@ -103,8 +132,6 @@ def function_with_smem(mod: str, name: str, smem_bytes: int):
 # per call would cost more than a small kernel).
 def _ctypes_args(args) -> tuple[tuple, tuple]:
     import ctypes
-
-    import numpy as np
 
     vals, types = [], []
     for a in args:
@@ -124,13 +151,15 @@ def launch(fn, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0, pdl:
     the stream is capturing (the kernel must call dsuf_grid_wait() before reading its inputs)."""
     import cupy
 
+    if isinstance(fn, _PdlLauncher):
+        fn = fn.raw
     stream = cupy.cuda.get_current_stream()
     if not (pdl and _pdl_ok() and stream.is_capturing()):
         fn(grid, block, args, shared_mem=shared_mem)
         return
     from cuda.bindings import driver as cu
 
-    grid, block = (tuple(grid) + (1, 1))[:3], (tuple(block) + (1, 1))[:3]
+    grid, block = ((*_dims(grid), 1, 1))[:3], ((*_dims(block), 1, 1))[:3]
     cfg = cu.CUlaunchConfig()
     cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
     cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block
@@ -144,6 +173,11 @@ def launch(fn, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0, pdl:
     err, = cu.cuLaunchKernelEx(cfg, cu.CUfunction(fn.kernel.ptr), _ctypes_args(args), 0)
     if err != cu.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"cuLaunchKernelEx({fn.name}): {err}")
+
+
+def _dims(d) -> tuple:
+    """A launch dimension as CuPy takes it (an int or a tuple of up to three) -> a tuple."""
+    return tuple(int(x) for x in d) if isinstance(d, (tuple, list)) else (int(d),)
 
 
 @functools.cache

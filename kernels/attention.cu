@@ -105,6 +105,7 @@ extern "C" __global__ void __launch_bounds__(256) attention(const float* __restr
                                                            const float* __restrict__ bias,
                                                            const float* __restrict__ sinks, float* __restrict__ out,
                                                            int S, int H, int N, int D, float scale) {
+  DSUF_PDL_PROLOGUE();
   const int h = blockIdx.x * 8 + (threadIdx.x >> 5), s = blockIdx.y, nd = D / 32;
   const bool active = h < H;
   float qr[ATT_DPL], o[ATT_DPL], m = -DSUF_INF, l = 0.f;
@@ -137,6 +138,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_decode(
     const float* __restrict__ sinks, float* __restrict__ out, float* __restrict__ part_o,
     float* __restrict__ part_ml, int H, int D, int nsplit, int chunk, float scale, const int* __restrict__ rows1,
     const int* __restrict__ cnt1, int rows1_ld) {
+  DSUF_PDL_PROLOGUE();
   const int h = blockIdx.x * 8 + (threadIdx.x >> 5), b = blockIdx.y, z = blockIdx.z, nd = D / 32;
   const bool active = h < H;
   const long long* e = tab + 6 * b;
@@ -183,6 +185,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_decode(
 // row, an exclusive scan over the threads gives its offset, then it writes its positions.
 extern "C" __global__ void __launch_bounds__(256) mask_rows(const bool* __restrict__ masks, int N, int* __restrict__ rows,
                                                           int* __restrict__ cnt, int K) {
+  DSUF_PDL_PROLOGUE();
   __shared__ int warp_tot[8];
   const bool* m = masks + (size_t)blockIdx.x * N;
   const int per = (N + 255) / 256, c0 = threadIdx.x * per, c1 = min(N, c0 + per);
@@ -217,6 +220,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_combine(const float*
                                                                    const float* __restrict__ sinks,
                                                                    float* __restrict__ out, int BH, int H, int D,
                                                                    int nsplit) {
+  DSUF_PDL_PROLOGUE();
   const int bh = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31, nd = D / 32;
   if (bh >= BH) return;
   const float* ml = part_ml + (size_t)bh * nsplit * 2;
@@ -315,6 +319,7 @@ extern "C" __global__ void __launch_bounds__(256) indexer_scores(const float* __
                                                                 const float* __restrict__ w,
                                                                 float* __restrict__ out, int S, int H, int N,
                                                                 int Dh, float dscale, float hscale, int lanes) {
+  DSUF_PDL_PROLOGUE();
   if (lanes)
     indexer_row<true>(q, k, w, out, H, N, N, Dh, dscale, hscale);
   else
@@ -442,7 +447,7 @@ __device__ __forceinline__ void indexer_tc_body(const float* __restrict__ q, con
   extern "C" __global__ void __launch_bounds__(256)                                                       \
       indexer_scores_tc##TERMS(const float* __restrict__ q, const float* __restrict__ k,                \
                                const float* __restrict__ w, float* __restrict__ out, int S, int H, int N, \
-                               int Dh, float dscale, float hscale) {                                     \
+                               int Dh, float dscale, float hscale) { DSUF_PDL_PROLOGUE();                 \
     indexer_tc_body<TERMS>(q, k, w, out, S, H, N, Dh, dscale, hscale);                                   \
   }
 DEF_INDEXER_TC(1)
@@ -455,6 +460,7 @@ extern "C" __global__ void __launch_bounds__(256) indexer_scores_spans(const flo
                                                                       const float* __restrict__ w,
                                                                       float* __restrict__ out, int H, int ldo,
                                                                       int Dh, float dscale, float hscale, int lanes) {
+  DSUF_PDL_PROLOGUE();
   const long long* e = kspan + 2 * blockIdx.y;
   if (lanes)
     indexer_row<true>(q, (const float*)e[0], w, out, H, (int)e[1], ldo, Dh, dscale, hscale);

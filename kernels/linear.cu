@@ -233,7 +233,7 @@ __device__ __forceinline__ void gemv_body(const float* __restrict__ A, int lda, 
                   const u64 *wptrs, const u64 *sptrs, int bn, int bk, int gk
 #define GEMV_PASS A, lda, Y, ldy, N, K, segs, wptrs, sptrs, bn, bk, gk
 #define DEF_GEMV(NAME, FMT, MT, RPW)                                       \
-  extern "C" __global__ void __launch_bounds__(256) NAME(GEMV_ARGS, int kw) { \
+  extern "C" __global__ void __launch_bounds__(256) NAME(GEMV_ARGS, int kw) { DSUF_PDL_PROLOGUE(); \
     gemv_body<FMT, MT, RPW>(GEMV_PASS, kw);                                  \
   }
 #define DEF_GEMV_FMT(TAG, FMT)                 \
@@ -353,7 +353,10 @@ __device__ __forceinline__ void gemm_body(GEMV_ARGS) {
 }
 
 #define DEF_GEMM(TAG, FMT) \
-  extern "C" __global__ void __launch_bounds__(128) gemm_##TAG(GEMV_ARGS) { gemm_body<FMT>(GEMV_PASS); }
+  extern "C" __global__ void __launch_bounds__(128) gemm_##TAG(GEMV_ARGS) {      \
+    DSUF_PDL_PROLOGUE();                                                       \
+    gemm_body<FMT>(GEMV_PASS);                                                 \
+  }
 DEF_GEMM(f32, FMT_F32)
 DEF_GEMM(bf16, FMT_BF16)
 DEF_GEMM(fp8, FMT_FP8)
@@ -381,7 +384,7 @@ __device__ __forceinline__ void gather_body(const u8* W, const void* S, const lo
 }
 #define DEF_GATHER(TAG, FMT)                                                                       \
   extern "C" __global__ void gather_##TAG(const u8* W, const void* S, const long long* ids, float* out, \
-                                          int K, int bn, int bk, int gk) {                         \
+                                          int K, int bn, int bk, int gk) { DSUF_PDL_PROLOGUE();     \
     gather_body<FMT>(W, S, ids, out, K, bn, bk, gk);                                               \
   }
 DEF_GATHER(f32, FMT_F32)

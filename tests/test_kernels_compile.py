@@ -31,6 +31,20 @@ def test_kernel_compiles(name: str, arch: str) -> None:
     assert size > 0
 
 
+@pytest.mark.parametrize("name", [p.stem for p in kernels.kernel_files()])
+def test_pdl_all_every_kernel_waits(name: str) -> None:
+    """Compiled for DSUF_PDL_ALL, every kernel entry waits for its predecessor (griddepcontrol.wait)
+    before a captured step may launch it early; compiled without, the prologue adds nothing (only
+    the GEMVs that load weights before waiting, gemvx and gemvr, wait)."""
+    entries = check.ptx(name, "90a", ("-DDSUF_PDL_ALL",)).split(".entry ")[1:]
+    assert entries
+    missing = [e.split("(")[0].strip() for e in entries if "griddepcontrol.wait" not in e]
+    assert not missing, f"{name}.cu kernels that do not wait: {missing}"
+    plain = [e.split("(")[0].strip() for e in check.ptx(name, "90a").split(".entry ")[1:]
+             if "griddepcontrol.wait" in e]
+    assert all(n.startswith(("gemvx_", "gemvr_")) for n in plain), plain
+
+
 def test_sources_inline_headers() -> None:
     for p in kernels.kernel_files():
         assert '#include "' not in kernels.source(p.stem)

@@ -58,6 +58,27 @@ def compile_one(name: str, arch: str, extra: tuple[str, ...] = ()) -> tuple[bool
         nvrtc.nvrtcDestroyProgram(prog)
 
 
+def ptx(name: str, arch: str, extra: tuple[str, ...] = ()) -> str:
+    """PTX of kernels/<name>.cu for compute_<arch> (to check what a kernel was compiled to)."""
+    from cuda.bindings import nvrtc
+
+    err, prog = nvrtc.nvrtcCreateProgram(kernels.source(name).encode(), f"{name}.cu".encode(), 0, [], [])
+    opts = [*BASE_OPTS_PTX, f"-arch=compute_{arch}", *extra] + [f"-I{d}" for d in _include_dirs()]
+    try:
+        (res,) = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
+        if res != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise RuntimeError(f"{name}.cu did not compile for compute_{arch}")
+        _, n = nvrtc.nvrtcGetPTXSize(prog)
+        buf = bytearray(n)
+        nvrtc.nvrtcGetPTX(prog, buf)
+        return bytes(buf).decode(errors="replace")
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+BASE_OPTS_PTX = (*kernels.BASE_OPTIONS, "-ftz=true")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", action="append", help="target(s), default: 90a 100a 103a")
