@@ -363,6 +363,154 @@ DEF_GEMM(fp8, FMT_FP8)
 DEF_GEMM(fp4, FMT_FP4)
 
 // ---------------------------------------------------------------------------------------------
+// GEMM, pipelined (DSUF_GEMM2): the same segments and arithmetic as gemm_body (activations as three
+// bf16 terms, weights dequantized to bf16, mma.m16n8k16 with f32 accumulation), over 64 x 128 tiles
+// with 8 warps in 2 x 4 (each 32 x 32, as gemm_body's), and double-buffered: the next K step's
+// global loads are issued into registers before the current step's MMAs, and stored (split,
+// dequantized) into the other shared buffer after them, one barrier per step. gemm_body waits for
+// its loads at every step and reads each activation tile once per 64 weight rows; this reads it
+// once per 128. Dynamic shared memory GEMM2_SMEM bytes. grid (ceil(N/128), nseg), block 256.
+#define G2_BN 128
+#define G2_A_TILE (3 * BM * LDS)   // u16 per buffer: three terms of 64 rows
+#define G2_W_TILE (G2_BN * LDS)    // u16 per buffer
+#define GEMM2_SMEM (2 * (G2_A_TILE + G2_W_TILE) * 2)
+template <int FMT>
+__device__ __forceinline__ void gemm2_body(GEMV_ARGS) {
+  constexpr int EPC = Fmt<FMT>::EPC;
+  constexpr int CPR = BK / EPC > 0 ? BK / EPC : 1;           // 16-byte weight chunks per tile row
+  constexpr int WPT = (G2_BN * CPR + 255) / 256;             // of them per thread
+  extern __shared__ __align__(16) u16 g2s[];
+  u16* As = g2s;                     // [2][3][BM][LDS]
+  u16* Ws = g2s + 2 * G2_A_TILE;     // [2][G2_BN][LDS]
+  const int* sg = segs + 5 * blockIdx.y;
+  const int widx = sg[0], row0 = sg[1], rows = sg[2], acol = sg[3], ycol = sg[4];
+  if (rows <= 0) return;  // an unused segment slot: the whole block, before any barrier
+  const u8* W = (const u8*)wptrs[widx];
+  const void* S = (const void*)sptrs[widx];
+  const int nb = blockIdx.x * G2_BN;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wm = (warp >> 2) * 32, wn = (warp & 3) * 32;
+  const int g = lane >> 2, t = lane & 3;
+  const size_t row_bytes = (size_t)K * Fmt<FMT>::NUM / Fmt<FMT>::DEN;
+  float4 av[2];      // the next step's activations: 64 x 32 floats = 512 float4, 2 per thread
+  uint4 wv[WPT];     // the next step's weight chunks
+  float wsc[WPT];
+  auto load = [&](int k0) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int idx = tid + 256 * i, r = idx >> 3, c4 = idx & 7;
+      av[i] = r < rows ? __ldg((const float4*)(A + (size_t)(row0 + r) * lda + acol + k0 + 4 * c4))
+                       : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int i = 0; i < WPT; ++i) {
+      const int idx = tid + 256 * i, r = idx / CPR, c = idx % CPR, n = nb + r;
+      wv[i] = make_uint4(0, 0, 0, 0);
+      wsc[i] = 0.f;
+      if (idx < G2_BN * CPR && n < N) {
+        wv[i] = ldg16(W + (size_t)n * row_bytes + (size_t)k0 * Fmt<FMT>::NUM / Fmt<FMT>::DEN + (size_t)c * 16);
+        wsc[i] = chunk_scale<FMT>(S, n, k0 + c * EPC, bn, bk, gk);
+      }
+    }
+  };
+  auto store = [&](int buf) {
+    u16* a = As + buf * G2_A_TILE;
+    u16* w = Ws + buf * G2_W_TILE;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int idx = tid + 256 * i, r = idx >> 3, c4 = idx & 7;
+      float e[4] = {av[i].x, av[i].y, av[i].z, av[i].w};
+#pragma unroll
+      for (int term = 0; term < 3; ++term) *(uint2*)&a[(term * BM + r) * LDS + 4 * c4] = bf16_term4(e);
+    }
+#pragma unroll
+    for (int i = 0; i < WPT; ++i) {
+      const int idx = tid + 256 * i, r = idx / CPR, c = idx % CPR;
+      if (idx < G2_BN * CPR) {
+#pragma unroll
+        for (int q = 0; q < EPC / 4; ++q) {
+          float o[4];
+          deq4<FMT>(wv[i], q, wsc[i], o);
+          *(uint2*)&w[r * LDS + c * EPC + 4 * q] = make_uint2(pack_bf16x2(o[0], o[1]), pack_bf16x2(o[2], o[3]));
+        }
+      }
+    }
+  };
+  float acc[2][4][4];
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+
+  load(0);
+  store(0);
+  __syncthreads();
+  int buf = 0;
+  for (int k0 = 0; k0 < K; k0 += BK) {
+    const bool more = k0 + BK < K;
+    if (more) load(k0 + BK);  // in flight during this step's MMAs
+    const u16* a = As + buf * G2_A_TILE;
+    const u16* w = Ws + buf * G2_W_TILE;
+#pragma unroll
+    for (int ks = 0; ks < BK; ks += 16) {
+      u32 b[4][2];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const u16* wr = w + (wn + 8 * j + g) * LDS + ks + 2 * t;
+        b[j][0] = *(const u32*)wr;
+        b[j][1] = *(const u32*)(wr + 8);
+      }
+#pragma unroll
+      for (int term = 2; term >= 0; --term) {  // smallest term first
+        u32 af[2][4];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const u16* ar = a + (term * BM + wm + 16 * i + g) * LDS + ks + 2 * t;
+          af[i][0] = *(const u32*)ar;
+          af[i][1] = *(const u32*)(ar + 8 * LDS);
+          af[i][2] = *(const u32*)(ar + 8);
+          af[i][3] = *(const u32*)(ar + 8 * LDS + 8);
+        }
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) mma_bf16(acc[i][j], af[i], b[j]);
+      }
+    }
+    if (more) store(buf ^ 1);  // (that buffer was last read before the previous barrier)
+    __syncthreads();
+    buf ^= 1;
+  }
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int r = wm + 16 * i + g, n = nb + wn + 8 * j + 2 * t;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int rr = r + 8 * h;
+        if (rr < rows) {
+          float* y = Y + (size_t)(row0 + rr) * ldy + ycol;
+          if (n < N) y[n] = acc[i][j][2 * h];
+          if (n + 1 < N) y[n + 1] = acc[i][j][2 * h + 1];
+        }
+      }
+    }
+}
+
+#define DEF_GEMM2(TAG, FMT)                                                   \
+  extern "C" __global__ void __launch_bounds__(256) gemm2_##TAG(GEMV_ARGS) { \
+    DSUF_PDL_PROLOGUE();                                                      \
+    gemm2_body<FMT>(GEMV_PASS);                                               \
+  }
+DEF_GEMM2(f32, FMT_F32)
+DEF_GEMM2(bf16, FMT_BF16)
+DEF_GEMM2(fp8, FMT_FP8)
+DEF_GEMM2(fp4, FMT_FP4)
+
+// ---------------------------------------------------------------------------------------------
 // Row gather with dequantization (embedding tables): out[i, :] = dequant(W[ids[i], :]).
 // grid (n_ids), block 128; requires K % EPC == 0.
 template <int FMT>
