@@ -387,34 +387,7 @@ __device__ __forceinline__ void indexer_tc_body(const float* __restrict__ q, con
       for (int j = 0; j < 4; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
-    for (int ks = 0; ks < Dh; ks += 16) {
-#pragma unroll
-      for (int tk = TERMS - 1; tk >= 0; --tk) {  // smallest terms first
-        u32 b[4][2];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const u16* kr = Ks + (tk * ITC_KEYS + wn + 8 * j + g) * ld + ks + 2 * t;
-          b[j][0] = *(const u32*)kr;
-          b[j][1] = *(const u32*)(kr + 8);
-        }
-#pragma unroll
-        for (int tq = TERMS - 1 - tk; tq >= 0; --tq) {
-          u32 a[2][4];
-#pragma unroll
-          for (int i = 0; i < 2; ++i) {
-            const u16* ar = As + (tq * ITC_ROWS + wm + 16 * i + g) * ld + ks + 2 * t;
-            a[i][0] = *(const u32*)ar;
-            a[i][1] = *(const u32*)(ar + 8 * ld);
-            a[i][2] = *(const u32*)(ar + 8);
-            a[i][3] = *(const u32*)(ar + 8 * ld + 8);
-          }
-#pragma unroll
-          for (int i = 0; i < 2; ++i)
-#pragma unroll
-            for (int j = 0; j < 4; ++j) mma_bf16(acc[i][j], a[i], b[j]);
-        }
-      }
-    }
+    mma_warp_32x32<TERMS, TERMS>(acc, As, ITC_ROWS * ld, Ks, ITC_KEYS * ld, ld, Dh, wm, wn);
     // acc[i][j][2 h + c]: row wm + 16 i + g + 8 h, key wn + 8 j + 2 t + c
 #pragma unroll
     for (int j = 0; j < 4; ++j)

@@ -110,6 +110,47 @@ __device__ __forceinline__ void mma_bf16(float* c, const u32* a, const u32* b) {
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// One warp's 32 x 32 tile of C += A * B^T over k_len (a multiple of 16) from shared memory, both
+// operands bf16 rows of stride ld (u16): A rows wm.. (TA terms, a_term apart), B rows wn.. (TB terms,
+// b_term apart; B's rows are C's columns). Term products ta + tb < max(TA, TB), smallest first (three
+// terms carry an f32: the rest lie below its rounding). acc[i][j][2 h + c]: C row wm + 16 i + g + 8 h,
+// column wn + 8 j + 2 t + c (g = lane / 4, t = lane % 4), as mma.m16n8k16 lays it out.
+template <int TA, int TB>
+__device__ __forceinline__ void mma_warp_32x32(float (&acc)[2][4][4], const u16* a, int a_term, const u16* b,
+                                               int b_term, int ld, int k_len, int wm, int wn) {
+  constexpr int TM = TA > TB ? TA : TB;
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll 1  // (unrolling lets ptxas spill the one-term indexer kernel)
+  for (int ks = 0; ks < k_len; ks += 16) {
+#pragma unroll
+    for (int tb = TB - 1; tb >= 0; --tb) {
+      u32 bf[4][2];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const u16* br = b + tb * b_term + (wn + 8 * j + g) * ld + ks + 2 * t;
+        bf[j][0] = *(const u32*)br;
+        bf[j][1] = *(const u32*)(br + 8);
+      }
+#pragma unroll
+      for (int ta = (TA - 1 < TM - 1 - tb ? TA - 1 : TM - 1 - tb); ta >= 0; --ta) {
+        u32 af[2][4];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const u16* ar = a + ta * a_term + (wm + 16 * i + g) * ld + ks + 2 * t;
+          af[i][0] = *(const u32*)ar;
+          af[i][1] = *(const u32*)(ar + 8 * ld);
+          af[i][2] = *(const u32*)(ar + 8);
+          af[i][3] = *(const u32*)(ar + 8 * ld + 8);
+        }
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) mma_bf16(acc[i][j], af[i], bf[j]);
+      }
+    }
+  }
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

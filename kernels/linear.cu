@@ -451,34 +451,7 @@ __device__ __forceinline__ void gemm2_body(GEMV_ARGS) {
   for (int k0 = 0; k0 < K; k0 += BK) {
     const bool more = k0 + BK < K;
     if (more) load(k0 + BK);  // in flight during this step's MMAs
-    const u16* a = As + buf * G2_A_TILE;
-    const u16* w = Ws + buf * G2_W_TILE;
-#pragma unroll
-    for (int ks = 0; ks < BK; ks += 16) {
-      u32 b[4][2];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const u16* wr = w + (wn + 8 * j + g) * LDS + ks + 2 * t;
-        b[j][0] = *(const u32*)wr;
-        b[j][1] = *(const u32*)(wr + 8);
-      }
-#pragma unroll
-      for (int term = 2; term >= 0; --term) {  // smallest term first
-        u32 af[2][4];
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          const u16* ar = a + (term * BM + wm + 16 * i + g) * LDS + ks + 2 * t;
-          af[i][0] = *(const u32*)ar;
-          af[i][1] = *(const u32*)(ar + 8 * LDS);
-          af[i][2] = *(const u32*)(ar + 8);
-          af[i][3] = *(const u32*)(ar + 8 * LDS + 8);
-        }
-#pragma unroll
-        for (int i = 0; i < 2; ++i)
-#pragma unroll
-          for (int j = 0; j < 4; ++j) mma_bf16(acc[i][j], af[i], b[j]);
-      }
-    }
+    mma_warp_32x32<3, 1>(acc, As + buf * G2_A_TILE, BM * LDS, Ws + buf * G2_W_TILE, 0, LDS, BK, wm, wn);
     if (more) store(buf ^ 1);  // (that buffer was last read before the previous barrier)
     __syncthreads();
     buf ^= 1;
