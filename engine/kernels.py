@@ -86,7 +86,7 @@ class _PdlLauncher:
     CuPy array or NumPy scalar) make a plain launch: the kernel's wait is then a no-op."""
 
     def __init__(self, fn) -> None:
-        self.raw = fn
+        object.__setattr__(self, "raw", fn)
 
     def __call__(self, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> None:
         if all(isinstance(a, np.generic) or hasattr(getattr(a, "data", None), "ptr") for a in args):
@@ -96,6 +96,9 @@ class _PdlLauncher:
 
     def __getattr__(self, name: str):
         return getattr(self.raw, name)
+
+    def __setattr__(self, name: str, value) -> None:  # (max_dynamic_shared_size_bytes: the kernel's)
+        setattr(self.raw, name, value)
 
 
 @functools.cache
@@ -117,8 +120,7 @@ def function_with_smem(mod: str, name: str, smem_bytes: int):
     fn = function(mod, name)
     key = (mod, name, cupy.cuda.Device().id)
     if _SMEM_ALLOWED.get(key, 0) < smem_bytes:
-        raw = fn.raw if isinstance(fn, _PdlLauncher) else fn
-        raw.max_dynamic_shared_size_bytes = smem_bytes  # (sets it on the current device's copy)
+        fn.max_dynamic_shared_size_bytes = smem_bytes  # (sets it on the current device's copy)
         _SMEM_ALLOWED[key] = smem_bytes
     return fn
 
