@@ -39,6 +39,7 @@ class StateError(ValueError):
 # round-trips exactly (its values came out of the matching fake-quant); otherwise as float32.
 F32, FP8_UE8M0_32, FP4_E4M3_16, FP4_UE8M0_32 = 0, 1, 2, 3
 V41_CODECS = {"window": FP8_UE8M0_32, "entries": FP4_E4M3_16, "idx_keys": FP4_UE8M0_32}
+CODEC_BLOCK = {FP8_UE8M0_32: 32, FP4_E4M3_16: 16, FP4_UE8M0_32: 32}  # elements per scale
 
 _ARRAY_FIELDS = ("window", "buf_kv", "buf_gate", "ovl_kv", "ovl_gate", "entries",
                  "idx_buf_kv", "idx_buf_gate", "idx_ovl_kv", "idx_ovl_gate", "idx_keys")
@@ -227,7 +228,7 @@ def _e4m3_scales(b: np.ndarray, amax: np.ndarray) -> tuple[np.ndarray, np.ndarra
 def encode_array(a: np.ndarray, codec: int) -> tuple[int, bytes]:
     """(codec actually used, bytes). Lossless: falls back to float32 unless decoding the
     encoded form gives back exactly `a`. float32 throughout: this runs at every snapshot."""
-    block = {FP8_UE8M0_32: 32, FP4_E4M3_16: 16, FP4_UE8M0_32: 32}.get(codec)
+    block = CODEC_BLOCK.get(codec)
     if block is None or a.size == 0 or a.shape[-1] % block or not np.all(np.isfinite(a)):
         return F32, a.tobytes()
     b = a.reshape(-1, block)
@@ -260,7 +261,7 @@ def decode_array(blob: bytes, shape: tuple[int, ...], codec: int) -> np.ndarray:
         if len(blob) != count * 4:
             raise StateError("state array size does not match its shape")
         return np.frombuffer(blob, dtype=np.float32).reshape(shape).copy()
-    block = {FP8_UE8M0_32: 32, FP4_E4M3_16: 16, FP4_UE8M0_32: 32}.get(codec)
+    block = CODEC_BLOCK.get(codec)
     if block is None:
         raise StateError(f"unknown state codec {codec}")
     nb = count // block

@@ -416,7 +416,7 @@ def test_moe(t):
     assert rel(got, ref) < (F32_TOL if np.bincount(ids.ravel()).max() <= 8 else GEMM_TOL)
 
 
-def test_side_branch_matches_inline():
+def test_side_branch_matches_inline(monkeypatch):
     """CupyOps.side: the shared expert forked onto a second stream beside the routed experts (as
     Model._moe does) equals both run inline, bit for bit, replayed as a CUDA graph (the fork and join
     become graph edges; eagerly the branch runs inline); the branch's input is a temporary the
@@ -442,11 +442,12 @@ def test_side_branch_matches_inline():
     ref = cp.asnumpy(inline(x))
     assert np.isfinite(ref).all() and np.abs(ref).max() > 0
     assert np.array_equal(cp.asnumpy(branched(x)), ref)
+    monkeypatch.setattr(GPU, "_side_stream", None)  # (made on first use: by this capture, below)
     graphs = RegionGraphs(enabled=True)
     for _ in range(4):  # eager, capture, then replays
         assert np.array_equal(cp.asnumpy(graphs("side", branched, x)), ref)
     assert graphs.captures == 1 and graphs.replays >= 2
-    assert GPU._side_stream is not None  # (the capture forked)
+    assert GPU._side_stream is not None  # the capture forked
 
 
 # MoE with the pairs grouped on the device (T * top-k <= MOE_DEVICE_MAX_PAIRS): narrow fp4 experts,
