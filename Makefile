@@ -31,7 +31,7 @@ gpu-test-fallbacks:
 
 # Paths written and compiled but not yet run on a GPU, so off by default: the model and TP tests
 # with them on (their kernel tests in test_gpu_ops.py force them either way).
-OPT_IN = DSUF_INDEXER_TC=1 DSUF_PDL_ALL=1 DSUF_GEMM2=1
+OPT_IN = DSUF_INDEXER_TC=1 DSUF_PDL_ALL=1 DSUF_GEMM2=1 DSUF_ATTEND_TC=1
 
 gpu-test-opt-in:
 	$(OPT_IN) $(PY) -m pytest -q -s tests/test_gpu_model.py tests/test_gpu_tp.py

@@ -663,7 +663,8 @@ class Model:
                 lo, hi = np.maximum(i - (win - 1), 0), i + 1
                 # (V4.1's masks and V4 CSA's are top-k selections; V4 HCA's only the causal limit)
                 most = cfg.index_topk if cfg.arch == "v41" or cfg.layer_kinds[li] == "csa" else 0
-                o = ops.attention_ranges(q[r], keys, lo, hi, comp, cvis, L.sinks, d**-0.5, most)
+                o = ops.attention_ranges(q[r], keys, lo, hi, comp, cvis, L.sinks, d**-0.5, most,
+                                         exact=self._codec("window") != NO_CODEC)
                 if out is None:
                     out = o
                 else:

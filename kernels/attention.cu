@@ -180,6 +180,162 @@ extern "C" __global__ void __launch_bounds__(256) attention_decode(
   }
 }
 
+// A prompt chunk's attention on tensor cores (DSUF_ATTEND_TC), in three passes over a block of
+// queries: scores (attn_tc_scores), softmax with the sink (attn_tc_softmax), then P times V
+// (attn_tc_pv). MQA: every head of a query reads the same keys, so a query's 64 heads are the M
+// side of its MMAs. Query s's keys are j = 0 .. L-1 (attn_key_row): its window, rows lo[s] ..
+// hi[s] - 1 of `keys`, then its entries: through its list of selected rows (rows, cnt from
+// mask_rows) or, without lists, every entry e its mask row allows. q and P go in as three bf16
+// terms (f32-exact products); K=V as TK terms (1 where the state codecs' grids make them
+// bf16-exact). sc [S, H, L] holds the raw dots, then the probabilities (0 for keys not visible).
+__device__ __forceinline__ const float* attn_key_row(int s, int j, const float* keys, const long long* lo,
+                                                     const long long* hi, const float* entries, const int* rows,
+                                                     const int* cnt, int rows_ld, const bool* emask, int n_e,
+                                                     int D) {
+  const int nw = (int)(hi[s] - lo[s]);
+  if (j < nw) return keys + (size_t)(lo[s] + j) * D;
+  const int e = j - nw;
+  if (rows != nullptr) return e < cnt[s] ? entries + (size_t)rows[(size_t)s * rows_ld + e] * D : nullptr;
+  return emask != nullptr && e < n_e && emask[(size_t)s * n_e + e] ? entries + (size_t)e * D : nullptr;
+}
+
+#define ATC_LD 40  // bf16 per shared row of a 32-wide K step (16 B pad: conflict-free fragments)
+#define ATTN_TC_ARGS                                                                                        \
+  const float *__restrict__ q, const float *__restrict__ keys, const long long *__restrict__ lo,            \
+      const long long *__restrict__ hi, const float *__restrict__ entries, const int *__restrict__ rows,  \
+      const int *__restrict__ cnt, int rows_ld, const bool *__restrict__ emask, int n_e, float *__restrict__ sc, \
+      int H, int D, int L
+#define ATTN_TC_KEY(s, j) attn_key_row(s, j, keys, lo, hi, entries, rows, cnt, rows_ld, emask, n_e, D)
+
+// 64 heads x 32 floats of row-major src (row stride ld floats) -> 3 bf16 terms in dst [3][64][ATC_LD]
+__device__ __forceinline__ void atc_stage_rows(const float* src, size_t ld, u16* dst) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int idx = threadIdx.x + 128 * i, r = idx >> 3, c4 = idx & 7;
+    const float4 v = __ldg((const float4*)(src + r * ld + 4 * c4));
+    float e[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int term = 0; term < 3; ++term) *(uint2*)&dst[(term * 64 + r) * ATC_LD + 4 * c4] = bf16_term4(e);
+  }
+}
+
+// grid (L / 64, S, H / 64), block 128 (4 warps in 2 x 2 over 64 heads x 64 keys); K steps of 32 of D.
+template <int TK>
+__device__ __forceinline__ void attn_tc_scores_body(ATTN_TC_ARGS) {
+  __shared__ __align__(16) u16 as[3 * 64 * ATC_LD];
+  __shared__ __align__(16) u16 bs[TK * 64 * ATC_LD];
+  __shared__ const float* kp[64];
+  const int s = blockIdx.y, j0 = blockIdx.x * 64, h0 = blockIdx.z * 64, tid = threadIdx.x, warp = tid >> 5;
+  const int wm = (warp >> 1) * 32, wn = (warp & 1) * 32;
+  if (tid < 64) kp[tid] = ATTN_TC_KEY(s, j0 + tid);
+  float acc[2][4][4] = {};
+  for (int k0 = 0; k0 < D; k0 += 32) {
+    __syncthreads();  // (kp written; the last step's tiles read)
+    atc_stage_rows(q + ((size_t)s * H + h0) * D + k0, D, as);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int idx = tid + 128 * i, r = idx >> 3, c4 = idx & 7;
+      const float* p = kp[r];
+      const float4 v = p != nullptr ? __ldg((const float4*)(p + k0 + 4 * c4)) : make_float4(0.f, 0.f, 0.f, 0.f);
+      float e[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int term = 0; term < TK; ++term) *(uint2*)&bs[(term * 64 + r) * ATC_LD + 4 * c4] = bf16_term4(e);
+    }
+    __syncthreads();
+    mma_warp_32x32<3, TK>(acc, as, 64 * ATC_LD, bs, 64 * ATC_LD, ATC_LD, 32, wm, wn);
+  }
+  const int lane = tid & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int hh = wm + 16 * i + g + 8 * (e >> 1), kk = wn + 8 * j + 2 * t + (e & 1);
+        sc[((size_t)s * H + h0 + hh) * L + j0 + kk] = kp[kk] != nullptr ? acc[i][j][e] : -DSUF_INF;
+      }
+}
+
+// In place: row (s, h) of sc -> e^(x scale - M) / (sum + e^(sink - M)), M = max(x scale, sink); 0 where
+// x = -inf. grid (ceil(S * H / 8)), block 256: a warp per row.
+extern "C" __global__ void __launch_bounds__(256) attn_tc_softmax(float* __restrict__ sc,
+                                                                  const float* __restrict__ sinks, int H, int L,
+                                                                  long long nrows, float scale) {
+  DSUF_PDL_PROLOGUE();
+  const long long r = (long long)blockIdx.x * 8 + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  if (r >= nrows) return;
+  float* x = sc + r * L;
+  const float sk = sinks[r % H];
+  float m = sk;
+  for (int j = lane; j < L; j += 32) m = fmaxf(m, x[j] * scale);
+  m = warp_max(m);
+  float sum = 0.f;
+  for (int j = lane; j < L; j += 32) sum += expf(x[j] * scale - m);
+  sum = warp_sum(sum) + expf(sk - m);
+  const float inv = 1.f / sum;
+  for (int j = lane; j < L; j += 32) x[j] = expf(x[j] * scale - m) * inv;
+}
+
+// out[s, h, d] = sum_j P[s, h, j] V_j(s)[d]. grid (D / 64, S, H / 64), block 128 (2 x 2 warps over 64
+// heads x 64 dims); K steps of 32 keys. V's tile goes in transposed ([dim][key]): B's rows are C's
+// columns.
+template <int TV>
+__device__ __forceinline__ void attn_tc_pv_body(ATTN_TC_ARGS, float* __restrict__ out) {
+  __shared__ __align__(16) u16 as[3 * 64 * ATC_LD];
+  __shared__ __align__(16) u16 bs[TV * 64 * ATC_LD];
+  __shared__ const float* kp[32];
+  const int s = blockIdx.y, d0 = blockIdx.x * 64, h0 = blockIdx.z * 64, tid = threadIdx.x, warp = tid >> 5;
+  const int wm = (warp >> 1) * 32, wn = (warp & 1) * 32;
+  float acc[2][4][4] = {};
+  for (int j0 = 0; j0 < L; j0 += 32) {
+    __syncthreads();  // (the last step's tiles and kp read)
+    if (tid < 32) kp[tid] = ATTN_TC_KEY(s, j0 + tid);
+    atc_stage_rows(sc + ((size_t)s * H + h0) * L + j0, L, as);
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {  // 32 keys x 64 dims = 512 float4
+      const int idx = tid + 128 * i, r = idx >> 4, c4 = idx & 15;
+      const float* p = kp[r];
+      const float4 v = p != nullptr ? __ldg((const float4*)(p + d0 + 4 * c4)) : make_float4(0.f, 0.f, 0.f, 0.f);
+      float e[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int term = 0; term < TV; ++term) {
+        const uint2 w = bf16_term4(e);
+        u16* col = bs + (term * 64 + 4 * c4) * ATC_LD + r;  // dims 4 c4 .. 4 c4 + 3, key r
+        col[0] = (u16)(w.x & 0xFFFFu);
+        col[ATC_LD] = (u16)(w.x >> 16);
+        col[2 * ATC_LD] = (u16)(w.y & 0xFFFFu);
+        col[3 * ATC_LD] = (u16)(w.y >> 16);
+      }
+    }
+    __syncthreads();
+    mma_warp_32x32<3, TV>(acc, as, 64 * ATC_LD, bs, 64 * ATC_LD, ATC_LD, 32, wm, wn);
+  }
+  const int lane = tid & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int hh = wm + 16 * i + g + 8 * h, dd = d0 + wn + 8 * j + 2 * t;
+        *(float2*)&out[((size_t)s * H + h0 + hh) * D + dd] = make_float2(acc[i][j][2 * h], acc[i][j][2 * h + 1]);
+      }
+}
+
+#define DEF_ATTN_TC(T)                                                                                     \
+  extern "C" __global__ void __launch_bounds__(128) attn_tc_scores##T(ATTN_TC_ARGS) {                    \
+    DSUF_PDL_PROLOGUE();                                                                                 \
+    attn_tc_scores_body<T>(q, keys, lo, hi, entries, rows, cnt, rows_ld, emask, n_e, sc, H, D, L);        \
+  }                                                                                                      \
+  extern "C" __global__ void __launch_bounds__(128) attn_tc_pv##T(ATTN_TC_ARGS, float* __restrict__ out) { \
+    DSUF_PDL_PROLOGUE();                                                                                 \
+    attn_tc_pv_body<T>(q, keys, lo, hi, entries, rows, cnt, rows_ld, emask, n_e, sc, H, D, L, out);       \
+  }
+DEF_ATTN_TC(1)
+DEF_ATTN_TC(3)
+
 // The positions of each row's true values in ascending order: masks [B, N] bool -> rows [B, K]
 // (the first K of them), cnt[B]. grid (B), block 256: thread t counts its contiguous slice of the
 // row, an exclusive scan over the threads gives its offset, then it writes its positions.

@@ -781,6 +781,42 @@ def test_attention_ranges(n_state, s, n_e, k):
         assert rel(GPU.attention_ranges(*args, sparse=sparse, rows=rows), ref) < 1e-5, (sparse, rows)
 
 
+def _on_fp8_grid(*shape) -> np.ndarray:
+    """Random non-zero e4m3-representable values times powers of two: bf16-exact, like FP8 state rows."""
+    mant = RNG.integers(8, 16, shape).astype(np.float32) / 8  # 1 + 3 mantissa bits
+    sign = RNG.choice(np.array([-1, 1], np.float32), shape)
+    return (mant * sign * np.exp2(RNG.integers(-6, 3, shape))).astype(np.float32)
+
+
+@pytest.mark.parametrize("n_state,s,n_e,k", [(127, 300, 900, 40), (20, 200, 50, 0), (0, 70, 0, 0),
+                                             (5, 130, 600, 512)])
+def test_attention_ranges_tc(n_state, s, n_e, k):
+    """The tensor-core prefill attention (DSUF_ATTEND_TC; forced): each query's window range, then its
+    entries through its row list (k 40 of 900), under its mask (k 0: any number; k 512 of 600: too
+    many for lists), or none; f32 keys as three bf16 terms within 1e-5 of the reference, and keys on
+    codec grids as one term (exact) bit-identical to three and within 1e-5."""
+    h, d, win = 64, 512, 128
+    q, sinks = rnd(s, h, d), rnd(h)
+    i = np.arange(s) + n_state
+    lo, hi = np.maximum(i - (win - 1), 0), i + 1
+    emask = None
+    if n_e:
+        emask = np.zeros((s, n_e), bool)
+        for r in range(s):
+            emask[r, RNG.choice(n_e, min(n_e, k) if k else int(RNG.integers(0, n_e + 1)), replace=False)] = True
+    for grid in (False, True):
+        keys = _on_fp8_grid(n_state + s, d) if grid else rnd(n_state + s, d)
+        entries = (_on_fp4_grid(n_e, d) if grid else rnd(n_e, d)) if n_e else None
+        ref = REF.attention_ranges(q, keys, lo, hi, entries, emask, sinks, d**-0.5, k)
+        args = (cp.asarray(q), cp.asarray(keys), lo, hi, None if entries is None else cp.asarray(entries),
+                None if emask is None else cp.asarray(emask), cp.asarray(sinks), d**-0.5, k)
+        three = GPU.attention_ranges(*args, sparse=True, rows=True, tc=True)
+        assert rel(three, ref) < 1e-5, grid
+        if grid:
+            one = GPU.attention_ranges(*args, exact=True, sparse=True, rows=True, tc=True)
+            np.testing.assert_array_equal(cp.asnumpy(one), cp.asnumpy(three))
+
+
 @pytest.mark.parametrize("b,n,k", [(1, 16384, 512), (5, 1000, 64), (3, 70, 70), (2, 300, 8)])
 def test_mask_rows(b, n, k):
     """Each mask row's true positions in order, the first k of them, and how many (at most k)."""

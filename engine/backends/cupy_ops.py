@@ -96,7 +96,11 @@ GEMM2_SMEM, GEMM2_TILE_N = 51200, 128  # (kernels/linear.cu GEMM2_SMEM, G2_BN)
 # A prompt chunk's indexer scores on tensor cores (kernels/attention.cu indexer_scores_tc*) for
 # launches of at least ITC_MIN_QUERIES queries; off by default until its GPU tests have run.
 INDEXER_TC = os.environ.get("DSUF_INDEXER_TC", "0") == "1"
-ITC_ROWS, ITC_MIN_QUERIES = 128, 16  # (query, head) rows per block (ITC_ROWS in the kernel)
+ITC_ROWS, ITC_MIN_QUERIES = 128, 16
+# A prompt chunk's sparse attention on tensor cores (attn_tc_*, three passes through an [n, H, L]
+# score buffer, n <= ATC_QUERIES queries at a time); off by default until its GPU tests have run.
+ATTEND_TC = os.environ.get("DSUF_ATTEND_TC", "0") == "1"
+ATC_QUERIES = 1024  # (query, head) rows per block (ITC_ROWS in the kernel)
 GEMVR_MIN_BYTES, GEMVR_MAX_K = 16 << 20, 5120
 GEMVR_U = {FMT_FP8: 2, FMT_FP4: 8}
 GEMVR_BLOCKS_PER_SM = {FMT_FP8: 3, FMT_FP4: 2}  # what each kernel's registers allow (DEF_GR's MINB)
@@ -1042,14 +1046,22 @@ class CupyOps:
 
     def attention_ranges(self, q: cp.ndarray, keys: cp.ndarray, lo: np.ndarray, hi: np.ndarray,
                          entries: cp.ndarray | None, emask: cp.ndarray | None, sinks: cp.ndarray, scale: float,
-                         selected: int = 0, sparse: bool | None = None, rows: bool | None = None) -> cp.ndarray:
+                         selected: int = 0, exact: bool = False, sparse: bool | None = None,
+                         rows: bool | None = None, tc: bool | None = None) -> cp.ndarray:
         """NumpyOps.attention_ranges: by default the dense kernel over every key under a bias
         built here on the device; sparse (default SPARSE_PREFILL): one attention_decode query per
         row, its window read as a range and its entries under its mask row (through the row's
-        list of selected rows where `selected` bounds them, with rows, default ATTEND_ROWS)."""
+        list of selected rows where `selected` bounds them, with rows, default ATTEND_ROWS); tc
+        (default ATTEND_TC, where heads and head_dim are multiples of 64): the same keys per query
+        on tensor cores (_attention_ranges_tc; exact: keys and entries on state codecs' grids)."""
         s, h, d = q.shape
         sparse = SPARSE_PREFILL if sparse is None else sparse
         rows = ATTEND_ROWS if rows is None else rows
+        if (ATTEND_TC if tc is None else tc) and sparse and s > 0 and h % 64 == 0 and d % 64 == 0:
+            lists = None
+            if entries is not None and rows and 0 < selected and 2 * selected <= entries.shape[0]:
+                lists = self._mask_rows(cp.ascontiguousarray(emask, dtype=cp.bool_), selected)
+            return self._attention_ranges_tc(q, keys, lo, hi, entries, emask, lists, sinks, scale, exact)
         if not sparse or s == 0:
             j = cp.arange(keys.shape[0])
             lo_d, hi_d = self.asarray(lo, dtype=np.int64), self.asarray(hi, dtype=np.int64)
@@ -1077,6 +1089,37 @@ class CupyOps:
         out = cp.empty((s, h, d), F32)
         # (keys / entries stay referenced here until the launch below is enqueued)
         return self._attention_decode(q, self.asarray(tab, dtype=np.int64), masks, sinks, scale, longest, out, lists)
+
+    def _attention_ranges_tc(self, q, keys, lo: np.ndarray, hi: np.ndarray, entries, emask, lists,
+                             sinks, scale: float, exact: bool) -> cp.ndarray:
+        """attention_ranges on tensor cores (kernels/attention.cu attn_tc_*): per block of up to
+        ATC_QUERIES queries, their [n, H, L] scores over each one's keys (window, then its listed
+        or unmasked entries), softmax with the sinks in place, then times V."""
+        s, h, d = q.shape
+        keys, qc, sk = _c32(keys), _c32(q), _c32(sinks)
+        n_e = 0 if entries is None else entries.shape[0]
+        ents = _c32(entries) if entries is not None else _NULL
+        masks = cp.ascontiguousarray(emask, dtype=cp.bool_) if entries is not None and lists is None else None
+        width = lists[0].shape[1] if lists is not None else n_e
+        span = int((np.asarray(hi) - np.asarray(lo)).max()) + width
+        L = max(64, -(-span // 64) * 64)
+        lo_d, hi_d = self.asarray(np.asarray(lo, np.int64), dtype=np.int64), self.asarray(np.asarray(hi, np.int64),
+                                                                                         dtype=np.int64)
+        terms = 1 if exact else 3
+        out = cp.empty((s, h, d), F32)
+        for s0 in range(0, s, ATC_QUERIES):
+            s1 = min(s, s0 + ATC_QUERIES)
+            n = s1 - s0
+            sc = cp.empty((n, h, L), F32)
+            args = (qc[s0:s1], keys, lo_d[s0:s1], hi_d[s0:s1], ents,
+                    lists[0][s0:s1] if lists is not None else _NULL, lists[1][s0:s1] if lists is not None else _NULL,
+                    np.int32(width if lists is not None else 0), masks[s0:s1] if masks is not None else _NULL,
+                    np.int32(n_e), sc, np.int32(h), np.int32(d), np.int32(L))
+            K.function("attention", f"attn_tc_scores{terms}")((L // 64, n, h // 64), (128,), args)
+            K.function("attention", "attn_tc_softmax")((-(-(n * h) // 8),), (256,), (
+                sc, sk, np.int32(h), np.int32(L), np.int64(n * h), F32(scale)))
+            K.function("attention", f"attn_tc_pv{terms}")((d // 64, n, h // 64), (128,), (*args, out[s0:s1]))
+        return out
 
     def attention_decode(self, q: cp.ndarray, sources: list, sinks: cp.ndarray, scale: float) -> cp.ndarray:
         """Decode attention of B sequences, one query each, in one launch: q [B, H, D]; sources[b]
