@@ -1,7 +1,7 @@
 PY ?= python3
 BENCH_CKPT ?= $(or $(TMPDIR),/tmp)/dsuf-flash2
 
-.PHONY: test lint pytest serve gpu-test gpu-test-opt-in gpu-test-fallbacks gpu-memcheck gpu-memcheck-model gpu-bench
+.PHONY: test lint pytest serve gpu-test gpu-test-opt-in gpu-test-fallbacks gpu-memcheck gpu-memcheck-model gpu-bench gpu-ab
 
 # The README's test command: lint, then the whole suite (GPU tests skip where no GPU is present).
 test: lint pytest
@@ -53,3 +53,18 @@ gpu-bench:
 	test -f $(BENCH_CKPT)/config.json || $(PY) dsuf.py tiny-model $(BENCH_CKPT) --arch v41 \
 		--preset v41-flash-shaped --layers 2 --vocab 8192
 	$(PY) dsuf.py bench --ckpt $(BENCH_CKPT) --batches 1,8,32 --prefill 4096,65536 --chunk 4096
+
+# Each opt-in path's figure beside the default's, on the bench checkpoint: decode graphs for the
+# decode-side flags, prefill 4096 / 65536 for the prefill-side ones (what decides making one default).
+BENCH_DECODE = $(PY) dsuf.py bench --ckpt $(BENCH_CKPT) --batches 1,8,32 --prefill 0 --no-linears --steps 20
+BENCH_PREFILL = $(PY) dsuf.py bench --ckpt $(BENCH_CKPT) --batches 1 --prefill 4096,65536 --no-linears --steps 5
+
+gpu-ab:
+	test -f $(BENCH_CKPT)/config.json || $(PY) dsuf.py tiny-model $(BENCH_CKPT) --arch v41 \
+		--preset v41-flash-shaped --layers 2 --vocab 8192
+	@echo "== decode, default"; $(BENCH_DECODE) | tail -4
+	@echo "== decode, DSUF_PDL_ALL=1"; DSUF_PDL_ALL=1 $(BENCH_DECODE) | tail -4
+	@echo "== prefill, default"; $(BENCH_PREFILL) | tail -2
+	@for f in DSUF_INDEXER_TC DSUF_GEMM2 DSUF_ATTEND_TC; do \
+		echo "== prefill, $$f=1"; env $$f=1 $(BENCH_PREFILL) | tail -2; done
+	@echo "== prefill, all three"; DSUF_INDEXER_TC=1 DSUF_GEMM2=1 DSUF_ATTEND_TC=1 $(BENCH_PREFILL) | tail -2
