@@ -244,16 +244,9 @@ __device__ __forceinline__ void attn_tc_scores_body(ATTN_TC_ARGS) {
     __syncthreads();
     mma_warp_32x32<3, TK>(acc, as, 64 * ATC_LD, bs, 64 * ATC_LD, ATC_LD, 32, wm, wn);
   }
-  const int lane = tid & 31, g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int i = 0; i < 2; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int hh = wm + 16 * i + g + 8 * (e >> 1), kk = wn + 8 * j + 2 * t + (e & 1);
-        sc[((size_t)s * H + h0 + hh) * L + j0 + kk] = kp[kk] != nullptr ? acc[i][j][e] : -DSUF_INF;
-      }
+  mma_warp_32x32_each(acc, wm, wn, [&](int hh, int kk, float v) {
+    sc[((size_t)s * H + h0 + hh) * L + j0 + kk] = kp[kk] != nullptr ? v : -DSUF_INF;
+  });
 }
 
 // In place: row (s, h) of sc -> e^(x scale - M) / (sum + e^(sink - M)), M = max(x scale, sink); 0 where
@@ -312,16 +305,7 @@ __device__ __forceinline__ void attn_tc_pv_body(ATTN_TC_ARGS, float* __restrict_
     __syncthreads();
     mma_warp_32x32<3, TV>(acc, as, 64 * ATC_LD, bs, 64 * ATC_LD, ATC_LD, 32, wm, wn);
   }
-  const int lane = tid & 31, g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int i = 0; i < 2; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int hh = wm + 16 * i + g + 8 * h, dd = d0 + wn + 8 * j + 2 * t;
-        *(float2*)&out[((size_t)s * H + h0 + hh) * D + dd] = make_float2(acc[i][j][2 * h], acc[i][j][2 * h + 1]);
-      }
+  mma_warp_32x32_each(acc, wm, wn, [&](int hh, int dd, float v) { out[((size_t)s * H + h0 + hh) * D + d0 + dd] = v; });
 }
 
 #define DEF_ATTN_TC(T)                                                                                     \
@@ -536,13 +520,7 @@ __device__ __forceinline__ void indexer_tc_body(const float* __restrict__ q, con
       for (int term = 0; term < TERMS; ++term) *(uint2*)&Ks[(term * ITC_KEYS + r) * ld + c] = bf16_term4(e);
     }
     __syncthreads();
-    float acc[2][4][4];
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+    float acc[2][4][4] = {};
     mma_warp_32x32<TERMS, TERMS>(acc, As, ITC_ROWS * ld, Ks, ITC_KEYS * ld, ld, Dh, wm, wn);
     // acc[i][j][2 h + c]: row wm + 16 i + g + 8 h, key wn + 8 j + 2 t + c
 #pragma unroll

@@ -151,6 +151,18 @@ __device__ __forceinline__ void mma_warp_32x32(float (&acc)[2][4][4], const u16*
   }
 }
 
+// f(row, column, value) for each of this lane's 32 values of mma_warp_32x32's tile (its layout).
+template <class F>
+__device__ __forceinline__ void mma_warp_32x32_each(const float (&acc)[2][4][4], int wm, int wn, F f) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) f(wm + 16 * i + g + 8 * (e >> 1), wn + 8 * j + 2 * t + (e & 1), acc[i][j][e]);
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

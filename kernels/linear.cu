@@ -388,9 +388,8 @@ __device__ __forceinline__ void gemm2_body(GEMV_ARGS) {
   const u8* W = (const u8*)wptrs[widx];
   const void* S = (const void*)sptrs[widx];
   const int nb = blockIdx.x * G2_BN;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int tid = threadIdx.x, warp = tid >> 5;
   const int wm = (warp >> 2) * 32, wn = (warp & 3) * 32;
-  const int g = lane >> 2, t = lane & 3;
   const size_t row_bytes = (size_t)K * Fmt<FMT>::NUM / Fmt<FMT>::DEN;
   float4 av[2];      // the next step's activations: 64 x 32 floats = 512 float4, 2 per thread
   uint4 wv[WPT];     // the next step's weight chunks
@@ -436,14 +435,7 @@ __device__ __forceinline__ void gemm2_body(GEMV_ARGS) {
       }
     }
   };
-  float acc[2][4][4];
-#pragma unroll
-  for (int i = 0; i < 2; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
-
+  float acc[2][4][4] = {};
   load(0);
   store(0);
   __syncthreads();
@@ -456,21 +448,9 @@ __device__ __forceinline__ void gemm2_body(GEMV_ARGS) {
     __syncthreads();
     buf ^= 1;
   }
-#pragma unroll
-  for (int i = 0; i < 2; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int r = wm + 16 * i + g, n = nb + wn + 8 * j + 2 * t;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int rr = r + 8 * h;
-        if (rr < rows) {
-          float* y = Y + (size_t)(row0 + rr) * ldy + ycol;
-          if (n < N) y[n] = acc[i][j][2 * h];
-          if (n + 1 < N) y[n + 1] = acc[i][j][2 * h + 1];
-        }
-      }
-    }
+  mma_warp_32x32_each(acc, wm, wn, [&](int r, int c, float v) {
+    if (r < rows && nb + c < N) Y[(size_t)(row0 + r) * ldy + ycol + nb + c] = v;
+  });
 }
 
 #define DEF_GEMM2(TAG, FMT)                                                   \
