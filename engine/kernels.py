@@ -89,7 +89,7 @@ class _PdlLauncher:
         object.__setattr__(self, "raw", fn)
 
     def __call__(self, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> None:
-        if all(isinstance(a, np.generic) or hasattr(getattr(a, "data", None), "ptr") for a in args):
+        if all(map(_passable, args)):
             launch(self.raw, grid, block, args, shared_mem=shared_mem, pdl=True)
         else:
             self.raw(grid, block, args, shared_mem=shared_mem)
@@ -132,19 +132,24 @@ def function_with_smem(mod: str, name: str, smem_bytes: int):
 # the part before its dsuf_grid_wait() (a GEMV's L2 prefetch of its weights) overlaps the
 # previous kernel. Eager launches stay plain CuPy launches (building a launch config from Python
 # per call would cost more than a small kernel).
+def _passable(a) -> bool:
+    """Whether launch() can pass a kernel argument: a CuPy array (its pointer) or a NumPy scalar."""
+    return isinstance(a, np.generic) or hasattr(getattr(a, "data", None), "ptr")
+
+
 def _ctypes_args(args) -> tuple[tuple, tuple]:
     import ctypes
 
     vals, types = [], []
     for a in args:
-        if hasattr(a, "data") and hasattr(a.data, "ptr"):  # a CuPy array: its device pointer
-            vals.append(a.data.ptr)
-            types.append(ctypes.c_void_p)
-        elif isinstance(a, np.generic):
+        if not _passable(a):
+            raise TypeError(f"launch(): unsupported kernel argument {type(a).__name__}")
+        if isinstance(a, np.generic):
             vals.append(a.item())
             types.append(np.ctypeslib.as_ctypes_type(a.dtype))
-        else:
-            raise TypeError(f"launch(): unsupported kernel argument {type(a).__name__}")
+        else:  # a CuPy array: its device pointer
+            vals.append(a.data.ptr)
+            types.append(ctypes.c_void_p)
     return tuple(vals), tuple(types)
 
 

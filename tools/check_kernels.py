@@ -9,6 +9,7 @@ nvidia-cuda-runtime==13.*, nvidia-cuda-cccl==13.*.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -33,15 +34,16 @@ def _include_dirs() -> list[str]:
     return dirs
 
 
-def compile_one(name: str, arch: str, extra: tuple[str, ...] = ()) -> tuple[bool, str, int]:
-    """Compile kernels/<name>.cu for sm_<arch>. Returns (ok, log, cubin bytes)."""
+@contextlib.contextmanager
+def _program(name: str, options: tuple[str, ...], extra: tuple[str, ...]):
+    """kernels/<name>.cu compiled by NVRTC with `options` (its target among them: -arch=sm_X for a
+    cubin, -arch=compute_X for PTX) and `extra`; yields (program, compiled?, log), destroyed after."""
     from cuda.bindings import nvrtc
 
-    src = kernels.source(name).encode()
-    err, prog = nvrtc.nvrtcCreateProgram(src, f"{name}.cu".encode(), 0, [], [])
+    err, prog = nvrtc.nvrtcCreateProgram(kernels.source(name).encode(), f"{name}.cu".encode(), 0, [], [])
     if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-        return False, f"nvrtcCreateProgram: {err}", 0
-    opts = [*kernels.options(arch), "-ftz=true", *extra] + [f"-I{d}" for d in _include_dirs()]
+        raise RuntimeError(f"nvrtcCreateProgram: {err}")
+    opts = [*options, "-ftz=true", *extra] + [f"-I{d}" for d in _include_dirs()]
     try:
         (res,) = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
         _, size = nvrtc.nvrtcGetProgramLogSize(prog)
@@ -49,34 +51,32 @@ def compile_one(name: str, arch: str, extra: tuple[str, ...] = ()) -> tuple[bool
         # one-byte bytes object (writing a NUL into it corrupts every b" " in the process)
         buf = bytearray(max(size, 1))
         nvrtc.nvrtcGetProgramLog(prog, buf)
-        log = bytes(buf).decode(errors="replace").strip("\x00 \n")
-        if res != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            return False, log, 0
-        _, n = nvrtc.nvrtcGetCUBINSize(prog)
-        return True, log, n
+        yield prog, res == nvrtc.nvrtcResult.NVRTC_SUCCESS, bytes(buf).decode(errors="replace").strip("\x00 \n")
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
+
+
+def compile_one(name: str, arch: str, extra: tuple[str, ...] = ()) -> tuple[bool, str, int]:
+    """Compile kernels/<name>.cu for sm_<arch>. Returns (ok, log, cubin bytes)."""
+    from cuda.bindings import nvrtc
+
+    try:
+        with _program(name, kernels.options(arch), extra) as (prog, ok, log):
+            return (True, log, nvrtc.nvrtcGetCUBINSize(prog)[1]) if ok else (False, log, 0)
+    except RuntimeError as e:
+        return False, str(e), 0
 
 
 def ptx(name: str, arch: str, extra: tuple[str, ...] = ()) -> str:
     """PTX of kernels/<name>.cu for compute_<arch> (to check what a kernel was compiled to)."""
     from cuda.bindings import nvrtc
 
-    err, prog = nvrtc.nvrtcCreateProgram(kernels.source(name).encode(), f"{name}.cu".encode(), 0, [], [])
-    opts = [*BASE_OPTS_PTX, f"-arch=compute_{arch}", *extra] + [f"-I{d}" for d in _include_dirs()]
-    try:
-        (res,) = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
-        if res != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            raise RuntimeError(f"{name}.cu did not compile for compute_{arch}")
-        _, n = nvrtc.nvrtcGetPTXSize(prog)
-        buf = bytearray(n)
+    with _program(name, (*kernels.BASE_OPTIONS, f"-arch=compute_{arch}"), extra) as (prog, ok, log):
+        if not ok:
+            raise RuntimeError(f"{name}.cu did not compile for compute_{arch}:\n{log}")
+        buf = bytearray(nvrtc.nvrtcGetPTXSize(prog)[1])
         nvrtc.nvrtcGetPTX(prog, buf)
         return bytes(buf).decode(errors="replace")
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
-
-
-BASE_OPTS_PTX = (*kernels.BASE_OPTIONS, "-ftz=true")
 
 
 def main(argv: list[str] | None = None) -> int:
