@@ -96,11 +96,11 @@ GEMM2_SMEM, GEMM2_TILE_N = 51200, 128  # (kernels/linear.cu GEMM2_SMEM, G2_BN)
 # A prompt chunk's indexer scores on tensor cores (kernels/attention.cu indexer_scores_tc*) for
 # launches of at least ITC_MIN_QUERIES queries; off by default until its GPU tests have run.
 INDEXER_TC = os.environ.get("DSUF_INDEXER_TC", "0") == "1"
-ITC_ROWS, ITC_MIN_QUERIES = 128, 16
+ITC_ROWS, ITC_MIN_QUERIES = 128, 16  # (query, head) rows per block (ITC_ROWS in the kernel)
 # A prompt chunk's sparse attention on tensor cores (attn_tc_*, three passes through an [n, H, L]
 # score buffer, n <= ATC_QUERIES queries at a time); off by default until its GPU tests have run.
 ATTEND_TC = os.environ.get("DSUF_ATTEND_TC", "0") == "1"
-ATC_QUERIES = 1024  # (query, head) rows per block (ITC_ROWS in the kernel)
+ATC_QUERIES = 1024
 GEMVR_MIN_BYTES, GEMVR_MAX_K = 16 << 20, 5120
 GEMVR_U = {FMT_FP8: 2, FMT_FP4: 8}
 GEMVR_BLOCKS_PER_SM = {FMT_FP8: 3, FMT_FP4: 2}  # what each kernel's registers allow (DEF_GR's MINB)
@@ -1057,11 +1057,6 @@ class CupyOps:
         s, h, d = q.shape
         sparse = SPARSE_PREFILL if sparse is None else sparse
         rows = ATTEND_ROWS if rows is None else rows
-        if (ATTEND_TC if tc is None else tc) and sparse and s > 0 and h % 64 == 0 and d % 64 == 0:
-            lists = None
-            if entries is not None and rows and 0 < selected and 2 * selected <= entries.shape[0]:
-                lists = self._mask_rows(cp.ascontiguousarray(emask, dtype=cp.bool_), selected)
-            return self._attention_ranges_tc(q, keys, lo, hi, entries, emask, lists, sinks, scale, exact)
         if not sparse or s == 0:
             j = cp.arange(keys.shape[0])
             lo_d, hi_d = self.asarray(lo, dtype=np.int64), self.asarray(hi, dtype=np.int64)
@@ -1071,40 +1066,40 @@ class CupyOps:
                 keys = self.cat([keys, entries], axis=0)
                 bias = self.cat([bias, cp.where(emask, F32(0.0), F32(-np.inf)).astype(F32, copy=False)], axis=1)
             return self.attention(q, keys, bias, sinks, scale)
+        keys = _c32(keys)
+        entries = None if entries is None else _c32(entries)
+        n_e = 0 if entries is None else entries.shape[0]
+        masks = None if entries is None else cp.ascontiguousarray(emask, dtype=cp.bool_)
+        lists = self._mask_rows(masks, selected) if n_e and rows and 0 < selected and 2 * selected <= n_e else None
+        if (ATTEND_TC if tc is None else tc) and h % 64 == 0 and d % 64 == 0:
+            return self._attention_ranges_tc(q, keys, lo, hi, entries, masks, lists, sinks, scale, exact)
         if d % 32 or d > 512:
             raise ValueError(f"attention kernel needs head_dim % 32 == 0 and <= 512 (got {d})")
-        keys = _c32(keys)
         tab = np.zeros((s, 6), np.int64)
         tab[:, 0] = _ptr(keys) + np.asarray(lo, np.int64) * d * 4
         tab[:, 1] = np.asarray(hi, np.int64) - np.asarray(lo, np.int64)
-        masks, lists, n_e = None, None, 0
         if entries is not None:
-            entries = _c32(entries)
-            masks = cp.ascontiguousarray(emask, dtype=cp.bool_)
-            n_e = entries.shape[0]
             tab[:, 3], tab[:, 4], tab[:, 5] = _ptr(entries), n_e, 1
-            if rows and 0 < selected and 2 * selected <= n_e:
-                lists = self._mask_rows(masks, selected)
         longest = int(tab[:, 1].max()) + (selected if lists is not None else n_e)
         out = cp.empty((s, h, d), F32)
         # (keys / entries stay referenced here until the launch below is enqueued)
         return self._attention_decode(q, self.asarray(tab, dtype=np.int64), masks, sinks, scale, longest, out, lists)
 
-    def _attention_ranges_tc(self, q, keys, lo: np.ndarray, hi: np.ndarray, entries, emask, lists,
+    def _attention_ranges_tc(self, q, keys: cp.ndarray, lo: np.ndarray, hi: np.ndarray, entries, masks, lists,
                              sinks, scale: float, exact: bool) -> cp.ndarray:
         """attention_ranges on tensor cores (kernels/attention.cu attn_tc_*): per block of up to
         ATC_QUERIES queries, their [n, H, L] scores over each one's keys (window, then its listed
-        or unmasked entries), softmax with the sinks in place, then times V."""
+        entries, or without lists those its mask row allows), softmax with the sinks in place,
+        then times V. keys / entries: contiguous f32; masks: contiguous bool [S, n_e]."""
         s, h, d = q.shape
-        keys, qc, sk = _c32(keys), _c32(q), _c32(sinks)
+        qc, sk = _c32(q), _c32(sinks)
         n_e = 0 if entries is None else entries.shape[0]
-        ents = _c32(entries) if entries is not None else _NULL
-        masks = cp.ascontiguousarray(emask, dtype=cp.bool_) if entries is not None and lists is None else None
+        ents = entries if entries is not None else _NULL
+        masks = masks if lists is None else None  # (the lists stand for the mask)
         width = lists[0].shape[1] if lists is not None else n_e
         span = int((np.asarray(hi) - np.asarray(lo)).max()) + width
         L = max(64, -(-span // 64) * 64)
-        lo_d, hi_d = self.asarray(np.asarray(lo, np.int64), dtype=np.int64), self.asarray(np.asarray(hi, np.int64),
-                                                                                         dtype=np.int64)
+        lo_d, hi_d = (self.asarray(np.asarray(a, np.int64), dtype=np.int64) for a in (lo, hi))
         terms = 1 if exact else 3
         out = cp.empty((s, h, d), F32)
         for s0 in range(0, s, ATC_QUERIES):
@@ -1238,10 +1233,10 @@ class CupyOps:
             return out
         if (INDEXER_TC if tc is None else tc) and _indexer_tc_shape(s, h, dh, forced=tc is not None):
             terms = 1 if exact else 3
-            _smem_function("attention", f"indexer_scores_tc{terms}", _indexer_tc_smem(dh, terms))(
-                (math.ceil(s / (ITC_ROWS // h)),), (256,), (
-                    _c32(q), _c32(k), _c32(w), out, np.int32(s), np.int32(h), np.int32(n), np.int32(dh),
-                    F32(head_dim**-0.5), F32(n_heads**-0.5)), shared_mem=_indexer_tc_smem(dh, terms))
+            smem = _indexer_tc_smem(dh, terms)
+            _smem_function("attention", f"indexer_scores_tc{terms}", smem)((math.ceil(s / (ITC_ROWS // h)),), (256,), (
+                _c32(q), _c32(k), _c32(w), out, np.int32(s), np.int32(h), np.int32(n), np.int32(dh),
+                F32(head_dim**-0.5), F32(n_heads**-0.5)), shared_mem=smem)
             return out
         if dh % 32 or dh > 256:
             raise ValueError(f"indexer kernel needs index_head_dim % 32 == 0 and <= 256 (got {dh})")
