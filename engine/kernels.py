@@ -21,6 +21,9 @@ BASE_OPTIONS = ("-std=c++17",)
 _INCLUDE_RE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 
 FMT_F32, FMT_BF16, FMT_FP8, FMT_FP4 = 0, 1, 2, 3  # mirror kernels/dsuf_common.cuh
+# A prompt chunk's tensor-core attention (kernels/attention.cu attn_tc_*) runs this many queries at a
+# time through an [n, heads, keys] float32 score buffer (engine/memory_plan.py counts it).
+ATTEND_TC_QUERIES = 1024
 
 
 def kernel_files() -> list[Path]:
@@ -47,16 +50,9 @@ def source(name: str) -> str:
     return expand(KERNEL_DIR / f"{name}.cu")
 
 
-# DSUF_PDL_ALL=1: every kernel of ours inside a captured step is a programmatic dependent launch
-# (kernels/dsuf_common.cuh DSUF_PDL_PROLOGUE, compiled in by the macro below; function() returns
-# launchers that go through launch(pdl=True)), not only the weight-prefetching GEMVs. Off by default
-# until its GPU tests have run on an H200.
-PDL_ALL = os.environ.get("DSUF_PDL_ALL", "0") == "1"
-
-
 def options(arch: str) -> tuple[str, ...]:
     """NVRTC options for one target, e.g. arch '90a'."""
-    return (*BASE_OPTIONS, f"-arch=sm_{arch}", *(("-DDSUF_PDL_ALL",) if PDL_ALL else ()))
+    return (*BASE_OPTIONS, f"-arch=sm_{arch}")
 
 
 def device_arch() -> str:
@@ -80,31 +76,9 @@ def module(name: str):
     return cupy.RawModule(code=source(name), options=options(device_arch()))
 
 
-class _PdlLauncher:
-    """A RawKernel called like one, its launches inside a captured step made programmatic dependent
-    launches (launch(pdl=True); eager launches stay plain). Arguments launch() cannot pass (not a
-    CuPy array or NumPy scalar) make a plain launch: the kernel's wait is then a no-op."""
-
-    def __init__(self, fn) -> None:
-        object.__setattr__(self, "raw", fn)
-
-    def __call__(self, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> None:
-        if all(map(_passable, args)):
-            launch(self.raw, grid, block, args, shared_mem=shared_mem, pdl=True)
-        else:
-            self.raw(grid, block, args, shared_mem=shared_mem)
-
-    def __getattr__(self, name: str):
-        return getattr(self.raw, name)
-
-    def __setattr__(self, name: str, value) -> None:  # (max_dynamic_shared_size_bytes: the kernel's)
-        setattr(self.raw, name, value)
-
-
 @functools.cache
 def function(mod: str, name: str):
-    fn = module(mod).get_function(name)
-    return _PdlLauncher(fn) if PDL_ALL else fn
+    return module(mod).get_function(name)
 
 
 _SMEM_ALLOWED: dict = {}  # (module, kernel, device) -> the dynamic shared memory it may use now
@@ -158,8 +132,6 @@ def launch(fn, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0, pdl:
     the stream is capturing (the kernel must call dsuf_grid_wait() before reading its inputs)."""
     import cupy
 
-    if isinstance(fn, _PdlLauncher):
-        fn = fn.raw
     stream = cupy.cuda.get_current_stream()
     if not (pdl and _pdl_ok() and stream.is_capturing()):
         fn(grid, block, args, shared_mem=shared_mem)

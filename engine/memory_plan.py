@@ -26,6 +26,9 @@ Per tensor-parallel rank (engine.tp.ShardPlan decides what each rank holds) the 
                                                                  bias over the compressed entries of
                                                                  one sequence, max_entries =
                                                                  max_context / smallest compress ratio)
+      attend_tc    min(prefill_chunk, ATTEND_TC_QUERIES) * local_heads * (window + min(max_entries,
+                   2 * index_topk) + 64) * 4     (a prompt chunk's tensor-core attention scores: each
+                                                  query's window, then its listed or unmasked entries)
       logits       max_seqs * vocab * 4
       graphs       the outputs the CUDA graphs of the layer regions keep (engine/backends/
                    cuda_graphs.py): graph_bytes_per_row * the rows of the MAX_ROW_BUCKETS largest
@@ -50,6 +53,7 @@ import numpy as np
 
 from engine.checkpoint import SAFETENSORS_DTYPES, Checkpoint, RawTensor, Weight, _block_candidates, scale_name
 from engine.config import ModelConfig, parse_config
+from engine.kernels import ATTEND_TC_QUERIES
 from engine.tp import ShardingError, ShardPlan
 
 __all__ = [
@@ -303,6 +307,8 @@ def workspace_bytes(cfg: ModelConfig, plan: ShardPlan, max_seqs: int, max_contex
         "attention": t * local_heads * cfg.head_dim * 4 * 3,
         "moe": t * cfg.num_experts_per_tok * cfg.moe_intermediate_size * 4 * 3,
         "scores": min(prefill_chunk, max_context) * max_entries * 4 * 3,
+        "attend_tc": min(prefill_chunk, ATTEND_TC_QUERIES) * local_heads
+        * (cfg.sliding_window + min(max_entries, 2 * cfg.index_topk) + 64) * 4,
         "logits": max_seqs * cfg.vocab_size * 4,
     }
 

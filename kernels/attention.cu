@@ -105,7 +105,6 @@ extern "C" __global__ void __launch_bounds__(256) attention(const float* __restr
                                                            const float* __restrict__ bias,
                                                            const float* __restrict__ sinks, float* __restrict__ out,
                                                            int S, int H, int N, int D, float scale) {
-  DSUF_PDL_PROLOGUE();
   const int h = blockIdx.x * 8 + (threadIdx.x >> 5), s = blockIdx.y, nd = D / 32;
   const bool active = h < H;
   float qr[ATT_DPL], o[ATT_DPL], m = -DSUF_INF, l = 0.f;
@@ -138,7 +137,6 @@ extern "C" __global__ void __launch_bounds__(256) attention_decode(
     const float* __restrict__ sinks, float* __restrict__ out, float* __restrict__ part_o,
     float* __restrict__ part_ml, int H, int D, int nsplit, int chunk, float scale, const int* __restrict__ rows1,
     const int* __restrict__ cnt1, int rows1_ld) {
-  DSUF_PDL_PROLOGUE();
   const int h = blockIdx.x * 8 + (threadIdx.x >> 5), b = blockIdx.y, z = blockIdx.z, nd = D / 32;
   const bool active = h < H;
   const long long* e = tab + 6 * b;
@@ -254,7 +252,6 @@ __device__ __forceinline__ void attn_tc_scores_body(ATTN_TC_ARGS) {
 extern "C" __global__ void __launch_bounds__(256) attn_tc_softmax(float* __restrict__ sc,
                                                                   const float* __restrict__ sinks, int H, int L,
                                                                   long long nrows, float scale) {
-  DSUF_PDL_PROLOGUE();
   const long long r = (long long)blockIdx.x * 8 + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
   if (r >= nrows) return;
@@ -310,11 +307,9 @@ __device__ __forceinline__ void attn_tc_pv_body(ATTN_TC_ARGS, float* __restrict_
 
 #define DEF_ATTN_TC(T)                                                                                     \
   extern "C" __global__ void __launch_bounds__(128) attn_tc_scores##T(ATTN_TC_ARGS) {                    \
-    DSUF_PDL_PROLOGUE();                                                                                 \
     attn_tc_scores_body<T>(q, keys, lo, hi, entries, rows, cnt, rows_ld, emask, n_e, sc, H, D, L);        \
   }                                                                                                      \
   extern "C" __global__ void __launch_bounds__(128) attn_tc_pv##T(ATTN_TC_ARGS, float* __restrict__ out) { \
-    DSUF_PDL_PROLOGUE();                                                                                 \
     attn_tc_pv_body<T>(q, keys, lo, hi, entries, rows, cnt, rows_ld, emask, n_e, sc, H, D, L, out);       \
   }
 DEF_ATTN_TC(1)
@@ -325,7 +320,6 @@ DEF_ATTN_TC(3)
 // row, an exclusive scan over the threads gives its offset, then it writes its positions.
 extern "C" __global__ void __launch_bounds__(256) mask_rows(const bool* __restrict__ masks, int N, int* __restrict__ rows,
                                                           int* __restrict__ cnt, int K) {
-  DSUF_PDL_PROLOGUE();
   __shared__ int warp_tot[8];
   const bool* m = masks + (size_t)blockIdx.x * N;
   const int per = (N + 255) / 256, c0 = threadIdx.x * per, c1 = min(N, c0 + per);
@@ -360,7 +354,6 @@ extern "C" __global__ void __launch_bounds__(256) attention_combine(const float*
                                                                    const float* __restrict__ sinks,
                                                                    float* __restrict__ out, int BH, int H, int D,
                                                                    int nsplit) {
-  DSUF_PDL_PROLOGUE();
   const int bh = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31, nd = D / 32;
   if (bh >= BH) return;
   const float* ml = part_ml + (size_t)bh * nsplit * 2;
@@ -459,7 +452,6 @@ extern "C" __global__ void __launch_bounds__(256) indexer_scores(const float* __
                                                                 const float* __restrict__ w,
                                                                 float* __restrict__ out, int S, int H, int N,
                                                                 int Dh, float dscale, float hscale, int lanes) {
-  DSUF_PDL_PROLOGUE();
   if (lanes)
     indexer_row<true>(q, k, w, out, H, N, N, Dh, dscale, hscale);
   else
@@ -554,7 +546,7 @@ __device__ __forceinline__ void indexer_tc_body(const float* __restrict__ q, con
   extern "C" __global__ void __launch_bounds__(256)                                                       \
       indexer_scores_tc##TERMS(const float* __restrict__ q, const float* __restrict__ k,                \
                                const float* __restrict__ w, float* __restrict__ out, int S, int H, int N, \
-                               int Dh, float dscale, float hscale) { DSUF_PDL_PROLOGUE();                 \
+                               int Dh, float dscale, float hscale) { \
     indexer_tc_body<TERMS>(q, k, w, out, S, H, N, Dh, dscale, hscale);                                   \
   }
 DEF_INDEXER_TC(1)
@@ -567,7 +559,6 @@ extern "C" __global__ void __launch_bounds__(256) indexer_scores_spans(const flo
                                                                       const float* __restrict__ w,
                                                                       float* __restrict__ out, int H, int ldo,
                                                                       int Dh, float dscale, float hscale, int lanes) {
-  DSUF_PDL_PROLOGUE();
   const long long* e = kspan + 2 * blockIdx.y;
   if (lanes)
     indexer_row<true>(q, (const float*)e[0], w, out, H, (int)e[1], ldo, Dh, dscale, hscale);

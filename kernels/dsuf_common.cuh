@@ -23,24 +23,6 @@ __device__ __forceinline__ void dsuf_launch_dependents() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
-// With DSUF_PDL_ALL=1 (compiled in as -DDSUF_PDL_ALL by engine/kernels.py) every kernel of a
-// captured step is a programmatic dependent launch: each begins by waiting for its predecessor's
-// completion and memory (griddepcontrol.wait), then at once lets its own successor be scheduled,
-// whose blocks wait on the SMs instead of being launched after this kernel ends. Waiting first
-// keeps every kernel ordered after the one before it (and so, transitively, after all earlier
-// ones) exactly as in plain stream order. Off: nothing. (The GEMVs that prefetch their weights
-// before waiting, gemvx with pf and gemvr, do their own.)
-#ifdef DSUF_PDL_ALL
-#define DSUF_PDL_PROLOGUE() \
-  do {                      \
-    dsuf_grid_wait();       \
-    dsuf_launch_dependents(); \
-  } while (0)
-#else
-#define DSUF_PDL_PROLOGUE() \
-  do {                      \
-  } while (0)
-#endif
 // Asynchronous prefetch of `bytes` (a multiple of 16, from a 16-byte aligned address) into L2.
 __device__ __forceinline__ void prefetch_l2(const void* p, u32 bytes) {
 #if __CUDA_ARCH__ >= 900

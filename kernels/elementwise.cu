@@ -6,7 +6,6 @@
 // y[r, :] = x[r, :] / sqrt(mean(x^2) + eps) * w   (w may be null). grid (rows), block 256.
 extern "C" __global__ void rmsnorm(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y,
                                    int D, float eps) {
-  DSUF_PDL_PROLOGUE();
   dsuf_launch_dependents();
   __shared__ float red[33];
   const float* xr = x + (size_t)blockIdx.x * D;
@@ -27,7 +26,6 @@ extern "C" __global__ void rmsnorm(const float* __restrict__ x, const float* __r
 #define RMS_VPT 8
 extern "C" __global__ void __launch_bounds__(256) rmsnorm_v4(const float* __restrict__ x, const float* __restrict__ w,
                                                              float* __restrict__ y, int D, float eps) {
-  DSUF_PDL_PROLOGUE();
   dsuf_launch_dependents();
   __shared__ float red[33];
   const float4* xr = (const float4*)(x + (size_t)blockIdx.x * D);
@@ -61,7 +59,6 @@ extern "C" __global__ void __launch_bounds__(256) rmsnorm_v4(const float* __rest
 // [T, M, D]; cos/sin [T, P]; sign = -1 rotates back. One thread per (t, m, channel).
 extern "C" __global__ void rope(const float* __restrict__ x, const float* __restrict__ cs, const float* __restrict__ sn,
                                 float* __restrict__ y, long long total, int M, int D, int P, float sign) {
-  DSUF_PDL_PROLOGUE();
   dsuf_launch_dependents();
   long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= total) return;
@@ -95,7 +92,6 @@ extern "C" __global__ void rope(const float* __restrict__ x, const float* __rest
 extern "C" __global__ void __launch_bounds__(256) hc_mix_partial(const float* __restrict__ h,
                                                                  const float* __restrict__ fn, int F, int NM,
                                                                  float* __restrict__ part) {
-  DSUF_PDL_PROLOGUE();
   __shared__ float red[8][MAX_MIX + 1];
   const int t = blockIdx.x, s = blockIdx.y, S = gridDim.y;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -161,7 +157,6 @@ extern "C" __global__ void hc_mixes(const float* __restrict__ part, int S, const
                                     const float* __restrict__ base, int hc, int F, int NM, float norm_eps,
                                     float hc_eps, int iters, int mode, float* __restrict__ pre,
                                     float* __restrict__ post, float* __restrict__ comb) {
-  DSUF_PDL_PROLOGUE();
   __shared__ float mix[MAX_MIX + 1];
   const float* pt = part + (size_t)blockIdx.x * S * (NM + 1);
   {  // one warp per mix value, lanes over the S partials, then a fixed tree: deterministic, and the
@@ -235,7 +230,6 @@ extern "C" __global__ void __launch_bounds__(256) hc_mix(const float* __restrict
                                                          const float* __restrict__ base, int hc, float norm_eps,
                                                          float hc_eps, int iters, int mode, float* __restrict__ pre,
                                                          float* __restrict__ post, float* __restrict__ comb) {
-  DSUF_PDL_PROLOGUE();
   __shared__ float red[8][HCF_ROWS + 1];
   __shared__ float fin[8][33];
   __shared__ int last;
@@ -304,7 +298,6 @@ extern "C" __global__ void __launch_bounds__(256) hc_collapse_norm(const float* 
                                                                    const float* __restrict__ pre,
                                                                    const float* __restrict__ w,
                                                                    float* __restrict__ y, int hc, int D, float eps) {
-  DSUF_PDL_PROLOGUE();
   dsuf_launch_dependents();
   __shared__ float red[33];
   const int t = blockIdx.x, n4 = D >> 2;
@@ -347,7 +340,6 @@ extern "C" __global__ void __launch_bounds__(256) hc_collapse_norm(const float* 
 // out[t, d] = sum_i pre[t, i] * h[t, i, d]
 extern "C" __global__ void hc_collapse(const float* __restrict__ h, const float* __restrict__ pre,
                                        float* __restrict__ out, long long total, int hc, int D) {
-  DSUF_PDL_PROLOGUE();
   dsuf_launch_dependents();
   long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= total) return;
@@ -362,7 +354,6 @@ extern "C" __global__ void hc_collapse(const float* __restrict__ h, const float*
 extern "C" __global__ void hc_expand(const float* __restrict__ out, const float* __restrict__ res,
                                      const float* __restrict__ post, const float* __restrict__ comb,
                                      float* __restrict__ y, long long total, int hc, int D) {
-  DSUF_PDL_PROLOGUE();
   dsuf_launch_dependents();
   long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= total) return;
@@ -379,7 +370,6 @@ extern "C" __global__ void hc_expand(const float* __restrict__ out, const float*
 extern "C" __global__ void engram_mix(const float* __restrict__ h, const float* __restrict__ key,
                                       const float* __restrict__ value, const float* __restrict__ qk,
                                       float* __restrict__ y, int hc, int D, float eps) {
-  DSUF_PDL_PROLOGUE();
   __shared__ float red[33];
   const size_t row = blockIdx.x;
   const int t = (int)(row / hc), s = (int)(row % hc);
@@ -418,7 +408,6 @@ __device__ __forceinline__ float pool_column(const float* __restrict__ kr, const
 // kv, gate [G, R, D] -> out[g, d] = sum_r softmax_r(gate[g, :, d]) * kv[g, r, d]
 extern "C" __global__ void gated_pool(const float* __restrict__ kv, const float* __restrict__ gate,
                                       float* __restrict__ out, long long total, int R, int D) {
-  DSUF_PDL_PROLOGUE();
   long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= total) return;
   const long long g = i / D;
@@ -430,7 +419,6 @@ extern "C" __global__ void gated_pool(const float* __restrict__ kv, const float*
 // tables: address, count); a zero address (no group closes) gives a zero row. out [B, D].
 extern "C" __global__ void gated_pool_rows(const long long* __restrict__ kvs, const long long* __restrict__ gates,
                                            float* __restrict__ out, long long total, int R, int D) {
-  DSUF_PDL_PROLOGUE();
   dsuf_launch_dependents();
   long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= total) return;
@@ -452,7 +440,6 @@ __device__ __forceinline__ float swiglu1(float g, float u, float limit) {
 
 extern "C" __global__ void swiglu(const float* __restrict__ gate, const float* __restrict__ up,
                                   float* __restrict__ y, long long total, float limit) {
-  DSUF_PDL_PROLOGUE();
   dsuf_launch_dependents();
   long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= total) return;
@@ -462,7 +449,6 @@ extern "C" __global__ void swiglu(const float* __restrict__ gate, const float* _
 // swiglu of a fused gate / up output: gu [rows, 2 * inter] (gate columns, then up) -> y [rows, inter]
 extern "C" __global__ void swiglu_pairs(const float* __restrict__ gu, float* __restrict__ y, long long total,
                                         int inter, float limit) {
-  DSUF_PDL_PROLOGUE();
   dsuf_launch_dependents();
   long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= total) return;
@@ -475,7 +461,6 @@ extern "C" __global__ void swiglu_pairs(const float* __restrict__ gu, float* __r
 extern "C" __global__ void moe_combine(const float* __restrict__ out, const float* __restrict__ w,
                                        const int* __restrict__ inv, float* __restrict__ y, long long total, int K,
                                        int D) {
-  DSUF_PDL_PROLOGUE();
   dsuf_launch_dependents();
   long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= total) return;
@@ -489,7 +474,6 @@ extern "C" __global__ void moe_combine(const float* __restrict__ out, const floa
 // Batched row copies: job j moves tab[3j + 2] bytes from tab[3j] to tab[3j + 1] (addresses and
 // sizes multiples of 16: the host sends anything else through cudaMemcpyAsync). grid (jobs, parts).
 extern "C" __global__ void copy_rows(const long long* __restrict__ tab) {
-  DSUF_PDL_PROLOGUE();
   const long long* t = tab + 3 * blockIdx.x;
   const uint4* __restrict__ src = (const uint4*)t[0];
   uint4* __restrict__ dst = (uint4*)t[1];
@@ -503,7 +487,6 @@ extern "C" __global__ void copy_rows(const long long* __restrict__ tab) {
 // multiples of 4 floats. grid (B), block 128.
 extern "C" __global__ void scatter_rows(const float* __restrict__ src, const long long* __restrict__ dst, int W,
                                         int ld, int vec4) {
-  DSUF_PDL_PROLOGUE();
   dsuf_launch_dependents();
   float* d = (float*)dst[blockIdx.x];
   if (d == nullptr) return;

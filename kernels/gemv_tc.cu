@@ -122,7 +122,6 @@ __device__ __forceinline__ float split_group4(float4 v, u32* hi, u32* lo) {
 extern "C" __global__ void __launch_bounds__(256) tc_split_x(const float* __restrict__ A, int lda,
                                                              uint4* __restrict__ XS, float* __restrict__ XINV,
                                                              int perm) {
-  DSUF_PDL_PROLOGUE();
   const int ngx = (lda + 127) / 128, gi = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
   if (gi >= ngx) return;  // a whole warp
   const int e0 = gi * 128 + 4 * lane;
@@ -429,7 +428,7 @@ __device__ __forceinline__ void tcgemv_body(const uint4* __restrict__ XS, const 
 #define TC_PASS XS, XINV, lda, Y, ldy, N, K, segs, wptrs, sptrs, bn, bk, gk, kw
 // NAME: tcgemv_<fmt>_n<NT>[_s<S>w<W>]; the unsuffixed names are the configuration the engine uses.
 #define DEF_TC_CFG(NAME, FMT, NT, S, W)                                               \
-  extern "C" __global__ void __launch_bounds__(32 * W) NAME(TC_ARGS) { DSUF_PDL_PROLOGUE();               \
+  extern "C" __global__ void __launch_bounds__(32 * W) NAME(TC_ARGS) { \
     tcgemv_body<FMT, NT, S, W>(TC_PASS);                                             \
   }
 #define TC_S 4

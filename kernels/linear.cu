@@ -233,7 +233,7 @@ __device__ __forceinline__ void gemv_body(const float* __restrict__ A, int lda, 
                   const u64 *wptrs, const u64 *sptrs, int bn, int bk, int gk
 #define GEMV_PASS A, lda, Y, ldy, N, K, segs, wptrs, sptrs, bn, bk, gk
 #define DEF_GEMV(NAME, FMT, MT, RPW)                                       \
-  extern "C" __global__ void __launch_bounds__(256) NAME(GEMV_ARGS, int kw) { DSUF_PDL_PROLOGUE(); \
+  extern "C" __global__ void __launch_bounds__(256) NAME(GEMV_ARGS, int kw) { \
     gemv_body<FMT, MT, RPW>(GEMV_PASS, kw);                                  \
   }
 #define DEF_GEMV_FMT(TAG, FMT)                 \
@@ -354,114 +354,12 @@ __device__ __forceinline__ void gemm_body(GEMV_ARGS) {
 
 #define DEF_GEMM(TAG, FMT) \
   extern "C" __global__ void __launch_bounds__(128) gemm_##TAG(GEMV_ARGS) {      \
-    DSUF_PDL_PROLOGUE();                                                       \
     gemm_body<FMT>(GEMV_PASS);                                                 \
   }
 DEF_GEMM(f32, FMT_F32)
 DEF_GEMM(bf16, FMT_BF16)
 DEF_GEMM(fp8, FMT_FP8)
 DEF_GEMM(fp4, FMT_FP4)
-
-// ---------------------------------------------------------------------------------------------
-// GEMM, pipelined (DSUF_GEMM2): the same segments and arithmetic as gemm_body (activations as three
-// bf16 terms, weights dequantized to bf16, mma.m16n8k16 with f32 accumulation), over 64 x 128 tiles
-// with 8 warps in 2 x 4 (each 32 x 32, as gemm_body's), and double-buffered: the next K step's
-// global loads are issued into registers before the current step's MMAs, and stored (split,
-// dequantized) into the other shared buffer after them, one barrier per step. gemm_body waits for
-// its loads at every step and reads each activation tile once per 64 weight rows; this reads it
-// once per 128. Dynamic shared memory GEMM2_SMEM bytes. grid (ceil(N/128), nseg), block 256.
-#define G2_BN 128
-#define G2_A_TILE (3 * BM * LDS)   // u16 per buffer: three terms of 64 rows
-#define G2_W_TILE (G2_BN * LDS)    // u16 per buffer
-#define GEMM2_SMEM (2 * (G2_A_TILE + G2_W_TILE) * 2)
-template <int FMT>
-__device__ __forceinline__ void gemm2_body(GEMV_ARGS) {
-  constexpr int EPC = Fmt<FMT>::EPC;
-  constexpr int CPR = BK / EPC > 0 ? BK / EPC : 1;           // 16-byte weight chunks per tile row
-  constexpr int WPT = (G2_BN * CPR + 255) / 256;             // of them per thread
-  extern __shared__ __align__(16) u16 g2s[];
-  u16* As = g2s;                     // [2][3][BM][LDS]
-  u16* Ws = g2s + 2 * G2_A_TILE;     // [2][G2_BN][LDS]
-  const int* sg = segs + 5 * blockIdx.y;
-  const int widx = sg[0], row0 = sg[1], rows = sg[2], acol = sg[3], ycol = sg[4];
-  if (rows <= 0) return;  // an unused segment slot: the whole block, before any barrier
-  const u8* W = (const u8*)wptrs[widx];
-  const void* S = (const void*)sptrs[widx];
-  const int nb = blockIdx.x * G2_BN;
-  const int tid = threadIdx.x, warp = tid >> 5;
-  const int wm = (warp >> 2) * 32, wn = (warp & 3) * 32;
-  const size_t row_bytes = (size_t)K * Fmt<FMT>::NUM / Fmt<FMT>::DEN;
-  float4 av[2];      // the next step's activations: 64 x 32 floats = 512 float4, 2 per thread
-  uint4 wv[WPT];     // the next step's weight chunks
-  float wsc[WPT];
-  auto load = [&](int k0) {
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int idx = tid + 256 * i, r = idx >> 3, c4 = idx & 7;
-      av[i] = r < rows ? __ldg((const float4*)(A + (size_t)(row0 + r) * lda + acol + k0 + 4 * c4))
-                       : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-#pragma unroll
-    for (int i = 0; i < WPT; ++i) {
-      const int idx = tid + 256 * i, r = idx / CPR, c = idx % CPR, n = nb + r;
-      wv[i] = make_uint4(0, 0, 0, 0);
-      wsc[i] = 0.f;
-      if (idx < G2_BN * CPR && n < N) {
-        wv[i] = ldg16(W + (size_t)n * row_bytes + (size_t)k0 * Fmt<FMT>::NUM / Fmt<FMT>::DEN + (size_t)c * 16);
-        wsc[i] = chunk_scale<FMT>(S, n, k0 + c * EPC, bn, bk, gk);
-      }
-    }
-  };
-  auto store = [&](int buf) {
-    u16* a = As + buf * G2_A_TILE;
-    u16* w = Ws + buf * G2_W_TILE;
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int idx = tid + 256 * i, r = idx >> 3, c4 = idx & 7;
-      float e[4] = {av[i].x, av[i].y, av[i].z, av[i].w};
-#pragma unroll
-      for (int term = 0; term < 3; ++term) *(uint2*)&a[(term * BM + r) * LDS + 4 * c4] = bf16_term4(e);
-    }
-#pragma unroll
-    for (int i = 0; i < WPT; ++i) {
-      const int idx = tid + 256 * i, r = idx / CPR, c = idx % CPR;
-      if (idx < G2_BN * CPR) {
-#pragma unroll
-        for (int q = 0; q < EPC / 4; ++q) {
-          float o[4];
-          deq4<FMT>(wv[i], q, wsc[i], o);
-          *(uint2*)&w[r * LDS + c * EPC + 4 * q] = make_uint2(pack_bf16x2(o[0], o[1]), pack_bf16x2(o[2], o[3]));
-        }
-      }
-    }
-  };
-  float acc[2][4][4] = {};
-  load(0);
-  store(0);
-  __syncthreads();
-  int buf = 0;
-  for (int k0 = 0; k0 < K; k0 += BK) {
-    const bool more = k0 + BK < K;
-    if (more) load(k0 + BK);  // in flight during this step's MMAs
-    mma_warp_32x32<3, 1>(acc, As + buf * G2_A_TILE, BM * LDS, Ws + buf * G2_W_TILE, 0, LDS, BK, wm, wn);
-    if (more) store(buf ^ 1);  // (that buffer was last read before the previous barrier)
-    __syncthreads();
-    buf ^= 1;
-  }
-  mma_warp_32x32_each(acc, wm, wn, [&](int r, int c, float v) {
-    if (r < rows && nb + c < N) Y[(size_t)(row0 + r) * ldy + ycol + nb + c] = v;
-  });
-}
-
-#define DEF_GEMM2(TAG, FMT)                                                   \
-  extern "C" __global__ void __launch_bounds__(256) gemm2_##TAG(GEMV_ARGS) { \
-    DSUF_PDL_PROLOGUE();                                                      \
-    gemm2_body<FMT>(GEMV_PASS);                                               \
-  }
-DEF_GEMM2(f32, FMT_F32)
-DEF_GEMM2(bf16, FMT_BF16)
-DEF_GEMM2(fp8, FMT_FP8)
-DEF_GEMM2(fp4, FMT_FP4)
 
 // ---------------------------------------------------------------------------------------------
 // Row gather with dequantization (embedding tables): out[i, :] = dequant(W[ids[i], :]).
@@ -485,7 +383,7 @@ __device__ __forceinline__ void gather_body(const u8* W, const void* S, const lo
 }
 #define DEF_GATHER(TAG, FMT)                                                                       \
   extern "C" __global__ void gather_##TAG(const u8* W, const void* S, const long long* ids, float* out, \
-                                          int K, int bn, int bk, int gk) { DSUF_PDL_PROLOGUE();     \
+                                          int K, int bn, int bk, int gk) { \
     gather_body<FMT>(W, S, ids, out, K, bn, bk, gk);                                               \
   }
 DEF_GATHER(f32, FMT_F32)

@@ -9,7 +9,6 @@ extern "C" __global__ void __launch_bounds__(256) route_topk(const float* __rest
                                                             float* __restrict__ wout, long long* __restrict__ iout,
                                                             int T, int E, int K, int scoring, float temp,
                                                             float rscale, int normalise) {
-  DSUF_PDL_PROLOGUE();
   __shared__ float sc_all[8][ROUTE_MAXE];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int t = blockIdx.x * 8 + warp;
@@ -112,7 +111,6 @@ extern "C" __global__ void __launch_bounds__(MOE_GROUP_MAXP) moe_group(const lon
                                                                        int dup_col, int* __restrict__ order,
                                                                        int* __restrict__ inv,
                                                                        int* __restrict__ gather, int* __restrict__ segs) {
-  DSUF_PDL_PROLOGUE();
   __shared__ u32 key[MOE_GROUP_MAXP];
   __shared__ int wcount[MOE_GROUP_MAXP / 32];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;

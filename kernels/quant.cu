@@ -62,13 +62,11 @@ __device__ __forceinline__ void fake_quant_block(const float* __restrict__ x, fl
 
 extern "C" __global__ void fake_quant_fp8(const float* __restrict__ x, float* __restrict__ y, long long nblocks,
                                           int block) {
-  DSUF_PDL_PROLOGUE();
   fake_quant_block(x, y, nblocks, block, 1);
 }
 
 extern "C" __global__ void fake_quant_fp4(const float* __restrict__ x, float* __restrict__ y, long long nblocks,
                                           int block, int e4m3_scales) {
-  DSUF_PDL_PROLOGUE();
   fake_quant_block(x, y, nblocks, block, e4m3_scales ? 2 : 3);
 }
 
@@ -85,7 +83,6 @@ extern "C" __global__ void __launch_bounds__(128) norm_rope_quant(
     const float* __restrict__ x, long long ldx, int rows, int D, int norm, const float* __restrict__ w, float eps,
     const float* __restrict__ cs, const float* __restrict__ sn, int M, int P, float sign, int qmode,
     float* __restrict__ y, float* __restrict__ yn) {
-  DSUF_PDL_PROLOGUE();
   dsuf_launch_dependents();
   __shared__ float red[4][4];  // [row in block][warp of the row] (rows of 64 or 128 threads)
   const int tpr = D >> 2, lane_r = threadIdx.x & (tpr - 1), rib = threadIdx.x / tpr;

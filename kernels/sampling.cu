@@ -117,7 +117,6 @@ __device__ __forceinline__ u64 block_sum_u64(u64 v, u64* red) {
 extern "C" __global__ void __launch_bounds__(SMP_THREADS) sample_rows(
     const float* __restrict__ logits, int V, const int* __restrict__ jobs, const int* __restrict__ pen_ids,
     const float* __restrict__ pen_val, float* __restrict__ work, int* __restrict__ out) {
-  DSUF_PDL_PROLOGUE();
   extern __shared__ u64 hist[];
   __shared__ u32 pick[6];
   __shared__ float red[33];

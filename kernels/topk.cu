@@ -10,7 +10,6 @@
 // scores: f32 bits [S, N]; mask: bool [S, N], fully written; 1 <= k <= N. grid = S.
 extern "C" __global__ void __launch_bounds__(TOPK_THREADS) topk_mask(const u32* __restrict__ scores,
                                                                      u8* __restrict__ mask, int N, int k) {
-  DSUF_PDL_PROLOGUE();
   __shared__ u64 hist[256 * (TOPK_THREADS / 32)];  // 32 KB
   __shared__ u32 pick[6];
   __shared__ u32 wcnt[TOPK_THREADS / 32];

@@ -86,33 +86,6 @@ def test_linear(fmt, n, k, block, sfmt, m):
     assert rel(got, ref) < tol
 
 
-@pytest.mark.parametrize("m", [33, 77, 200])
-@pytest.mark.parametrize("fmt,n,k,block,sfmt", [c for c in LINEAR_CASES if c[2] % 32 == 0])
-def test_gemm2_equals_gemm(fmt, n, k, block, sfmt, m, monkeypatch):
-    """gemm2 (DSUF_GEMM2: 64 x 128 tiles, double-buffered) runs the same MMAs on the same operands,
-    in the same order per output, as gemm: bit-identical results, and within the GEMM tolerance of
-    the reference. (m > 32: one segment of 33 rows, or 64-row segments and a ragged last one.)"""
-    from engine.backends import cupy_ops
-
-    w = make_weight(fmt, n, k, block or (32, 32), sfmt or "ue8m0")
-    x, gw = cp.asarray(rnd(m, k)), GPU.prepare(w)
-    old = cp.asnumpy(GPU.linear(x, gw))
-    monkeypatch.setattr(cupy_ops, "GEMM2", True)
-    new = cp.asnumpy(GPU.linear(x, gw))
-    np.testing.assert_array_equal(new, old)
-    exact_bf16 = fmt in ("bf16", "fp4") or (fmt == "fp8" and sfmt == "ue8m0")
-    assert rel(new, REF.linear(cp.asnumpy(x), REF.prepare(w))) < (GEMM_TOL if exact_bf16 else BF16_TOL)
-
-
-def test_gemm2_moe(monkeypatch):
-    """The routed experts' grouped GEMMs (segments from the device-built table) through gemm2."""
-    from engine.backends import cupy_ops
-
-    monkeypatch.setattr(cupy_ops, "GEMM2", True)
-    ref, got, most = _moe_case(150, 6, 4, 1024, 512)
-    assert most > 32 and rel(got, ref) < GEMM_TOL  # (segments past 32 rows: the GEMM, not a GEMV)
-
-
 @pytest.mark.parametrize("fmt", ["fp8", "fp4"])
 def test_tensor_gemv_row_scales(fmt):
     """Each row of x is scaled by its own power of two before the f16 split: rows from 1e-30 to
