@@ -678,3 +678,161 @@ __device__ __forceinline__ void gemvr_body(const float* __restrict__ A, int lda,
   extern "C" __global__ void __launch_bounds__(256, MINB) NAME(GR_ARGS) { gemvr_body<FMT, U, PIPE>(GR_PASS); }
 DEF_GR(gemvr_fp8, FMT_FP8, 2, false, 3)
 DEF_GR(gemvr_fp4, FMT_FP4, 8, true, 2)
+
+// ---------------------------------------------------------------------------------------------
+// Tensor-core GEMM for prompt chunks, FP8 / FP4 weights: the tensor-core GEMV's arithmetic (weights
+// decoded exactly into f16 as the A operand; x as tc_split_x's scaled hi + lo f16 terms, in its
+// perm layout, as B; the weight scales and x's group inverses applied to the f32 partial sums of
+// every 32 k) over tiles of GT_BN weight rows x GT_BM rows of x, both staged through a GT_S-deep
+// cp.async ring in shared memory: each weight byte is decoded once per 64 rows of x and each x term
+// read from memory once per 128 weight rows. The GEMM it replaces (kernels/linear.cu gemm) splits
+// f32 x into three bf16 terms and dequantizes the weights element by element in every block, on
+// CUDA cores; here a weight costs one cvt per two (FP8) and x two MMA terms, not three.
+// 8 warps in 4 (weight rows) x 2 (x rows), each a 32 x 32 tile of 2 x 4 m16n8k16 MMAs.
+// grid (ceil(N / GT_BN), nseg), block 256, dynamic shared memory GT_SMEM. Segments: <= GT_BM rows,
+// x columns (acol) multiples of 128 (the split's groups). FP8: K % 16 == 0, bk % 32 == 0 (one scale
+// per 32 k); FP4: K % 32 == 0.
+//
+// Shared-memory rows are padded so that the fragment reads are conflict-free: a weight row of a
+// stage is 64 (FP8) or 32 (FP4) bytes + 16; an x row 64 elements x 2 terms = 256 bytes + 64 (FP8,
+// lanes read 16-byte chunk t) or + 16 (FP4, lanes read chunks 2t and 2t + 1).
+#define GT_BN 128
+#define GT_BM 64
+#define GT_BK 64
+#define GT_S 3
+#define GT_SMEM (GT_S * (GT_BM * 320 + GT_BN * 80))
+template <int FMT>
+__device__ __forceinline__ void gemm_tc_body(const uint4* __restrict__ XS, const float* __restrict__ XINV, int lda,
+                                             float* __restrict__ Y, int ldy, int N, int K,
+                                             const int* __restrict__ segs, const u64* __restrict__ wptrs,
+                                             const u64* __restrict__ sptrs, int bn, int bk, int gk) {
+  constexpr bool F8 = FMT == FMT_FP8;
+  constexpr int WB = F8 ? GT_BK : GT_BK / 2;  // weight bytes per row per stage
+  constexpr int WROW = WB + 16, XROW = F8 ? 320 : 272;
+  constexpr int STAGE = GT_BM * XROW + GT_BN * WROW;
+  extern __shared__ __align__(16) u8 gts[];
+  const int* sg = segs + 5 * blockIdx.y;
+  const int widx = sg[0], row0 = sg[1], rows = sg[2], acol = sg[3], ycol = sg[4];
+  if (rows <= 0) return;  // an unused segment slot: the whole block, before any barrier
+  const u8* W = (const u8*)wptrs[widx];
+  const void* Sc = (const void*)sptrs[widx];
+  const int nb = blockIdx.x * GT_BN;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int wn = (warp & 3) * 32, wm = (warp >> 2) * 32;  // this warp's weight rows, x rows
+  const size_t row_bytes = F8 ? (size_t)K : (size_t)K / 2;
+  const int ngx = (lda + 127) / 128, nk = (K + GT_BK - 1) / GT_BK;
+  const u32 base = smem_addr(gts);
+
+  auto load = [&](int kt) {
+    const int k0 = kt * GT_BK;
+    const u32 xs = base + (kt % GT_S) * STAGE, ws = xs + GT_BM * XROW;
+    for (int i = tid; i < GT_BM * (GT_BK / 4); i += 256) {  // x: 4 elements (16 bytes) a chunk
+      const int r = i / (GT_BK / 4), c = i % (GT_BK / 4), k = k0 + 4 * c;
+      const bool ok = r < rows && k < K;
+      cp_async16(xs + r * XROW + c * 16, XS + (ok ? ((size_t)(row0 + r) * lda + acol + k) / 4 : 0), ok ? 16 : 0);
+    }
+    constexpr int CPR = WB / 16;
+    for (int i = tid; i < GT_BN * CPR; i += 256) {  // weights: 16 (FP8) or 32 (FP4) k a chunk
+      const int r = i / CPR, c = i % CPR, n = nb + r;
+      const size_t off = (F8 ? (size_t)k0 : (size_t)k0 / 2) + (size_t)c * 16;
+      const bool ok = n < N && off < row_bytes;
+      cp_async16(ws + r * WROW + c * 16, W + (ok ? (size_t)n * row_bytes + off : 0), ok ? 16 : 0);
+    }
+  };
+
+  float acc[2][4][4] = {};
+#pragma unroll
+  for (int s = 0; s < GT_S - 1; ++s) {
+    if (s < nk) load(s);
+    cp_async_commit();
+  }
+  for (int kt = 0; kt < nk; ++kt) {
+    cp_async_wait<GT_S - 2>();
+    __syncthreads();  // stage kt visible to all; every warp is past stage kt - 1, whose slot is refilled
+    if (kt + GT_S - 1 < nk) load(kt + GT_S - 1);
+    cp_async_commit();
+    const u8* xs = gts + (kt % GT_S) * STAGE;
+    const u8* ws = xs + GT_BM * XROW;
+#pragma unroll
+    for (int h = 0; h < GT_BK / 32; ++h) {  // one scale group of 32 k
+      const int k32 = kt * GT_BK + 32 * h;
+      if (k32 >= K) break;
+      float part[2][4][4] = {};
+#pragma unroll
+      for (int s16 = 0; s16 < 2; ++s16) {
+        u32 a[2][4];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const u8* r0 = ws + (wn + 16 * i + g) * WROW;
+          if (F8) {  // lane t: k 4t..4t+3 of the 16, as (a0, a2) = (k 4t, 4t+1), (4t+2, 4t+3)
+            const u32 w0 = *(const u32*)(r0 + 32 * h + 16 * s16 + 4 * t);
+            const u32 w1 = *(const u32*)(r0 + 8 * WROW + 32 * h + 16 * s16 + 4 * t);
+            a[i][0] = e4m3x2_to_f16x2(w0); a[i][2] = e4m3x2_to_f16x2(w0 >> 16);
+            a[i][1] = e4m3x2_to_f16x2(w1); a[i][3] = e4m3x2_to_f16x2(w1 >> 16);
+          } else {  // lane t: k 8t..8t+7 of the 32; step 0 takes pairs (0,4), (1,5), step 1 (2,6), (3,7)
+            u32 p0[4], p1[4];
+            fp4_pairs(*(const u32*)(r0 + 16 * h + 4 * t), p0);
+            fp4_pairs(*(const u32*)(r0 + 8 * WROW + 16 * h + 4 * t), p1);
+            a[i][0] = p0[2 * s16]; a[i][2] = p0[2 * s16 + 1];
+            a[i][1] = p1[2 * s16]; a[i][3] = p1[2 * s16 + 1];
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const u8* xr = xs + (wm + 8 * j + g) * XROW;
+          // x's 16-byte chunk of 4 elements, (hi, hi, lo, lo) in the order a's k pairs take them:
+          // FP8 elements 32h + 16 s16 + 4t.., FP4 the half s16 of elements 32h + 8t..
+          const uint4 b = *(const uint4*)(xr + 16 * (F8 ? 8 * h + 4 * s16 + t : 8 * h + 2 * t + s16));
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            mma_f16(part[i][j], a[i][0], a[i][1], a[i][2], a[i][3], b.z, b.w);  // lo term first
+            mma_f16(part[i][j], a[i][0], a[i][1], a[i][2], a[i][3], b.x, b.y);
+          }
+        }
+      }
+      // promote: the weight scales of this lane's rows, times x's group inverses of its columns
+      float sw[2][2], xi[4][2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int n = nb + wn + 16 * i + g + 8 * e;
+          sw[i][e] = n >= N ? 0.f
+                     : F8 ? __ldg((const float*)Sc + (size_t)(n / bn) * gk + k32 / bk)
+                          : e8m0_scaled(__ldg((const u8*)Sc + (size_t)n * gk + k32 / 32), 14);
+        }
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int r = min(wm + 8 * j + 2 * t + e, rows - 1);
+          xi[j][e] = __ldg(XINV + (size_t)(row0 + r) * ngx + (acol + k32) / 128);
+        }
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[i][j][e] = fmaf(part[i][j][e], sw[i][e >> 1] * xi[j][e & 1], acc[i][j][e]);
+    }
+  }
+  cp_async_wait<0>();
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int n = nb + wn + 16 * i + g + 8 * (e >> 1), r = wm + 8 * j + 2 * t + (e & 1);
+        if (r < rows && n < N) Y[(size_t)(row0 + r) * ldy + ycol + n] = acc[i][j][e];
+      }
+}
+
+#define GT_ARGS                                                                                           \
+  const uint4 *__restrict__ XS, const float *__restrict__ XINV, int lda, float *__restrict__ Y, int ldy, int N, \
+      int K, const int *__restrict__ segs, const u64 *__restrict__ wptrs, const u64 *__restrict__ sptrs, int bn,  \
+      int bk, int gk
+#define GT_PASS XS, XINV, lda, Y, ldy, N, K, segs, wptrs, sptrs, bn, bk, gk
+extern "C" __global__ void __launch_bounds__(256, 2) gemm_tc_fp8(GT_ARGS) { gemm_tc_body<FMT_FP8>(GT_PASS); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemm_tc_fp4(GT_ARGS) { gemm_tc_body<FMT_FP4>(GT_PASS); }

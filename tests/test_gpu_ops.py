@@ -86,6 +86,49 @@ def test_linear(fmt, n, k, block, sfmt, m):
     assert rel(got, ref) < tol
 
 
+@pytest.mark.parametrize("m", [33, 77, 200])
+@pytest.mark.parametrize("fmt,n,k,block,sfmt", [c for c in LINEAR_CASES if c[0] in ("fp8", "fp4")])
+def test_gemm_tc(fmt, n, k, block, sfmt, m, monkeypatch):
+    """Prompt-sized FP8 / FP4 products on the tensor-core GEMM (DSUF_GEMM_TC, forced): x as two
+    scaled f16 terms, so float32-grade like the tensor-core GEMV (F32_TOL, not the bf16 GEMM's),
+    over 64-row segments and a ragged last one; weights whose scale blocks are narrower than 32 k
+    fall back to gemm."""
+    from engine.backends import cupy_ops
+
+    monkeypatch.setattr(cupy_ops, "GEMM_TC", True)
+    splits = []
+    split = cupy_ops.CupyOps._tc_split_x
+    spy = staticmethod(lambda a, fp4: splits.append(a.shape) or split(a, fp4))
+    monkeypatch.setattr(cupy_ops.CupyOps, "_tc_split_x", spy)
+    w = make_weight(fmt, n, k, block, sfmt)
+    x = rnd(m, k) * np.exp(RNG.uniform(-8, 8, (m, 1))).astype(np.float32)  # rows of unlike magnitude
+    got = cp.asnumpy(GPU.linear(cp.asarray(x), GPU.prepare(w)))
+    assert splits == [(m, k)]  # (every case here has scale blocks gemm_tc takes)
+    ref = REF.linear(x, REF.prepare(w))
+    assert max(rel(got[i], ref[i]) for i in range(m)) < F32_TOL  # row by row
+
+
+def test_gemm_tc_moe(monkeypatch):
+    """The routed experts' grouped GEMMs (segments from the device-built table) on gemm_tc."""
+    from engine.backends import cupy_ops
+
+    monkeypatch.setattr(cupy_ops, "GEMM_TC", True)
+    ref, got, most = _moe_case(150, 6, 4, 1024, 512)
+    assert most > 32 and rel(got, ref) < F32_TOL  # (segments past 32 rows: the GEMM, not a GEMV)
+
+
+def test_gemm_tc_grouped(monkeypatch):
+    """A block-diagonal projection (wo_a's form: segments at x columns g * in_g) on gemm_tc."""
+    from engine.backends import cupy_ops
+
+    monkeypatch.setattr(cupy_ops, "GEMM_TC", True)
+    groups, nout, kin, t = 4, 256, 512, 100
+    w = make_weight("fp8", groups * nout, kin, (32, 32), "ue8m0")
+    x = rnd(t, groups, kin)
+    got = GPU.grouped_linear(cp.asarray(x), GPU.prepare(w), groups)
+    assert rel(got, REF.grouped_linear(x, REF.prepare(w), groups)) < F32_TOL
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "fp4"])
 def test_tensor_gemv_row_scales(fmt):
     """Each row of x is scaled by its own power of two before the f16 split: rows from 1e-30 to

@@ -98,6 +98,12 @@ ITC_ROWS, ITC_MIN_QUERIES = 128, 16  # (query, head) rows per block (ITC_ROWS in
 # 66 -> 8 ms for the chunk above.
 ATTEND_TC = _on("DSUF_ATTEND_TC")
 ATC_QUERIES = K.ATTEND_TC_QUERIES
+# Prompt chunks' FP8 / FP4 GEMMs on the tensor-core GEMV's arithmetic (kernels/gemv_tc.cu gemm_tc_*:
+# weights decoded to f16 by cvt, x as two scaled f16 terms, 128 x 64 tiles through a cp.async ring)
+# instead of gemm (three bf16 terms of x, per-element dequantization on CUDA cores; the GEMMs were
+# 118 of a 4096-token chunk's 150 ms). Off by default until its GPU tests have run.
+GEMM_TC = os.environ.get("DSUF_GEMM_TC", "0") == "1"
+GEMM_TC_SMEM, GEMM_TC_TILE_N = 92160, 128  # (kernels/gemv_tc.cu GT_SMEM, GT_BN)
 GEMVR_MIN_BYTES, GEMVR_MAX_K = 16 << 20, 5120
 GEMVR_U = {FMT_FP8: 2, FMT_FP4: 8}
 GEMVR_BLOCKS_PER_SM = {FMT_FP8: 3, FMT_FP4: 2}  # what each kernel's registers allow (DEF_GR's MINB)
@@ -289,6 +295,11 @@ def _tc_ok(w: GpuWeight, lda: int) -> bool:
         bk = w.block[1]
         return k % 16 == 0 and lda % 4 == 0 and bk % 16 == 0 and (bk % 128 == 0 or 128 % bk == 0)
     return w.fmt == FMT_FP4 and k % 32 == 0 and lda % 8 == 0
+
+
+def _gemm_tc_ok(w: GpuWeight, lda: int) -> bool:
+    """gemm_tc: what the tensor-core GEMV reads (_tc_ok), with one FP8 scale per 32 k."""
+    return _tc_ok(w, lda) and (w.fmt == FMT_FP4 or w.block[1] % 32 == 0)
 
 
 def _tc_split(warps: int, stages: int) -> int:
@@ -546,6 +557,11 @@ class CupyOps:
             kw = _gemv_split(n, k // _EPC[w.fmt], rpw, nseg)
             fn = K.function("linear", f"gemv_{tag}_m{mt}")
             fn((math.ceil(n / (rpw * 8 // kw)), nseg), (256,), (*args, np.int32(kw)))
+        elif GEMM_TC and _gemm_tc_ok(w, a.shape[1]) and (
+                isinstance(segs, cp.ndarray) or all(s[3] % 128 == 0 for s in segs)):
+            xs, xinv = self._tc_split_x(a, w.fmt == FMT_FP4)
+            K.function_with_smem("gemv_tc", f"gemm_tc_{tag}", GEMM_TC_SMEM)(
+                (math.ceil(n / GEMM_TC_TILE_N), nseg), (256,), (xs, xinv, *args[1:]), shared_mem=GEMM_TC_SMEM)
         else:
             fn = K.function("linear", f"gemm_{tag}")
             fn((math.ceil(n / GEMM_TILE), nseg), (128,), args)
