@@ -26,6 +26,9 @@ Per tensor-parallel rank (engine.tp.ShardPlan decides what each rank holds) the 
                                                                  bias over the compressed entries of
                                                                  one sequence, max_entries =
                                                                  max_context / smallest compress ratio)
+      split        T * top_k * (hidden + hidden / 128) * 4   (the tensor-core GEMMs' f16 terms of their
+                                                                 largest input, the experts' gathered
+                                                                 rows, and its group inverses)
       attend_tc    min(prefill_chunk, ATTEND_TC_QUERIES) * local_heads * (window + min(max_entries,
                    2 * index_topk) + 64) * 4     (a prompt chunk's tensor-core attention scores: each
                                                   query's window, then its listed or unmasked entries)
@@ -307,6 +310,7 @@ def workspace_bytes(cfg: ModelConfig, plan: ShardPlan, max_seqs: int, max_contex
         "attention": t * local_heads * cfg.head_dim * 4 * 3,
         "moe": t * cfg.num_experts_per_tok * cfg.moe_intermediate_size * 4 * 3,
         "scores": min(prefill_chunk, max_context) * max_entries * 4 * 3,
+        "split": t * cfg.num_experts_per_tok * (cfg.hidden_size + -(-cfg.hidden_size // 128)) * 4,
         "attend_tc": min(prefill_chunk, ATTEND_TC_QUERIES) * local_heads
         * (cfg.sliding_window + min(max_entries, 2 * cfg.index_topk) + 64) * 4,
         "logits": max_seqs * cfg.vocab_size * 4,

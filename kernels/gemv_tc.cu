@@ -1,5 +1,6 @@
 // Tensor-core GEMV for decode: y[m, n] = sum_k x[m, k] * W[n, k] for up to 32 rows of x per
 // segment, FP8 (e4m3, f32 scale per bn x bk block) and FP4 (e2m1, UE8M0 per 1 x 32) weights.
+// (At the end: gemm_tc, the same arithmetic at GEMM tiles for prompt chunks.)
 // Same segment table as kernels/linear.cu (weight index, x row0, rows, x col, y col).
 //
 // Why tensor cores for a memory-bound product: on CUDA cores, dequantizing and multiplying each
@@ -693,14 +694,18 @@ DEF_GR(gemvr_fp4, FMT_FP4, 8, true, 2)
 // x columns (acol) multiples of 128 (the split's groups). FP8: K % 16 == 0, bk % 32 == 0 (one scale
 // per 32 k); FP4: K % 32 == 0.
 //
-// Shared-memory rows are padded so that the fragment reads are conflict-free: a weight row of a
-// stage is 64 (FP8) or 32 (FP4) bytes + 16; an x row 64 elements x 2 terms = 256 bytes + 64 (FP8,
-// lanes read 16-byte chunk t) or + 16 (FP4, lanes read chunks 2t and 2t + 1).
+// A stage: x (64 rows), weights (128 rows), x's group inverse per row (a 64-k stage lies inside
+// one 128-element group), then 8 bytes of weight scales per row (FP8: the two 32-k groups' floats;
+// FP4: the aligned 8-byte window holding the row's two UE8M0 bytes), all through the ring, so the
+// promotions read shared memory instead of waiting on global loads. Rows are padded so that the
+// fragment reads are conflict-free: a weight row is 64 (FP8) or 32 (FP4) bytes + 16; an x row 64
+// elements x 2 terms = 256 bytes + 64 (FP8, lanes read 16-byte chunk t) or + 16 (FP4, chunks 2t and
+// 2t + 1).
 #define GT_BN 128
 #define GT_BM 64
 #define GT_BK 64
 #define GT_S 3
-#define GT_SMEM (GT_S * (GT_BM * 320 + GT_BN * 80))
+#define GT_SMEM (GT_S * (GT_BM * 320 + GT_BN * 80 + GT_BM * 4 + GT_BN * 8))
 template <int FMT>
 __device__ __forceinline__ void gemm_tc_body(const uint4* __restrict__ XS, const float* __restrict__ XINV, int lda,
                                              float* __restrict__ Y, int ldy, int N, int K,
@@ -709,7 +714,8 @@ __device__ __forceinline__ void gemm_tc_body(const uint4* __restrict__ XS, const
   constexpr bool F8 = FMT == FMT_FP8;
   constexpr int WB = F8 ? GT_BK : GT_BK / 2;  // weight bytes per row per stage
   constexpr int WROW = WB + 16, XROW = F8 ? 320 : 272;
-  constexpr int STAGE = GT_BM * XROW + GT_BN * WROW;
+  constexpr int SCALES = GT_BN * WROW + GT_BM * 4;  // offset of the weight scales from the weights
+  constexpr int STAGE = GT_BM * XROW + SCALES + GT_BN * 8;
   extern __shared__ __align__(16) u8 gts[];
   const int* sg = segs + 5 * blockIdx.y;
   const int widx = sg[0], row0 = sg[1], rows = sg[2], acol = sg[3], ycol = sg[4];
@@ -739,6 +745,25 @@ __device__ __forceinline__ void gemm_tc_body(const uint4* __restrict__ XS, const
       const bool ok = n < N && off < row_bytes;
       cp_async16(ws + r * WROW + c * 16, W + (ok ? (size_t)n * row_bytes + off : 0), ok ? 16 : 0);
     }
+    if (tid < GT_BM) {
+      const bool ok = tid < rows;
+      cp_async4(ws + GT_BN * WROW + 4 * tid, XINV + (ok ? (size_t)(row0 + tid) * ngx + (acol + k0) / 128 : 0),
+                ok ? 4 : 0);
+    }
+    {  // thread -> row tid / 2, half q: FP8 the scale of k group q, FP4 word q of the window
+      const int r = tid >> 1, q = tid & 1, n = nb + r;
+      const u32 dst = ws + SCALES + 8 * r + 4 * q;
+      if (F8) {
+        const int k = k0 + 32 * q;
+        const bool ok = n < N && k < K;
+        cp_async4(dst, (const float*)Sc + (ok ? (size_t)(n / bn) * gk + k / bk : 0), ok ? 4 : 0);
+      } else {  // (bounded by the table's end: N rows of gk bytes)
+        const size_t end = (size_t)Sc + (size_t)N * gk;
+        const size_t w0 = (((size_t)Sc + (size_t)(n < N ? n : 0) * gk + k0 / 32) & ~(size_t)3) + 4 * q;
+        const int bytes = n < N && w0 < end ? (int)min((size_t)4, end - w0) : 0;
+        cp_async4(dst, bytes ? (const void*)w0 : Sc, bytes);
+      }
+    }
   };
 
   float acc[2][4][4] = {};
@@ -754,6 +779,11 @@ __device__ __forceinline__ void gemm_tc_body(const uint4* __restrict__ XS, const
     cp_async_commit();
     const u8* xs = gts + (kt % GT_S) * STAGE;
     const u8* ws = xs + GT_BM * XROW;
+    float xi[4][2];  // x's group inverses of this lane's columns
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) xi[j][e] = ((const float*)(ws + GT_BN * WROW))[wm + 8 * j + 2 * t + e];
 #pragma unroll
     for (int h = 0; h < GT_BK / 32; ++h) {  // one scale group of 32 k
       const int k32 = kt * GT_BK + 32 * h;
@@ -792,22 +822,19 @@ __device__ __forceinline__ void gemm_tc_body(const uint4* __restrict__ XS, const
         }
       }
       // promote: the weight scales of this lane's rows, times x's group inverses of its columns
-      float sw[2][2], xi[4][2];
+      float sw[2][2];
 #pragma unroll
       for (int i = 0; i < 2; ++i)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const int n = nb + wn + 16 * i + g + 8 * e;
-          sw[i][e] = n >= N ? 0.f
-                     : F8 ? __ldg((const float*)Sc + (size_t)(n / bn) * gk + k32 / bk)
-                          : e8m0_scaled(__ldg((const u8*)Sc + (size_t)n * gk + k32 / 32), 14);
-        }
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int r = min(wm + 8 * j + 2 * t + e, rows - 1);
-          xi[j][e] = __ldg(XINV + (size_t)(row0 + r) * ngx + (acol + k32) / 128);
+          const int r = wn + 16 * i + g + 8 * e;
+          const u8* sr = ws + SCALES + 8 * r;
+          if (F8) {
+            sw[i][e] = ((const float*)sr)[h];
+          } else {  // the row's byte sits at its address' offset in the aligned window
+            const int o = (int)(((size_t)Sc + (size_t)(nb + r) * gk + kt * GT_BK / 32) & 3);
+            sw[i][e] = e8m0_scaled(sr[o + h], 14);
+          }
         }
 #pragma unroll
       for (int i = 0; i < 2; ++i)

@@ -99,11 +99,12 @@ ITC_ROWS, ITC_MIN_QUERIES = 128, 16  # (query, head) rows per block (ITC_ROWS in
 ATTEND_TC = _on("DSUF_ATTEND_TC")
 ATC_QUERIES = K.ATTEND_TC_QUERIES
 # Prompt chunks' FP8 / FP4 GEMMs on the tensor-core GEMV's arithmetic (kernels/gemv_tc.cu gemm_tc_*:
-# weights decoded to f16 by cvt, x as two scaled f16 terms, 128 x 64 tiles through a cp.async ring)
-# instead of gemm (three bf16 terms of x, per-element dequantization on CUDA cores; the GEMMs were
-# 118 of a 4096-token chunk's 150 ms). Off by default until its GPU tests have run.
-GEMM_TC = os.environ.get("DSUF_GEMM_TC", "0") == "1"
-GEMM_TC_SMEM, GEMM_TC_TILE_N = 92160, 128  # (kernels/gemv_tc.cu GT_SMEM, GT_BN)
+# weights decoded to f16 by cvt, x as two scaled f16 terms, 128 x 64 tiles and their scales through a
+# cp.async ring) instead of gemm (three bf16 terms of x, per-element dequantization on CUDA cores):
+# 4096 rows of wo_b 4.60 -> 3.39 ms, of an expert's w1 1.35 -> 1.01 ms; 65536-token prefill 2.64 ->
+# 2.20 s (flash-shaped, 2 layers, H200). gemm keeps BF16 / f32 weights and what gemm_tc cannot read.
+GEMM_TC = _on("DSUF_GEMM_TC")
+GEMM_TC_SMEM, GEMM_TC_TILE_N = 96000, 128  # (kernels/gemv_tc.cu GT_SMEM, GT_BN)
 GEMVR_MIN_BYTES, GEMVR_MAX_K = 16 << 20, 5120
 GEMVR_U = {FMT_FP8: 2, FMT_FP4: 8}
 GEMVR_BLOCKS_PER_SM = {FMT_FP8: 3, FMT_FP4: 2}  # what each kernel's registers allow (DEF_GR's MINB)
