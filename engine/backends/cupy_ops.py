@@ -521,8 +521,9 @@ class CupyOps:
     def _run_linear(self, a: cp.ndarray, y: cp.ndarray, n: int, k: int, segs,
                     wptrs: cp.ndarray, sptrs: cp.ndarray, w: GpuWeight, max_rows: int, lda: int | None = None) -> None:
         """Launch the tensor-core GEMV (FP8 / FP4, 2 <= max_rows <= 32), the GEMV (max_rows <= 8) or
-        the GEMM kernel over a segment table (a list of (weight, row0, rows, a_col, y_col), or that
-        table already on the device). lda = 0 (with max_rows 1): every segment reads a's row 0."""
+        a GEMM kernel (FP8 / FP4 on tensor cores: gemm_tc; else gemm) over a segment table (a list
+        of (weight, row0, rows, a_col, y_col), or that table already on the device). lda = 0 (with
+        max_rows 1): every segment reads a's row 0."""
         tag = _FMT_TAG[w.fmt]
         seg = segs if isinstance(segs, cp.ndarray) else self._segs_device(segs)
         nseg = seg.size // 5
@@ -560,7 +561,7 @@ class CupyOps:
             fn((math.ceil(n / (rpw * 8 // kw)), nseg), (256,), (*args, np.int32(kw)))
         elif GEMM_TC and _gemm_tc_ok(w, a.shape[1]) and (
                 isinstance(segs, cp.ndarray) or all(s[3] % 128 == 0 for s in segs)):
-            xs, xinv = self._tc_split_x(a, w.fmt == FMT_FP4)
+            xs, xinv = self._tc_split_x(a, w.fmt == FMT_FP4)  # (in place of x; gemm's other arguments)
             K.function_with_smem("gemv_tc", f"gemm_tc_{tag}", GEMM_TC_SMEM)(
                 (math.ceil(n / GEMM_TC_TILE_N), nseg), (256,), (xs, xinv, *args[1:]), shared_mem=GEMM_TC_SMEM)
         else:
