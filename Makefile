@@ -17,7 +17,7 @@ serve:
 
 # On a GPU machine: the GPU tests, the same under compute-sanitizer, and the benchmark on a
 # full-width V4.1-Flash-shaped 2-layer checkpoint (written once to BENCH_CKPT, 15 GB).
-GPU_TESTS = tests/test_gpu_ops.py tests/test_gpu_sampling.py tests/test_gpu_model.py tests/test_gpu_tp.py
+GPU_TESTS = tests/test_gpu_ops.py tests/test_gpu_sampling.py tests/test_gpu_model.py tests/test_gpu_tp.py tests/test_gpu_tools.py
 
 gpu-test:
 	$(PY) -m pytest -q -s $(GPU_TESTS)

@@ -3,10 +3,10 @@
 Random non-zero inputs at V4.1-Flash widths (hidden 5120, 64 heads x 512, q_lora 1280, expert
 width 2304). Tolerances, as ||gpu - ref|| / ||ref||: 2e-5 for float32 paths (GEMV at <= 8 rows,
 norms, attention; only summation order differs), for the tensor-core GEMV on FP8 / FP4 weights
-(2 to 32 rows; exact f16 weights, activations as hi + lo f16 terms) and for the tensor-core GEMM
-(more rows) on weights exact in bf16 (bf16, fp8 * UE8M0, fp4 * UE8M0: activations are split into three bf16
-terms); 1e-2 where the GEMM rounds the weight to bf16 (fp8 with fp32 scales, f32 weights);
-exact for the fake quantizers and routing ids.
+(2 to 32 rows; exact f16 weights, activations as hi + lo f16 terms) and its GEMM form for more rows
+(gemm_tc, the same arithmetic); for the bf16 GEMM (gemm) 5e-5 on weights exact in bf16 (activations
+split into three bf16 terms), 1e-2 where it rounds the weight to bf16 (f32 weights; fp8 with fp32
+scales when gemm_tc is off); exact for the fake quantizers and routing ids.
 Skipped where CuPy or a GPU is absent (CI).
 """
 

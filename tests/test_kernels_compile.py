@@ -43,3 +43,15 @@ def test_early_launched_gemvs_wait(name: str) -> None:
 def test_sources_inline_headers() -> None:
     for p in kernels.kernel_files():
         assert '#include "' not in kernels.source(p.stem)
+
+
+@pytest.mark.parametrize("tool", ["read_bw", "stream_chain"])
+def test_tool_kernels_compile(tool: str, monkeypatch) -> None:
+    """The developer tools' inline kernels (tools/read_bw.py, tools/stream_chain.py) compile for
+    sm_90a, so a device session spends no call on a typo."""
+    import importlib
+
+    src = importlib.import_module(f"tools.{tool}").SOURCE
+    monkeypatch.setattr(kernels, "source", lambda name: src)
+    ok, log, _ = check.compile_one(tool, "90a")
+    assert ok, log

@@ -1,0 +1,311 @@
+#!/usr/bin/env python3
+"""Can one persistent launch stream a decode step's chain of dependent GEMVs at HBM speed? (a
+developer's tool for designing the persistent decode kernel; not the runtime).
+
+    python tools/stream_chain.py [--layers 2] [--lookahead 0,1,2,4] [--check]
+
+A b1 decode step is a chain of GEMVs, each reading the previous one's output, with small ops
+between them. As one launch per GEMV in a CUDA graph (today's step) each pays a launch ramp and
+tail, and HBM idles while the small ops run: the b1 graph is at ~35% of its HBM floor (README). The
+persistent design instead runs every GEMV's row tiles in one launch: block b takes items b, b + G,
+b + 2G, ... (G blocks, all resident), an item waits until its input's task has finished all its
+tiles (a counter per task, bumped after each tile), and before waiting it prefetches the weight
+bytes of its next `lookahead` items into L2 (cp.async.bulk.prefetch.L2), which need no input. So
+weights stream from HBM while the chain waits on its dependencies.
+
+The chain here is one V4.1-Flash layer's GEMV bytes per layer (FP8 e4m3 with a float scale per
+32 x 32 block; the routed experts' FP4 bytes as FP8 rows of the same size): wq_a -> wq_b -> wo_a
+(dense here) -> wo_b -> shared w1 -> shared w2, and wo_b -> experts w1 -> experts w2, each x the
+first K values of its input task's output. Both ways use the same kernel and inner loop (one warp
+per row, CUDA-core FMAs after a cvt per two weights):
+  graph        one launch per GEMV, captured in a CUDA graph (the dependency: stream order);
+  persistent   one launch for the chain, lookahead L items prefetched.
+Printed: time per chain, its bytes / the copy rate (the floor), and the floor's share of the time.
+--check compares every task's output with numpy (both ways) on a small chain first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+ROWS = 16  # rows per item: 2 per warp of a 256-thread block
+MAX_K = 8192  # x staged in shared memory (32 KB)
+
+SOURCE = r"""
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef unsigned char u8;
+#define ROWS 16
+#define MAX_K 8192
+
+__device__ __forceinline__ float2 e4m3x2(u32 v) {  // two e4m3 bytes -> their values, exact
+  u32 h;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"((unsigned short)(v & 0xFFFFu)));
+  float lo, hi;
+  asm("{ .reg .f16 a, b; mov.b32 {a, b}, %2; cvt.f32.f16 %0, a; cvt.f32.f16 %1, b; }" : "=f"(lo), "=f"(hi) : "r"(h));
+  return make_float2(lo, hi);
+}
+__device__ __forceinline__ void prefetch_l2(const void* p, u32 bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ int ld_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// Tasks (structure of arrays, T of them): weight W [n, k] e4m3 bytes, scales S [n / 32, k / 32]
+// float, input x (k floats: the first k outputs of task dep, or the chain's input), output y [n];
+// first[t]: its first item (ROWS rows each); first[T] the item count. done[t]: its finished items.
+// Items t0 .. t1 of the list run in this launch (the graph way: one task per launch, G blocks).
+struct Chain {
+  const u64* w; const u64* s; const u64* x; const u64* y;
+  const int* n; const int* k; const int* dep; const int* first; int T;
+};
+
+__device__ __forceinline__ int task_of(const Chain& c, int item) {
+  int t = 0;
+  while (t + 1 < c.T && c.first[t + 1] <= item) ++t;
+  return t;
+}
+
+__device__ __forceinline__ void prefetch_item(const Chain& c, int item, int end) {
+  if (item >= end) return;
+  const int t = task_of(c, item);
+  const int kk = c.k[t], r0 = (item - c.first[t]) * ROWS;
+  const int rows = min(ROWS, c.n[t] - r0);
+  prefetch_l2((const u8*)c.w[t] + (size_t)r0 * kk, (u32)(rows * kk));  // (k % 16 == 0)
+}
+
+extern "C" __global__ void __launch_bounds__(256) chain_run(const u64* w, const u64* s, const u64* x, const u64* y,
+                                                            const int* n, const int* k, const int* dep,
+                                                            const int* first, int T, int* done, int i0, int i1,
+                                                            int lookahead, int* timeouts) {
+  const Chain c{w, s, x, y, n, k, dep, first, T};
+  __shared__ __align__(16) float xs[MAX_K];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, G = gridDim.x;
+  if (tid == 0)
+    for (int p = 1; p <= lookahead; ++p) prefetch_item(c, i0 + blockIdx.x + p * G, i1);
+  for (int item = i0 + blockIdx.x; item < i1; item += G) {
+    if (tid == 0 && lookahead > 0) prefetch_item(c, item + (lookahead + 1) * G, i1);  // the newest one ahead
+    const int t = task_of(c, item);
+    const int nn = c.n[t], kk = c.k[t], d = c.dep[t];
+    if (d >= 0) {  // wait for the input's every item (bounded: a bug must not hang the GPU)
+      if (tid == 0) {
+        const int need = c.first[d + 1] - c.first[d];
+        long long spins = 0;
+        while (ld_acquire(done + d) < need) {
+          __nanosleep(64);
+          if (++spins > (1ll << 24)) { atomicAdd(timeouts, 1); break; }
+        }
+      }
+      __syncthreads();
+    }
+    const float* xin = (const float*)c.x[t];
+    for (int e = tid; e < kk; e += 256) xs[e] = __ldcg(xin + e);  // (L2: another block wrote it)
+    __syncthreads();
+    const u8* W = (const u8*)c.w[t];
+    const float* S = (const float*)c.s[t];
+    const int gk = kk / 32;
+#pragma unroll
+    for (int rr = 0; rr < ROWS / 8; ++rr) {
+      const int row = (item - c.first[t]) * ROWS + warp * (ROWS / 8) + rr;
+      if (row >= nn) break;
+      const uint4* wr = (const uint4*)(W + (size_t)row * kk);
+      const float* sr = S + (size_t)(row / 32) * gk;
+      float acc = 0.f;
+#pragma unroll 4
+      for (int ch = lane; ch < kk / 16; ch += 32) {
+        const uint4 v = __ldg(wr + ch);
+        const u32 ws[4] = {v.x, v.y, v.z, v.w};
+        const float* xv = xs + 16 * ch;
+        float part = 0.f;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const float2 a = e4m3x2(ws[q]), b = e4m3x2(ws[q] >> 16);
+          part = fmaf(a.x, xv[4 * q], part);
+          part = fmaf(a.y, xv[4 * q + 1], part);
+          part = fmaf(b.x, xv[4 * q + 2], part);
+          part = fmaf(b.y, xv[4 * q + 3], part);
+        }
+        acc = fmaf(part, __ldg(sr + (16 * ch) / 32), acc);
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+      if (lane == 0) {
+        ((float*)c.y[t])[row] = acc;
+        __threadfence();  // (the output before the counter that publishes it)
+      }
+    }
+    __syncthreads();
+    if (tid == 0) atomicAdd(done + t, 1);
+  }
+}
+"""
+
+
+def layer_shapes() -> list[tuple[str, int, int, int]]:
+    """(name, n, k, input task offset within the layer, -1: the previous layer's last output) of one
+    V4.1-Flash layer's GEMVs; FP4 experts as FP8 rows of the same bytes."""
+    return [("wq_a", 1280, 5120, -1), ("wq_b", 32768, 1280, 0), ("wo_a", 8192, 4096, 1), ("wo_b", 5120, 8192, 2),
+            ("shared w1", 4608, 5120, 3), ("shared w2", 5120, 2304, 4),
+            ("experts w1", 6 * 4608 // 2, 5120, 3), ("experts w2", 6 * 5120 // 2, 2304, 6)]
+
+
+def build_chain(layers: int, scale: int = 1) -> list[tuple[str, int, int, int]]:
+    """Tasks (name, n, k, dep) of `layers` layers; scale > 1 divides n (a small chain for --check)."""
+    tasks: list[tuple[str, int, int, int]] = []
+    for li in range(layers):
+        base = len(tasks)
+        for name, n, k, dep in layer_shapes():
+            d = base + dep if dep >= 0 else (base - 1 if li else -1)  # (a layer starts from the experts' output)
+            tasks.append((f"L{li} {name}", max(32, n // scale // 32 * 32), k, d))
+    for i, (_, _, k, d) in enumerate(tasks):  # an input must be at least k wide
+        if d >= 0 and tasks[d][1] < k:
+            tasks[i] = (tasks[i][0], tasks[i][1], tasks[d][1] // 16 * 16, d)
+    return tasks
+
+
+class ChainRun:
+    """The chain's buffers on the device and both ways of running it."""
+
+    def __init__(self, tasks: list, seed: int = 0) -> None:
+        import cupy as cp
+
+        from engine import kernels as K
+
+        self.tasks = tasks
+        self.mod = cp.RawModule(code=SOURCE, options=("-std=c++17", f"-arch=sm_{K.device_arch()}"))
+        self.fn = self.mod.get_function("chain_run")
+        rng = np.random.default_rng(seed)
+        self.w, self.s, self.y = [], [], []
+        kmax = max(k for _, _, k, _ in tasks)
+        self.x0 = cp.asarray(rng.standard_normal(kmax).astype(np.float32))
+        for _, n, k, _ in tasks:
+            # e4m3 codes with exponent fields < 15 (no NaN), either sign
+            self.w.append(cp.asarray(rng.integers(0, 256, (n, k), dtype=np.uint8) & np.uint8(0xF7)))
+            self.s.append(cp.asarray(rng.uniform(0.5, 2.0, (n // 32, k // 32)).astype(np.float32) / np.float32(k)))
+            self.y.append(cp.zeros(n, cp.float32))
+        first = np.cumsum([0] + [-(-n // ROWS) for _, n, _, _ in tasks]).astype(np.int32)
+        self.items = int(first[-1])
+        ptr = lambda a: a.data.ptr  # noqa: E731
+        xs = [ptr(self.x0) if d < 0 else ptr(self.y[d]) for _, _, _, d in tasks]
+        self.arrays = [cp.asarray(np.array(v, np.uint64)) for v in
+                       ([ptr(a) for a in self.w], [ptr(a) for a in self.s], xs, [ptr(a) for a in self.y])]
+        self.ints = [cp.asarray(np.array(v, np.int32)) for v in
+                     ([n for _, n, _, _ in tasks], [k for _, _, k, _ in tasks], [d for *_, d in tasks], first)]
+        self.first = first
+        self.done = cp.zeros(len(tasks), cp.int32)
+        self.timeouts = cp.zeros(1, cp.int32)
+        self.sms = int(cp.cuda.Device().attributes["MultiProcessorCount"])
+        self.nbytes = sum(n * k + (n // 32) * (k // 32) * 4 for _, n, k, _ in tasks)
+
+    def _chain(self) -> tuple:
+        return (*self.arrays, *self.ints, np.int32(len(self.tasks)))
+
+    def persistent(self, lookahead: int) -> None:
+        self.done.fill(0)
+        self.fn((self.sms,), (256,), (*self._chain(), self.done, np.int32(0), np.int32(self.items),
+                                      np.int32(lookahead), self.timeouts))
+
+    def per_task(self) -> None:
+        """One launch per task, in stream order (its inputs are complete before it starts)."""
+        self.done.fill(0)
+        for t in range(len(self.tasks)):
+            i0, i1 = int(self.first[t]), int(self.first[t + 1])
+            self.fn((min(i1 - i0, 4 * self.sms),), (256,), (*self._chain(), self.done, np.int32(i0), np.int32(i1),
+                                                            np.int32(0), self.timeouts))
+
+    def reference(self) -> list[np.ndarray]:
+        """Every task's output in numpy, from the same weights and input."""
+        from engine.formats import fp8_e4m3_to_f32
+
+        outs: list[np.ndarray] = []
+        x0 = self.x0.get()
+        for t, (_, _n, k, d) in enumerate(self.tasks):
+            w = fp8_e4m3_to_f32(self.w[t].get()).astype(np.float64)
+            s = np.repeat(np.repeat(self.s[t].get().astype(np.float64), 32, 0), 32, 1)
+            x = x0[:k] if d < 0 else outs[d][:k]
+            outs.append((w * s) @ x.astype(np.float64))
+        return outs
+
+
+def _time(fn, reps: int = 10) -> float:
+    import cupy as cp
+
+    fn()
+    times = []
+    for _ in range(reps):
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(cp.cuda.get_elapsed_time(a, b) * 1e-3)
+    return float(np.median(times))
+
+
+def check() -> bool:
+    """Both ways against numpy on a small two-layer chain (n / 16); prints the worst relative error."""
+    import cupy as cp
+
+    run = ChainRun(build_chain(2, scale=16))
+    ref = run.reference()
+    ok = True
+    for way, go in (("persistent", lambda: run.persistent(2)), ("graph", run.per_task)):
+        run.timeouts.fill(0)
+        for y in run.y:
+            y.fill(np.nan)
+        go()
+        cp.cuda.Device().synchronize()
+        worst = max(float(np.abs(y.get() - r).max() / max(np.abs(r).max(), 1e-30))
+                    for y, r in zip(run.y, ref, strict=True))
+        to = int(run.timeouts.get()[0])
+        print(f"check {way}: worst relative error {worst:.2e} over {len(ref)} tasks, timeouts {to}")
+        ok = ok and worst < 1e-4 and to == 0
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    import cupy as cp
+
+    from engine.bench import copy_bandwidth
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=2, help="layers of GEMVs in the chain (2: past L2)")
+    ap.add_argument("--lookahead", default="0,1,2,4", help="items each block prefetches ahead into L2")
+    ap.add_argument("--check", action="store_true", help="first compare both ways with numpy")
+    a = ap.parse_args(argv)
+    if a.check and not check():
+        print("check FAILED")
+        return 1
+    bw = copy_bandwidth()
+    run = ChainRun(build_chain(a.layers))
+    floor = run.nbytes / bw
+    print(f"copy rate {bw / 1e12:.2f} TB/s; chain: {len(run.tasks)} GEMVs, {run.items} items of {ROWS} rows, "
+          f"{run.nbytes / 1e6:.0f} MB, floor {floor * 1e6:.1f} us; {run.sms} blocks")
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        run.per_task()
+        stream.begin_capture()
+        run.per_task()
+        graph = stream.end_capture()
+        t = _time(lambda: graph.launch(stream))
+    print(f"graph, one launch per GEMV: {t * 1e6:8.1f} us  ({100 * floor / t:5.1f}% of floor)")
+    for la in (int(v) for v in a.lookahead.split(",")):
+        run.timeouts.fill(0)
+        t = _time(lambda la=la: run.persistent(la))
+        to = int(run.timeouts.get()[0])
+        print(f"persistent, lookahead {la}:    {t * 1e6:8.1f} us  ({100 * floor / t:5.1f}% of floor)"
+              + (f"  TIMEOUTS {to}" if to else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
