@@ -18,6 +18,7 @@ selections equal those over the exact widths, and a context crosses a bucket ~lo
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
@@ -133,13 +134,29 @@ def plan_decode(cfg, states: list, xp, growth: list, rope_comp, heads: bool) -> 
         blk.start = max(blk.start, blk.end - keep)
     win = WindowPlan(blocks, start, dst)
     layers: list[LayerPlan] = []
-    published: dict = {}  # index sources' key counts, for the later layers
-    for li in range(cfg.num_layers):
-        grp = cfg.kv_group_source(li)
-        layers.append(_plan_layer(cfg, li, grp, states, xp, growth, rope_comp, published))
+    published: dict = {}  # index sources' key counts and keys, for the later layers
+    reads: dict = {}  # (ents_from, mask_from) -> the plan of layers that only read (shared: no tables)
+    for li, (grp, busy) in enumerate(_schedule(cfg)):
+        if busy:
+            layers.append(_plan_layer(cfg, li, grp, states, xp, growth, rope_comp, published))
+            continue
+        key = (grp, published["topk"]) if grp >= 0 and "topk" in published else (-1, -1)
+        lp = reads.get(key)
+        if lp is None:
+            lp = reads[key] = LayerPlan(ents_from=key[0], mask_from=key[1])
+        layers.append(lp)
     if heads:
         plan_attention(layers, win)
     return win, layers
+
+
+@functools.lru_cache(maxsize=16)
+def _schedule(cfg) -> tuple:
+    """Per layer: (its KV group's source layer, whether the layer has state of its own to plan: a
+    KV source or an index source). The other layers only read their group's entries under the
+    latest published mask, and layers reading the same ones share one LayerPlan."""
+    return tuple((cfg.kv_group_source(li), cfg.layer_kinds[li] == "source" or li in cfg.index_source_layer_ids)
+                 for li in range(cfg.num_layers))
 
 
 def _plan_layer(cfg, li: int, grp: int, states: list, xp, growth: list, rope_comp, published: dict) -> LayerPlan:
@@ -176,12 +193,17 @@ def _plan_layer(cfg, li: int, grp: int, states: list, xp, growth: list, rope_com
             p.key_dst = _append(xp, lss, "idx_keys", cfg.index_head_dim, appends, growth)
         p.entries = [rows.span(ls, "entries") for ls in lss]
     if indexed:
-        p.keys = [rows.span(s.layers[grp], "idx_keys") for s in states]
-        ns = np.array([k.n for k in p.keys], np.int64)
-        if ns.max() == 0:  # nothing to score yet: earlier publications stand
+        # (the index layers after a group's source read the keys it left: the same Spans)
+        if ("keys", grp) not in published:
+            keys = [rows.span(s.layers[grp], "idx_keys") for s in states]
+            published["keys", grp] = keys, [k.n for k in keys]
+        p.keys, counts = published["keys", grp]
+        most = max(counts)
+        if most == 0:  # nothing to score yet: earlier publications stand
             p.keys = None
         else:
-            p.keys_cap, p.pub_ns = capacity(int(ns.max())), ns
+            ns = np.array(counts, np.int64)
+            p.keys_cap, p.pub_ns = capacity(most), ns
             cand = cfg.candidate_source_layer_id
             if li == cand:
                 p.cand = "source"
@@ -217,7 +239,11 @@ def plan_attention(layers: list[LayerPlan], win: WindowPlan) -> None:
     reading one group under one mask share the result."""
     n_win = win.dst + 1 - win.start
     done: dict = {}
+    seen: set = set()
     for lp in layers:
+        if id(lp) in seen:  # (a plan several reading layers share)
+            continue
+        seen.add(id(lp))
         key = (lp.ents_from, lp.mask_from)
         if key not in done:
             ok, longest, mask_cap = None, n_win, 0
