@@ -116,7 +116,13 @@ class StepInputs:
 
     def signature(self) -> tuple:
         shapes = tuple(None if a is None else a.shape for a in (self.ids, self.hash_ids, self.rope, self.dec_rows))
-        return shapes + (None if self.layers is None else tuple(lp.signature() for lp in self.layers),)
+        if self.layers is None:
+            return shapes + (None,)
+        sigs: dict = {}  # id(plan) -> its signature (the layers that share a plan share it)
+        for lp in self.layers:
+            if id(lp) not in sigs:
+                sigs[id(lp)] = lp.signature()
+        return shapes + (tuple(sigs[id(lp)] for lp in self.layers),)
 
 
 def plan_decode(cfg, states: list, xp, growth: list, rope_comp, heads: bool) -> tuple[WindowPlan, list[LayerPlan]]:

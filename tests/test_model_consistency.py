@@ -28,15 +28,17 @@ def _model(path: Path) -> Model:
     return Model(cfg, Checkpoint(path, block_size=cfg.weight_block_size), NumpyOps(), path / "tokenizer.json")
 
 
-@pytest.fixture(scope="module", params=["v41", "v4", "tiny-fp8-v41", "tiny-fp8-v4"])
+@pytest.fixture(scope="module", params=["v41", "v4", "tiny-fp8-v41", "tiny-fp8-v4", "tiny-8layers-v41"])
 def model(request, tmp_path_factory) -> Model:
     """The trained demo models (bf16), and random checkpoints in DeepSeek's shipped formats
-    (FP8 block-scaled linears, FP4 experts, FP8 Engram rows) from `dsuf.py tiny-model`."""
+    (FP8 block-scaled linears, FP4 experts, FP8 Engram rows) from `dsuf.py tiny-model`; with 8
+    layers, each KV group has two layers that only read it (a decode step's plans shared)."""
     if request.param.startswith("tiny"):
         from engine.tiny_model import write_tiny_model
 
         arch = request.param.split("-")[-1]
-        return _model(write_tiny_model(tmp_path_factory.mktemp(request.param), arch=arch, seed=3))
+        layers = {"layers": 8} if "8layers" in request.param else {}
+        return _model(write_tiny_model(tmp_path_factory.mktemp(request.param), arch=arch, seed=3, **layers))
     return _model(DEMO_V41 if request.param == "v41" else DEMO_V4)
 
 
