@@ -9,6 +9,9 @@
                               one prompt chunk of C tokens fed after N tokens of context: its
                               wall time against the sum of its kernels' times (the rest is the
                               host and its synchronizations) and the totals per kernel name
+  host CKPT [--batch B]       a served decode step's wall time against its graph's device time,
+                              and our functions' host time per step under cProfile (planning,
+                              staging, the graph key, upload, the draw and its read-back)
   step CKPT                   one eager decode step (graphs off) inside the NVTX range "decode",
                               for Nsight Compute: DSUF_GRAPHS=0 ncu --nvtx --nvtx-include decode/
                               -k regex:hc_mix python tools/gpu_profile.py step CKPT
@@ -113,6 +116,52 @@ def prefill(ckpt: str, context: int, chunk: int) -> None:
         print(f"{us / 1e3:9.2f} {counts[name]:6d}  {name[:70]}")
 
 
+def host(ckpt: str, batch: int, steps: int) -> None:
+    """Where a served decode step's host time goes: the step's wall time, its graph's device time
+    alone, and (under cProfile, which slows Python ~2x) each of our functions' cumulative time per
+    step: planning, staging, the graph key, upload, launch, the draw and its read-back."""
+    import cProfile
+    import pstats
+    import time
+
+    import cupy as cp
+
+    model, states, toks, jobs = _decode_ready(ckpt, batch)
+
+    def run() -> float:
+        nonlocal toks
+        cp.cuda.Device().synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            toks = [[t] for t, _, _ in model.step_sample(states, toks, jobs)]
+        return (time.perf_counter() - t0) / steps
+
+    wall = run()
+    graphs = [g for key, g in model.ops.graphs.captured(batch) if isinstance(key[0], tuple) and key[0][0] == "decode"]
+    dev = 0.0
+    if graphs:
+        stream = cp.cuda.get_current_stream()
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record(stream)
+        for _ in range(steps):
+            graphs[-1].launch(stream)
+        b.record(stream)
+        b.synchronize()
+        dev = cp.cuda.get_elapsed_time(a, b) * 1e-3 / steps
+    print(f"batch {batch}: step as served {wall * 1e6:.0f} us, its graph alone {dev * 1e6:.0f} us, "
+          f"the rest (host, upload, draw) {(wall - dev) * 1e6:.0f} us")
+    prof = cProfile.Profile()
+    prof.enable()
+    run()
+    prof.disable()
+    root = str(Path(__file__).resolve().parent.parent)
+    rows = [(ct / steps, f"{Path(f).relative_to(root)}:{fn}") for (f, _, fn), (_, _, _, ct, _)
+            in pstats.Stats(prof).stats.items() if f.startswith(root) and "tools/" not in f]
+    print("per step under cProfile, cumulative (us), our functions:")
+    for us, name in sorted(rows, reverse=True)[:25]:
+        print(f"{us * 1e6:9.0f}  {name}")
+
+
 def step(ckpt: str) -> None:
     import cupy as cp
 
@@ -151,6 +200,10 @@ def main() -> int:
     p.add_argument("ckpt")
     p.add_argument("--context", type=int, default=32768)
     p.add_argument("--chunk", type=int, default=4096)
+    h = sub.add_parser("host")
+    h.add_argument("ckpt")
+    h.add_argument("--batch", type=int, default=1)
+    h.add_argument("--steps", type=int, default=50)
     sub.add_parser("step").add_argument("ckpt")
     sub.add_parser("linear").add_argument("name")
     a = ap.parse_args()
@@ -158,6 +211,8 @@ def main() -> int:
         timeline(a.ckpt, a.batch)
     elif a.what == "prefill":
         prefill(a.ckpt, a.context, a.chunk)
+    elif a.what == "host":
+        host(a.ckpt, a.batch, a.steps)
     elif a.what == "step":
         step(a.ckpt)
     else:
