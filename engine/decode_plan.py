@@ -245,11 +245,7 @@ def plan_attention(layers: list[LayerPlan], win: WindowPlan) -> None:
     reading one group under one mask share the result."""
     n_win = win.dst + 1 - win.start
     done: dict = {}
-    seen: set = set()
-    for lp in layers:
-        if id(lp) in seen:  # (a plan several reading layers share)
-            continue
-        seen.add(id(lp))
+    for lp in layers:  # (a plan several reading layers share is visited once per layer: a lookup)
         key = (lp.ents_from, lp.mask_from)
         if key not in done:
             ok, longest, mask_cap = None, n_win, 0

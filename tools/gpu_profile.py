@@ -48,12 +48,17 @@ def _decode_ready(ckpt: str, batch: int):
     return model, states, toks, jobs
 
 
+def _decode_graphs(model, batch: int) -> list:
+    """The decode-step graphs captured for `batch` sequences (none: graphs off, or not V4.1)."""
+    return [g for key, g in model.ops.graphs.captured(batch) if isinstance(key[0], tuple) and key[0][0] == "decode"]
+
+
 def timeline(ckpt: str, batch: int) -> None:
     import cupy as cp
     from torch.profiler import ProfilerActivity, profile
 
     model, *_ = _decode_ready(ckpt, batch)
-    graphs = [g for key, g in model.ops.graphs.captured(batch) if isinstance(key[0], tuple) and key[0][0] == "decode"]
+    graphs = _decode_graphs(model, batch)
     if not graphs:
         raise SystemExit("no decode-step graph was captured (DSUF_GRAPHS=0, or not a V4.1 checkpoint)")
     stream = cp.cuda.get_current_stream()
@@ -137,7 +142,7 @@ def host(ckpt: str, batch: int, steps: int) -> None:
         return (time.perf_counter() - t0) / steps
 
     wall = run()
-    graphs = [g for key, g in model.ops.graphs.captured(batch) if isinstance(key[0], tuple) and key[0][0] == "decode"]
+    graphs = _decode_graphs(model, batch)
     dev = 0.0
     if graphs:
         stream = cp.cuda.get_current_stream()

@@ -236,21 +236,6 @@ class ChainRun:
         return outs
 
 
-def _time(fn, reps: int = 10) -> float:
-    import cupy as cp
-
-    fn()
-    times = []
-    for _ in range(reps):
-        a, b = cp.cuda.Event(), cp.cuda.Event()
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(cp.cuda.get_elapsed_time(a, b) * 1e-3)
-    return float(np.median(times))
-
-
 def check() -> bool:
     """Both ways against numpy on a small two-layer chain (n / 16); prints the worst relative error."""
     import cupy as cp
@@ -275,7 +260,7 @@ def check() -> bool:
 def main(argv: list[str] | None = None) -> int:
     import cupy as cp
 
-    from engine.bench import copy_bandwidth
+    from engine.bench import _timeit, copy_bandwidth
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=2, help="layers of GEMVs in the chain (2: past L2)")
@@ -296,11 +281,11 @@ def main(argv: list[str] | None = None) -> int:
         stream.begin_capture()
         run.per_task()
         graph = stream.end_capture()
-        t = _time(lambda: graph.launch(stream))
+        t = _timeit(lambda: graph.launch(stream), iters=10, warmup=1)
     print(f"graph, one launch per GEMV: {t * 1e6:8.1f} us  ({100 * floor / t:5.1f}% of floor)")
     for la in (int(v) for v in a.lookahead.split(",")):
         run.timeouts.fill(0)
-        t = _time(lambda la=la: run.persistent(la))
+        t = _timeit(lambda la=la: run.persistent(la), iters=10, warmup=1)
         to = int(run.timeouts.get()[0])
         print(f"persistent, lookahead {la}:    {t * 1e6:8.1f} us  ({100 * floor / t:5.1f}% of floor)"
               + (f"  TIMEOUTS {to}" if to else ""))
