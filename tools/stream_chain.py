@@ -2,24 +2,26 @@
 """Can one persistent launch stream a decode step's chain of dependent GEMVs at HBM speed? (a
 developer's tool for designing the persistent decode kernel; not the runtime).
 
-    python tools/stream_chain.py [--layers 2] [--lookahead 0,1,2,4] [--check]
+    python tools/stream_chain.py [--layers 2] [--ahead 0,4,8,16,24] [--per-sm 1,2,4] [--unroll 4] [--check]
 
 A b1 decode step is a chain of GEMVs, each reading the previous one's output, with small ops
 between them. As one launch per GEMV in a CUDA graph (today's step) each pays a launch ramp and
 tail, and HBM idles while the small ops run: the b1 graph is at ~35% of its HBM floor (README). The
 persistent design instead runs every GEMV's row tiles in one launch: block b takes items b, b + G,
 b + 2G, ... (G blocks, all resident), an item waits until its input's task has finished all its
-tiles (a counter per task, bumped after each tile), and before waiting it prefetches the weight
-bytes of its next `lookahead` items into L2 (cp.async.bulk.prefetch.L2), which need no input. So
-weights stream from HBM while the chain waits on its dependencies.
+tiles (a counter per task, bumped after each tile), and before waiting it prefetches its own next
+items' weights into L2 (cp.async.bulk.prefetch.L2; they need no input) until --ahead MB (over the
+whole GPU) are ahead of the items running. So weights stream from HBM while the chain waits on its
+dependencies.
 
 The chain here is one V4.1-Flash layer's GEMV bytes per layer (FP8 e4m3 with a float scale per
 32 x 32 block; the routed experts' FP4 bytes as FP8 rows of the same size): wq_a -> wq_b -> wo_a
 (dense here) -> wo_b -> shared w1 -> shared w2, and wo_b -> experts w1 -> experts w2, each x the
-first K values of its input task's output. Both ways use the same kernel and inner loop (one warp
-per row, CUDA-core FMAs after a cvt per two weights):
+first K values of its input task's output. Both ways use the same kernel and inner loop (a warp's
+two rows, --unroll 16-byte loads per row in flight per lane, CUDA-core FMAs after a cvt per two
+weights):
   graph        one launch per GEMV, captured in a CUDA graph (the dependency: stream order);
-  persistent   one launch for the chain, lookahead L items prefetched.
+  persistent   one launch for the chain, --per-sm resident blocks per SM, --ahead MB prefetched.
 Printed: time per chain, its bytes / the copy rate (the floor), and the floor's share of the time.
 --check compares every task's output with numpy (both ways) on a small chain first.
 """
@@ -43,6 +45,9 @@ typedef unsigned long long u64;
 typedef unsigned char u8;
 #define ROWS 16
 #define MAX_K 8192
+#ifndef UNROLL
+#define UNROLL 4
+#endif
 
 __device__ __forceinline__ float2 e4m3x2(u32 v) {  // two e4m3 bytes -> their values, exact
   u32 h;
@@ -63,7 +68,7 @@ __device__ __forceinline__ int ld_acquire(const int* p) {
 // Tasks (structure of arrays, T of them): weight W [n, k] e4m3 bytes, scales S [n / 32, k / 32]
 // float, input x (k floats: the first k outputs of task dep, or the chain's input), output y [n];
 // first[t]: its first item (ROWS rows each); first[T] the item count. done[t]: its finished items.
-// Items t0 .. t1 of the list run in this launch (the graph way: one task per launch, G blocks).
+// Items i0 .. i1 of the list run in this launch (the graph way: one task per launch).
 struct Chain {
   const u64* w; const u64* s; const u64* x; const u64* y;
   const int* n; const int* k; const int* dep; const int* first; int T;
@@ -75,56 +80,46 @@ __device__ __forceinline__ int task_of(const Chain& c, int item) {
   return t;
 }
 
-__device__ __forceinline__ void prefetch_item(const Chain& c, int item, int end) {
-  if (item >= end) return;
+// an item's weight bytes, prefetched into L2 when pf is set
+__device__ __forceinline__ u32 item_bytes(const Chain& c, int item, bool pf) {
   const int t = task_of(c, item);
   const int kk = c.k[t], r0 = (item - c.first[t]) * ROWS;
-  const int rows = min(ROWS, c.n[t] - r0);
-  prefetch_l2((const u8*)c.w[t] + (size_t)r0 * kk, (u32)(rows * kk));  // (k % 16 == 0)
+  const u32 bytes = (u32)(min(ROWS, c.n[t] - r0) * kk);  // (k % 16 == 0)
+  if (pf) prefetch_l2((const u8*)c.w[t] + (size_t)r0 * kk, bytes);
+  return bytes;
 }
 
-extern "C" __global__ void __launch_bounds__(256) chain_run(const u64* w, const u64* s, const u64* x, const u64* y,
-                                                            const int* n, const int* k, const int* dep,
-                                                            const int* first, int T, int* done, int i0, int i1,
-                                                            int lookahead, int* timeouts) {
-  const Chain c{w, s, x, y, n, k, dep, first, T};
-  __shared__ __align__(16) float xs[MAX_K];
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, G = gridDim.x;
-  if (tid == 0)
-    for (int p = 1; p <= lookahead; ++p) prefetch_item(c, i0 + blockIdx.x + p * G, i1);
-  for (int item = i0 + blockIdx.x; item < i1; item += G) {
-    if (tid == 0 && lookahead > 0) prefetch_item(c, item + (lookahead + 1) * G, i1);  // the newest one ahead
-    const int t = task_of(c, item);
-    const int nn = c.n[t], kk = c.k[t], d = c.dep[t];
-    if (d >= 0) {  // wait for the input's every item (bounded: a bug must not hang the GPU)
-      if (tid == 0) {
-        const int need = c.first[d + 1] - c.first[d];
-        long long spins = 0;
-        while (ld_acquire(done + d) < need) {
-          __nanosleep(64);
-          if (++spins > (1ll << 24)) { atomicAdd(timeouts, 1); break; }
-        }
-      }
-      __syncthreads();
-    }
-    const float* xin = (const float*)c.x[t];
-    for (int e = tid; e < kk; e += 256) xs[e] = __ldcg(xin + e);  // (L2: another block wrote it)
-    __syncthreads();
-    const u8* W = (const u8*)c.w[t];
-    const float* S = (const float*)c.s[t];
-    const int gk = kk / 32;
+// One warp's ROWS / 8 rows of an item: U 16-byte loads per row in flight per lane, issued before
+// any is used.
+template <int U>
+__device__ __forceinline__ void warp_rows(const u8* W, const float* S, const float* xs, float* y, int row0, int nn,
+                                          int kk, int lane) {
+  constexpr int R = ROWS / 8;
+  const int gk = kk / 32, nch = kk / 16;
+  float acc[R];
+  const uint4* wr[R];
 #pragma unroll
-    for (int rr = 0; rr < ROWS / 8; ++rr) {
-      const int row = (item - c.first[t]) * ROWS + warp * (ROWS / 8) + rr;
-      if (row >= nn) break;
-      const uint4* wr = (const uint4*)(W + (size_t)row * kk);
-      const float* sr = S + (size_t)(row / 32) * gk;
-      float acc = 0.f;
-#pragma unroll 4
-      for (int ch = lane; ch < kk / 16; ch += 32) {
-        const uint4 v = __ldg(wr + ch);
-        const u32 ws[4] = {v.x, v.y, v.z, v.w};
-        const float* xv = xs + 16 * ch;
+  for (int r = 0; r < R; ++r) {
+    acc[r] = 0.f;
+    wr[r] = (const uint4*)(W + (size_t)min(row0 + r, nn - 1) * kk);
+  }
+  for (int c0 = lane; c0 < nch; c0 += 32 * U) {
+    uint4 v[R][U];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int ch = c0 + 32 * u;
+        v[r][u] = ch < nch ? __ldcs(wr[r] + ch) : make_uint4(0, 0, 0, 0);  // (read once: evict first)
+      }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int ch = c0 + 32 * u;
+      if (ch >= nch) break;
+      const float* xv = xs + 16 * ch;
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const u32 ws[4] = {v[r][u].x, v[r][u].y, v[r][u].z, v[r][u].w};
         float part = 0.f;
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
@@ -134,15 +129,58 @@ extern "C" __global__ void __launch_bounds__(256) chain_run(const u64* w, const 
           part = fmaf(b.x, xv[4 * q + 2], part);
           part = fmaf(b.y, xv[4 * q + 3], part);
         }
-        acc = fmaf(part, __ldg(sr + (16 * ch) / 32), acc);
-      }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-      if (lane == 0) {
-        ((float*)c.y[t])[row] = acc;
-        __threadfence();  // (the output before the counter that publishes it)
+        acc[r] = fmaf(part, __ldg(S + (size_t)((row0 + r) / 32) * gk + (16 * ch) / 32), acc[r]);
       }
     }
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], o);
+    if (lane == 0 && row0 + r < nn) y[row0 + r] = acc[r];
+  }
+}
+
+// Block b runs items i0 + b, i0 + b + G, ... (G = gridDim.x, every block resident). Before waiting on
+// an item's input it prefetches its own next items into L2 until `ahead` bytes of them are in flight
+// or landed (per block), so HBM keeps streaming while the chain waits on its dependencies.
+extern "C" __global__ void __launch_bounds__(256) chain_run(const u64* w, const u64* s, const u64* x, const u64* y,
+                                                            const int* n, const int* k, const int* dep,
+                                                            const int* first, int T, int* done, int i0, int i1,
+                                                            u32 ahead, int wait, int* timeouts) {
+  const Chain c{w, s, x, y, n, k, dep, first, T};
+  __shared__ __align__(16) float xs[MAX_K];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, G = gridDim.x;
+  int pf = i0 + blockIdx.x;  // (thread 0's) next item of this block to prefetch
+  u32 pf_bytes = 0;          // bytes prefetched for items not yet started
+  for (int item = i0 + blockIdx.x; item < i1; item += G) {
+    const int t = task_of(c, item);
+    const int nn = c.n[t], kk = c.k[t], d = c.dep[t];
+    if (tid == 0 && ahead > 0) {
+      if (pf > item) pf_bytes -= item_bytes(c, item, false);  // (this item's bytes leave the window)
+      else pf = item + G;                                    // (never prefetch the item about to run)
+      while (pf < i1 && pf_bytes < ahead) {
+        pf_bytes += item_bytes(c, pf, true);
+        pf += G;
+      }
+    }
+    if (d >= 0 && wait) {  // wait for the input's every item (bounded: a bug must not hang the GPU)
+      if (tid == 0) {
+        const int need = c.first[d + 1] - c.first[d];
+        long long spins = 0;
+        while (ld_acquire(done + d) < need) {
+          __nanosleep(32);
+          if (++spins > (1ll << 24)) { atomicAdd(timeouts, 1); break; }
+        }
+      }
+      __syncthreads();
+    }
+    const float* xin = (const float*)c.x[t];
+    for (int e = tid; e < kk; e += 256) xs[e] = __ldcg(xin + e);  // (L2: another block wrote it)
+    __syncthreads();
+    warp_rows<UNROLL>((const u8*)c.w[t], (const float*)c.s[t], xs, (float*)c.y[t],
+                      (item - c.first[t]) * ROWS + warp * (ROWS / 8), nn, kk, lane);
+    __threadfence();  // (every warp's outputs before the counter that publishes them)
     __syncthreads();
     if (tid == 0) atomicAdd(done + t, 1);
   }
@@ -175,13 +213,14 @@ def build_chain(layers: int, scale: int = 1) -> list[tuple[str, int, int, int]]:
 class ChainRun:
     """The chain's buffers on the device and both ways of running it."""
 
-    def __init__(self, tasks: list, seed: int = 0) -> None:
+    def __init__(self, tasks: list, seed: int = 0, unroll: int = 4) -> None:
         import cupy as cp
 
         from engine import kernels as K
 
         self.tasks = tasks
-        self.mod = cp.RawModule(code=SOURCE, options=("-std=c++17", f"-arch=sm_{K.device_arch()}"))
+        self.mod = cp.RawModule(code=SOURCE, options=("-std=c++17", f"-arch=sm_{K.device_arch()}",
+                                                          f"-DUNROLL={unroll}"))
         self.fn = self.mod.get_function("chain_run")
         rng = np.random.default_rng(seed)
         self.w, self.s, self.y = [], [], []
@@ -204,15 +243,23 @@ class ChainRun:
         self.done = cp.zeros(len(tasks), cp.int32)
         self.timeouts = cp.zeros(1, cp.int32)
         self.sms = int(cp.cuda.Device().attributes["MultiProcessorCount"])
+        # blocks of 256 threads an SM holds at once (registers, 32 KB of shared memory each): a
+        # persistent launch must not exceed it, or its items wait on blocks that never start
+        regs = -(-max(self.fn.num_regs, 1) // 8) * 8
+        self.resident = max(1, min(65536 // (256 * regs), (228 << 10) // (33 << 10), 8))
         self.nbytes = sum(n * k + (n // 32) * (k // 32) * 4 for _, n, k, _ in tasks)
 
     def _chain(self) -> tuple:
         return (*self.arrays, *self.ints, np.int32(len(self.tasks)))
 
-    def persistent(self, lookahead: int) -> None:
+    def persistent(self, ahead_mb: float, per_sm: int = 2, wait: bool = True) -> None:
+        """The chain in one launch of per_sm resident blocks per SM, ahead_mb MB of weights
+        prefetched into L2 ahead of the items running (split evenly over the blocks). wait=False:
+        no item waits for its input (wrong outputs; the streaming rate without dependencies)."""
         self.done.fill(0)
-        self.fn((self.sms,), (256,), (*self._chain(), self.done, np.int32(0), np.int32(self.items),
-                                      np.int32(lookahead), self.timeouts))
+        g = self.sms * min(per_sm, self.resident)
+        self.fn((g,), (256,), (*self._chain(), self.done, np.int32(0), np.int32(self.items),
+                               np.uint32(int(ahead_mb * 1e6) // g), np.int32(wait), self.timeouts))
 
     def per_task(self) -> None:
         """One launch per task, in stream order (its inputs are complete before it starts)."""
@@ -220,7 +267,7 @@ class ChainRun:
         for t in range(len(self.tasks)):
             i0, i1 = int(self.first[t]), int(self.first[t + 1])
             self.fn((min(i1 - i0, 4 * self.sms),), (256,), (*self._chain(), self.done, np.int32(i0), np.int32(i1),
-                                                            np.int32(0), self.timeouts))
+                                                            np.uint32(0), np.int32(1), self.timeouts))
 
     def reference(self) -> list[np.ndarray]:
         """Every task's output in numpy, from the same weights and input."""
@@ -243,7 +290,7 @@ def check() -> bool:
     run = ChainRun(build_chain(2, scale=16))
     ref = run.reference()
     ok = True
-    for way, go in (("persistent", lambda: run.persistent(2)), ("graph", run.per_task)):
+    for way, go in (("persistent", lambda: run.persistent(8.0)), ("graph", run.per_task)):
         run.timeouts.fill(0)
         for y in run.y:
             y.fill(np.nan)
@@ -264,14 +311,16 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=2, help="layers of GEMVs in the chain (2: past L2)")
-    ap.add_argument("--lookahead", default="0,1,2,4", help="items each block prefetches ahead into L2")
+    ap.add_argument("--ahead", default="0,4,8,16,24", help="MB of weights prefetched into L2 ahead (whole GPU)")
+    ap.add_argument("--per-sm", default="1,2,4", help="resident blocks per SM of the persistent launch")
+    ap.add_argument("--unroll", type=int, default=4, help="16-byte loads per row in flight per lane")
     ap.add_argument("--check", action="store_true", help="first compare both ways with numpy")
     a = ap.parse_args(argv)
     if a.check and not check():
         print("check FAILED")
         return 1
     bw = copy_bandwidth()
-    run = ChainRun(build_chain(a.layers))
+    run = ChainRun(build_chain(a.layers), unroll=a.unroll)
     floor = run.nbytes / bw
     print(f"copy rate {bw / 1e12:.2f} TB/s; chain: {len(run.tasks)} GEMVs, {run.items} items of {ROWS} rows, "
           f"{run.nbytes / 1e6:.0f} MB, floor {floor * 1e6:.1f} us; {run.sms} blocks")
@@ -283,12 +332,16 @@ def main(argv: list[str] | None = None) -> int:
         graph = stream.end_capture()
         t = _timeit(lambda: graph.launch(stream), iters=10, warmup=1)
     print(f"graph, one launch per GEMV: {t * 1e6:8.1f} us  ({100 * floor / t:5.1f}% of floor)")
-    for la in (int(v) for v in a.lookahead.split(",")):
-        run.timeouts.fill(0)
-        t = _timeit(lambda la=la: run.persistent(la), iters=10, warmup=1)
-        to = int(run.timeouts.get()[0])
-        print(f"persistent, lookahead {la}:    {t * 1e6:8.1f} us  ({100 * floor / t:5.1f}% of floor)"
-              + (f"  TIMEOUTS {to}" if to else ""))
+    print(f"{run.fn.num_regs} registers: {run.resident} blocks per SM resident")
+    for per_sm in sorted({min(int(v), run.resident) for v in a.per_sm.split(",")}):
+        for mb in (float(v) for v in a.ahead.split(",")):
+            run.timeouts.fill(0)
+            t = _timeit(lambda mb=mb, per_sm=per_sm: run.persistent(mb, per_sm), iters=10, warmup=1)
+            to = int(run.timeouts.get()[0])
+            print(f"persistent, {per_sm} blocks/SM, {mb:4.0f} MB ahead: {t * 1e6:8.1f} us  "
+                  f"({100 * floor / t:5.1f}% of floor)" + (f"  TIMEOUTS {to}" if to else ""))
+        t = _timeit(lambda per_sm=per_sm: run.persistent(0, per_sm, wait=False), iters=10, warmup=1)
+        print(f"  the same launch with no waits (streaming alone): {t * 1e6:8.1f} us  ({100 * floor / t:5.1f}%)")
     return 0
 
 
