@@ -2,7 +2,8 @@
 """Can one persistent launch stream a decode step's chain of dependent GEMVs at HBM speed? (a
 developer's tool for designing the persistent decode kernel; not the runtime).
 
-    python tools/stream_chain.py [--layers 2] [--ahead 0,4,8,16,24] [--per-sm 1,2,4] [--unroll 4] [--check]
+    python tools/stream_chain.py [--layers 2] [--ahead 0,4,8,16,24] [--per-sm 1,2,4] [--unroll 4]
+                                 [--rows 16] [--mode 0|1] [--check]
 
 A b1 decode step is a chain of GEMVs, each reading the previous one's output, with small ops
 between them. As one launch per GEMV in a CUDA graph (today's step) each pays a launch ramp and
@@ -18,12 +19,27 @@ The chain here is one V4.1-Flash layer's GEMV bytes per layer (FP8 e4m3 with a f
 32 x 32 block; the routed experts' FP4 bytes as FP8 rows of the same size): wq_a -> wq_b -> wo_a
 (dense here) -> wo_b -> shared w1 -> shared w2, and wo_b -> experts w1 -> experts w2, each x the
 first K values of its input task's output. Both ways use the same kernel and inner loop (a warp's
-two rows, --unroll 16-byte loads per row in flight per lane, CUDA-core FMAs after a cvt per two
-weights):
+two rows, --unroll 16-byte loads per row in flight per lane, the first pass loaded before the item
+waits for its input; --mode 0: CUDA-core FMAs after a cvt per two FP8 weights; --mode 1, timing
+only: the bytes as int8 times x rounded to int8, one dp4a per four, so that the consumer costs far
+less than the streaming):
   graph        one launch per GEMV, captured in a CUDA graph (the dependency: stream order);
   persistent   one launch for the chain, --per-sm resident blocks per SM, --ahead MB prefetched.
-Printed: time per chain, its bytes / the copy rate (the floor), and the floor's share of the time.
---check compares every task's output with numpy (both ways) on a small chain first.
+Printed: time per chain, its bytes / the copy rate (the floor), and the floor's share of the time;
+for each --per-sm, the same launch with no waits (its streaming rate with no dependencies).
+--check compares every task's output with numpy (both ways, --mode 0) on a small chain first.
+
+Measured on the H200 (stop 26; 2 layers, 16 GEMVs, 533 MB, floor ~129 us at ~4.15 TB/s):
+  --mode 0 (FP8 on CUDA cores): graph 311-338 us (38-42%); persistent at best 299 us (4 blocks per
+    SM, 43.5%); no waits 256 us (51%): the CUDA-core loop itself caps near half the copy rate.
+  --mode 1 (dp4a): graph 240 us (53%); persistent 220-225 us at 4-6 blocks per SM (56-58%); no
+    waits 185-205 us (61-71%, --rows 16/32/64 alike).
+  A dependency costs a persistent chain ~2.5 us (the waits' share over 15 of them), a graph ~3.5 us
+    (a launch boundary); an L2 prefetch window (4-24 MB) is slower in every configuration (+35-60
+    us); one resident block per SM is far slower (8 warps cannot keep enough loads in flight).
+So one launch removes only ~1 us of each GEMV boundary, and even a near-free consumer with no
+dependencies streams at ~70% of the copy rate in 16-64-row items: a persistent decode kernel of
+this shape would not by itself bring the b1 step to 65% of its floor.
 """
 
 from __future__ import annotations
@@ -36,17 +52,22 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-ROWS = 16  # rows per item: 2 per warp of a 256-thread block
+ROWS = 16  # rows per item by default (--rows): 2 per warp of a 256-thread block
 MAX_K = 8192  # x staged in shared memory (32 KB)
 
 SOURCE = r"""
 typedef unsigned int u32;
 typedef unsigned long long u64;
 typedef unsigned char u8;
+#ifndef ROWS
 #define ROWS 16
+#endif
 #define MAX_K 8192
 #ifndef UNROLL
 #define UNROLL 4
+#endif
+#ifndef MODE
+#define MODE 0
 #endif
 
 __device__ __forceinline__ float2 e4m3x2(u32 v) {  // two e4m3 bytes -> their values, exact
@@ -89,61 +110,79 @@ __device__ __forceinline__ u32 item_bytes(const Chain& c, int item, bool pf) {
   return bytes;
 }
 
-// One warp's ROWS / 8 rows of an item: U 16-byte loads per row in flight per lane, issued before
-// any is used.
-template <int U>
-__device__ __forceinline__ void warp_rows(const u8* W, const float* S, const float* xs, float* y, int row0, int nn,
-                                          int kk, int lane) {
-  constexpr int R = ROWS / 8;
-  const int gk = kk / 32, nch = kk / 16;
-  float acc[R];
-  const uint4* wr[R];
+// One warp's ROWS / 8 rows of an item, in passes of U 16-byte loads per row per lane. The first
+// pass is loaded (load_pass) before the item waits for its input: weights need none.
+#define R (ROWS / 8)
+struct Rows {
+  const uint4* w[R];
+  int nch;
+};
+__device__ __forceinline__ void load_pass(uint4 (&v)[R][UNROLL], const Rows& rw, int c0) {
 #pragma unroll
-  for (int r = 0; r < R; ++r) {
-    acc[r] = 0.f;
-    wr[r] = (const uint4*)(W + (size_t)min(row0 + r, nn - 1) * kk);
-  }
-  for (int c0 = lane; c0 < nch; c0 += 32 * U) {
-    uint4 v[R][U];
+  for (int r = 0; r < R; ++r)
 #pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int ch = c0 + 32 * u;
-        v[r][u] = ch < nch ? __ldcs(wr[r] + ch) : make_uint4(0, 0, 0, 0);  // (read once: evict first)
-      }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
+    for (int u = 0; u < UNROLL; ++u) {
       const int ch = c0 + 32 * u;
-      if (ch >= nch) break;
-      const float* xv = xs + 16 * ch;
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const u32 ws[4] = {v[r][u].x, v[r][u].y, v[r][u].z, v[r][u].w};
-        float part = 0.f;
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const float2 a = e4m3x2(ws[q]), b = e4m3x2(ws[q] >> 16);
-          part = fmaf(a.x, xv[4 * q], part);
-          part = fmaf(a.y, xv[4 * q + 1], part);
-          part = fmaf(b.x, xv[4 * q + 2], part);
-          part = fmaf(b.y, xv[4 * q + 3], part);
-        }
-        acc[r] = fmaf(part, __ldg(S + (size_t)((row0 + r) / 32) * gk + (16 * ch) / 32), acc[r]);
-      }
+      v[r][u] = ch < rw.nch ? __ldcs(rw.w[r] + ch) : make_uint4(0, 0, 0, 0);  // (read once: evict first)
     }
-  }
+}
+
+// MODE 0: FP8 e4m3 weights (a float scale per 32 x 32) times float x: cvt + FMAs on CUDA cores.
+// MODE 1 (timing only, no check): the same bytes as int8 times x rounded to int8, one dp4a per 4
+// weights: a consumer far cheaper than the streaming, so the chain's structure alone sets the pace.
+__device__ __forceinline__ void use_pass(const uint4 (&v)[R][UNROLL], float (&acc)[R], const float* xs, const float* S,
+                                         int row0, int gk, int c0, int nch) {
 #pragma unroll
-  for (int r = 0; r < R; ++r) {
+  for (int u = 0; u < UNROLL; ++u) {
+    const int ch = c0 + 32 * u;
+    if (ch >= nch) break;
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], o);
-    if (lane == 0 && row0 + r < nn) y[row0 + r] = acc[r];
+    for (int r = 0; r < R; ++r) {
+      const u32 ws[4] = {v[r][u].x, v[r][u].y, v[r][u].z, v[r][u].w};
+      const float sc = __ldg(S + (size_t)((row0 + r) / 32) * gk + (16 * ch) / 32);
+#if MODE == 0
+      const float* xv = xs + 16 * ch;
+      float part = 0.f;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const float2 a = e4m3x2(ws[q]), b = e4m3x2(ws[q] >> 16);
+        part = fmaf(a.x, xv[4 * q], part);
+        part = fmaf(a.y, xv[4 * q + 1], part);
+        part = fmaf(b.x, xv[4 * q + 2], part);
+        part = fmaf(b.y, xv[4 * q + 3], part);
+      }
+      acc[r] = fmaf(part, sc, acc[r]);
+#else
+      const int* xq = (const int*)xs + 4 * ch;
+      int part = 0;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) part = __dp4a((int)ws[q], xq[q], part);
+      acc[r] = fmaf((float)part, sc, acc[r]);
+#endif
+    }
   }
 }
 
-// Block b runs items i0 + b, i0 + b + G, ... (G = gridDim.x, every block resident). Before waiting on
-// an item's input it prefetches its own next items into L2 until `ahead` bytes of them are in flight
-// or landed (per block), so HBM keeps streaming while the chain waits on its dependencies.
+// x (k floats) -> shared memory, as floats (MODE 0) or as int8 values packed 4 per word (MODE 1)
+__device__ __forceinline__ void stage_x(float* xs, const float* xin, int kk, int tid) {
+#if MODE == 0
+  for (int e = tid; e < kk; e += 256) xs[e] = __ldcg(xin + e);  // (L2: another block wrote it)
+#else
+  for (int e = tid; e < kk / 4; e += 256) {
+    const float4 f = __ldcg((const float4*)xin + e);
+    const float q[4] = {f.x, f.y, f.z, f.w};
+    u32 p = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) p |= ((u32)(int)fminf(fmaxf(rintf(q[i]), -127.f), 127.f) & 0xFFu) << (8 * i);
+    ((u32*)xs)[e] = p;
+  }
+#endif
+}
+
+// Block b runs items i0 + b, i0 + b + G, ... (G = gridDim.x, every block resident). Per item: its
+// first pass of weights is loaded, its own next items are prefetched into L2 until `ahead` bytes of
+// them are in flight or landed (per block), then it waits for its input task, stages x (only when
+// the task changed since the block's last item) and streams the rest.
 extern "C" __global__ void __launch_bounds__(256) chain_run(const u64* w, const u64* s, const u64* x, const u64* y,
                                                             const int* n, const int* k, const int* dep,
                                                             const int* first, int T, int* done, int i0, int i1,
@@ -153,9 +192,17 @@ extern "C" __global__ void __launch_bounds__(256) chain_run(const u64* w, const 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, G = gridDim.x;
   int pf = i0 + blockIdx.x;  // (thread 0's) next item of this block to prefetch
   u32 pf_bytes = 0;          // bytes prefetched for items not yet started
+  int staged = -1;           // the task whose x is in shared memory
   for (int item = i0 + blockIdx.x; item < i1; item += G) {
     const int t = task_of(c, item);
     const int nn = c.n[t], kk = c.k[t], d = c.dep[t];
+    const int row0 = (item - c.first[t]) * ROWS + warp * R;
+    Rows rw;
+    rw.nch = kk / 16;
+#pragma unroll
+    for (int r = 0; r < R; ++r) rw.w[r] = (const uint4*)((const u8*)c.w[t] + (size_t)min(row0 + r, nn - 1) * kk);
+    uint4 v[R][UNROLL];
+    load_pass(v, rw, lane);
     if (tid == 0 && ahead > 0) {
       if (pf > item) pf_bytes -= item_bytes(c, item, false);  // (this item's bytes leave the window)
       else pf = item + G;                                    // (never prefetch the item about to run)
@@ -164,8 +211,8 @@ extern "C" __global__ void __launch_bounds__(256) chain_run(const u64* w, const 
         pf += G;
       }
     }
-    if (d >= 0 && wait) {  // wait for the input's every item (bounded: a bug must not hang the GPU)
-      if (tid == 0) {
+    if (t != staged) {
+      if (d >= 0 && wait && tid == 0) {  // wait for the input's every item (bounded: a bug must not hang the GPU)
         const int need = c.first[d + 1] - c.first[d];
         long long spins = 0;
         while (ld_acquire(done + d) < need) {
@@ -173,13 +220,26 @@ extern "C" __global__ void __launch_bounds__(256) chain_run(const u64* w, const 
           if (++spins > (1ll << 24)) { atomicAdd(timeouts, 1); break; }
         }
       }
+      __syncthreads();  // (also: every warp is done with the previous task's x)
+      stage_x(xs, (const float*)c.x[t], kk, tid);
+      staged = t;
       __syncthreads();
     }
-    const float* xin = (const float*)c.x[t];
-    for (int e = tid; e < kk; e += 256) xs[e] = __ldcg(xin + e);  // (L2: another block wrote it)
-    __syncthreads();
-    warp_rows<UNROLL>((const u8*)c.w[t], (const float*)c.s[t], xs, (float*)c.y[t],
-                      (item - c.first[t]) * ROWS + warp * (ROWS / 8), nn, kk, lane);
+    float acc[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r] = 0.f;
+    for (int c0 = lane;; ) {
+      use_pass(v, acc, xs, (const float*)c.s[t], row0, kk / 32, c0, rw.nch);
+      c0 += 32 * UNROLL;
+      if (c0 >= rw.nch) break;
+      load_pass(v, rw, c0);
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], o);
+      if (lane == 0 && row0 + r < nn) ((float*)c.y[t])[row0 + r] = acc[r];
+    }
     __threadfence();  // (every warp's outputs before the counter that publishes them)
     __syncthreads();
     if (tid == 0) atomicAdd(done + t, 1);
@@ -213,14 +273,15 @@ def build_chain(layers: int, scale: int = 1) -> list[tuple[str, int, int, int]]:
 class ChainRun:
     """The chain's buffers on the device and both ways of running it."""
 
-    def __init__(self, tasks: list, seed: int = 0, unroll: int = 4) -> None:
+    def __init__(self, tasks: list, seed: int = 0, unroll: int = 4, mode: int = 0, rows: int = ROWS) -> None:
         import cupy as cp
 
         from engine import kernels as K
 
         self.tasks = tasks
         self.mod = cp.RawModule(code=SOURCE, options=("-std=c++17", f"-arch=sm_{K.device_arch()}",
-                                                          f"-DUNROLL={unroll}"))
+                                                          f"-DUNROLL={unroll}", f"-DMODE={mode}",
+                                                          f"-DROWS={rows}"))
         self.fn = self.mod.get_function("chain_run")
         rng = np.random.default_rng(seed)
         self.w, self.s, self.y = [], [], []
@@ -231,7 +292,7 @@ class ChainRun:
             self.w.append(cp.asarray(rng.integers(0, 256, (n, k), dtype=np.uint8) & np.uint8(0xF7)))
             self.s.append(cp.asarray(rng.uniform(0.5, 2.0, (n // 32, k // 32)).astype(np.float32) / np.float32(k)))
             self.y.append(cp.zeros(n, cp.float32))
-        first = np.cumsum([0] + [-(-n // ROWS) for _, n, _, _ in tasks]).astype(np.int32)
+        first = np.cumsum([0] + [-(-n // rows) for _, n, _, _ in tasks]).astype(np.int32)
         self.items = int(first[-1])
         ptr = lambda a: a.data.ptr  # noqa: E731
         xs = [ptr(self.x0) if d < 0 else ptr(self.y[d]) for _, _, _, d in tasks]
@@ -314,15 +375,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ahead", default="0,4,8,16,24", help="MB of weights prefetched into L2 ahead (whole GPU)")
     ap.add_argument("--per-sm", default="1,2,4", help="resident blocks per SM of the persistent launch")
     ap.add_argument("--unroll", type=int, default=4, help="16-byte loads per row in flight per lane")
+    ap.add_argument("--rows", type=int, default=ROWS, choices=(8, 16, 32, 64), help="weight rows per item")
+    ap.add_argument("--mode", type=int, default=0, choices=(0, 1),
+                    help="0: FP8 x float on CUDA cores; 1: the same bytes as int8 by dp4a (timing only)")
     ap.add_argument("--check", action="store_true", help="first compare both ways with numpy")
     a = ap.parse_args(argv)
     if a.check and not check():
         print("check FAILED")
         return 1
     bw = copy_bandwidth()
-    run = ChainRun(build_chain(a.layers), unroll=a.unroll)
+    run = ChainRun(build_chain(a.layers), unroll=a.unroll, mode=a.mode, rows=a.rows)
     floor = run.nbytes / bw
-    print(f"copy rate {bw / 1e12:.2f} TB/s; chain: {len(run.tasks)} GEMVs, {run.items} items of {ROWS} rows, "
+    print(f"copy rate {bw / 1e12:.2f} TB/s; chain: {len(run.tasks)} GEMVs, {run.items} items of {a.rows} rows, "
           f"{run.nbytes / 1e6:.0f} MB, floor {floor * 1e6:.1f} us; {run.sms} blocks")
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
