@@ -9,9 +9,10 @@
                               one prompt chunk of C tokens fed after N tokens of context: its
                               wall time against the sum of its kernels' times (the rest is the
                               host and its synchronizations) and the totals per kernel name
-  host CKPT [--batch B]       a served decode step's wall time against its graph's device time,
-                              and our functions' host time per step under cProfile (planning,
-                              staging, the graph key, upload, the draw and its read-back)
+  host CKPT [--batch B]       a served decode step's wall time against its graph's device time;
+                              the step in parts by wall clock (the forward's host work and its
+                              planning, Engram hashes, graph key, upload and replay call; the
+                              device after it; the draw); our functions' time under cProfile
   step CKPT                   one eager decode step (graphs off) inside the NVTX range "decode",
                               for Nsight Compute: DSUF_GRAPHS=0 ncu --nvtx --nvtx-include decode/
                               -k regex:hc_mix python tools/gpu_profile.py step CKPT
@@ -141,7 +142,12 @@ def host(ckpt: str, batch: int, steps: int) -> None:
             toks = [[t] for t, _, _ in model.step_sample(states, toks, jobs)]
         return (time.perf_counter() - t0) / steps
 
+    captures = model.ops.graphs.captures
     wall = run()
+    _host_split(model, states, toks, jobs, steps)
+    if model.ops.graphs.captures != captures:  # a capacity bucket crossed: an eager step and a capture inside
+        print(f"WARNING: {model.ops.graphs.captures - captures} graph(s) captured during the timed steps; "
+              "fewer --steps keeps them out")
     graphs = _decode_graphs(model, batch)
     dev = 0.0
     if graphs:
@@ -165,6 +171,70 @@ def host(ckpt: str, batch: int, steps: int) -> None:
     print("per step under cProfile, cumulative (us), our functions:")
     for us, name in sorted(rows, reverse=True)[:25]:
         print(f"{us * 1e6:9.0f}  {name}")
+
+
+def _host_split(model, states, toks, jobs, steps: int) -> None:
+    """A served step's wall time in parts, without a profiler: the forward's host work (timed
+    inside by wrappers: planning, Engram hashes, the graph key, upload, the graph replay call),
+    the device finishing after it, and the draw with its read-back; then the bare cost of one
+    graph launch call."""
+    import time
+
+    import cupy as cp
+
+    from engine import model as model_mod
+    from engine.backends import cuda_graphs, cupy_ops
+    from engine.decode_plan import StepInputs
+
+    spent: dict = collections.defaultdict(float)
+
+    def timed(owner, name: str, label: str):
+        fn = getattr(owner, name)
+
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[label] += time.perf_counter() - t0
+        setattr(owner, name, wrapper)
+        return fn
+
+    patches = [(model_mod, "plan_decode", "plan_decode"), (type(model), "_engram_hashes", "engram hashes"),
+               (StepInputs, "signature", "graph key (signature)"), (cupy_ops.CupyOps, "_upload", "pack + upload"),
+               (cuda_graphs.RegionGraphs, "_replay", "graph replay call")]
+    saved = [(o, n, timed(o, n, lab)) for o, n, lab in patches]
+    try:
+        stream = cp.cuda.get_current_stream()
+        for _ in range(steps):
+            cp.cuda.Device().synchronize()
+            t0 = time.perf_counter()
+            logits = model.forward(states, toks, on_device=True)
+            t1 = time.perf_counter()
+            stream.synchronize()
+            t2 = time.perf_counter()
+            out = model.ops.sample_rows(logits, jobs)
+            t3 = time.perf_counter()
+            toks[:] = [[t] for t, _, _ in out]
+            spent["forward, host"] += t1 - t0
+            spent["device after the forward returned"] += t2 - t1
+            spent["draw + read-back"] += t3 - t2
+    finally:
+        for o, n, fn in saved:
+            setattr(o, n, fn)
+    graphs = _decode_graphs(model, len(states))
+    if graphs:
+        calls = []
+        for _ in range(steps):
+            cp.cuda.Device().synchronize()
+            t0 = time.perf_counter()
+            graphs[-1].launch(stream)
+            calls.append(time.perf_counter() - t0)
+        cp.cuda.Device().synchronize()
+        spent["one graph.launch call alone (median)"] = float(np.median(calls)) * steps
+    print(f"a served step in parts, mean of {steps} (us, wall clock, no profiler):")
+    for label, sec in spent.items():
+        print(f"  {sec / steps * 1e6:9.1f}  {label}")
 
 
 def step(ckpt: str) -> None:
@@ -208,7 +278,8 @@ def main() -> int:
     h = sub.add_parser("host")
     h.add_argument("ckpt")
     h.add_argument("--batch", type=int, default=1)
-    h.add_argument("--steps", type=int, default=50)
+    # (three runs of 8 steps from position 20 stay below the first capacity bucket's 64 keys)
+    h.add_argument("--steps", type=int, default=8)
     sub.add_parser("step").add_argument("ckpt")
     sub.add_parser("linear").add_argument("name")
     a = ap.parse_args()
