@@ -34,42 +34,39 @@ class Span(NamedTuple):
 
 
 def reserve(xp, ls, name: str, width: int, n_new: int, jobs: list, room: int | None = None) -> tuple:
-    """Room for n_new rows after the live rows of ls.<name>. Returns (buffer, first live row,
-    first free row); a new buffer (with `room` spare rows if given, else GROWTH's headroom) gets
-    the live rows through a copy job added to `jobs` (ops.copy_rows tuples: src, src_row, dst,
-    dst_row, rows)."""
-    arr = getattr(ls, name)
-    n = 0 if arr is None else int(arr.shape[0])
-    held = _held(ls, name, arr)
-    if held is not None and held[1] + n + n_new <= held[0].shape[0]:
-        return held[0], held[1], held[1] + n
+    """Room for n_new rows after the live rows of ls.<name> (one of state.GROWN_FIELDS). Returns
+    (buffer, first live row, first free row); a new buffer (with `room` spare rows if given, else
+    GROWTH's headroom) gets the live rows through a copy job added to `jobs` (ops.copy_rows tuples:
+    src, src_row, dst, dst_row, rows)."""
+    held = ls.spare.get(name)
+    if held is not None:
+        src, s0, n = held[0], held[1], held[2] - held[1]
+        if held[2] + n_new <= src.shape[0]:
+            return src, s0, held[2]
+    else:
+        src, s0 = getattr(ls, name), 0
+        n = 0 if src is None else int(src.shape[0])
     spare = max(MIN_ROWS, (n + n_new) // GROWTH) if room is None else room
     buf = xp.empty((n + n_new + spare, width), dtype=np.float32)
     if n:
-        jobs.append((xp.ascontiguousarray(arr), 0, buf, 0, n))
+        jobs.append((src if held is not None else xp.ascontiguousarray(src), s0, buf, 0, n))
     return buf, 0, n
 
 
 def commit(ls, name: str, buf, start: int, end: int) -> None:
-    """ls.<name> becomes rows start .. end of buf (its buffer kept for the next append)."""
-    view = buf[start:end]
-    setattr(ls, name, view)
-    ls.spare[name] = (buf, start, view)
+    """ls.<name> becomes rows start .. end of buf (its buffer kept for the next append; the
+    field's view is made when it is read, engine/state.py)."""
+    ls.__dict__["_own_" + name] = None
+    ls.spare[name] = [buf, start, end, None]
 
 
 def span(ls, name: str) -> Span:
     """ls.<name> as a Span (of its buffer, where it has one), for reading rows in place."""
+    held = ls.spare.get(name)
+    if held is not None:
+        return Span(held[0], held[1], held[2] - held[1])
     arr = getattr(ls, name)
-    if arr is None:
-        return Span(None, 0, 0)
-    held = _held(ls, name, arr)
-    return Span(arr, 0, int(arr.shape[0])) if held is None else Span(*held, int(arr.shape[0]))
-
-
-def _held(ls, name: str, arr) -> tuple | None:
-    """(buffer, first live row) behind ls.<name> if it is still the view commit() made, else None."""
-    sp = ls.spare.get(name)
-    return (sp[0], sp[1]) if sp is not None and sp[2] is arr else None
+    return Span(None, 0, 0) if arr is None else Span(arr, 0, int(arr.shape[0]))
 
 
 class WindowBlock:

@@ -63,6 +63,9 @@ class LayerState:
 
     @property
     def n_entries(self) -> int:
+        held = self.spare.get("entries")
+        if held is not None:
+            return held[2] - held[1]
         return 0 if self.entries is None else int(self.entries.shape[0])
 
     def attach(self, block, layer: int) -> None:
@@ -87,6 +90,39 @@ def _set_window(self: LayerState, value) -> None:
 # WindowBlock while decode steps append to every layer at once (engine/rows.py).
 LayerState._block, LayerState._layer = None, 0
 LayerState.window = property(_get_window, _set_window)
+
+# The fields a V4.1 decode step grows by rows in place (engine/rows.py) are properties too: an array
+# of their own, or rows start .. end of a growth buffer held in `spare` ([buffer, start, end, view]),
+# the view made only when the field is read. So a step appends rows with no array created per
+# sequence and field: a CuPy view costs microseconds of host time, and a step made four per sequence
+# and KV source layer (b32, 2 flash-shaped layers: plan_decode 1016 us on the H200's host, 381 us
+# with numpy arrays on a development CPU).
+GROWN_FIELDS = ("buf_kv", "buf_gate", "entries", "idx_keys")
+
+
+def _grown_field(name: str) -> property:
+    own = "_own_" + name
+
+    def get(self: LayerState):
+        held = self.__dict__.get("spare", _NONE_HELD).get(name)
+        if held is None:
+            return self.__dict__.get(own)
+        if held[3] is None:
+            held[3] = held[0][held[1]:held[2]]
+        return held[3]
+
+    def set(self: LayerState, value) -> None:  # (any array set from outside drops the growth buffer)
+        spare = self.__dict__.get("spare")
+        if spare:
+            spare.pop(name, None)
+        self.__dict__[own] = value
+
+    return property(get, set)
+
+
+_NONE_HELD: dict = {}
+for _name in GROWN_FIELDS:
+    setattr(LayerState, _name, _grown_field(_name))
 
 
 @dataclass

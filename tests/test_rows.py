@@ -37,13 +37,25 @@ def test_appends_grow_in_place_and_keep_every_row() -> None:
 
 def test_reassigned_field_drops_its_buffer() -> None:
     ls = LayerState(window=np.zeros((0, 2), np.float32))
-    _append(ls, "window", np.ones((1, 2), np.float32))
-    old = ls.spare["window"][0]
-    ls.window = np.full((2, 2), 5.0, np.float32)  # e.g. the chunk path's concatenation
-    assert rows.span(ls, "window").buf is ls.window
-    _append(ls, "window", np.zeros((1, 2), np.float32))
-    assert ls.spare["window"][0] is not old
-    np.testing.assert_array_equal(ls.window, [[5, 5], [5, 5], [0, 0]])
+    _append(ls, "entries", np.ones((1, 2), np.float32))
+    old = ls.spare["entries"][0]
+    ls.entries = np.full((2, 2), 5.0, np.float32)  # e.g. the chunk path's concatenation
+    assert "entries" not in ls.spare and rows.span(ls, "entries").buf is ls.entries
+    _append(ls, "entries", np.zeros((1, 2), np.float32))
+    assert ls.spare["entries"][0] is not old
+    np.testing.assert_array_equal(ls.entries, [[5, 5], [5, 5], [0, 0]])
+    assert ls.n_entries == 3
+
+
+def test_grown_field_reads_as_one_view_until_it_changes() -> None:
+    """A grown field's view is made when read and kept until the next append (engine/state.py)."""
+    ls = LayerState(window=np.zeros((0, 2), np.float32))
+    _append(ls, "idx_keys", np.ones((1, 2), np.float32))
+    a = ls.idx_keys
+    assert ls.idx_keys is a and a.base is ls.spare["idx_keys"][0]
+    _append(ls, "idx_keys", np.full((1, 2), 2.0, np.float32))
+    assert ls.idx_keys is not a
+    np.testing.assert_array_equal(ls.idx_keys, [[1, 1], [2, 2]])
 
 
 def test_room_bounds_a_pending_buffer() -> None:
