@@ -9,16 +9,24 @@ Tables (int64): "rows" [B] the address of each destination row (0: none); "spans
 (address of the first row, count); per layer, from the step's window blocks, `win_dst` [B] and
 `attend` [B, 6] (window address, count, 0, entries address, count, 1 if the published top-k
 mask row b masks them: kernels/attention.cu attention_decode).
+
+Packing is host work (numpy): with numpy state buffers it yields their host addresses, which is how
+the CPU tests check it (tests/test_staging.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import fields, replace
 
-import cupy as cp
 import numpy as np
 
 from engine.decode_plan import F32, HOST, I64, ROWS, SPANS, LayerPlan, StepInputs
+
+
+def _address(buf) -> int:
+    """A buffer's first byte: a CuPy array's device pointer, or a numpy array's host address."""
+    data = buf.data
+    return int(data.ptr) if hasattr(data, "ptr") else int(buf.ctypes.data)
 
 
 class _Addresses:
@@ -37,7 +45,7 @@ class _Addresses:
             buf = sp.buf
             if buf.dtype != np.float32 or not buf.flags.c_contiguous or buf.ndim != 2:
                 raise ValueError("a staged Span must cover C-contiguous float32 rows of a 2-D buffer")
-            got = self._bufs[id(buf)] = (buf, int(buf.data.ptr), buf.shape[1] * 4, buf.shape[0])
+            got = self._bufs[id(buf)] = (buf, _address(buf), buf.shape[1] * 4, buf.shape[0])
         if sp.start + sp.n > got[3]:
             raise ValueError("a staged Span runs past its buffer")
         return got[1] + sp.start * got[2]
@@ -55,7 +63,7 @@ def _window_tables(inputs: StepInputs, addr: _Addresses) -> tuple[np.ndarray, np
     addresses in each sequence's WindowBlock, then the group entries where the layer attends them
     (layers reading the same group under the same mask share one table of addresses)."""
     w, layers = inputs.window, inputs.layers
-    base = np.array([int(b.data.ptr) for b in w.blocks], np.int64)
+    base = np.array([_address(b) for b in w.blocks], np.int64)
     cap = np.array([b.shape[1] for b in w.blocks], np.int64)
     row = w.blocks[0].shape[2] * 4
     off = np.arange(len(layers), dtype=np.int64)[:, None] * cap[None, :]
@@ -88,11 +96,11 @@ class Layout:
         self.layers: list | None = None  # per layer: (its static fields, slots)
 
     @staticmethod
-    def _cut(slots: list, i64: cp.ndarray, f32: cp.ndarray) -> dict:
+    def _cut(slots: list, i64, f32) -> dict:
         return {name: (i64 if dt is np.int64 else f32)[off:off + int(np.prod(shape))].reshape(shape)
                 for name, dt, off, shape in slots}
 
-    def views(self, i64: cp.ndarray, f32: cp.ndarray) -> StepInputs:
+    def views(self, i64, f32) -> StepInputs:
         """The StepInputs whose tables are views of i64 / f32 (no copy, no kernel)."""
         step = self._cut(self.step, i64, f32)
         layers = None if self.layers is None else [LayerPlan(**static, **self._cut(slots, i64, f32))
