@@ -122,11 +122,12 @@ class NgramHasher:
     def decode(self, histories: list[list[int]], ids: list[int], positions: list[int]) -> np.ndarray:
         """__call__ for B sequences of one new token each (a decode step), vectorized over them:
         histories[b] the raw ids before ids[b], which sits at positions[b]. -> [B, L, (N-1)*heads]."""
-        n, b = self.n, len(ids)
-        raw = np.full((b, n), -1, dtype=np.int64)  # column j: the token j places back (-1: none)
-        for i, (hist, t) in enumerate(zip(histories, ids, strict=True)):
-            back = [int(t)] + [int(x) for x in reversed(hist[-(n - 1):])] if n > 1 else [int(t)]
-            raw[i, : len(back)] = back
+        n = self.n
+        rows = []  # per sequence, column j: the token j places back (-1: none); one array for all
+        for hist, t in zip(histories, ids, strict=True):
+            back = [int(t), *reversed(hist[-(n - 1):])] if n > 1 and hist else [int(t)]
+            rows.append(back + [-1] * (n - len(back)))
+        raw = np.array(rows, dtype=np.int64)
         ok = (raw >= 0) & (np.asarray(positions, dtype=np.int64)[:, None] - np.arange(n)[None, :] >= 0)
         return self._hash(np.where(ok, self.token_map[np.maximum(raw, 0)], self.pad))
 

@@ -198,6 +198,17 @@ def _stacked_projections(ckpt, names, ops, parts: dict) -> list:
 # The model
 
 
+def _token_ids(chunks: list) -> tuple[np.ndarray, np.ndarray]:
+    """Every chunk's token ids in one int64 array, and each chunk's length (a decode step's
+    one-token chunks without a numpy call apiece)."""
+    if all(isinstance(ch, (list, tuple)) and len(ch) == 1 for ch in chunks):
+        ids = np.array([ch[0] for ch in chunks], np.int64)
+        if ids.ndim == 1:
+            return ids, np.ones(len(chunks), np.int64)
+    arrs = [np.asarray(ch, dtype=np.int64).reshape(-1) for ch in chunks]
+    return np.concatenate(arrs), np.array([a.size for a in arrs], np.int64)
+
+
 @dataclass
 class _Seq:
     """One sequence's slice of the flattened batch."""
@@ -321,18 +332,25 @@ class Model:
         cfg, ops = self.cfg, self.ops
         if len(states) != len(chunks) or not states:
             raise ValueError("forward needs one chunk per state")
-        seqs, ids, start = [], [], 0
-        for st, ch in zip(states, chunks, strict=True):
+        for st in states:
             place(st, getattr(ops, "placement", ops.name), ops.asarray)  # e.g. one restored from bytes
-            ch = np.asarray(ch, dtype=np.int64).reshape(-1)
-            if ch.size == 0:
-                raise ValueError("every chunk needs at least one token")
-            if ch.min() < 0 or ch.max() >= cfg.vocab_size:
-                raise ValueError(f"token id out of range [0, {cfg.vocab_size})")
-            seqs.append(_Seq(st, slice(start, start + ch.size), st.position + np.arange(ch.size), {}))
-            ids.append(ch)
-            start += ch.size
-        ids_all, pos_all = np.concatenate(ids), np.concatenate([s.pos for s in seqs])
+        # (checked and laid out for the whole batch at once: per-sequence numpy calls cost ~7 us
+        # each sequence, 0.2 ms a decode step at batch 32)
+        ids_all, sizes = _token_ids(chunks)
+        if not sizes.all():
+            raise ValueError("every chunk needs at least one token")
+        if ids_all.min() < 0 or ids_all.max() >= cfg.vocab_size:
+            raise ValueError(f"token id out of range [0, {cfg.vocab_size})")
+        pos_all = np.array([st.position for st in states], np.int64)
+        if ids_all.size == len(states):  # one token each (a decode step)
+            bounds = [(i, i + 1) for i in range(len(states))]
+        else:
+            ends = np.cumsum(sizes)
+            starts = ends - sizes
+            pos_all = np.repeat(pos_all - starts, sizes) + np.arange(ends[-1])
+            bounds = list(zip(starts.tolist(), ends.tolist(), strict=True))
+        seqs = [_Seq(st, slice(a, b), pos_all[a:b], {}) for st, (a, b) in zip(states, bounds, strict=True)]
+        ids = [ids_all[a:b] for a, b in bounds]
         # V4.1 sequences fed one token take the batched decode path: every layer's state rows are
         # planned on the host first (engine/decode_plan.py), so its device half has the same launches
         # whatever the positions; a step of only such sequences is one graph on one GPU. Prompt

@@ -148,10 +148,18 @@ def test_decode_step_launches_repeat_between_capacity_buckets() -> None:
     assert len({capacity(n) for n in (1, 64)}) == 1 and capacity(65) == 128
 
 
-def test_engram_decode_hashes_equal_chunk_hashes() -> None:
+@pytest.mark.parametrize("ngram", [3, 4])
+def test_engram_decode_hashes_equal_chunk_hashes(ngram: int, tmp_path) -> None:
     """The batched one-token hash (decode) equals the per-chunk hash, for histories shorter than
-    the n-gram (the first tokens of a sequence) and full ones."""
-    h = _model(DEMO_V41).hasher
+    the n-gram (the first tokens of a sequence) and full ones: demo-v41's 3-grams and a random
+    checkpoint's 4-grams."""
+    if ngram == 3:
+        h = _model(DEMO_V41).hasher
+    else:
+        from engine.tiny_model import write_tiny_model
+
+        h = _model(write_tiny_model(tmp_path / "m", arch="v41", seed=3, engram_ngram=4)).hasher
+    assert h.n == ngram
     rng = np.random.default_rng(7)
     hists, toks, pos = [], [], []
     for n_hist in range(h.n + 1):
