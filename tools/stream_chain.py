@@ -29,7 +29,8 @@ Printed: time per chain, its bytes / the copy rate (the floor), and the floor's 
 for each --per-sm, the same launch with no waits (its streaming rate with no dependencies).
 --check compares every task's output with numpy (both ways, --mode 0) on a small chain first.
 
-Measured on the H200 (stop 26; 2 layers, 16 GEMVs, 533 MB, floor ~129 us at ~4.15 TB/s):
+Measured on the H200 (stop 26, with every thread fencing before an item's counter bump, now
+--fence-all; 2 layers, 16 GEMVs, 533 MB, floor ~129 us at ~4.15 TB/s):
   --mode 0 (FP8 on CUDA cores): graph 311-338 us (38-42%); persistent at best 299 us (4 blocks per
     SM, 43.5%); no waits 256 us (51%): the CUDA-core loop itself caps near half the copy rate.
   --mode 1 (dp4a): graph 240 us (53%); persistent 220-225 us at 4-6 blocks per SM (56-58%); no
@@ -37,9 +38,10 @@ Measured on the H200 (stop 26; 2 layers, 16 GEMVs, 533 MB, floor ~129 us at ~4.1
   A dependency costs a persistent chain ~2.5 us (the waits' share over 15 of them), a graph ~3.5 us
     (a launch boundary); an L2 prefetch window (4-24 MB) is slower in every configuration (+35-60
     us); one resident block per SM is far slower (8 warps cannot keep enough loads in flight).
-So one launch removes only ~1 us of each GEMV boundary, and even a near-free consumer with no
-dependencies streams at ~70% of the copy rate in 16-64-row items: a persistent decode kernel of
-this shape would not by itself bring the b1 step to 65% of its floor.
+So in that form one launch removed only ~1 us of each GEMV boundary, and even a near-free consumer
+with no dependencies streamed at ~70% of the copy rate in 16-64-row items. Not yet measured: the
+same with one thread fencing per item (the default since; a fence by all 256 threads after every
+16-64-row item may be part of that 30%).
 """
 
 from __future__ import annotations
@@ -69,6 +71,9 @@ typedef unsigned char u8;
 #ifndef MODE
 #define MODE 0
 #endif
+#ifndef FENCE_ALL
+#define FENCE_ALL 0
+#endif
 
 __device__ __forceinline__ float2 e4m3x2(u32 v) {  // two e4m3 bytes -> their values, exact
   u32 h;
@@ -79,6 +84,9 @@ __device__ __forceinline__ float2 e4m3x2(u32 v) {  // two e4m3 bytes -> their va
 }
 __device__ __forceinline__ void prefetch_l2(const void* p, u32 bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void red_release(int* p, int v) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 __device__ __forceinline__ int ld_acquire(const int* p) {
   int v;
@@ -240,9 +248,14 @@ extern "C" __global__ void __launch_bounds__(256) chain_run(const u64* w, const 
       for (int o = 16; o > 0; o >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], o);
       if (lane == 0 && row0 + r < nn) ((float*)c.y[t])[row0 + r] = acc[r];
     }
-    __threadfence();  // (every warp's outputs before the counter that publishes them)
+    // every warp's outputs before the counter that publishes them: the barrier orders them before
+    // thread 0's release (cumulative), so one thread fences, not 256 (FENCE_ALL=1: each thread
+    // fences first, as the stop-26 measurements did)
+#if FENCE_ALL
+    __threadfence();
+#endif
     __syncthreads();
-    if (tid == 0) atomicAdd(done + t, 1);
+    if (tid == 0) red_release(done + t, 1);
   }
 }
 """
@@ -273,7 +286,8 @@ def build_chain(layers: int, scale: int = 1) -> list[tuple[str, int, int, int]]:
 class ChainRun:
     """The chain's buffers on the device and both ways of running it."""
 
-    def __init__(self, tasks: list, seed: int = 0, unroll: int = 4, mode: int = 0, rows: int = ROWS) -> None:
+    def __init__(self, tasks: list, seed: int = 0, unroll: int = 4, mode: int = 0, rows: int = ROWS,
+                 fence_all: bool = False) -> None:
         import cupy as cp
 
         from engine import kernels as K
@@ -281,7 +295,7 @@ class ChainRun:
         self.tasks = tasks
         self.mod = cp.RawModule(code=SOURCE, options=("-std=c++17", f"-arch=sm_{K.device_arch()}",
                                                           f"-DUNROLL={unroll}", f"-DMODE={mode}",
-                                                          f"-DROWS={rows}"))
+                                                          f"-DROWS={rows}", f"-DFENCE_ALL={int(fence_all)}"))
         self.fn = self.mod.get_function("chain_run")
         rng = np.random.default_rng(seed)
         self.w, self.s, self.y = [], [], []
@@ -376,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-sm", default="1,2,4", help="resident blocks per SM of the persistent launch")
     ap.add_argument("--unroll", type=int, default=4, help="16-byte loads per row in flight per lane")
     ap.add_argument("--rows", type=int, default=ROWS, choices=(8, 16, 32, 64), help="weight rows per item")
+    ap.add_argument("--fence-all", action="store_true",
+                    help="every thread fences before an item's counter is bumped (as measured at stop 26)")
     ap.add_argument("--mode", type=int, default=0, choices=(0, 1),
                     help="0: FP8 x float on CUDA cores; 1: the same bytes as int8 by dp4a (timing only)")
     ap.add_argument("--check", action="store_true", help="first compare both ways with numpy")
@@ -384,7 +400,8 @@ def main(argv: list[str] | None = None) -> int:
         print("check FAILED")
         return 1
     bw = copy_bandwidth()
-    run = ChainRun(build_chain(a.layers), unroll=a.unroll, mode=a.mode, rows=a.rows)
+    run = ChainRun(build_chain(a.layers), unroll=a.unroll, mode=a.mode, rows=a.rows,
+                   fence_all=a.fence_all)
     floor = run.nbytes / bw
     print(f"copy rate {bw / 1e12:.2f} TB/s; chain: {len(run.tasks)} GEMVs, {run.items} items of {a.rows} rows, "
           f"{run.nbytes / 1e6:.0f} MB, floor {floor * 1e6:.1f} us; {run.sms} blocks")
