@@ -59,7 +59,8 @@ class LayerState:
     idx_ovl_gate: np.ndarray | None = None
     idx_keys: np.ndarray | None = None
     # growth buffers behind some of the arrays above (engine/rows.py); never serialized
-    spare: dict = field(default_factory=dict, compare=False, repr=False)
+    # (not an __init__ argument: a copy made by dataclasses.replace gets its own, holding no buffer)
+    spare: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     @property
     def n_entries(self) -> int:

@@ -62,3 +62,15 @@ def test_room_bounds_a_pending_buffer() -> None:
     ls = LayerState(window=np.zeros((0, 2), np.float32))
     _append(ls, "buf_kv", np.ones((1, 2), np.float32), room=2)
     assert ls.spare["buf_kv"][0].shape[0] == 3
+
+
+def test_replaced_state_keeps_its_own_rows() -> None:
+    """dataclasses.replace copies a grown field as its current rows, not its growth buffer."""
+    import dataclasses
+
+    ls = LayerState(window=np.zeros((0, 2), np.float32))
+    _append(ls, "entries", np.ones((1, 2), np.float32))
+    copy = dataclasses.replace(ls)
+    _append(ls, "entries", np.full((1, 2), 3.0, np.float32))
+    np.testing.assert_array_equal(copy.entries, [[1, 1]])
+    assert copy.n_entries == 1 and ls.n_entries == 2 and not copy.spare
