@@ -45,13 +45,13 @@ def test_sources_inline_headers() -> None:
         assert '#include "' not in kernels.source(p.stem)
 
 
-@pytest.mark.parametrize("tool", ["read_bw", "stream_chain"])
-def test_tool_kernels_compile(tool: str, monkeypatch) -> None:
-    """The developer tools' inline kernels (tools/read_bw.py, tools/stream_chain.py) compile for
-    sm_90a, so a device session spends no call on a typo."""
+@pytest.mark.parametrize("tool,defines", [("read_bw", ()), *(("stream_chain", (f"-DMODE={m}",)) for m in range(4))])
+def test_tool_kernels_compile(tool: str, defines: tuple, monkeypatch) -> None:
+    """The developer tools' inline kernels (tools/read_bw.py, tools/stream_chain.py in each --mode)
+    compile for sm_90a, so a device session spends no call on a typo."""
     import importlib
 
     src = importlib.import_module(f"tools.{tool}").SOURCE
     monkeypatch.setattr(kernels, "source", lambda name: src)
-    ok, log, _ = check.compile_one(tool, "90a")
+    ok, log, _ = check.compile_one(tool, "90a", defines)
     assert ok, log
