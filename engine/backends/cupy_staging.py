@@ -132,11 +132,15 @@ def pack(inputs: StepInputs) -> tuple[np.ndarray, np.ndarray, Layout]:
             put(lay.step, name, I64, table)
     if inputs.layers is not None:
         lay.layers = []
+        staged: dict = {}  # id(plan) -> its (static fields, slots): layers sharing a plan share its tables
         for lp in inputs.layers:
-            slots: list = []
-            for name, kind in _LAYER_FIELDS:
-                if (v := getattr(lp, name)) is not None and kind != HOST:
-                    put(slots, name, kind, v)
-            lay.layers.append((lp.static(), slots))
+            got = staged.get(id(lp))
+            if got is None:
+                slots: list = []
+                for name, kind in _LAYER_FIELDS:
+                    if (v := getattr(lp, name)) is not None and kind != HOST:
+                        put(slots, name, kind, v)
+                got = staged[id(lp)] = (lp.static(), slots)
+            lay.layers.append(got)
     out = [np.concatenate(parts[dt]) if parts[dt] else np.zeros(1, dt) for dt in (np.int64, np.float32)]
     return out[0], out[1], lay
