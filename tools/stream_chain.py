@@ -3,7 +3,7 @@
 developer's tool for designing the persistent decode kernel; not the runtime).
 
     python tools/stream_chain.py [--layers 2] [--ahead 0,4,8,16,24] [--per-sm 1,2,4] [--unroll 4]
-                                 [--rows 16] [--mode 0|1|2|3] [--fence-all] [--check]
+                                 [--rows 16] [--mode 0-5] [--fence-all] [--check]
 
 A b1 decode step is a chain of GEMVs, each reading the previous one's output, with small ops
 between them. As one launch per GEMV in a CUDA graph (today's step) each pays a launch ramp and
@@ -25,7 +25,10 @@ only: the bytes as int8 times x rounded to int8, one dp4a per four, so that the 
 less than the streaming; --mode 2 and 3, tensor cores on 16-row items whose 8 warps split K (see
 the kernel): 2 is gemvr's arithmetic (weights cvt to f16, x as hi + lo f16 terms), 3 feeds the FP8
 bytes to mma.m16n8k32.e4m3 unconverted with x as four scaled e4m3 terms in the B columns: does an
-FP8 GEMV stream faster with no conversion, and how close to float32 do its sums come?):
+FP8 GEMV stream faster with no conversion, and how close to float32 do its sums come? --mode 4
+and 5 ask the same of FP4 weights (the routed experts' format, UE8M0 per 32 k): 4 turns nibbles
+into e4m3 bytes (~1.1 integer ops a weight) for the e4m3 MMA, 5 is gemvr's fp4_pairs (~2.5 ops)
+and f16 MMA. Is the FP4 GEMV bound by its decoding?):
   graph        one launch per GEMV, captured in a CUDA graph (the dependency: stream order);
   persistent   one launch for the chain, --per-sm resident blocks per SM, --ahead MB prefetched.
 Printed: time per chain, its bytes / the copy rate (the floor), and the floor's share of the time;
@@ -115,12 +118,15 @@ __device__ __forceinline__ int task_of(const Chain& c, int item) {
   return t;
 }
 
+// bytes of a weight row of K values: FP8 (modes 0-3), FP4 (modes 4, 5)
+#define WBYTES(kk) (MODE >= 4 ? (kk) / 2 : (kk))
+
 // an item's weight bytes, prefetched into L2 when pf is set
 __device__ __forceinline__ u32 item_bytes(const Chain& c, int item, bool pf) {
   const int t = task_of(c, item);
-  const int kk = c.k[t], r0 = (item - c.first[t]) * ROWS;
-  const u32 bytes = (u32)(min(ROWS, c.n[t] - r0) * kk);  // (k % 16 == 0)
-  if (pf) prefetch_l2((const u8*)c.w[t] + (size_t)r0 * kk, bytes);
+  const int rb = WBYTES(c.k[t]), r0 = (item - c.first[t]) * ROWS;
+  const u32 bytes = (u32)(min(ROWS, c.n[t] - r0) * rb);  // (k % 32 == 0)
+  if (pf) prefetch_l2((const u8*)c.w[t] + (size_t)r0 * rb, bytes);
   return bytes;
 }
 
@@ -203,6 +209,12 @@ __device__ __forceinline__ void stage_x(float* xs, const float* xin, int kk, int
 //  MODE 3: mma.m16n8k32 e4m3 x e4m3 -> f32: the weights' bytes go in as they are (no conversion);
 //    x as NT3 e4m3 terms in B columns 0 .. NT3 - 1, term j of (x 2^sh)'s residual after the terms
 //    before it, times 16^j (max of x 2^sh in (224, 448]).
+//  MODE 4 (FP4 e2m1 weights, a UE8M0 scale per row and 32 k): each nibble becomes an e4m3 byte by
+//    bit placement (value x 2^-6, exact; ~1.1 integer ops a weight), then mma.m16n8k32.e4m3 against
+//    x's four e4m3 terms, two MMAs of term pairs, each B column holding one lane's 32-k segment so
+//    that every lane applies its own rows' scales (gemvr's way); x staged evens-then-odds per 8 k.
+//  MODE 5 (FP4, gemvr's arithmetic): fp4_pairs -> f16x2 (value x 2^-14; ~2.5 ops a weight),
+//    mma.m16n8k16 f16 against hi / lo f16 terms per lane segment; x staged in pairs (k, k + 4).
 #ifndef NT3
 #define NT3 4
 #endif
@@ -246,6 +258,29 @@ __device__ __forceinline__ void mma_e4m3(float* c, u32 a0, u32 a1, u32 a2, u32 a
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// where element k of x lies in the staged terms (the MMA fragments' k order within each 8 k)
+__device__ __forceinline__ int xslot(int k) {
+#if MODE == 4
+  const int j = k & 7;
+  return (k & ~7) | ((j & 1) ? 4 + (j >> 1) : (j >> 1));  // evens, then odds
+#elif MODE == 5
+  const int j = k & 7;
+  return (k & ~7) | ((j & 3) * 2 + (j >> 2));  // (0, 4), (1, 5), (2, 6), (3, 7)
+#else
+  return k;
+#endif
+}
+
+// Eight e2m1 nibbles (element i in bits 4i..4i+3) -> four f16x2, p[i] = (element i, element i+4),
+// each value * 2^-14, exact (as kernels/gemv_tc.cu fp4_pairs)
+__device__ __forceinline__ void fp4_pairs(u32 w, u32* p) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const u32 mag = i < 3 ? (w << (9 - 4 * i)) : (w >> 3);
+    p[i] = (mag & 0x0E000E00u) | ((w << (12 - 4 * i)) & 0x80008000u);
+  }
+}
+
 // x (kk floats) -> its terms in shared memory (xt) and each 128-group's shift (xsh): warp w takes
 // groups w, w + 8, ...; a lane 4 elements
 __device__ __forceinline__ void stage_x_terms(u8* xt, int* xsh, const float* xin, int kk, int warp, int lane) {
@@ -257,25 +292,31 @@ __device__ __forceinline__ void stage_x_terms(u8* xt, int* xsh, const float* xin
     if (m > 0.f && m <= 3.0e38f) {
       int e;
       frexpf(m, &e);  // m = f 2^e, f in [0.5, 1)
-      sh = (MODE == 2 ? 14 : 8) - e;  // m 2^sh in [2^13, 2^14) (MODE 2), [128, 256) (MODE 3: e4m3 max 448)
+      sh = (MODE == 2 || MODE == 5 ? 14 : 8) - e;  // m 2^sh in [2^13, 2^14) (f16), [128, 256) (e4m3: max 448)
       sh = sh < -100 ? -100 : (sh > 100 ? 100 : sh);
     }
     const float x[4] = {v.x * pow2(sh), v.y * pow2(sh), v.z * pow2(sh), v.w * pow2(sh)};
     if (lane == 0) xsh[gi] = sh;  // (lanes past kk write zero terms: the unit's MMAs read them)
-#if MODE == 2
+#if MODE == 2 || MODE == 5
     unsigned short* hi = (unsigned short*)xt;
     unsigned short* lo = hi + MAX_K;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      hi[k0 + i] = f16_rn(x[i]);
-      lo[k0 + i] = f16_rn(x[i] - f16_f32(hi[k0 + i]));
+      const unsigned short h = f16_rn(x[i]);
+      hi[xslot(k0 + i)] = h;
+      lo[xslot(k0 + i)] = f16_rn(x[i] - f16_f32(h));
     }
 #else
     float r[4] = {x[0], x[1], x[2], x[3]};  // (|r| < 256 for every term: a residual is <= 1/16 of its value)
 #pragma unroll
     for (int j = 0; j < NT3; ++j) {
       const u32 p = e4m3x2_rn(r[0], r[1]) | ((u32)e4m3x2_rn(r[2], r[3]) << 16);
+#if MODE == 4
+#pragma unroll
+      for (int i = 0; i < 4; ++i) xt[(size_t)j * MAX_K + xslot(k0 + i)] = (u8)(p >> (8 * i));
+#else
       *(u32*)(xt + (size_t)j * MAX_K + k0) = p;
+#endif
       const u32 q01 = cvt_f16x2_e4m3x2(p), q23 = cvt_f16x2_e4m3x2(p >> 16);
       r[0] = (r[0] - f16_f32((unsigned short)(q01 & 0xFFFFu))) * 16.f;
       r[1] = (r[1] - f16_f32((unsigned short)(q01 >> 16))) * 16.f;
@@ -294,6 +335,63 @@ __device__ __forceinline__ void load_unit(uint4 (&a)[2], uint4 (&b)[2], const u8
     a[h] = ok ? __ldcs((const uint4*)(ra + k + 16 * h)) : make_uint4(0, 0, 0, 0);
     b[h] = ok ? __ldcs((const uint4*)(rb + k + 16 * h)) : make_uint4(0, 0, 0, 0);
   }
+}
+
+// FP4: 16 bytes (32 k) of rows ra, rb at k (zeros past kk; kk % 32 == 0)
+__device__ __forceinline__ void load_unit4(uint4& a, uint4& b, const u8* ra, const u8* rb, int k, int kk) {
+  const bool ok = k < kk;
+  a = ok ? __ldcs((const uint4*)(ra + k / 2)) : make_uint4(0, 0, 0, 0);
+  b = ok ? __ldcs((const uint4*)(rb + k / 2)) : make_uint4(0, 0, 0, 0);
+}
+
+// e2m1 nibbles -> e4m3 bytes (value x 2^-6, exact): the low nibbles of w's bytes, and the high ones
+__device__ __forceinline__ u32 e4m3_lo(u32 w) { return ((w & 0x07070707u) << 2) | ((w & 0x08080808u) << 4); }
+__device__ __forceinline__ u32 e4m3_hi(u32 w) { return ((w >> 2) & 0x1C1C1C1Cu) | (w & 0x80808080u); }
+
+// FP4 unit: lane (g, t)'s 32-k segment of rows g, g + 8 (a, b), their UE8M0 scales (sa, sb); the
+// partial sums of its own segment, scaled (summed over t later)
+__device__ __forceinline__ void mma_unit4(const uint4& a, const uint4& b, u32 sa, u32 sb, const u8* xt, int kbase,
+                                          int g, int t, float& acc0, float& acc1, float xinv) {
+  const u32 wa[4] = {a.x, a.y, a.z, a.w}, wb[4] = {b.x, b.y, b.z, b.w};
+  const bool feeds = (g >> 1) == t;  // this lane fills B column g = 2t + term with its own segment
+  float p0 = 0.f, p1 = 0.f;
+#if MODE == 4
+  float c[NT3 / 2][4] = {};  // per pair of terms
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const u32 la = e4m3_lo(wa[q]), ha = e4m3_hi(wa[q]), lb = e4m3_lo(wb[q]), hb = e4m3_hi(wb[q]);
+#pragma unroll
+    for (int pr = 0; pr < NT3 / 2; ++pr) {
+      const u8* xterm = xt + (size_t)(2 * pr + (g & 1)) * MAX_K + kbase + 8 * q;
+      const u32 b0 = feeds ? *(const u32*)xterm : 0u, b1 = feeds ? *(const u32*)(xterm + 4) : 0u;
+      mma_e4m3(c[pr], la, lb, ha, hb, b0, b1);
+    }
+  }
+#pragma unroll
+  for (int pr = 0; pr < NT3 / 2; ++pr) {
+    const float s0 = pow2(-8 * pr), s1 = pow2(-8 * pr - 4);  // columns 2t, 2t + 1: terms 2pr, 2pr + 1
+    p0 += c[pr][0] * s0 + c[pr][1] * s1;
+    p1 += c[pr][2] * s0 + c[pr][3] * s1;
+  }
+  const int esh = 6;  // e4m3 = e2m1 x 2^-6
+#else
+  const unsigned short* xterm = (const unsigned short*)xt + (g & 1) * MAX_K + kbase;
+  float c[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    u32 pa[4], pb[4];
+    fp4_pairs(wa[q], pa);
+    fp4_pairs(wb[q], pb);
+    const uint4 xq = feeds ? *(const uint4*)(xterm + 8 * q) : make_uint4(0, 0, 0, 0);
+    mma_f16(c, pa[0], pb[0], pa[1], pb[1], xq.x, xq.y);
+    mma_f16(c, pa[2], pb[2], pa[3], pb[3], xq.z, xq.w);
+  }
+  p0 = c[0] + c[1];  // hi + lo
+  p1 = c[2] + c[3];
+  const int esh = 14;  // fp4_pairs: e2m1 x 2^-14
+#endif
+  acc0 += p0 * pow2((int)sa - 127 + esh) * xinv;
+  acc1 += p1 * pow2((int)sb - 127 + esh) * xinv;
 }
 
 // one 128-k unit of the tile: the partial sums of rows g and g + 8 (per lane; summed over t later)
@@ -351,13 +449,19 @@ extern "C" __global__ void __launch_bounds__(256) chain_run(const u64* w, const 
   for (int item = i0 + blockIdx.x; item < i1; item += G) {
     const int t = task_of(c, item);
     const int nn = c.n[t], kk = c.k[t], d = c.dep[t];
-    const int gk = (kk + SB - 1) / SB;
+    const int gk = (kk + SB - 1) / SB;  // (FP8 scale blocks per row block)
+    (void)gk;
 #if MODE >= 2
     const int n0 = (item - c.first[t]) * 16, nunits = (kk + 127) / 128;
-    const u8* ra = (const u8*)c.w[t] + (size_t)min(n0 + g, nn - 1) * kk;
-    const u8* rb = (const u8*)c.w[t] + (size_t)min(n0 + g + 8, nn - 1) * kk;
+    const int ga = min(n0 + g, nn - 1), gb = min(n0 + g + 8, nn - 1);
+    const u8* ra = (const u8*)c.w[t] + (size_t)ga * WBYTES(kk);
+    const u8* rb = (const u8*)c.w[t] + (size_t)gb * WBYTES(kk);
     uint4 ca[2], cb[2];
+#if MODE >= 4
+    if (warp < nunits) load_unit4(ca[0], cb[0], ra, rb, warp * 128 + 32 * tq, kk);
+#else
     if (warp < nunits) load_unit(ca, cb, ra, rb, warp * 128 + 32 * tq, kk);
+#endif
 #else
     const int row0 = (item - c.first[t]) * ROWS + warp * R;
     Rows rw;
@@ -395,12 +499,21 @@ extern "C" __global__ void __launch_bounds__(256) chain_run(const u64* w, const 
     }
 #if MODE >= 2
     float acc0 = 0.f, acc1 = 0.f;
-    const float* S = (const float*)c.s[t] + (size_t)(n0 / SB) * gk;
     for (int u = warp; u < nunits; u += 8) {
       uint4 na[2], nb[2];
       const bool more = u + 8 < nunits;
+#if MODE >= 4
+      if (more) load_unit4(na[0], nb[0], ra, rb, (u + 8) * 128 + 32 * tq, kk);
+      const u8* S4 = (const u8*)c.s[t];  // [n, kk / 32] UE8M0
+      const int gk32 = kk / 32, sk = u * 4 + tq;
+      const u32 sa = sk < gk32 ? __ldg(S4 + (size_t)ga * gk32 + sk) : 127u;
+      const u32 sb = sk < gk32 ? __ldg(S4 + (size_t)gb * gk32 + sk) : 127u;
+      mma_unit4(ca[0], cb[0], sa, sb, (const u8*)xs, u * 128 + 32 * tq, g, tq, acc0, acc1, pow2(-xsh[u]));
+#else
       if (more) load_unit(na, nb, ra, rb, (u + 8) * 128 + 32 * tq, kk);
+      const float* S = (const float*)c.s[t] + (size_t)(n0 / SB) * gk;
       mma_unit(ca, cb, (const u8*)xs, u * 128 + 32 * tq, g, tq, acc0, acc1, __ldg(S + (u * 128) / SB) * pow2(-xsh[u]));
+#endif
       if (more) {
         ca[0] = na[0]; ca[1] = na[1]; cb[0] = nb[0]; cb[1] = nb[1];
       }
@@ -490,11 +603,15 @@ class ChainRun:
         self.w, self.s, self.y = [], [], []
         kmax = max(k for _, _, k, _ in tasks)
         self.x0 = cp.asarray(rng.standard_normal(kmax).astype(np.float32))
+        self.fp4 = mode >= 4
         for _, n, k, _ in tasks:
-            # e4m3 codes with exponent fields < 15 (no NaN), either sign
-            self.w.append(cp.asarray(rng.integers(0, 256, (n, k), dtype=np.uint8) & np.uint8(0xF7)))
-            sc = rng.uniform(0.5, 2.0, (-(-n // SB), -(-k // SB))).astype(np.float32) / np.float32(k)
-            self.s.append(cp.asarray(sc))
+            if self.fp4:  # e2m1 nibbles (every code a value), UE8M0 scales per row and 32 k around 2^-9
+                self.w.append(cp.asarray(rng.integers(0, 256, (n, k // 2), dtype=np.uint8)))
+                self.s.append(cp.asarray(rng.integers(116, 122, (n, k // 32), dtype=np.uint8)))
+            else:  # e4m3 codes with exponent fields < 15 (no NaN), either sign; a float per SB x SB
+                self.w.append(cp.asarray(rng.integers(0, 256, (n, k), dtype=np.uint8) & np.uint8(0xF7)))
+                sc = rng.uniform(0.5, 2.0, (-(-n // SB), -(-k // SB))).astype(np.float32) / np.float32(k)
+                self.s.append(cp.asarray(sc))
             self.y.append(cp.zeros(n, cp.float32))
         first = np.cumsum([0] + [-(-n // rows) for _, n, _, _ in tasks]).astype(np.int32)
         self.items = int(first[-1])
@@ -512,7 +629,7 @@ class ChainRun:
         # persistent launch must not exceed it, or its items wait on blocks that never start
         regs = -(-max(self.fn.num_regs, 1) // 8) * 8
         self.resident = max(1, min(65536 // (256 * regs), (228 << 10) // (33 << 10), 8))
-        self.nbytes = sum(n * k + -(-n // SB) * -(-k // SB) * 4 for _, n, k, _ in tasks)
+        self.nbytes = sum(w.nbytes + sc.nbytes for w, sc in zip(self.w, self.s, strict=True))
 
     def _chain(self) -> tuple:
         return (*self.arrays, *self.ints, np.int32(len(self.tasks)))
@@ -540,15 +657,21 @@ class ChainRun:
 
         outs: list[np.ndarray] = []
         x0 = self.x0.get()
+        e2m1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
         for t, (_, _n, k, d) in enumerate(self.tasks):
-            w = fp8_e4m3_to_f32(self.w[t].get()).astype(np.float64)
-            s = np.repeat(np.repeat(self.s[t].get().astype(np.float64), SB, 0), SB, 1)[:w.shape[0], :w.shape[1]]
+            if self.fp4:  # element 2j: byte j's low nibble, 2j + 1: its high one
+                b = self.w[t].get()
+                w = e2m1[np.stack([b & 15, b >> 4], axis=-1).reshape(b.shape[0], -1)]
+                s = np.repeat(np.exp2(self.s[t].get().astype(np.float64) - 127), 32, 1)[:, :k]
+            else:
+                w = fp8_e4m3_to_f32(self.w[t].get()).astype(np.float64)
+                s = np.repeat(np.repeat(self.s[t].get().astype(np.float64), SB, 0), SB, 1)[:w.shape[0], :w.shape[1]]
             x = x0[:k] if d < 0 else outs[d][:k]
             outs.append((w * s) @ x.astype(np.float64))
         return outs
 
 
-CHECK_TOL = {0: 1e-4, 2: 1e-4, 3: 1e-3}  # MODE 3: x as four e4m3 terms (~16 bits) and FP8 MMA sums
+CHECK_TOL = {0: 1e-4, 2: 1e-4, 3: 1e-3, 4: 1e-3, 5: 1e-4}  # 3, 4: x as four e4m3 terms and FP8 MMA sums
 
 
 def check(mode: int = 0) -> bool:
@@ -586,13 +709,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=ROWS, choices=(8, 16, 32, 64), help="weight rows per item")
     ap.add_argument("--fence-all", action="store_true",
                     help="every thread fences before an item's counter is bumped (as measured at stop 26)")
-    ap.add_argument("--mode", type=int, default=0, choices=(0, 1, 2, 3),
+    ap.add_argument("--mode", type=int, default=0, choices=range(6),
                     help="0: FP8 x float on CUDA cores; 1: the same bytes as int8 by dp4a (timing only); "
-                         "2: f16 MMA (gemvr's arithmetic); 3: e4m3 MMA, x as e4m3 terms")
+                         "2: FP8, f16 MMA (gemvr's arithmetic); 3: FP8, e4m3 MMA, x as e4m3 terms; "
+                         "4: FP4 -> e4m3 bytes, e4m3 MMA; 5: FP4, f16 MMA (gemvr's)")
     ap.add_argument("--check", action="store_true", help="first compare both ways with numpy")
     a = ap.parse_args(argv)
     if a.mode >= 2 and a.rows != 16:
-        ap.error("--mode 2 and 3 take 16-row items")
+        ap.error("--mode 2 to 5 take 16-row items")
     if a.check and not check(a.mode if a.mode != 1 else 0):
         print("check FAILED")
         return 1
