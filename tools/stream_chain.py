@@ -15,26 +15,31 @@ items' weights into L2 (cp.async.bulk.prefetch.L2; they need no input) until --a
 whole GPU) are ahead of the items running. So weights stream from HBM while the chain waits on its
 dependencies.
 
-The chain here is one V4.1-Flash layer's GEMV bytes per layer (FP8 e4m3 with a float scale per
-32 x 32 block; the routed experts' FP4 bytes as FP8 rows of the same size): wq_a -> wq_b -> wo_a
-(dense here) -> wo_b -> shared w1 -> shared w2, and wo_b -> experts w1 -> experts w2, each x the
-first K values of its input task's output. Both ways use the same kernel and inner loop (a warp's
-two rows, --unroll 16-byte loads per row in flight per lane, the first pass loaded before the item
-waits for its input; --mode 0: CUDA-core FMAs after a cvt per two FP8 weights; --mode 1, timing
-only: the bytes as int8 times x rounded to int8, one dp4a per four, so that the consumer costs far
-less than the streaming; --mode 2 and 3, tensor cores on 16-row items whose 8 warps split K (see
-the kernel): 2 is gemvr's arithmetic (weights cvt to f16, x as hi + lo f16 terms), 3 feeds the FP8
-bytes to mma.m16n8k32.e4m3 unconverted with x as four scaled e4m3 terms in the B columns: does an
-FP8 GEMV stream faster with no conversion, and how close to float32 do its sums come? --mode 4
-and 5 ask the same of FP4 weights (the routed experts' format, UE8M0 per 32 k): 4 turns nibbles
-into e4m3 bytes (~1.1 integer ops a weight) for the e4m3 MMA, 5 is gemvr's fp4_pairs (~2.5 ops)
-and f16 MMA. Is the FP4 GEMV bound by its decoding?):
+The chain here is one V4.1-Flash layer's GEMV bytes per layer: wq_a -> wq_b -> wo_a (dense here)
+-> wo_b -> shared w1 -> shared w2, and wo_b -> experts w1 -> experts w2 (the routed experts' FP4
+bytes as rows of the same size), each x the first K values of its input task's output. Both ways
+run the same kernel, its consumer chosen by --mode:
+  0  FP8, CUDA-core FMAs after a cvt per two weights; a warp's two rows, --unroll 16-byte loads
+     per row in flight per lane;
+  1  the same bytes as int8 times x rounded to int8, one dp4a per four (timing only): a consumer
+     far cheaper than the streaming;
+  2  FP8 on tensor cores, gemvr's arithmetic: weights cvt to f16, x as hi + lo f16 terms;
+  3  FP8 bytes fed unconverted to mma.m16n8k32.e4m3, x as four scaled e4m3 terms in the B
+     columns: does an FP8 GEMV stream faster with no conversion, and how close to float32 are
+     its sums?
+  4  FP4 (e2m1, UE8M0 per row and 32 k: the routed experts' format) turned into e4m3 bytes by bit
+     placement (~1.1 integer ops a weight), then the e4m3 MMA;
+  5  FP4 with gemvr's arithmetic (fp4_pairs, ~2.5 ops a weight; f16 MMA): is the FP4 GEMV bound
+     by its decoding?
+Modes 2-5 take 16-row items whose block of 8 warps splits K (see the kernel). In every mode the
+first weights are loaded before an item waits for its input. FP8 weights carry a float scale per
+128 x 128 block (V4.1's; 32 x 32 at the stop-26 runs).
   graph        one launch per GEMV, captured in a CUDA graph (the dependency: stream order);
   persistent   one launch for the chain, --per-sm resident blocks per SM, --ahead MB prefetched.
 Printed: time per chain, its bytes / the copy rate (the floor), and the floor's share of the time;
 for each --per-sm, the same launch with no waits (its streaming rate with no dependencies).
 --check compares every task's output with numpy (both ways; that --mode, 0 for 1) on a small chain
-first. Weights carry a float scale per 128 x 128 block (V4.1's FP8; 32 x 32 at the stop-26 runs).
+first.
 
 Measured on the H200 (stop 26, with every thread fencing before an item's counter bump, now
 --fence-all; 2 layers, 16 GEMVs, 533 MB, floor ~129 us at ~4.15 TB/s):
