@@ -187,3 +187,118 @@ extern "C" __global__ void __launch_bounds__(MOE_GROUP_MAXP) moe_group(const lon
   if (dup_col > 0)
     for (int q = 5 * total + tid; q < 5 * maxseg; q += blockDim.x) segs[5 * maxseg + q] = 0;
 }
+
+// ---------------------------------------------------------------------------------------------
+// moe_group for any number of pairs (a prompt chunk's: T x top-k, thousands), the same outputs as
+// moe_group (stable by pair within each expert, the same segments and zeroed tail), so that moe()
+// need not copy the routing to the host to group it. One block of 1024 threads, a counting sort:
+// warp w takes the contiguous pairs [w P / 32, (w + 1) P / 32), counts them per expert into its
+// own row of hist [32][E] (dynamic shared memory, E <= MOE_GROUP_LARGE_MAXE), then each expert's
+// column becomes the warps' offsets within its run, and each warp scatters its pairs in order (a
+// lane's rank among the warp's lanes with its expert: __match_any_sync). Deterministic: no atomics.
+#define MOE_GROUP_LARGE_MAXE 1024
+__device__ __forceinline__ int block_exclusive_scan(int v, int* wsum, int* total) {  // 1024 threads
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int x = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) x += y;
+  }
+  if (lane == 31) wsum[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    int s = wsum[lane];
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, s, o);
+      if (lane >= o) s += y;
+    }
+    wsum[lane] = s;  // inclusive over warps
+  }
+  __syncthreads();
+  const int before = (warp ? wsum[warp - 1] : 0) + x - v;
+  *total = wsum[31];
+  __syncthreads();  // (wsum is reused by the next scan)
+  return before;
+}
+
+extern "C" __global__ void __launch_bounds__(1024) moe_group_large(const long long* __restrict__ ids, int P, int K,
+                                                                   int E, int step, int maxseg, int dup_col,
+                                                                   int* __restrict__ order, int* __restrict__ inv,
+                                                                   int* __restrict__ gather, int* __restrict__ segs) {
+  extern __shared__ int hist[];  // [32][E]: warp w's count, then its offset, per expert
+  __shared__ int base[MOE_GROUP_LARGE_MAXE], segbase[MOE_GROUP_LARGE_MAXE], cnt[MOE_GROUP_LARGE_MAXE];
+  __shared__ int wsum[32];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  if (step < 1) step = 1;
+  for (int i = tid; i < 32 * E; i += 1024) hist[i] = 0;
+  __syncthreads();
+  const int p0 = (int)((long long)P * warp / 32), p1 = (int)((long long)P * (warp + 1) / 32);
+  const unsigned below = (1u << lane) - 1u;
+  for (int q = p0; q < p1; q += 32) {  // (the warp's lanes stay together: p1 - q may be < 32)
+    const int p = q + lane;
+    const bool live = p < p1;
+    long long e64 = live ? ids[p] : 0;
+    const int e = live ? (int)(e64 < 0 ? 0 : (e64 >= E ? E - 1 : e64)) : -1;
+    const unsigned same = __match_any_sync(0xffffffffu, e);
+    if (live && (same & below) == 0) hist[warp * E + e] += __popc(same);  // (the group's lowest lane)
+    __syncwarp();  // (the next round's leader for e may be another lane)
+  }
+  __syncthreads();
+  // per expert: the warps' counts -> their offsets within its run; the run's length
+  for (int e = tid; e < E; e += 1024) {
+    int run = 0;
+    for (int w = 0; w < 32; ++w) {
+      const int c = hist[w * E + e];
+      hist[w * E + e] = run;
+      run += c;
+    }
+    cnt[e] = run;
+  }
+  __syncthreads();
+  // runs and their segments, in expert order (E <= 1024: one expert per thread)
+  const int c = tid < E ? cnt[tid] : 0;
+  int nrows, nsegs;
+  const int b = block_exclusive_scan(c, wsum, &nrows);
+  const int s = block_exclusive_scan((c + step - 1) / step, wsum, &nsegs);
+  if (tid < E) {
+    base[tid] = b;
+    segbase[tid] = s;
+  }
+  __syncthreads();
+  for (int q = p0; q < p1; q += 32) {
+    const int p = q + lane;
+    const bool live = p < p1;
+    long long e64 = live ? ids[p] : 0;
+    const int e = live ? (int)(e64 < 0 ? 0 : (e64 >= E ? E - 1 : e64)) : -1;
+    const unsigned same = __match_any_sync(0xffffffffu, e);
+    const int off = live ? hist[warp * E + e] : 0;
+    __syncwarp();
+    if (live) {
+      const int pos = base[e] + off + __popc(same & below);
+      order[pos] = p;
+      inv[p] = pos;
+      gather[pos] = p / K;
+      if ((same & below) == 0) hist[warp * E + e] = off + __popc(same);
+    }
+    __syncwarp();
+  }
+  if (tid < E) {
+    for (int r = 0; r * step < c; ++r) {
+      const int sg = s + r;
+      if (sg >= maxseg) break;
+      int* o = segs + 5 * sg;
+      o[0] = tid; o[1] = b + r * step; o[2] = min(step, c - r * step); o[3] = 0; o[4] = 0;
+      if (dup_col > 0) {
+        o += 5 * maxseg;
+        o[0] = tid + E; o[1] = b + r * step; o[2] = min(step, c - r * step); o[3] = 0; o[4] = dup_col;
+      }
+    }
+  }
+  const int used = min(nsegs, maxseg);
+  for (int q = 5 * used + tid; q < 5 * maxseg; q += 1024) segs[q] = 0;
+  if (dup_col > 0)
+    for (int q = 5 * used + tid; q < 5 * maxseg; q += 1024) segs[5 * maxseg + q] = 0;
+  (void)nrows;
+}

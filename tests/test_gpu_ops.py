@@ -564,6 +564,53 @@ def test_moe_group_kernel(t, k, e, step):
     assert not segs2[1][~used].any()
 
 
+@pytest.mark.parametrize("t,k,e,step", [(200, 6, 384, 64), (4096, 6, 384, 64), (1500, 1, 3, 8), (333, 8, 1024, 64),
+                                        (171, 6, 40, 5), (1025, 1, 1, 64)])
+def test_moe_group_large_kernel(t, k, e, step):
+    """moe_group_large (above 1024 pairs): moe_group's outputs exactly, stable by pair."""
+    ids = RNG.integers(0, e, (t, k))  # repeats across and within tokens
+    p = t * k
+    buf = cp.full(8 * p, -1, cp.int32)  # poisoned, maxseg = P: the tail must come back zeroed
+    segs, order, inv, gather = buf[:5 * p], buf[5 * p:6 * p], buf[6 * p:7 * p], buf[7 * p:]
+    K.function_with_smem("moe", "moe_group_large", 32 * e * 4)((1,), (1024,), (
+        cp.asarray(ids), np.int32(p), np.int32(k), np.int32(e), np.int32(step), np.int32(p), np.int32(0), order,
+        inv, gather, segs), shared_mem=32 * e * 4)
+    for got, ref in zip((order, inv, gather, segs), _group_ref(ids, e, step, p), strict=True):
+        assert np.array_equal(cp.asnumpy(got), ref)
+    ms = CupyOps._moe_max_segments(p, e, step)
+    got = GPU._moe_group(cp.asarray(ids), e, step, 77)  # (doubled: w3's half after w1's)
+    ref = _group_ref(ids, e, step, ms)
+    for g, r in zip(got[1:], (ref[2], ref[1], ref[0]), strict=True):
+        assert np.array_equal(cp.asnumpy(g), r)
+    segs2 = cp.asnumpy(got[0]).reshape(2, ms, 5)
+    assert np.array_equal(segs2[0], ref[3].reshape(ms, 5))
+    used = segs2[0][:, 2] > 0
+    assert np.array_equal(segs2[1][used], segs2[0][used] + np.array([e, 0, 0, 0, 77]))
+    assert not segs2[1][~used].any()
+
+
+@pytest.mark.parametrize("t,e,most", [(400, 16, 65), (700, 64, 65), (700, 384, 9)])
+def test_moe_device_large(t, e, most, monkeypatch):
+    """DSUF_MOE_DEVICE_LARGE: a prompt chunk's MoE grouped on the device (no copy to the host) equals
+    the numpy reference; where an expert has more than 64 pairs the host-grouped path launches the
+    same 64-row GEMM segments, and the two agree bit for bit (with fewer, the host path picks the
+    tensor-core GEMV for its largest count and the two differ by rounding only)."""
+    ws, gws = _moe_experts(e)
+    x = rnd(t, MOE_D)
+    ids, wts = _moe_route(t, e, min_max=most)
+    used = set(ids.ravel().tolist())
+    ref = REF.moe(x, [tuple(REF.prepare(w) for w in ex) if i in used else None for i, ex in enumerate(ws)],
+                  wts, ids, 10.0)
+    monkeypatch.setattr("engine.backends.cupy_ops.MOE_DEVICE_LARGE", True)
+    with monkeypatch.context() as m:
+        m.setattr(CupyOps, "to_host", _no_host)
+        dev = cp.asnumpy(GPU.moe(cp.asarray(x), gws, cp.asarray(wts), cp.asarray(ids), 10.0))
+    assert rel(dev, ref) < GEMM_TOL
+    monkeypatch.setattr("engine.backends.cupy_ops.MOE_DEVICE_LARGE", False)
+    host = cp.asnumpy(GPU.moe(cp.asarray(x), gws, cp.asarray(wts), cp.asarray(ids), 10.0))
+    assert np.array_equal(dev, host) if most > 64 else rel(host, ref) < GEMM_TOL
+
+
 def test_moe_cuda_graph():
     t, e = 4, 64
     _, gws = _moe_experts(e)

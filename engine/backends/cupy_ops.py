@@ -116,6 +116,11 @@ COPY_ROWS_MAX = 64 << 10  # copy_rows: larger copies (a state buffer's growth) g
 HC_COUNTERS = 1 << 16  # rows the fused mHC mix handles per launch (one int32 block counter each)
 MOE_DEVICE_MAX_PAIRS = 1024  # moe(): up to this many (token, expert) pairs are grouped on the device
 _MOE_GROUP_MAXP = 1024  # kernels/moe.cu MOE_GROUP_MAXP: moe_group runs one block, one thread a pair
+# Above that (prompt chunks), DSUF_MOE_DEVICE_LARGE=1 groups them on the device too (moe_group_large,
+# a counting sort in one block, up to MOE_GROUP_LARGE_MAXE experts) instead of copying the routing
+# to the host: no synchronization per MoE layer and chunk. Opt-in until its GPU tests have run.
+MOE_DEVICE_LARGE = os.environ.get("DSUF_MOE_DEVICE_LARGE", "0") == "1"
+MOE_GROUP_LARGE_MAXE = 1024  # (kernels/moe.cu MOE_GROUP_LARGE_MAXE)
 
 
 class SideBranch:
@@ -929,22 +934,30 @@ class CupyOps:
         ids = cp.ascontiguousarray(cp.asarray(ids), dtype=cp.int64)
         t, k = ids.shape
         p = t * k
-        if p > _MOE_GROUP_MAXP or n_experts > 1 << 21:
-            raise ValueError(f"moe_group: {p} pairs over {n_experts} experts (<= {_MOE_GROUP_MAXP}, 2^21)")
+        large = p > _MOE_GROUP_MAXP  # (moe_group_large: any count, up to MOE_GROUP_LARGE_MAXE experts)
+        if n_experts > (MOE_GROUP_LARGE_MAXE if large else 1 << 21):
+            raise ValueError(f"moe_group: {p} pairs over {n_experts} experts (above {_MOE_GROUP_MAXP} pairs: "
+                             f"<= {MOE_GROUP_LARGE_MAXE} experts)")
         ms = self._moe_max_segments(p, n_experts, step)
         o = 5 * ms * (2 if dup_col else 1)
         buf = cp.empty(o + 3 * p, cp.int32)  # one allocation, its size fixed by (T, k, E)
         segs, gather, inv, order = buf[:o], buf[o:o + p], buf[o + p:o + 2 * p], buf[o + 2 * p:]
-        K.function("moe", "moe_group")((1,), (_MOE_GROUP_MAXP,), (
-            ids, np.int32(p), np.int32(k), np.int32(n_experts), np.int32(step), np.int32(ms), np.int32(dup_col),
-            order, inv, gather, segs))
+        args = (ids, np.int32(p), np.int32(k), np.int32(n_experts), np.int32(step), np.int32(ms), np.int32(dup_col),
+                order, inv, gather, segs)
+        if large:
+            smem = 32 * n_experts * 4  # (the warps' per-expert counts)
+            K.function_with_smem("moe", "moe_group_large", smem)((1,), (1024,), args, shared_mem=smem)
+        else:
+            K.function("moe", "moe_group")((1,), (_MOE_GROUP_MAXP,), args)
         return segs, gather, inv, order
 
     def _moe_device(self, x: cp.ndarray, tabs, n_experts: int, weights, ids, limit: float) -> cp.ndarray:
         """moe() with the pairs grouped by a kernel: no host round trip, shapes fixed by (T, k, E).
         An expert gets at most one pair per token, so segments of min(8, T) rows (GEMV) split no run
-        that the host path would keep whole; they bound the rows per segment even if ids repeat."""
-        step = min(GEMV_MAX_ROWS, x.shape[0])
+        that the host path would keep whole; they bound the rows per segment even if ids repeat.
+        Above MOE_DEVICE_MAX_PAIRS pairs (DSUF_MOE_DEVICE_LARGE), segments of GEMM_TILE rows, as the
+        host path cuts an expert with more than 8 pairs (the tensor-core GEMM)."""
+        step = min(GEMV_MAX_ROWS, x.shape[0]) if ids.size <= MOE_DEVICE_MAX_PAIRS else GEMM_TILE
         dup = tabs[0][0].shape[0] if len(tabs) > 3 else 0  # gate and up: one doubled segment table
         segs, gather, inv, _ = self._moe_group(ids, n_experts, step, dup)
         return self._moe_project(x, gather, tabs, segs, step, weights, inv, int(ids.shape[1]), limit,
@@ -998,13 +1011,15 @@ class CupyOps:
         Pairs (t, k) are grouped by expert, then each projection is one launch over per-expert
         segments. Up to MOE_DEVICE_MAX_PAIRS pairs (decode, small chunks) the grouping is a kernel
         (no host sync: CUDA-graph capturable); above, on the host (one small copy of the ids), where
-        segments of up to 64 rows can use the tensor-core GEMM."""
+        segments of up to 64 rows can use the tensor-core GEMM, or with DSUF_MOE_DEVICE_LARGE=1 a
+        kernel again (moe_group_large: the same table, no copy)."""
         x = _c32(x)
         t, d = x.shape
         if t == 0:
             return cp.zeros_like(x)
         tabs = self._expert_tables(experts)
-        if tabs is not None and ids.size <= min(MOE_DEVICE_MAX_PAIRS, _MOE_GROUP_MAXP):
+        if tabs is not None and (ids.size <= min(MOE_DEVICE_MAX_PAIRS, _MOE_GROUP_MAXP) or (
+                MOE_DEVICE_LARGE and len(experts) <= MOE_GROUP_LARGE_MAXE)):
             return self._moe_device(x, tabs, len(experts), weights, ids, limit)
         ids_h = self.to_host(ids).astype(np.int64)
         k = ids_h.shape[1]
