@@ -228,7 +228,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_group_large(const long lo
                                                                    int* __restrict__ order, int* __restrict__ inv,
                                                                    int* __restrict__ gather, int* __restrict__ segs) {
   extern __shared__ int hist[];  // [32][E]: warp w's count, then its offset, per expert
-  __shared__ int base[MOE_GROUP_LARGE_MAXE], segbase[MOE_GROUP_LARGE_MAXE], cnt[MOE_GROUP_LARGE_MAXE];
+  __shared__ int base[MOE_GROUP_LARGE_MAXE], cnt[MOE_GROUP_LARGE_MAXE];
   __shared__ int wsum[32];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   if (step < 1) step = 1;
@@ -262,10 +262,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_group_large(const long lo
   int nrows, nsegs;
   const int b = block_exclusive_scan(c, wsum, &nrows);
   const int s = block_exclusive_scan((c + step - 1) / step, wsum, &nsegs);
-  if (tid < E) {
-    base[tid] = b;
-    segbase[tid] = s;
-  }
+  if (tid < E) base[tid] = b;  // (the segments below use this thread's own s)
   __syncthreads();
   for (int q = p0; q < p1; q += 32) {
     const int p = q + lane;
