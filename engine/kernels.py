@@ -33,21 +33,25 @@ def kernel_files() -> list[Path]:
 
 def source(name: str) -> str:
     """Text of kernels/<name>.cu with local includes inlined (each header once)."""
+    return expand_includes((KERNEL_DIR / f"{name}.cu").read_text())
+
+
+def expand_includes(text: str) -> str:
+    """CUDA source text with its `#include "x.cuh"` of kernels/ inlined, each header once (also for
+    the developer tools' inline kernels, which share our headers)."""
     seen: set[str] = set()
 
-    def expand(path: Path) -> str:
-        text = path.read_text()
-
+    def expand(text: str) -> str:
         def repl(m: re.Match[str]) -> str:
             inc = m.group(1)
             if inc in seen:
                 return ""
             seen.add(inc)
-            return expand(KERNEL_DIR / inc)
+            return expand((KERNEL_DIR / inc).read_text())
 
         return _INCLUDE_RE.sub(repl, text)
 
-    return expand(KERNEL_DIR / f"{name}.cu")
+    return expand(text)
 
 
 def options(arch: str) -> tuple[str, ...]:

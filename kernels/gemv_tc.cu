@@ -29,6 +29,7 @@
 // share a tile reduce through shared memory in a fixed order (deterministic: graphs replay
 // bit-identically).
 #include "dsuf_common.cuh"
+#include "tc_fragments.cuh"
 
 __device__ __forceinline__ u32 smem_addr(const void* p) {
   u32 r;
@@ -56,37 +57,6 @@ __device__ __forceinline__ void ldsm_x4(u32 addr, u32* d) {
                : "r"(addr));
 }
 
-// (not volatile: a pure function of its registers, so the compiler may interleave it with loads)
-__device__ __forceinline__ void mma_f16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-  asm(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 v) {
-  u32 r;
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"((u16)(v & 0xFFFFu)));
-  return r;
-}
-
-// Eight e2m1 nibbles (element i in bits 4i..4i+3) -> four f16x2, p[i] = (element i, element i+4),
-// each value * 2^-14, exact (f16 subnormals included).
-__device__ __forceinline__ void fp4_pairs(u32 w, u32* p) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const u32 mag = i < 3 ? (w << (9 - 4 * i)) : (w >> 3);
-    p[i] = (mag & 0x0E000E00u) | ((w << (12 - 4 * i)) & 0x80008000u);
-  }
-}
-
-__device__ __forceinline__ u32 f2h_rn(float f) {
-  unsigned short h;
-  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-  return h;
-}
-
 // x's 128-element groups are scaled by 2^sh, sh bringing the group's max |x| into [2^13, 2^14)
 // (0 for a zero or non-finite max: NaN is ignored here and propagates through the products
 // instead), then split into f16 hi + lo terms (22 mantissa bits: float32-grade products).
@@ -100,7 +70,6 @@ __device__ __forceinline__ int x_group_shift(float m) {
   }
   return sh;
 }
-__device__ __forceinline__ float pow2f(int e) { return __uint_as_float((u32)(127 + e) << 23); }
 // four elements of one group (v) -> f16 hi and lo terms of v * 2^sh; returns 2^-sh (the group's inverse)
 __device__ __forceinline__ float split_group4(float4 v, u32* hi, u32* lo) {
   const float m = warp_max(fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
@@ -114,7 +83,6 @@ __device__ __forceinline__ float split_group4(float4 v, u32* hi, u32* lo) {
   }
   return pow2f(-sh);
 }
-
 
 // ---------------------------------------------------------------------------------------------
 // x [rows, lda] f32 -> XS [rows, lda / 4] uint4 (layout `perm`, above) and XINV [rows, ngx],
@@ -441,7 +409,6 @@ DEF_TC(fp8, FMT_FP8, 4)
 DEF_TC(fp4, FMT_FP4, 1)
 DEF_TC(fp4, FMT_FP4, 2)
 DEF_TC(fp4, FMT_FP4, 4)
-
 
 // One row of x (K floats) -> shared memory as the one-row GEMVs' B operand: two f16 columns (hi,
 // lo terms) cs bytes apart, each 128-k group scaled by a power of two (inverse in xinv[group]),

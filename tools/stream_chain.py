@@ -66,14 +66,15 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from engine import kernels  # noqa: E402  (our headers, inlined into SOURCE)
+
 ROWS = 16  # rows per item by default (--rows): 2 per warp of a 256-thread block
 SB = 128  # weight scales per SB x SB block (V4.1's FP8)
 MAX_K = 8192  # x staged in shared memory (32 KB)
 
-SOURCE = r"""
-typedef unsigned int u32;
-typedef unsigned long long u64;
-typedef unsigned char u8;
+SOURCE = kernels.expand_includes(r"""
+#include "dsuf_common.cuh"
+#include "tc_fragments.cuh"
 #ifndef ROWS
 #define ROWS 16
 #endif
@@ -90,14 +91,8 @@ typedef unsigned char u8;
 #endif
 
 __device__ __forceinline__ float2 e4m3x2(u32 v) {  // two e4m3 bytes -> their values, exact
-  u32 h;
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"((unsigned short)(v & 0xFFFFu)));
-  float lo, hi;
-  asm("{ .reg .f16 a, b; mov.b32 {a, b}, %2; cvt.f32.f16 %0, a; cvt.f32.f16 %1, b; }" : "=f"(lo), "=f"(hi) : "r"(h));
-  return make_float2(lo, hi);
-}
-__device__ __forceinline__ void prefetch_l2(const void* p, u32 bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+  const u32 h = e4m3x2_to_f16x2(v);
+  return make_float2(h2f(h), h2f(h >> 16));
 }
 __device__ __forceinline__ void red_release(int* p, int v) {
   asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
@@ -225,37 +220,11 @@ __device__ __forceinline__ void stage_x(float* xs, const float* xin, int kk, int
 #endif
 #define XT_BYTES (MAX_K * 4)  // shared memory for x's terms: 2 f16 (MODE 2) or NT3 <= 4 bytes (MODE 3)
 
-__device__ __forceinline__ float pow2(int e) { return __uint_as_float((u32)(127 + e) << 23); }
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-__device__ __forceinline__ u32 cvt_f16x2_e4m3x2(u32 v) {
-  u32 r;
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"((unsigned short)(v & 0xFFFFu)));
-  return r;
-}
-__device__ __forceinline__ unsigned short f16_rn(float f) {
-  unsigned short h;
-  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-  return h;
-}
-__device__ __forceinline__ float f16_f32(unsigned short h) {
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-  return f;
-}
 // two floats -> e4m3 bytes (lo, hi), round to nearest, saturating
-__device__ __forceinline__ unsigned short e4m3x2_rn(float lo, float hi) {
-  unsigned short r;
+__device__ __forceinline__ u16 e4m3x2_rn(float lo, float hi) {
+  u16 r;
   asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
   return r;
-}
-__device__ __forceinline__ void mma_f16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 __device__ __forceinline__ void mma_e4m3(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
   asm("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
@@ -276,15 +245,6 @@ __device__ __forceinline__ int xslot(int k) {
 #endif
 }
 
-// Eight e2m1 nibbles (element i in bits 4i..4i+3) -> four f16x2, p[i] = (element i, element i+4),
-// each value * 2^-14, exact (as kernels/gemv_tc.cu fp4_pairs)
-__device__ __forceinline__ void fp4_pairs(u32 w, u32* p) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const u32 mag = i < 3 ? (w << (9 - 4 * i)) : (w >> 3);
-    p[i] = (mag & 0x0E000E00u) | ((w << (12 - 4 * i)) & 0x80008000u);
-  }
-}
 
 // x (kk floats) -> its terms in shared memory (xt) and each 128-group's shift (xsh): warp w takes
 // groups w, w + 8, ...; a lane 4 elements
@@ -300,16 +260,16 @@ __device__ __forceinline__ void stage_x_terms(u8* xt, int* xsh, const float* xin
       sh = (MODE == 2 || MODE == 5 ? 14 : 8) - e;  // m 2^sh in [2^13, 2^14) (f16), [128, 256) (e4m3: max 448)
       sh = sh < -100 ? -100 : (sh > 100 ? 100 : sh);
     }
-    const float x[4] = {v.x * pow2(sh), v.y * pow2(sh), v.z * pow2(sh), v.w * pow2(sh)};
+    const float x[4] = {v.x * pow2f(sh), v.y * pow2f(sh), v.z * pow2f(sh), v.w * pow2f(sh)};
     if (lane == 0) xsh[gi] = sh;  // (lanes past kk write zero terms: the unit's MMAs read them)
 #if MODE == 2 || MODE == 5
-    unsigned short* hi = (unsigned short*)xt;
-    unsigned short* lo = hi + MAX_K;
+    u16* hi = (u16*)xt;
+    u16* lo = hi + MAX_K;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const unsigned short h = f16_rn(x[i]);
-      hi[xslot(k0 + i)] = h;
-      lo[xslot(k0 + i)] = f16_rn(x[i] - f16_f32(h));
+      const u32 h = f2h_rn(x[i]);
+      hi[xslot(k0 + i)] = (u16)h;
+      lo[xslot(k0 + i)] = (u16)f2h_rn(x[i] - h2f(h));
     }
 #else
     float r[4] = {x[0], x[1], x[2], x[3]};  // (|r| < 256 for every term: a residual is <= 1/16 of its value)
@@ -322,11 +282,11 @@ __device__ __forceinline__ void stage_x_terms(u8* xt, int* xsh, const float* xin
 #else
       *(u32*)(xt + (size_t)j * MAX_K + k0) = p;
 #endif
-      const u32 q01 = cvt_f16x2_e4m3x2(p), q23 = cvt_f16x2_e4m3x2(p >> 16);
-      r[0] = (r[0] - f16_f32((unsigned short)(q01 & 0xFFFFu))) * 16.f;
-      r[1] = (r[1] - f16_f32((unsigned short)(q01 >> 16))) * 16.f;
-      r[2] = (r[2] - f16_f32((unsigned short)(q23 & 0xFFFFu))) * 16.f;
-      r[3] = (r[3] - f16_f32((unsigned short)(q23 >> 16))) * 16.f;
+      const u32 q01 = e4m3x2_to_f16x2(p), q23 = e4m3x2_to_f16x2(p >> 16);
+      r[0] = (r[0] - h2f(q01)) * 16.f;
+      r[1] = (r[1] - h2f(q01 >> 16)) * 16.f;
+      r[2] = (r[2] - h2f(q23)) * 16.f;
+      r[3] = (r[3] - h2f(q23 >> 16)) * 16.f;
     }
 #endif
   }
@@ -374,13 +334,13 @@ __device__ __forceinline__ void mma_unit4(const uint4& a, const uint4& b, u32 sa
   }
 #pragma unroll
   for (int pr = 0; pr < NT3 / 2; ++pr) {
-    const float s0 = pow2(-8 * pr), s1 = pow2(-8 * pr - 4);  // columns 2t, 2t + 1: terms 2pr, 2pr + 1
+    const float s0 = pow2f(-8 * pr), s1 = pow2f(-8 * pr - 4);  // columns 2t, 2t + 1: terms 2pr, 2pr + 1
     p0 += c[pr][0] * s0 + c[pr][1] * s1;
     p1 += c[pr][2] * s0 + c[pr][3] * s1;
   }
   const int esh = 6;  // e4m3 = e2m1 x 2^-6
 #else
-  const unsigned short* xterm = (const unsigned short*)xt + (g & 1) * MAX_K + kbase;
+  const u16* xterm = (const u16*)xt + (g & 1) * MAX_K + kbase;
   float c[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
@@ -395,8 +355,8 @@ __device__ __forceinline__ void mma_unit4(const uint4& a, const uint4& b, u32 sa
   p1 = c[2] + c[3];
   const int esh = 14;  // fp4_pairs: e2m1 x 2^-14
 #endif
-  acc0 += p0 * pow2((int)sa - 127 + esh) * xinv;
-  acc1 += p1 * pow2((int)sb - 127 + esh) * xinv;
+  acc0 += p0 * pow2f((int)sa - 127 + esh) * xinv;
+  acc1 += p1 * pow2f((int)sb - 127 + esh) * xinv;
 }
 
 // one 128-k unit of the tile: the partial sums of rows g and g + 8 (per lane; summed over t later)
@@ -406,12 +366,12 @@ __device__ __forceinline__ void mma_unit(const uint4 (&a)[2], const uint4 (&b)[2
   const u32 wb[8] = {b[0].x, b[0].y, b[0].z, b[0].w, b[1].x, b[1].y, b[1].z, b[1].w};
   float c[4] = {0.f, 0.f, 0.f, 0.f};
 #if MODE == 2
-  const unsigned short* xterm = (const unsigned short*)xt + (g & 1) * MAX_K + kbase;  // (column g: hi, lo)
+  const u16* xterm = (const u16*)xt + (g & 1) * MAX_K + kbase;  // (column g: hi, lo)
 #pragma unroll
   for (int w = 0; w < 8; ++w) {
     const u32 b0 = g < 2 ? *(const u32*)(xterm + 4 * w) : 0u, b1 = g < 2 ? *(const u32*)(xterm + 4 * w + 2) : 0u;
-    mma_f16(c, cvt_f16x2_e4m3x2(wa[w]), cvt_f16x2_e4m3x2(wb[w]), cvt_f16x2_e4m3x2(wa[w] >> 16),
-            cvt_f16x2_e4m3x2(wb[w] >> 16), b0, b1);
+    mma_f16(c, e4m3x2_to_f16x2(wa[w]), e4m3x2_to_f16x2(wb[w]), e4m3x2_to_f16x2(wa[w] >> 16),
+            e4m3x2_to_f16x2(wb[w] >> 16), b0, b1);
   }
   // columns 0 (hi) and 1 (lo) lie in lanes t == 0; the other lanes' columns are zero
   acc0 += (c[0] + c[1]) * unit_scale;
@@ -424,7 +384,7 @@ __device__ __forceinline__ void mma_unit(const uint4 (&a)[2], const uint4 (&b)[2
     mma_e4m3(c, wa[2 * q], wb[2 * q], wa[2 * q + 1], wb[2 * q + 1], b0, b1);
   }
   // columns 2t, 2t + 1: terms scaled by 16^-(2t), 16^-(2t+1)
-  const float s0 = pow2(-8 * t) * unit_scale, s1 = pow2(-8 * t - 4) * unit_scale;
+  const float s0 = pow2f(-8 * t) * unit_scale, s1 = pow2f(-8 * t - 4) * unit_scale;
   acc0 += c[0] * s0 + c[1] * s1;
   acc1 += c[2] * s0 + c[3] * s1;
 #endif
@@ -513,11 +473,11 @@ extern "C" __global__ void __launch_bounds__(256) chain_run(const u64* w, const 
       const int gk32 = kk / 32, sk = u * 4 + tq;
       const u32 sa = sk < gk32 ? __ldg(S4 + (size_t)ga * gk32 + sk) : 127u;
       const u32 sb = sk < gk32 ? __ldg(S4 + (size_t)gb * gk32 + sk) : 127u;
-      mma_unit4(ca[0], cb[0], sa, sb, (const u8*)xs, u * 128 + 32 * tq, g, tq, acc0, acc1, pow2(-xsh[u]));
+      mma_unit4(ca[0], cb[0], sa, sb, (const u8*)xs, u * 128 + 32 * tq, g, tq, acc0, acc1, pow2f(-xsh[u]));
 #else
       if (more) load_unit(na, nb, ra, rb, (u + 8) * 128 + 32 * tq, kk);
       const float* S = (const float*)c.s[t] + (size_t)(n0 / SB) * gk;
-      mma_unit(ca, cb, (const u8*)xs, u * 128 + 32 * tq, g, tq, acc0, acc1, __ldg(S + (u * 128) / SB) * pow2(-xsh[u]));
+      mma_unit(ca, cb, (const u8*)xs, u * 128 + 32 * tq, g, tq, acc0, acc1, __ldg(S + (u * 128) / SB) * pow2f(-xsh[u]));
 #endif
       if (more) {
         ca[0] = na[0]; ca[1] = na[1]; cb[0] = nb[0]; cb[1] = nb[1];
@@ -565,7 +525,7 @@ extern "C" __global__ void __launch_bounds__(256) chain_run(const u64* w, const 
     if (tid == 0) red_release(done + t, 1);
   }
 }
-"""
+""")
 
 
 def layer_shapes() -> list[tuple[str, int, int, int]]:
@@ -597,10 +557,8 @@ class ChainRun:
                  fence_all: bool = False) -> None:
         import cupy as cp
 
-        from engine import kernels as K
-
         self.tasks = tasks
-        self.mod = cp.RawModule(code=SOURCE, options=("-std=c++17", f"-arch=sm_{K.device_arch()}",
+        self.mod = cp.RawModule(code=SOURCE, options=("-std=c++17", f"-arch=sm_{kernels.device_arch()}",
                                                           f"-DUNROLL={unroll}", f"-DMODE={mode}",
                                                           f"-DROWS={rows}", f"-DFENCE_ALL={int(fence_all)}"))
         self.fn = self.mod.get_function("chain_run")
