@@ -326,12 +326,7 @@ extern "C" __global__ void __launch_bounds__(256) mask_rows(const bool* __restri
   int n = 0;
   for (int c = c0; c < c1; ++c) n += m[c];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int incl = n;  // inclusive scan within the warp, then the warps' totals
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int v = __shfl_up_sync(0xffffffffu, incl, o);
-    if (lane >= o) incl += v;
-  }
+  const int incl = warp_inclusive_scan(n);  // within the warp, then the warps' totals
   if (lane == 31) warp_tot[warp] = incl;
   __syncthreads();
   int off = incl - n;

@@ -155,6 +155,16 @@ __device__ __forceinline__ float warp_max(float v) {
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
+// Inclusive prefix sum over the lanes of a full warp.
+__device__ __forceinline__ int warp_inclusive_scan(int v) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, v, o);
+    if (lane >= o) v += y;
+  }
+  return v;
+}
 
 // Sum over the block (blockDim.x a multiple of 32, <= 1024); every thread gets the result.
 __device__ __forceinline__ float block_sum(float v, float* red /* >= 33 floats of smem */) {

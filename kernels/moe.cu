@@ -199,23 +199,10 @@ extern "C" __global__ void __launch_bounds__(MOE_GROUP_MAXP) moe_group(const lon
 #define MOE_GROUP_LARGE_MAXE 1024
 __device__ __forceinline__ int block_exclusive_scan(int v, int* wsum, int* total) {  // 1024 threads
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int x = v;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int y = __shfl_up_sync(0xffffffffu, x, o);
-    if (lane >= o) x += y;
-  }
+  const int x = warp_inclusive_scan(v);
   if (lane == 31) wsum[warp] = x;
   __syncthreads();
-  if (warp == 0) {
-    int s = wsum[lane];
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int y = __shfl_up_sync(0xffffffffu, s, o);
-      if (lane >= o) s += y;
-    }
-    wsum[lane] = s;  // inclusive over warps
-  }
+  if (warp == 0) wsum[lane] = warp_inclusive_scan(wsum[lane]);  // inclusive over warps
   __syncthreads();
   const int before = (warp ? wsum[warp - 1] : 0) + x - v;
   *total = wsum[31];
