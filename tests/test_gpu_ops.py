@@ -536,57 +536,50 @@ def _group_ref(ids: np.ndarray, e: int, step: int, maxseg: int):
     return order, inv, order // ids.shape[1], tab.reshape(-1)
 
 
+def _check_group_launch(name: str, ids: np.ndarray, e: int, step: int, smem: int = 0) -> None:
+    """The grouping kernel itself, into poisoned buffers with maxseg = P (the tail must come back
+    zeroed): the stable argsort's order, inverse, tokens and segments exactly."""
+    p = ids.size
+    buf = cp.full(8 * p, -1, cp.int32)
+    segs, order, inv, gather = buf[:5 * p], buf[5 * p:6 * p], buf[6 * p:7 * p], buf[7 * p:]
+    fn = K.function_with_smem("moe", name, smem) if smem else K.function("moe", name)
+    fn((1,), (1024,), (cp.asarray(ids), np.int32(p), np.int32(ids.shape[1]), np.int32(e), np.int32(step),
+                       np.int32(p), np.int32(0), order, inv, gather, segs), shared_mem=smem)
+    for got, ref in zip((order, inv, gather, segs), _group_ref(ids, e, step, p), strict=True):
+        assert np.array_equal(cp.asnumpy(got), ref)
+
+
+def _check_group_helper(ids: np.ndarray, e: int, step: int) -> None:
+    """Through the helper moe() uses: its tighter maxseg still holds every segment, plain and doubled
+    for gate and up in one launch (the second half w3's: experts e.., y column 77)."""
+    ms = CupyOps._moe_max_segments(ids.size, e, step)
+    ref = _group_ref(ids, e, step, ms)
+    got = GPU._moe_group(cp.asarray(ids), e, step)
+    assert got[0].size == 5 * ms
+    for g, r in zip(got, (ref[3], ref[2], ref[1], ref[0]), strict=True):
+        assert np.array_equal(cp.asnumpy(g), r)
+    segs2 = cp.asnumpy(GPU._moe_group(cp.asarray(ids), e, step, 77)[0]).reshape(2, ms, 5)
+    assert np.array_equal(segs2[0], ref[3].reshape(ms, 5))
+    used = segs2[0][:, 2] > 0
+    assert np.array_equal(segs2[1][used], segs2[0][used] + np.array([e, 0, 0, 0, 77]))
+    assert not segs2[1][~used].any()
+
+
 @pytest.mark.parametrize("t,k,e,step", [(1, 1, 8, 1), (1, 6, 256, 1), (3, 6, 64, 3), (100, 6, 8, 8),
                                         (170, 6, 384, 8), (128, 8, 256, 8), (1024, 1, 3, 8), (33, 5, 40, 8)])
 def test_moe_group_kernel(t, k, e, step):
     ids = RNG.integers(0, e, (t, k))  # repeats across and within tokens
-    p = t * k
-    # the kernel itself, into poisoned buffers with maxseg = P (the tail must come back zeroed)
-    buf = cp.full(8 * p, -1, cp.int32)
-    segs, order, inv, gather = buf[:5 * p], buf[5 * p:6 * p], buf[6 * p:7 * p], buf[7 * p:]
-    K.function("moe", "moe_group")((1,), (1024,), (cp.asarray(ids), np.int32(p), np.int32(k), np.int32(e),
-                                                    np.int32(step), np.int32(p), np.int32(0), order, inv, gather,
-                                                    segs))
-    for got, ref in zip((order, inv, gather, segs), _group_ref(ids, e, step, p), strict=True):
-        assert np.array_equal(cp.asnumpy(got), ref)
-    # through the helper moe() uses: its tighter maxseg still holds every segment
-    ms = CupyOps._moe_max_segments(p, e, step)
-    got = GPU._moe_group(cp.asarray(ids), e, step)
-    assert got[0].size == 5 * ms
-    for g, ref in zip(got, (_group_ref(ids, e, step, ms)[i] for i in (3, 2, 1, 0)), strict=True):
-        assert np.array_equal(cp.asnumpy(g), ref)
-    # doubled for gate and up in one launch: the second half is w3's (experts e.., y column 77)
-    segs2 = cp.asnumpy(GPU._moe_group(cp.asarray(ids), e, step, 77)[0]).reshape(2, ms, 5)
-    ref = _group_ref(ids, e, step, ms)[3].reshape(ms, 5)
-    assert np.array_equal(segs2[0], ref)
-    used = ref[:, 2] > 0
-    assert np.array_equal(segs2[1][used], ref[used] + np.array([e, 0, 0, 0, 77]))
-    assert not segs2[1][~used].any()
+    _check_group_launch("moe_group", ids, e, step)
+    _check_group_helper(ids, e, step)
 
 
 @pytest.mark.parametrize("t,k,e,step", [(200, 6, 384, 64), (4096, 6, 384, 64), (1500, 1, 3, 8), (333, 8, 1024, 64),
                                         (171, 6, 40, 5), (1025, 1, 1, 64)])
 def test_moe_group_large_kernel(t, k, e, step):
     """moe_group_large (above 1024 pairs): moe_group's outputs exactly, stable by pair."""
-    ids = RNG.integers(0, e, (t, k))  # repeats across and within tokens
-    p = t * k
-    buf = cp.full(8 * p, -1, cp.int32)  # poisoned, maxseg = P: the tail must come back zeroed
-    segs, order, inv, gather = buf[:5 * p], buf[5 * p:6 * p], buf[6 * p:7 * p], buf[7 * p:]
-    K.function_with_smem("moe", "moe_group_large", 32 * e * 4)((1,), (1024,), (
-        cp.asarray(ids), np.int32(p), np.int32(k), np.int32(e), np.int32(step), np.int32(p), np.int32(0), order,
-        inv, gather, segs), shared_mem=32 * e * 4)
-    for got, ref in zip((order, inv, gather, segs), _group_ref(ids, e, step, p), strict=True):
-        assert np.array_equal(cp.asnumpy(got), ref)
-    ms = CupyOps._moe_max_segments(p, e, step)
-    got = GPU._moe_group(cp.asarray(ids), e, step, 77)  # (doubled: w3's half after w1's)
-    ref = _group_ref(ids, e, step, ms)
-    for g, r in zip(got[1:], (ref[2], ref[1], ref[0]), strict=True):
-        assert np.array_equal(cp.asnumpy(g), r)
-    segs2 = cp.asnumpy(got[0]).reshape(2, ms, 5)
-    assert np.array_equal(segs2[0], ref[3].reshape(ms, 5))
-    used = segs2[0][:, 2] > 0
-    assert np.array_equal(segs2[1][used], segs2[0][used] + np.array([e, 0, 0, 0, 77]))
-    assert not segs2[1][~used].any()
+    ids = RNG.integers(0, e, (t, k))
+    _check_group_launch("moe_group_large", ids, e, step, smem=32 * e * 4)
+    _check_group_helper(ids, e, step)
 
 
 @pytest.mark.parametrize("t,e,most", [(400, 16, 65), (700, 64, 65), (700, 384, 9)])
