@@ -155,12 +155,13 @@ __device__ __forceinline__ float warp_max(float v) {
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
-// Inclusive prefix sum over the lanes of a full warp.
-__device__ __forceinline__ int warp_inclusive_scan(int v) {
+// Inclusive prefix sum over the lanes of a full warp (int, u64, ...).
+template <class T>
+__device__ __forceinline__ T warp_inclusive_scan(T v) {
   const int lane = threadIdx.x & 31;
 #pragma unroll
   for (int o = 1; o < 32; o <<= 1) {
-    const int y = __shfl_up_sync(0xffffffffu, v, o);
+    const T y = __shfl_up_sync(0xffffffffu, v, o);
     if (lane >= o) v += y;
   }
   return v;

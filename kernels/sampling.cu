@@ -92,17 +92,6 @@ __device__ __forceinline__ u64 warp_offsets(u64 v, u64* red, u64* total) {
   return warp_sum_u64(lane < warp ? r : 0ull);
 }
 
-// Inclusive scan over the lanes of a warp.
-__device__ __forceinline__ u64 warp_scan_u64(u64 v) {
-  const int lane = threadIdx.x & 31;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const u64 t = __shfl_up_sync(0xffffffffu, v, o);
-    if (lane >= o) v += t;
-  }
-  return v;
-}
-
 __device__ __forceinline__ u64 block_sum_u64(u64 v, u64* red) {
   u64 total;
   warp_offsets(warp_sum_u64(v), red, &total);
@@ -242,7 +231,7 @@ extern "C" __global__ void __launch_bounds__(SMP_THREADS) sample_rows(
       if (keep) {
         const int gw = (s1 - s0 + 31) / 32;  // this warp's groups (the last segments are shorter)
         for (int c = 0; c < gw; c += 32) {
-          const u64 v = c + lane < gw ? gsum[c + lane] : 0ull, inc = warp_scan_u64(v);
+          const u64 v = c + lane < gw ? gsum[c + lane] : 0ull, inc = warp_inclusive_scan(v);
           const u32 hit = __ballot_sync(0xffffffffu, acc + inc > target);
           if (hit) {
             const int l = __ffs(hit) - 1, g = c + l;
@@ -255,7 +244,7 @@ extern "C" __global__ void __launch_bounds__(SMP_THREADS) sample_rows(
         }
       }
       for (int base = from; base < s1; base += 32) {
-        const u64 inc = warp_scan_u64(group(base, ties));
+        const u64 inc = warp_inclusive_scan(group(base, ties));
         const u32 hit = __ballot_sync(0xffffffffu, acc + inc > target);
         if (hit) {
           if (lane == 0) s_tok = base + __ffs(hit) - 1;
