@@ -25,7 +25,7 @@ gpu-test:
 # The older paths kept behind flags (=0) for A/B timing, all off, through the model and
 # tensor-parallel tests (their kernel tests in test_gpu_ops.py force both ways).
 FALLBACKS = DSUF_FUSED_NORM_ROPE=0 DSUF_INDEXER_LANES=0 DSUF_TP_GRAPHS=0 DSUF_ATTEND_ROWS=0 DSUF_SPARSE_PREFILL=0 \
-	DSUF_INDEXER_TC=0 DSUF_ATTEND_TC=0 DSUF_GEMM_TC=0
+	DSUF_INDEXER_TC=0 DSUF_ATTEND_TC=0 DSUF_GEMM_TC=0 DSUF_MOE_DEVICE_LARGE=0
 
 gpu-test-fallbacks:
 	$(FALLBACKS) $(PY) -m pytest -q -s tests/test_gpu_model.py tests/test_gpu_tp.py
@@ -66,5 +66,5 @@ gpu-ab:
 	@for f in DSUF_FUSED_NORM_ROPE DSUF_INDEXER_LANES; do \
 		echo "== decode, $$f=0"; env $$f=0 $(BENCH_DECODE) | tail -4; done
 	@echo "== prefill, default"; $(BENCH_PREFILL) | tail -2
-	@for f in DSUF_SPARSE_PREFILL DSUF_INDEXER_TC DSUF_ATTEND_TC DSUF_GEMM_TC; do \
+	@for f in DSUF_SPARSE_PREFILL DSUF_INDEXER_TC DSUF_ATTEND_TC DSUF_GEMM_TC DSUF_MOE_DEVICE_LARGE; do \
 		echo "== prefill, $$f=0"; env $$f=0 $(BENCH_PREFILL) | tail -2; done

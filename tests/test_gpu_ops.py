@@ -584,7 +584,7 @@ def test_moe_group_large_kernel(t, k, e, step):
 
 @pytest.mark.parametrize("t,e,most", [(400, 16, 65), (700, 64, 65), (700, 384, 9)])
 def test_moe_device_large(t, e, most, monkeypatch):
-    """DSUF_MOE_DEVICE_LARGE: a prompt chunk's MoE grouped on the device (no copy to the host) equals
+    """MOE_DEVICE_LARGE (the default): a prompt chunk's MoE grouped on the device (no copy to the host) equals
     the numpy reference; where an expert has more than 64 pairs the host-grouped path launches the
     same 64-row GEMM segments, and the two agree bit for bit (with fewer, the host path picks the
     tensor-core GEMV for its largest count and the two differ by rounding only)."""

@@ -51,9 +51,24 @@ Measured on the H200 (stop 26, with every thread fencing before an item's counte
     (a launch boundary); an L2 prefetch window (4-24 MB) is slower in every configuration (+35-60
     us); one resident block per SM is far slower (8 warps cannot keep enough loads in flight).
 So in that form one launch removed only ~1 us of each GEMV boundary, and even a near-free consumer
-with no dependencies streamed at ~70% of the copy rate in 16-64-row items. Not yet measured: the
-same with one thread fencing per item (the default since; a fence by all 256 threads after every
-16-64-row item may be part of that 30%).
+with no dependencies streamed at ~70% of the copy rate in 16-64-row items.
+
+Stop 27 (one thread publishes each item; 128 x 128 FP8 scales; `--per-sm 2,3,4 --ahead 0 --check`;
+FP8 chains 531 MB, floor ~125 us; FP4 chains the same 10784 items in 282 MB, floor ~66.6 us):
+  --mode 2 (gemvr's FP8): graph 270 us (46%); persistent 312 / 264 / 252 us at 2 / 3 / 4 blocks per
+    SM (best 49.7%); no waits 255 / 220 / 197 us (best 63.6%). Check 2.2e-06.
+  --mode 3 (e4m3 MMA): graph 273 us (46%); persistent 301 / 259 / 246 us (best 50.9%); no waits
+    248 / 215 / 195 us (best 64.4%). Check 1.5e-06: four e4m3 terms of x on the FP8 MMA sum as
+    accurately as gemvr's hi + lo f16, so precision does not bar that path; it is not faster.
+  --mode 4 (FP4 -> e4m3, 66 registers, 3 blocks per SM): graph 313 us (21%); persistent 302 / 286
+    us; no waits 254 / 235 us (28%). Check 1.3e-06.
+  --mode 5 (gemvr's FP4): graph 240 us (28%); persistent 270 / 236 / 232 us; no waits 222 / 196 /
+    183 us (36%). Check 3.3e-07.
+So the consumer's arithmetic is not what bounds these loops (modes 2 and 3 alike; 4, with fewer ops
+a weight, slower than 5), and a chain of FP4 items takes as long as one of FP8 items with twice the
+bytes: the time goes per item (its loads' latency, the MMA chain, the cross-warp reduction and the
+publish), not per byte. A streaming GEMV has to keep more bytes in flight per item (or per warp)
+than these 16-row, 8-warp items do, whatever it computes with.
 """
 
 from __future__ import annotations
