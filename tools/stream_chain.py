@@ -65,10 +65,11 @@ FP8 chains 531 MB, floor ~125 us; FP4 chains the same 10784 items in 282 MB, flo
   --mode 5 (gemvr's FP4): graph 240 us (28%); persistent 270 / 236 / 232 us; no waits 222 / 196 /
     183 us (36%). Check 3.3e-07.
 So the consumer's arithmetic is not what bounds these loops (modes 2 and 3 alike; 4, with fewer ops
-a weight, slower than 5), and a chain of FP4 items takes as long as one of FP8 items with twice the
-bytes: the time goes per item (its loads' latency, the MMA chain, the cross-warp reduction and the
-publish), not per byte. A streaming GEMV has to keep more bytes in flight per item (or per warp)
-than these 16-row, 8-warp items do, whatever it computes with.
+a weight, slower than 5). A chain of FP4 items takes as long as one of FP8 items with twice the
+bytes: each warp walks its 128-k units one after another with one unit loaded ahead, 64 bytes a
+row for FP8 but 32 for FP4, so the count of dependent unit loads per item (K / 1024 per warp), not
+bytes or arithmetic, sets the pace. A streaming GEMV has to keep more of its units in flight per
+warp than these do, whatever it computes with (gemvr keeps 2 FP8 / 8 FP4 units per lane).
 """
 
 from __future__ import annotations
