@@ -3,7 +3,7 @@
 developer's tool for designing the persistent decode kernel; not the runtime).
 
     python tools/stream_chain.py [--layers 2] [--ahead 0,4,8,16,24] [--per-sm 1,2,4] [--unroll 4]
-                                 [--rows 16] [--mode 0-5] [--fence-all] [--check]
+                                 [--rows 16] [--mode 0-5] [--units 2] [--fence-all] [--check]
 
 A b1 decode step is a chain of GEMVs, each reading the previous one's output, with small ops
 between them. As one launch per GEMV in a CUDA graph (today's step) each pays a launch ramp and
@@ -31,7 +31,8 @@ run the same kernel, its consumer chosen by --mode:
      placement (~1.1 integer ops a weight), then the e4m3 MMA;
   5  FP4 with gemvr's arithmetic (fp4_pairs, ~2.5 ops a weight; f16 MMA): is the FP4 GEMV bound
      by its decoding?
-Modes 2-5 take 16-row items whose block of 8 warps splits K (see the kernel). In every mode the
+Modes 2-5 take 16-row items whose block of 8 warps splits K (see the kernel), each warp keeping
+--units 128-k units (and their weight scales) in flight in a register ring. In every mode the
 first weights are loaded before an item waits for its input. FP8 weights carry a float scale per
 128 x 128 block (V4.1's; 32 x 32 at the stop-26 runs).
   graph        one launch per GEMV, captured in a CUDA graph (the dependency: stream order);
@@ -69,7 +70,10 @@ a weight, slower than 5). A chain of FP4 items takes as long as one of FP8 items
 bytes: each warp walks its 128-k units one after another with one unit loaded ahead, 64 bytes a
 row for FP8 but 32 for FP4, so the count of dependent unit loads per item (K / 1024 per warp), not
 bytes or arithmetic, sets the pace. A streaming GEMV has to keep more of its units in flight per
-warp than these do, whatever it computes with (gemvr keeps 2 FP8 / 8 FP4 units per lane).
+warp than these do, whatever it computes with (gemvr keeps 2 FP8 / 8 FP4 units per lane). Those
+runs also read each unit's weight scales at its use (one more memory latency per unit); since then
+the scales travel with the weights, and --units sets the ring's depth (2: the stop-27 form; the
+registers allow 4 blocks per SM up to 2 units FP8, 3 blocks up to 3 units FP4 and 3 FP8 e4m3).
 """
 
 from __future__ import annotations
@@ -96,6 +100,9 @@ SOURCE = kernels.expand_includes(r"""
 #endif
 #define MAX_K 8192
 #define SB 128  // weight scale block: SB x SB (V4.1 FP8)
+#ifndef UNITS
+#define UNITS 2  // (modes 2-5) 128-k units in flight per warp
+#endif
 #ifndef UNROLL
 #define UNROLL 4
 #endif
@@ -437,12 +444,28 @@ extern "C" __global__ void __launch_bounds__(256) chain_run(const u64* w, const 
     const int ga = min(n0 + g, nn - 1), gb = min(n0 + g + 8, nn - 1);
     const u8* ra = (const u8*)c.w[t] + (size_t)ga * WBYTES(kk);
     const u8* rb = (const u8*)c.w[t] + (size_t)gb * WBYTES(kk);
-    uint4 ca[2], cb[2];
+    // a ring of UNITS units in flight per warp (slot i: units u with (u - warp) / 8 = i mod UNITS);
+    // units carry their weight scales with them (read at use, each would wait a memory latency;
+    // at stop 27 they were: FP4's UE8M0 bytes per lane, FP8's block scale per unit)
+    uint4 ca[UNITS][2], cb[UNITS][2];
+    u32 sa4[UNITS], sb4[UNITS];
+    float sf[UNITS];
+    (void)sa4; (void)sb4; (void)sf;
+    auto load_slot = [&](int i, int u) {
 #if MODE >= 4
-    if (warp < nunits) load_unit4(ca[0], cb[0], ra, rb, warp * 128 + 32 * tq, kk);
+      load_unit4(ca[i][0], cb[i][0], ra, rb, u * 128 + 32 * tq, kk);
+      const u8* S4 = (const u8*)c.s[t];  // [n, kk / 32] UE8M0
+      const int gk32 = kk / 32, sk = u * 4 + tq;
+      sa4[i] = sk < gk32 ? __ldg(S4 + (size_t)ga * gk32 + sk) : 127u;
+      sb4[i] = sk < gk32 ? __ldg(S4 + (size_t)gb * gk32 + sk) : 127u;
 #else
-    if (warp < nunits) load_unit(ca, cb, ra, rb, warp * 128 + 32 * tq, kk);
+      load_unit(ca[i], cb[i], ra, rb, u * 128 + 32 * tq, kk);
+      sf[i] = __ldg((const float*)c.s[t] + (size_t)(n0 / SB) * gk + (u * 128) / SB);
 #endif
+    };
+#pragma unroll
+    for (int i = 0; i < UNITS; ++i)
+      if (warp + 8 * i < nunits) load_slot(i, warp + 8 * i);
 #else
     const int row0 = (item - c.first[t]) * ROWS + warp * R;
     Rows rw;
@@ -480,23 +503,18 @@ extern "C" __global__ void __launch_bounds__(256) chain_run(const u64* w, const 
     }
 #if MODE >= 2
     float acc0 = 0.f, acc1 = 0.f;
-    for (int u = warp; u < nunits; u += 8) {
-      uint4 na[2], nb[2];
-      const bool more = u + 8 < nunits;
+    for (int u0 = warp; u0 < nunits; u0 += 8 * UNITS) {
+#pragma unroll
+      for (int i = 0; i < UNITS; ++i) {  // (constant slots: the ring stays in registers)
+        const int u = u0 + 8 * i;
+        if (u >= nunits) break;
 #if MODE >= 4
-      if (more) load_unit4(na[0], nb[0], ra, rb, (u + 8) * 128 + 32 * tq, kk);
-      const u8* S4 = (const u8*)c.s[t];  // [n, kk / 32] UE8M0
-      const int gk32 = kk / 32, sk = u * 4 + tq;
-      const u32 sa = sk < gk32 ? __ldg(S4 + (size_t)ga * gk32 + sk) : 127u;
-      const u32 sb = sk < gk32 ? __ldg(S4 + (size_t)gb * gk32 + sk) : 127u;
-      mma_unit4(ca[0], cb[0], sa, sb, (const u8*)xs, u * 128 + 32 * tq, g, tq, acc0, acc1, pow2f(-xsh[u]));
+        mma_unit4(ca[i][0], cb[i][0], sa4[i], sb4[i], (const u8*)xs, u * 128 + 32 * tq, g, tq, acc0, acc1,
+                  pow2f(-xsh[u]));
 #else
-      if (more) load_unit(na, nb, ra, rb, (u + 8) * 128 + 32 * tq, kk);
-      const float* S = (const float*)c.s[t] + (size_t)(n0 / SB) * gk;
-      mma_unit(ca, cb, (const u8*)xs, u * 128 + 32 * tq, g, tq, acc0, acc1, __ldg(S + (u * 128) / SB) * pow2f(-xsh[u]));
+        mma_unit(ca[i], cb[i], (const u8*)xs, u * 128 + 32 * tq, g, tq, acc0, acc1, sf[i] * pow2f(-xsh[u]));
 #endif
-      if (more) {
-        ca[0] = na[0]; ca[1] = na[1]; cb[0] = nb[0]; cb[1] = nb[1];
+        if (u + 8 * UNITS < nunits) load_slot(i, u + 8 * UNITS);  // slot i is free: its next unit
       }
     }
     acc0 += __shfl_xor_sync(0xffffffffu, acc0, 1);
@@ -570,12 +588,12 @@ class ChainRun:
     """The chain's buffers on the device and both ways of running it."""
 
     def __init__(self, tasks: list, seed: int = 0, unroll: int = 4, mode: int = 0, rows: int = ROWS,
-                 fence_all: bool = False) -> None:
+                 fence_all: bool = False, units: int = 2) -> None:
         import cupy as cp
 
         self.tasks = tasks
         self.mod = cp.RawModule(code=SOURCE, options=("-std=c++17", f"-arch=sm_{kernels.device_arch()}",
-                                                          f"-DUNROLL={unroll}", f"-DMODE={mode}",
+                                                          f"-DUNROLL={unroll}", f"-DMODE={mode}", f"-DUNITS={units}",
                                                           f"-DROWS={rows}", f"-DFENCE_ALL={int(fence_all)}"))
         self.fn = self.mod.get_function("chain_run")
         rng = np.random.default_rng(seed)
@@ -653,12 +671,12 @@ class ChainRun:
 CHECK_TOL = {0: 1e-4, 2: 1e-4, 3: 1e-3, 4: 1e-3, 5: 1e-4}  # 3, 4: x as four e4m3 terms and FP8 MMA sums
 
 
-def check(mode: int = 0) -> bool:
+def check(mode: int = 0, units: int = 2) -> bool:
     """Both ways against numpy on a small two-layer chain (n / 16); prints the worst error relative to
     each task's largest output. (--mode 1 is timing only.)"""
     import cupy as cp
 
-    run = ChainRun(build_chain(2, scale=16), mode=mode)
+    run = ChainRun(build_chain(2, scale=16), mode=mode, units=units)
     ref = run.reference()
     ok = True
     for way, go in (("persistent", lambda: run.persistent(8.0)), ("graph", run.per_task)):
@@ -685,6 +703,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ahead", default="0,4,8,16,24", help="MB of weights prefetched into L2 ahead (whole GPU)")
     ap.add_argument("--per-sm", default="1,2,4", help="resident blocks per SM of the persistent launch")
     ap.add_argument("--unroll", type=int, default=4, help="16-byte loads per row in flight per lane")
+    ap.add_argument("--units", type=int, default=2,
+                    help="modes 2-5: 128-k units in flight per warp (a register ring; 2 as measured at stop 27)")
     ap.add_argument("--rows", type=int, default=ROWS, choices=(8, 16, 32, 64), help="weight rows per item")
     ap.add_argument("--fence-all", action="store_true",
                     help="every thread fences before an item's counter is bumped (as measured at stop 26)")
@@ -696,12 +716,12 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.mode >= 2 and a.rows != 16:
         ap.error("--mode 2 to 5 take 16-row items")
-    if a.check and not check(a.mode if a.mode != 1 else 0):
+    if a.check and not check(a.mode if a.mode != 1 else 0, a.units):
         print("check FAILED")
         return 1
     bw = copy_bandwidth()
     run = ChainRun(build_chain(a.layers), unroll=a.unroll, mode=a.mode, rows=a.rows,
-                   fence_all=a.fence_all)
+                   fence_all=a.fence_all, units=a.units)
     floor = run.nbytes / bw
     print(f"copy rate {bw / 1e12:.2f} TB/s; chain: {len(run.tasks)} GEMVs, {run.items} items of {a.rows} rows, "
           f"{run.nbytes / 1e6:.0f} MB, floor {floor * 1e6:.1f} us; {run.sms} blocks")
