@@ -72,8 +72,9 @@ row for FP8 but 32 for FP4, so the count of dependent unit loads per item (K / 1
 bytes or arithmetic, sets the pace. A streaming GEMV has to keep more of its units in flight per
 warp than these do, whatever it computes with (gemvr keeps 2 FP8 / 8 FP4 units per lane). Those
 runs also read each unit's weight scales at its use (one more memory latency per unit); since then
-the scales travel with the weights, and --units sets the ring's depth (2: the stop-27 form; the
-registers allow 4 blocks per SM up to 2 units FP8, 3 blocks up to 3 units FP4 and 3 FP8 e4m3).
+the scales travel with the weights, and --units sets the ring's depth (2: the stop-27 form;
+registers 48-66 up to 2 units, 74-99 at 3, 106-128 at 4: the tool prints the blocks per SM they
+allow).
 """
 
 from __future__ import annotations
