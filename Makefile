@@ -40,14 +40,18 @@ gpu-memcheck:
 	! $(MEMCHECK) $(PY) tools/memcheck_canary.py
 	$(MEMCHECK) $(PY) -m pytest -q tests/test_gpu_ops.py tests/test_gpu_sampling.py
 
-# (each over 4 minutes under memcheck: one device call apiece.) The TP tests run one process per test:
-# in one process they ran past 560 s on the H200; one by one they took ~270 s in all (stop 26).
+# One process per test, each with its own ERROR SUMMARY line, so that a device call cut short still
+# reports every test it finished (H200: the model tests past 315 s in one process at stop 27, cut
+# before their summary; the TP tests ~150-270 s one by one, past 560 s in one process at stop 26).
+# MEMCHECK_K selects tests (pytest -k), e.g. MEMCHECK_K="greedy or flash" to split the model file.
+MEMCHECK_EACH = for t in $$($(PY) -m pytest -q --collect-only $(1) $(if $(MEMCHECK_K),-k "$(MEMCHECK_K)") | grep '::'); do \
+		$(MEMCHECK) $(PY) -m pytest -q "$$t" || exit 1; done
+
 gpu-memcheck-model:
-	$(MEMCHECK) $(PY) -m pytest -q tests/test_gpu_model.py
+	$(call MEMCHECK_EACH,tests/test_gpu_model.py)
 
 gpu-memcheck-tp:
-	for t in $$($(PY) -m pytest -q --collect-only tests/test_gpu_tp.py | grep '::'); do \
-		$(MEMCHECK) $(PY) -m pytest -q "$$t" || exit 1; done
+	$(call MEMCHECK_EACH,tests/test_gpu_tp.py)
 
 gpu-bench:
 	test -f $(BENCH_CKPT)/config.json || $(PY) dsuf.py tiny-model $(BENCH_CKPT) --arch v41 \
