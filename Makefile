@@ -1,7 +1,8 @@
 PY ?= python3
 BENCH_CKPT ?= $(or $(TMPDIR),/tmp)/dsuf-flash2
 
-.PHONY: test lint pytest serve gpu-test gpu-test-fallbacks gpu-memcheck gpu-memcheck-model gpu-memcheck-tp gpu-bench gpu-ab
+.PHONY: test lint pytest serve gpu-test gpu-test-fallbacks gpu-memcheck gpu-memcheck-model gpu-memcheck-tp gpu-bench gpu-ab \
+	gpu-stream-sweep
 
 # The README's test command: lint, then the whole suite (GPU tests skip where no GPU is present).
 test: lint pytest
@@ -72,3 +73,11 @@ gpu-ab:
 	@echo "== prefill, default"; $(BENCH_PREFILL) | tail -2
 	@for f in DSUF_SPARSE_PREFILL DSUF_INDEXER_TC DSUF_ATTEND_TC DSUF_GEMM_TC DSUF_MOE_DEVICE_LARGE; do \
 		echo "== prefill, $$f=0"; env $$f=0 $(BENCH_PREFILL) | tail -2; done
+
+# tools/stream_chain.py's tensor-core consumers (FP8: gemvr's f16 MMA, e4m3 MMA; FP4: e4m3, gemvr's)
+# by the depth of each warp's ring of units in flight: does a deeper ring stream a chain of
+# dependent GEMVs near the copy rate, and which FP4 arithmetic is faster once loads are not the
+# bound? (~4 minutes on an H200; `make gpu-test` checks each mode against numpy.)
+gpu-stream-sweep:
+	@for m in 2 3 4 5; do for u in 2 3 4 6; do echo "== mode $$m, $$u units"; \
+		$(PY) tools/stream_chain.py --mode $$m --units $$u --per-sm 2,3,4 --ahead 0 | tail -n +2; done; done
