@@ -76,8 +76,9 @@ gpu-ab:
 
 # tools/stream_chain.py's tensor-core consumers (FP8: gemvr's f16 MMA, e4m3 MMA; FP4: e4m3, gemvr's)
 # by the depth of each warp's ring of units in flight: does a deeper ring stream a chain of
-# dependent GEMVs near the copy rate, and which FP4 arithmetic is faster once loads are not the
-# bound? (~4 minutes on an H200; `make gpu-test` checks each mode against numpy.)
+# dependent GEMVs near the copy rate, which FP4 arithmetic is faster once loads are not the bound,
+# and what waiting per 128-row group of the input (--fine) saves over whole-GEMV waits? (~7 minutes
+# on an H200; `make gpu-test` checks each mode against numpy.)
 gpu-stream-sweep:
-	@for m in 2 3 4 5; do for u in 2 3 4 6; do echo "== mode $$m, $$u units"; \
-		$(PY) tools/stream_chain.py --mode $$m --units $$u --per-sm 2,3,4 --ahead 0 | tail -n +2; done; done
+	@for m in 2 3 4 5; do for u in 2 3 4 6; do for f in "" --fine; do echo "== mode $$m, $$u units $$f"; \
+		$(PY) tools/stream_chain.py --mode $$m --units $$u $$f --per-sm 2,3,4 --ahead 0 | tail -n +2; done; done; done

@@ -17,10 +17,12 @@ def test_stream_chain_both_ways_match_numpy():
     assert stream_chain.check()
 
 
+@pytest.mark.parametrize("fine", [False, True])
 @pytest.mark.parametrize("mode", [2, 3, 4, 5])
-def test_stream_chain_tensor_core_modes_match_numpy(mode):
+def test_stream_chain_tensor_core_modes_match_numpy(mode, fine):
     """Its tensor-core consumers (FP8 and FP4, f16 and e4m3 MMAs) with a ring of 3 units in flight
-    per warp (not a power of two: a slot mix-up shows) equal numpy within CHECK_TOL both ways."""
+    per warp (not a power of two: a slot mix-up shows), waiting for the whole input or (fine) per
+    128-row group of it by each warp, equal numpy within CHECK_TOL both ways, no wait timing out."""
     from tools import stream_chain
 
-    assert stream_chain.check(mode, units=3)
+    assert stream_chain.check(mode, units=3, fine=fine)

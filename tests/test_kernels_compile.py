@@ -46,7 +46,8 @@ def test_sources_inline_headers() -> None:
 
 
 @pytest.mark.parametrize("tool,defines", [("read_bw", ()), *(("stream_chain", (f"-DMODE={m}",)) for m in range(6)),
-                                          *(("stream_chain", (f"-DMODE={m}", "-DUNITS=3")) for m in range(2, 6))])
+                                          *(("stream_chain", (f"-DMODE={m}", "-DUNITS=3", "-DFINE=1"))
+                                            for m in range(2, 6))])
 def test_tool_kernels_compile(tool: str, defines: tuple, monkeypatch) -> None:
     """The developer tools' inline kernels (tools/read_bw.py, tools/stream_chain.py in each --mode)
     compile for sm_90a, so a device session spends no call on a typo."""

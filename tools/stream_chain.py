@@ -3,7 +3,7 @@
 developer's tool for designing the persistent decode kernel; not the runtime).
 
     python tools/stream_chain.py [--layers 2] [--ahead 0,4,8,16,24] [--per-sm 1,2,4] [--unroll 4]
-                                 [--rows 16] [--mode 0-5] [--units 2] [--fence-all] [--check]
+                                 [--rows 16] [--mode 0-5] [--units 2] [--fine] [--fence-all] [--check]
 
 A b1 decode step is a chain of GEMVs, each reading the previous one's output, with small ops
 between them. As one launch per GEMV in a CUDA graph (today's step) each pays a launch ramp and
@@ -32,7 +32,10 @@ run the same kernel, its consumer chosen by --mode:
   5  FP4 with gemvr's arithmetic (fp4_pairs, ~2.5 ops a weight; f16 MMA): is the FP4 GEMV bound
      by its decoding?
 Modes 2-5 take 16-row items whose block of 8 warps splits K (see the kernel), each warp keeping
---units 128-k units (and their weight scales) in flight in a register ring. In every mode the
+--units 128-k units (and their weight scales) in flight in a register ring. With --fine an item does
+not wait for its whole input: each warp waits for the 128-row groups of the input task that its own
+units read (a counter per group) and stages them itself, just before multiplying each, so a GEMV
+starts on the first parts of its input while the rest is produced (no block-wide wait or barrier). In every mode the
 first weights are loaded before an item waits for its input. FP8 weights carry a float scale per
 128 x 128 block (V4.1's; 32 x 32 at the stop-26 runs).
   graph        one launch per GEMV, captured in a CUDA graph (the dependency: stream order);
@@ -112,6 +115,12 @@ SOURCE = kernels.expand_includes(r"""
 #endif
 #ifndef FENCE_ALL
 #define FENCE_ALL 0
+#endif
+#ifndef FINE
+#define FINE 0  // (modes 2-5) wait per 128-row group of the input, by each warp (--fine)
+#endif
+#if FINE && MODE < 2
+#error "--fine takes the tensor-core modes (16-row items)"
 #endif
 
 __device__ __forceinline__ float2 e4m3x2(u32 v) {  // two e4m3 bytes -> their values, exact
@@ -270,10 +279,10 @@ __device__ __forceinline__ int xslot(int k) {
 }
 
 
-// x (kk floats) -> its terms in shared memory (xt) and each 128-group's shift (xsh): warp w takes
-// groups w, w + 8, ...; a lane 4 elements
-__device__ __forceinline__ void stage_x_terms(u8* xt, int* xsh, const float* xin, int kk, int warp, int lane) {
-  for (int gi = warp; gi * 128 < kk; gi += 8) {
+// x's 128-group gi (of kk floats) -> its terms in shared memory (xt) and its shift (xsh[gi]), by one
+// warp, a lane 4 elements
+__device__ __forceinline__ void stage_group(u8* xt, int* xsh, const float* xin, int kk, int gi, int lane) {
+  {
     const int k0 = gi * 128 + 4 * lane;
     const float4 v = k0 < kk ? __ldcg((const float4*)(xin + k0)) : make_float4(0.f, 0.f, 0.f, 0.f);
     const float m = warp_max(fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
@@ -314,6 +323,11 @@ __device__ __forceinline__ void stage_x_terms(u8* xt, int* xsh, const float* xin
     }
 #endif
   }
+}
+
+// all of x: warp w takes groups w, w + 8, ... (the units it multiplies)
+__device__ __forceinline__ void stage_x_terms(u8* xt, int* xsh, const float* xin, int kk, int warp, int lane) {
+  for (int gi = warp; gi * 128 < kk; gi += 8) stage_group(xt, xsh, xin, kk, gi, lane);
 }
 
 // 32 bytes of rows ra, rb at k (zeros past kk; kk % 16 == 0)
@@ -422,7 +436,8 @@ __device__ __forceinline__ void mma_unit(const uint4 (&a)[2], const uint4 (&b)[2
 extern "C" __global__ void __launch_bounds__(256) chain_run(const u64* w, const u64* s, const u64* x, const u64* y,
                                                             const int* n, const int* k, const int* dep,
                                                             const int* first, int T, int* done, int i0, int i1,
-                                                            u32 ahead, int wait, int* timeouts) {
+                                                            u32 ahead, int wait, int* timeouts, int* gdone,
+                                                            const int* gfirst) {
   const Chain c{w, s, x, y, n, k, dep, first, T};
   __shared__ __align__(16) float xs[MAX_K];
 #if MODE >= 2
@@ -484,6 +499,13 @@ extern "C" __global__ void __launch_bounds__(256) chain_run(const u64* w, const 
         pf += G;
       }
     }
+#if FINE
+    // each warp waits for, and stages, the groups of x its own units read, just before it multiplies
+    // each one (below): no block-wide wait or barrier, and the chain's next GEMV starts on the first
+    // parts of its input while the rest is still being produced
+    const bool fresh = t != staged;
+    staged = t;
+#else
     if (t != staged) {
       if (d >= 0 && wait && tid == 0) {  // wait for the input's every item (bounded: a bug must not hang the GPU)
         const int need = c.first[d + 1] - c.first[d];
@@ -502,6 +524,7 @@ extern "C" __global__ void __launch_bounds__(256) chain_run(const u64* w, const 
       staged = t;
       __syncthreads();
     }
+#endif
 #if MODE >= 2
     float acc0 = 0.f, acc1 = 0.f;
     for (int u0 = warp; u0 < nunits; u0 += 8 * UNITS) {
@@ -509,6 +532,21 @@ extern "C" __global__ void __launch_bounds__(256) chain_run(const u64* w, const 
       for (int i = 0; i < UNITS; ++i) {  // (constant slots: the ring stays in registers)
         const int u = u0 + 8 * i;
         if (u >= nunits) break;
+#if FINE
+        if (fresh) {  // group u of x: the 8 (or fewer, at its end) 16-row items of task d holding it
+          if (d >= 0 && wait && lane == 0) {
+            const int need = min(8, c.first[d + 1] - c.first[d] - 8 * u);
+            long long spins = 0;
+            while (ld_acquire(gdone + gfirst[d] + u) < need) {
+              __nanosleep(32);
+              if (++spins > (1ll << 24)) { atomicAdd(timeouts, 1); break; }
+            }
+          }
+          __syncwarp();
+          stage_group((u8*)xs, xsh, (const float*)c.x[t], kk, u, lane);
+          __syncwarp();
+        }
+#endif
 #if MODE >= 4
         mma_unit4(ca[i][0], cb[i][0], sa4[i], sb4[i], (const u8*)xs, u * 128 + 32 * tq, g, tq, acc0, acc1,
                   pow2f(-xsh[u]));
@@ -557,7 +595,12 @@ extern "C" __global__ void __launch_bounds__(256) chain_run(const u64* w, const 
     __threadfence();
 #endif
     __syncthreads();
-    if (tid == 0) red_release(done + t, 1);
+    if (tid == 0) {
+      red_release(done + t, 1);
+#if MODE >= 2
+      red_release(gdone + gfirst[t] + n0 / 128, 1);  // (its 128-row group, for FINE consumers)
+#endif
+    }
   }
 }
 """)
@@ -589,13 +632,14 @@ class ChainRun:
     """The chain's buffers on the device and both ways of running it."""
 
     def __init__(self, tasks: list, seed: int = 0, unroll: int = 4, mode: int = 0, rows: int = ROWS,
-                 fence_all: bool = False, units: int = 2) -> None:
+                 fence_all: bool = False, units: int = 2, fine: bool = False) -> None:
         import cupy as cp
 
         self.tasks = tasks
         self.mod = cp.RawModule(code=SOURCE, options=("-std=c++17", f"-arch=sm_{kernels.device_arch()}",
                                                           f"-DUNROLL={unroll}", f"-DMODE={mode}", f"-DUNITS={units}",
-                                                          f"-DROWS={rows}", f"-DFENCE_ALL={int(fence_all)}"))
+                                                          f"-DROWS={rows}", f"-DFENCE_ALL={int(fence_all)}",
+                                                          f"-DFINE={int(fine)}"))
         self.fn = self.mod.get_function("chain_run")
         rng = np.random.default_rng(seed)
         self.w, self.s, self.y = [], [], []
@@ -621,6 +665,9 @@ class ChainRun:
                      ([n for _, n, _, _ in tasks], [k for _, _, k, _ in tasks], [d for *_, d in tasks], first)]
         self.first = first
         self.done = cp.zeros(len(tasks), cp.int32)
+        # per task, a counter for each 128 rows of its output (items done there: --fine's waits)
+        gfirst = np.cumsum([0] + [-(-n // 128) for _, n, _, _ in tasks]).astype(np.int32)
+        self.gfirst, self.gdone = cp.asarray(gfirst), cp.zeros(int(gfirst[-1]), cp.int32)
         self.timeouts = cp.zeros(1, cp.int32)
         self.sms = int(cp.cuda.Device().attributes["MultiProcessorCount"])
         # blocks of 256 threads an SM holds at once (registers, 32 KB of shared memory each): a
@@ -637,17 +684,21 @@ class ChainRun:
         prefetched into L2 ahead of the items running (split evenly over the blocks). wait=False:
         no item waits for its input (wrong outputs; the streaming rate without dependencies)."""
         self.done.fill(0)
+        self.gdone.fill(0)
         g = self.sms * min(per_sm, self.resident)
         self.fn((g,), (256,), (*self._chain(), self.done, np.int32(0), np.int32(self.items),
-                               np.uint32(int(ahead_mb * 1e6) // g), np.int32(wait), self.timeouts))
+                               np.uint32(int(ahead_mb * 1e6) // g), np.int32(wait), self.timeouts, self.gdone,
+                               self.gfirst))
 
     def per_task(self) -> None:
         """One launch per task, in stream order (its inputs are complete before it starts)."""
         self.done.fill(0)
+        self.gdone.fill(0)
         for t in range(len(self.tasks)):
             i0, i1 = int(self.first[t]), int(self.first[t + 1])
             self.fn((min(i1 - i0, 4 * self.sms),), (256,), (*self._chain(), self.done, np.int32(i0), np.int32(i1),
-                                                            np.uint32(0), np.int32(1), self.timeouts))
+                                                            np.uint32(0), np.int32(1), self.timeouts, self.gdone,
+                                                            self.gfirst))
 
     def reference(self) -> list[np.ndarray]:
         """Every task's output in numpy, from the same weights and input."""
@@ -672,12 +723,12 @@ class ChainRun:
 CHECK_TOL = {0: 1e-4, 2: 1e-4, 3: 1e-3, 4: 1e-3, 5: 1e-4}  # 3, 4: x as four e4m3 terms and FP8 MMA sums
 
 
-def check(mode: int = 0, units: int = 2) -> bool:
+def check(mode: int = 0, units: int = 2, fine: bool = False) -> bool:
     """Both ways against numpy on a small two-layer chain (n / 16); prints the worst error relative to
     each task's largest output. (--mode 1 is timing only.)"""
     import cupy as cp
 
-    run = ChainRun(build_chain(2, scale=16), mode=mode, units=units)
+    run = ChainRun(build_chain(2, scale=16), mode=mode, units=units, fine=fine)
     ref = run.reference()
     ok = True
     for way, go in (("persistent", lambda: run.persistent(8.0)), ("graph", run.per_task)):
@@ -689,7 +740,8 @@ def check(mode: int = 0, units: int = 2) -> bool:
         worst = max(float(np.abs(y.get() - r).max() / max(np.abs(r).max(), 1e-30))
                     for y, r in zip(run.y, ref, strict=True))
         to = int(run.timeouts.get()[0])
-        print(f"check mode {mode} {way}: worst relative error {worst:.2e} over {len(ref)} tasks, timeouts {to}")
+        print(f"check mode {mode}{' fine' if fine else ''} {way}: worst relative error {worst:.2e} "
+              f"over {len(ref)} tasks, timeouts {to}")
         ok = ok and worst < CHECK_TOL[mode] and to == 0
     return ok
 
@@ -706,6 +758,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--unroll", type=int, default=4, help="16-byte loads per row in flight per lane")
     ap.add_argument("--units", type=int, default=2,
                     help="modes 2-5: 128-k units in flight per warp (a register ring; 2 as measured at stop 27)")
+    ap.add_argument("--fine", action="store_true",
+                    help="modes 2-5: each warp waits only for the 128-row groups of the input its units read")
     ap.add_argument("--rows", type=int, default=ROWS, choices=(8, 16, 32, 64), help="weight rows per item")
     ap.add_argument("--fence-all", action="store_true",
                     help="every thread fences before an item's counter is bumped (as measured at stop 26)")
@@ -717,12 +771,14 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.mode >= 2 and a.rows != 16:
         ap.error("--mode 2 to 5 take 16-row items")
-    if a.check and not check(a.mode if a.mode != 1 else 0, a.units):
+    if a.fine and a.mode < 2:
+        ap.error("--fine takes --mode 2 to 5")
+    if a.check and not check(a.mode if a.mode != 1 else 0, a.units, a.fine):
         print("check FAILED")
         return 1
     bw = copy_bandwidth()
     run = ChainRun(build_chain(a.layers), unroll=a.unroll, mode=a.mode, rows=a.rows,
-                   fence_all=a.fence_all, units=a.units)
+                   fence_all=a.fence_all, units=a.units, fine=a.fine)
     floor = run.nbytes / bw
     print(f"copy rate {bw / 1e12:.2f} TB/s; chain: {len(run.tasks)} GEMVs, {run.items} items of {a.rows} rows, "
           f"{run.nbytes / 1e6:.0f} MB, floor {floor * 1e6:.1f} us; {run.sms} blocks")
