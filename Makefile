@@ -60,7 +60,8 @@ gpu-bench:
 	$(PY) dsuf.py bench --ckpt $(BENCH_CKPT) --batches 1,8,32 --prefill 4096,65536 --chunk 4096
 
 # The default's figures and each fallback flag's beside them, on the bench checkpoint: decode graphs
-# for the decode-side flags, prefill 4096 / 65536 for the prefill-side ones.
+# for the decode-side flags and the opt-in FP4 GEMV kernels (DSUF_GEMVR_FP4), prefill 4096 / 65536
+# for the prefill-side ones.
 BENCH_DECODE = $(PY) dsuf.py bench --ckpt $(BENCH_CKPT) --batches 1,8,32 --prefill 0 --no-linears --steps 20
 BENCH_PREFILL = $(PY) dsuf.py bench --ckpt $(BENCH_CKPT) --batches 1 --prefill 4096,65536 --no-linears --steps 5
 
@@ -70,6 +71,8 @@ gpu-ab:
 	@echo "== decode, default"; $(BENCH_DECODE) | tail -4
 	@for f in DSUF_FUSED_NORM_ROPE DSUF_INDEXER_LANES; do \
 		echo "== decode, $$f=0"; env $$f=0 $(BENCH_DECODE) | tail -4; done
+	@for v in u6 e4 e4u6; do \
+		echo "== decode, DSUF_GEMVR_FP4=$$v"; DSUF_GEMVR_FP4=$$v $(BENCH_DECODE) | tail -4; done
 	@echo "== prefill, default"; $(BENCH_PREFILL) | tail -2
 	@for f in DSUF_SPARSE_PREFILL DSUF_INDEXER_TC DSUF_ATTEND_TC DSUF_GEMM_TC DSUF_MOE_DEVICE_LARGE; do \
 		echo "== prefill, $$f=0"; env $$f=0 $(BENCH_PREFILL) | tail -2; done

@@ -159,6 +159,26 @@ GEMVR_CASES = [c for c in LINEAR_CASES if c[0] in ("fp8", "fp4")] + [
 def test_register_tensor_gemv(fmt, n, k, block, sfmt, scale, monkeypatch):
     """gemvr (one row; x scaled from 1e-30 to 1e30, zero, or tiny elements among ordinary ones):
     float32-grade results, bit-identical when replayed in a captured graph (early weight loads, PDL)."""
+    _check_gemvr(fmt, n, k, block, sfmt, scale, monkeypatch)
+
+
+@pytest.mark.parametrize("variant", ["u6", "e4", "e4u6"])
+@pytest.mark.parametrize("fmt,n,k,block,sfmt", [c for c in GEMVR_CASES if c[0] == "fp4"])
+@pytest.mark.parametrize("scale", [1.0, 1e-30, 0.0, 1e30, "mixed"])
+def test_register_tensor_gemv_fp4_variants(variant, fmt, n, k, block, sfmt, scale, monkeypatch):
+    """The opt-in FP4 gemvr kernels (DSUF_GEMVR_FP4: 6 units in flight; the e4m3 decoding and MMA,
+    x as four e4m3 terms) meet the same checks as gemvr_fp4."""
+    from engine.backends import cupy_ops
+
+    monkeypatch.setattr(cupy_ops, "GEMVR_FP4", variant)
+    launched = []
+    config = cupy_ops._gemvr_config
+    monkeypatch.setattr(cupy_ops, "_gemvr_config", lambda *a: (launched.append(config(*a)[0]), config(*a))[1])
+    _check_gemvr(fmt, n, k, block, sfmt, scale, monkeypatch)
+    assert launched and set(launched) == {cupy_ops.GEMVR_FP4_KERNELS[variant][0]}
+
+
+def _check_gemvr(fmt, n, k, block, sfmt, scale, monkeypatch):
     from engine.backends import cupy_ops
 
     monkeypatch.setattr(cupy_ops, "GEMVR", "all")
@@ -195,15 +215,19 @@ def test_register_tensor_gemv(fmt, n, k, block, sfmt, scale, monkeypatch):
         assert np.array_equal(cp.asnumpy(y), got.astype(np.float32))
 
 
-@pytest.mark.parametrize("fmt,n,k", [("fp8", 200, 4096), ("fp4", 2304, 1024), ("fp8", 5120, 4608), ("fp4", 24, 128)])
+@pytest.mark.parametrize("fmt,n,k,variant", [
+    ("fp8", 200, 4096, ""), ("fp4", 2304, 1024, ""), ("fp8", 5120, 4608, ""), ("fp4", 24, 128, ""),
+    *(("fp4", 2304, 1024, v) for v in ("u6", "e4", "e4u6")), ("fp4", 24, 128, "e4")])
 @pytest.mark.parametrize("device_table", [False, True])
-def test_register_gemv_segments(fmt, n, k, device_table, monkeypatch):
+def test_register_gemv_segments(fmt, n, k, variant, device_table, monkeypatch):
     """gemvr over a table of one-row segments (three weights, rows of x and y columns of their own,
     unused slots when the table is built on the device, as moe_group leaves them). Each launch
-    equals the reference, and a second launch and a graph replay are bit-identical to the first."""
+    equals the reference, and a second launch and a graph replay are bit-identical to the first.
+    variant: the FP4 kernel (DSUF_GEMVR_FP4)."""
     from engine.backends import cupy_ops
 
     monkeypatch.setattr(cupy_ops, "GEMVR", "all")
+    monkeypatch.setattr(cupy_ops, "GEMVR_FP4", variant)
     src = [make_weight(fmt, n, k, (128, 128), "ue8m0") for _ in range(3)]
     ws, refs = [GPU.prepare(w) for w in src], [REF.prepare(w) for w in src]
     x = rnd(4, k)

@@ -253,17 +253,6 @@ __device__ __forceinline__ void stage_x(float* xs, const float* xin, int kk, int
 #endif
 #define XT_BYTES (MAX_K * 4)  // shared memory for x's terms: 2 f16 (MODE 2) or NT3 <= 4 bytes (MODE 3)
 
-// two floats -> e4m3 bytes (lo, hi), round to nearest, saturating
-__device__ __forceinline__ u16 e4m3x2_rn(float lo, float hi) {
-  u16 r;
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-__device__ __forceinline__ void mma_e4m3(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-  asm("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
 
 // where element k of x lies in the staged terms (the MMA fragments' k order within each 8 k)
 __device__ __forceinline__ int xslot(int k) {
@@ -347,9 +336,6 @@ __device__ __forceinline__ void load_unit4(uint4& a, uint4& b, const u8* ra, con
   b = ok ? __ldcs((const uint4*)(rb + k / 2)) : make_uint4(0, 0, 0, 0);
 }
 
-// e2m1 nibbles -> e4m3 bytes (value x 2^-6, exact): the low nibbles of w's bytes, and the high ones
-__device__ __forceinline__ u32 e4m3_lo(u32 w) { return ((w & 0x07070707u) << 2) | ((w & 0x08080808u) << 4); }
-__device__ __forceinline__ u32 e4m3_hi(u32 w) { return ((w >> 2) & 0x1C1C1C1Cu) | (w & 0x80808080u); }
 
 // FP4 unit: lane (g, t)'s 32-k segment of rows g, g + 8 (a, b), their UE8M0 scales (sa, sb); the
 // partial sums of its own segment, scaled (summed over t later)

@@ -107,6 +107,15 @@ GEMM_TC = _on("DSUF_GEMM_TC")
 GEMM_TC_SMEM, GEMM_TC_TILE_N = 96000, 128  # (kernels/gemv_tc.cu GT_SMEM, GT_BN)
 GEMVR_MIN_BYTES, GEMVR_MAX_K = 16 << 20, 5120
 GEMVR_U = {FMT_FP8: 2, FMT_FP4: 8}
+# The FP4 gemvr to use (opt-in variants, not yet measured on a GPU; kernels/gemv_tc.cu DEF_GR4):
+# "u6": 6 units in flight, which fit the 128 registers that 2 blocks per SM allow (gemvr_fp4's 8
+# spill ~100 bytes a thread); "e4" / "e4u6": nibbles decoded to e4m3 bytes for the e4m3 MMA (about
+# a third fewer instructions per weight; x as four e4m3 terms). Name -> (kernel, units in flight).
+GEMVR_FP4_KERNELS = {"": ("gemvr_fp4", 8), "u6": ("gemvr_fp4_u6", 6), "e4": ("gemvr_fp4e4", 8),
+                     "e4u6": ("gemvr_fp4e4_u6", 6)}
+GEMVR_FP4 = os.environ.get("DSUF_GEMVR_FP4", "")
+if GEMVR_FP4 not in GEMVR_FP4_KERNELS:
+    raise ValueError(f"DSUF_GEMVR_FP4 must be one of {sorted(GEMVR_FP4_KERNELS)}, not {GEMVR_FP4!r}")
 GEMVR_BLOCKS_PER_SM = {FMT_FP8: 3, FMT_FP4: 2}  # what each kernel's registers allow (DEF_GR's MINB)
 _ELT_BLOCK = 256
 # decode attention: split the keys until about this many blocks run, each split >= this many keys
@@ -245,9 +254,11 @@ def _x_cols_bytes(k: int) -> int:
     return 2 * ((288 * -(-k // 128) + 127) // 128 * 128 + 32)
 
 
-def _gemvr_smem(k: int) -> int:
-    """gemvr's shared memory: x's staged columns, its group scales, the tile reduction."""
-    return _x_cols_bytes(k) + 4 * -(-k // 128) + 512
+def _gemvr_smem(k: int, e4: bool = False) -> int:
+    """gemvr's shared memory: x's staged columns (e4: four e4m3 term planes of 128 bytes per group
+    + 16, stage_x_e4), its group scales, the tile reduction."""
+    ngx = -(-k // 128)
+    return (4 * (128 * ngx + 16) if e4 else _x_cols_bytes(k)) + 4 * ngx + 512
 
 
 def _gemvr_ok(a: cp.ndarray, w: GpuWeight, segs, nseg: int, rows: int) -> bool:
@@ -266,7 +277,10 @@ def _gemvr_config(fmt: int, n: int, k: int, nseg: int) -> tuple[str, int]:
     K while the launch is short of TC_WARPS_TARGET and each keeps a whole pass of U units. FP4: only
     while every warp of the launch stays resident at once (one round: a second, partial round cost
     the experts more than fewer warps did)."""
-    u = GEMVR_U[fmt]
+    if fmt == FMT_FP4:
+        name, u = GEMVR_FP4_KERNELS[GEMVR_FP4]
+    else:
+        name, u = f"gemvr_{_FMT_TAG[fmt]}", GEMVR_U[fmt]
     tiles, units = -(-n // 16), -(-k // 128)
     kw = 1
     if fmt == FMT_FP8:
@@ -276,7 +290,7 @@ def _gemvr_config(fmt: int, n: int, k: int, nseg: int) -> tuple[str, int]:
         resident = _sm_count() * 8 * GEMVR_BLOCKS_PER_SM[fmt]
         while kw < 8 and tiles * nseg * 2 * kw <= resident and units >= 4 * kw * u:
             kw *= 2
-    return f"gemvr_{_FMT_TAG[fmt]}", kw
+    return name, kw
 
 
 def _gemvr_shape_ok(w: GpuWeight) -> bool:
@@ -580,7 +594,7 @@ class CupyOps:
         stride over the 16-row tiles. constant: the segment table is ours, so blocks may load weights
         early (PDL)."""
         name, kw = _gemvr_config(w.fmt, n, k, nseg)
-        smem = _gemvr_smem(k)
+        smem = _gemvr_smem(k, "e4" in name)
         fn = K.function_with_smem("gemv_tc", name, GEMVX_MAX_SMEM)
         tiles = -(-n // 16)
         per_sm = _blocks_per_sm(fn, smem)
