@@ -26,7 +26,7 @@ gpu-test:
 # The older paths kept behind flags (=0) for A/B timing, all off, through the model and
 # tensor-parallel tests (their kernel tests in test_gpu_ops.py force both ways).
 FALLBACKS = DSUF_FUSED_NORM_ROPE=0 DSUF_INDEXER_LANES=0 DSUF_TP_GRAPHS=0 DSUF_ATTEND_ROWS=0 DSUF_SPARSE_PREFILL=0 \
-	DSUF_INDEXER_TC=0 DSUF_ATTEND_TC=0 DSUF_GEMM_TC=0 DSUF_MOE_DEVICE_LARGE=0
+	DSUF_INDEXER_TC=0 DSUF_ATTEND_TC=0 DSUF_GEMM_TC=0 DSUF_MOE_DEVICE_LARGE=0 DSUF_SIDE=0
 
 gpu-test-fallbacks:
 	$(FALLBACKS) $(PY) -m pytest -q -s tests/test_gpu_model.py tests/test_gpu_tp.py
@@ -69,7 +69,7 @@ gpu-ab:
 	test -f $(BENCH_CKPT)/config.json || $(PY) dsuf.py tiny-model $(BENCH_CKPT) --arch v41 \
 		--preset v41-flash-shaped --layers 2 --vocab 8192
 	@echo "== decode, default"; $(BENCH_DECODE) | tail -4
-	@for f in DSUF_FUSED_NORM_ROPE DSUF_INDEXER_LANES; do \
+	@for f in DSUF_FUSED_NORM_ROPE DSUF_INDEXER_LANES DSUF_SIDE; do \
 		echo "== decode, $$f=0"; env $$f=0 $(BENCH_DECODE) | tail -4; done
 	@for v in u6 e4 e4u6; do \
 		echo "== decode, DSUF_GEMVR_FP4=$$v"; DSUF_GEMVR_FP4=$$v $(BENCH_DECODE) | tail -4; done

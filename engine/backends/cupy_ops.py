@@ -79,6 +79,9 @@ def _on(name: str) -> bool:
 
 # norm_rope_quant as one kernel, or as its chain of rmsnorm / rope / fake_quant launches.
 FUSED_NORM_ROPE = _on("DSUF_FUSED_NORM_ROPE")
+# A captured step's independent chains on a second stream (CupyOps.side), or inline: =0 gives the
+# timeline each kernel's own time, without its neighbours on the other stream competing for SMs.
+SIDE_BRANCHES = _on("DSUF_SIDE")
 # The indexer's scores with lanes over heads (kernels/attention.cu indexer_row<true>: one warp
 # reduction per key, not one per head).
 INDEXER_LANES = _on("DSUF_INDEXER_LANES")
@@ -523,7 +526,7 @@ class CupyOps:
         stream could read that entry before the join. A capture runs after the region's eager
         warm-up, with its caches full and uploads not staged through the ring."""
         main = cp.cuda.get_current_stream()
-        if not main.is_capturing():
+        if not SIDE_BRANCHES or not main.is_capturing():
             return SideBranch(fn(*args), None, ())
         if self._side_stream is None:
             self._side_stream = cp.cuda.Stream(non_blocking=True)
