@@ -2,7 +2,8 @@
 """Where a decode step's device time goes, on a GPU machine (a developer's tool; not the runtime).
 
   timeline CKPT [--batch B]   kernels of one decode-step graph replay in launch order, with their
-                              durations and the totals per kernel name (CUPTI through
+                              durations; per kernel name the total and the part no other kernel
+                              overlapped; the time with no kernel running (CUPTI through
                               torch.profiler, so torch must be installed; PDL lets a kernel start
                               before its predecessor ends, so its span may include that overlap)
   prefill CKPT [--context N] [--chunk C]
@@ -78,9 +79,29 @@ def timeline(ckpt: str, batch: int) -> None:
     for e in one:
         totals[e.name] += e.time_range.elapsed_us()
         print(f"{e.time_range.start - t0:9.1f} {e.time_range.elapsed_us():7.1f}  {e.name[:70]}")
-    print(f"\none replay: {one[-1].time_range.end - t0:.1f} us, {n} kernels; per kernel name:")
+    alone, gaps, span = kernel_overlap([(e.name, e.time_range.start, e.time_range.end) for e in one])
+    print(f"\none replay: {span:.1f} us, {n} kernels, {gaps:.1f} us of it with no kernel running; per kernel name,"
+          f" its time and the part of it no other kernel overlapped (the critical path's share):")
     for name, us in sorted(totals.items(), key=lambda kv: -kv[1]):
-        print(f"{us:9.1f}  {name[:70]}")
+        print(f"{us:9.1f} {alone[name]:9.1f}  {name[:70]}")
+
+
+def kernel_overlap(spans: list) -> tuple[dict, float, float]:
+    """(name -> time during which a kernel of that name ran alone, time with no kernel running,
+    first start to last end) of (name, start, end) spans: what the step waits on, as opposed to work
+    hidden beside other work (side streams, PDL's early starts)."""
+    alone: dict = collections.defaultdict(float)
+    if not spans:
+        return alone, 0.0, 0.0
+    edges = sorted({t for _, a, b in spans for t in (a, b)})
+    gaps = 0.0
+    for lo, hi in zip(edges, edges[1:], strict=False):
+        active = [name for name, a, b in spans if a <= lo and b >= hi]
+        if not active:
+            gaps += hi - lo
+        elif len(active) == 1:
+            alone[active[0]] += hi - lo
+    return alone, gaps, edges[-1] - edges[0]
 
 
 def _cuda_events(prof) -> list:
