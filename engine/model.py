@@ -638,9 +638,16 @@ class Model:
     def _moe(self, li: int, L, x, hash_ids):
         cfg, ops = self.cfg, self.ops
         # the shared expert does not wait for the routing: a side branch, beside the routed experts
-        shared = ops.side(ops.swiglu_mlp, x, *L.shared, cfg.swiglu_limit) if L.shared is not None else None
+        # (forked before the routing, or after it where the backend says its GEMV would hold the SMs
+        # that the routing's small kernels need)
+        late = getattr(ops, "shared_after_routing", False)
+        shared = None
+        if L.shared is not None and not late:
+            shared = ops.side(ops.swiglu_mlp, x, *L.shared, cfg.swiglu_limit)
         weights, experts = ops.route(x, L.gate_w, L.gate_bias, cfg.num_experts_per_tok, cfg.scoring_func,
                                      cfg.gate_temp, cfg.routed_scaling_factor, cfg.norm_topk_prob, hash_ids)
+        if L.shared is not None and late:
+            shared = ops.side(ops.swiglu_mlp, x, *L.shared, cfg.swiglu_limit)
         y = ops.moe(x, L.experts, weights, experts, cfg.swiglu_limit)  # this rank's experts only
         if shared is not None:
             y = y + shared.result()

@@ -294,3 +294,39 @@ def test_state_codecs_are_lossless_over_a_wide_range() -> None:
         used, blob = encode_array(x, codec)
         assert used == 0
         np.testing.assert_array_equal(decode_array(blob, x.shape, 0), x)
+
+
+class _SharedLateOps(NumpyOps):
+    """NumpyOps asking Model._moe to fork the shared expert after the routing (DSUF_SHARED_LATE's
+    order), recording the order of the two calls."""
+
+    shared_after_routing = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def route(self, *a, **kw):
+        self.calls.append("route")
+        return super().route(*a, **kw)
+
+    def side(self, fn, *args):
+        self.calls.append("side" if fn == self.swiglu_mlp else "other side")
+        return super().side(fn, *args)
+
+
+def test_shared_expert_fork_point_changes_nothing(model: Model) -> None:
+    """The shared expert forked after the routing gives the same logits, bit for bit."""
+    if not any(L.shared is not None for L in model.w.layers):
+        pytest.skip("no shared expert")
+    ids = _ids(model, 40)
+    want = model.forward([model.new_state()], [ids])[0]
+    ops, late = model.ops, _SharedLateOps()
+    model.ops = late
+    try:
+        got = model.forward([model.new_state()], [ids])[0]
+    finally:
+        model.ops = ops
+    _close(got, want)
+    routed = [c for c in late.calls if c != "other side"]
+    assert routed and routed == ["route", "side"] * (len(routed) // 2)

@@ -82,6 +82,11 @@ FUSED_NORM_ROPE = _on("DSUF_FUSED_NORM_ROPE")
 # A captured step's independent chains on a second stream (CupyOps.side), or inline: =0 gives the
 # timeline each kernel's own time, without its neighbours on the other stream competing for SMs.
 SIDE_BRANCHES = _on("DSUF_SIDE")
+# Opt-in, not yet measured (DSUF_SHARED_LATE=1): fork the shared expert's side branch after the
+# routing instead of before it (Model._moe). In the stop-27 b1 timeline, route_topk (one block) ran
+# beside the shared expert's gate + up GEMV for its whole 10 us and ended just after it: that GEMV's
+# resident blocks fill every SM, so the routed chain (the longest) waited for the side branch.
+SHARED_LATE = os.environ.get("DSUF_SHARED_LATE", "0") == "1"
 # The indexer's scores with lanes over heads (kernels/attention.cu indexer_row<true>: one warp
 # reduction per key, not one per head).
 INDEXER_LANES = _on("DSUF_INDEXER_LANES")
@@ -513,6 +518,11 @@ class CupyOps:
         """Whether graphed regions called now run inline: graphs off, or inside an enclosing
         graph or step (so a region may return open side branches, joined later in that capture)."""
         return self.graphs.inline_now
+
+    @property
+    def shared_after_routing(self) -> bool:
+        """Model._moe's fork point for the shared expert (DSUF_SHARED_LATE)."""
+        return SHARED_LATE
 
     def side(self, fn, *args) -> SideBranch:
         """fn(*args) enqueued on a second stream, forked from the current one here: it runs
