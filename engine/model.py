@@ -512,8 +512,13 @@ class Model:
         cfg, ops = self.cfg, self.ops
         if L.engram is not None:  # (engram_ids: every Engram layer's hash ids, one column each)
             h = self._engram(L, h, ops.xp.ascontiguousarray(engram_ids[:, cfg.engram_layer_ids.index(li)]))
-        mix = self._site_mixes(h, L.hc_attn)
-        xa = ops.hc_collapse_norm(h, pre_mix if cfg.arch == "v41" else mix.result()[0], L.attn_norm, cfg.rms_norm_eps)
+        if self._mixes_late():  # (see _mixes_late)
+            xa = ops.hc_collapse_norm(h, pre_mix, L.attn_norm, cfg.rms_norm_eps)
+            mix = self._site_mixes(h, L.hc_attn)
+        else:
+            mix = self._site_mixes(h, L.hc_attn)
+            xa = ops.hc_collapse_norm(h, pre_mix if cfg.arch == "v41" else mix.result()[0], L.attn_norm,
+                                      cfg.rms_norm_eps)
         lat = self._project(xa, L.qkv)
         q_res = ops.rmsnorm(lat["q_lat"], L.q_norm, cfg.rms_norm_eps)
         # the query heads (wq_b, the largest projection here) as a side branch, beside the K=V,
@@ -531,6 +536,12 @@ class Model:
             y = self.ops.linear(x, w)
             out.update({part: y[:, r0:r1] if len(parts) > 1 else y for part, r0, r1 in parts})
         return out
+
+    def _mixes_late(self) -> bool:
+        """V4.1 (whose collapse does not need the site's own mixes) on a backend that asks for a
+        site's mixes to be forked after its collapse + norm, so that the collapse, on the critical
+        path, does not share the SMs with the mix kernel's blocks (CupyOps DSUF_MIXES_LATE)."""
+        return self.cfg.arch == "v41" and getattr(self.ops, "mixes_after_collapse", False)
 
     def _site_mixes(self, h, hc_weights):
         """An mHC site's mixes (pre, post, comb) of the streams h, as a side branch: V4.1's
@@ -629,8 +640,13 @@ class Model:
         """Attention residual into the streams, the FFN-site mHC mix and this rank's MoE part."""
         cfg, ops = self.cfg, self.ops
         h = ops.hc_expand(attn, h, post_a, comb_a)
-        mix = self._site_mixes(h, L.hc_ffn)
-        xf = ops.hc_collapse_norm(h, pre_a if cfg.arch == "v41" else mix.result()[0], L.ffn_norm, cfg.rms_norm_eps)
+        if self._mixes_late():
+            xf = ops.hc_collapse_norm(h, pre_a, L.ffn_norm, cfg.rms_norm_eps)
+            mix = self._site_mixes(h, L.hc_ffn)
+        else:
+            mix = self._site_mixes(h, L.hc_ffn)
+            xf = ops.hc_collapse_norm(h, pre_a if cfg.arch == "v41" else mix.result()[0], L.ffn_norm,
+                                      cfg.rms_norm_eps)
         y = self._moe(li, L, xf, route_hash)
         return (h, y, *mix.result())
 

@@ -330,3 +330,40 @@ def test_shared_expert_fork_point_changes_nothing(model: Model) -> None:
     _close(got, want)
     routed = [c for c in late.calls if c != "other side"]
     assert routed and routed == ["route", "side"] * (len(routed) // 2)
+
+
+class _MixesLateOps(NumpyOps):
+    """NumpyOps asking a V4.1 model to fork each mHC site's mixes after its collapse + norm
+    (DSUF_MIXES_LATE's order), recording the order of the two calls."""
+
+    mixes_after_collapse = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def hc_collapse_norm(self, *a, **kw):
+        self.calls.append("collapse")
+        return super().hc_collapse_norm(*a, **kw)
+
+    def side(self, fn, *args):
+        if fn == self.hc_mixes:
+            self.calls.append("mixes")
+        return super().side(fn, *args)
+
+
+def test_mixes_fork_point_changes_nothing(model: Model) -> None:
+    """V4.1: each site's mixes forked after its collapse + norm give the same logits, bit for bit."""
+    if model.cfg.arch != "v41":
+        pytest.skip("V4 collapses with the site's own mixes")
+    ids = _ids(model, 40)
+    want = model.forward([model.new_state()], [ids])[0]
+    ops, late = model.ops, _MixesLateOps()
+    model.ops = late
+    try:
+        got = model.forward([model.new_state()], [ids])[0]
+    finally:
+        model.ops = ops
+    _close(got, want)
+    sites = 2 * model.cfg.num_layers  # then the head's collapse, with no mixes after it
+    assert late.calls == ["collapse", "mixes"] * sites + ["collapse"]

@@ -87,6 +87,10 @@ SIDE_BRANCHES = _on("DSUF_SIDE")
 # beside the shared expert's gate + up GEMV for its whole 10 us and ended just after it: that GEMV's
 # resident blocks fill every SM, so the routed chain (the longest) waited for the side branch.
 SHARED_LATE = os.environ.get("DSUF_SHARED_LATE", "0") == "1"
+# Opt-in, not yet measured (DSUF_MIXES_LATE=1): fork a V4.1 mHC site's mixes after its collapse +
+# norm (Model._mixes_late). In the same timeline hc_collapse_norm (one block) took 6-10 us beside
+# hc_mix and the next GEMV's early-launched blocks, on the critical path at both sites of a layer.
+MIXES_LATE = os.environ.get("DSUF_MIXES_LATE", "0") == "1"
 # The indexer's scores with lanes over heads (kernels/attention.cu indexer_row<true>: one warp
 # reduction per key, not one per head).
 INDEXER_LANES = _on("DSUF_INDEXER_LANES")
@@ -523,6 +527,11 @@ class CupyOps:
     def shared_after_routing(self) -> bool:
         """Model._moe's fork point for the shared expert (DSUF_SHARED_LATE)."""
         return SHARED_LATE
+
+    @property
+    def mixes_after_collapse(self) -> bool:
+        """Model._mixes_late's fork point for an mHC site's mixes (DSUF_MIXES_LATE)."""
+        return MIXES_LATE
 
     def side(self, fn, *args) -> SideBranch:
         """fn(*args) enqueued on a second stream, forked from the current one here: it runs
