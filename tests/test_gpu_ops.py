@@ -675,12 +675,14 @@ def test_attention(s, n, d):
     assert rel(got, ref) < 1e-5
 
 
-@pytest.mark.parametrize("b", [1, 3, 32, 40])
-def test_attention_decode(b):
+@pytest.mark.parametrize("b,min_split", [(1, 64), (3, 64), (32, 64), (40, 64), (1, 16), (3, 32)])
+def test_attention_decode(b, min_split, monkeypatch):
     """Batched decode attention (split over the keys, splits merged with the sinks) equals the
     reference over each sequence's visible rows: windows of different lengths (one empty), compressed
     entries under top-k masks (one selecting nothing, one sequence without entries) and long ones;
-    40 sequences fill the GPU without splitting (one split writes the output directly)."""
+    40 sequences fill the GPU without splitting (one split writes the output directly). min_split:
+    the fewest keys per split (DSUF_ATT_MIN_SPLIT; 16: one tile each)."""
+    monkeypatch.setattr("engine.backends.cupy_ops.ATT_MIN_SPLIT", min_split)
     h, d = 64, 512
     q, sinks = rnd(b, h, d), rnd(h)
     sources_ref, sources_gpu = [], []

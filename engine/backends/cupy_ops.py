@@ -131,7 +131,11 @@ if GEMVR_FP4 not in GEMVR_FP4_KERNELS:
 GEMVR_BLOCKS_PER_SM = {FMT_FP8: 3, FMT_FP4: 2}  # what each kernel's registers allow (DEF_GR's MINB)
 _ELT_BLOCK = 256
 # decode attention: split the keys until about this many blocks run, each split >= this many keys
-ATT_BLOCKS_TARGET, ATT_MIN_SPLIT = 132 * 2, 64
+# (DSUF_ATT_MIN_SPLIT, a multiple of the kernel's 16-key tile, for measuring: at a short context a
+# b1 layer's attention is ~2 splits of 4 tiles, each tile's loads a round trip, ~13 us)
+ATT_BLOCKS_TARGET, ATT_MIN_SPLIT = 132 * 2, int(os.environ.get("DSUF_ATT_MIN_SPLIT", "64"))
+if ATT_MIN_SPLIT < 16 or ATT_MIN_SPLIT % 16:
+    raise ValueError(f"DSUF_ATT_MIN_SPLIT must be a positive multiple of 16, not {ATT_MIN_SPLIT}")
 _NULL = np.uint64(0)  # a null pointer kernel argument
 COPY_ROWS_MAX = 64 << 10  # copy_rows: larger copies (a state buffer's growth) go through cudaMemcpyAsync
 HC_COUNTERS = 1 << 16  # rows the fused mHC mix handles per launch (one int32 block counter each)
