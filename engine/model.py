@@ -512,13 +512,7 @@ class Model:
         cfg, ops = self.cfg, self.ops
         if L.engram is not None:  # (engram_ids: every Engram layer's hash ids, one column each)
             h = self._engram(L, h, ops.xp.ascontiguousarray(engram_ids[:, cfg.engram_layer_ids.index(li)]))
-        if self._mixes_late():  # (see _mixes_late)
-            xa = ops.hc_collapse_norm(h, pre_mix, L.attn_norm, cfg.rms_norm_eps)
-            mix = self._site_mixes(h, L.hc_attn)
-        else:
-            mix = self._site_mixes(h, L.hc_attn)
-            xa = ops.hc_collapse_norm(h, pre_mix if cfg.arch == "v41" else mix.result()[0], L.attn_norm,
-                                      cfg.rms_norm_eps)
+        xa, mix = self._site_in(h, pre_mix, L.hc_attn, L.attn_norm)
         lat = self._project(xa, L.qkv)
         q_res = ops.rmsnorm(lat["q_lat"], L.q_norm, cfg.rms_norm_eps)
         # the query heads (wq_b, the largest projection here) as a side branch, beside the K=V,
@@ -537,11 +531,18 @@ class Model:
             out.update({part: y[:, r0:r1] if len(parts) > 1 else y for part, r0, r1 in parts})
         return out
 
-    def _mixes_late(self) -> bool:
-        """V4.1 (whose collapse does not need the site's own mixes) on a backend that asks for a
-        site's mixes to be forked after its collapse + norm, so that the collapse, on the critical
-        path, does not share the SMs with the mix kernel's blocks (CupyOps DSUF_MIXES_LATE)."""
-        return self.cfg.arch == "v41" and getattr(self.ops, "mixes_after_collapse", False)
+    def _site_in(self, h, pre, hc_weights, norm):
+        """An mHC site's input: the collapse + norm of the streams h (V4.1: with the previous
+        site's weights `pre`; V4: with this site's own) and this site's mixes as a side branch.
+        V4.1 forks the mixes after the collapse where the backend asks (CupyOps DSUF_MIXES_LATE), so
+        that the collapse, on the critical path, does not share the SMs with the mix kernel."""
+        cfg, ops = self.cfg, self.ops
+        if cfg.arch == "v41" and getattr(ops, "mixes_after_collapse", False):
+            x = ops.hc_collapse_norm(h, pre, norm, cfg.rms_norm_eps)
+            return x, self._site_mixes(h, hc_weights)
+        mix = self._site_mixes(h, hc_weights)
+        x = ops.hc_collapse_norm(h, pre if cfg.arch == "v41" else mix.result()[0], norm, cfg.rms_norm_eps)
+        return x, mix
 
     def _site_mixes(self, h, hc_weights):
         """An mHC site's mixes (pre, post, comb) of the streams h, as a side branch: V4.1's
@@ -638,15 +639,8 @@ class Model:
 
     def _ffn(self, li: int, L, attn, h, pre_a, post_a, comb_a, route_hash):
         """Attention residual into the streams, the FFN-site mHC mix and this rank's MoE part."""
-        cfg, ops = self.cfg, self.ops
-        h = ops.hc_expand(attn, h, post_a, comb_a)
-        if self._mixes_late():
-            xf = ops.hc_collapse_norm(h, pre_a, L.ffn_norm, cfg.rms_norm_eps)
-            mix = self._site_mixes(h, L.hc_ffn)
-        else:
-            mix = self._site_mixes(h, L.hc_ffn)
-            xf = ops.hc_collapse_norm(h, pre_a if cfg.arch == "v41" else mix.result()[0], L.ffn_norm,
-                                      cfg.rms_norm_eps)
+        h = self.ops.hc_expand(attn, h, post_a, comb_a)
+        xf, mix = self._site_in(h, pre_a, L.hc_ffn, L.ffn_norm)
         y = self._moe(li, L, xf, route_hash)
         return (h, y, *mix.result())
 

@@ -411,14 +411,13 @@ DEF_TC(fp4, FMT_FP4, 1)
 DEF_TC(fp4, FMT_FP4, 2)
 DEF_TC(fp4, FMT_FP4, 4)
 
-// One row of x (K floats) -> shared memory as the one-row GEMVs' B operand: two f16 columns (hi,
-// lo terms) cs bytes apart, each 128-k group scaled by a power of two (inverse in xinv[group]),
-// half k at byte 2k + 16 (k / 64) of its column (FP4: permuted within each 8, see gemvr). Zeros
-// past K. One warp per group, nw warps (this one `warp`), four groups' loads in flight per warp (a
-// warp reduction per group kept the loop from overlapping them: one L2 round trip per group).
-template <bool F8>
-__device__ __forceinline__ void stage_x_cols(const float* __restrict__ x, int K, u8* cols, int cs, float* xinv,
-                                             int warp, int nw, int lane) {
+// A row of x (K floats) by 128-element groups: warp `warp` of nw takes groups warp, warp + nw, ...,
+// a lane 4 elements (float4 v from element e0; zeros past K), with four groups' loads in flight per
+// warp (a warp reduction per group kept a plain loop from overlapping them: one L2 round trip per
+// group); each group is handed to stage(gi, e0, v).
+template <class Stage>
+__device__ __forceinline__ void for_x_groups(const float* __restrict__ x, int K, int warp, int nw, int lane,
+                                             Stage stage) {
   const int ngx = (K + 127) / 128;
   for (int g0 = warp; g0 < ngx; g0 += 4 * nw) {
     float4 v[4];
@@ -431,8 +430,21 @@ __device__ __forceinline__ void stage_x_cols(const float* __restrict__ x, int K,
     for (int j = 0; j < 4; ++j) {
       const int gi = g0 + nw * j, e0 = gi * 128 + 4 * lane;
       if (gi >= ngx) break;  // (uniform over the warp)
+      stage(gi, e0, v[j]);
+    }
+  }
+}
+
+// One row of x (K floats) -> shared memory as the one-row GEMVs' B operand: two f16 columns (hi,
+// lo terms) cs bytes apart, each 128-k group scaled by a power of two (inverse in xinv[group]),
+// half k at byte 2k + 16 (k / 64) of its column (FP4: permuted within each 8, see gemvr). Zeros
+// past K. One warp per group (for_x_groups).
+template <bool F8>
+__device__ __forceinline__ void stage_x_cols(const float* __restrict__ x, int K, u8* cols, int cs, float* xinv,
+                                             int warp, int nw, int lane) {
+  for_x_groups(x, K, warp, nw, lane, [&](int gi, int e0, float4 v) {
       u32 hv[4], lv[4];
-      const float inv = split_group4(v[j], hv, lv);
+      const float inv = split_group4(v, hv, lv);
       if (lane == 0) xinv[gi] = inv;
       const int kp = e0 + 8 * (e0 >> 6);  // padded half index of element e0 (16 bytes per 64 halves)
       if (F8) {
@@ -444,8 +456,7 @@ __device__ __forceinline__ void stage_x_cols(const float* __restrict__ x, int K,
 #pragma unroll
         for (int i = 0; i < 4; ++i) hi[2 * i] = (u16)hv[i], lo[2 * i] = (u16)lv[i];
       }
-    }
-  }
+  });
 }
 
 // One row of x (K floats) -> shared memory as gemvr_fp4e4's B operand: four e4m3 term planes, ps
@@ -453,26 +464,15 @@ __device__ __forceinline__ void stage_x_cols(const float* __restrict__ x, int K,
 // by 2^sh (its max into [2^7, 2^8); inverse in xinv[group]); term j is the residual of the terms
 // before it times 16^j, so x = sum_j term_j 16^-j to ~2^-16 of the group's max. Within each 8 k a
 // plane holds elements 0, 2, 4, 6, then 1, 3, 5, 7 (the order e4m3_lo / e4m3_hi decode a weight
-// word in). Zeros past K. One warp per group, nw warps (this one `warp`), a lane 4 elements.
+// word in). Zeros past K. One warp per group (for_x_groups).
 __device__ __forceinline__ void stage_x_e4(const float* __restrict__ x, int K, u8* planes, int ps, float* xinv,
                                            int warp, int nw, int lane) {
-  const int ngx = (K + 127) / 128;
-  for (int g0 = warp; g0 < ngx; g0 += 4 * nw) {
-    float4 v[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int e0 = (g0 + nw * j) * 128 + 4 * lane;
-      v[j] = e0 < K ? __ldg((const float4*)(x + e0)) : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int gi = g0 + nw * j, e0 = gi * 128 + 4 * lane;
-      if (gi >= ngx) break;  // (uniform over the warp)
-      const float m = warp_max(fmaxf(fmaxf(fabsf(v[j].x), fabsf(v[j].y)), fmaxf(fabsf(v[j].z), fabsf(v[j].w))));
+  for_x_groups(x, K, warp, nw, lane, [&](int gi, int e0, float4 v) {
+      const float m = warp_max(fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
       const int sh = x_group_shift(m, 8);
       if (lane == 0) xinv[gi] = pow2f(-sh);
       const float sc = pow2f(sh);
-      float r[4] = {v[j].x * sc, v[j].y * sc, v[j].z * sc, v[j].w * sc};
+      float r[4] = {v.x * sc, v.y * sc, v.z * sc, v.w * sc};
       // an even lane holds elements 0-3 of an 8, its odd neighbour 4-7: the even lane writes the
       // plane's word of elements 0, 2, 4, 6 and the odd one that of 1, 3, 5, 7
       u8* dst = planes + (e0 & ~7) + 4 * (lane & 1);
@@ -487,8 +487,7 @@ __device__ __forceinline__ void stage_x_e4(const float* __restrict__ x, int K, u
         r[2] = (r[2] - h2f(q23)) * 16.f;
         r[3] = (r[3] - h2f(q23 >> 16)) * 16.f;
       }
-    }
-  }
+  });
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -296,74 +296,49 @@ def test_state_codecs_are_lossless_over_a_wide_range() -> None:
         np.testing.assert_array_equal(decode_array(blob, x.shape, 0), x)
 
 
-class _SharedLateOps(NumpyOps):
-    """NumpyOps asking Model._moe to fork the shared expert after the routing (DSUF_SHARED_LATE's
-    order), recording the order of the two calls."""
 
-    shared_after_routing = True
+class _OrderOps(NumpyOps):
+    """NumpyOps with one of the backend's scheduling hints set (Model reads them with getattr),
+    recording the order of the calls the hint moves: the routing, the shared expert's fork, each
+    collapse + norm and each mix's fork."""
 
-    def __init__(self) -> None:
+    def __init__(self, hint: str) -> None:
         super().__init__()
+        setattr(self, hint, True)
         self.calls: list[str] = []
 
     def route(self, *a, **kw):
         self.calls.append("route")
         return super().route(*a, **kw)
 
-    def side(self, fn, *args):
-        self.calls.append("side" if fn == self.swiglu_mlp else "other side")
-        return super().side(fn, *args)
-
-
-def test_shared_expert_fork_point_changes_nothing(model: Model) -> None:
-    """The shared expert forked after the routing gives the same logits, bit for bit."""
-    if not any(L.shared is not None for L in model.w.layers):
-        pytest.skip("no shared expert")
-    ids = _ids(model, 40)
-    want = model.forward([model.new_state()], [ids])[0]
-    ops, late = model.ops, _SharedLateOps()
-    model.ops = late
-    try:
-        got = model.forward([model.new_state()], [ids])[0]
-    finally:
-        model.ops = ops
-    _close(got, want)
-    routed = [c for c in late.calls if c != "other side"]
-    assert routed and routed == ["route", "side"] * (len(routed) // 2)
-
-
-class _MixesLateOps(NumpyOps):
-    """NumpyOps asking a V4.1 model to fork each mHC site's mixes after its collapse + norm
-    (DSUF_MIXES_LATE's order), recording the order of the two calls."""
-
-    mixes_after_collapse = True
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[str] = []
-
     def hc_collapse_norm(self, *a, **kw):
         self.calls.append("collapse")
         return super().hc_collapse_norm(*a, **kw)
 
     def side(self, fn, *args):
-        if fn == self.hc_mixes:
-            self.calls.append("mixes")
+        self.calls.append({self.swiglu_mlp: "shared", self.hc_mixes: "mixes"}.get(fn, "other"))
         return super().side(fn, *args)
 
 
-def test_mixes_fork_point_changes_nothing(model: Model) -> None:
-    """V4.1: each site's mixes forked after its collapse + norm give the same logits, bit for bit."""
-    if model.cfg.arch != "v41":
+@pytest.mark.parametrize("hint", ["shared_after_routing", "mixes_after_collapse"])
+def test_fork_points_change_nothing(model: Model, hint: str) -> None:
+    """The backend's fork-point hints (CupyOps DSUF_SHARED_LATE: the shared expert after the
+    routing; DSUF_MIXES_LATE, V4.1: each mHC site's mixes after its collapse + norm) give the same
+    logits bit for bit, and the calls do come in the hinted order."""
+    if hint == "mixes_after_collapse" and model.cfg.arch != "v41":
         pytest.skip("V4 collapses with the site's own mixes")
     ids = _ids(model, 40)
     want = model.forward([model.new_state()], [ids])[0]
-    ops, late = model.ops, _MixesLateOps()
-    model.ops = late
+    ops, hinted = model.ops, _OrderOps(hint)
+    model.ops = hinted
     try:
         got = model.forward([model.new_state()], [ids])[0]
     finally:
         model.ops = ops
     _close(got, want)
-    sites = 2 * model.cfg.num_layers  # then the head's collapse, with no mixes after it
-    assert late.calls == ["collapse", "mixes"] * sites + ["collapse"]
+    if hint == "shared_after_routing":
+        moe = [c for c in hinted.calls if c in ("route", "shared")]
+        assert moe and moe == ["route", "shared"] * (len(moe) // 2)
+    else:  # every site, then the head's collapse with no mixes after it
+        sites = [c for c in hinted.calls if c in ("collapse", "mixes")]
+        assert sites == ["collapse", "mixes"] * (2 * model.cfg.num_layers) + ["collapse"]

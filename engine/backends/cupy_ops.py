@@ -88,7 +88,7 @@ SIDE_BRANCHES = _on("DSUF_SIDE")
 # resident blocks fill every SM, so the routed chain (the longest) waited for the side branch.
 SHARED_LATE = os.environ.get("DSUF_SHARED_LATE", "0") == "1"
 # Opt-in, not yet measured (DSUF_MIXES_LATE=1): fork a V4.1 mHC site's mixes after its collapse +
-# norm (Model._mixes_late). In the same timeline hc_collapse_norm (one block) took 6-10 us beside
+# norm (Model._site_in). In the same timeline hc_collapse_norm (one block) took 6-10 us beside
 # hc_mix and the next GEMV's early-launched blocks, on the critical path at both sites of a layer.
 MIXES_LATE = os.environ.get("DSUF_MIXES_LATE", "0") == "1"
 # The indexer's scores with lanes over heads (kernels/attention.cu indexer_row<true>: one warp
@@ -534,7 +534,7 @@ class CupyOps:
 
     @property
     def mixes_after_collapse(self) -> bool:
-        """Model._mixes_late's fork point for an mHC site's mixes (DSUF_MIXES_LATE)."""
+        """Model._site_in's fork point for an mHC site's mixes (DSUF_MIXES_LATE)."""
         return MIXES_LATE
 
     def side(self, fn, *args) -> SideBranch:
