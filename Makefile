@@ -77,6 +77,8 @@ gpu-ab:
 		echo "== decode, $$f=1"; env $$f=1 $(BENCH_DECODE) | tail -4; done
 	@for v in 16 32; do \
 		echo "== decode, DSUF_ATT_MIN_SPLIT=$$v"; DSUF_ATT_MIN_SPLIT=$$v $(BENCH_DECODE) | tail -4; done
+	@for v in 1 2; do \
+		echo "== decode, DSUF_SIDE_BLOCKS_PER_SM=$$v"; DSUF_SIDE_BLOCKS_PER_SM=$$v $(BENCH_DECODE) | tail -4; done
 	@echo "== prefill, default"; $(BENCH_PREFILL) | tail -2
 	@for f in DSUF_SPARSE_PREFILL DSUF_INDEXER_TC DSUF_ATTEND_TC DSUF_GEMM_TC DSUF_MOE_DEVICE_LARGE; do \
 		echo "== prefill, $$f=0"; env $$f=0 $(BENCH_PREFILL) | tail -2; done

@@ -454,12 +454,27 @@ def test_moe(t):
     assert rel(got, ref) < (F32_TOL if most <= 8 else GEMM_TOL)
 
 
-def test_side_branch_matches_inline(monkeypatch):
+@pytest.mark.parametrize("side_cap", [0, 1, 2])
+def test_side_branch_matches_inline(side_cap, monkeypatch):
     """CupyOps.side: the shared expert forked onto a second stream beside the routed experts (as
     Model._moe does) equals both run inline, bit for bit, replayed as a CUDA graph (the fork and join
     become graph edges; eagerly the branch runs inline); the branch's input is a temporary the
-    caller drops at once."""
+    caller drops at once. side_cap: the branch's GEMVs kept to that many blocks per SM
+    (DSUF_SIDE_BLOCKS_PER_SM; the same tiles, in fewer resident blocks)."""
+    from engine.backends import cupy_ops
     from engine.backends.cuda_graphs import RegionGraphs
+
+    monkeypatch.setattr(cupy_ops, "SIDE_BLOCKS_PER_SM", side_cap)
+    capped = []  # blocks per SM of each GEMV launched while the cap was on
+    per_sm = cupy_ops._blocks_per_sm
+
+    def count(*a):
+        n = per_sm(*a)
+        if getattr(cupy_ops._side_cap, "blocks", 0):
+            capped.append(n)
+        return n
+
+    monkeypatch.setattr(cupy_ops, "_blocks_per_sm", count)
 
     e, k, d, inter = 8, 6, 5120, 2304
     shared = tuple(GPU.prepare(make_weight("fp8", *s)) for s in ((inter, d), (d, inter), (inter, d)))
@@ -485,6 +500,8 @@ def test_side_branch_matches_inline(monkeypatch):
     for _ in range(4):  # eager, capture, then replays
         assert np.array_equal(cp.asnumpy(graphs("side", branched, x)), ref)
     assert graphs.captures == 1 and graphs.replays >= 2
+    # the capture's branch launched its GEMVs under the cap (none outside a branch, or eagerly)
+    assert (max(capped) <= side_cap) if side_cap else not capped
     assert GPU._side_stream is not None  # the capture forked
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import threading
 from dataclasses import dataclass
 
 import cupy as cp
@@ -91,6 +92,12 @@ SHARED_LATE = os.environ.get("DSUF_SHARED_LATE", "0") == "1"
 # norm (Model._site_in). In the same timeline hc_collapse_norm (one block) took 6-10 us beside
 # hc_mix and the next GEMV's early-launched blocks, on the critical path at both sites of a layer.
 MIXES_LATE = os.environ.get("DSUF_MIXES_LATE", "0") == "1"
+# Opt-in, not yet measured (DSUF_SIDE_BLOCKS_PER_SM=N): a captured side branch's GEMVs (gemvx,
+# gemvr: grids sized to what the SMs hold) keep to N resident blocks per SM, leaving room beside
+# them for the critical path's one-block kernels (route_topk, moe_group, collapse + norm), which
+# otherwise wait for SMs the side GEMV fills. 0: no cap.
+SIDE_BLOCKS_PER_SM = int(os.environ.get("DSUF_SIDE_BLOCKS_PER_SM", "0"))
+_side_cap = threading.local()  # .blocks: the cap while a side branch is being enqueued
 # The indexer's scores with lanes over heads (kernels/attention.cu indexer_row<true>: one warp
 # reduction per key, not one per head).
 INDEXER_LANES = _on("DSUF_INDEXER_LANES")
@@ -249,8 +256,11 @@ def _x_rows_aligned(a: cp.ndarray, segs) -> bool:
 
 
 def _blocks_per_sm(fn, smem: int) -> int:
-    """Blocks of 256 threads of `fn` with `smem` bytes of dynamic shared memory one SM holds."""
-    return max(1, min(65536 // (256 * max(fn.num_regs, 32)), (228 << 10) // (smem + 1024)))
+    """Blocks of 256 threads of `fn` with `smem` bytes of dynamic shared memory one SM holds (in a
+    side branch, at most DSUF_SIDE_BLOCKS_PER_SM of them)."""
+    n = max(1, min(65536 // (256 * max(fn.num_regs, 32)), (228 << 10) // (smem + 1024)))
+    cap = getattr(_side_cap, "blocks", 0)
+    return min(n, cap) if cap else n
 
 
 def _gemvx_split(groups: int, slices: int, pc: int) -> int:
@@ -558,7 +568,12 @@ class CupyOps:
         fork.record(main)
         side.wait_event(fork)
         with side:
-            out = fn(*args)
+            outer = getattr(_side_cap, "blocks", 0)
+            _side_cap.blocks = SIDE_BLOCKS_PER_SM
+            try:
+                out = fn(*args)
+            finally:
+                _side_cap.blocks = outer
         done = cp.cuda.Event(disable_timing=True)
         done.record(side)
         return SideBranch(out, done, args)
