@@ -1,8 +1,8 @@
 PY ?= python3
 BENCH_CKPT ?= $(or $(TMPDIR),/tmp)/dsuf-flash2
 
-.PHONY: test lint pytest serve gpu-test gpu-test-fallbacks gpu-memcheck gpu-memcheck-model gpu-memcheck-tp gpu-bench gpu-ab \
-	gpu-stream-sweep
+.PHONY: test lint pytest serve gpu-test gpu-test-fallbacks gpu-memcheck gpu-memcheck-model gpu-memcheck-tp gpu-bench gpu-ab gpu-ab-decode \
+	gpu-ab-prefill bench-ckpt gpu-stream-sweep
 
 # The README's test command: lint, then the whole suite (GPU tests skip where no GPU is present).
 test: lint pytest
@@ -54,34 +54,33 @@ gpu-memcheck-model:
 gpu-memcheck-tp:
 	$(call MEMCHECK_EACH,tests/test_gpu_tp.py)
 
-gpu-bench:
-	test -f $(BENCH_CKPT)/config.json || $(PY) dsuf.py tiny-model $(BENCH_CKPT) --arch v41 \
-		--preset v41-flash-shaped --layers 2 --vocab 8192
+gpu-bench: bench-ckpt
 	$(PY) dsuf.py bench --ckpt $(BENCH_CKPT) --batches 1,8,32 --prefill 4096,65536 --chunk 4096
 
-# The default's figures and each fallback flag's beside them, on the bench checkpoint: decode graphs
-# for the decode-side flags and the opt-in FP4 GEMV kernels (DSUF_GEMVR_FP4), prefill 4096 / 65536
-# for the prefill-side ones.
+# The default's figures and each variant's beside them, on the bench checkpoint: decode graphs (b1, 8,
+# 32) for the decode-side fallback flags and the opt-in paths not yet measured, prefill 4096 / 65536
+# for the prefill-side flags. Each a device call of its own (~25 s a decode run, ~30 s a prefill run);
+# DECODE_AB / PREFILL_AB select a subset.
 BENCH_DECODE = $(PY) dsuf.py bench --ckpt $(BENCH_CKPT) --batches 1,8,32 --prefill 0 --no-linears --steps 20
 BENCH_PREFILL = $(PY) dsuf.py bench --ckpt $(BENCH_CKPT) --batches 1 --prefill 4096,65536 --no-linears --steps 5
+DECODE_AB ?= DSUF_FUSED_NORM_ROPE=0 DSUF_INDEXER_LANES=0 DSUF_SIDE=0 DSUF_GEMVR_FP4=u6 DSUF_GEMVR_FP4=e4 \
+	DSUF_GEMVR_FP4=e4u6 DSUF_SHARED_LATE=1 DSUF_MIXES_LATE=1 DSUF_ATT_MIN_SPLIT=16 DSUF_ATT_MIN_SPLIT=32 \
+	DSUF_SIDE_BLOCKS_PER_SM=1 DSUF_SIDE_BLOCKS_PER_SM=2
+PREFILL_AB ?= DSUF_SPARSE_PREFILL=0 DSUF_INDEXER_TC=0 DSUF_ATTEND_TC=0 DSUF_GEMM_TC=0 DSUF_MOE_DEVICE_LARGE=0
 
-gpu-ab:
+gpu-ab: gpu-ab-decode gpu-ab-prefill
+
+bench-ckpt:
 	test -f $(BENCH_CKPT)/config.json || $(PY) dsuf.py tiny-model $(BENCH_CKPT) --arch v41 \
 		--preset v41-flash-shaped --layers 2 --vocab 8192
+
+gpu-ab-decode: bench-ckpt
 	@echo "== decode, default"; $(BENCH_DECODE) | tail -4
-	@for f in DSUF_FUSED_NORM_ROPE DSUF_INDEXER_LANES DSUF_SIDE; do \
-		echo "== decode, $$f=0"; env $$f=0 $(BENCH_DECODE) | tail -4; done
-	@for v in u6 e4 e4u6; do \
-		echo "== decode, DSUF_GEMVR_FP4=$$v"; DSUF_GEMVR_FP4=$$v $(BENCH_DECODE) | tail -4; done
-	@for f in DSUF_SHARED_LATE DSUF_MIXES_LATE; do \
-		echo "== decode, $$f=1"; env $$f=1 $(BENCH_DECODE) | tail -4; done
-	@for v in 16 32; do \
-		echo "== decode, DSUF_ATT_MIN_SPLIT=$$v"; DSUF_ATT_MIN_SPLIT=$$v $(BENCH_DECODE) | tail -4; done
-	@for v in 1 2; do \
-		echo "== decode, DSUF_SIDE_BLOCKS_PER_SM=$$v"; DSUF_SIDE_BLOCKS_PER_SM=$$v $(BENCH_DECODE) | tail -4; done
+	@for v in $(DECODE_AB); do echo "== decode, $$v"; env $$v $(BENCH_DECODE) | tail -4; done
+
+gpu-ab-prefill: bench-ckpt
 	@echo "== prefill, default"; $(BENCH_PREFILL) | tail -2
-	@for f in DSUF_SPARSE_PREFILL DSUF_INDEXER_TC DSUF_ATTEND_TC DSUF_GEMM_TC DSUF_MOE_DEVICE_LARGE; do \
-		echo "== prefill, $$f=0"; env $$f=0 $(BENCH_PREFILL) | tail -2; done
+	@for v in $(PREFILL_AB); do echo "== prefill, $$v"; env $$v $(BENCH_PREFILL) | tail -2; done
 
 # tools/stream_chain.py's tensor-core consumers (FP8: gemvr's f16 MMA, e4m3 MMA; FP4: e4m3, gemvr's)
 # by the depth of each warp's ring of units in flight: does a deeper ring stream a chain of
