@@ -35,9 +35,9 @@ Modes 2-5 take 16-row items whose block of 8 warps splits K (see the kernel), ea
 --units 128-k units (and their weight scales) in flight in a register ring. With --fine an item does
 not wait for its whole input: each warp waits for the 128-row groups of the input task that its own
 units read (a counter per group) and stages them itself, just before multiplying each, so a GEMV
-starts on the first parts of its input while the rest is produced (no block-wide wait or barrier). In every mode the
-first weights are loaded before an item waits for its input. FP8 weights carry a float scale per
-128 x 128 block (V4.1's; 32 x 32 at the stop-26 runs).
+starts on the first parts of its input while the rest is produced (no block-wide wait or barrier).
+In every mode the first weights are loaded before an item waits for its input. FP8 weights carry a
+float scale per 128 x 128 block (V4.1's; 32 x 32 at the stop-26 runs).
   graph        one launch per GEMV, captured in a CUDA graph (the dependency: stream order);
   persistent   one launch for the chain, --per-sm resident blocks per SM, --ahead MB prefetched.
 Printed: time per chain, its bytes / the copy rate (the floor), and the floor's share of the time;
