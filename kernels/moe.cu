@@ -1,5 +1,5 @@
 // MoE routing: scores (softmax / sigmoid / sqrt(softplus)), top-k of score + bias (ties: lower
-// expert id first, like a stable argsort), renormalised weights. One warp per token.
+// expert id first, like a stable argsort), renormalised weights. One warp per token, up to 8 a block.
 #include "dsuf_common.cuh"
 
 #define ROUTE_MAXE 512
@@ -11,7 +11,7 @@ extern "C" __global__ void __launch_bounds__(256) route_topk(const float* __rest
                                                             float rscale, int normalise) {
   __shared__ float sc_all[8][ROUTE_MAXE];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int t = blockIdx.x * 8 + warp;
+  const int t = blockIdx.x * (blockDim.x >> 5) + warp;  // (blocks of 1-8 warps)
   if (t >= T) return;
   float* sc = sc_all[warp];
   const float* lr = logits + (size_t)t * E;

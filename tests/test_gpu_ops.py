@@ -390,9 +390,14 @@ def test_gated_pool():
 
 
 # ---- MoE -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tight", [False, True])
 @pytest.mark.parametrize("scoring,bias,hashed", [("sqrtsoftplus", True, False), ("softmax", False, False),
                                                  ("sigmoid", True, False), ("sqrtsoftplus", False, True)])
-def test_route(scoring, bias, hashed):
+def test_route(scoring, bias, hashed, tight, monkeypatch):
+    """tight: blocks of as many warps as tokens, up to 8 (DSUF_TIGHT_BLOCKS): the exact comparison
+    then routes 3 tokens (one block of 3 warps), the other 33."""
+    monkeypatch.setattr("engine.backends.cupy_ops.TIGHT_BLOCKS", tight)
+    m = 3 if tight else 8
     t, e, k, d = 33, 384, 6, 5120
     x = rnd(t, d)
     gw = make_weight("bf16", e, d)
@@ -401,10 +406,10 @@ def test_route(scoring, bias, hashed):
     rw, ri = REF.route(x, REF.prepare(gw), b, k, scoring, 1.0, 1.5, True, hid)
     # route the reference's own logits too, so ids compare exactly (the GEMM rounds to bf16)
     gw32 = Weight("w", REF.prepare(gw), "f32", shape=(e, d))
-    gwt, git = GPU.route(cp.asarray(x[:8]), GPU.prepare(gw32), None if b is None else cp.asarray(b), k, scoring,
-                         1.0, 1.5, True, None if hid is None else hid[:8])
-    assert np.array_equal(cp.asnumpy(git), ri[:8])
-    assert rel(gwt, rw[:8]) < 1e-5
+    gwt, git = GPU.route(cp.asarray(x[:m]), GPU.prepare(gw32), None if b is None else cp.asarray(b), k, scoring,
+                         1.0, 1.5, True, None if hid is None else hid[:m])
+    assert np.array_equal(cp.asnumpy(git), ri[:m])
+    assert rel(gwt, rw[:m]) < 1e-5
     gw_, gi_ = GPU.route(cp.asarray(x), GPU.prepare(gw), None if b is None else cp.asarray(b), k, scoring, 1.0,
                          1.5, True, hid)
     assert (cp.asnumpy(gi_) == ri).mean() > 0.99
@@ -577,15 +582,15 @@ def _group_ref(ids: np.ndarray, e: int, step: int, maxseg: int):
     return order, inv, order // ids.shape[1], tab.reshape(-1)
 
 
-def _check_group_launch(name: str, ids: np.ndarray, e: int, step: int, smem: int = 0) -> None:
+def _check_group_launch(name: str, ids: np.ndarray, e: int, step: int, smem: int = 0, threads: int = 1024) -> None:
     """The grouping kernel itself, into poisoned buffers with maxseg = P (the tail must come back
     zeroed): the stable argsort's order, inverse, tokens and segments exactly."""
     p = ids.size
     buf = cp.full(8 * p, -1, cp.int32)
     segs, order, inv, gather = buf[:5 * p], buf[5 * p:6 * p], buf[6 * p:7 * p], buf[7 * p:]
     fn = K.function_with_smem("moe", name, smem) if smem else K.function("moe", name)
-    fn((1,), (1024,), (cp.asarray(ids), np.int32(p), np.int32(ids.shape[1]), np.int32(e), np.int32(step),
-                       np.int32(p), np.int32(0), order, inv, gather, segs), shared_mem=smem)
+    fn((1,), (threads,), (cp.asarray(ids), np.int32(p), np.int32(ids.shape[1]), np.int32(e), np.int32(step),
+                          np.int32(p), np.int32(0), order, inv, gather, segs), shared_mem=smem)
     for got, ref in zip((order, inv, gather, segs), _group_ref(ids, e, step, p), strict=True):
         assert np.array_equal(cp.asnumpy(got), ref)
 
@@ -608,9 +613,13 @@ def _check_group_helper(ids: np.ndarray, e: int, step: int) -> None:
 
 @pytest.mark.parametrize("t,k,e,step", [(1, 1, 8, 1), (1, 6, 256, 1), (3, 6, 64, 3), (100, 6, 8, 8),
                                         (170, 6, 384, 8), (128, 8, 256, 8), (1024, 1, 3, 8), (33, 5, 40, 8)])
-def test_moe_group_kernel(t, k, e, step):
+def test_moe_group_kernel(t, k, e, step, monkeypatch):
+    """Also with as many threads as pairs, rounded up to a warp (DSUF_TIGHT_BLOCKS)."""
     ids = RNG.integers(0, e, (t, k))  # repeats across and within tokens
     _check_group_launch("moe_group", ids, e, step)
+    _check_group_launch("moe_group", ids, e, step, threads=-(-ids.size // 32) * 32)
+    _check_group_helper(ids, e, step)
+    monkeypatch.setattr("engine.backends.cupy_ops.TIGHT_BLOCKS", True)
     _check_group_helper(ids, e, step)
 
 

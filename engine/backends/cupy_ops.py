@@ -98,6 +98,10 @@ MIXES_LATE = os.environ.get("DSUF_MIXES_LATE", "0") == "1"
 # otherwise wait for SMs the side GEMV fills. 0: no cap.
 SIDE_BLOCKS_PER_SM = int(os.environ.get("DSUF_SIDE_BLOCKS_PER_SM", "0"))
 _side_cap = threading.local()  # .blocks: the cap while a side branch is being enqueued
+# Opt-in, not yet measured (DSUF_TIGHT_BLOCKS=1): route_topk and moe_group launched with the warps a
+# decode step needs (1 token: one warp; 6 pairs: one warp) instead of 256 / 1024 threads, so that
+# they fit beside a side branch's resident GEMV blocks instead of waiting for an SM to empty.
+TIGHT_BLOCKS = os.environ.get("DSUF_TIGHT_BLOCKS", "0") == "1"
 # The indexer's scores with lanes over heads (kernels/attention.cu indexer_row<true>: one warp
 # reduction per key, not one per head).
 INDEXER_LANES = _on("DSUF_INDEXER_LANES")
@@ -917,7 +921,8 @@ class CupyOps:
         hid = None if hash_ids is None else cp.ascontiguousarray(cp.asarray(hash_ids, dtype=cp.int64))
         sc = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}[scoring]
         if t:
-            K.function("moe", "route_topk")((math.ceil(t / 8),), (256,), (
+            wpb = min(8, t) if TIGHT_BLOCKS else 8  # warps (tokens) per block
+            K.function("moe", "route_topk")((math.ceil(t / wpb),), (32 * wpb,), (
                 _c32(logits), _c32(bias) if bias is not None else _NULL, hid if hid is not None else _NULL, w, ids,
                 np.int32(t), np.int32(e), np.int32(top_k), np.int32(sc), F32(temp), F32(scale),
                 np.int32(bool(normalise))))
@@ -1004,7 +1009,8 @@ class CupyOps:
             smem = 32 * n_experts * 4  # (the warps' per-expert counts)
             K.function_with_smem("moe", "moe_group_large", smem)((1,), (1024,), args, shared_mem=smem)
         else:
-            K.function("moe", "moe_group")((1,), (_MOE_GROUP_MAXP,), args)
+            threads = -(-p // 32) * 32 if TIGHT_BLOCKS else _MOE_GROUP_MAXP  # (a thread per pair, at least)
+            K.function("moe", "moe_group")((1,), (threads,), args)
         return segs, gather, inv, order
 
     def _moe_device(self, x: cp.ndarray, tabs, n_experts: int, weights, ids, limit: float) -> cp.ndarray:
