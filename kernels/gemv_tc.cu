@@ -71,10 +71,13 @@ __device__ __forceinline__ int x_group_shift(float m, int top = 14) {
   }
   return sh;
 }
+// the shift of the group whose four elements this lane holds (v): over the warp's max |v|
+__device__ __forceinline__ int x_group_shift4(float4 v, int top = 14) {
+  return x_group_shift(warp_max(fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)))), top);
+}
 // four elements of one group (v) -> f16 hi and lo terms of v * 2^sh; returns 2^-sh (the group's inverse)
 __device__ __forceinline__ float split_group4(float4 v, u32* hi, u32* lo) {
-  const float m = warp_max(fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
-  const int sh = x_group_shift(m);
+  const int sh = x_group_shift4(v);
   const float scale = pow2f(sh);
   const float x[4] = {v.x * scale, v.y * scale, v.z * scale, v.w * scale};
 #pragma unroll
@@ -443,19 +446,19 @@ template <bool F8>
 __device__ __forceinline__ void stage_x_cols(const float* __restrict__ x, int K, u8* cols, int cs, float* xinv,
                                              int warp, int nw, int lane) {
   for_x_groups(x, K, warp, nw, lane, [&](int gi, int e0, float4 v) {
-      u32 hv[4], lv[4];
-      const float inv = split_group4(v, hv, lv);
-      if (lane == 0) xinv[gi] = inv;
-      const int kp = e0 + 8 * (e0 >> 6);  // padded half index of element e0 (16 bytes per 64 halves)
-      if (F8) {
-        *(uint2*)(cols + 2 * kp) = make_uint2(hv[0] | (hv[1] << 16), hv[2] | (hv[3] << 16));
-        *(uint2*)(cols + cs + 2 * kp) = make_uint2(lv[0] | (lv[1] << 16), lv[2] | (lv[3] << 16));
-      } else {  // element e of an 8-group at 2e (e < 4) or 2(e - 4) + 1
-        u16* hi = (u16*)cols + (kp & ~7) + (lane & 1);
-        u16* lo = (u16*)(cols + cs) + (kp & ~7) + (lane & 1);
+    u32 hv[4], lv[4];
+    const float inv = split_group4(v, hv, lv);
+    if (lane == 0) xinv[gi] = inv;
+    const int kp = e0 + 8 * (e0 >> 6);  // padded half index of element e0 (16 bytes per 64 halves)
+    if (F8) {
+      *(uint2*)(cols + 2 * kp) = make_uint2(hv[0] | (hv[1] << 16), hv[2] | (hv[3] << 16));
+      *(uint2*)(cols + cs + 2 * kp) = make_uint2(lv[0] | (lv[1] << 16), lv[2] | (lv[3] << 16));
+    } else {  // element e of an 8-group at 2e (e < 4) or 2(e - 4) + 1
+      u16* hi = (u16*)cols + (kp & ~7) + (lane & 1);
+      u16* lo = (u16*)(cols + cs) + (kp & ~7) + (lane & 1);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) hi[2 * i] = (u16)hv[i], lo[2 * i] = (u16)lv[i];
-      }
+      for (int i = 0; i < 4; ++i) hi[2 * i] = (u16)hv[i], lo[2 * i] = (u16)lv[i];
+    }
   });
 }
 
@@ -468,25 +471,24 @@ __device__ __forceinline__ void stage_x_cols(const float* __restrict__ x, int K,
 __device__ __forceinline__ void stage_x_e4(const float* __restrict__ x, int K, u8* planes, int ps, float* xinv,
                                            int warp, int nw, int lane) {
   for_x_groups(x, K, warp, nw, lane, [&](int gi, int e0, float4 v) {
-      const float m = warp_max(fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
-      const int sh = x_group_shift(m, 8);
-      if (lane == 0) xinv[gi] = pow2f(-sh);
-      const float sc = pow2f(sh);
-      float r[4] = {v.x * sc, v.y * sc, v.z * sc, v.w * sc};
-      // an even lane holds elements 0-3 of an 8, its odd neighbour 4-7: the even lane writes the
-      // plane's word of elements 0, 2, 4, 6 and the odd one that of 1, 3, 5, 7
-      u8* dst = planes + (e0 & ~7) + 4 * (lane & 1);
+    const int sh = x_group_shift4(v, 8);
+    if (lane == 0) xinv[gi] = pow2f(-sh);
+    const float sc = pow2f(sh);
+    float r[4] = {v.x * sc, v.y * sc, v.z * sc, v.w * sc};
+    // an even lane holds elements 0-3 of an 8, its odd neighbour 4-7: the even lane writes the
+    // plane's word of elements 0, 2, 4, 6 and the odd one that of 1, 3, 5, 7
+    u8* dst = planes + (e0 & ~7) + 4 * (lane & 1);
 #pragma unroll
-      for (int t = 0; t < 4; ++t) {
-        const u32 p = e4m3x2_rn(r[0], r[1]) | ((u32)e4m3x2_rn(r[2], r[3]) << 16);
-        const u32 o = __shfl_xor_sync(0xffffffffu, p, 1);
-        *(u32*)(dst + t * ps) = (lane & 1) ? __byte_perm(o, p, 0x7531) : __byte_perm(p, o, 0x6420);
-        const u32 q01 = e4m3x2_to_f16x2(p), q23 = e4m3x2_to_f16x2(p >> 16);
-        r[0] = (r[0] - h2f(q01)) * 16.f;
-        r[1] = (r[1] - h2f(q01 >> 16)) * 16.f;
-        r[2] = (r[2] - h2f(q23)) * 16.f;
-        r[3] = (r[3] - h2f(q23 >> 16)) * 16.f;
-      }
+    for (int t = 0; t < 4; ++t) {
+      const u32 p = e4m3x2_rn(r[0], r[1]) | ((u32)e4m3x2_rn(r[2], r[3]) << 16);
+      const u32 o = __shfl_xor_sync(0xffffffffu, p, 1);
+      *(u32*)(dst + t * ps) = (lane & 1) ? __byte_perm(o, p, 0x7531) : __byte_perm(p, o, 0x6420);
+      const u32 q01 = e4m3x2_to_f16x2(p), q23 = e4m3x2_to_f16x2(p >> 16);
+      r[0] = (r[0] - h2f(q01)) * 16.f;
+      r[1] = (r[1] - h2f(q01 >> 16)) * 16.f;
+      r[2] = (r[2] - h2f(q23)) * 16.f;
+      r[3] = (r[3] - h2f(q23 >> 16)) * 16.f;
+    }
   });
 }
 

@@ -171,9 +171,15 @@ def test_register_tensor_gemv_fp4_variants(variant, fmt, n, k, block, sfmt, scal
     from engine.backends import cupy_ops
 
     monkeypatch.setattr(cupy_ops, "GEMVR_FP4", variant)
-    launched = []
+    launched = []  # the kernels _run_reg picked
     config = cupy_ops._gemvr_config
-    monkeypatch.setattr(cupy_ops, "_gemvr_config", lambda *a: (launched.append(config(*a)[0]), config(*a))[1])
+
+    def recorded(*a):
+        got = config(*a)
+        launched.append(got[0])
+        return got
+
+    monkeypatch.setattr(cupy_ops, "_gemvr_config", recorded)
     _check_gemvr(fmt, n, k, block, sfmt, scale, monkeypatch)
     assert launched and set(launched) == {cupy_ops.GEMVR_FP4_KERNELS[variant][0]}
 
