@@ -56,6 +56,11 @@ class RedisServer:
         self.stop()
         self.start()
 
+    def close(self) -> None:
+        """Stop for good and remove the working directory."""
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
 
 class FaultProxy:
     """Forward loopback TCP to `target`; faults apply to the target -> client direction.

@@ -33,7 +33,7 @@ def redis_srv():
         pytest.skip("redis-server not installed")
     r = RedisServer().start()
     yield r
-    r.stop()
+    r.close()
 
 
 def _run(coro):

@@ -125,7 +125,7 @@ def cluster(tmp_path_factory):
         for s in servers.values():
             s.stop()
         a_link.close()
-        redis.stop()
+        redis.close()
 
 
 @pytest.fixture(scope="module")
