@@ -396,6 +396,7 @@ class Model:
         sequence's last row, or of every row with all_logits)."""
         cfg, ops = self.cfg, self.ops
         ids, hash_ids = st.ids, st.hash_ids
+        xin = None  # the next mHC site's input where the stream update computed it (_update)
         if self.plan.single:  # the embedding and the initial streams as one region
             h, pre_mix = ops.graphed(("embed", id(self.w)), lambda i: self._streams(ops.embed(self.w.embed, i)), ids)
         else:  # vocab-parallel: other ranks hold the other rows
@@ -424,6 +425,7 @@ class Model:
                 if idx is not None:
                     idx = ops.asarray(idx, dtype=np.int64)
                     h, pre_mix, ids = h[idx], pre_mix[idx], ids[idx]
+                    xin = xin[idx] if xin is not None else None
                     ropes = {k: (c[idx], sn[idx]) for k, (c, sn) in ropes.items()}
                     hash_ids = hash_ids[idx] if hash_ids is not None else None
                     if dseqs and cseqs:
@@ -431,7 +433,8 @@ class Model:
             cos, sin = ropes["compress" if cfg.compress_ratios[li] else "main"]
             eng = hash_ids if L.engram is not None else None
             h, xa, q_res, q, kv, pre_a, post_a, comb_a, *extra = ops.graphed(
-                ("in", id(L)), lambda *a, li=li, L=L: self._layer_in(li, L, *a, late=late), h, pre_mix, eng, cos, sin)
+                ("in", id(L)), lambda *a, li=li, L=L: self._layer_in(li, L, *a, late=late), h, pre_mix, xin, eng, cos,
+                sin)
             proj = _Projected(*extra)
             if not cseqs:
                 out = self._decode_attend(li, L, q, kv, proj, st.layers[li], batch)
@@ -443,8 +446,8 @@ class Model:
                         out[drows] = o
             route_hash = L.tid2eid[ids] if L.tid2eid is not None else None
             if self.plan.single:  # no collectives: the rest of the layer is one region (one graph)
-                h, pre_mix = ops.graphed(("post", id(L)), lambda *a, li=li, L=L: self._post(li, L, *a),
-                                         out, cos, sin, h, pre_a, post_a, comb_a, route_hash)
+                h, pre_mix, xin = ops.graphed(("post", id(L)), lambda *a, li=li, L=L: self._post(li, L, *a),
+                                              out, cos, sin, h, pre_a, post_a, comb_a, route_hash)
                 continue
             part = (ops.graphed(("attn_out", id(L)), lambda *a, L=L: self._attn_out(L, *a), out, cos, sin)
                     if out is not None else ops.xp.zeros((xa.shape[0], cfg.hidden_size), dtype=np.float32))
@@ -452,12 +455,15 @@ class Model:
             h, ffn_part, pre_f, post_f, comb_f = ops.graphed(
                 ("ffn", id(L)), lambda *a, li=li, L=L: self._ffn(li, L, *a), attn, h, pre_a, post_a, comb_a, route_hash)
             ffn = yield Collective("sum", ffn_part)
-            h = ops.graphed(("out", id(L)), ops.hc_expand, ffn, h, post_f, comb_f)
+            h, xin = ops.graphed(("out", id(L)), lambda *a, li=li: self._update(li + 1, *a), ffn, h, post_f, comb_f,
+                                 pre_f)
             pre_mix = pre_f
         last = np.array([s.rows.stop - 1 for s in seqs])
         if not all_logits and not np.array_equal(last, np.arange(h.shape[0])):  # (decode: every row)
-            h, pre_mix = h[ops.asarray(last, dtype=np.int64)], pre_mix[last] if pre_mix is not None else None
-        return ops.graphed(("head", id(self.w)), self._head, h, pre_mix)
+            rows = ops.asarray(last, dtype=np.int64)
+            h, pre_mix = h[rows], pre_mix[last] if pre_mix is not None else None
+            xin = xin[rows] if xin is not None else None
+        return ops.graphed(("head", id(self.w)), self._head, h, pre_mix, xin)
 
     # ---- bounded replay ----------------------------------------------------------------
     def _replay_start(self) -> int:
@@ -506,13 +512,14 @@ class Model:
         return ops.engram_mix(h, key, value, L.engram.qk, cfg.rms_norm_eps)
 
     # ---- layer regions (token-wise, fixed shapes: CUDA-graph material) ---------------------
-    def _layer_in(self, li: int, L, h, pre_mix, engram_ids, cos, sin, late: bool = False):
-        """Engram, the attention-site mHC mix and the q / K=V projections of every token. late: the
-        query heads and the indexer's queries are returned as open side branches (see _joined)."""
+    def _layer_in(self, li: int, L, h, pre_mix, xin, engram_ids, cos, sin, late: bool = False):
+        """Engram, the attention-site mHC mix and the q / K=V projections of every token. xin: the
+        site's input if the previous stream update computed it. late: the query heads and the
+        indexer's queries are returned as open side branches (see _joined)."""
         cfg, ops = self.cfg, self.ops
         if L.engram is not None:  # (engram_ids: every Engram layer's hash ids, one column each)
             h = self._engram(L, h, ops.xp.ascontiguousarray(engram_ids[:, cfg.engram_layer_ids.index(li)]))
-        xa, mix = self._site_in(h, pre_mix, L.hc_attn, L.attn_norm)
+        xa, mix = self._site_in(h, pre_mix, L.hc_attn, L.attn_norm, xin)
         lat = self._project(xa, L.qkv)
         q_res = ops.rmsnorm(lat["q_lat"], L.q_norm, cfg.rms_norm_eps)
         # the query heads (wq_b, the largest projection here) as a side branch, beside the K=V,
@@ -531,12 +538,15 @@ class Model:
             out.update({part: y[:, r0:r1] if len(parts) > 1 else y for part, r0, r1 in parts})
         return out
 
-    def _site_in(self, h, pre, hc_weights, norm):
+    def _site_in(self, h, pre, hc_weights, norm, x=None):
         """An mHC site's input: the collapse + norm of the streams h (V4.1: with the previous
-        site's weights `pre`; V4: with this site's own) and this site's mixes as a side branch.
-        V4.1 forks the mixes after the collapse where the backend asks (CupyOps DSUF_MIXES_LATE), so
-        that the collapse, on the critical path, does not share the SMs with the mix kernel."""
+        site's weights `pre`; V4: with this site's own), or x where the stream update computed it,
+        and this site's mixes as a side branch. V4.1 forks the mixes after the collapse where the
+        backend asks (CupyOps DSUF_MIXES_LATE), so that the collapse, on the critical path, does not
+        share the SMs with the mix kernel."""
         cfg, ops = self.cfg, self.ops
+        if x is not None:
+            return x, self._site_mixes(h, hc_weights)
         if cfg.arch == "v41" and getattr(ops, "mixes_after_collapse", False):
             x = ops.hc_collapse_norm(h, pre, norm, cfg.rms_norm_eps)
             return x, self._site_mixes(h, hc_weights)
@@ -616,14 +626,36 @@ class Model:
 
     def _post(self, li: int, L, out, cos, sin, h, pre_a, post_a, comb_a, route_hash):
         """A single rank's layer after the attention: output projection, FFN, the streams updated.
-        Returns the new streams and the next layer's collapse weights."""
+        Returns the new streams, the next site's collapse weights and, where the update computed
+        it, the next site's input (_update)."""
         attn = self._attn_out(L, out, cos, sin)
         h, ffn, pre_f, post_f, comb_f = self._ffn(li, L, attn, h, pre_a, post_a, comb_a, route_hash)
-        return self.ops.hc_expand(ffn, h, post_f, comb_f), pre_f
+        h, x_next = self._update(li + 1, ffn, h, post_f, comb_f, pre_f)
+        return h, pre_f, x_next
 
-    def _head(self, h, pre_mix):
-        """The streams' final collapse, norm and this rank's vocabulary slice of the logits."""
+    def _update(self, nxt: int, out, h, post, comb, pre):
+        """The streams updated by a sub-layer's output, and the next attention site's input (layer
+        nxt's; the head's after the last layer) where the backend fuses the two (V4.1's collapse
+        weights are known before the update); else None, and that site collapses the streams itself
+        (V4; and an Engram layer, which changes the streams first)."""
         cfg, ops = self.cfg, self.ops
+        last = nxt == len(self.w.layers)
+        if not self._fuse_expand() or (not last and self.w.layers[nxt].engram is not None):
+            return ops.hc_expand(out, h, post, comb), None
+        norm = self.w.norm if last else self.w.layers[nxt].attn_norm
+        return ops.hc_expand_norm(out, h, post, comb, pre, norm, cfg.rms_norm_eps)
+
+    def _fuse_expand(self) -> bool:
+        """Whether stream updates also give the next V4.1 site's collapse + norm (CupyOps
+        DSUF_FUSED_EXPAND: one kernel for the two; the mixes then fork after it)."""
+        return self.cfg.arch == "v41" and getattr(self.ops, "expand_norm_fused", False)
+
+    def _head(self, h, pre_mix, x=None):
+        """The streams' final collapse, norm (x: done by the last stream update) and this rank's
+        vocabulary slice of the logits."""
+        cfg, ops = self.cfg, self.ops
+        if x is not None:
+            return ops.linear(x, self.w.head)
         if cfg.arch != "v41":
             pre_mix = ops.hc_head_pre(h, *self.w.hc_head, cfg.rms_norm_eps, cfg.hc_eps)
         return ops.linear(ops.hc_collapse_norm(h, pre_mix, self.w.norm, cfg.rms_norm_eps), self.w.head)
@@ -639,8 +671,11 @@ class Model:
 
     def _ffn(self, li: int, L, attn, h, pre_a, post_a, comb_a, route_hash):
         """Attention residual into the streams, the FFN-site mHC mix and this rank's MoE part."""
-        h = self.ops.hc_expand(attn, h, post_a, comb_a)
-        xf, mix = self._site_in(h, pre_a, L.hc_ffn, L.ffn_norm)
+        if self._fuse_expand():
+            h, xf = self.ops.hc_expand_norm(attn, h, post_a, comb_a, pre_a, L.ffn_norm, self.cfg.rms_norm_eps)
+        else:
+            h, xf = self.ops.hc_expand(attn, h, post_a, comb_a), None
+        xf, mix = self._site_in(h, pre_a, L.hc_ffn, L.ffn_norm, xf)
         y = self._moe(li, L, xf, route_hash)
         return (h, y, *mix.result())
 
@@ -658,10 +693,8 @@ class Model:
                                      cfg.gate_temp, cfg.routed_scaling_factor, cfg.norm_topk_prob, hash_ids)
         if L.shared is not None and late:
             shared = ops.side(ops.swiglu_mlp, x, *L.shared, cfg.swiglu_limit)
-        y = ops.moe(x, L.experts, weights, experts, cfg.swiglu_limit)  # this rank's experts only
-        if shared is not None:
-            y = y + shared.result()
-        return y
+        # this rank's experts, plus the shared expert's branch, joined at the combine
+        return ops.moe(x, L.experts, weights, experts, cfg.swiglu_limit, shared)
 
     # ---- attention ---------------------------------------------------------------------
     def _attention(self, li: int, L, x, q_res, q, kv, seqs: list[_Seq], proj: _Projected):

@@ -366,6 +366,74 @@ extern "C" __global__ void hc_expand(const float* __restrict__ out, const float*
   y[i] = post[t * hc + k] * out[t * D + d] + s;
 }
 
+// A sub-layer's stream update and the next site's input in one launch, for V4.1's single-pass mHC,
+// whose next collapse weights `pre` are known before the update (hc_expand, then hc_collapse_norm):
+//   y[t, k] = post[t, k] * out[t] + sum_j comb[t, j, k] * res[t, j]
+//   x[t] = rmsnorm(sum_k pre[t, k] * y[t, k]) * w                    (w may be null)
+// grid (T), block EN_THREADS: a float4 column (two for D > 4096) per thread, its hc stream loads in
+// flight together; the block's one reduction gives the norm. hc <= EN_HC, D % 4 == 0, D <= 8192.
+#define EN_THREADS 1024
+#define EN_VPT 2
+#define EN_HC 8
+extern "C" __global__ void __launch_bounds__(EN_THREADS) hc_expand_norm(
+    const float* __restrict__ out, const float* __restrict__ res,
+    const float* __restrict__ post, const float* __restrict__ comb, const float* __restrict__ pre,
+    const float* __restrict__ w, float* __restrict__ y, float* __restrict__ x, int hc, int D, float eps) {
+  dsuf_launch_dependents();
+  __shared__ float red[33];
+  __shared__ float mix[EN_HC * (EN_HC + 2)];  // comb [hc, hc], then post [hc], then pre [hc]
+  const int t = blockIdx.x, n4 = D >> 2, hh = hc * hc;
+  if (threadIdx.x < hh) mix[threadIdx.x] = comb[(size_t)t * hh + threadIdx.x];
+  else if (threadIdx.x < hh + hc) mix[threadIdx.x] = post[(size_t)t * hc + threadIdx.x - hh];
+  else if (threadIdx.x < hh + 2 * hc) mix[threadIdx.x] = pre[(size_t)t * hc + threadIdx.x - hh - hc];
+  __syncthreads();
+  const float4* rr = (const float4*)(res + (size_t)t * hc * D);
+  float4* yr = (float4*)(y + (size_t)t * hc * D);
+  float4 v[EN_VPT];
+  float s = 0.f;
+#pragma unroll
+  for (int j = 0; j < EN_VPT; ++j) {
+    const int c = threadIdx.x + j * EN_THREADS;
+    v[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (c >= n4) continue;
+    const float4 o = __ldg((const float4*)(out + (size_t)t * D) + c);
+    float4 r[EN_HC];
+#pragma unroll
+    for (int m = 0; m < EN_HC; ++m)
+      if (m < hc) r[m] = __ldg(rr + (size_t)m * n4 + c);
+#pragma unroll
+    for (int k = 0; k < EN_HC; ++k) {
+      if (k >= hc) break;
+      float4 m4 = make_float4(0.f, 0.f, 0.f, 0.f);  // (summed over j first, as hc_expand does)
+#pragma unroll
+      for (int m = 0; m < EN_HC; ++m) {
+        if (m >= hc) break;
+        const float cw = mix[m * hc + k];
+        m4.x += cw * r[m].x; m4.y += cw * r[m].y; m4.z += cw * r[m].z; m4.w += cw * r[m].w;
+      }
+      const float p = mix[hh + k], q = mix[hh + hc + k];
+      const float4 e = make_float4(p * o.x + m4.x, p * o.y + m4.y, p * o.z + m4.z, p * o.w + m4.w);
+      yr[(size_t)k * n4 + c] = e;
+      v[j].x += q * e.x; v[j].y += q * e.y; v[j].z += q * e.z; v[j].w += q * e.w;
+    }
+    s += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
+  }
+  s = block_sum(s, red);
+  const float rs = 1.f / sqrtf(s / (float)D + eps);
+  float4* xr = (float4*)(x + (size_t)t * D);
+#pragma unroll
+  for (int j = 0; j < EN_VPT; ++j) {
+    const int c = threadIdx.x + j * EN_THREADS;
+    if (c >= n4) continue;
+    float4 o = make_float4(v[j].x * rs, v[j].y * rs, v[j].z * rs, v[j].w * rs);
+    if (w) {
+      const float4 g = __ldg((const float4*)w + c);
+      o.x *= g.x; o.y *= g.y; o.z *= g.z; o.w *= g.w;
+    }
+    xr[c] = o;
+  }
+}
+
 // Engram gate, one (t, stream) row per block: h + sigmoid(signed sqrt(dot)) * value[t].
 extern "C" __global__ void engram_mix(const float* __restrict__ h, const float* __restrict__ key,
                                       const float* __restrict__ value, const float* __restrict__ qk,
@@ -457,10 +525,11 @@ extern "C" __global__ void swiglu_pairs(const float* __restrict__ gu, float* __r
   y[i] = swiglu1(gu[r * 2 * inter + c], gu[r * 2 * inter + inter + c], limit);
 }
 
-// y[t, d] = sum_s w[t, s] * out[inv[t, s], d]   (inv: row of pair (t, s) in expert order)
+// y[t, d] = sum_s w[t, s] * out[inv[t, s], d] (+ add[t, d], where not null: the shared expert)
+// (inv: row of pair (t, s) in expert order)
 extern "C" __global__ void moe_combine(const float* __restrict__ out, const float* __restrict__ w,
-                                       const int* __restrict__ inv, float* __restrict__ y, long long total, int K,
-                                       int D) {
+                                       const int* __restrict__ inv, const float* __restrict__ add,
+                                       float* __restrict__ y, long long total, int K, int D) {
   dsuf_launch_dependents();
   long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= total) return;
@@ -468,6 +537,7 @@ extern "C" __global__ void moe_combine(const float* __restrict__ out, const floa
   const int d = (int)(i % D);
   float s = 0.f;
   for (int k = 0; k < K; ++k) s += out[(size_t)inv[t * K + k] * D + d] * w[t * K + k];
+  if (add) s += add[i];
   y[i] = s;
 }
 

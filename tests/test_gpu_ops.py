@@ -21,7 +21,7 @@ cp = require_gpu()
 from engine import formats  # noqa: E402
 from engine import kernels as K  # noqa: E402
 from engine.backends.cupy_ops import CupyOps  # noqa: E402
-from engine.backends.numpy_ops import NumpyOps  # noqa: E402
+from engine.backends.numpy_ops import Done, NumpyOps  # noqa: E402
 from engine.checkpoint import Weight  # noqa: E402
 from engine.rows import Span  # noqa: E402
 
@@ -382,6 +382,21 @@ def test_hc_collapse_expand():
     assert rel(got, REF.hc_expand(out, h, post, comb)) < F32_TOL
 
 
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("t, hc, d", [(1, 4, 4096), (5, 4, 5120), (3, 4, 8192), (2, 3, 4100), (2, 8, 1024)])
+def test_hc_expand_norm(t, hc, d, fused, monkeypatch):
+    """The stream update and the next site's collapse + norm, two launches or one (hc_expand_norm,
+    DSUF_FUSED_EXPAND): up to 8 streams, one or two float4 columns per thread, a partial last
+    column group (4100), with and without the norm's weight."""
+    monkeypatch.setattr("engine.backends.cupy_ops.FUSED_EXPAND", fused)
+    h, pre, post, comb, out, w = rnd(t, hc, d), rnd(t, hc), rnd(t, hc), rnd(t, hc, hc), rnd(t, d), rnd(d)
+    for wt in (w, None):
+        ry, rx = REF.hc_expand_norm(out, h, post, comb, pre, wt, 1e-6)
+        gy, gx = GPU.hc_expand_norm(*(cp.asarray(a) for a in (out, h, post, comb, pre)),
+                                    None if wt is None else cp.asarray(wt), 1e-6)
+        assert rel(gy, ry) < F32_TOL and rel(gx, rx) < F32_TOL
+
+
 def test_engram_mix():
     t, hc, d = 6, 4, 5120
     h, key, value, qk = rnd(t, hc, d), rnd(t, hc, d), rnd(t, d), rnd(hc, d)
@@ -447,15 +462,18 @@ def test_swiglu_mlp():
         assert rel(got, ref) < (F32_TOL if t <= 32 else GEMM_TOL)
 
 
-def _moe_case(t: int, e: int, k: int, d: int, inter: int) -> tuple:
-    """(reference, GPU result, the most pairs one expert got) of t tokens through e FP4 experts."""
+def _moe_case(t: int, e: int, k: int, d: int, inter: int, shared: bool = False) -> tuple:
+    """(reference, GPU result, the most pairs one expert got) of t tokens through e FP4 experts;
+    shared: plus a random addend, the shared expert's output as a computed branch."""
     ws = [tuple(make_weight("fp4", *s) for s in ((inter, d), (d, inter), (inter, d))) for _ in range(e)]
     x = rnd(t, d)
     ids = np.stack([RNG.permutation(e)[:k] for _ in range(t)])
     wts = RNG.random((t, k), dtype=np.float32)
-    ref = REF.moe(x, [tuple(REF.prepare(w) for w in ex) for ex in ws], wts, ids, 10.0)
+    add = rnd(t, d) if shared else None
+    ref = REF.moe(x, [tuple(REF.prepare(w) for w in ex) for ex in ws], wts, ids, 10.0,
+                  Done(add) if shared else None)
     got = GPU.moe(cp.asarray(x), [tuple(GPU.prepare(w) for w in ex) for ex in ws], cp.asarray(wts),
-                  cp.asarray(ids), 10.0)
+                  cp.asarray(ids), 10.0, Done(cp.asarray(add)) if shared else None)
     return ref, got, np.bincount(ids.ravel()).max()
 
 
@@ -465,17 +483,29 @@ def test_moe(t):
     assert rel(got, ref) < (F32_TOL if most <= 8 else GEMM_TOL)
 
 
-@pytest.mark.parametrize("side_cap", [0, 1, 2])
-def test_side_branch_matches_inline(side_cap, monkeypatch):
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("t", [1, 5])
+def test_moe_plus_shared(t, fused, monkeypatch):
+    """moe() with the shared expert's branch: summed after the combine, or inside it
+    (DSUF_FUSED_EXPAND)."""
+    monkeypatch.setattr("engine.backends.cupy_ops.FUSED_EXPAND", fused)
+    ref, got, _ = _moe_case(t, 8, 6, 1024, 512, shared=True)
+    assert rel(got, ref) < F32_TOL
+
+
+@pytest.mark.parametrize("side_cap, fused", [(0, False), (1, False), (2, False), (0, True)])
+def test_side_branch_matches_inline(side_cap, fused, monkeypatch):
     """CupyOps.side: the shared expert forked onto a second stream beside the routed experts (as
     Model._moe does) equals both run inline, bit for bit, replayed as a CUDA graph (the fork and join
     become graph edges; eagerly the branch runs inline); the branch's input is a temporary the
-    caller drops at once. side_cap: the branch's GEMVs kept to that many blocks per SM
-    (DSUF_SIDE_BLOCKS_PER_SM; the same tiles, in fewer resident blocks)."""
+    caller drops at once; moe() joins the branch at its combine. side_cap: the branch's GEMVs kept
+    to that many blocks per SM (DSUF_SIDE_BLOCKS_PER_SM; the same tiles, in fewer resident blocks).
+    fused: the branch's output summed inside the combine (DSUF_FUSED_EXPAND), the same f32 sum."""
     from engine.backends import cupy_ops
     from engine.backends.cuda_graphs import RegionGraphs
 
     monkeypatch.setattr(cupy_ops, "SIDE_BLOCKS_PER_SM", side_cap)
+    monkeypatch.setattr(cupy_ops, "FUSED_EXPAND", fused)
     capped = []  # blocks per SM of each GEMV launched while the cap was on
     per_sm = cupy_ops._blocks_per_sm
 
@@ -500,8 +530,7 @@ def test_side_branch_matches_inline(side_cap, monkeypatch):
 
     def branched(a):
         b = GPU.side(GPU.swiglu_mlp, a * 1.0, *shared, 10.0)
-        y = GPU.moe(a, experts, wts, ids, 10.0)
-        return y + b.result()
+        return GPU.moe(a, experts, wts, ids, 10.0, b)
 
     ref = cp.asnumpy(inline(x))
     assert np.isfinite(ref).all() and np.abs(ref).max() > 0

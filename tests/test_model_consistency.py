@@ -342,3 +342,53 @@ def test_fork_points_change_nothing(model: Model, hint: str) -> None:
     else:  # every site, then the head's collapse with no mixes after it
         sites = [c for c in hinted.calls if c in ("collapse", "mixes")]
         assert sites == ["collapse", "mixes"] * (2 * model.cfg.num_layers) + ["collapse"]
+
+
+class _UpdateOps(_OrderOps):
+    """_OrderOps with the fused stream-update hint, recording each update ("update"; the collapse
+    its numpy form runs inside is not recorded)."""
+
+    def __init__(self) -> None:
+        super().__init__("expand_norm_fused")
+
+    def hc_expand_norm(self, *a, **kw):
+        self.calls.append("update")
+        n = len(self.calls)
+        out = super().hc_expand_norm(*a, **kw)
+        del self.calls[n:]
+        return out
+
+
+def test_fused_stream_update_changes_nothing(model: Model) -> None:
+    """The plumbing of CupyOps DSUF_FUSED_EXPAND: with the backend's expand_norm_fused hint, each
+    V4.1 stream update also gives the next site's input (Model._update), carried across layers,
+    bounded replay's dropped rows and the head. On numpy that is the same ops in the same order, so
+    the logits are bit-identical, for a prompt in chunks and for decode steps; and the streams are
+    collapsed separately only at layer 0's attention site and at Engram layers' (which change the
+    streams before it)."""
+    if model.cfg.arch != "v41":
+        pytest.skip("V4 collapses with the site's own mixes")
+    ids = _ids(model, 293)
+
+    def run() -> list:  # (the second chunk's last row only: bounded replay drops rows)
+        st = model.new_state()
+        out = [model.forward([st], [ids[:37]], all_logits=True)[0], model.forward([st], [ids[37:290]])[0]]
+        return out + [model.forward([st], [[t]])[0] for t in ids[290:]]
+
+    want = run()
+    ops, hinted = model.ops, _UpdateOps()
+    model.ops = hinted
+    try:
+        got = run()
+    finally:
+        model.ops = ops
+    for g, w in zip(got, want, strict=True):
+        _close(g, w)
+    engram = set(model.cfg.engram_layer_ids)
+    one: list[str] = []
+    for li in range(model.cfg.num_layers):
+        one += ["collapse"] if li == 0 or li in engram else []  # the attention site
+        one += ["update"]  # the attention's update with the FFN site's input
+        one += ["update"] if li + 1 not in engram else []  # the FFN's update with the next site's
+    sites = [c for c in hinted.calls if c in ("collapse", "update")]
+    assert sites == one * len(want)

@@ -102,6 +102,12 @@ _side_cap = threading.local()  # .blocks: the cap while a side branch is being e
 # decode step needs (1 token: one warp; 6 pairs: one warp) instead of 256 / 1024 threads, so that
 # they fit beside a side branch's resident GEMV blocks instead of waiting for an SM to empty.
 TIGHT_BLOCKS = os.environ.get("DSUF_TIGHT_BLOCKS", "0") == "1"
+# Opt-in, not yet measured (DSUF_FUSED_EXPAND=1): V4.1's stream update and the next site's collapse +
+# norm as one kernel (kernels/elementwise.cu hc_expand_norm: single-pass mHC knows the next collapse
+# weights before the update), and the shared expert's output summed inside the MoE combine. A b1
+# layer's critical path loses 3 launches (the 2 collapses and the add), ~11 us in the stop-27 timeline.
+FUSED_EXPAND = os.environ.get("DSUF_FUSED_EXPAND", "0") == "1"
+EN_HC, EN_MAX_D = 8, 8192  # (kernels/elementwise.cu EN_HC, EN_VPT * 4 * EN_THREADS)
 # The indexer's scores with lanes over heads (kernels/attention.cu indexer_row<true>: one warp
 # reduction per key, not one per head).
 INDEXER_LANES = _on("DSUF_INDEXER_LANES")
@@ -547,6 +553,11 @@ class CupyOps:
         return SHARED_LATE
 
     @property
+    def expand_norm_fused(self) -> bool:
+        """Whether Model's V4.1 stream updates also give the next site's input (DSUF_FUSED_EXPAND)."""
+        return FUSED_EXPAND
+
+    @property
     def mixes_after_collapse(self) -> bool:
         """Model._site_in's fork point for an mHC site's mixes (DSUF_MIXES_LATE)."""
         return MIXES_LATE
@@ -908,6 +919,22 @@ class CupyOps:
                 _c32(out), _c32(residual), _c32(post), _c32(comb), y, np.int64(y.size), np.int32(hc), np.int32(d)))
         return y
 
+    def hc_expand_norm(self, out: cp.ndarray, residual: cp.ndarray, post: cp.ndarray, comb: cp.ndarray,
+                       pre: cp.ndarray, weight: cp.ndarray | None, eps: float) -> tuple[cp.ndarray, cp.ndarray]:
+        """(hc_expand(out, residual, post, comb), its hc_collapse_norm by pre): one launch with
+        DSUF_FUSED_EXPAND, else those two."""
+        t, hc, d = residual.shape
+        if not FUSED_EXPAND or hc > EN_HC or d % 4 or d > EN_MAX_D:
+            y = self.hc_expand(out, residual, post, comb)
+            return y, self.hc_collapse_norm(y, pre, weight, eps)
+        y = cp.empty((t, hc, d), F32)
+        x = cp.empty((t, d), F32)
+        if t:
+            K.function("elementwise", "hc_expand_norm")((t,), (1024,), (
+                _c32(out), _c32(residual), _c32(post), _c32(comb), _c32(pre),
+                _c32(weight) if weight is not None else _NULL, y, x, np.int32(hc), np.int32(d), F32(eps)))
+        return y, x
+
     # ---- MoE -------------------------------------------------------------------------
     def route(self, x: cp.ndarray, gate_w, bias: cp.ndarray | None, top_k: int, scoring: str,
               temp: float, scale: float, normalise: bool, hash_ids=None) -> tuple[cp.ndarray, cp.ndarray]:
@@ -1013,7 +1040,8 @@ class CupyOps:
             K.function("moe", "moe_group")((1,), (threads,), args)
         return segs, gather, inv, order
 
-    def _moe_device(self, x: cp.ndarray, tabs, n_experts: int, weights, ids, limit: float) -> cp.ndarray:
+    def _moe_device(self, x: cp.ndarray, tabs, n_experts: int, weights, ids, limit: float,
+                    shared=None) -> cp.ndarray:
         """moe() with the pairs grouped by a kernel: no host round trip, shapes fixed by (T, k, E).
         An expert gets at most one pair per token, so segments of min(8, T) rows (GEMV) split no run
         that the host path would keep whole; they bound the rows per segment even if ids repeat.
@@ -1023,13 +1051,15 @@ class CupyOps:
         dup = tabs[0][0].shape[0] if len(tabs) > 3 else 0  # gate and up: one doubled segment table
         segs, gather, inv, _ = self._moe_group(ids, n_experts, step, dup)
         return self._moe_project(x, gather, tabs, segs, step, weights, inv, int(ids.shape[1]), limit,
-                                 doubled=bool(dup))
+                                 doubled=bool(dup), shared=shared)
 
     def _moe_project(self, x: cp.ndarray, gather: cp.ndarray, tabs, segs: cp.ndarray, max_rows: int, weights,
-                     inv: cp.ndarray, k: int, limit: float, doubled: bool = False) -> cp.ndarray:
+                     inv: cp.ndarray, k: int, limit: float, doubled: bool = False,
+                     shared=None) -> cp.ndarray:
         """The experts over pairs sorted by expert (x rows gather [P]): w1, w3, swiglu, w2, each one
-        launch over the segment table; then y[t] = sum_j weights[t, j] * out[inv[t * k + j]].
-        doubled: segs already holds w3's half after w1's (moe_group dup_col)."""
+        launch over the segment table; then y[t] = sum_j weights[t, j] * out[inv[t * k + j]] (+ the
+        shared branch's result, joined just before the combine). doubled: segs already holds w3's
+        half after w1's (moe_group dup_col)."""
         d = x.shape[1]
         p = gather.size
         # one token (decode at batch 1): every pair reads row 0, so x itself with a zero row stride
@@ -1064,12 +1094,17 @@ class CupyOps:
         out = cp.empty((p, d), F32)
         self._run_linear(act, out, d, inter, segs, p2, s2, w2, max_rows)
         y = cp.empty_like(x)
+        fold = shared is not None and FUSED_EXPAND  # (else joined after the combine, then its own add)
         K.function("elementwise", "moe_combine")(_grid(y.size), (_ELT_BLOCK,), (
-            out, _c32(weights), inv, y, np.int64(y.size), np.int32(k), np.int32(d)))
-        return y
+            out, _c32(weights), inv, _c32(shared.result()) if fold else _NULL, y, np.int64(y.size), np.int32(k),
+            np.int32(d)))
+        return y + shared.result() if shared is not None and not fold else y
 
-    def moe(self, x: cp.ndarray, experts: list, weights: cp.ndarray, ids: cp.ndarray, limit: float) -> cp.ndarray:
-        """Routed experts: sum_k weights[t,k] * expert_{ids[t,k]}(x_t). experts[e] = (w1, w2, w3).
+    def moe(self, x: cp.ndarray, experts: list, weights: cp.ndarray, ids: cp.ndarray, limit: float,
+            shared=None) -> cp.ndarray:
+        """Routed experts: sum_k weights[t,k] * expert_{ids[t,k]}(x_t), plus `shared` (a side branch:
+        the shared expert), joined only at the combine and summed inside it with DSUF_FUSED_EXPAND.
+        experts[e] = (w1, w2, w3).
         Pairs (t, k) are grouped by expert, then each projection is one launch over per-expert
         segments. Up to MOE_DEVICE_MAX_PAIRS pairs (decode, small chunks) the grouping is a kernel
         (no host sync: CUDA-graph capturable); above, by moe_group_large (the same table in segments of
@@ -1078,11 +1113,11 @@ class CupyOps:
         x = _c32(x)
         t, d = x.shape
         if t == 0:
-            return cp.zeros_like(x)
+            return cp.zeros_like(x) if shared is None else _c32(shared.result())
         tabs = self._expert_tables(experts)
         if tabs is not None and (ids.size <= min(MOE_DEVICE_MAX_PAIRS, _MOE_GROUP_MAXP) or (
                 MOE_DEVICE_LARGE and len(experts) <= MOE_GROUP_LARGE_MAXE)):
-            return self._moe_device(x, tabs, len(experts), weights, ids, limit)
+            return self._moe_device(x, tabs, len(experts), weights, ids, limit, shared)
         ids_h = self.to_host(ids).astype(np.int64)
         k = ids_h.shape[1]
         if tabs is None:  # mixed formats: per-expert fallback through the dense kernels
@@ -1095,7 +1130,7 @@ class CupyOps:
                 w1, w2, w3 = experts[int(e)]
                 out = self.swiglu_mlp(x[cp.asarray(rows)], w1, w2, w3, limit)
                 y[cp.asarray(rows)] += out * wts[cp.asarray(rows), cp.asarray(slot)][:, None]
-            return y
+            return y + shared.result() if shared is not None else y
         flat = ids_h.reshape(-1)
         order = np.argsort(flat, kind="stable")
         inv = np.empty_like(order)
@@ -1115,7 +1150,7 @@ class CupyOps:
                                             inv.astype(np.int32)]))
         nsg = 5 * len(segs)
         return self._moe_project(x, packed[nsg:nsg + order.size], tabs, packed[:nsg], mr, weights,
-                                 packed[nsg + order.size:], k, limit)
+                                 packed[nsg + order.size:], k, limit, shared=shared)
 
     # ---- attention -------------------------------------------------------------------
     def attention(self, q: cp.ndarray, kv: cp.ndarray, bias: cp.ndarray, sinks: cp.ndarray,

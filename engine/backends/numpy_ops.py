@@ -216,6 +216,13 @@ class NumpyOps:
         mixed = np.einsum("tjk,tjd->tkd", comb, residual, dtype=F32)
         return post[:, :, None] * out[:, None, :] + mixed
 
+    def hc_expand_norm(self, out: np.ndarray, residual: np.ndarray, post: np.ndarray, comb: np.ndarray,
+                       pre: np.ndarray, weight: np.ndarray | None, eps: float) -> tuple[np.ndarray, np.ndarray]:
+        """The streams updated (hc_expand) and the next site's input, their collapse + norm by
+        `pre` (V4.1's single-pass mHC knows it before the update; the GPU fuses the two)."""
+        y = self.hc_expand(out, residual, post, comb)
+        return y, self.hc_collapse_norm(y, pre, weight, eps)
+
     # ---- MoE -------------------------------------------------------------------------
     def route(self, x: np.ndarray, gate_w: np.ndarray, bias: np.ndarray | None, top_k: int, scoring: str,
               temp: float, scale: float, normalise: bool, hash_ids: np.ndarray | None = None
@@ -248,9 +255,11 @@ class NumpyOps:
             gate = np.minimum(gate, F32(limit))
         return self.linear(_silu(gate) * up, w2)
 
-    def moe(self, x: np.ndarray, experts: list, weights: np.ndarray, ids: np.ndarray, limit: float) -> np.ndarray:
-        """Routed experts: sum_k weights[t,k] * expert_{ids[t,k]}(x_t). experts[e] = (w1, w2, w3), or
-        None for an expert another rank holds (its contribution arrives through the all-reduce)."""
+    def moe(self, x: np.ndarray, experts: list, weights: np.ndarray, ids: np.ndarray, limit: float,
+            shared=None) -> np.ndarray:
+        """Routed experts: sum_k weights[t,k] * expert_{ids[t,k]}(x_t), plus the result of `shared`
+        (a side branch: the shared expert) where given. experts[e] = (w1, w2, w3), or None for an
+        expert another rank holds (its contribution arrives through the all-reduce)."""
         y = np.zeros_like(x)
         for e in np.unique(ids):
             if experts[int(e)] is None:
@@ -259,7 +268,7 @@ class NumpyOps:
             w1, w2, w3 = experts[int(e)]
             out = self.swiglu_mlp(x[rows], w1, w2, w3, limit)
             np.add.at(y, rows, out * weights[rows, slot][:, None])
-        return y
+        return y + shared.result() if shared is not None else y
 
     # ---- attention -------------------------------------------------------------------
     def attention(self, q: np.ndarray, kv: np.ndarray, bias: np.ndarray, sinks: np.ndarray,
