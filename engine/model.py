@@ -690,7 +690,8 @@ class Model:
         if L.shared is not None and not late:
             shared = ops.side(ops.swiglu_mlp, x, *L.shared, cfg.swiglu_limit)
         weights, experts = ops.route(x, L.gate_w, L.gate_bias, cfg.num_experts_per_tok, cfg.scoring_func,
-                                     cfg.gate_temp, cfg.routed_scaling_factor, cfg.norm_topk_prob, hash_ids)
+                                     cfg.gate_temp, cfg.routed_scaling_factor, cfg.norm_topk_prob, hash_ids,
+                                     L.experts)
         if L.shared is not None and late:
             shared = ops.side(ops.swiglu_mlp, x, *L.shared, cfg.swiglu_limit)
         # this rank's experts, plus the shared expert's branch, joined at the combine

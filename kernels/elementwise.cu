@@ -370,15 +370,17 @@ extern "C" __global__ void hc_expand(const float* __restrict__ out, const float*
 // whose next collapse weights `pre` are known before the update (hc_expand, then hc_collapse_norm):
 //   y[t, k] = post[t, k] * out[t] + sum_j comb[t, j, k] * res[t, j]
 //   x[t] = rmsnorm(sum_k pre[t, k] * y[t, k]) * w                    (w may be null)
-// grid (T), block EN_THREADS: a float4 column (two for D > 4096) per thread, its hc stream loads in
-// flight together; the block's one reduction gives the norm. hc <= EN_HC, D % 4 == 0, D <= 8192.
-#define EN_THREADS 1024
-#define EN_VPT 2
-#define EN_HC 8
+// grid (T), block EN_THREADS (hc_collapse_norm's size: a decode step's one block must find room on
+// an SM beside a side branch's GEMV blocks and the next GEMV's early-launched ones). Each thread
+// takes float4 columns two at a time, their hc stream loads in flight together, and stores the
+// unnormalised collapse in x; after the block's one reduction it rescales its own columns of x.
+// hc <= EN_HC, D % 4 == 0.
+#define EN_THREADS 256
+#define EN_HC 4
 extern "C" __global__ void __launch_bounds__(EN_THREADS) hc_expand_norm(
-    const float* __restrict__ out, const float* __restrict__ res,
-    const float* __restrict__ post, const float* __restrict__ comb, const float* __restrict__ pre,
-    const float* __restrict__ w, float* __restrict__ y, float* __restrict__ x, int hc, int D, float eps) {
+    const float* __restrict__ out, const float* __restrict__ res, const float* __restrict__ post,
+    const float* __restrict__ comb, const float* __restrict__ pre, const float* __restrict__ w,
+    float* __restrict__ y, float* __restrict__ x, int hc, int D, float eps) {
   dsuf_launch_dependents();
   __shared__ float red[33];
   __shared__ float mix[EN_HC * (EN_HC + 2)];  // comb [hc, hc], then post [hc], then pre [hc]
@@ -388,49 +390,55 @@ extern "C" __global__ void __launch_bounds__(EN_THREADS) hc_expand_norm(
   else if (threadIdx.x < hh + 2 * hc) mix[threadIdx.x] = pre[(size_t)t * hc + threadIdx.x - hh - hc];
   __syncthreads();
   const float4* rr = (const float4*)(res + (size_t)t * hc * D);
+  const float4* orow = (const float4*)(out + (size_t)t * D);
   float4* yr = (float4*)(y + (size_t)t * hc * D);
-  float4 v[EN_VPT];
+  float4* xr = (float4*)(x + (size_t)t * D);
   float s = 0.f;
+  for (int c0 = threadIdx.x; c0 < n4; c0 += 2 * EN_THREADS) {
+    float4 o[2], r[2][EN_HC];
 #pragma unroll
-  for (int j = 0; j < EN_VPT; ++j) {
-    const int c = threadIdx.x + j * EN_THREADS;
-    v[j] = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (c >= n4) continue;
-    const float4 o = __ldg((const float4*)(out + (size_t)t * D) + c);
-    float4 r[EN_HC];
+    for (int u = 0; u < 2; ++u) {
+      const int c = c0 + u * EN_THREADS;
+      if (c >= n4) break;
+      o[u] = __ldg(orow + c);
 #pragma unroll
-    for (int m = 0; m < EN_HC; ++m)
-      if (m < hc) r[m] = __ldg(rr + (size_t)m * n4 + c);
-#pragma unroll
-    for (int k = 0; k < EN_HC; ++k) {
-      if (k >= hc) break;
-      float4 m4 = make_float4(0.f, 0.f, 0.f, 0.f);  // (summed over j first, as hc_expand does)
-#pragma unroll
-      for (int m = 0; m < EN_HC; ++m) {
-        if (m >= hc) break;
-        const float cw = mix[m * hc + k];
-        m4.x += cw * r[m].x; m4.y += cw * r[m].y; m4.z += cw * r[m].z; m4.w += cw * r[m].w;
-      }
-      const float p = mix[hh + k], q = mix[hh + hc + k];
-      const float4 e = make_float4(p * o.x + m4.x, p * o.y + m4.y, p * o.z + m4.z, p * o.w + m4.w);
-      yr[(size_t)k * n4 + c] = e;
-      v[j].x += q * e.x; v[j].y += q * e.y; v[j].z += q * e.z; v[j].w += q * e.w;
+      for (int m = 0; m < EN_HC; ++m)
+        if (m < hc) r[u][m] = __ldg(rr + (size_t)m * n4 + c);
     }
-    s += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int c = c0 + u * EN_THREADS;
+      if (c >= n4) break;
+      float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int k = 0; k < EN_HC; ++k) {
+        if (k >= hc) break;
+        float4 m4 = make_float4(0.f, 0.f, 0.f, 0.f);  // (summed over j first, as hc_expand does)
+#pragma unroll
+        for (int m = 0; m < EN_HC; ++m) {
+          if (m >= hc) break;
+          const float cw = mix[m * hc + k];
+          m4.x += cw * r[u][m].x; m4.y += cw * r[u][m].y; m4.z += cw * r[u][m].z; m4.w += cw * r[u][m].w;
+        }
+        const float p = mix[hh + k], q = mix[hh + hc + k];
+        const float4 e = make_float4(p * o[u].x + m4.x, p * o[u].y + m4.y, p * o[u].z + m4.z, p * o[u].w + m4.w);
+        yr[(size_t)k * n4 + c] = e;
+        v.x += q * e.x; v.y += q * e.y; v.z += q * e.z; v.w += q * e.w;
+      }
+      xr[c] = v;
+      s += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+    }
   }
   s = block_sum(s, red);
   const float rs = 1.f / sqrtf(s / (float)D + eps);
-  float4* xr = (float4*)(x + (size_t)t * D);
-#pragma unroll
-  for (int j = 0; j < EN_VPT; ++j) {
-    const int c = threadIdx.x + j * EN_THREADS;
-    if (c >= n4) continue;
-    float4 o = make_float4(v[j].x * rs, v[j].y * rs, v[j].z * rs, v[j].w * rs);
+  for (int c = threadIdx.x; c < n4; c += EN_THREADS) {  // (this thread's own stores: plain loads)
+    float4 v = xr[c];
+    v.x *= rs; v.y *= rs; v.z *= rs; v.w *= rs;
     if (w) {
       const float4 g = __ldg((const float4*)w + c);
-      o.x *= g.x; o.y *= g.y; o.z *= g.z; o.w *= g.w;
+      v.x *= g.x; v.y *= g.y; v.z *= g.z; v.w *= g.w;
     }
-    xr[c] = o;
+    xr[c] = v;
   }
 }
 

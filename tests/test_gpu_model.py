@@ -238,17 +238,19 @@ def test_cuda_graphs_replay_equals_eager():
     assert eager[1] == graphed[1]
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["", "fused-expand"])
+@pytest.mark.parametrize("fused", [False, True], ids=["", "fused"])
 def test_flash_shaped_4_layers_logits(tmp_path, monkeypatch, fused):
     """Full V4.1-Flash widths (hidden 5120, 64 x 512 heads, q_lora 1280, 8 output groups, expert
     width 2304, index 32 x 128, window 128), 4 layers, 8 experts (not 384: the numpy reference
     dequantizes every expert to float32), small vocab: GPU vs numpy logits over a 24-token
     prefill and 6 decode steps. Unrounded state: summation order only; FP8/FP4 state: loose.
-    fused: DSUF_FUSED_EXPAND (stream updates with the next site's collapse + norm in one kernel)."""
+    fused: the opt-in fusions DSUF_FUSED_EXPAND (stream updates with the next site's collapse + norm
+    in one kernel) and DSUF_ROUTE_GROUP (routing and grouping in one)."""
     from engine.backends import cupy_ops
     from engine.tiny_model import PRESETS, write_tiny_model
 
     monkeypatch.setattr(cupy_ops, "FUSED_EXPAND", fused)
+    monkeypatch.setattr(cupy_ops, "ROUTE_GROUP", fused)
 
     sizes = {k: v for k, v in PRESETS["v41-flash-shaped"].items() if k != "arch"}
     sizes.update(layers=4, experts=8, vocab=4096, engram_vocab=1024)
@@ -269,7 +271,7 @@ def test_flash_shaped_4_layers_logits(tmp_path, monkeypatch, fused):
                 break
             nxt = int(np.argmax(logits[0]))
             logits = [m.forward([s], [[nxt]])[0] for m, s in zip(models, states, strict=True)]
-        print(f"flash-shaped 4 layers{', fused expand' if fused else ''}, "
+        print(f"flash-shaped 4 layers{', fused' if fused else ''}, "
               f"{'FP8/FP4' if quantized else 'unrounded'} state: logit errors "
               + " ".join(f"{e:.1e}" for e in errs))
         assert np.median(errs) < tol

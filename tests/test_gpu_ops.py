@@ -383,11 +383,11 @@ def test_hc_collapse_expand():
 
 
 @pytest.mark.parametrize("fused", [False, True])
-@pytest.mark.parametrize("t, hc, d", [(1, 4, 4096), (5, 4, 5120), (3, 4, 8192), (2, 3, 4100), (2, 8, 1024)])
+@pytest.mark.parametrize("t, hc, d", [(1, 4, 4096), (5, 4, 5120), (3, 4, 12288), (2, 3, 1100), (2, 8, 1024)])
 def test_hc_expand_norm(t, hc, d, fused, monkeypatch):
     """The stream update and the next site's collapse + norm, two launches or one (hc_expand_norm,
-    DSUF_FUSED_EXPAND): up to 8 streams, one or two float4 columns per thread, a partial last
-    column group (4100), with and without the norm's weight."""
+    DSUF_FUSED_EXPAND): up to 8 streams, rows of 1-12 float4 columns per thread, a partial last
+    pair of columns (1100: 275 float4), with and without the norm's weight."""
     monkeypatch.setattr("engine.backends.cupy_ops.FUSED_EXPAND", fused)
     h, pre, post, comb, out, w = rnd(t, hc, d), rnd(t, hc), rnd(t, hc), rnd(t, hc, hc), rnd(t, d), rnd(d)
     for wt in (w, None):
@@ -599,6 +599,40 @@ def test_moe_device_matches_host(t, e, monkeypatch):
     monkeypatch.setattr("engine.backends.cupy_ops.MOE_DEVICE_MAX_PAIRS", 0)
     host = cp.asnumpy(GPU.moe(x, gws, wts, ids, 10.0))
     assert np.array_equal(dev, host)
+
+
+@pytest.mark.parametrize("t,e,hashed", [(1, 384, False), (3, 384, False), (8, 256, False), (33, 384, False),
+                                        (170, 384, False), (5, 64, True)])
+def test_route_group(t, e, hashed, monkeypatch):
+    """route() given the layer's experts with DSUF_ROUTE_GROUP: route_group's weights and ids equal
+    route_topk's bit for bit, its grouping equals moe_group's of those ids (gate and up doubled),
+    and moe() of those ids takes it (no moe_group launch) with the same output as regrouping."""
+    from engine.backends import cupy_ops
+
+    _, gws = _moe_experts(e)
+    x = cp.asarray(rnd(t, MOE_D))
+    gw = GPU.prepare(make_weight("bf16", e, MOE_D))
+    b = cp.asarray(rnd(e, scale=0.1))
+    hid = RNG.integers(0, e, size=(t, MOE_K)) if hashed else None
+    args = (x, gw, b, MOE_K, "sqrtsoftplus", 1.0, 1.5, True, hid)
+    w0, i0 = GPU.route(*args)
+    monkeypatch.setattr(cupy_ops, "ROUTE_GROUP", True)
+    w1, i1 = GPU.route(*args, experts=gws)
+    assert cp.array_equal(w0, w1) and cp.array_equal(i0, i1)
+    routed = GPU._routed
+    assert routed is not None and routed[0] is i1
+    step, dup = routed[1][1], routed[1][2]
+    assert step == min(8, t) and dup == MOE_INTER  # (gate and up in one doubled table)
+    for got, want in zip(routed[2], GPU._moe_group(i0, e, step, dup), strict=True):
+        assert cp.array_equal(got, want)
+    wts = cp.asarray(RNG.random((t, MOE_K), dtype=np.float32))
+    launched = []
+    group = CupyOps._moe_group
+    monkeypatch.setattr(CupyOps, "_moe_group", lambda self, *a: (launched.append(1), group(self, *a))[1])
+    y1 = GPU.moe(x, gws, wts, i1, 10.0)
+    assert not launched and GPU._routed is None
+    y0 = GPU.moe(x, gws, wts, i1, 10.0)  # (the stash is spent: grouped again by moe_group)
+    assert launched and cp.array_equal(y0, y1)
 
 
 def _group_ref(ids: np.ndarray, e: int, step: int, maxseg: int):

@@ -107,7 +107,12 @@ TIGHT_BLOCKS = os.environ.get("DSUF_TIGHT_BLOCKS", "0") == "1"
 # weights before the update), and the shared expert's output summed inside the MoE combine. A b1
 # layer's critical path loses 3 launches (the 2 collapses and the add), ~11 us in the stop-27 timeline.
 FUSED_EXPAND = os.environ.get("DSUF_FUSED_EXPAND", "0") == "1"
-EN_HC, EN_MAX_D = 8, 8192  # (kernels/elementwise.cu EN_HC, EN_VPT * 4 * EN_THREADS)
+# Opt-in, not yet measured (DSUF_ROUTE_GROUP=1): a decode step's routing and the grouping of its
+# pairs by expert in one launch (kernels/moe.cu route_group), where route() is given the layer's
+# experts and moe() then gets the ids it returned: one launch and one boundary fewer per MoE layer
+# (route_topk 9-10 us, then moe_group ~4 us, in the stop-27 b1 timeline).
+ROUTE_GROUP = os.environ.get("DSUF_ROUTE_GROUP", "0") == "1"
+EN_HC = 4  # (kernels/elementwise.cu EN_HC: V4.1's hc_mult; more streams take the two launches)
 # The indexer's scores with lanes over heads (kernels/attention.cu indexer_row<true>: one warp
 # reduction per key, not one per head).
 INDEXER_LANES = _on("DSUF_INDEXER_LANES")
@@ -435,6 +440,7 @@ class CupyOps:
         self._hc_count = cp.zeros(HC_COUNTERS, dtype=cp.int32)  # hc_mix's block counters (each resets its own)
         self._side_stream: cp.cuda.Stream | None = None  # side(): made on first use, on this device
         self._rows_of_mask: tuple | None = None  # (mask, k, its row lists): attend_decode's last
+        self._routed: tuple | None = None  # (ids, (E, step, dup), grouping): route_group's, for moe()
 
     # ---- weights ---------------------------------------------------------------------
     def prepare_rows(self, ws: list) -> GpuWeight:
@@ -924,21 +930,23 @@ class CupyOps:
         """(hc_expand(out, residual, post, comb), its hc_collapse_norm by pre): one launch with
         DSUF_FUSED_EXPAND, else those two."""
         t, hc, d = residual.shape
-        if not FUSED_EXPAND or hc > EN_HC or d % 4 or d > EN_MAX_D:
+        if not FUSED_EXPAND or hc > EN_HC or d % 4:
             y = self.hc_expand(out, residual, post, comb)
             return y, self.hc_collapse_norm(y, pre, weight, eps)
         y = cp.empty((t, hc, d), F32)
         x = cp.empty((t, d), F32)
         if t:
-            K.function("elementwise", "hc_expand_norm")((t,), (1024,), (
+            K.function("elementwise", "hc_expand_norm")((t,), (256,), (
                 _c32(out), _c32(residual), _c32(post), _c32(comb), _c32(pre),
                 _c32(weight) if weight is not None else _NULL, y, x, np.int32(hc), np.int32(d), F32(eps)))
         return y, x
 
     # ---- MoE -------------------------------------------------------------------------
     def route(self, x: cp.ndarray, gate_w, bias: cp.ndarray | None, top_k: int, scoring: str,
-              temp: float, scale: float, normalise: bool, hash_ids=None) -> tuple[cp.ndarray, cp.ndarray]:
-        """Returns (weights [T, k] f32, expert ids [T, k] int64)."""
+              temp: float, scale: float, normalise: bool, hash_ids=None,
+              experts: list | None = None) -> tuple[cp.ndarray, cp.ndarray]:
+        """Returns (weights [T, k] f32, expert ids [T, k] int64). experts: the layer's, so that with
+        DSUF_ROUTE_GROUP the same launch also groups the pairs as moe() of these ids will."""
         logits = self.linear(x, gate_w)
         t, e = logits.shape
         if e > 512 or top_k > 16:
@@ -947,7 +955,17 @@ class CupyOps:
         ids = cp.empty((t, top_k), cp.int64)
         hid = None if hash_ids is None else cp.ascontiguousarray(cp.asarray(hash_ids, dtype=cp.int64))
         sc = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}[scoring]
-        if t:
+        plan = self._group_plan(experts, t * top_k, t) if ROUTE_GROUP and experts is not None and t else None
+        if plan is not None:
+            (ms, step, dup), p = plan, t * top_k
+            segs, gather, inv, order = self._group_buffers(p, ms, dup)
+            threads = max(32 * min(8, t), -(-p // 32) * 32)
+            K.function("moe", "route_group")((1,), (threads,), (
+                _c32(logits), _c32(bias) if bias is not None else _NULL, hid if hid is not None else _NULL, w, ids,
+                np.int32(t), np.int32(e), np.int32(top_k), np.int32(sc), F32(temp), F32(scale),
+                np.int32(bool(normalise)), np.int32(step), np.int32(ms), np.int32(dup), order, inv, gather, segs))
+            self._routed = (ids, (len(experts), step, dup), (segs, gather, inv, order))
+        elif t:
             wpb = min(8, t) if TIGHT_BLOCKS else 8  # warps (tokens) per block
             K.function("moe", "route_topk")((math.ceil(t / wpb),), (32 * wpb,), (
                 _c32(logits), _c32(bias) if bias is not None else _NULL, hid if hid is not None else _NULL, w, ids,
@@ -1014,6 +1032,23 @@ class CupyOps:
         pairs gives ceil(c / step) <= (c + step - 1) / step, and at most min(E, p) experts have pairs."""
         return min(p, (p + min(n_experts, p) * (step - 1) + step - 1) // step)
 
+    def _group_plan(self, experts: list, p: int, t: int) -> tuple[int, int, int] | None:
+        """(maxseg, step, dup_col) of the device grouping moe() would run for p pairs of t tokens
+        over these experts (_moe_device), or None where it would not group on the device in one
+        block (moe_group)."""
+        tabs = self._expert_tables(experts)
+        if tabs is None or p > min(MOE_DEVICE_MAX_PAIRS, _MOE_GROUP_MAXP):
+            return None
+        step = min(GEMV_MAX_ROWS, t)
+        return self._moe_max_segments(p, len(experts), step), step, tabs[0][0].shape[0] if len(tabs) > 3 else 0
+
+    @staticmethod
+    def _group_buffers(p: int, ms: int, dup_col: int) -> tuple[cp.ndarray, ...]:
+        """segs, gather, inv, order of a grouping, int32, in one allocation (its size fixed by p, ms)."""
+        o = 5 * ms * (2 if dup_col else 1)
+        buf = cp.empty(o + 3 * p, cp.int32)
+        return buf[:o], buf[o:o + p], buf[o + p:o + 2 * p], buf[o + 2 * p:]
+
     def _moe_group(self, ids, n_experts: int, step: int, dup_col: int = 0) -> tuple[cp.ndarray, ...]:
         """Pairs of ids [T, k] grouped by expert on the device (kernels/moe.cu moe_group), int32:
         segs [maxseg * 5] (runs cut every `step` rows; unused slots rows = 0), gather [P] (token of
@@ -1027,9 +1062,7 @@ class CupyOps:
             raise ValueError(f"moe_group: {p} pairs over {n_experts} experts (above {_MOE_GROUP_MAXP} pairs: "
                              f"<= {MOE_GROUP_LARGE_MAXE} experts)")
         ms = self._moe_max_segments(p, n_experts, step)
-        o = 5 * ms * (2 if dup_col else 1)
-        buf = cp.empty(o + 3 * p, cp.int32)  # one allocation, its size fixed by (T, k, E)
-        segs, gather, inv, order = buf[:o], buf[o:o + p], buf[o + p:o + 2 * p], buf[o + 2 * p:]
+        segs, gather, inv, order = self._group_buffers(p, ms, dup_col)
         args = (ids, np.int32(p), np.int32(k), np.int32(n_experts), np.int32(step), np.int32(ms), np.int32(dup_col),
                 order, inv, gather, segs)
         if large:
@@ -1049,7 +1082,11 @@ class CupyOps:
         host path cuts an expert with more than 8 pairs (the tensor-core GEMM)."""
         step = min(GEMV_MAX_ROWS, x.shape[0]) if ids.size <= MOE_DEVICE_MAX_PAIRS else GEMM_TILE
         dup = tabs[0][0].shape[0] if len(tabs) > 3 else 0  # gate and up: one doubled segment table
-        segs, gather, inv, _ = self._moe_group(ids, n_experts, step, dup)
+        routed, self._routed = self._routed, None
+        if routed is not None and routed[0] is ids and routed[1] == (n_experts, step, dup):
+            segs, gather, inv, _ = routed[2]  # (grouped by route_group, in the routing's launch)
+        else:
+            segs, gather, inv, _ = self._moe_group(ids, n_experts, step, dup)
         return self._moe_project(x, gather, tabs, segs, step, weights, inv, int(ids.shape[1]), limit,
                                  doubled=bool(dup), shared=shared)
 

@@ -225,9 +225,10 @@ class NumpyOps:
 
     # ---- MoE -------------------------------------------------------------------------
     def route(self, x: np.ndarray, gate_w: np.ndarray, bias: np.ndarray | None, top_k: int, scoring: str,
-              temp: float, scale: float, normalise: bool, hash_ids: np.ndarray | None = None
-              ) -> tuple[np.ndarray, np.ndarray]:
-        """Returns (weights [T, k] f32, expert ids [T, k] int64)."""
+              temp: float, scale: float, normalise: bool, hash_ids: np.ndarray | None = None,
+              experts: list | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Returns (weights [T, k] f32, expert ids [T, k] int64). (experts: the layer's, for a
+        backend that also groups the pairs by expert in the routing's launch: CupyOps.)"""
         logits = self.linear(x, gate_w)
         if temp != 1.0:
             logits = logits / F32(temp)
