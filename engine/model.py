@@ -758,17 +758,14 @@ class Model:
         sequence in one launch per op, whatever its phase; same values as the chunk path
         (_attention over _v41_compressed), which the consistency tests check bit for bit."""
         cfg, ops, xp = self.cfg, self.ops, self.ops.xp
-        ops.scatter_rows(kv, lp.win_dst)
         entry, key = p.entry, p.idx_key
-        if lp.pool_kv is not None:  # ratio > 1: the new rows join their groups; closing groups pool
-            ops.scatter_rows(p.comp_kv, lp.pend_kv)
-            ops.scatter_rows(p.comp_gate, lp.pend_gate)
+        # the new rows into the state: the window's, and where ratio > 1 each one into its group
+        pending = [(p.comp_kv, lp.pend_kv), (p.comp_gate, lp.pend_gate)] if lp.pool_kv is not None else []
+        ops.scatter_rows_many([(kv, lp.win_dst), *pending])
+        if pending:  # closing groups pool
             pooled = ops.gated_pool_rows(lp.pool_kv, lp.pool_gate, cfg.compress_ratios[li], cfg.head_dim)
             entry, key = self._entry_and_key(L, pooled, lp.pool_rope[0], lp.pool_rope[1])  # (at groups' first rows)
-        if lp.entry_dst is not None:
-            ops.scatter_rows(entry, lp.entry_dst)
-        if lp.key_dst is not None:
-            ops.scatter_rows(key, lp.key_dst)
+        ops.scatter_rows_many([(a, dst) for a, dst in ((entry, lp.entry_dst), (key, lp.key_dst)) if dst is not None])
         idx_q = _joined(p.idx_q)  # (always joined: a graph's capture must join every branch it forked)
         if lp.keys is not None:  # index source: every sequence's top-k over its group's keys
             scores = ops.indexer_scores_spans(idx_q, lp.keys, p.idx_w, cfg.index_n_heads, cfg.index_head_dim,

@@ -563,9 +563,8 @@ extern "C" __global__ void copy_rows(const long long* __restrict__ tab) {
 // Row b of src [B, W] (rows ld floats apart) to the address dst[b], skipped where it is 0: a decode
 // step's new state rows, each into its own sequence's buffer. vec4: W, ld and the addresses are
 // multiples of 4 floats. grid (B), block 128.
-extern "C" __global__ void scatter_rows(const float* __restrict__ src, const long long* __restrict__ dst, int W,
-                                        int ld, int vec4) {
-  dsuf_launch_dependents();
+__device__ __forceinline__ void scatter_row(const float* __restrict__ src, const long long* __restrict__ dst, int W,
+                                            int ld, int vec4) {
   float* d = (float*)dst[blockIdx.x];
   if (d == nullptr) return;
   const float* s = src + (size_t)blockIdx.x * ld;
@@ -574,4 +573,23 @@ extern "C" __global__ void scatter_rows(const float* __restrict__ src, const lon
   } else {
     for (int i = threadIdx.x; i < W; i += blockDim.x) d[i] = s[i];
   }
+}
+
+extern "C" __global__ void scatter_rows(const float* __restrict__ src, const long long* __restrict__ dst, int W,
+                                        int ld, int vec4) {
+  dsuf_launch_dependents();
+  scatter_row(src, dst, W, ld, vec4);
+}
+
+// Up to three such jobs in one launch (a decode step's window, pending kv and pending gate rows;
+// its entries and keys): grid (B, jobs), job blockIdx.y; bit j of vec4: job j's vec4.
+extern "C" __global__ void scatter_rows3(const float* __restrict__ s0, const long long* __restrict__ d0, int w0,
+                                         int l0, const float* __restrict__ s1, const long long* __restrict__ d1,
+                                         int w1, int l1, const float* __restrict__ s2,
+                                         const long long* __restrict__ d2, int w2, int l2, int vec4) {
+  dsuf_launch_dependents();
+  const int j = blockIdx.y;
+  if (j == 0) scatter_row(s0, d0, w0, l0, vec4 & 1);
+  else if (j == 1) scatter_row(s1, d1, w1, l1, (vec4 >> 1) & 1);
+  else scatter_row(s2, d2, w2, l2, (vec4 >> 2) & 1);
 }

@@ -635,6 +635,32 @@ def test_route_group(t, e, hashed, monkeypatch):
     assert launched and cp.array_equal(y0, y1)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("jobs", [1, 2, 3])
+def test_scatter_rows_many(jobs, fused, monkeypatch):
+    """Several scatters of B rows into state rows at staged addresses (0: none), one launch with
+    DSUF_FUSED_SCATTER (scatter_rows3): float4 rows, a column slice read in place, and an odd
+    width moved a float at a time."""
+    monkeypatch.setattr("engine.backends.cupy_ops.FUSED_SCATTER", fused)
+    b, widths = 5, (512, 256, 130)[:jobs]
+    wide = cp.asarray(rnd(b, 256 + 64))
+    srcs = [cp.asarray(rnd(b, widths[0]))] + [wide[:, 64:], cp.asarray(rnd(b, 130))][:jobs - 1]
+    bufs = [cp.asarray(rnd(9, w)) for w in widths]
+    rows = [RNG.permutation(9)[:b] for _ in widths]
+    want = [cp.asnumpy(buf) for buf in bufs]
+    tabs = []
+    for j, (buf, r) in enumerate(zip(bufs, rows, strict=True)):
+        addr = np.array([buf.data.ptr + int(i) * widths[j] * 4 for i in r], np.int64)
+        addr[j % b] = 0  # (that row is skipped)
+        tabs.append(cp.asarray(addr))
+        for k, i in enumerate(r):
+            if k != j % b:
+                want[j][i] = cp.asnumpy(srcs[j][k])
+    GPU.scatter_rows_many(list(zip(srcs, tabs, strict=True)))
+    for got, w in zip(bufs, want, strict=True):
+        assert np.array_equal(cp.asnumpy(got), w)
+
+
 def _group_ref(ids: np.ndarray, e: int, step: int, maxseg: int):
     flat = ids.ravel()
     order = np.argsort(flat, kind="stable")

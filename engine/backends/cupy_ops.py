@@ -112,6 +112,10 @@ FUSED_EXPAND = os.environ.get("DSUF_FUSED_EXPAND", "0") == "1"
 # experts and moe() then gets the ids it returned: one launch and one boundary fewer per MoE layer
 # (route_topk 9-10 us, then moe_group ~4 us, in the stop-27 b1 timeline).
 ROUTE_GROUP = os.environ.get("DSUF_ROUTE_GROUP", "0") == "1"
+# Opt-in, not yet measured (DSUF_FUSED_SCATTER=1): a decode step's state-row scatters that are ready
+# together (the window's, pending kv and gate rows; entries and keys) as one launch each group
+# (kernels/elementwise.cu scatter_rows3): up to three launches fewer per compressing layer.
+FUSED_SCATTER = os.environ.get("DSUF_FUSED_SCATTER", "0") == "1"
 EN_HC = 4  # (kernels/elementwise.cu EN_HC: V4.1's hc_mult; more streams take the two launches)
 # The indexer's scores with lanes over heads (kernels/attention.cu indexer_row<true>: one warp
 # reduction per key, not one per head).
@@ -1461,16 +1465,42 @@ class CupyOps:
                 kv, gate, out, np.int64(out.size), np.int32(ratio), np.int32(width)))
         return out
 
-    def scatter_rows(self, src: cp.ndarray, dst: cp.ndarray) -> None:
-        """Row b of src [B, W] into the state row at address dst[b] (a staged table; 0: none)."""
-        b, w = src.shape
-        if not b:
-            return
+    @staticmethod
+    def _scatter_args(src: cp.ndarray) -> tuple[cp.ndarray, int, int, int]:
+        """(src, W, ld, vec4) of scatter_rows' kernels: a column slice (a stacked projection's part)
+        is read in place, rows ld floats apart."""
         if src.dtype != F32 or src.strides[1] != 4 or src.strides[0] % 4:
             src = _c32(src)
-        ld = src.strides[0] // 4  # (rows of a column slice, e.g. of a stacked projection, read in place)
-        vec4 = int(w % 4 == 0 and ld % 4 == 0 and src.data.ptr % 16 == 0)
-        K.function("elementwise", "scatter_rows")((b,), (128,), (src, dst, np.int32(w), np.int32(ld), np.int32(vec4)))
+        w, ld = src.shape[1], src.strides[0] // 4
+        return src, w, ld, int(w % 4 == 0 and ld % 4 == 0 and src.data.ptr % 16 == 0)
+
+    def scatter_rows(self, src: cp.ndarray, dst: cp.ndarray) -> None:
+        """Row b of src [B, W] into the state row at address dst[b] (a staged table; 0: none)."""
+        if not src.shape[0]:
+            return
+        src, w, ld, vec4 = self._scatter_args(src)
+        K.function("elementwise", "scatter_rows")((src.shape[0],), (128,), (
+            src, dst, np.int32(w), np.int32(ld), np.int32(vec4)))
+
+    def scatter_rows_many(self, jobs: list) -> None:
+        """scatter_rows(src, dst) of each (src, dst) job, all with B rows: up to three in one
+        launch with DSUF_FUSED_SCATTER (scatter_rows3), else one launch each."""
+        if not FUSED_SCATTER or not 1 < len(jobs) <= 3 or len({src.shape[0] for src, _ in jobs}) > 1:
+            for src, dst in jobs:
+                self.scatter_rows(src, dst)
+            return
+        b = jobs[0][0].shape[0]
+        if not b:
+            return
+        args, vec4 = [], 0
+        for j in range(3):
+            if j < len(jobs):
+                src, w, ld, v = self._scatter_args(jobs[j][0])
+                args += [src, jobs[j][1], np.int32(w), np.int32(ld)]
+                vec4 |= v << j
+            else:
+                args += [_NULL, _NULL, np.int32(0), np.int32(0)]
+        K.function("elementwise", "scatter_rows3")((b, len(jobs)), (128,), (*args, np.int32(vec4)))
 
     # ---- a step's inputs -------------------------------------------------------------
     def _upload(self, inputs) -> tuple:

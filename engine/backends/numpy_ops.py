@@ -125,6 +125,11 @@ class NumpyOps:
             if sp is not None:
                 sp.buf[sp.start] = src[b]
 
+    def scatter_rows_many(self, jobs: list) -> None:
+        """scatter_rows(src, dst) of each (src, dst) job (the GPU may do them in one launch)."""
+        for src, dst in jobs:
+            self.scatter_rows(src, dst)
+
     # ---- dense math ------------------------------------------------------------------
     def linear(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         """y = x @ w.T with w [out, in]. einsum's own loops, not BLAS: each row's result is then
