@@ -436,8 +436,9 @@ class Model:
                 ("in", id(L)), lambda *a, li=li, L=L: self._layer_in(li, L, *a, late=late), h, pre_mix, xin, eng, cos,
                 sin)
             proj = _Projected(*extra)
-            if not cseqs:
-                out = self._decode_attend(li, L, q, kv, proj, st.layers[li], batch)
+            derope = (cos, sin)  # (the attention output's RoPE, undone before the output projection)
+            if not cseqs:  # (by the decode attention itself: nothing left for _attn_out)
+                out, derope = self._decode_attend(li, L, q, kv, proj, st.layers[li], batch, derope), (None, None)
             else:
                 out = self._attention(li, L, xa, q_res, q, kv, cseqs, proj)
                 if dseqs:  # the one-token sequences' rows, batched, beside the chunks
@@ -447,9 +448,9 @@ class Model:
             route_hash = L.tid2eid[ids] if L.tid2eid is not None else None
             if self.plan.single:  # no collectives: the rest of the layer is one region (one graph)
                 h, pre_mix, xin = ops.graphed(("post", id(L)), lambda *a, li=li, L=L: self._post(li, L, *a),
-                                              out, cos, sin, h, pre_a, post_a, comb_a, route_hash)
+                                              out, *derope, h, pre_a, post_a, comb_a, route_hash)
                 continue
-            part = (ops.graphed(("attn_out", id(L)), lambda *a, L=L: self._attn_out(L, *a), out, cos, sin)
+            part = (ops.graphed(("attn_out", id(L)), lambda *a, L=L: self._attn_out(L, *a), out, *derope)
                     if out is not None else ops.xp.zeros((xa.shape[0], cfg.hidden_size), dtype=np.float32))
             attn = yield Collective("sum", part)
             h, ffn_part, pre_f, post_f, comb_f = ops.graphed(
@@ -661,10 +662,12 @@ class Model:
         return ops.linear(ops.hc_collapse_norm(h, pre_mix, self.w.norm, cfg.rms_norm_eps), self.w.head)
 
     def _attn_out(self, L, out, cos, sin):
-        """RoPE undone on the attention output, then the grouped output projection."""
+        """RoPE undone on the attention output (cos None: done already), then the grouped output
+        projection."""
         ops = self.ops
         t = out.shape[0]
-        out = ops.rope(out, cos, sin, inverse=True)
+        if cos is not None:
+            out = ops.rope(out, cos, sin, inverse=True)
         g = L.wo_groups
         grouped = ops.grouped_linear(out.reshape(t, g, -1), L.wo_a, g)
         return ops.linear(grouped.reshape(t, -1), L.wo_b)
@@ -750,13 +753,14 @@ class Model:
         return xp.arange(n)[None, :] < self.ops.asarray(lens, dtype=np.int64)[:, None]
 
     # V4.1 decode -------------------------------------------------------------------------
-    def _decode_attend(self, li: int, L, q, kv, p: _Projected, lp, batch: dict):
+    def _decode_attend(self, li: int, L, q, kv, p: _Projected, lp, batch: dict, derope: tuple | None = None):
         """The device half of a V4.1 layer's decode step (lp: its staged LayerPlan, see
         engine/decode_plan.py): the new rows into the state, the closing groups pooled into
         entries and indexer keys, the index source's top-k published in `batch`, then one
         attention launch over each window and its group's selected entries, read in place. Every
         sequence in one launch per op, whatever its phase; same values as the chunk path
-        (_attention over _v41_compressed), which the consistency tests check bit for bit."""
+        (_attention over _v41_compressed), which the consistency tests check bit for bit. derope:
+        (cos, sin), the attention output returned with that RoPE undone (_attn_out's first step)."""
         cfg, ops, xp = self.cfg, self.ops, self.ops.xp
         entry, key = p.entry, p.idx_key
         # the new rows into the state: the window's, and where ratio > 1 each one into its group
@@ -780,7 +784,7 @@ class Model:
             return None
         mask = batch.get("topk")  # (its width is the publishing layer's keys_cap: at most index_topk true a row)
         return ops.attend_decode(q, lp.attend, mask, L.sinks, cfg.head_dim**-0.5, lp.attend_cap, cfg.sliding_window,
-                                 0 if mask is None else min(cfg.index_topk, mask.shape[1]))
+                                 0 if mask is None else min(cfg.index_topk, mask.shape[1]), derope=derope)
 
     def _comp_rope_tables(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return rope_tables(self.freq_comp, positions, self.cfg.rope_compress.attention_factor)

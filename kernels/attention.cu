@@ -87,15 +87,39 @@ __device__ __forceinline__ void load_query(const float* __restrict__ qh, bool ac
 }
 
 // Final normalisation with the head's sink in the denominator: out = o / (l + e^(sink - m)).
+// The inverse interleaved RoPE (kernels/elementwise.cu rope, sign -1) of one head's output row held
+// by a warp, channel lane + 32 i in v[i]: the pairs (2j, 2j + 1) of the trailing 2P channels, each
+// lane's partner in the neighbouring lane. cs, sn: the row's [P] tables. (nd is warp-uniform.)
+__device__ __forceinline__ void derope_lanes(float (&v)[ATT_DPL], int nd, int D, const float* __restrict__ cs,
+                                             const float* __restrict__ sn, int P) {
+  const int lane = threadIdx.x & 31, off = D - 2 * P;
+#pragma unroll
+  for (int i = 0; i < ATT_DPL; ++i) {
+    if (i >= nd) break;
+    const float other = __shfl_xor_sync(0xffffffffu, v[i], 1);
+    const int c = lane + 32 * i;
+    if (c < off) continue;
+    const float co = cs[(c - off) >> 1], sg = -sn[(c - off) >> 1];
+    v[i] = (lane & 1) == 0 ? v[i] * co - other * sg : other * sg + v[i] * co;
+  }
+}
+
+// One head's output: o / (l + e^(sink - m)) (in the max-shifted form), and where cs is not null
+// with the inverse RoPE of derope_lanes applied.
 __device__ __forceinline__ void write_with_sink(float* __restrict__ oh, const float (&o)[ATT_DPL], float m, float l,
-                                                float sk, int nd) {
+                                                float sk, int nd, const float* __restrict__ cs = nullptr,
+                                                const float* __restrict__ sn = nullptr, int P = 0, int D = 0) {
   const int lane = threadIdx.x & 31;
   const float mm = fmaxf(m, sk);
   const float em = expf(m - mm);
   const float f = em / (l * em + expf(sk - mm));
+  float v[ATT_DPL];
+#pragma unroll
+  for (int i = 0; i < ATT_DPL; ++i) v[i] = o[i] * f;
+  if (cs != nullptr) derope_lanes(v, nd, D, cs, sn, P);
 #pragma unroll
   for (int i = 0; i < ATT_DPL; ++i)
-    if (i < nd) oh[lane + 32 * i] = o[i] * f;
+    if (i < nd) oh[lane + 32 * i] = v[i];
 }
 
 // out[s, h, :] = softmax-with-sink over n of (q[s,h].kv[n] * scale + bias[s,n]) applied to kv.
@@ -136,7 +160,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_decode(
     const float* __restrict__ q, const long long* __restrict__ tab, const bool* __restrict__ masks, int masks_ld,
     const float* __restrict__ sinks, float* __restrict__ out, float* __restrict__ part_o,
     float* __restrict__ part_ml, int H, int D, int nsplit, int chunk, float scale, const int* __restrict__ rows1,
-    const int* __restrict__ cnt1, int rows1_ld) {
+    const int* __restrict__ cnt1, int rows1_ld, const float* __restrict__ cs, const float* __restrict__ sn, int P) {
   const int h = blockIdx.x * 8 + (threadIdx.x >> 5), b = blockIdx.y, z = blockIdx.z, nd = D / 32;
   const bool active = h < H;
   const long long* e = tab + 6 * b;
@@ -163,8 +187,9 @@ extern "C" __global__ void __launch_bounds__(256) attention_decode(
   });
   if (!active) return;
   const size_t bh = (size_t)b * H + h;
-  if (nsplit == 1) {
-    write_with_sink(out + bh * D, o, m, l, sinks[h], nd);
+  if (nsplit == 1) {  // (cs: the output with the inverse RoPE applied, rows' tables [B, P])
+    write_with_sink(out + bh * D, o, m, l, sinks[h], nd, cs ? cs + (size_t)b * P : nullptr,
+                    sn ? sn + (size_t)b * P : nullptr, P, D);
     return;
   }
   const int lane = threadIdx.x & 31;
@@ -348,7 +373,8 @@ extern "C" __global__ void __launch_bounds__(256) attention_combine(const float*
                                                                    const float* __restrict__ part_ml,
                                                                    const float* __restrict__ sinks,
                                                                    float* __restrict__ out, int BH, int H, int D,
-                                                                   int nsplit) {
+                                                                   int nsplit, const float* __restrict__ cs,
+                                                                   const float* __restrict__ sn, int P) {
   const int bh = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31, nd = D / 32;
   if (bh >= BH) return;
   const float* ml = part_ml + (size_t)bh * nsplit * 2;
@@ -368,8 +394,11 @@ extern "C" __global__ void __launch_bounds__(256) attention_combine(const float*
   }
   const float inv = 1.f / den;
 #pragma unroll
+  for (int i = 0; i < ATT_DPL; ++i) o[i] *= inv;
+  if (cs != nullptr) derope_lanes(o, nd, D, cs + (size_t)(bh / H) * P, sn + (size_t)(bh / H) * P, P);
+#pragma unroll
   for (int i = 0; i < ATT_DPL; ++i)
-    if (i < nd) out[(size_t)bh * D + lane + 32 * i] = o[i] * inv;
+    if (i < nd) out[(size_t)bh * D + lane + 32 * i] = o[i];
 }
 
 // out[s, n] = sum_h w[s, h] * H^-0.5 * relu(q[s, h] . k[n]) * Dh^-0.5

@@ -246,14 +246,15 @@ def test_flash_shaped_4_layers_logits(tmp_path, monkeypatch, fused):
     dequantizes every expert to float32), small vocab: GPU vs numpy logits over a 24-token
     prefill and 6 decode steps. Unrounded state: summation order only; FP8/FP4 state: loose.
     fused: the opt-in fusions DSUF_FUSED_EXPAND (stream updates with the next site's collapse + norm
-    in one kernel), DSUF_ROUTE_GROUP (routing and grouping in one) and DSUF_FUSED_SCATTER (state
-    rows scattered together)."""
+    in one kernel), DSUF_ROUTE_GROUP (routing and grouping in one), DSUF_FUSED_SCATTER (state rows
+    scattered together) and DSUF_ATT_DEROPE (the attention output's RoPE undone in its kernel)."""
     from engine.backends import cupy_ops
     from engine.tiny_model import PRESETS, write_tiny_model
 
     monkeypatch.setattr(cupy_ops, "FUSED_EXPAND", fused)
     monkeypatch.setattr(cupy_ops, "ROUTE_GROUP", fused)
     monkeypatch.setattr(cupy_ops, "FUSED_SCATTER", fused)
+    monkeypatch.setattr(cupy_ops, "ATT_DEROPE", fused)
 
     sizes = {k: v for k, v in PRESETS["v41-flash-shaped"].items() if k != "arch"}
     sizes.update(layers=4, experts=8, vocab=4096, engram_vocab=1024)

@@ -884,13 +884,14 @@ def test_copy_rows():
         GPU.copy_rows([(gpu_s[0], 299, gpu_d[0], 0, 2)])  # past the source's end
 
 
-def test_staged_decode_ops():
+def test_staged_decode_ops(monkeypatch):
     """The ops of a V4.1 decode step's device half (engine/decode_plan.py), from a plan staged by
     each backend (the GPU's: one upload of address tables), against the numpy reference: the new
     K=V rows scattered into each sequence's window block, closing groups pooled (one sequence
     without a closing group: a zero row), the indexer over each sequence's keys at a capacity
     width, and the attention over windows and top-k-masked entries (one sequence without entries,
-    one whose entry count the mask did not score) sized for a longer capacity than any sequence has."""
+    one whose entry count the mask did not score) sized for a longer capacity than any sequence has;
+    its output with RoPE undone, by a rope launch or in the kernel (DSUF_ATT_DEROPE), split or not."""
     from engine.decode_plan import LayerPlan, StepInputs, WindowPlan, plan_attention
 
     b, h, d, dh, ratio = 5, 64, 512, 128, 2
@@ -957,6 +958,17 @@ def test_staged_decode_ops():
         got = GPU.attend_decode(cp.asarray(qa), sg.attend, cp.asarray(topk), cp.asarray(sinks), d**-0.5,
                                 sg.attend_cap, 128, 40, rows=rows)
         assert rel(got, ref) < 1e-5, rows
+    cos, sin = rnd(b, 32), rnd(b, 32)
+    ref = REF.attend_decode(qa, sr.attend, topk, sinks, d**-0.5, sr.attend_cap, derope=(cos, sin))
+    assert not np.array_equal(ref[..., -64:], REF.attend_decode(qa, sr.attend, topk, sinks, d**-0.5,
+                                                               sr.attend_cap)[..., -64:])
+    for fused in (False, True):
+        monkeypatch.setattr("engine.backends.cupy_ops.ATT_DEROPE", fused)
+        for min_split in (64, 1024):  # (7 splits merged by attention_combine; one, written directly)
+            monkeypatch.setattr("engine.backends.cupy_ops.ATT_MIN_SPLIT", min_split)
+            got = GPU.attend_decode(cp.asarray(qa), sg.attend, cp.asarray(topk), cp.asarray(sinks), d**-0.5,
+                                    sg.attend_cap, 128, 40, derope=(cp.asarray(cos), cp.asarray(sin)))
+            assert rel(got, ref) < 1e-5, (fused, min_split)
 
 
 @pytest.mark.parametrize("n_state,s,n_e,k", [(127, 300, 900, 40), (0, 70, 0, 0), (20, 200, 50, 0)])

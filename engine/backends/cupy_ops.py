@@ -116,6 +116,10 @@ ROUTE_GROUP = os.environ.get("DSUF_ROUTE_GROUP", "0") == "1"
 # together (the window's, pending kv and gate rows; entries and keys) as one launch each group
 # (kernels/elementwise.cu scatter_rows3): up to three launches fewer per compressing layer.
 FUSED_SCATTER = os.environ.get("DSUF_FUSED_SCATTER", "0") == "1"
+# Opt-in, not yet measured (DSUF_ATT_DEROPE=1): a decode step's attention output leaves the kernel
+# with RoPE undone (attention_decode / attention_combine, from the rows' tables), instead of a rope
+# launch between the attention and the output projection.
+ATT_DEROPE = os.environ.get("DSUF_ATT_DEROPE", "0") == "1"
 EN_HC = 4  # (kernels/elementwise.cu EN_HC: V4.1's hc_mult; more streams take the two launches)
 # The indexer's scores with lanes over heads (kernels/attention.cu indexer_row<true>: one warp
 # reduction per key, not one per head).
@@ -1326,24 +1330,28 @@ class CupyOps:
 
     def attend_decode(self, q: cp.ndarray, attend: cp.ndarray, mask: cp.ndarray | None, sinks: cp.ndarray,
                       scale: float, longest: int, window: int = 0, selected: int = 0,
-                      rows: bool | None = None) -> cp.ndarray:
+                      rows: bool | None = None, derope: tuple | None = None) -> cp.ndarray:
         """A V4.1 decode step's attention from its staged table (engine/decode_plan.py: each
         sequence's window, then its group's entries under row b of the published top-k `mask`);
         the split over the keys is sized for `longest` keys (the plan's capacity bucket), so the
         launch is the same whatever the exact counts. With at most `window` window rows and
         `selected` true values per mask row given, the entries are read through each row's list of
         selected rows where that is far shorter (rows: force that path on or off; default
-        ATTEND_ROWS); the lists of one mask serve every layer that reads it."""
+        ATTEND_ROWS); the lists of one mask serve every layer that reads it. derope: (cos, sin)
+        [B, P], the output with that RoPE undone (in the kernel with DSUF_ATT_DEROPE)."""
         b, h, d = q.shape
         out = cp.empty((b, h, d), F32)
         if b == 0:
             return out
+        if derope is not None and not ATT_DEROPE:
+            return self.rope(self.attend_decode(q, attend, mask, sinks, scale, longest, window, selected, rows),
+                             *derope, inverse=True)
         rows = ATTEND_ROWS if rows is None else rows
         lists = None
         if rows and mask is not None and selected > 0 and 2 * (window + selected) <= longest:
             lists = self._mask_rows(mask, selected)
             longest = window + selected
-        return self._attention_decode(q, attend, mask, sinks, scale, longest, out, lists)
+        return self._attention_decode(q, attend, mask, sinks, scale, longest, out, lists, derope)
 
     def _mask_rows(self, mask: cp.ndarray, k: int) -> tuple:
         """(rows [B, k] int32, counts [B] int32): each mask row's true positions (kernels/attention.cu
@@ -1358,7 +1366,7 @@ class CupyOps:
         return lists
 
     def _attention_decode(self, q, tab: cp.ndarray, masks, sinks, scale: float, longest: int, out,
-                          lists: tuple | None = None) -> cp.ndarray:
+                          lists: tuple | None = None, derope: tuple | None = None) -> cp.ndarray:
         b, h, d = q.shape
         if d % 32 or d > 512:
             raise ValueError(f"attention kernel needs head_dim % 32 == 0 and <= 512 (got {d})")
@@ -1375,14 +1383,16 @@ class CupyOps:
         masks_ld = 0 if masks is None else masks.shape[1]
         if masks is not None and (masks.dtype != cp.bool_ or not masks.flags.c_contiguous):
             raise ValueError("attend_decode: the mask must be a C-contiguous bool [B, N] array")
+        cs, sn = (_c32(derope[0]), _c32(derope[1])) if derope is not None else (_NULL, _NULL)
+        rp = np.int32(derope[0].shape[-1] if derope is not None else 0)
         K.function("attention", "attention_decode")((-(-h // 8), b, nsplit), (256,), (
             qc, tab, masks if masks is not None else _NULL, np.int32(masks_ld), sk, out, part_o, part_ml,
             np.int32(h), np.int32(d), np.int32(nsplit), np.int32(chunk), F32(scale),
             _NULL if lists is None else lists[0], _NULL if lists is None else lists[1],
-            np.int32(0 if lists is None else lists[0].shape[1])), shared_mem=16 * d * 4)
+            np.int32(0 if lists is None else lists[0].shape[1]), cs, sn, rp), shared_mem=16 * d * 4)
         if nsplit > 1:
             K.function("attention", "attention_combine")((-(-(b * h) // 8),), (256,), (
-                part_o, part_ml, sk, out, np.int32(b * h), np.int32(h), np.int32(d), np.int32(nsplit)))
+                part_o, part_ml, sk, out, np.int32(b * h), np.int32(h), np.int32(d), np.int32(nsplit), cs, sn, rp))
         return out
 
     def indexer_scores(self, q: cp.ndarray, k: cp.ndarray, w: cp.ndarray, n_heads: int, head_dim: int,

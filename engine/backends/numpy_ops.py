@@ -320,12 +320,15 @@ class NumpyOps:
         return out
 
     def attend_decode(self, q: np.ndarray, attend: list, mask: np.ndarray | None, sinks: np.ndarray,
-                      scale: float, longest: int, window: int = 0, selected: int = 0) -> np.ndarray:
+                      scale: float, longest: int, window: int = 0, selected: int = 0,
+                      derope: tuple | None = None) -> np.ndarray:
         """A V4.1 decode step's attention (engine/decode_plan.py): attend[b] = (window Span, group
-        entries Span or None), the entries masked by row b of the published top-k `mask`.
-        (longest, window and selected size the GPU kernel's work; the result does not depend on them.)"""
-        return self.attention_decode(q, [[(w, None)] + ([(e, Span(mask, b, e.n))] if e is not None else [])
-                                         for b, (w, e) in enumerate(attend)], sinks, scale)
+        entries Span or None), the entries masked by row b of the published top-k `mask`; derope:
+        (cos, sin), the output with that RoPE undone. (longest, window and selected size the GPU
+        kernel's work; the result does not depend on them.)"""
+        out = self.attention_decode(q, [[(w, None)] + ([(e, Span(mask, b, e.n))] if e is not None else [])
+                                        for b, (w, e) in enumerate(attend)], sinks, scale)
+        return out if derope is None else self.rope(out, *derope, inverse=True)
 
     def indexer_scores(self, q: np.ndarray, k: np.ndarray, w: np.ndarray, n_heads: int, head_dim: int,
                        exact: bool = False) -> np.ndarray:
