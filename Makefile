@@ -60,13 +60,14 @@ gpu-bench: bench-ckpt
 # The default's figures and each variant's beside them, on the bench checkpoint: decode graphs (b1, 8,
 # 32) for the decode-side fallback flags and the opt-in paths not yet measured, prefill 4096 / 65536
 # for the prefill-side flags. Each a device call of its own (~25 s a decode run, ~30 s a prefill run);
-# DECODE_AB / PREFILL_AB select a subset.
+# DECODE_AB / PREFILL_AB select a subset; commas join the settings of one run.
 BENCH_DECODE = $(PY) dsuf.py bench --ckpt $(BENCH_CKPT) --batches 1,8,32 --prefill 0 --no-linears --steps 20
 BENCH_PREFILL = $(PY) dsuf.py bench --ckpt $(BENCH_CKPT) --batches 1 --prefill 4096,65536 --no-linears --steps 5
 DECODE_AB ?= DSUF_FUSED_NORM_ROPE=0 DSUF_INDEXER_LANES=0 DSUF_SIDE=0 DSUF_GEMVR_FP4=u6 DSUF_GEMVR_FP4=e4 \
 	DSUF_GEMVR_FP4=e4u6 DSUF_SHARED_LATE=1 DSUF_MIXES_LATE=1 DSUF_ATT_MIN_SPLIT=16 DSUF_ATT_MIN_SPLIT=32 \
 	DSUF_SIDE_BLOCKS_PER_SM=1 DSUF_SIDE_BLOCKS_PER_SM=2 DSUF_TIGHT_BLOCKS=1 DSUF_FUSED_EXPAND=1 \
-	DSUF_ROUTE_GROUP=1 DSUF_FUSED_SCATTER=1 DSUF_ATT_DEROPE=1
+	DSUF_ROUTE_GROUP=1 DSUF_FUSED_SCATTER=1 DSUF_ATT_DEROPE=1 \
+	DSUF_FUSED_EXPAND=1,DSUF_ROUTE_GROUP=1,DSUF_FUSED_SCATTER=1,DSUF_ATT_DEROPE=1
 PREFILL_AB ?= DSUF_SPARSE_PREFILL=0 DSUF_INDEXER_TC=0 DSUF_ATTEND_TC=0 DSUF_GEMM_TC=0 DSUF_MOE_DEVICE_LARGE=0
 
 gpu-ab: gpu-ab-decode gpu-ab-prefill
@@ -77,11 +78,11 @@ bench-ckpt:
 
 gpu-ab-decode: bench-ckpt
 	@echo "== decode, default"; $(BENCH_DECODE) | tail -4
-	@for v in $(DECODE_AB); do echo "== decode, $$v"; env $$v $(BENCH_DECODE) | tail -4; done
+	@for v in $(DECODE_AB); do echo "== decode, $$v"; env $$(echo $$v | tr , ' ') $(BENCH_DECODE) | tail -4; done
 
 gpu-ab-prefill: bench-ckpt
 	@echo "== prefill, default"; $(BENCH_PREFILL) | tail -2
-	@for v in $(PREFILL_AB); do echo "== prefill, $$v"; env $$v $(BENCH_PREFILL) | tail -2; done
+	@for v in $(PREFILL_AB); do echo "== prefill, $$v"; env $$(echo $$v | tr , ' ') $(BENCH_PREFILL) | tail -2; done
 
 # tools/stream_chain.py's tensor-core consumers (FP8: gemvr's f16 MMA, e4m3 MMA; FP4: e4m3, gemvr's)
 # by the depth of each warp's ring of units in flight: does a deeper ring stream a chain of
