@@ -413,6 +413,8 @@ class Model:
         # open past the layer's projections: joined where the indexer and the attention read them
         late = not cseqs and ops.regions_inline()
         replay_from = self._replay_start() if not all_logits else cfg.num_layers
+        # (a decode step drops no rows in bounded replay: its sequences have one row each)
+        early = self._engram_early(hash_ids) if late else {}
         batch: dict = {}  # what a V4.1 decode step's index sources publish to later layers
         # Each layer runs as "regions" (pure functions of device arrays: ops.graphed may replay them
         # as CUDA graphs) around the per-sequence attention, which reads and grows the state: its
@@ -433,8 +435,8 @@ class Model:
             cos, sin = ropes["compress" if cfg.compress_ratios[li] else "main"]
             eng = hash_ids if L.engram is not None else None
             h, xa, q_res, q, kv, pre_a, post_a, comb_a, *extra = ops.graphed(
-                ("in", id(L)), lambda *a, li=li, L=L: self._layer_in(li, L, *a, late=late), h, pre_mix, xin, eng, cos,
-                sin)
+                ("in", id(L)), lambda *a, li=li, L=L: self._layer_in(li, L, *a, late=late, early=early.get(li)), h,
+                pre_mix, xin, eng, cos, sin)
             proj = _Projected(*extra)
             derope = (cos, sin)  # (the attention output's RoPE, undone before the output projection)
             if not cseqs:  # (by the decode attention itself: nothing left for _attn_out)
@@ -504,22 +506,41 @@ class Model:
             s.state.recent_tokens = (list(s.state.recent_tokens) + [int(t) for t in ch])[-keep:] if keep else []
         return out
 
-    def _engram(self, L, h, hash_ids: np.ndarray):
-        ops, cfg = self.ops, self.cfg
+    def _engram_kv(self, L, hash_ids: np.ndarray):
+        """An Engram layer's rows for these hash ids, projected: a function of the ids alone."""
+        ops = self.ops
         rows = ops.embed(L.engram.table, ops.asarray(hash_ids, dtype=np.int64))  # [T, cols, dim]
-        kv = ops.linear(rows.reshape(rows.shape[0], -1), L.engram.wkv)
+        return ops.linear(rows.reshape(rows.shape[0], -1), L.engram.wkv)
+
+    def _engram_early(self, hash_ids) -> dict:
+        """Each Engram layer's projected rows (_engram_kv) as a branch forked at the start of a
+        decode step, where the backend asks (CupyOps DSUF_ENGRAM_EARLY: on a stream of its own,
+        beside the layers before it, instead of on the critical path at its layer). Only for a step
+        whose regions run inline (one graph): its branches may stay open across layers."""
+        ops, cfg = self.ops, self.cfg
+        if not getattr(ops, "engram_early", False) or hash_ids is None:
+            return {}
+        cols = {li: ops.xp.ascontiguousarray(hash_ids[:, cfg.engram_layer_ids.index(li)])
+                for li, L in enumerate(self.w.layers) if L.engram is not None}
+        return {li: ops.side_far(self._engram_kv, self.w.layers[li], c) for li, c in cols.items()}
+
+    def _engram(self, L, h, hash_ids: np.ndarray, early=None):
+        """The Engram gate on the streams h; early: _engram_kv's branch, forked before."""
+        ops, cfg = self.ops, self.cfg
+        kv = early.result() if early is not None else self._engram_kv(L, hash_ids)
         d, hc = cfg.hidden_size, cfg.hc_mult
         key, value = kv[:, : hc * d].reshape(-1, hc, d), kv[:, hc * d :]
         return ops.engram_mix(h, key, value, L.engram.qk, cfg.rms_norm_eps)
 
     # ---- layer regions (token-wise, fixed shapes: CUDA-graph material) ---------------------
-    def _layer_in(self, li: int, L, h, pre_mix, xin, engram_ids, cos, sin, late: bool = False):
+    def _layer_in(self, li: int, L, h, pre_mix, xin, engram_ids, cos, sin, late: bool = False, early=None):
         """Engram, the attention-site mHC mix and the q / K=V projections of every token. xin: the
         site's input if the previous stream update computed it. late: the query heads and the
-        indexer's queries are returned as open side branches (see _joined)."""
+        indexer's queries are returned as open side branches (see _joined). early: this Engram
+        layer's projected rows, forked at the step's start (_engram_early)."""
         cfg, ops = self.cfg, self.ops
         if L.engram is not None:  # (engram_ids: every Engram layer's hash ids, one column each)
-            h = self._engram(L, h, ops.xp.ascontiguousarray(engram_ids[:, cfg.engram_layer_ids.index(li)]))
+            h = self._engram(L, h, ops.xp.ascontiguousarray(engram_ids[:, cfg.engram_layer_ids.index(li)]), early)
         xa, mix = self._site_in(h, pre_mix, L.hc_attn, L.attn_norm, xin)
         lat = self._project(xa, L.qkv)
         q_res = ops.rmsnorm(lat["q_lat"], L.q_norm, cfg.rms_norm_eps)

@@ -392,3 +392,46 @@ def test_fused_stream_update_changes_nothing(model: Model) -> None:
         one += ["update"] if li + 1 not in engram else []  # the FFN's update with the next site's
     sites = [c for c in hinted.calls if c in ("collapse", "update")]
     assert sites == one * len(want)
+
+
+class _EarlyOps(_OrderOps):
+    """_OrderOps with the early-Engram hint, recording each far branch ("far")."""
+
+    def __init__(self) -> None:
+        super().__init__("engram_early")
+
+    def side_far(self, fn, *args):
+        self.calls.append("far")
+        return super().side_far(fn, *args)
+
+
+def test_engram_early_changes_nothing(model: Model) -> None:
+    """The plumbing of CupyOps DSUF_ENGRAM_EARLY: with the backend's engram_early hint, a decode
+    step forks every Engram layer's projected rows before its first layer (Model._engram_early) and
+    the layer's gate joins them; a prompt chunk computes them at the layer. Bit-identical logits."""
+    if not model.cfg.engram_layer_ids:
+        pytest.skip("no Engram layers")
+    ids = _ids(model, 43)
+
+    def run(calls: list) -> list:
+        st = model.new_state()
+        out = []
+        for chunk in [ids[:40]] + [[t] for t in ids[40:]]:
+            calls.append("step")
+            out.append(model.forward([st], [chunk])[0])
+        return out
+
+    want = run([])
+    ops, hinted = model.ops, _EarlyOps()
+    model.ops = hinted
+    try:
+        got = run(hinted.calls)
+    finally:
+        model.ops = ops
+    for g, w in zip(got, want, strict=True):
+        _close(g, w)
+    n = len(model.cfg.engram_layer_ids)
+    steps = " ".join(c for c in hinted.calls if c in ("step", "far", "collapse")).split("step")[1:]
+    assert "far" not in steps[0] and "collapse" in steps[0]  # the chunk: at each Engram layer
+    for step in steps[1:]:  # each decode step: all of them first
+        assert step.split()[:n + 1] == ["far"] * n + ["collapse"], step

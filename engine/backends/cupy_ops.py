@@ -120,6 +120,11 @@ FUSED_SCATTER = os.environ.get("DSUF_FUSED_SCATTER", "0") == "1"
 # with RoPE undone (attention_decode / attention_combine, from the rows' tables), instead of a rope
 # launch between the attention and the output projection.
 ATT_DEROPE = os.environ.get("DSUF_ATT_DEROPE", "0") == "1"
+# Opt-in, not yet measured (DSUF_ENGRAM_EARLY=1): a decode step's Engram rows (a gather and a 157 MB
+# GEMV at flash width, a function of the hash ids alone: 49 us on the critical path of its layer in
+# the stop-27 b1 timeline) forked at the step's start on a stream of their own (side_far), beside
+# the layers before it, and joined at its layer's gate.
+ENGRAM_EARLY = os.environ.get("DSUF_ENGRAM_EARLY", "0") == "1"
 EN_HC = 4  # (kernels/elementwise.cu EN_HC: V4.1's hc_mult; more streams take the two launches)
 # The indexer's scores with lanes over heads (kernels/attention.cu indexer_row<true>: one warp
 # reduction per key, not one per head).
@@ -447,6 +452,7 @@ class CupyOps:
         self._no_scale = cp.zeros(1, F32)  # the scale argument of unscaled tables
         self._hc_count = cp.zeros(HC_COUNTERS, dtype=cp.int32)  # hc_mix's block counters (each resets its own)
         self._side_stream: cp.cuda.Stream | None = None  # side(): made on first use, on this device
+        self._far_stream: cp.cuda.Stream | None = None  # side_far()'s, likewise
         self._rows_of_mask: tuple | None = None  # (mask, k, its row lists): attend_decode's last
         self._routed: tuple | None = None  # (ids, (E, step, dup), grouping): route_group's, for moe()
 
@@ -567,6 +573,11 @@ class CupyOps:
         return SHARED_LATE
 
     @property
+    def engram_early(self) -> bool:
+        """Whether Model forks a decode step's Engram projections at its start (DSUF_ENGRAM_EARLY)."""
+        return ENGRAM_EARLY
+
+    @property
     def expand_norm_fused(self) -> bool:
         """Whether Model's V4.1 stream updates also give the next site's input (DSUF_FUSED_EXPAND)."""
         return FUSED_EXPAND
@@ -587,12 +598,23 @@ class CupyOps:
         (segment tables, pointer tables) or the pinned upload ring on its own stream, and the main
         stream could read that entry before the join. A capture runs after the region's eager
         warm-up, with its caches full and uploads not staged through the ring."""
+        return self._fork(0, fn, args)
+
+    def side_far(self, fn, *args) -> SideBranch:
+        """side() for a branch joined much later (an Engram layer's rows forked at the start of a
+        step: DSUF_ENGRAM_EARLY), on a second side stream: the branches forked after it on the
+        first one must not queue behind it."""
+        return self._fork(1, fn, args)
+
+    def _fork(self, slot: int, fn, args: tuple) -> SideBranch:
         main = cp.cuda.get_current_stream()
         if not SIDE_BRANCHES or not main.is_capturing():
             return SideBranch(fn(*args), None, ())
-        if self._side_stream is None:
+        if slot == 0 and self._side_stream is None:
             self._side_stream = cp.cuda.Stream(non_blocking=True)
-        side = self._side_stream
+        if slot == 1 and self._far_stream is None:
+            self._far_stream = cp.cuda.Stream(non_blocking=True)
+        side = self._side_stream if slot == 0 else self._far_stream
         fork = cp.cuda.Event(disable_timing=True)
         fork.record(main)
         side.wait_event(fork)

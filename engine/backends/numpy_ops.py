@@ -110,6 +110,11 @@ class NumpyOps:
         second stream, concurrently); here simply computed now."""
         return Done(fn(*args))
 
+    def side_far(self, fn, *args) -> Done:
+        """side() for a branch joined much later (the GPU backend gives it a stream of its own, so
+        that the branches forked after it do not queue behind it); here simply computed now."""
+        return Done(fn(*args))
+
     def stage(self, inputs):
         """A step's inputs (engine/decode_plan.py StepInputs) as this backend's ops read them: here
         Spans of state rows and host arrays; the GPU backend uploads address tables."""
