@@ -1361,13 +1361,13 @@ class CupyOps:
         selected rows where that is far shorter (rows: force that path on or off; default
         ATTEND_ROWS); the lists of one mask serve every layer that reads it. derope: (cos, sin)
         [B, P], the output with that RoPE undone (in the kernel with DSUF_ATT_DEROPE)."""
+        if derope is not None and not ATT_DEROPE:
+            return self.rope(self.attend_decode(q, attend, mask, sinks, scale, longest, window, selected, rows),
+                             *derope, inverse=True)
         b, h, d = q.shape
         out = cp.empty((b, h, d), F32)
         if b == 0:
             return out
-        if derope is not None and not ATT_DEROPE:
-            return self.rope(self.attend_decode(q, attend, mask, sinks, scale, longest, window, selected, rows),
-                             *derope, inverse=True)
         rows = ATTEND_ROWS if rows is None else rows
         lists = None
         if rows and mask is not None and selected > 0 and 2 * (window + selected) <= longest:
