@@ -184,3 +184,12 @@ __device__ __forceinline__ float block_sum(float v, float* red /* >= 33 floats o
 }
 
 __device__ __forceinline__ float sigmoidf_(float x) { return 1.f / (1.f + expf(-x)); }
+
+// silu(min(gate, limit)) * clip(up, -limit, limit)   (no clamp when limit <= 0)
+__device__ __forceinline__ float swiglu1(float g, float u, float limit) {
+  if (limit > 0.f) {
+    u = fminf(fmaxf(u, -limit), limit);
+    g = fminf(g, limit);
+  }
+  return g * sigmoidf_(g) * u;
+}

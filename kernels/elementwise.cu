@@ -505,15 +505,6 @@ extern "C" __global__ void gated_pool_rows(const long long* __restrict__ kvs, co
   out[i] = kr == nullptr ? 0.f : pool_column(kr + d, gr + d, R, D);
 }
 
-// silu(min(gate, limit)) * clip(up, -limit, limit)   (no clamp when limit <= 0)
-__device__ __forceinline__ float swiglu1(float g, float u, float limit) {
-  if (limit > 0.f) {
-    u = fminf(fmaxf(u, -limit), limit);
-    g = fminf(g, limit);
-  }
-  return g * sigmoidf_(g) * u;
-}
-
 extern "C" __global__ void swiglu(const float* __restrict__ gate, const float* __restrict__ up,
                                   float* __restrict__ y, long long total, float limit) {
   dsuf_launch_dependents();

@@ -417,22 +417,30 @@ DEF_TC(fp4, FMT_FP4, 4)
 // A row of x (K floats) by 128-element groups: warp `warp` of nw takes groups warp, warp + nw, ...,
 // a lane 4 elements (float4 v from element e0; zeros past K), with four groups' loads in flight per
 // warp (a warp reduction per group kept a plain loop from overlapping them: one L2 round trip per
-// group); each group is handed to stage(gi, e0, v).
-template <class Stage>
-__device__ __forceinline__ void for_x_groups(const float* __restrict__ x, int K, int warp, int nw, int lane,
-                                             Stage stage) {
+// group); each group is handed to stage(gi, e0, v). ACT: x holds the gate and up the up
+// projection of a SwiGLU, and the row is swiglu1(x, up, limit) (a fused gate / up GEMV's output
+// read by the down projection, with no activation launch between them); two groups' gates and ups
+// in flight, the registers of four plain groups.
+template <bool ACT, class Stage>
+__device__ __forceinline__ void for_x_groups(const float* __restrict__ x, const float* __restrict__ up, float limit,
+                                             int K, int warp, int nw, int lane, Stage stage) {
+  constexpr int G = ACT ? 2 : 4;
   const int ngx = (K + 127) / 128;
-  for (int g0 = warp; g0 < ngx; g0 += 4 * nw) {
-    float4 v[4];
+  for (int g0 = warp; g0 < ngx; g0 += G * nw) {
+    float4 v[G], u[G];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < G; ++j) {
       const int e0 = (g0 + nw * j) * 128 + 4 * lane;
       v[j] = e0 < K ? __ldg((const float4*)(x + e0)) : make_float4(0.f, 0.f, 0.f, 0.f);
+      if (ACT) u[j] = e0 < K ? __ldg((const float4*)(up + e0)) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < G; ++j) {
       const int gi = g0 + nw * j, e0 = gi * 128 + 4 * lane;
       if (gi >= ngx) break;  // (uniform over the warp)
+      if (ACT)
+        v[j] = make_float4(swiglu1(v[j].x, u[j].x, limit), swiglu1(v[j].y, u[j].y, limit),
+                           swiglu1(v[j].z, u[j].z, limit), swiglu1(v[j].w, u[j].w, limit));
       stage(gi, e0, v[j]);
     }
   }
@@ -441,11 +449,11 @@ __device__ __forceinline__ void for_x_groups(const float* __restrict__ x, int K,
 // One row of x (K floats) -> shared memory as the one-row GEMVs' B operand: two f16 columns (hi,
 // lo terms) cs bytes apart, each 128-k group scaled by a power of two (inverse in xinv[group]),
 // half k at byte 2k + 16 (k / 64) of its column (FP4: permuted within each 8, see gemvr). Zeros
-// past K. One warp per group (for_x_groups).
-template <bool F8>
-__device__ __forceinline__ void stage_x_cols(const float* __restrict__ x, int K, u8* cols, int cs, float* xinv,
-                                             int warp, int nw, int lane) {
-  for_x_groups(x, K, warp, nw, lane, [&](int gi, int e0, float4 v) {
+// past K. One warp per group (for_x_groups; up, limit: its SwiGLU form).
+template <bool F8, bool ACT = false>
+__device__ __forceinline__ void stage_x_cols(const float* __restrict__ x, const float* __restrict__ up, float limit,
+                                             int K, u8* cols, int cs, float* xinv, int warp, int nw, int lane) {
+  for_x_groups<ACT>(x, up, limit, K, warp, nw, lane, [&](int gi, int e0, float4 v) {
     u32 hv[4], lv[4];
     const float inv = split_group4(v, hv, lv);
     if (lane == 0) xinv[gi] = inv;
@@ -467,10 +475,11 @@ __device__ __forceinline__ void stage_x_cols(const float* __restrict__ x, int K,
 // by 2^sh (its max into [2^7, 2^8); inverse in xinv[group]); term j is the residual of the terms
 // before it times 16^j, so x = sum_j term_j 16^-j to ~2^-16 of the group's max. Within each 8 k a
 // plane holds elements 0, 2, 4, 6, then 1, 3, 5, 7 (the order e4m3_lo / e4m3_hi decode a weight
-// word in). Zeros past K. One warp per group (for_x_groups).
-__device__ __forceinline__ void stage_x_e4(const float* __restrict__ x, int K, u8* planes, int ps, float* xinv,
-                                           int warp, int nw, int lane) {
-  for_x_groups(x, K, warp, nw, lane, [&](int gi, int e0, float4 v) {
+// word in). Zeros past K. One warp per group (for_x_groups; up, limit: its SwiGLU form).
+template <bool ACT = false>
+__device__ __forceinline__ void stage_x_e4(const float* __restrict__ x, const float* __restrict__ up, float limit,
+                                           int K, u8* planes, int ps, float* xinv, int warp, int nw, int lane) {
+  for_x_groups<ACT>(x, up, limit, K, warp, nw, lane, [&](int gi, int e0, float4 v) {
     const int sh = x_group_shift4(v, 8);
     if (lane == 0) xinv[gi] = pow2f(-sh);
     const float sc = pow2f(sh);
@@ -525,11 +534,11 @@ __device__ __forceinline__ void stage_x_e4(const float* __restrict__ x, int K, u
 // (stage_x_e4), two MMAs per weight word, one per pair of terms, in B columns 2G + j for granule G
 // (the same one-granule-per-lane scheme: lane (g, t) loads term 2p + (g & 1) of its granule where
 // g / 2 == t). For a kernel bound by its instructions per weight rather than by its loads.
-template <int FMT, int U, bool PIPE, bool E4 = false>
+template <int FMT, int U, bool PIPE, bool E4 = false, bool ACT = false>
 __device__ __forceinline__ void gemvr_body(const float* __restrict__ A, int lda, float* __restrict__ Y, int ldy,
                                            int N, int K, const int* __restrict__ segs,
                                            const u64* __restrict__ wptrs, const u64* __restrict__ sptrs,
-                                           int bn, int bk, int gk, int kw, int pf) {
+                                           int bn, int bk, int gk, int kw, int pf, float limit) {
   extern __shared__ __align__(16) u8 gr_smem[];
   constexpr bool F8 = FMT == FMT_FP8;
   static_assert(!(E4 && F8), "E4 takes FP4 weights");
@@ -608,10 +617,11 @@ __device__ __forceinline__ void gemvr_body(const float* __restrict__ A, int lda,
     }
   }
 
+  const float* xr = A + (size_t)row0 * lda + acol;  // (ACT: the row's gate, its up K floats on)
   if (E4)
-    stage_x_e4(A + (size_t)row0 * lda + acol, K, gr_smem, ps, xinv, warp, 8, lane);
+    stage_x_e4<ACT>(xr, xr + K, limit, K, gr_smem, ps, xinv, warp, 8, lane);
   else
-    stage_x_cols<F8>(A + (size_t)row0 * lda + acol, K, gr_smem, cs, xinv, warp, 8, lane);
+    stage_x_cols<F8, ACT>(xr, xr + K, limit, K, gr_smem, cs, xinv, warp, 8, lane);
   __syncthreads();
 
   const bool feeds = (g >> 1) == t;  // this lane loads B column g = 2t + term (granule t)
@@ -707,8 +717,8 @@ __device__ __forceinline__ void gemvr_body(const float* __restrict__ A, int lda,
 }
 
 #define GR_ARGS const float *A, int lda, float *Y, int ldy, int N, int K, const int *segs, const u64 *wptrs, \
-                const u64 *sptrs, int bn, int bk, int gk, int kw, int pf
-#define GR_PASS A, lda, Y, ldy, N, K, segs, wptrs, sptrs, bn, bk, gk, kw, pf
+                const u64 *sptrs, int bn, int bk, int gk, int kw, int pf, float limit
+#define GR_PASS A, lda, Y, ldy, N, K, segs, wptrs, sptrs, bn, bk, gk, kw, pf, limit
 // U: units (128 k) in flight per lane; PIPE: each unit's registers reloaded (next pass) as soon as it
 // is multiplied, so a lane keeps ~U units in flight instead of draining to none every pass; MINB:
 // blocks per SM the registers must allow (engine/backends/cupy_ops.py GEMVR_BLOCKS_PER_SM). Measured on
@@ -726,6 +736,15 @@ DEF_GR(gemvr_fp4, FMT_FP4, 8, true, 2)
 DEF_GR4(gemvr_fp4_u6, 6, false)
 DEF_GR4(gemvr_fp4e4, 8, true)
 DEF_GR4(gemvr_fp4e4_u6, 6, true)
+// The routed experts' down projections with their SwiGLU folded in (DSUF_FUSED_ACT, cupy_ops.py):
+// x is each pair's fused gate / up row [gate (K) | up (K)], staged as swiglu1(gate, up, limit), so no
+// activation launch sits between the two GEMVs. The same kernels otherwise (each FP4 variant's twin).
+#define DEF_GR4A(NAME, U, E4) \
+  extern "C" __global__ void __launch_bounds__(256, 2) NAME(GR_ARGS) { gemvr_body<FMT_FP4, U, true, E4, true>(GR_PASS); }
+DEF_GR4A(gemvr_fp4_act, 8, false)
+DEF_GR4A(gemvr_fp4_u6_act, 6, false)
+DEF_GR4A(gemvr_fp4e4_act, 8, true)
+DEF_GR4A(gemvr_fp4e4_u6_act, 6, true)
 
 // ---------------------------------------------------------------------------------------------
 // Tensor-core GEMM for prompt chunks, FP8 / FP4 weights: the tensor-core GEMV's arithmetic (weights

@@ -249,7 +249,7 @@ def test_flash_shaped_4_layers_logits(tmp_path, monkeypatch, fused):
     in one kernel), DSUF_ROUTE_GROUP (routing and grouping in one), DSUF_FUSED_SCATTER (state rows
     scattered together), DSUF_ATT_DEROPE (the attention output's RoPE undone in its kernel) and
     DSUF_ENGRAM_EARLY (the Engram layer's rows projected from the step's start, on a stream of their
-    own)."""
+    own) and DSUF_FUSED_ACT (the experts' SwiGLU applied by their down projection)."""
     from engine.backends import cupy_ops
     from engine.tiny_model import PRESETS, write_tiny_model
 
@@ -258,6 +258,7 @@ def test_flash_shaped_4_layers_logits(tmp_path, monkeypatch, fused):
     monkeypatch.setattr(cupy_ops, "FUSED_SCATTER", fused)
     monkeypatch.setattr(cupy_ops, "ATT_DEROPE", fused)
     monkeypatch.setattr(cupy_ops, "ENGRAM_EARLY", fused)
+    monkeypatch.setattr(cupy_ops, "FUSED_ACT", fused)
 
     sizes = {k: v for k, v in PRESETS["v41-flash-shaped"].items() if k != "arch"}
     sizes.update(layers=4, experts=8, vocab=4096, engram_vocab=1024)

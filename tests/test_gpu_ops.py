@@ -483,6 +483,25 @@ def test_moe(t):
     assert rel(got, ref) < (F32_TOL if most <= 8 else GEMM_TOL)
 
 
+@pytest.mark.parametrize("variant", ["", "u6", "e4", "e4u6"])
+@pytest.mark.parametrize("t", [1, 3])
+def test_moe_fused_act(t, variant, monkeypatch):
+    """DSUF_FUSED_ACT: the down projection reads the fused gate / up rows and stages their SwiGLU
+    (gemvr's _act twin of each FP4 variant, at one token); at 3 tokens (the multi-row GEMV)
+    swiglu_pairs runs first, as without the flag."""
+    from engine.backends import cupy_ops
+
+    monkeypatch.setattr(cupy_ops, "FUSED_ACT", True)
+    monkeypatch.setattr(cupy_ops, "GEMVR_FP4", variant)
+    names = []
+    fws = cupy_ops.K.function_with_smem
+    monkeypatch.setattr(cupy_ops.K, "function_with_smem",
+                        lambda mod, name, *a: (names.append(name), fws(mod, name, *a))[1])
+    ref, got, _ = _moe_case(t, 8, 6, 1024, 512)
+    assert rel(got, ref) < F32_TOL
+    assert any(n.endswith("_act") for n in names) == (t == 1), names
+
+
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("t", [1, 5])
 def test_moe_plus_shared(t, fused, monkeypatch):

@@ -125,6 +125,10 @@ ATT_DEROPE = os.environ.get("DSUF_ATT_DEROPE", "0") == "1"
 # the stop-27 b1 timeline) forked at the step's start on a stream of their own (side_far), beside
 # the layers before it, and joined at its layer's gate.
 ENGRAM_EARLY = os.environ.get("DSUF_ENGRAM_EARLY", "0") == "1"
+# Opt-in, not yet measured (DSUF_FUSED_ACT=1): the routed experts' down projection at one row per
+# pair (gemvr FP4) reads the fused gate / up output and applies the SwiGLU as it stages x
+# (kernels/gemv_tc.cu gemvr_*_act), instead of a swiglu_pairs launch between the two GEMVs.
+FUSED_ACT = os.environ.get("DSUF_FUSED_ACT", "0") == "1"
 EN_HC = 4  # (kernels/elementwise.cu EN_HC: V4.1's hc_mult; more streams take the two launches)
 # The indexer's scores with lanes over heads (kernels/attention.cu indexer_row<true>: one warp
 # reduction per key, not one per head).
@@ -631,21 +635,26 @@ class CupyOps:
 
     # ---- linear kernels ----------------------------------------------------------------
     def _run_linear(self, a: cp.ndarray, y: cp.ndarray, n: int, k: int, segs,
-                    wptrs: cp.ndarray, sptrs: cp.ndarray, w: GpuWeight, max_rows: int, lda: int | None = None) -> None:
+                    wptrs: cp.ndarray, sptrs: cp.ndarray, w: GpuWeight, max_rows: int, lda: int | None = None,
+                    act: float | None = None) -> None:
         """Launch the tensor-core GEMV (FP8 / FP4, 2 <= max_rows <= 32), the GEMV (max_rows <= 8) or
         a GEMM kernel (FP8 / FP4 on tensor cores: gemm_tc; else gemm) over a segment table (a list
         of (weight, row0, rows, a_col, y_col), or that table already on the device). lda = 0 (with
-        max_rows 1): every segment reads a's row 0."""
+        max_rows 1): every segment reads a's row 0. act: a's rows are fused gate / up outputs [gate
+        (k) | up (k)] and the input is their SwiGLU clamped at act: applied by gemvr FP4 as it stages
+        x, else by swiglu_pairs first."""
         tag = _FMT_TAG[w.fmt]
         seg = segs if isinstance(segs, cp.ndarray) else self._segs_device(segs)
         nseg = seg.size // 5
+        if act is not None and not (w.fmt == FMT_FP4 and lda is None and _gemvr_ok(a, w, segs, nseg, max_rows)):
+            a, act = self._swiglu_pairs(a, k, act), None
         if lda is not None and max_rows != 1:
             raise ValueError("_run_linear: a row stride override needs one-row segments")
         args = (a, np.int32(a.shape[1] if lda is None else lda), y, np.int32(y.shape[1]), np.int32(n), np.int32(k),
                 seg, wptrs, sptrs, np.int32(w.block[0]), np.int32(w.block[1]), np.int32(w.gk))
         # (the tensor-core GEMV reads x in 128-column groups: segments must start on one)
         if _gemvr_ok(a, w, segs, nseg, max_rows):
-            self._run_reg(args, n, k, seg, nseg, w, constant=not isinstance(segs, cp.ndarray))
+            self._run_reg(args, n, k, seg, nseg, w, constant=not isinstance(segs, cp.ndarray), act=act)
         elif (TC_MIN_ROWS.get(w.fmt, 99) <= max_rows <= TC_MAX_ROWS and _tc_ok(w, a.shape[1])
                 and (isinstance(segs, cp.ndarray) or all(s[3] % 128 == 0 for s in segs))):
             self._run_tc(a, y, n, k, seg, wptrs, sptrs, w, max_rows)
@@ -681,19 +690,22 @@ class CupyOps:
             fn((math.ceil(n / GEMM_TILE), nseg), (128,), args)
 
     @staticmethod
-    def _run_reg(args: tuple, n: int, k: int, seg: cp.ndarray, nseg: int, w: GpuWeight, constant: bool) -> None:
+    def _run_reg(args: tuple, n: int, k: int, seg: cp.ndarray, nseg: int, w: GpuWeight, constant: bool,
+                 act: float | None = None) -> None:
         """Register-fed tensor-core GEMV over one-row segments (configuration: _gemvr_config); blocks
         stride over the 16-row tiles. constant: the segment table is ours, so blocks may load weights
-        early (PDL)."""
+        early (PDL). act (FP4): the SwiGLU of fused gate / up rows as x (the kernel's _act twin)."""
         name, kw = _gemvr_config(w.fmt, n, k, nseg)
         smem = _gemvr_smem(k, "e4" in name)
+        if act is not None:
+            name += "_act"
         fn = K.function_with_smem("gemv_tc", name, GEMVX_MAX_SMEM)
         tiles = -(-n // 16)
         per_sm = _blocks_per_sm(fn, smem)
         nbi = -(-tiles // (8 // kw))
         blocks = max(1, min(nbi, _sm_count() * per_sm // nseg))
-        K.launch(fn, (blocks, nseg), (256,), (*args, np.int32(kw), np.int32(1 if constant else 0)),
-                 shared_mem=smem, pdl=True)
+        K.launch(fn, (blocks, nseg), (256,), (*args, np.int32(kw), np.int32(1 if constant else 0),
+                                              F32(0.0 if act is None else act)), shared_mem=smem, pdl=True)
 
     def _run_tc(self, a: cp.ndarray, y: cp.ndarray, n: int, k: int, seg: cp.ndarray,
                 wptrs: cp.ndarray, sptrs: cp.ndarray, w: GpuWeight, max_rows: int) -> None:
@@ -1010,6 +1022,14 @@ class CupyOps:
                 gate, up, y, np.int64(y.size), F32(limit)))
         return y
 
+    def _swiglu_pairs(self, gu: cp.ndarray, inter: int, limit: float) -> cp.ndarray:
+        """swiglu of fused gate / up rows gu [rows, 2 * inter] -> [rows, inter]."""
+        act = cp.empty((gu.shape[0], inter), F32)
+        if act.size:
+            K.function("elementwise", "swiglu_pairs")(_grid(act.size), (_ELT_BLOCK,), (
+                _c32(gu), act, np.int64(act.size), np.int32(inter), F32(limit)))
+        return act
+
     def swiglu_mlp(self, x: cp.ndarray, w1, w2, w3, limit: float) -> cp.ndarray:
         """w2(swiglu(w1 x, w3 x)); gate and up as one launch over a two-weight pointer table where
         w1 and w3 match (the shared expert: one GEMV's fixed cost instead of two)."""
@@ -1027,10 +1047,7 @@ class CupyOps:
         s3, _ = self._row_segments(m, 1, 0, 0, inter, fmt=w1.fmt)
         gu = cp.empty((m, 2 * inter), F32)
         self._run_linear(a, gu, inter, w1.shape[1], s1 + s3, hit[2], hit[3], w1, mr)
-        act = cp.empty((m, inter), F32)
-        K.function("elementwise", "swiglu_pairs")(_grid(act.size), (_ELT_BLOCK,), (
-            gu, act, np.int64(act.size), np.int32(inter), F32(limit)))
-        return self.linear(act, w2).reshape(*x.shape[:-1], w2.shape[0])
+        return self.linear(self._swiglu_pairs(gu, inter, limit), w2).reshape(*x.shape[:-1], w2.shape[0])
 
     def _expert_tables(self, experts: list):
         """Device pointer tables (data, scale) of w1, w2, w3 over a layer's experts, built once."""
@@ -1144,22 +1161,21 @@ class CupyOps:
                 off = cp.asarray(np.tile(np.array([n_exp, 0, 0, 0, inter], np.int32), segs.size // 5))
                 self._seg_offsets[(segs.size, n_exp, inter)] = off
             segs_gu = cp.concatenate([segs, segs + off])
+        out = cp.empty((p, d), F32)
         if len(tabs) > 3:  # gate and up in one launch: w3's segments index the second half of the
             # table and write columns inter.. of one [P, 2 * inter] output (x split once, twice the blocks)
             gu = cp.empty((p, 2 * inter), F32)
             self._run_linear(xp_rows, gu, inter, d, segs_gu, tabs[3][1], tabs[3][2], w1, max_rows, lda)
-            act = cp.empty((p, inter), F32)
-            if act.size:
-                K.function("elementwise", "swiglu_pairs")(_grid(act.size), (_ELT_BLOCK,), (
-                    gu, act, np.int64(act.size), np.int32(inter), F32(limit)))
+            if FUSED_ACT:  # (the down projection applies the SwiGLU: gemvr, or swiglu_pairs first)
+                self._run_linear(gu, out, d, inter, segs, p2, s2, w2, max_rows, act=limit)
+            else:
+                self._run_linear(self._swiglu_pairs(gu, inter, limit), out, d, inter, segs, p2, s2, w2, max_rows)
         else:
             gate = cp.empty((p, inter), F32)
             up = cp.empty((p, inter), F32)
             self._run_linear(xp_rows, gate, inter, d, segs, p1, s1, w1, max_rows, lda)
             self._run_linear(xp_rows, up, inter, d, segs, p3, s3, w3, max_rows, lda)
-            act = self._swiglu(gate, up, limit)
-        out = cp.empty((p, d), F32)
-        self._run_linear(act, out, d, inter, segs, p2, s2, w2, max_rows)
+            self._run_linear(self._swiglu(gate, up, limit), out, d, inter, segs, p2, s2, w2, max_rows)
         y = cp.empty_like(x)
         fold = shared is not None and FUSED_EXPAND  # (else joined after the combine, then its own add)
         K.function("elementwise", "moe_combine")(_grid(y.size), (_ELT_BLOCK,), (
