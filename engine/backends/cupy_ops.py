@@ -161,9 +161,10 @@ GEMVR_U = {FMT_FP8: 2, FMT_FP4: 8}
 # The FP4 gemvr to use (opt-in variants, not yet measured on a GPU; kernels/gemv_tc.cu DEF_GR4):
 # "u6": 6 units in flight, which fit the 128 registers that 2 blocks per SM allow (gemvr_fp4's 8
 # spill ~100 bytes a thread); "e4" / "e4u6": nibbles decoded to e4m3 bytes for the e4m3 MMA (about
-# a third fewer instructions per weight; x as four e4m3 terms). Name -> (kernel, units in flight).
-GEMVR_FP4_KERNELS = {"": ("gemvr_fp4", 8), "u6": ("gemvr_fp4_u6", 6), "e4": ("gemvr_fp4e4", 8),
-                     "e4u6": ("gemvr_fp4e4_u6", 6)}
+# a third fewer instructions per weight; x as four e4m3 terms). Name -> (kernel, units in flight,
+# x staged as e4m3 terms).
+GEMVR_FP4_KERNELS = {"": ("gemvr_fp4", 8, False), "u6": ("gemvr_fp4_u6", 6, False), "e4": ("gemvr_fp4e4", 8, True),
+                     "e4u6": ("gemvr_fp4e4_u6", 6, True)}
 GEMVR_FP4 = os.environ.get("DSUF_GEMVR_FP4", "")
 if GEMVR_FP4 not in GEMVR_FP4_KERNELS:
     raise ValueError(f"DSUF_GEMVR_FP4 must be one of {sorted(GEMVR_FP4_KERNELS)}, not {GEMVR_FP4!r}")
@@ -330,15 +331,16 @@ def _gemvr_ok(a: cp.ndarray, w: GpuWeight, segs, nseg: int, rows: int) -> bool:
     return _gemvr_shape_ok(w) and _gemvr_smem(k) <= GEMVX_MAX_SMEM and _x_rows_aligned(a, segs)
 
 
-def _gemvr_config(fmt: int, n: int, k: int, nseg: int) -> tuple[str, int]:
-    """gemvr's kernel and warps per 16-row tile (kw), for GEMVR_U units in flight per lane. FP8: warps split
+def _gemvr_config(fmt: int, n: int, k: int, nseg: int) -> tuple[str, int, bool]:
+    """gemvr's kernel, warps per 16-row tile (kw), for GEMVR_U units in flight per lane, and whether it
+    stages x as e4m3 terms (_gemvr_smem). FP8: warps split
     K while the launch is short of TC_WARPS_TARGET and each keeps a whole pass of U units. FP4: only
     while every warp of the launch stays resident at once (one round: a second, partial round cost
     the experts more than fewer warps did)."""
     if fmt == FMT_FP4:
-        name, u = GEMVR_FP4_KERNELS[GEMVR_FP4]
+        name, u, e4 = GEMVR_FP4_KERNELS[GEMVR_FP4]
     else:
-        name, u = f"gemvr_{_FMT_TAG[fmt]}", GEMVR_U[fmt]
+        name, u, e4 = f"gemvr_{_FMT_TAG[fmt]}", GEMVR_U[fmt], False
     tiles, units = -(-n // 16), -(-k // 128)
     kw = 1
     if fmt == FMT_FP8:
@@ -348,7 +350,7 @@ def _gemvr_config(fmt: int, n: int, k: int, nseg: int) -> tuple[str, int]:
         resident = _sm_count() * 8 * GEMVR_BLOCKS_PER_SM[fmt]
         while kw < 8 and tiles * nseg * 2 * kw <= resident and units >= 4 * kw * u:
             kw *= 2
-    return name, kw
+    return name, kw, e4
 
 
 def _gemvr_shape_ok(w: GpuWeight) -> bool:
@@ -695,8 +697,8 @@ class CupyOps:
         """Register-fed tensor-core GEMV over one-row segments (configuration: _gemvr_config); blocks
         stride over the 16-row tiles. constant: the segment table is ours, so blocks may load weights
         early (PDL). act (FP4): the SwiGLU of fused gate / up rows as x (the kernel's _act twin)."""
-        name, kw = _gemvr_config(w.fmt, n, k, nseg)
-        smem = _gemvr_smem(k, "e4" in name)
+        name, kw, e4 = _gemvr_config(w.fmt, n, k, nseg)
+        smem = _gemvr_smem(k, e4)
         if act is not None:
             name += "_act"
         fn = K.function_with_smem("gemv_tc", name, GEMVX_MAX_SMEM)
