@@ -1,8 +1,8 @@
 """Sequence-state arrays that grow by rows in place (the decode step's appends).
 
 A state array (a layer's window, pending compressor rows, compressed entries, indexer keys) is
-a view of the live rows of a larger buffer that the LayerState keeps in `spare`. A decode step
-then appends each sequence's new row with one batched copy (`ops.copy_rows`) instead of a
+a view of the live rows of a larger buffer that the LayerState holds in `spare` (LayerState.hold).
+A decode step then appends each sequence's new row with one batched copy (`ops.copy_rows`) instead of a
 concatenation per sequence and array, and the attention and indexer read the rows in place
 (`Span`). Any other code may keep treating the field as a plain array: assigning it anything
 else simply drops the buffer (the next append starts a new one).
@@ -38,7 +38,7 @@ def reserve(xp, ls, name: str, width: int, n_new: int, jobs: list, room: int | N
     (buffer, first live row, first free row); a new buffer (with `room` spare rows if given, else
     GROWTH's headroom) gets the live rows through a copy job added to `jobs` (ops.copy_rows tuples:
     src, src_row, dst, dst_row, rows)."""
-    held = ls.spare.get(name)
+    held = ls.spare.get(name)  # ([buffer, start, end, view]: engine/state.py LayerState.hold)
     if held is not None:
         src, s0, n = held[0], held[1], held[2] - held[1]
         if held[2] + n_new <= src.shape[0]:
@@ -55,9 +55,8 @@ def reserve(xp, ls, name: str, width: int, n_new: int, jobs: list, room: int | N
 
 def commit(ls, name: str, buf, start: int, end: int) -> None:
     """ls.<name> becomes rows start .. end of buf (its buffer kept for the next append; the
-    field's view is made when it is read, engine/state.py)."""
-    ls.__dict__["_own_" + name] = None
-    ls.spare[name] = [buf, start, end, None]
+    field's view is made when it is read, engine/state.py LayerState.hold)."""
+    ls.hold(name, buf, start, end)
 
 
 def span(ls, name: str) -> Span:

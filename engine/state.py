@@ -69,6 +69,12 @@ class LayerState:
             return held[2] - held[1]
         return 0 if self.entries is None else int(self.entries.shape[0])
 
+    def hold(self, name: str, buf, start: int, end: int) -> None:
+        """The grown field `name` becomes rows start .. end of buf, its buffer kept for the next
+        append (engine/rows.py); the view is made when the field is read."""
+        self.__dict__["_own_" + name] = None
+        self.spare[name] = [buf, start, end, None]
+
     def attach(self, block, layer: int) -> None:
         """Read the window from row block `block`'s layer `layer` from now on (engine/rows.py)."""
         if self._block is not None and self._block is not block:
