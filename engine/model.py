@@ -522,7 +522,7 @@ class Model:
             return {}
         cols = {li: ops.xp.ascontiguousarray(hash_ids[:, cfg.engram_layer_ids.index(li)])
                 for li, L in enumerate(self.w.layers) if L.engram is not None}
-        return {li: ops.side_far(self._engram_kv, self.w.layers[li], c) for li, c in cols.items()}
+        return {li: ops.side(self._engram_kv, self.w.layers[li], c, lane=1) for li, c in cols.items()}
 
     def _engram(self, L, h, hash_ids: np.ndarray, early=None):
         """The Engram gate on the streams h; early: _engram_kv's branch, forked before."""
@@ -542,13 +542,17 @@ class Model:
         if L.engram is not None:  # (engram_ids: every Engram layer's hash ids, one column each)
             h = self._engram(L, h, ops.xp.ascontiguousarray(engram_ids[:, cfg.engram_layer_ids.index(li)]), early)
         xa, mix = self._site_in(h, pre_mix, L.hc_attn, L.attn_norm, xin)
+        # the compressor's and indexer's projections of xa on a stream of their own, beside the q and
+        # K=V ones, where the backend asks (CupyOps DSUF_XPROJ_EARLY)
+        xs = (ops.side(self._project, xa, L.x_proj, lane=2) if cfg.arch == "v41" and cfg.compress_ratios[li]
+              and getattr(ops, "xproj_early", False) else None)
         lat = self._project(xa, L.qkv)
         q_res = ops.rmsnorm(lat["q_lat"], L.q_norm, cfg.rms_norm_eps)
         # the query heads (wq_b, the largest projection here) as a side branch, beside the K=V,
         # compressor and indexer chain of small kernels
         q = ops.side(self._query_heads, L, q_res, cos, sin)
         kv = ops.norm_rope_quant(lat["kv_lat"], cos, sin, (L.kv_norm, cfg.rms_norm_eps), self._codec("window"))
-        extra = self._v41_projections(li, L, xa, q_res, cos, sin, late)
+        extra = self._v41_projections(li, L, xa, q_res, cos, sin, late, xs)
         return (h, xa, q_res, q if late else q.result(), kv, *mix.result(), *extra)
 
     def _project(self, x, stacked: list) -> dict:
@@ -592,9 +596,10 @@ class Model:
         q = ops.linear(q_res, L.wq_b).reshape(t, hn, cfg.head_dim)
         return ops.norm_rope_quant(q, cos, sin, (None, cfg.rms_norm_eps) if cfg.arch == "v4" else None)
 
-    def _v41_projections(self, li: int, L, x, q_res, cos, sin, late: bool = False) -> tuple:
+    def _v41_projections(self, li: int, L, x, q_res, cos, sin, late: bool = False, xs=None) -> tuple:
         """The token-wise part of a V4.1 layer's compressor and indexer (see _Projected), done for
-        every row here so it can be graphed; the attention then only appends and selects."""
+        every row here so it can be graphed; the attention then only appends and selects. xs: x's
+        projections by L.x_proj as a branch forked before (_layer_in)."""
         cfg, ops = self.cfg, self.ops
         p = [None] * len(_Projected._fields)
         ratio = cfg.compress_ratios[li]
@@ -602,7 +607,8 @@ class Model:
             return tuple(p)
         # the indexer's queries: a side branch, beside the compressor's chain
         idx = ops.side(self._index_queries, L, q_res, cos, sin) if L.idx is not None else None
-        xs = self._project(x, L.x_proj)  # (the compressor's kv / gate and the indexer's head weights)
+        # (the compressor's kv / gate and the indexer's head weights)
+        xs = xs.result() if xs is not None else self._project(x, L.x_proj)
         if cfg.layer_kinds[li] == "source":
             if ratio > 1:
                 p[0], p[1] = xs["comp_kv"], xs["comp_gate"]

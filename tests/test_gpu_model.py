@@ -249,7 +249,8 @@ def test_flash_shaped_4_layers_logits(tmp_path, monkeypatch, fused):
     in one kernel), DSUF_ROUTE_GROUP (routing and grouping in one), DSUF_FUSED_SCATTER (state rows
     scattered together), DSUF_ATT_DEROPE (the attention output's RoPE undone in its kernel) and
     DSUF_ENGRAM_EARLY (the Engram layer's rows projected from the step's start, on a stream of their
-    own) and DSUF_FUSED_ACT (the experts' SwiGLU applied by their down projection)."""
+    own), DSUF_FUSED_ACT (the experts' SwiGLU applied by their down projection) and DSUF_XPROJ_EARLY
+    (a compressing layer's x projections on a stream of their own)."""
     from engine.backends import cupy_ops
     from engine.tiny_model import PRESETS, write_tiny_model
 
@@ -259,6 +260,7 @@ def test_flash_shaped_4_layers_logits(tmp_path, monkeypatch, fused):
     monkeypatch.setattr(cupy_ops, "ATT_DEROPE", fused)
     monkeypatch.setattr(cupy_ops, "ENGRAM_EARLY", fused)
     monkeypatch.setattr(cupy_ops, "FUSED_ACT", fused)
+    monkeypatch.setattr(cupy_ops, "XPROJ_EARLY", fused)
 
     sizes = {k: v for k, v in PRESETS["v41-flash-shaped"].items() if k != "arch"}
     sizes.update(layers=4, experts=8, vocab=4096, engram_vocab=1024)

@@ -315,9 +315,9 @@ class _OrderOps(NumpyOps):
         self.calls.append("collapse")
         return super().hc_collapse_norm(*a, **kw)
 
-    def side(self, fn, *args):
-        self.calls.append({self.swiglu_mlp: "shared", self.hc_mixes: "mixes"}.get(fn, "other"))
-        return super().side(fn, *args)
+    def side(self, fn, *args, lane: int = 0):
+        self.calls.append("far" if lane else {self.swiglu_mlp: "shared", self.hc_mixes: "mixes"}.get(fn, "other"))
+        return super().side(fn, *args, lane=lane)
 
 
 @pytest.mark.parametrize("hint", ["shared_after_routing", "mixes_after_collapse"])
@@ -395,14 +395,10 @@ def test_fused_stream_update_changes_nothing(model: Model) -> None:
 
 
 class _EarlyOps(_OrderOps):
-    """_OrderOps with the early-Engram hint, recording each far branch ("far")."""
+    """_OrderOps with the early-Engram hint (each branch on a lane of its own recorded as "far")."""
 
     def __init__(self) -> None:
         super().__init__("engram_early")
-
-    def side_far(self, fn, *args):
-        self.calls.append("far")
-        return super().side_far(fn, *args)
 
 
 def test_engram_early_changes_nothing(model: Model) -> None:
@@ -435,3 +431,28 @@ def test_engram_early_changes_nothing(model: Model) -> None:
     assert "far" not in steps[0] and "collapse" in steps[0]  # the chunk: at each Engram layer
     for step in steps[1:]:  # each decode step: all of them first
         assert step.split()[:n + 1] == ["far"] * n + ["collapse"], step
+
+
+def test_xproj_early_changes_nothing(model: Model) -> None:
+    """The plumbing of CupyOps DSUF_XPROJ_EARLY: with the backend's xproj_early hint, each V4.1
+    compressing layer forks its x projections (compressor, indexer weights) as a far branch before
+    its q / K=V projection, in prompt chunks and decode steps alike. Bit-identical logits."""
+    if model.cfg.arch != "v41":
+        pytest.skip("V4.1 only")
+    ids = _ids(model, 43)
+
+    def run() -> list:
+        st = model.new_state()
+        return [model.forward([st], [ids[:40]])[0]] + [model.forward([st], [[t]])[0] for t in ids[40:]]
+
+    want = run()
+    ops, hinted = model.ops, _EarlyOps()
+    hinted.engram_early, hinted.xproj_early = False, True
+    model.ops = hinted
+    try:
+        got = run()
+    finally:
+        model.ops = ops
+    for g, w in zip(got, want, strict=True):
+        _close(g, w)
+    assert hinted.calls.count("far") == 4 * sum(1 for r in model.cfg.compress_ratios if r)

@@ -122,13 +122,18 @@ FUSED_SCATTER = os.environ.get("DSUF_FUSED_SCATTER", "0") == "1"
 ATT_DEROPE = os.environ.get("DSUF_ATT_DEROPE", "0") == "1"
 # Opt-in, not yet measured (DSUF_ENGRAM_EARLY=1): a decode step's Engram rows (a gather and a 157 MB
 # GEMV at flash width, a function of the hash ids alone: 49 us on the critical path of its layer in
-# the stop-27 b1 timeline) forked at the step's start on a stream of their own (side_far), beside
-# the layers before it, and joined at its layer's gate.
+# the stop-27 b1 timeline) forked at the step's start on a stream of their own, beside
+# the layers before it, and joined at its layer's gate (side lane 1).
 ENGRAM_EARLY = os.environ.get("DSUF_ENGRAM_EARLY", "0") == "1"
 # Opt-in, not yet measured (DSUF_FUSED_ACT=1): the routed experts' down projection at one row per
 # pair (gemvr FP4) reads the fused gate / up output and applies the SwiGLU as it stages x
 # (kernels/gemv_tc.cu gemvr_*_act), instead of a swiglu_pairs launch between the two GEMVs.
 FUSED_ACT = os.environ.get("DSUF_FUSED_ACT", "0") == "1"
+# Opt-in, not yet measured (DSUF_XPROJ_EARLY=1): a V4.1 compressing layer's compressor and indexer
+# projections of the site's input (L.x_proj: BF16, ~10 MB at flash width, on the critical path
+# between the K=V norm and the state scatters) forked onto a side stream of their own (lane 2)
+# beside the q / K=V projections (Model._layer_in).
+XPROJ_EARLY = os.environ.get("DSUF_XPROJ_EARLY", "0") == "1"
 EN_HC = 4  # (kernels/elementwise.cu EN_HC: V4.1's hc_mult; more streams take the two launches)
 # The indexer's scores with lanes over heads (kernels/attention.cu indexer_row<true>: one warp
 # reduction per key, not one per head).
@@ -458,7 +463,7 @@ class CupyOps:
         self._no_scale = cp.zeros(1, F32)  # the scale argument of unscaled tables
         self._hc_count = cp.zeros(HC_COUNTERS, dtype=cp.int32)  # hc_mix's block counters (each resets its own)
         self._side_stream: cp.cuda.Stream | None = None  # side(): made on first use, on this device
-        self._far_stream: cp.cuda.Stream | None = None  # side_far()'s, likewise
+        self._lane_streams: dict[int, cp.cuda.Stream] = {}  # side()'s other lanes, likewise
         self._rows_of_mask: tuple | None = None  # (mask, k, its row lists): attend_decode's last
         self._routed: tuple | None = None  # (ids, (E, step, dup), grouping): route_group's, for moe()
 
@@ -584,6 +589,12 @@ class CupyOps:
         return ENGRAM_EARLY
 
     @property
+    def xproj_early(self) -> bool:
+        """Whether Model forks a compressing layer's x projections beside its q / K=V ones
+        (DSUF_XPROJ_EARLY)."""
+        return XPROJ_EARLY
+
+    @property
     def expand_norm_fused(self) -> bool:
         """Whether Model's V4.1 stream updates also give the next site's input (DSUF_FUSED_EXPAND)."""
         return FUSED_EXPAND
@@ -593,7 +604,7 @@ class CupyOps:
         """Model._site_in's fork point for an mHC site's mixes (DSUF_MIXES_LATE)."""
         return MIXES_LATE
 
-    def side(self, fn, *args) -> SideBranch:
+    def side(self, fn, *args, lane: int = 0) -> SideBranch:
         """fn(*args) enqueued on a second stream, forked from the current one here: it runs
         concurrently with what the caller enqueues next, until .result() joins it back. Inside a
         graph capture the fork and join become the graph's edges, so a decode step's independent
@@ -603,24 +614,21 @@ class CupyOps:
         Only while capturing: eagerly fn runs inline, because an eager branch may fill a cache
         (segment tables, pointer tables) or the pinned upload ring on its own stream, and the main
         stream could read that entry before the join. A capture runs after the region's eager
-        warm-up, with its caches full and uploads not staged through the ring."""
-        return self._fork(0, fn, args)
-
-    def side_far(self, fn, *args) -> SideBranch:
-        """side() for a branch joined much later (an Engram layer's rows forked at the start of a
-        step: DSUF_ENGRAM_EARLY), on a second side stream: the branches forked after it on the
-        first one must not queue behind it."""
-        return self._fork(1, fn, args)
-
-    def _fork(self, slot: int, fn, args: tuple) -> SideBranch:
+        warm-up, with its caches full and uploads not staged through the ring.
+        lane: the side stream (0: the usual one; Model gives the branches that must not queue
+        behind it their own lanes: 1 an Engram layer's rows forked at the step's start,
+        DSUF_ENGRAM_EARLY; 2 a layer's x projections, DSUF_XPROJ_EARLY)."""
         main = cp.cuda.get_current_stream()
         if not SIDE_BRANCHES or not main.is_capturing():
             return SideBranch(fn(*args), None, ())
-        if slot == 0 and self._side_stream is None:
-            self._side_stream = cp.cuda.Stream(non_blocking=True)
-        if slot == 1 and self._far_stream is None:
-            self._far_stream = cp.cuda.Stream(non_blocking=True)
-        side = self._side_stream if slot == 0 else self._far_stream
+        if lane == 0:
+            if self._side_stream is None:
+                self._side_stream = cp.cuda.Stream(non_blocking=True)
+            side = self._side_stream
+        else:
+            side = self._lane_streams.get(lane)
+            if side is None:
+                side = self._lane_streams[lane] = cp.cuda.Stream(non_blocking=True)
         fork = cp.cuda.Event(disable_timing=True)
         fork.record(main)
         side.wait_event(fork)

@@ -105,14 +105,10 @@ class NumpyOps:
         """Whether graphed regions called now run inline (here: always; no graphs)."""
         return True
 
-    def side(self, fn, *args) -> Done:
+    def side(self, fn, *args, lane: int = 0) -> Done:
         """fn(*args) as a branch the caller joins with .result() (the GPU backend runs it on a
-        second stream, concurrently); here simply computed now."""
-        return Done(fn(*args))
-
-    def side_far(self, fn, *args) -> Done:
-        """side() for a branch joined much later (the GPU backend gives it a stream of its own, so
-        that the branches forked after it do not queue behind it); here simply computed now."""
+        second stream, concurrently: `lane` picks which, so that a branch need not queue behind
+        another); here simply computed now."""
         return Done(fn(*args))
 
     def stage(self, inputs):
