@@ -123,11 +123,10 @@ class NgramHasher:
         """__call__ for B sequences of one new token each (a decode step), vectorized over them:
         histories[b] the raw ids before ids[b], which sits at positions[b]. -> [B, L, (N-1)*heads]."""
         n = self.n
-        rows = []  # per sequence, column j: the token j places back (-1: none); one array for all
-        for hist, t in zip(histories, ids, strict=True):
-            back = [int(t), *reversed(hist[-(n - 1):])] if n > 1 and hist else [int(t)]
-            rows.append(back + [-1] * (n - len(back)))
-        raw = np.array(rows, dtype=np.int64)
+        # per sequence, column j: the token j places back (-1: none); one array for all
+        pad, last = [-1] * n, n - 1
+        raw = np.array([([int(t), *(hist[::-1][:last] if last else ())] + pad)[:n]
+                        for hist, t in zip(histories, ids, strict=True)], dtype=np.int64)
         ok = (raw >= 0) & (np.asarray(positions, dtype=np.int64)[:, None] - np.arange(n)[None, :] >= 0)
         return self._hash(np.where(ok, self.token_map[np.maximum(raw, 0)], self.pad))
 

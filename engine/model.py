@@ -495,13 +495,15 @@ class Model:
 
     # ---- Engram ------------------------------------------------------------------------
     def _engram_hashes(self, seqs: list[_Seq], ids: list[np.ndarray]) -> np.ndarray:
-        if all(ch.size == 1 for ch in ids):  # decode: one vectorized hash for the whole batch
-            out = self.hasher.decode([s.state.recent_tokens for s in seqs], [int(ch[0]) for ch in ids],
-                                     [int(s.pos[0]) for s in seqs])
-        else:
-            out = np.concatenate([self.hasher(s.state.recent_tokens, ch, int(s.pos[0]))
-                                  for s, ch in zip(seqs, ids, strict=True)], axis=0)
         keep = self.cfg.engram_max_ngram_size - 1
+        if all(ch.size == 1 for ch in ids):  # decode: one vectorized hash for the whole batch
+            toks = [int(ch[0]) for ch in ids]
+            out = self.hasher.decode([s.state.recent_tokens for s in seqs], toks, [int(s.pos[0]) for s in seqs])
+            for s, t in zip(seqs, toks, strict=True):  # (host time of every decode step: kept lean)
+                s.state.recent_tokens = [*s.state.recent_tokens, t][-keep:] if keep else []
+            return out
+        out = np.concatenate([self.hasher(s.state.recent_tokens, ch, int(s.pos[0]))
+                              for s, ch in zip(seqs, ids, strict=True)], axis=0)
         for s, ch in zip(seqs, ids, strict=True):
             s.state.recent_tokens = (list(s.state.recent_tokens) + [int(t) for t in ch])[-keep:] if keep else []
         return out
