@@ -210,16 +210,52 @@ def _sync(devices: list[int]) -> None:
 
 def bench_model(ckpt: str, bw: float, batches=(1, 8, 32), prefills=(4096, 65536), steps: int = 10,
                 chunk: int = 4096, gpus: list[int] | None = None, compare_tp1: bool = False,
-                expert_split: str = "ep") -> None:
+                expert_split: str = "ep", variants: tuple = ()) -> None:
+    """variants: settings of the GPU backend's switches ({"DSUF_FUSED_EXPAND": "1", ...}, see
+    engine/backends/cupy_ops.py set_flags), each timed after the default in the same process,
+    its graphs captured anew: one checkpoint load for an A/B of many paths (one GPU)."""
+    if variants:
+        from engine.backends import cupy_ops
+
+        for settings in variants:  # (a misspelt switch fails now, not after the default's runs)
+            cupy_ops.restore_flags(cupy_ops.set_flags(settings))
     cfg, model, ranks, devices = _load(ckpt, gpus, expert_split)
     stats = [_weight_stats(r) for r in ranks]
-    e, k, nl, d = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.num_layers, cfg.head_dim
+    e, k, nl = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.num_layers
     rng = np.random.default_rng(0)
-    ctx = 16  # tokens of context before the timed decode steps
-    graphs = [r.ops.graphs for r in ranks]
     tp = f", tensor parallel over GPUs {devices}, experts split by {expert_split}" if len(ranks) > 1 else ""
     print(f"\nmodel {ckpt}: {nl} layers, hidden {cfg.hidden_size}, {e} experts top-{k}; "
-          f"CUDA graphs {'on' if graphs[0].enabled else 'off'}{tp}")
+          f"CUDA graphs {'on' if ranks[0].ops.graphs.enabled else 'off'}{tp}")
+    if variants and len(ranks) > 1:
+        raise SystemExit("bench --variants: one GPU")
+    tc = tensor_core_rate() if prefills else 0.0
+    if prefills:
+        print(f"tensor-core rate (fp16 cuBLAS GEMM): {tc / 1e12:.0f} TFLOP/s per GPU")
+    for settings in ({}, *variants):
+        old = None
+        if settings:
+            from engine.backends import cupy_ops
+
+            old = cupy_ops.set_flags(settings)
+            for r in ranks:  # (graphs captured before keep the paths they were captured with)
+                r.ops.graphs.release()
+            print("\n== " + ",".join(f"{name}={v}" for name, v in settings.items()))
+        try:
+            _bench_decode(model, cfg, ranks, devices, stats, batches, steps, bw, rng)
+            if prefills:
+                _bench_prefill(model, cfg, ranks, devices, stats, prefills, chunk, tc, rng)
+        finally:
+            if old is not None:
+                cupy_ops.restore_flags(old)
+    if compare_tp1 and len(ranks) > 1:
+        _compare_tp1(ckpt, cfg, model, devices[0], rng)
+
+
+def _bench_decode(model, cfg, ranks, devices, stats, batches, steps: int, bw: float, rng) -> None:
+    """The decode table: per batch size, a served step's time and its graph's, against the floor."""
+    e, k, nl, d = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.num_layers, cfg.head_dim
+    ctx = 16  # tokens of context before the timed decode steps
+    graphs = [r.ops.graphs for r in ranks]
     print(f"{'batch':>6s} {'step ms':>9s} {'layer ms':>9s} {'tok/s':>9s} {'floor ms':>9s} {'% of floor':>10s} "
           f"{'graph ms':>9s} {'graph %':>8s}")
     for b in batches:
@@ -247,17 +283,19 @@ def bench_model(ckpt: str, bw: float, batches=(1, 8, 32), prefills=(4096, 65536)
           "floor = weight + state bytes a step reads on the busiest GPU / copy bandwidth; "
           "graph ms = the decode step's forward graph replayed back to back: its device time, no host in it; "
           "graph % = floor / graph ms)")
-    if prefills:
-        tc = tensor_core_rate()
-        print(f"tensor-core rate (fp16 cuBLAS GEMM): {tc / 1e12:.0f} TFLOP/s per GPU")
-        model.forward([model.new_state()], [rng.integers(0, cfg.vocab_size, 64)])  # warm-up
-        # multiply-adds per token: weights (dense + top-k experts) + attention (q.k and p.v over the
-        # window and, in compressed layers, the selected entries), spread over the ranks
-        attn = sum(cfg.num_heads * d * 2 * (cfg.sliding_window + (cfg.index_topk if r else 0))
-                   for r in cfg.compress_ratios)
-        # (one whole expert's multiply-adds: a rank holds whole experts, or a width slice of each)
-        expert = sum(ws["expert_macs"] * ws["owned"] for ws in stats) / e
-        macs = sum(ws["dense_macs"] for ws in stats) + nl * k * expert + attn
+
+
+def _bench_prefill(model, cfg, ranks, devices, stats, prefills, chunk: int, tc: float, rng) -> None:
+    """Each prompt length fed in chunks: its time, tokens/s (per layer) and the tensor-core floor."""
+    e, k, nl, d = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.num_layers, cfg.head_dim
+    model.forward([model.new_state()], [rng.integers(0, cfg.vocab_size, 64)])  # warm-up
+    # multiply-adds per token: weights (dense + top-k experts) + attention (q.k and p.v over the
+    # window and, in compressed layers, the selected entries), spread over the ranks
+    attn = sum(cfg.num_heads * d * 2 * (cfg.sliding_window + (cfg.index_topk if r else 0))
+               for r in cfg.compress_ratios)
+    # (one whole expert's multiply-adds: a rank holds whole experts, or a width slice of each)
+    expert = sum(ws["expert_macs"] * ws["owned"] for ws in stats) / e
+    macs = sum(ws["dense_macs"] for ws in stats) + nl * k * expert + attn
     for prefill in prefills:
         st = model.new_state()
         ids = rng.integers(0, cfg.vocab_size, prefill)
@@ -271,8 +309,6 @@ def bench_model(ckpt: str, bw: float, batches=(1, 8, 32), prefills=(4096, 65536)
         print(f"prefill {prefill} tokens in chunks of {min(chunk, prefill)}: {dt:.3f} s, {prefill / dt:.0f} tok/s, "
               f"{dt / nl * 1e3:.2f} ms/layer, {prefill / dt * nl:.0f} tok/s per layer; tensor-core floor "
               f"{floor:.3f} s ({100 * floor / dt:.1f}% of it)")
-    if compare_tp1 and len(ranks) > 1:
-        _compare_tp1(ckpt, cfg, model, devices[0], rng)
 
 
 def _compare_tp1(ckpt: str, cfg, model, device: int, rng) -> None:
@@ -291,9 +327,24 @@ def _compare_tp1(ckpt: str, cfg, model, device: int, rng) -> None:
           f"{float(np.median(errs)):.2e} over a 64-token prefill and 8 decode steps")
 
 
+def parse_variants(text: str) -> tuple[dict[str, str], ...]:
+    """'A=1 B=0,C=u6' -> ({"A": "1"}, {"B": "0", "C": "u6"}): runs apart by whitespace, one run's
+    settings by commas (the names are checked when a run sets them: cupy_ops.set_flags)."""
+    runs = []
+    for run in text.split():
+        settings = {}
+        for item in run.split(","):
+            name, eq, value = item.partition("=")
+            if not eq or not name:
+                raise SystemExit(f"bench --variants: {item!r} is not NAME=VALUE")
+            settings[name] = value
+        runs.append(settings)
+    return tuple(runs)
+
+
 def bench_main(argv: list[str] | None = None) -> int:
     """CLI entry: `bench [--ckpt DIR] [--batches 1,8,32] [--prefill 4096,65536] [--chunk N] [--no-linears]
-    [--gpus 0,1,2,3 [--compare-tp1]]`."""
+    [--gpus 0,1,2,3 [--compare-tp1]] [--variants 'DSUF_X=1 DSUF_Y=0,DSUF_Z=1']`."""
     from engine.tp import EXPERT_SPLITS
 
     ap = argparse.ArgumentParser(prog="dsuf bench", description=__doc__.splitlines()[0])
@@ -308,6 +359,10 @@ def bench_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compare-tp1", action="store_true", help="with --gpus: logits vs the model on one GPU")
     ap.add_argument("--expert-split", choices=EXPERT_SPLITS, default="ep",
                     help="with --gpus: routed experts by expert id or by width")
+    ap.add_argument("--variants", default="",
+                    help="with --ckpt, one GPU: the GPU backend's switches to time after the default in the same "
+                         "process, runs apart by spaces, one run's settings by commas, e.g. "
+                         "'DSUF_FUSED_EXPAND=1 DSUF_SIDE=0,DSUF_GEMVR_FP4=u6'")
     a = ap.parse_args(argv)
     gpus = [int(g) for g in a.gpus.split(",")] if a.gpus else None
     bw = copy_bandwidth()
@@ -317,5 +372,5 @@ def bench_main(argv: list[str] | None = None) -> int:
     if a.ckpt:
         prefills = tuple(n for n in (int(v) for v in a.prefill.split(",")) if n > 0)
         bench_model(a.ckpt, bw, tuple(int(b) for b in a.batches.split(",")), prefills, a.steps, a.chunk, gpus,
-                    a.compare_tp1, a.expert_split)
+                    a.compare_tp1, a.expert_split, parse_variants(a.variants))
     return 0

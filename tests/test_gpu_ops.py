@@ -1172,3 +1172,21 @@ def test_cat_matches_numpy():
         assert np.array_equal(cp.asnumpy(got), np.concatenate(arrays, axis=axis))
     strided = cp.asarray(rnd(4, 6))[:, ::2]
     assert np.array_equal(cp.asnumpy(GPU.cat([strided, strided], 0)), np.concatenate([cp.asnumpy(strided)] * 2))
+
+
+def test_region_graphs_release():
+    """RegionGraphs.release drops every graph and its memory; the region runs eagerly once more,
+    is captured anew and replays the same values."""
+    from engine.backends.cuda_graphs import RegionGraphs
+
+    graphs = RegionGraphs(enabled=True)
+    x = cp.asarray(rnd(4, 256))
+
+    def fn(a):
+        return GPU.rmsnorm(a * 2.0, None, 1e-6)
+
+    first = [cp.asnumpy(graphs("r", fn, x)) for _ in range(3)]
+    assert graphs.captures == 1
+    graphs.release()
+    again = [cp.asnumpy(graphs("r", fn, x)) for _ in range(3)]
+    assert graphs.captures == 2 and all(np.array_equal(a, first[-1]) for a in again)

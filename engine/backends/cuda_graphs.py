@@ -217,6 +217,17 @@ class RegionGraphs:
         self.captures += 1
         return True
 
+    def release(self) -> None:
+        """Drop every captured graph and free the memory they kept (their outputs are invalid
+        from now on), e.g. after switching a backend path (engine/bench.py --variants). Each region
+        runs eagerly once more before its next capture (a new path may fill caches then)."""
+        self._seen.clear()
+        self._graphs.clear()
+        self._owned.clear()
+        self._rows.clear()
+        self._buckets.clear()
+        self._pool.free_all_blocks()
+
     def forget(self, sig) -> None:
         """Drop region `sig`'s graph, if any; the region stays eager (e.g. when another rank's
         part of a step failed to capture)."""

@@ -182,6 +182,62 @@ ATT_BLOCKS_TARGET, ATT_MIN_SPLIT = 132 * 2, int(os.environ.get("DSUF_ATT_MIN_SPL
 if ATT_MIN_SPLIT < 16 or ATT_MIN_SPLIT % 16:
     raise ValueError(f"DSUF_ATT_MIN_SPLIT must be a positive multiple of 16, not {ATT_MIN_SPLIT}")
 _NULL = np.uint64(0)  # a null pointer kernel argument
+
+
+def _opt_in(v: str) -> bool:
+    return v == "1"
+
+
+def _default_on(v: str) -> bool:
+    return v != "0"
+
+
+def _gemvr_fp4_name(v: str) -> str:
+    if v not in GEMVR_FP4_KERNELS:
+        raise ValueError(f"DSUF_GEMVR_FP4 must be one of {sorted(GEMVR_FP4_KERNELS)}, not {v!r}")
+    return v
+
+
+def _att_min_split(v: str) -> int:
+    if int(v) < 16 or int(v) % 16:
+        raise ValueError(f"DSUF_ATT_MIN_SPLIT must be a positive multiple of 16, not {v}")
+    return int(v)
+
+
+# The switches above by environment variable: (module attribute, parser of the variable's value).
+# set_flags uses it to switch paths inside a running process (`dsuf.py bench --variants`);
+# tests/test_backend_flags.py checks it against the variables this module reads at import.
+SWITCHES = {
+    "DSUF_GEMVR": ("GEMVR", str), "DSUF_GEMVR_FP4": ("GEMVR_FP4", _gemvr_fp4_name),
+    "DSUF_ATT_MIN_SPLIT": ("ATT_MIN_SPLIT", _att_min_split), "DSUF_SIDE_BLOCKS_PER_SM": ("SIDE_BLOCKS_PER_SM", int),
+    **{f"DSUF_{name}": (name, _default_on) for name in (
+        "FUSED_NORM_ROPE", "INDEXER_LANES", "ATTEND_ROWS", "SPARSE_PREFILL", "INDEXER_TC", "ATTEND_TC", "GEMM_TC")},
+    "DSUF_SIDE": ("SIDE_BRANCHES", _default_on),
+    **{f"DSUF_{name}": (name, _opt_in) for name in (
+        "SHARED_LATE", "MIXES_LATE", "TIGHT_BLOCKS", "MOE_DEVICE_LARGE", "FUSED_EXPAND", "ROUTE_GROUP",
+        "FUSED_SCATTER", "ATT_DEROPE", "ENGRAM_EARLY", "FUSED_ACT", "XPROJ_EARLY")},
+}
+
+
+def set_flags(settings: dict[str, str]) -> dict[str, object]:
+    """Set switches (SWITCHES) in a running process as their environment variables would at
+    import: {"DSUF_FUSED_EXPAND": "1", ...}. Returns the attributes' previous values (undo with
+    globals().update: restore_flags). A graph captured before keeps the paths it was captured
+    with: a caller replays none of them after a change (bench clears its graphs)."""
+    new = {}
+    for env, value in settings.items():
+        if env not in SWITCHES:
+            raise ValueError(f"{env} is not a switch of the GPU backend (one of {sorted(SWITCHES)})")
+        attr, parse = SWITCHES[env]
+        new[attr] = parse(value)
+    old = {attr: globals()[attr] for attr in new}
+    globals().update(new)
+    return old
+
+
+def restore_flags(old: dict[str, object]) -> None:
+    """Undo set_flags (its return value)."""
+    globals().update(old)
 COPY_ROWS_MAX = 64 << 10  # copy_rows: larger copies (a state buffer's growth) go through cudaMemcpyAsync
 HC_COUNTERS = 1 << 16  # rows the fused mHC mix handles per launch (one int32 block counter each)
 MOE_DEVICE_MAX_PAIRS = 1024  # moe(): up to this many (token, expert) pairs are grouped on the device
