@@ -2,7 +2,7 @@ PY ?= python3
 BENCH_CKPT ?= $(or $(TMPDIR),/tmp)/dsuf-flash2
 
 .PHONY: test lint pytest serve gpu-test gpu-test-fallbacks gpu-memcheck gpu-memcheck-model gpu-memcheck-tp gpu-bench gpu-ab gpu-ab-decode \
-	gpu-ab-prefill bench-ckpt gpu-stream-sweep
+	gpu-ab-prefill gpu-ab-decode-apart bench-ckpt gpu-stream-sweep
 
 # The README's test command: lint, then the whole suite (GPU tests skip where no GPU is present).
 test: lint pytest
@@ -59,12 +59,13 @@ gpu-bench: bench-ckpt
 
 # The default's figures and each variant's beside them, on the bench checkpoint: decode graphs (b1, 8,
 # 32) for the decode-side fallback flags and the opt-in paths not yet measured, prefill 4096 / 65536
-# for the prefill-side flags. Each a device call of its own (~25 s a decode run, ~30 s a prefill run);
-# DECODE_AB / PREFILL_AB select a subset; commas join the settings of one run.
+# for the prefill-side flags, in one process (dsuf.py bench --variants: one checkpoint load, each
+# variant's graphs captured anew); DECODE_AB / PREFILL_AB select a subset; commas join the settings
+# of one run.
 BENCH_DECODE = $(PY) dsuf.py bench --ckpt $(BENCH_CKPT) --batches 1,8,32 --prefill 0 --no-linears --steps 20
 BENCH_PREFILL = $(PY) dsuf.py bench --ckpt $(BENCH_CKPT) --batches 1 --prefill 4096,65536 --no-linears --steps 5
-# (stop 27's fallbacks and opt-ins; stop 28's opt-in fusions and forks, alone, then all together.
-# Each list is ~6-9 minutes: a device call of its own, e.g. make gpu-ab-decode DECODE_AB='$(DECODE_AB_28)')
+# (stop 27's fallbacks and opt-ins; stop 28's opt-in fusions and forks, alone, then all together;
+# e.g. make gpu-ab-decode DECODE_AB='$(DECODE_AB_28)')
 DECODE_AB_27 = DSUF_FUSED_NORM_ROPE=0 DSUF_INDEXER_LANES=0 DSUF_SIDE=0 DSUF_GEMVR_FP4=u6 DSUF_GEMVR_FP4=e4 \
 	DSUF_GEMVR_FP4=e4u6 DSUF_SHARED_LATE=1 DSUF_MIXES_LATE=1 DSUF_ATT_MIN_SPLIT=16 DSUF_ATT_MIN_SPLIT=32 \
 	DSUF_SIDE_BLOCKS_PER_SM=1 DSUF_SIDE_BLOCKS_PER_SM=2 DSUF_TIGHT_BLOCKS=1
@@ -82,12 +83,16 @@ bench-ckpt:
 		--preset v41-flash-shaped --layers 2 --vocab 8192
 
 gpu-ab-decode: bench-ckpt
-	@echo "== decode, default"; $(BENCH_DECODE) | tail -4
-	@for v in $(DECODE_AB); do echo "== decode, $$v"; env $$(echo $$v | tr , ' ') $(BENCH_DECODE) | tail -4; done
+	$(BENCH_DECODE) --variants "$(DECODE_AB)" | grep -E "^==|^ +[0-9]+ "
 
 gpu-ab-prefill: bench-ckpt
-	@echo "== prefill, default"; $(BENCH_PREFILL) | tail -2
-	@for v in $(PREFILL_AB); do echo "== prefill, $$v"; env $$(echo $$v | tr , ' ') $(BENCH_PREFILL) | tail -2; done
+	$(BENCH_PREFILL) --variants "$(PREFILL_AB)" | grep -E "^==|^prefill"
+
+# The same runs one process each (flags read at import, as the server reads them): to check that an
+# in-process A/B ranks the paths alike.
+gpu-ab-decode-apart: bench-ckpt
+	@echo "== decode, default"; $(BENCH_DECODE) | tail -4
+	@for v in $(DECODE_AB); do echo "== decode, $$v"; env $$(echo $$v | tr , ' ') $(BENCH_DECODE) | tail -4; done
 
 # tools/stream_chain.py's tensor-core consumers (FP8: gemvr's f16 MMA, e4m3 MMA; FP4: e4m3, gemvr's)
 # by the depth of each warp's ring of units in flight: does a deeper ring stream a chain of
