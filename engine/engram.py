@@ -104,6 +104,11 @@ class NgramHasher:
                 raise ValueError(f"Engram layer {cfg.engram_layer_ids[li]}: table has {rows} rows, "
                                  f"the hash layout needs {int(flat[li].sum())}")
 
+    @property
+    def row_shape(self) -> tuple[int, int]:
+        """One token's hash ids: [Engram layers, (N-1) * heads]."""
+        return self.offsets.shape
+
     def __call__(self, history: list[int], ids: np.ndarray, start_pos: int) -> np.ndarray:
         """history: the raw ids just before this chunk (up to N-1 of them); ids: the chunk."""
         hist = [int(t) for t in history[-(self.n - 1):]] if self.n > 1 else []

@@ -28,7 +28,7 @@ from engine.config import ModelConfig, RopeSpec
 from engine.decode_plan import StepInputs, plan_decode
 from engine.engram import NgramHasher
 from engine.state import F32 as NO_CODEC
-from engine.state import V41_CODECS, LayerState, SequenceState, place
+from engine.state import V41_CODECS, LayerState, SequenceState, marks_hold, place, plan_marks, restore_marks
 from engine.tp import Collective, ShardPlan, StepRegion, rows_stackable, run_single, slice_weight
 
 NEG_INF = np.float32(-np.inf)
@@ -198,6 +198,19 @@ def _stacked_projections(ckpt, names, ops, parts: dict) -> list:
 # The model
 
 
+class _Ahead(NamedTuple):
+    """A decode step planned ahead (Model.prepare_next): its sequences and positions, their
+    bookkeeping before and after the plan, its inputs (token fields placeholders) and the
+    backend's staging of them."""
+
+    states: list
+    pos: np.ndarray
+    before: tuple
+    after: tuple
+    inputs: StepInputs
+    pre: object
+
+
 def _token_ids(chunks: list) -> tuple[np.ndarray, np.ndarray]:
     """Every chunk's token ids in one int64 array, and each chunk's length (a decode step's
     one-token chunks without a numpy call apiece)."""
@@ -263,6 +276,8 @@ class Model:
                 raise ValueError("this checkpoint has Engram layers: the tokenizer is needed to hash n-grams")
             self.hasher = NgramHasher(cfg, tokenizer_json)
         self.model_key = f"{cfg.model_type}:{cfg.num_layers}x{cfg.hidden_size}:{cfg.vocab_size}"
+        self._next: _Ahead | None = None  # the next decode step's plan, made ahead (prepare_next)
+        self.ahead_used = 0  # decode steps that took a plan made ahead (for tests and profiles)
 
     # ---- state -------------------------------------------------------------------------
     def new_state(self) -> SequenceState:
@@ -322,8 +337,58 @@ class Model:
 
     def step_sample(self, states: list[SequenceState], chunks: list, jobs: list) -> list:
         """forward(), then one token per engine.sampling.SampleJob (its row: the index of a state)
-        drawn by the backend: on the GPU only the tokens and logprobs come back."""
-        return self.ops.sample_rows(self.forward(states, chunks, on_device=True), jobs)
+        drawn by the backend: on the GPU only the tokens and logprobs come back. A V4.1 decode
+        step on one rank plans the next one for the same sequences while the device runs this one,
+        where the backend asks (CupyOps DSUF_PREPARE_NEXT; prepare_next)."""
+        logits = self.forward(states, chunks, on_device=True)
+        ahead = None
+        if (getattr(self.ops, "prepare_next", False) and self.cfg.arch == "v41" and self.plan.single
+                and all(len(ch) == 1 for ch in chunks)):
+            def ahead():
+                self.prepare_next(states)
+        return self.ops.sample_rows(logits, jobs, ahead=ahead)
+
+    def prepare_next(self, states: list[SequenceState]) -> None:
+        """The token-independent host work of a decode step of `states` (one new token each), done
+        ahead: its plan (decode_plan.plan_decode, whose bookkeeping of the grown state is set aside
+        again until that step: state.plan_marks / restore_marks; the copies into grown buffers go
+        out now, after the step before, and are simply unused if the plan is), its RoPE tables and
+        the backend's staging of them (CupyOps.prestage: the tables packed, token ids to come).
+        forward() takes it if its next call is that step, with nothing changed in between."""
+        cfg, ops = self.cfg, self.ops
+        self._next = None
+        before = plan_marks(states)
+        growth: list = []
+        try:
+            window, layers = plan_decode(cfg, states, ops.xp, growth, self._comp_rope_tables,
+                                         self.plan.heads[1] > self.plan.heads[0])
+            after = plan_marks(states)
+        finally:
+            restore_marks(before)
+        ops.copy_rows(growth)
+        pos = np.array([st.position for st in states], np.int64)
+        inputs = StepInputs(ids=np.zeros(len(states), np.int64),
+                            hash_ids=np.zeros((len(states), *self.hasher.row_shape), np.int64) if self.hasher else None,
+                            layers=layers, rope=self._rope_rows(pos), window=window, dec_rows=None)
+        self._next = _Ahead(list(states), pos, before, after, inputs, ops.prestage(inputs))
+
+    def _take_next(self, states: list[SequenceState], pos: np.ndarray) -> _Ahead | None:
+        """The plan made ahead (prepare_next) if it is this decode step's, its bookkeeping applied;
+        else None (it is dropped either way)."""
+        nxt, self._next = self._next, None
+        if (nxt is None or len(nxt.states) != len(states) or any(a is not b for a, b in zip(nxt.states, states,
+                                                                                         strict=True))
+                or not np.array_equal(nxt.pos, pos) or not marks_hold(nxt.before)):
+            return None
+        restore_marks(nxt.after)
+        self.ahead_used += 1
+        return nxt
+
+    def _rope_rows(self, pos: np.ndarray) -> np.ndarray:
+        """Both RoPE tables (cos, sin of the main and the compressed one) at each row's position."""
+        cfg = self.cfg
+        return np.stack([*rope_tables(self.freq_main, pos, cfg.rope_main.attention_factor),
+                         *rope_tables(self.freq_comp, pos, cfg.rope_compress.attention_factor)])
 
     def forward_steps(self, states: list[SequenceState], chunks: list, all_logits: bool = False,
                       on_device: bool = False):
@@ -357,7 +422,12 @@ class Model:
         # chunks sharing the step take the chunk path beside them.
         dec = [i for i, ch in enumerate(ids) if ch.size == 1] if cfg.arch == "v41" else []
         window = layers = dec_rows = None
-        if dec:
+        # (a decode step of the sequences a plan was made ahead for: prepare_next)
+        ahead = self._take_next(states, pos_all) if self._next is not None and len(dec) == len(seqs) else None
+        self._next = None
+        if ahead is not None:
+            window, layers = ahead.inputs.window, ahead.inputs.layers
+        elif dec:
             growth: list = []
             window, layers = plan_decode(cfg, [states[i] for i in dec], ops.xp, growth, self._comp_rope_tables,
                                          self.plan.heads[1] > self.plan.heads[0])
@@ -366,9 +436,8 @@ class Model:
                 dec_rows = np.array([seqs[i].rows.start for i in dec], np.int64)
         inputs = StepInputs(
             ids=ids_all, hash_ids=self._engram_hashes(seqs, ids) if self.hasher else None, layers=layers,
-            rope=np.stack([*rope_tables(self.freq_main, pos_all, cfg.rope_main.attention_factor),
-                           *rope_tables(self.freq_comp, pos_all, cfg.rope_compress.attention_factor)]),
-            window=window, dec_rows=dec_rows)
+            rope=ahead.inputs.rope if ahead is not None else self._rope_rows(pos_all), window=window,
+            dec_rows=dec_rows)
         if layers is not None and dec_rows is None:  # a decode step alone: one graph per rank
             key = ("decode", id(self.w))
 
@@ -376,7 +445,8 @@ class Model:
                 return self._run(st, seqs, all_logits)
 
             if self.plan.single:
-                local_logits = ops.graphed_step(key, inputs, lambda st: run_single(run(st)), rows=len(seqs))
+                staged = {"pre": ahead.pre} if ahead is not None else {}  # (its tables packed ahead)
+                local_logits = ops.graphed_step(key, inputs, lambda st: run_single(run(st)), rows=len(seqs), **staged)
             else:  # every rank's step at once, as the driver runs them (engine/tp.py StepRegion)
                 local_logits = yield Collective("step", StepRegion(key, inputs, run, ops, len(seqs)))
         else:

@@ -131,6 +131,53 @@ _NONE_HELD: dict = {}
 for _name in GROWN_FIELDS:
     setattr(LayerState, _name, _grown_field(_name))
 
+_OWN = tuple("_own_" + name for name in GROWN_FIELDS)
+
+
+def plan_marks(states: list) -> tuple:
+    """The host bookkeeping a decode step's plan changes (engine/decode_plan.py plan_decode): per
+    layer state its growth buffers' records, the grown fields' own arrays and its window's block,
+    per window block its live rows and attached layers. (The arrays' contents are not part of it:
+    a plan only appends rows past the live ones, and copies them into grown buffers.)"""
+    layers, blocks = [], {}
+    for st in states:
+        for ls in st.layers:
+            d = ls.__dict__
+            blk = d.get("_block")
+            layers.append((ls, dict(d["spare"]), tuple(d.get(o) for o in _OWN), blk, d.get("_layer", 0),
+                           d.get("_window")))
+            if blk is not None:
+                blocks[id(blk)] = (blk, blk.start, blk.end, blk.attached)
+    return layers, tuple(blocks.values())
+
+
+def restore_marks(marks: tuple) -> None:
+    """Put back the bookkeeping plan_marks took (a plan made ahead set aside, or applied)."""
+    layers, blocks = marks
+    for ls, spare, own, blk, layer, window in layers:
+        d = ls.__dict__
+        d["spare"].clear()
+        d["spare"].update(spare)
+        d.update(zip(_OWN, own, strict=True))
+        d["_block"], d["_layer"], d["_window"] = blk, layer, window
+    for blk, start, end, attached in blocks:
+        blk.start, blk.end, blk.attached = start, end, attached
+
+
+def marks_hold(marks: tuple) -> bool:
+    """Whether the states still carry exactly the bookkeeping of marks (nothing appended, grown,
+    replaced or detached since plan_marks)."""
+    layers, blocks = marks
+    for ls, spare, own, blk, layer, window in layers:
+        d = ls.__dict__
+        if (d.get("_block") is not blk or d.get("_layer", 0) != layer or d.get("_window") is not window
+                or any(d.get(o) is not a for o, a in zip(_OWN, own, strict=True))):
+            return False
+        held = d["spare"]
+        if held.keys() != spare.keys() or any(held[k] is not v for k, v in spare.items()):
+            return False
+    return all((blk.start, blk.end, blk.attached) == (start, end, attached) for blk, start, end, attached in blocks)
+
 
 @dataclass
 class SequenceState:

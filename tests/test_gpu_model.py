@@ -96,6 +96,39 @@ def test_step_sample_draws_from_the_models_logits():
             assert abs(g[1] - w[1]) < LP_TOL and [t for t, _ in g[2]] == [t for t, _ in w[2]]
 
 
+def test_next_step_planned_ahead_on_the_gpu(monkeypatch):
+    """DSUF_PREPARE_NEXT: decode steps that take the plan and the tables packed while the device ran
+    the step before (Model.prepare_next, CupyOps.prestage; the grown buffers' copies enqueued then)
+    draw the same greedy tokens and leave the same states, byte for byte, as steps planned in turn;
+    through window-block growth, a sequence leaving and one joining with a prompt."""
+    from engine.backends import cupy_ops
+    from engine.bench import GREEDY
+    from engine.sampling import SampleJob
+
+    tok = Tokenizer.from_dir(DEMO)
+    prompts = {"a": tok.encode(PROMPT), "b": tok.encode("Hello, world."), "c": tok.encode("1, 2, 3,")}
+    script = [["a", "b"]] * 75 + [["a"]] * 3 + [["a", "c"]] * 20
+    runs = []
+    for ahead in (False, True):
+        monkeypatch.setattr(cupy_ops, "PREPARE_NEXT", ahead)
+        model = _model(CupyOps())
+        states, last, toks = {}, {}, []
+        rng = np.random.default_rng(0)
+        for step in script:
+            chunks = []
+            for n in step:
+                if n not in states:
+                    states[n] = _gpu_state(model)
+                chunks.append(prompts[n] if n not in last else [last[n]])
+            out = model.step_sample([states[n] for n in step], chunks,
+                                    [SampleJob(i, GREEDY, [], rng) for i in range(len(step))])
+            last.update({n: t for n, (t, _, _) in zip(step, out, strict=True)})
+            toks.append([t for t, _, _ in out])
+        runs.append((toks, [states[n].to_bytes() for n in sorted(states)], model.ahead_used))
+    assert runs[0][2] == 0 and runs[1][2] == 73 + 2 + 18  # (not after a prompt or a change of batch)
+    assert runs[0][:2] == runs[1][:2]
+
+
 def test_demo_v41_unquantized_state_matches():
     """Without V4.1's state rounding the backends differ only by float32 summation order."""
     errs, flips, _ = _teacher_forced(store_quantized=False)

@@ -456,3 +456,65 @@ def test_xproj_early_changes_nothing(model: Model) -> None:
     for g, w in zip(got, want, strict=True):
         _close(g, w)
     assert hinted.calls.count("far") == 4 * sum(1 for r in model.cfg.compress_ratios if r)
+
+
+def _serve(model: Model, script: list) -> tuple[list, list[bytes]]:
+    """Run a script of steps through step_sample (greedy): each step a list of (sequence name,
+    prompt ids or None: its last drawn token); a name not seen before starts a new state. Returns
+    every step's tokens and the states' bytes at the end."""
+    from engine.bench import GREEDY
+    from engine.sampling import SampleJob
+
+    rng = np.random.default_rng(0)
+    states: dict = {}
+    last: dict = {}
+    out = []
+    for step in script:
+        names = [n for n, _ in step]
+        for n in names:
+            states.setdefault(n, model.new_state())
+        chunks = [ids if ids is not None else [last[n]] for n, ids in step]
+        jobs = [SampleJob(i, GREEDY, [], rng) for i in range(len(step))]
+        toks = [t for t, _, _ in model.step_sample([states[n] for n in names], chunks, jobs)]
+        last.update(zip(names, toks, strict=True))
+        out.append(toks)
+    return out, [states[n].to_bytes() for n in sorted(states)]
+
+
+def test_next_step_planned_ahead_changes_nothing(model: Model) -> None:
+    """CupyOps DSUF_PREPARE_NEXT's host side: with the backend's prepare_next hint, each decode
+    step plans the next one for the same sequences while the device would still run (Model.
+    prepare_next: the grown state's bookkeeping set aside, then applied at that step), and a step
+    that is not that one drops it. The same tokens and the same states, byte for byte, through
+    steady decoding (window blocks and entry buffers grow, groups pool), a sequence leaving, one
+    joining with a prompt chunk beside decode rows, and a state rebuilt from its bytes."""
+    if model.cfg.arch != "v41":
+        pytest.skip("V4.1's decode plan")
+    a, b, c = _ids(model, 20, 1), _ids(model, 7, 2), _ids(model, 11, 3)
+    script = [[("a", a), ("b", b)]] + [[("a", None), ("b", None)]] * 80 + [[("a", None)]] * 5
+    script += [[("a", None), ("c", c)]] + [[("a", None), ("c", None)]] * 30
+    want = _serve(model, script)
+    ops, hinted = model.ops, NumpyOps()
+    hinted.prepare_next = True
+    model.ops, used = hinted, model.ahead_used
+    try:
+        got = _serve(model, script)
+    finally:
+        model.ops = ops
+    assert got == want
+    # every decode step after a decode step of the same sequences took the plan made ahead
+    assert model.ahead_used - used == 79 + 4 + 29
+    # a plan made ahead leaves no trace in the state (here it is stored after the step, and a copy
+    # rebuilt from its bytes goes on: not the planned-for object, so the plan is dropped)
+    st, twin = model.new_state(), model.new_state()
+    model.forward([twin], [a])
+    model.step_sample([twin], [[5]], [])
+    model.ops = hinted
+    try:
+        model.forward([st], [a])
+        model.step_sample([st], [[5]], [])
+        assert model._next is not None and st.to_bytes() == twin.to_bytes()
+        model.step_sample([SequenceState.from_bytes(st.to_bytes())], [[6]], [])
+        assert model.ahead_used - used == 112
+    finally:
+        model.ops = ops

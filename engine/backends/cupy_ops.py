@@ -129,6 +129,10 @@ ENGRAM_EARLY = os.environ.get("DSUF_ENGRAM_EARLY", "0") == "1"
 # pair (gemvr FP4) reads the fused gate / up output and applies the SwiGLU as it stages x
 # (kernels/gemv_tc.cu gemvr_*_act), instead of a swiglu_pairs launch between the two GEMVs.
 FUSED_ACT = os.environ.get("DSUF_FUSED_ACT", "0") == "1"
+# Opt-in, not yet measured (DSUF_PREPARE_NEXT=1): while the device runs a decode step, the host
+# plans the next one for the same sequences and packs its tables (Model.prepare_next), ahead of the
+# draw's read-back: a served b1 step spent ~270 of its ~470 us of host work on them (stop 27).
+PREPARE_NEXT = os.environ.get("DSUF_PREPARE_NEXT", "0") == "1"
 # Opt-in, not yet measured (DSUF_XPROJ_EARLY=1): a V4.1 compressing layer's compressor and indexer
 # projections of the site's input (L.x_proj: BF16, ~10 MB at flash width, on the critical path
 # between the K=V norm and the state scatters) forked onto a side stream of their own (lane 2)
@@ -215,7 +219,7 @@ SWITCHES = {
     "DSUF_SIDE": ("SIDE_BRANCHES", _default_on),
     **{f"DSUF_{name}": (name, _opt_in) for name in (
         "SHARED_LATE", "MIXES_LATE", "TIGHT_BLOCKS", "MOE_DEVICE_LARGE", "FUSED_EXPAND", "ROUTE_GROUP",
-        "FUSED_SCATTER", "ATT_DEROPE", "ENGRAM_EARLY", "FUSED_ACT", "XPROJ_EARLY")},
+        "FUSED_SCATTER", "ATT_DEROPE", "ENGRAM_EARLY", "FUSED_ACT", "XPROJ_EARLY", "PREPARE_NEXT")},
 }
 
 
@@ -597,10 +601,11 @@ class CupyOps:
     def to_host(self, x) -> np.ndarray:
         return cp.asnumpy(x) if isinstance(x, cp.ndarray) else np.asarray(x)
 
-    def sample_rows(self, logits: cp.ndarray, jobs: list) -> list:
-        """One token per engine.sampling.SampleJob, drawn on the device (cupy_sampling.py)."""
+    def sample_rows(self, logits: cp.ndarray, jobs: list, ahead=None) -> list:
+        """One token per engine.sampling.SampleJob, drawn on the device (cupy_sampling.py); ahead():
+        host work done while the device finishes, before the tokens are read back."""
         return cupy_sampling.sample_rows(self.asarray(logits), jobs,
-                                         upload=lambda table: self.asarray(table, dtype=np.int32))
+                                         upload=lambda table: self.asarray(table, dtype=np.int32), ahead=ahead)
 
     def copy_rows(self, jobs: list) -> None:
         """Row copies (src, src_row, dst, dst_row, rows) between C-contiguous 2-D arrays of one width,
@@ -643,6 +648,11 @@ class CupyOps:
     def engram_early(self) -> bool:
         """Whether Model forks a decode step's Engram projections at its start (DSUF_ENGRAM_EARLY)."""
         return ENGRAM_EARLY
+
+    @property
+    def prepare_next(self) -> bool:
+        """Whether Model plans the next decode step while the device runs this one (DSUF_PREPARE_NEXT)."""
+        return PREPARE_NEXT
 
     @property
     def xproj_early(self) -> bool:
@@ -1629,11 +1639,25 @@ class CupyOps:
         i64, f32, layout = self._upload(inputs)
         return layout.views(i64, f32)
 
-    def graphed_step(self, key, inputs, run, rows: int):
+    def prestage(self, inputs):
+        """A step's tables packed on the host ahead of the step (Model.prepare_next: its token ids
+        and Engram hash ids are placeholders, filled in by graphed_step), with its signature."""
+        return (*cupy_staging.pack(inputs), inputs.signature())
+
+    def graphed_step(self, key, inputs, run, rows: int, pre=None):
         """run(staged inputs) as one CUDA graph per (key, launch signature): a whole decode step
-        replays with one upload of its tables and one graph launch."""
-        i64, f32, layout = self._upload(inputs)
-        return self.graphs((key, inputs.signature()), lambda a, b: run(layout.views(a, b)), i64, f32, rows=rows)
+        replays with one upload of its tables and one graph launch. pre: prestage(inputs as they
+        were but for the token fields), their ids and hash ids written in before the upload."""
+        if pre is None:
+            i64, f32, layout = self._upload(inputs)
+            sig = inputs.signature()
+        else:
+            i64, f32, layout, sig = pre
+            cupy_staging.fill(i64, layout, "ids", inputs.ids)
+            if inputs.hash_ids is not None:
+                cupy_staging.fill(i64, layout, "hash_ids", inputs.hash_ids)
+            i64, f32 = self.asarray(i64, dtype=np.int64), self.asarray(f32)
+        return self.graphs((key, sig), lambda a, b: run(layout.views(a, b)), i64, f32, rows=rows)
 
     # ---- state quantization ----------------------------------------------------------
     def fake_quant_fp8(self, x: cp.ndarray, block: int = 32) -> cp.ndarray:

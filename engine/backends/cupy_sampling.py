@@ -60,9 +60,10 @@ def job_table(jobs: Sequence[SampleJob], vocab: int) -> tuple[np.ndarray, int, i
     return np.concatenate([head.reshape(-1), *ids, *vals]), off, nwork
 
 
-def sample_rows(logits: cp.ndarray, jobs: Sequence[SampleJob], upload=cp.asarray) -> list:
+def sample_rows(logits: cp.ndarray, jobs: Sequence[SampleJob], upload=cp.asarray, ahead=None) -> list:
     """sample() for each job, drawn on the device from logits [rows, vocab] (float32).
-    upload(int32 numpy array) -> the same int32 array on the device."""
+    upload(int32 numpy array) -> the same int32 array on the device. ahead(): host work to do
+    while the device finishes the step, before the draw's results are read back."""
     if not jobs:
         return []
     logits = cp.ascontiguousarray(logits, dtype=cp.float32)
@@ -76,6 +77,8 @@ def sample_rows(logits: cp.ndarray, jobs: Sequence[SampleJob], upload=cp.asarray
     out = cp.empty((len(jobs), OUT_WORDS), dtype=cp.int32)
     K.function_with_smem("sampling", "sample_rows", SMEM)((len(jobs),), (THREADS,), (
         logits, np.int32(vocab), dev, dev[nh:nh + ndelta], dev[nh + ndelta:], work, out), shared_mem=SMEM)
+    if ahead is not None:
+        ahead()
     host = cp.asnumpy(out)
     hf = host.view(np.float32)
     results = []

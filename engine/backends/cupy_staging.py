@@ -111,6 +111,16 @@ class Layout:
         return StepInputs(**{name: step.get(name) for name, _ in _STEP_FIELDS}, layers=layers)
 
 
+def fill(i64: np.ndarray, layout: Layout, name: str, value: np.ndarray) -> None:
+    """Write a step's int64 host field `name` (e.g. its token ids) into an i64 array packed
+    before the field's values were known (Model.prepare_next)."""
+    for field_name, dt, off, shape in layout.step:
+        if field_name == name and dt is np.int64:
+            i64[off:off + int(np.prod(shape))] = np.asarray(value, np.int64).reshape(-1)
+            return
+    raise KeyError(f"{name}: not an int64 field of this layout")
+
+
 def pack(inputs: StepInputs) -> tuple[np.ndarray, np.ndarray, Layout]:
     """(int64 array, float32 array, Layout) of a step's inputs."""
     lay, addr = Layout(), _Addresses()

@@ -87,9 +87,13 @@ class NumpyOps:
     def to_host(self, x) -> np.ndarray:
         return np.asarray(x)
 
-    def sample_rows(self, logits: np.ndarray, jobs: list) -> list:
-        """One token per engine.sampling.SampleJob from logits [rows, vocab]."""
-        return sample_batch(np.asarray(logits), jobs)
+    def sample_rows(self, logits: np.ndarray, jobs: list, ahead=None) -> list:
+        """One token per engine.sampling.SampleJob from logits [rows, vocab]; ahead(): host work
+        the GPU backend does while the device finishes (here after the draw)."""
+        out = sample_batch(np.asarray(logits), jobs)
+        if ahead is not None:
+            ahead()
+        return out
 
     def copy_rows(self, jobs: list) -> None:
         """Row copies (src, src_row, dst, dst_row, rows) between 2-D arrays of one width, in order."""
@@ -116,7 +120,11 @@ class NumpyOps:
         Spans of state rows and host arrays; the GPU backend uploads address tables."""
         return with_spans(inputs)
 
-    def graphed_step(self, key, inputs, run, rows: int):
+    def prestage(self, inputs):
+        """A step's staging done ahead (the GPU backend packs its tables): nothing here."""
+        return None
+
+    def graphed_step(self, key, inputs, run, rows: int, pre=None):
         """run(staged inputs): a whole decode step (the GPU backend replays it as one graph)."""
         return run(self.stage(inputs))
 
