@@ -357,12 +357,13 @@ class Model:
         forward() takes it if its next call is that step, with nothing changed in between."""
         cfg, ops = self.cfg, self.ops
         self._next = None
-        before = plan_marks(states)
+        sources = [li for li, kind in enumerate(cfg.layer_kinds) if kind == "source"]  # (their rows grow)
+        before = plan_marks(states, sources)
         growth: list = []
         try:
             window, layers = plan_decode(cfg, states, ops.xp, growth, self._comp_rope_tables,
                                          self.plan.heads[1] > self.plan.heads[0])
-            after = plan_marks(states)
+            after = plan_marks(states, sources, like=before)
         finally:
             restore_marks(before)
         ops.copy_rows(growth)

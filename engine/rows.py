@@ -84,13 +84,20 @@ class WindowBlock:
         return self.buf[layer, self.start : self.end]
 
 
+def block_has_room(layers: list) -> bool:
+    """Whether a sequence's layers share one WindowBlock with room for another row (window_block
+    then appends to it, touching no layer)."""
+    blk = layers[0]._block
+    return blk is not None and blk.attached == len(layers) and blk.end < blk.buf.shape[1]
+
+
 def window_block(xp, layers: list, width: int, keep: int, jobs: list) -> WindowBlock:
     """The WindowBlock of a sequence's layer states with room for one more row in every layer:
     theirs, or a new one (keep + 1 + MIN_ROWS rows, so one every MIN_ROWS + 1 steps) that gets
     every layer's live rows through copy jobs added to `jobs`. keep: the rows a window holds
     between steps (sliding_window - 1)."""
     blk = layers[0]._block
-    if blk is not None and blk.attached == len(layers) and blk.end < blk.buf.shape[1]:
+    if block_has_room(layers):
         return blk
     wins = [ls.window for ls in layers]
     n = int(wins[0].shape[0])

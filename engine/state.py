@@ -134,49 +134,63 @@ for _name in GROWN_FIELDS:
 _OWN = tuple("_own_" + name for name in GROWN_FIELDS)
 
 
-def plan_marks(states: list) -> tuple:
-    """The host bookkeeping a decode step's plan changes (engine/decode_plan.py plan_decode): per
-    layer state its growth buffers' records, the grown fields' own arrays and its window's block,
-    per window block its live rows and attached layers. (The arrays' contents are not part of it:
-    a plan only appends rows past the live ones, and copies them into grown buffers.)"""
-    layers, blocks = [], {}
-    for st in states:
-        for ls in st.layers:
-            d = ls.__dict__
-            blk = d.get("_block")
-            layers.append((ls, dict(d["spare"]), tuple(d.get(o) for o in _OWN), blk, d.get("_layer", 0),
-                           d.get("_window")))
-            if blk is not None:
-                blocks[id(blk)] = (blk, blk.start, blk.end, blk.attached)
-    return layers, tuple(blocks.values())
+def plan_marks(states: list, grown_layers: list[int], like: tuple | None = None) -> tuple:
+    """The host bookkeeping a decode step's plan changes (engine/decode_plan.py plan_decode): the
+    growth buffers' records and own arrays of the layers whose grown fields it appends to
+    (grown_layers: the KV source layers), and each sequence's window block, its live rows and
+    attached layers (and every layer's attachment, where the plan will start a new block; like:
+    the marks taken before the plan, whose sequences' attachments these record alike). The
+    arrays' contents are not part of it: a plan only appends past the live rows and copies them
+    into grown buffers."""
+    from engine.rows import block_has_room
+
+    grown, blocks = [], []
+    for b, st in enumerate(states):
+        for li in grown_layers:
+            d = st.layers[li].__dict__
+            grown.append((d, dict(d["spare"]), tuple(d.get(o) for o in _OWN)))
+        blk = st.layers[0]._block if st.layers else None
+        every = not block_has_room(st.layers) if like is None else like[1][b][5] is not None
+        attach = None if not every else [
+            (ls.__dict__, ls.__dict__.get("_block"), ls.__dict__.get("_layer", 0), ls.__dict__.get("_window"))
+            for ls in st.layers]
+        blocks.append((st.layers[0].__dict__ if st.layers else {}, blk, *(
+            (blk.start, blk.end, blk.attached) if blk is not None else (0, 0, 0)), attach))
+    return grown, blocks
 
 
 def restore_marks(marks: tuple) -> None:
     """Put back the bookkeeping plan_marks took (a plan made ahead set aside, or applied)."""
-    layers, blocks = marks
-    for ls, spare, own, blk, layer, window in layers:
-        d = ls.__dict__
+    grown, blocks = marks
+    for d, spare, own in grown:
         d["spare"].clear()
         d["spare"].update(spare)
         d.update(zip(_OWN, own, strict=True))
-        d["_block"], d["_layer"], d["_window"] = blk, layer, window
-    for blk, start, end, attached in blocks:
-        blk.start, blk.end, blk.attached = start, end, attached
+    for _, blk, start, end, attached, attach in blocks:
+        if attach is not None:
+            for d, b, layer, window in attach:
+                d["_block"], d["_layer"], d["_window"] = b, layer, window
+        if blk is not None:
+            blk.start, blk.end, blk.attached = start, end, attached
 
 
 def marks_hold(marks: tuple) -> bool:
     """Whether the states still carry exactly the bookkeeping of marks (nothing appended, grown,
     replaced or detached since plan_marks)."""
-    layers, blocks = marks
-    for ls, spare, own, blk, layer, window in layers:
-        d = ls.__dict__
-        if (d.get("_block") is not blk or d.get("_layer", 0) != layer or d.get("_window") is not window
+    grown, blocks = marks
+    for d, spare, own in grown:
+        held = d["spare"]
+        if (held.keys() != spare.keys() or any(held[k] is not v for k, v in spare.items())
                 or any(d.get(o) is not a for o, a in zip(_OWN, own, strict=True))):
             return False
-        held = d["spare"]
-        if held.keys() != spare.keys() or any(held[k] is not v for k, v in spare.items()):
+    for d0, blk, start, end, attached, attach in blocks:
+        if d0.get("_block") is not blk or (blk is not None and (blk.start, blk.end, blk.attached) != (
+                start, end, attached)):
             return False
-    return all((blk.start, blk.end, blk.attached) == (start, end, attached) for blk, start, end, attached in blocks)
+        if attach is not None and any((d.get("_block"), d.get("_layer", 0), d.get("_window")) != (b, layer, window)
+                                      for d, b, layer, window in attach):
+            return False
+    return True
 
 
 @dataclass
