@@ -302,3 +302,40 @@ def test_n_choices_prefill_the_prompt_once(server):
     greedy = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, temperature=0, n=2)
     ref = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, temperature=0, n=1)
     assert [c.message.content for c in greedy.choices] == [ref.choices[0].message.content] * 2
+
+
+def test_planning_ahead_serves_the_same_completions(make_server, engine):
+    """A server whose backend plans each next decode step ahead (Model.prepare_next, CupyOps
+    DSUF_PREPARE_NEXT; here the hint on numpy) streams the same greedy completions as the plain
+    engine, under concurrent requests that join and finish at different steps (the batch changes:
+    plans made ahead are dropped), and does take plans made ahead."""
+    from engine.engine import Engine
+
+    ahead = Engine.load(None)
+    ahead.model.ops.prepare_next = True
+    prompts = [f"Request {k}: list {k + 2} colours." for k in range(6)]
+    outs = {}
+    for name, eng in (("plain", engine), ("ahead", ahead)):
+        s = make_server(eng)
+        results: dict[int, str] = {}
+        errors: list[BaseException] = []
+
+        def worker(i: int, base: str = s.base, results: dict = results, errors: list = errors) -> None:
+            try:
+                time.sleep(0.05 * i)  # (joining at different steps)
+                client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=120)
+                r = client.chat.completions.create(model=MODEL, messages=_msgs(prompts[i]), max_tokens=6 + 4 * i,
+                                                   temperature=0)
+                results[i] = r.choices[0].message.content
+            except BaseException as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+        assert not errors, errors[:3]
+        outs[name] = results
+    assert outs["plain"] == outs["ahead"] and len(outs["ahead"]) == len(prompts)
+    assert ahead.model.ahead_used > 0
