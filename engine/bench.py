@@ -244,6 +244,10 @@ def bench_model(ckpt: str, bw: float, batches=(1, 8, 32), prefills=(4096, 65536)
             _bench_decode(model, cfg, ranks, devices, stats, batches, steps, bw, rng)
             if prefills:
                 _bench_prefill(model, cfg, ranks, devices, stats, prefills, chunk, tc, rng)
+        except Exception as err:  # (a variant that fails is reported; the next one still runs)
+            if not settings:
+                raise
+            print(f"== failed: {type(err).__name__}: {err}")
         finally:
             if old is not None:
                 cupy_ops.restore_flags(old)
