@@ -368,13 +368,14 @@ extern "C" __global__ void __launch_bounds__(256) mask_rows(const bool* __restri
 
 // out[b, h] = sum_z e^(m_z - M) o_z / (sum_z e^(m_z - M) l_z + e^(sink - M)), M = max(m_z, sink):
 // the splits of attention_decode merged in a fixed order. grid (ceil(B * H / 8)), block 256: a
-// warp per (b, h).
-extern "C" __global__ void __launch_bounds__(256) attention_combine(const float* __restrict__ part_o,
-                                                                   const float* __restrict__ part_ml,
-                                                                   const float* __restrict__ sinks,
-                                                                   float* __restrict__ out, int BH, int H, int D,
-                                                                   int nsplit, const float* __restrict__ cs,
-                                                                   const float* __restrict__ sn, int P) {
+// warp per (b, h). DEROPE (attention_combine_derope): the inverse RoPE of the rows' tables cs, sn
+// [B, P] applied as well (derope_lanes).
+template <bool DEROPE>
+__device__ __forceinline__ void attention_combine_body(const float* __restrict__ part_o,
+                                                       const float* __restrict__ part_ml,
+                                                       const float* __restrict__ sinks, float* __restrict__ out,
+                                                       int BH, int H, int D, int nsplit, const float* __restrict__ cs,
+                                                       const float* __restrict__ sn, int P) {
   const int bh = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31, nd = D / 32;
   if (bh >= BH) return;
   const float* ml = part_ml + (size_t)bh * nsplit * 2;
@@ -393,12 +394,25 @@ extern "C" __global__ void __launch_bounds__(256) attention_combine(const float*
       if (i < nd) o[i] += f * po[lane + 32 * i];
   }
   const float inv = 1.f / den;
+  if (DEROPE) {
 #pragma unroll
-  for (int i = 0; i < ATT_DPL; ++i) o[i] *= inv;
-  if (cs != nullptr) derope_lanes(o, nd, D, cs + (size_t)(bh / H) * P, sn + (size_t)(bh / H) * P, P);
+    for (int i = 0; i < ATT_DPL; ++i) o[i] *= inv;
+    derope_lanes(o, nd, D, cs + (size_t)(bh / H) * P, sn + (size_t)(bh / H) * P, P);
+  }
 #pragma unroll
   for (int i = 0; i < ATT_DPL; ++i)
-    if (i < nd) out[(size_t)bh * D + lane + 32 * i] = o[i];
+    if (i < nd) out[(size_t)bh * D + lane + 32 * i] = DEROPE ? o[i] : o[i] * inv;
+}
+
+#define ATT_COMBINE_ARGS                                                                                   \
+  const float *__restrict__ part_o, const float *__restrict__ part_ml, const float *__restrict__ sinks,   \
+      float *__restrict__ out, int BH, int H, int D, int nsplit, const float *__restrict__ cs,            \
+      const float *__restrict__ sn, int P
+extern "C" __global__ void __launch_bounds__(256) attention_combine(ATT_COMBINE_ARGS) {
+  attention_combine_body<false>(part_o, part_ml, sinks, out, BH, H, D, nsplit, cs, sn, P);
+}
+extern "C" __global__ void __launch_bounds__(256) attention_combine_derope(ATT_COMBINE_ARGS) {
+  attention_combine_body<true>(part_o, part_ml, sinks, out, BH, H, D, nsplit, cs, sn, P);
 }
 
 // out[s, n] = sum_h w[s, h] * H^-0.5 * relu(q[s, h] . k[n]) * Dh^-0.5

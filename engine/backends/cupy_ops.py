@@ -1505,7 +1505,8 @@ class CupyOps:
             _NULL if lists is None else lists[0], _NULL if lists is None else lists[1],
             np.int32(0 if lists is None else lists[0].shape[1]), cs, sn, rp), shared_mem=16 * d * 4)
         if nsplit > 1:
-            K.function("attention", "attention_combine")((-(-(b * h) // 8),), (256,), (
+            K.function("attention", "attention_combine_derope" if derope is not None else "attention_combine")(
+                (-(-(b * h) // 8),), (256,), (
                 part_o, part_ml, sk, out, np.int32(b * h), np.int32(h), np.int32(d), np.int32(nsplit), cs, sn, rp))
         return out
 
