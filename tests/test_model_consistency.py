@@ -51,6 +51,15 @@ def _close(a: np.ndarray, b: np.ndarray) -> None:
     np.testing.assert_array_equal(a, b)
 
 
+def _on_ops(model: Model, ops, run):
+    """run() with model.ops swapped for ops (a backend with a scheduling hint set), then back."""
+    saved, model.ops = model.ops, ops
+    try:
+        return run()
+    finally:
+        model.ops = saved
+
+
 # long enough to wrap the sliding window (64) and emit many compressed entries
 N = 150
 
@@ -329,12 +338,8 @@ def test_fork_points_change_nothing(model: Model, hint: str) -> None:
         pytest.skip("V4 collapses with the site's own mixes")
     ids = _ids(model, 40)
     want = model.forward([model.new_state()], [ids])[0]
-    ops, hinted = model.ops, _OrderOps(hint)
-    model.ops = hinted
-    try:
-        got = model.forward([model.new_state()], [ids])[0]
-    finally:
-        model.ops = ops
+    hinted = _OrderOps(hint)
+    got = _on_ops(model, hinted, lambda: model.forward([model.new_state()], [ids])[0])
     _close(got, want)
     if hint == "shared_after_routing":
         moe = [c for c in hinted.calls if c in ("route", "shared")]
@@ -376,12 +381,8 @@ def test_fused_stream_update_changes_nothing(model: Model) -> None:
         return out + [model.forward([st], [[t]])[0] for t in ids[290:]]
 
     want = run()
-    ops, hinted = model.ops, _UpdateOps()
-    model.ops = hinted
-    try:
-        got = run()
-    finally:
-        model.ops = ops
+    hinted = _UpdateOps()
+    got = _on_ops(model, hinted, run)
     for g, w in zip(got, want, strict=True):
         _close(g, w)
     engram = set(model.cfg.engram_layer_ids)
@@ -418,12 +419,8 @@ def test_engram_early_changes_nothing(model: Model) -> None:
         return out
 
     want = run([])
-    ops, hinted = model.ops, _EarlyOps()
-    model.ops = hinted
-    try:
-        got = run(hinted.calls)
-    finally:
-        model.ops = ops
+    hinted = _EarlyOps()
+    got = _on_ops(model, hinted, lambda: run(hinted.calls))
     for g, w in zip(got, want, strict=True):
         _close(g, w)
     n = len(model.cfg.engram_layer_ids)
@@ -446,13 +443,9 @@ def test_xproj_early_changes_nothing(model: Model) -> None:
         return [model.forward([st], [ids[:40]])[0]] + [model.forward([st], [[t]])[0] for t in ids[40:]]
 
     want = run()
-    ops, hinted = model.ops, _EarlyOps()
+    hinted = _EarlyOps()
     hinted.engram_early, hinted.xproj_early = False, True
-    model.ops = hinted
-    try:
-        got = run()
-    finally:
-        model.ops = ops
+    got = _on_ops(model, hinted, run)
     for g, w in zip(got, want, strict=True):
         _close(g, w)
     assert hinted.calls.count("far") == 4 * sum(1 for r in model.cfg.compress_ratios if r)
@@ -494,14 +487,9 @@ def test_next_step_planned_ahead_changes_nothing(model: Model) -> None:
     script = [[("a", a), ("b", b)]] + [[("a", None), ("b", None)]] * 80 + [[("a", None)]] * 5
     script += [[("a", None), ("c", c)]] + [[("a", None), ("c", None)]] * 30
     want = _serve(model, script)
-    ops, hinted = model.ops, NumpyOps()
+    hinted, used = NumpyOps(), model.ahead_used
     hinted.prepare_next = True
-    model.ops, used = hinted, model.ahead_used
-    try:
-        got = _serve(model, script)
-    finally:
-        model.ops = ops
-    assert got == want
+    assert _on_ops(model, hinted, lambda: _serve(model, script)) == want
     # every decode step after a decode step of the same sequences took the plan made ahead
     assert model.ahead_used - used == 79 + 4 + 29
     # a plan made ahead leaves no trace in the state (here it is stored after the step, and a copy
@@ -509,12 +497,12 @@ def test_next_step_planned_ahead_changes_nothing(model: Model) -> None:
     st, twin = model.new_state(), model.new_state()
     model.forward([twin], [a])
     model.step_sample([twin], [[5]], [])
-    model.ops = hinted
-    try:
+
+    def stored_and_restored() -> None:
         model.forward([st], [a])
         model.step_sample([st], [[5]], [])
         assert model._next is not None and st.to_bytes() == twin.to_bytes()
         model.step_sample([SequenceState.from_bytes(st.to_bytes())], [[6]], [])
-        assert model.ahead_used - used == 112
-    finally:
-        model.ops = ops
+
+    _on_ops(model, hinted, stored_and_restored)
+    assert model.ahead_used - used == 112
