@@ -223,7 +223,8 @@ def _host_split(model, states, toks, jobs, steps: int) -> None:
 
     patches = [(model_mod, "plan_decode", "plan_decode"), (type(model), "_engram_hashes", "engram hashes"),
                (StepInputs, "signature", "graph key (signature)"), (cupy_ops.CupyOps, "_upload", "pack + upload"),
-               (cuda_graphs.RegionGraphs, "_replay", "graph replay call")]
+               (cuda_graphs.RegionGraphs, "_replay", "graph replay call"),
+               (type(model), "prepare_next", "next step planned ahead (DSUF_PREPARE_NEXT; during the draw)")]
     saved = [(o, n, timed(o, n, lab)) for o, n, lab in patches]
     try:
         stream = cp.cuda.get_current_stream()
@@ -234,7 +235,8 @@ def _host_split(model, states, toks, jobs, steps: int) -> None:
             t1 = time.perf_counter()
             stream.synchronize()
             t2 = time.perf_counter()
-            out = model.ops.sample_rows(logits, jobs)
+            ahead = (lambda: model.prepare_next(states)) if getattr(model.ops, "prepare_next", False) else None
+            out = model.ops.sample_rows(logits, jobs, ahead=ahead)  # (as Model.step_sample draws)
             t3 = time.perf_counter()
             toks[:] = [[t] for t, _, _ in out]
             spent["forward, host"] += t1 - t0
