@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import operator
 import struct
 from dataclasses import dataclass, field
 
@@ -132,6 +133,7 @@ for _name in GROWN_FIELDS:
     setattr(LayerState, _name, _grown_field(_name))
 
 _OWN = tuple("_own_" + name for name in GROWN_FIELDS)
+_own_of = operator.itemgetter(*_OWN)  # (a layer state's __dict__ -> its grown fields' own arrays)
 
 
 def plan_marks(states: list, grown_layers: list[int], like: tuple | None = None) -> tuple:
@@ -148,7 +150,7 @@ def plan_marks(states: list, grown_layers: list[int], like: tuple | None = None)
     for b, st in enumerate(states):
         for li in grown_layers:
             d = st.layers[li].__dict__
-            grown.append((d, dict(d["spare"]), tuple(d.get(o) for o in _OWN)))
+            grown.append((d, dict(d["spare"]), _own_of(d)))
         blk = st.layers[0]._block if st.layers else None
         every = not block_has_room(st.layers) if like is None else like[1][b][5] is not None
         attach = None if not every else [
@@ -178,10 +180,10 @@ def marks_hold(marks: tuple) -> bool:
     """Whether the states still carry exactly the bookkeeping of marks (nothing appended, grown,
     replaced or detached since plan_marks)."""
     grown, blocks = marks
-    for d, spare, own in grown:
+    for d, spare, own in grown:  # (identity, element by element: this is on the step's serial path)
         held = d["spare"]
-        if (held.keys() != spare.keys() or any(held[k] is not v for k, v in spare.items())
-                or any(d.get(o) is not a for o, a in zip(_OWN, own, strict=True))):
+        if (len(held) != len(spare) or not all(map(operator.is_, map(held.get, spare), spare.values()))
+                or not all(map(operator.is_, _own_of(d), own))):
             return False
     for d0, blk, start, end, attached, attach in blocks:
         if d0.get("_block") is not blk or (blk is not None and (blk.start, blk.end, blk.attached) != (
