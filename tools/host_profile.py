@@ -8,7 +8,9 @@ On the numpy backend (CKPT: a narrow checkpoint with the layer structure of inte
 --steps decode steps' mean time of each part the GPU backend runs on the host before its graph
 replay: the plan (engine/decode_plan.py plan_decode), the Engram hashes with the look-back update,
 the step's inputs (RoPE tables), the packing of its tables (cupy_staging.pack, with the numpy
-buffers' host addresses), the graph key (StepInputs.signature) and the draw's job table. The GPU
+buffers' host addresses), the graph key (StepInputs.signature) and the draw's job table; then
+DSUF_PREPARE_NEXT's two parts: planning the step ahead (Model.prepare_next, which a GPU overlaps
+with the step before) and taking that plan at the step (Model._take_next, serial). The GPU
 machine's own split of a served step is `tools/gpu_profile.py host`.
 """
 
@@ -23,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-PARTS = ("plan", "engram", "inputs", "pack", "key", "jobs")
+PARTS = ("plan", "engram", "inputs", "pack", "key", "jobs", "ahead", "take")
 
 
 def profile(ckpt: str, batch: int, steps: int, rounds: int) -> dict[str, float]:
@@ -68,10 +70,18 @@ def profile(ckpt: str, batch: int, steps: int, rounds: int) -> dict[str, float]:
             t5 = time.perf_counter()
             job_table(jobs, cfg.vocab_size)
             t6 = time.perf_counter()
-            for part, a, b in zip(PARTS, (t0, t1, t2, t3, t4, t5), (t1, t2, t3, t4, t5, t6), strict=True):
-                spent[part] += b - a
             for st in states:  # (planned but not run: the next step plans the next position)
                 st.position += 1
+            model.prepare_next(states)
+            t7 = time.perf_counter()
+            if model._take_next(states, np.array([st.position for st in states], np.int64)) is None:
+                raise RuntimeError("the plan made ahead was not taken")
+            t8 = time.perf_counter()
+            for st in states:
+                st.position += 1
+            for part, a, b in zip(PARTS, (t0, t1, t2, t3, t4, t5, t6, t7), (t1, t2, t3, t4, t5, t6, t7, t8),
+                                  strict=True):
+                spent[part] += b - a
         best = {p: min(best[p], spent[p] / steps) for p in PARTS}
     return best
 
@@ -85,8 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     for b in (int(v) for v in args.batch.split(",")):
         got = profile(args.ckpt, b, args.steps, args.rounds)
-        print(f"b{b}: " + ", ".join(f"{p} {got[p] * 1e6:.0f}" for p in PARTS)
-              + f" us; total {sum(got.values()) * 1e6:.0f} us")
+        print(f"b{b}: " + ", ".join(f"{p} {got[p] * 1e6:.0f}" for p in PARTS[:6])
+              + f" us (total {sum(got[p] for p in PARTS[:6]) * 1e6:.0f}); planned ahead: ahead "
+              f"{got['ahead'] * 1e6:.0f}, take {got['take'] * 1e6:.0f} us")
     return 0
 
 
