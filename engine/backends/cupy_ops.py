@@ -72,12 +72,35 @@ TC_MIN_ROWS = {FMT_FP8: 2, FMT_FP4: 2}
 # one token 84.5 (gemvx) -> 75.5 us. So by default: every FP4 launch, and FP8 launches of >=
 # GEMVR_MIN_BYTES of weight with K <= GEMVR_MAX_K. DSUF_GEMVR=0: never; =all: every eligible launch.
 GEMVR = os.environ.get("DSUF_GEMVR", "1")
+
+
+# Parsers of the switches' values (the import below and set_flags read them alike).
+def _opt_in(v: str) -> bool:
+    return v == "1"
+
+
+def _default_on(v: str) -> bool:
+    return v != "0"
+
+
+def _on(name: str) -> bool:
+    return _default_on(os.environ.get(name, "1"))
+
+
+def _gemvr_fp4_name(v: str) -> str:
+    if v not in GEMVR_FP4_KERNELS:
+        raise ValueError(f"DSUF_GEMVR_FP4 must be one of {sorted(GEMVR_FP4_KERNELS)}, not {v!r}")
+    return v
+
+
+def _att_min_split(v: str) -> int:
+    if int(v) < 16 or int(v) % 16:
+        raise ValueError(f"DSUF_ATT_MIN_SPLIT must be a positive multiple of 16, not {v}")
+    return int(v)
+
+
 # Paths on by default since their GPU tests passed on an H200 (stop 24); each environment variable
 # set to 0 falls back to the older path, kept for A/B timing (test_gpu_ops.py forces both ways).
-def _on(name: str) -> bool:
-    return os.environ.get(name, "1") != "0"
-
-
 # norm_rope_quant as one kernel, or as its chain of rmsnorm / rope / fake_quant launches.
 FUSED_NORM_ROPE = _on("DSUF_FUSED_NORM_ROPE")
 # A captured step's independent chains on a second stream (CupyOps.side), or inline: =0 gives the
@@ -174,38 +197,14 @@ GEMVR_U = {FMT_FP8: 2, FMT_FP4: 8}
 # x staged as e4m3 terms).
 GEMVR_FP4_KERNELS = {"": ("gemvr_fp4", 8, False), "u6": ("gemvr_fp4_u6", 6, False), "e4": ("gemvr_fp4e4", 8, True),
                      "e4u6": ("gemvr_fp4e4_u6", 6, True)}
-GEMVR_FP4 = os.environ.get("DSUF_GEMVR_FP4", "")
-if GEMVR_FP4 not in GEMVR_FP4_KERNELS:
-    raise ValueError(f"DSUF_GEMVR_FP4 must be one of {sorted(GEMVR_FP4_KERNELS)}, not {GEMVR_FP4!r}")
+GEMVR_FP4 = _gemvr_fp4_name(os.environ.get("DSUF_GEMVR_FP4", ""))
 GEMVR_BLOCKS_PER_SM = {FMT_FP8: 3, FMT_FP4: 2}  # what each kernel's registers allow (DEF_GR's MINB)
 _ELT_BLOCK = 256
 # decode attention: split the keys until about this many blocks run, each split >= this many keys
 # (DSUF_ATT_MIN_SPLIT, a multiple of the kernel's 16-key tile, for measuring: at a short context a
 # b1 layer's attention is ~2 splits of 4 tiles, each tile's loads a round trip, ~13 us)
-ATT_BLOCKS_TARGET, ATT_MIN_SPLIT = 132 * 2, int(os.environ.get("DSUF_ATT_MIN_SPLIT", "64"))
-if ATT_MIN_SPLIT < 16 or ATT_MIN_SPLIT % 16:
-    raise ValueError(f"DSUF_ATT_MIN_SPLIT must be a positive multiple of 16, not {ATT_MIN_SPLIT}")
+ATT_BLOCKS_TARGET, ATT_MIN_SPLIT = 132 * 2, _att_min_split(os.environ.get("DSUF_ATT_MIN_SPLIT", "64"))
 _NULL = np.uint64(0)  # a null pointer kernel argument
-
-
-def _opt_in(v: str) -> bool:
-    return v == "1"
-
-
-def _default_on(v: str) -> bool:
-    return v != "0"
-
-
-def _gemvr_fp4_name(v: str) -> str:
-    if v not in GEMVR_FP4_KERNELS:
-        raise ValueError(f"DSUF_GEMVR_FP4 must be one of {sorted(GEMVR_FP4_KERNELS)}, not {v!r}")
-    return v
-
-
-def _att_min_split(v: str) -> int:
-    if int(v) < 16 or int(v) % 16:
-        raise ValueError(f"DSUF_ATT_MIN_SPLIT must be a positive multiple of 16, not {v}")
-    return int(v)
 
 
 # The switches above by environment variable: (module attribute, parser of the variable's value).
