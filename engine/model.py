@@ -644,10 +644,9 @@ class Model:
         backend asks (CupyOps DSUF_MIXES_LATE), so that the collapse, on the critical path, does not
         share the SMs with the mix kernel."""
         cfg, ops = self.cfg, self.ops
-        if x is not None:
-            return x, self._site_mixes(h, hc_weights)
-        if cfg.arch == "v41" and getattr(ops, "mixes_after_collapse", False):
+        if x is None and cfg.arch == "v41" and getattr(ops, "mixes_after_collapse", False):
             x = ops.hc_collapse_norm(h, pre, norm, cfg.rms_norm_eps)
+        if x is not None:
             return x, self._site_mixes(h, hc_weights)
         mix = self._site_mixes(h, hc_weights)
         x = ops.hc_collapse_norm(h, pre if cfg.arch == "v41" else mix.result()[0], norm, cfg.rms_norm_eps)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine import formats
+from engine.rows import block_has_room
 
 MAGIC = b"DSUFSTAT"
 VERSION = 2
@@ -144,8 +145,6 @@ def plan_marks(states: list, grown_layers: list[int], like: tuple | None = None)
     the marks taken before the plan, whose sequences' attachments these record alike). The
     arrays' contents are not part of it: a plan only appends past the live rows and copies them
     into grown buffers."""
-    from engine.rows import block_has_room
-
     grown, blocks = [], []
     for b, st in enumerate(states):
         for li in grown_layers:

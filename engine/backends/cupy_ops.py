@@ -207,6 +207,11 @@ ATT_BLOCKS_TARGET, ATT_MIN_SPLIT = 132 * 2, _att_min_split(os.environ.get("DSUF_
 _NULL = np.uint64(0)  # a null pointer kernel argument
 
 
+def _switch_view(attr: str, doc: str) -> property:
+    """A read-only CupyOps attribute showing the module switch `attr` as it is now."""
+    return property(lambda self: globals()[attr], doc=f"{doc} ({attr})")
+
+
 # The switches above by environment variable: (module attribute, parser of the variable's value).
 # set_flags uses it to switch paths inside a running process (`dsuf.py bench --variants`);
 # tests/test_backend_flags.py checks it against the variables this module reads at import.
@@ -638,36 +643,14 @@ class CupyOps:
         graph or step (so a region may return open side branches, joined later in that capture)."""
         return self.graphs.inline_now
 
-    @property
-    def shared_after_routing(self) -> bool:
-        """Model._moe's fork point for the shared expert (DSUF_SHARED_LATE)."""
-        return SHARED_LATE
-
-    @property
-    def engram_early(self) -> bool:
-        """Whether Model forks a decode step's Engram projections at its start (DSUF_ENGRAM_EARLY)."""
-        return ENGRAM_EARLY
-
-    @property
-    def prepare_next(self) -> bool:
-        """Whether Model plans the next decode step while the device runs this one (DSUF_PREPARE_NEXT)."""
-        return PREPARE_NEXT
-
-    @property
-    def xproj_early(self) -> bool:
-        """Whether Model forks a compressing layer's x projections beside its q / K=V ones
-        (DSUF_XPROJ_EARLY)."""
-        return XPROJ_EARLY
-
-    @property
-    def expand_norm_fused(self) -> bool:
-        """Whether Model's V4.1 stream updates also give the next site's input (DSUF_FUSED_EXPAND)."""
-        return FUSED_EXPAND
-
-    @property
-    def mixes_after_collapse(self) -> bool:
-        """Model._site_in's fork point for an mHC site's mixes (DSUF_MIXES_LATE)."""
-        return MIXES_LATE
+    # Model's scheduling hints (read with getattr; NumpyOps has none): views of the module's switches,
+    # so that set_flags changes them too.
+    shared_after_routing = _switch_view("SHARED_LATE", "Model._moe's fork point for the shared expert.")
+    mixes_after_collapse = _switch_view("MIXES_LATE", "Model._site_in's fork point for an mHC site's mixes.")
+    expand_norm_fused = _switch_view("FUSED_EXPAND", "Whether V4.1 stream updates also give the next site's input.")
+    engram_early = _switch_view("ENGRAM_EARLY", "Whether a decode step forks its Engram projections at its start.")
+    xproj_early = _switch_view("XPROJ_EARLY", "Whether a compressing layer forks its x projections beside q / K=V.")
+    prepare_next = _switch_view("PREPARE_NEXT", "Whether the next decode step is planned while the device runs one.")
 
     def side(self, fn, *args, lane: int = 0) -> SideBranch:
         """fn(*args) enqueued on a second stream, forked from the current one here: it runs
@@ -1161,8 +1144,16 @@ class CupyOps:
         tabs = self._expert_tables(experts)
         if tabs is None or p > min(MOE_DEVICE_MAX_PAIRS, _MOE_GROUP_MAXP):
             return None
-        step = min(GEMV_MAX_ROWS, t)
-        return self._moe_max_segments(p, len(experts), step), step, tabs[0][0].shape[0] if len(tabs) > 3 else 0
+        step, dup = self._group_shape(tabs, p, t)
+        return self._moe_max_segments(p, len(experts), step), step, dup
+
+    @staticmethod
+    def _group_shape(tabs, p: int, t: int) -> tuple[int, int]:
+        """(rows per segment, w3's y column or 0) of moe()'s device grouping of p pairs of t tokens:
+        segments of min(8, T) rows (GEMV) up to MOE_DEVICE_MAX_PAIRS pairs, else GEMM_TILE; gate and up
+        in one doubled table where the expert tables pair w1 and w3."""
+        step = min(GEMV_MAX_ROWS, t) if p <= MOE_DEVICE_MAX_PAIRS else GEMM_TILE
+        return step, tabs[0][0].shape[0] if len(tabs) > 3 else 0
 
     @staticmethod
     def _group_buffers(p: int, ms: int, dup_col: int) -> tuple[cp.ndarray, ...]:
@@ -1202,8 +1193,7 @@ class CupyOps:
         that the host path would keep whole; they bound the rows per segment even if ids repeat.
         Above MOE_DEVICE_MAX_PAIRS pairs (DSUF_MOE_DEVICE_LARGE), segments of GEMM_TILE rows, as the
         host path cuts an expert with more than 8 pairs (the tensor-core GEMM)."""
-        step = min(GEMV_MAX_ROWS, x.shape[0]) if ids.size <= MOE_DEVICE_MAX_PAIRS else GEMM_TILE
-        dup = tabs[0][0].shape[0] if len(tabs) > 3 else 0  # gate and up: one doubled segment table
+        step, dup = self._group_shape(tabs, ids.size, x.shape[0])
         routed, self._routed = self._routed, None
         if routed is not None and routed[0] is ids and routed[1] == (n_experts, step, dup):
             segs, gather, inv, _ = routed[2]  # (grouped by route_group, in the routing's launch)
