@@ -18,7 +18,7 @@ serve:
 
 # On a GPU machine: the GPU tests, the same under compute-sanitizer, and the benchmark on a
 # full-width V4.1-Flash-shaped 2-layer checkpoint (written once to BENCH_CKPT, 15 GB).
-GPU_TESTS = tests/test_gpu_ops.py tests/test_gpu_sampling.py tests/test_gpu_model.py tests/test_gpu_tp.py tests/test_gpu_tools.py
+GPU_TESTS = tests/gpu/test_gpu_ops.py tests/gpu/test_gpu_sampling.py tests/gpu/test_gpu_model.py tests/gpu/test_gpu_tp.py tests/gpu/test_gpu_tools.py
 
 gpu-test:
 	$(PY) -m pytest -q -s $(GPU_TESTS)
@@ -29,7 +29,7 @@ FALLBACKS = DSUF_FUSED_NORM_ROPE=0 DSUF_INDEXER_LANES=0 DSUF_TP_GRAPHS=0 DSUF_AT
 	DSUF_INDEXER_TC=0 DSUF_ATTEND_TC=0 DSUF_GEMM_TC=0 DSUF_MOE_DEVICE_LARGE=0 DSUF_SIDE=0
 
 gpu-test-fallbacks:
-	$(FALLBACKS) $(PY) -m pytest -q -s tests/test_gpu_model.py tests/test_gpu_tp.py
+	$(FALLBACKS) $(PY) -m pytest -q -s tests/gpu/test_gpu_model.py tests/gpu/test_gpu_tp.py
 
 # (--report-api-errors no: cuda.bindings probes driver entry points through cuGetProcAddress, which
 # memcheck would count as errors; memory errors still fail the run.) DSUF_DIRECT_ALLOC=1 gives every
@@ -38,8 +38,8 @@ gpu-test-fallbacks:
 MEMCHECK = DSUF_DIRECT_ALLOC=1 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1
 
 gpu-memcheck:
-	! $(MEMCHECK) $(PY) tools/memcheck_canary.py
-	$(MEMCHECK) $(PY) -m pytest -q tests/test_gpu_ops.py tests/test_gpu_sampling.py
+	! $(MEMCHECK) $(PY) tools/dev/memcheck_canary.py
+	$(MEMCHECK) $(PY) -m pytest -q tests/gpu/test_gpu_ops.py tests/gpu/test_gpu_sampling.py
 
 # One process per test, each with its own ERROR SUMMARY line, so that a device call cut short still
 # reports every test it finished (H200: the model tests past 315 s in one process at stop 27, cut
@@ -49,10 +49,10 @@ MEMCHECK_EACH = for t in $$($(PY) -m pytest -q --collect-only $(1) $(if $(MEMCHE
 		$(MEMCHECK) $(PY) -m pytest -q "$$t" || exit 1; done
 
 gpu-memcheck-model:
-	$(call MEMCHECK_EACH,tests/test_gpu_model.py)
+	$(call MEMCHECK_EACH,tests/gpu/test_gpu_model.py)
 
 gpu-memcheck-tp:
-	$(call MEMCHECK_EACH,tests/test_gpu_tp.py)
+	$(call MEMCHECK_EACH,tests/gpu/test_gpu_tp.py)
 
 gpu-bench: bench-ckpt
 	$(PY) dsuf.py bench --ckpt $(BENCH_CKPT) --batches 1,8,32 --prefill 4096,65536 --chunk 4096

@@ -10,9 +10,9 @@ import time
 
 
 def _run(args: argparse.Namespace) -> int:
-    from engine.chat_encoding import encode_messages
-    from engine.engine import Engine
-    from engine.sampling import SamplingParams
+    from engine.runtime.engine import Engine
+    from engine.runtime.sampling import SamplingParams
+    from engine.text.chat_encoding import encode_messages
 
     eng = Engine.load(args.ckpt, backend=args.backend)
     if args.prompt_ids:
@@ -63,7 +63,7 @@ def _bench(argv: list[str]) -> int:
 
 
 def _tiny(argv: list[str]) -> int:
-    from engine.tiny_model import tiny_model_main
+    from engine.checkpoint.tiny_model import tiny_model_main
 
     return tiny_model_main(argv) or 0
 

@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from engine.sampling import SampleJob, SamplingParams
+from engine.runtime.sampling import SampleJob, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -49,9 +49,9 @@ def _timeit(fn, iters: int = 20, warmup: int = 3) -> float:
 
 def _timeit_graph(fn, x, reps: int = 20) -> float:
     """Median seconds per fn(x) with `reps` calls captured in one CUDA graph (the engine's own
-    region graphs, engine/backends/cuda_graphs.py), so Python launch overhead is out of the
+    region graphs, engine/ops/gpu/graphs.py), so Python launch overhead is out of the
     number: what a captured decode step sees."""
-    from engine.backends.cuda_graphs import RegionGraphs
+    from engine.ops.gpu.graphs import RegionGraphs
 
     graphs = RegionGraphs(enabled=True)
 
@@ -80,8 +80,8 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
 def _weight(fmt: str, n: int, k: int):
     import cupy as cp
 
-    from engine.backends.cupy_ops import GpuWeight
-    from engine.kernels import FMT_FP4, FMT_FP8
+    from engine.ops.gpu.ops import GpuWeight
+    from engine.ops.kernels import FMT_FP4, FMT_FP8
 
     rng = cp.random.default_rng(0)
     if fmt == "fp8":  # random bytes with the NaN codes masked out; scales around 2^-8
@@ -100,7 +100,7 @@ def _nbytes(w) -> int:
 def _copies(w, nbytes: int = 256 << 20) -> list:
     """w and copies of it, about nbytes in all (2 to 40): a graph that reads each once streams
     them from HBM, where repeating one weight that fits the 50 MB L2 would time the cache."""
-    from engine.backends.cupy_ops import GpuWeight
+    from engine.ops.gpu.ops import GpuWeight
 
     c = max(2, min(40, -(-nbytes // _nbytes(w))))
     return [w] + [GpuWeight(w.fmt, w.data.copy(), None if w.scale is None else w.scale.copy(), w.shape, w.block)
@@ -110,7 +110,7 @@ def _copies(w, nbytes: int = 256 << 20) -> list:
 def bench_linears(bw: float, rows=(1, 8, 32, 4096)) -> None:
     import cupy as cp
 
-    from engine.backends.cupy_ops import CupyOps
+    from engine.ops.gpu.ops import CupyOps
 
     ops = CupyOps()
     print(f"\n{'linear':12s} {'N x K':>13s} {'fmt':>4s} " + " ".join(f"{'M=' + str(m):>18s}" for m in rows))
@@ -146,7 +146,7 @@ def _weight_stats(model) -> dict:
     """Bytes and multiply-adds of the weights a token touches on this model (or tensor-parallel
     rank): dense (attention, router, shared expert, summed over layers), one routed expert and
     how many this rank holds per layer, the head."""
-    from engine.backends.cupy_ops import GpuWeight
+    from engine.ops.gpu.ops import GpuWeight
 
     dense = dense_macs = expert = expert_macs = owned = 0
     for L in model.w.layers:
@@ -170,15 +170,15 @@ def _load(ckpt: str, gpus: list[int] | None, expert_split: str = "ep"):
     """(model, its per-rank Models, their CUDA devices): one GPU, or one rank per GPU."""
     import cupy as cp
 
-    from engine.backends.cupy_ops import CupyOps
-    from engine.checkpoint import Checkpoint
-    from engine.config import load_config
-    from engine.model import Model
+    from engine.checkpoint.reader import Checkpoint
+    from engine.model.config import load_config
+    from engine.model.transformer import Model
+    from engine.ops.gpu.ops import CupyOps
 
     cfg = load_config(ckpt)
     ck, tok = Checkpoint(ckpt, block_size=cfg.weight_block_size), f"{ckpt}/tokenizer.json"
     if gpus and len(gpus) > 1:
-        from engine.tp_gpu import GpuTP
+        from engine.parallel.gpu import GpuTP
 
         model = GpuTP(cfg, ck, gpus, tok, expert_split=expert_split)
         return cfg, model, model.ranks, list(gpus)
@@ -212,10 +212,10 @@ def bench_model(ckpt: str, bw: float, batches=(1, 8, 32), prefills=(4096, 65536)
                 chunk: int = 4096, gpus: list[int] | None = None, compare_tp1: bool = False,
                 expert_split: str = "ep", variants: tuple = ()) -> None:
     """variants: settings of the GPU backend's switches ({"DSUF_FUSED_EXPAND": "1", ...}, see
-    engine/backends/cupy_ops.py set_flags), each timed after the default in the same process,
+    engine/ops/gpu/ops.py set_flags), each timed after the default in the same process,
     its graphs captured anew: one checkpoint load for an A/B of many paths (one GPU)."""
     if variants:
-        from engine.backends import cupy_ops
+        from engine.ops.gpu import ops as cupy_ops
 
         for settings in variants:  # (a misspelt switch fails now, not after the default's runs)
             cupy_ops.restore_flags(cupy_ops.set_flags(settings))
@@ -234,7 +234,7 @@ def bench_model(ckpt: str, bw: float, batches=(1, 8, 32), prefills=(4096, 65536)
     for settings in ({}, *variants):
         old = None
         if settings:
-            from engine.backends import cupy_ops
+            from engine.ops.gpu import ops as cupy_ops
 
             old = cupy_ops.set_flags(settings)
             for r in ranks:  # (graphs captured before keep the paths they were captured with)
@@ -349,7 +349,7 @@ def parse_variants(text: str) -> tuple[dict[str, str], ...]:
 def bench_main(argv: list[str] | None = None) -> int:
     """CLI entry: `bench [--ckpt DIR] [--batches 1,8,32] [--prefill 4096,65536] [--chunk N] [--no-linears]
     [--gpus 0,1,2,3 [--compare-tp1]] [--variants 'DSUF_X=1 DSUF_Y=0,DSUF_Z=1']`."""
-    from engine.tp import EXPERT_SPLITS
+    from engine.parallel.tp import EXPERT_SPLITS
 
     ap = argparse.ArgumentParser(prog="dsuf bench", description=__doc__.splitlines()[0])
     ap.add_argument("--ckpt", default=None, help="checkpoint to time whole-model decode / prefill on")

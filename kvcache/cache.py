@@ -25,8 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.state import VERSION as STATE_VERSION
-from engine.state import SequenceState, StateError
+from engine.state.sequence import VERSION as STATE_VERSION
+from engine.state.sequence import SequenceState, StateError
 
 from .directory import Directory, Record
 from .keys import PrefixKeys, namespace, snapshot_points

@@ -1,6 +1,6 @@
 """Host-memory store of sequence-state snapshots: an LRU bounded by bytes.
 
-Each snapshot is one serialized `SequenceState` (engine/state.py) in its own page-aligned
+Each snapshot is one serialized `SequenceState` (engine/state/sequence.py) in its own page-aligned
 anonymous mapping, locked in RAM where RLIMIT_MEMLOCK allows, so the RDMA transport can
 register it as a memory region and peers can read it in place. Entries are indexed by exact
 prefix key, by anchor (see keys.py) and by conversation id. Leased entries (a transfer or a

@@ -72,12 +72,12 @@ STATE = web.AppKey("dsuf_state", ServerState)
 
 
 def _load_engine(opts: Options) -> Any:
-    from engine.engine import Engine  # heavy import, off the loop
+    from engine.runtime.engine import Engine  # heavy import, off the loop
 
     kwargs: dict[str, Any] = {}
     if opts.gpus and "gpus" in inspect.signature(Engine.load).parameters:
         kwargs["gpus"] = opts.gpus  # multi-GPU selection, once the engine takes it
-        # the memory plan (engine/memory_plan.py) checks --max-batch sequences of --max-model-len
+        # the memory plan (engine/runtime/memory_plan.py) checks --max-batch sequences of --max-model-len
         kwargs.update(max_seqs=opts.max_batch, max_context=opts.max_model_len, prefill_chunk=opts.prefill_chunk,
                       expert_split=opts.expert_split)
     return Engine.load(opts.ckpt, backend=opts.backend, **kwargs)
@@ -431,7 +431,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     _require_ready(st)
     spec = protocol.parse_chat(body, st.model_ids[0])
     _check_model(st, spec.gen)
-    from engine.chat_encoding import encode_messages
+    from engine.text.chat_encoding import encode_messages
 
     arch = st.engine.config.arch
 
@@ -594,7 +594,7 @@ async def _serve(app: web.Application, host: str, port: int) -> int:
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ckpt", default=None, help="checkpoint directory (default: embedded demo-v41)")
     p.add_argument("--gpus", default=None, help="GPUs to use, e.g. 0,1,2,3 (default: numpy on the CPU)")
-    from engine.tp import EXPERT_SPLITS
+    from engine.parallel.tp import EXPERT_SPLITS
 
     p.add_argument("--expert-split", choices=EXPERT_SPLITS, default="ep",
                    help="with several GPUs: routed experts split by expert id or by width")

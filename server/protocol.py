@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
-from engine.sampling import SamplingParams
+from engine.runtime.sampling import SamplingParams
 
 MAX_N = 16
 MAX_STOP = 16

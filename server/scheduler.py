@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.sampling import SampleJob, SamplingParams, make_rngs
+from engine.runtime.sampling import SampleJob, SamplingParams, make_rngs
 from kvcache import serving as kv_serving
 
 from .metrics import Metrics

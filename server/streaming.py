@@ -16,8 +16,8 @@ from typing import Any
 
 from aiohttp import web
 
-from engine import chat_encoding
-from engine.chat_encoding import THINK_END
+from engine.text import chat_encoding
+from engine.text.chat_encoding import THINK_END
 
 
 def _partial_suffix(buf: str, markers: tuple[str, ...]) -> int:
@@ -88,7 +88,7 @@ class Delta:
 class OutputParser:
     """Generated text -> Deltas of reasoning, content and tool calls.
 
-    Chat with tools offered: engine.chat_encoding's DSML parser (both V4 and V4.1 dialects).
+    Chat with tools offered: engine.text.chat_encoding's DSML parser (both V4 and V4.1 dialects).
     Otherwise only the `</think>` split (thinking mode), so a tool block nobody asked for stays
     text. Completions (thinking=False, tools=False) pass text through as content.
     """

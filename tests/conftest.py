@@ -10,7 +10,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def engine():
-    from engine.engine import Engine
+    from engine.runtime.engine import Engine
 
     return Engine.load(None)  # the embedded demo-v41 model, numpy backend
 

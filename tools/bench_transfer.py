@@ -8,7 +8,7 @@ for V4.1 states of 1k .. 1M tokens.
 
 Configs: demo-v41 (models/demo-v41), v41-flash-shaped (tiny-model preset: V4.1-Flash widths,
 4 layers) and v41-flash (the released V4.1-Flash: 40 layers, KV sources 2/8/14/20). States are
-built in the exact engine/state.py layout and storage formats (FP8 window, FP4 entries and
+built in the exact engine/state/sequence.py layout and storage formats (FP8 window, FP4 entries and
 indexer keys) with filler contents: a 1M-token V4.1-Flash state would need ~7 GB of float32
 arrays to build from real tensors. tests/test_kvcache_bench.py checks the layout against
 states the model computes. An owner subprocess holds the states; this process fetches each
@@ -32,8 +32,8 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine import state as S  # noqa: E402
-from engine.state import SequenceState  # noqa: E402
+from engine.state import sequence as S  # noqa: E402
+from engine.state.sequence import SequenceState  # noqa: E402
 
 _BLOCK = {S.FP8_UE8M0_32: 32, S.FP4_E4M3_16: 16, S.FP4_UE8M0_32: 32}
 
@@ -44,12 +44,12 @@ def shape_of(name: str) -> SimpleNamespace:
         return SimpleNamespace(num_layers=40, head_dim=512, sliding_window=128, index_head_dim=128,
                                compress_ratios=(0, 0) + (2,) * 18 + (1,) * 20, kv_source_layer_ids=(2, 8, 14, 20),
                                engram_max_ngram_size=4, model_key="deepseek_v41:40x5120:129280")
-    from engine.config import load_config, parse_config
+    from engine.model.config import load_config, parse_config
 
     if name == "demo-v41":
         cfg = load_config(ROOT / "models" / "demo-v41")
     elif name == "v41-flash-shaped":
-        from engine.tiny_model import PRESETS, make_config
+        from engine.checkpoint.tiny_model import PRESETS, make_config
 
         preset = {k: v for k, v in PRESETS[name].items() if k != "arch"}
         cfg = parse_config(make_config("v41", **preset))
@@ -63,7 +63,7 @@ def shape_of(name: str) -> SimpleNamespace:
 
 
 def layout(cfg: SimpleNamespace, n: int) -> list[list]:
-    """engine/state.py's array directory of a V4.1 state after n tokens: [layer, name, shape, codec, nbytes]."""
+    """A V4.1 state's array directory after n tokens (engine/state/sequence.py): [layer, name, shape, codec, nbytes]."""
     d, out = cfg.head_dim, []
 
     def add(li: int, name: str, shape: tuple[int, int], codec: int) -> None:

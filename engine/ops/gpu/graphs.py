@@ -1,0 +1,262 @@
+"""CUDA graphs for the fixed-shape regions of the forward (engine/model/transformer.py calls ops.graphed).
+
+A region is a pure function of device arrays (a layer's projections, its output projection,
+its FFN): the same kernels on the same shapes every decode step. The first call with a given
+(region, input shapes) runs eagerly (it compiles kernels and fills caches); the second is
+captured into a CUDA graph; later calls copy their inputs into the graph's input buffers and
+launch it: one launch from Python instead of tens.
+
+Contract: a region's outputs are its graph's buffers, rewritten by the next replay; anything
+kept across steps (sequence state) must be a copy, never a view of them.
+
+Memory: everything a capture allocates comes from one private pool, so eager work never lands
+in memory a graph writes. Graph outputs stay owned by their graph (valid until that region runs
+again, i.e. the next step) and are never freed, so no later capture reuses them; intermediates
+freed inside a capture may be reused by the next capture, which is safe because regions replay
+in the order they were captured in (one forward, one batch size, one stream). An input that is
+another graph's output is read in place (no copy), so chained regions cost no copies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import cupy as cp
+
+log = logging.getLogger("dsuf.graphs")
+
+MAX_GRAPH_ROWS = 64  # regions over more rows (prefill) run eagerly: their shapes rarely repeat
+# Graphs (and their output buffers) are kept for at most this many distinct row counts (batch
+# sizes), least recently used dropped first: every batch size 1..64 across 40 layers would
+# otherwise hold gigabytes of region outputs.
+MAX_ROW_BUCKETS = int(os.environ.get("DSUF_GRAPH_BUCKETS", "8"))
+
+
+@dataclass
+class _Captured:
+    graph: object
+    fn: object  # keeps the region's weights (and so the key's id()) alive as long as the graph
+    slots: list  # per input: None (absent), ("copy", buffer) or ("direct", pointer)
+    out: object
+
+
+@dataclass
+class _Capturing:
+    """A capture under way (RegionGraphs.begin_capture)."""
+
+    sig: tuple
+    stream: object
+    caller: object  # the stream it was forked from, joined back at the end
+    slots: list
+    inputs: tuple  # what the captured work reads: the inputs' graph-owned copies
+    keep: object = None
+
+
+def _arrays(out) -> list:
+    """The arrays a region returned (a tuple may hold None for parts a layer does not have)."""
+    return [a for a in (out if isinstance(out, tuple) else (out,)) if a is not None]
+
+
+class RegionGraphs:
+    """Cache of captured regions, keyed by (region key, input shapes and dtypes)."""
+
+    def __init__(self, enabled: bool | None = None) -> None:
+        self.enabled = os.environ.get("DSUF_GRAPHS", "1") != "0" if enabled is None else enabled
+        self._seen: set = set()
+        self._graphs: dict = {}
+        self._owned: set[int] = set()  # data pointers of graph outputs
+        self._rows: dict = {}  # signature -> its row count
+        self._buckets: OrderedDict[int, None] = OrderedDict()  # row counts with graphs, oldest first
+        self.max_buckets = MAX_ROW_BUCKETS
+        self.evictions = 0
+        self._pool = cp.cuda.MemoryPool()
+        self.replays = 0
+        self.captures = 0
+        self._inside = False
+
+    def __call__(self, key, fn, *arrays, rows: int | None = None):
+        """fn(*arrays), as a graph once the same key and input shapes come again. rows: the
+        batch rows the region computes (default: the first input's leading dimension). A region
+        called inside another (a decode step's layers) runs inline, part of the outer graph."""
+        if self._inside:
+            return fn(*arrays)
+        with self.inline():
+            return self._call(key, fn, arrays, rows)
+
+    @property
+    def inline_now(self) -> bool:
+        """Whether a region called now runs inline (graphs off, or inside a region or step)."""
+        return self._inside or not self.enabled
+
+    @contextlib.contextmanager
+    def inline(self):
+        """Regions called inside this run inline (part of an enclosing graph or step)."""
+        outer, self._inside = self._inside, True
+        try:
+            yield
+        finally:
+            self._inside = outer
+
+    def _call(self, key, fn, arrays: tuple, rows: int | None):
+        if rows is None:
+            rows = next((a.shape[0] for a in arrays if a is not None and a.ndim), MAX_GRAPH_ROWS + 1)
+        sig = self.signature(key, arrays)
+        mode = self.mode(sig, rows, arrays)
+        if mode == "replay":
+            return self.replay(sig, fn, arrays)
+        if mode == "eager":
+            return fn(*arrays)
+        cap = self.begin_capture(sig, arrays, rows, keep=fn)
+        out, err = None, None
+        try:
+            with self.capturing(cap):
+                out = fn(*cap.inputs)
+        except Exception as e:  # noqa: BLE001 - an op that cannot be captured: stay eager
+            err = e
+        if not self.end_capture(cap, out, err):
+            return fn(*arrays)
+        return self.replay(sig, fn, arrays)
+
+    # ---- the steps of a capture, also driven from outside (engine/parallel/gpu.py captures every
+    # rank's decode step at once, the all-reduces inside) --------------------------------------
+    @staticmethod
+    def signature(key, arrays: tuple) -> tuple:
+        return (key, tuple(None if a is None else (a.shape, a.dtype.str) for a in arrays))
+
+    def mode(self, sig, rows: int, arrays: tuple = ()) -> str:
+        """What a call of region `sig` does now: "eager" (graphs off, too many rows, first sight,
+        or a region that failed to capture), "capture" (second sight), or "replay"."""
+        if not self.enabled or rows > MAX_GRAPH_ROWS or any(a is not None and a.ndim == 0 for a in arrays):
+            return "eager"
+        if sig in self._graphs:
+            if self._graphs[sig] is None:  # capture failed once: this region stays eager
+                return "eager"
+            self._buckets.move_to_end(self._rows[sig])
+            return "replay"
+        if sig not in self._seen:  # first time: warm up eagerly
+            self._seen.add(sig)
+            return "eager"
+        return "capture"
+
+    def captured(self, rows: int) -> list:
+        """(key, CUDA graph) of every region captured at `rows` batch rows, oldest first (a
+        benchmark times a decode step's graph on its own with them)."""
+        return [(sig[0], c.graph) for sig, c in self._graphs.items() if c is not None and self._rows.get(sig) == rows]
+
+    def _make_room(self, rows: int) -> None:
+        """Before the first capture at a new row count: drop the least recently used bucket's
+        graphs if there are too many. Safe: a forward runs one row count, and the dropped
+        bucket's last replay finished with that forward (its logits were read back)."""
+        if rows in self._buckets:
+            self._buckets.move_to_end(rows)
+            return
+        while len(self._buckets) >= max(1, self.max_buckets):
+            old, _ = self._buckets.popitem(last=False)
+            for sig in [g for g, r in self._rows.items() if r == old]:
+                cap = self._graphs.pop(sig, None)
+                del self._rows[sig]
+                if cap is not None:
+                    for a in _arrays(cap.out):
+                        self._owned.discard(a.data.ptr)
+            self.evictions += 1
+        self._buckets[rows] = None
+
+    def begin_capture(self, sig, arrays: tuple, rows: int, keep=None) -> _Capturing:
+        """Start capturing region `sig`: its inputs copied into buffers of the graphs' pool (or,
+        for another graph's output, read in place), a capture begun on a fresh stream forked
+        from the current one. Work for it runs inside `capturing(cap)`, then end_capture. keep:
+        what the graph keeps alive (the region's function, holding the weights its key names)."""
+        self._make_room(rows)
+        self._rows[sig] = rows
+        slots, inputs = [], []
+        with cp.cuda.using_allocator(self._pool.malloc):
+            for a in arrays:
+                if a is None:
+                    slots.append(None)
+                    inputs.append(None)
+                elif a.flags.c_contiguous and a.data.ptr in self._owned:
+                    slots.append(("direct", a.data.ptr))
+                    inputs.append(a)
+                else:
+                    buf = cp.ascontiguousarray(a).copy()
+                    slots.append(("copy", buf))
+                    inputs.append(buf)
+        caller = cp.cuda.get_current_stream()
+        stream = cp.cuda.Stream(non_blocking=True)
+        stream.wait_event(caller.record())
+        stream.begin_capture(mode=cp.cuda.runtime.streamCaptureModeRelaxed)
+        return _Capturing(sig, stream, caller, slots, tuple(inputs), keep)
+
+    @contextlib.contextmanager
+    def capturing(self, cap: _Capturing):
+        """Work enqueued inside this goes into cap's graph: its stream current, allocations from
+        the graphs' pool (so eager work never lands in memory a graph writes)."""
+        with cp.cuda.using_allocator(self._pool.malloc), cap.stream:
+            yield
+
+    def end_capture(self, cap: _Capturing, out, error: Exception | None = None) -> bool:
+        """End cap's capture; keep its graph with `out` (the region's outputs, its graph's
+        buffers from now on). On an error (raised while capturing, or by the capture itself) the
+        region is marked to stay eager; returns whether a graph was kept."""
+        try:
+            graph = cap.stream.end_capture()
+        except Exception as e:  # noqa: BLE001 - e.g. an op that invalidated the capture
+            error = error or e
+        cap.caller.wait_event(cap.stream.record())
+        if error is not None:
+            log.warning("region %s not captured (%s: %s); it runs eagerly", cap.sig[0], type(error).__name__, error)
+            self._graphs[cap.sig] = None
+            return False
+        for a in _arrays(out):
+            self._owned.add(a.data.ptr)
+        self._graphs[cap.sig] = _Captured(graph, cap.keep, cap.slots, out)
+        self.captures += 1
+        return True
+
+    def release(self) -> None:
+        """Drop every captured graph and free the memory they kept (their outputs are invalid
+        from now on), e.g. after switching a backend path (engine/bench.py --variants). Each region
+        runs eagerly once more before its next capture (a new path may fill caches then)."""
+        self._seen.clear()
+        self._graphs.clear()
+        self._owned.clear()
+        self._rows.clear()
+        self._buckets.clear()
+        self._pool.free_all_blocks()
+
+    def forget(self, sig) -> None:
+        """Drop region `sig`'s graph, if any; the region stays eager (e.g. when another rank's
+        part of a step failed to capture)."""
+        cap = self._graphs.get(sig)
+        if cap is not None:
+            for a in _arrays(cap.out):
+                self._owned.discard(a.data.ptr)
+            self.captures -= 1
+        self._graphs[sig] = None
+
+    def replay(self, sig, fn, arrays: tuple):
+        """Region `sig`'s graph on this call's inputs (fn(*arrays) eagerly where an input that
+        was another graph's output now lies elsewhere)."""
+        return self._replay(self._graphs[sig], fn, arrays)
+
+    def _replay(self, cap: _Captured, fn, arrays):
+        stream = cp.cuda.get_current_stream()
+        for slot, a in zip(cap.slots, arrays, strict=True):
+            if slot is None:
+                continue
+            kind, ref = slot
+            if kind == "direct":
+                if a.data.ptr != ref:  # the producer ran eagerly this time: so does this region
+                    return fn(*arrays)
+                continue
+            if a.dtype != ref.dtype or not a.flags.c_contiguous:
+                a = cp.ascontiguousarray(a, dtype=ref.dtype)
+            cp.cuda.runtime.memcpyAsync(ref.data.ptr, a.data.ptr, ref.nbytes,
+                                        cp.cuda.runtime.memcpyDeviceToDevice, stream.ptr)
+        cap.graph.launch(stream)
+        self.replays += 1
+        return cap.out

@@ -1,0 +1,152 @@
+"""Engine: a loaded checkpoint (config, weights on a backend, tokenizer) behind one step() call.
+
+This is what the server and the CLI talk to. `step` is one batched forward of several sequences
+at different positions; it blocks (numpy) and must run on one worker thread at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from engine.checkpoint.reader import Checkpoint
+from engine.model.config import ModelConfig, load_config
+from engine.model.transformer import Model
+from engine.runtime.sampling import SampleJob, SamplingParams, make_rngs
+from engine.state.sequence import SequenceState
+from engine.text.tokenizer import Tokenizer
+
+log = logging.getLogger("dsuf.engine")
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_CKPT = REPO_ROOT / "models" / "demo-v41"
+
+
+def make_ops(backend: str):
+    if backend == "numpy":
+        from engine.ops.numpy_ops import NumpyOps
+
+        return NumpyOps()
+    if backend == "cupy":
+        from engine.ops.gpu.ops import CupyOps
+
+        return CupyOps()
+    raise ValueError(f"unknown backend {backend!r} (available: numpy, cupy)")
+
+
+class Engine:
+    def __init__(self, config: ModelConfig, model: Model, tokenizer: Tokenizer, model_id: str, ckpt_dir: Path,
+                 device: int | None = None):
+        self.config, self.model, self.tokenizer = config, model, tokenizer
+        self.model_id, self.ckpt_dir = model_id, ckpt_dir
+        self.device = device  # CUDA device id (cupy backend with --gpus), else None
+        self.memory_plan = None  # engine.runtime.memory_plan.MemoryPlan when loaded with gpus
+
+    @classmethod
+    def load(cls, ckpt_dir: str | Path | None = None, backend: str = "numpy",
+             gpus: str | list[int] | None = None, *, max_seqs: int = 32, max_context: int | None = None,
+             prefill_chunk: int = 512, expert_split: str = "ep") -> Engine:
+        """Load a checkpoint directory (None: the embedded demo-v41 model). With `gpus` (ids or
+        '0,1'): the cupy backend, after checking the memory plan for max_seqs sequences of
+        max_context tokens (default: the model's context) against each GPU's free memory
+        (raises engine.runtime.memory_plan.MemoryPlanError when it does not fit); several GPUs split the
+        routed experts by expert id or by width (`expert_split`, engine/parallel/tp.py)."""
+        path = Path(ckpt_dir) if ckpt_dir is not None else DEFAULT_CKPT
+        cfg = load_config(path)
+        tok_json = path / "tokenizer.json"
+        if not tok_json.is_file():
+            raise FileNotFoundError(f"{tok_json}: checkpoint has no tokenizer.json")
+        tokenizer = Tokenizer.from_dir(path)
+        ckpt = Checkpoint(path, block_size=cfg.weight_block_size)
+        # ---- --gpus: memory plan, then one device, or one tensor-parallel rank per device ----
+        device, plan, ids = None, None, []
+        if gpus is not None:
+            ids, plan = _plan_gpus(cfg, ckpt, gpus, max_seqs, max_context or cfg.max_position_embeddings,
+                                   prefill_chunk, expert_split)
+            backend, device = "cupy", ids[0]
+        if len(ids) > 1:
+            from engine.parallel.gpu import GpuTP
+
+            model = GpuTP(cfg, ckpt, ids, tok_json, expert_split=expert_split)
+        elif device is not None:
+            import cupy
+
+            with cupy.cuda.Device(device):
+                model = Model(cfg, ckpt, make_ops(backend), tok_json)
+        else:
+            model = Model(cfg, ckpt, make_ops(backend), tok_json)
+        log.info("loaded %s (%s, %d layers, hidden %d) on %s%s", path.name, cfg.arch, cfg.num_layers,
+                 cfg.hidden_size, backend, f" (GPUs {ids}, tensor parallel)" if len(ids) > 1
+                 else f" (GPU {device})" if device is not None else "")
+        eng = cls(cfg, model, tokenizer, path.name, path, device=device)
+        eng.memory_plan = plan
+        return eng
+
+    def _on_device(self):
+        """The engine's CUDA device as the current one (CuPy's current device is per thread, and
+        step() runs on a worker thread); a no-op context without one."""
+        if self.device is None:
+            return contextlib.nullcontext()
+        import cupy
+
+        return cupy.cuda.Device(self.device)
+
+    # ---- the engine contract ------------------------------------------------------------
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        return tuple(sorted(set(self.config.eos_token_ids) | {self.tokenizer.eos_id}))
+
+    @property
+    def context_length(self) -> int:
+        return self.config.max_position_embeddings
+
+    def new_state(self) -> SequenceState:
+        with self._on_device():
+            return self.model.new_state()
+
+    def step(self, states: list[SequenceState], chunks: list[list[int]]) -> np.ndarray:
+        """One batched forward: returns float32 logits [len(states), vocab] at each chunk's last token."""
+        with self._on_device():
+            return np.stack(self.model.forward(states, chunks))
+
+    def step_sample(self, states: list[SequenceState], chunks: list[list[int]], jobs: list[SampleJob]) -> list:
+        """One batched forward, then one token per job (job.row: an index into states), drawn
+        where the logits are (on the GPU with the cupy backend). Returns per job
+        (token, logprob | None, top_logprobs | None) as engine.runtime.sampling.sample does."""
+        with self._on_device():
+            return self.model.step_sample(states, chunks, jobs)
+
+    # ---- convenience for the CLI and tests ------------------------------------------------
+    def generate(self, prompt_ids: list[int], max_tokens: int, params: SamplingParams | None = None,
+                 stop_at_eos: bool = True, state: SequenceState | None = None) -> list[int]:
+        """Prefill the prompt, then decode up to max_tokens tokens (one sequence)."""
+        params = params or SamplingParams(temperature=0.0)
+        rng = make_rngs(params.seed)[0]
+        st = state or self.new_state()
+        out: list[int] = []
+        chunk = list(prompt_ids)
+        while len(out) < max_tokens:
+            tok = self.step_sample([st], [chunk], [SampleJob(0, params, out, rng)])[0][0]
+            out.append(tok)
+            if stop_at_eos and tok in self.eos_ids:
+                break
+            chunk = [tok]
+        return out
+
+
+def _plan_gpus(cfg: ModelConfig, ckpt: Checkpoint, gpus, max_seqs: int, max_context: int, prefill_chunk: int,
+               expert_split: str = "ep"):
+    """--gpus: check the memory plan (one tensor-parallel rank per GPU) against the GPUs' free
+    memory (MemoryPlanError if it does not fit); returns (the device ids, the plan)."""
+    from engine.runtime import memory_plan as mp
+
+    ids = mp.parse_gpus(gpus)
+    free = mp.gpu_free_bytes(ids)
+    plan = mp.check(mp.plan_memory(cfg, ckpt, len(ids), min(free), max_seqs, max_context,
+                                   prefill_chunk=prefill_chunk, name=Path(ckpt.path).name,
+                                   weights=mp.weight_bytes(cfg, ckpt, len(ids), expert_split)))
+    log.info("%s", plan.summary())
+    return ids, plan

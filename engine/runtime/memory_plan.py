@@ -1,0 +1,581 @@
+"""Device memory planning: will this checkpoint, with N sequences of C tokens, fit these GPUs?
+
+Per tensor-parallel rank (engine.parallel.tp.ShardPlan decides what each rank holds) the plan adds up
+
+- weights: what `engine.model.transformer.load_weights` would put on the device for that rank, in the form
+  the GPU backend keeps (engine/ops/gpu/ops.py `prepare`): fp8 data 1 B per value plus its
+  block scales widened to f32 (4 B per block); fp4 experts 1/2 B per value plus one UE8M0 byte
+  per 32; bf16 linears 2 B; f32 linears and every vector (norms, mHC, sinks, biases, ape, which
+  the model reads as float32) 4 B. The sizes come from the tensor headers (or from
+  `engine.checkpoint.tiny_model.tensor_specs` shapes): `load_weights` itself runs against a stand-in
+  checkpoint whose arrays are zero-stride views and a recording "ops" that only counts, so the
+  slicing (heads, vocab rows, experts, shared-expert width) is exactly the model's and no byte of
+  data is read. Engram tables are counted as HOST bytes (pinned host memory: a token reads only a
+  few rows of them); hash-routing tables (`tid2eid`, int64) are device bytes, gathered on the GPU.
+- state: max_seqs * (fixed + per_token * max_context), with (per_token, fixed) from
+  `Model.resident_state_bytes_per_token`: what a running sequence occupies on the device (float32
+  arrays, growth-buffer headroom), not its stored size (`Model.state_bytes_per_token`: V4.1's
+  FP8 window rings, FP4 compressed KV and MXFP4 indexer keys, 4-7x smaller), which is what the
+  host keeps between turns. Every rank keeps the whole (replicated) state of its sequences.
+- workspace (per rank; override with workspace_bytes), with T = prefill_chunk + max_seqs tokens
+  in one step (a prefill budget plus one decode token per running sequence):
+      activations  T * hidden * hc_mult * 4 * ACT_FACTOR        (mHC streams in / out, mixes, norms)
+      attention    T * local_heads * head_dim * 4 * 3           (q, attention output, un-roped output)
+      moe          T * top_k * moe_inter * 4 * 3                (gathered rows, gate / up, SwiGLU)
+      scores       prefill_chunk * max_entries * 4 * 3          (indexer scores, visibility, attention
+                                                                 bias over the compressed entries of
+                                                                 one sequence, max_entries =
+                                                                 max_context / smallest compress ratio)
+      split        T * top_k * (hidden + hidden / 128) * 4   (the tensor-core GEMMs' f16 terms of their
+                                                                 largest input, the experts' gathered
+                                                                 rows, and its group inverses)
+      attend_tc    min(prefill_chunk, ATTEND_TC_QUERIES) * local_heads * (window + min(max_entries,
+                   2 * index_topk) + 64) * 4     (a prompt chunk's tensor-core attention scores: each
+                                                  query's window, then its listed or unmasked entries)
+      logits       max_seqs * vocab * 4
+      graphs       the outputs the CUDA graphs of the layer regions keep (engine/backends/
+                   cuda_graphs.py): graph_bytes_per_row * the rows of the MAX_ROW_BUCKETS largest
+                   row counts up to MAX_GRAPH_ROWS (a step of a few decode rows and a short
+                   prompt's chunk is graphed too, so any count up to 64 can hold a bucket); a
+                   V4.1 decode step graphed whole on one GPU keeps less: its logits, and
+                   intermediates from the same pool, which never holds more than one step's
+- reserve: RESERVE_FRACTION of the GPU's bytes (allocator fragmentation, kernels, graph launches).
+
+A rank fits when weights + state + workspace + reserve <= gpu_bytes (the free bytes per GPU).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+from engine.checkpoint.reader import SAFETENSORS_DTYPES, Checkpoint, RawTensor, Weight, _block_candidates, scale_name
+from engine.model.config import ModelConfig, parse_config
+from engine.ops.kernels import ATTEND_TC_QUERIES
+from engine.parallel.tp import ShardingError, ShardPlan
+
+__all__ = [
+    "ACT_FACTOR",
+    "RESERVE_FRACTION",
+    "MemoryPlanError",
+    "RankPlan",
+    "MemoryPlan",
+    "state_bytes",
+    "weight_bytes",
+    "workspace_bytes",
+    "graph_bytes_per_row",
+    "plan_memory",
+    "check",
+    "max_sequences",
+    "max_context",
+    "parse_gpus",
+    "gpu_free_bytes",
+]
+
+ACT_FACTOR = 6
+RESERVE_FRACTION = 0.03
+GIB = 1 << 30
+
+
+class MemoryPlanError(RuntimeError):
+    """The checkpoint (with the requested sequences and context) does not fit the GPUs given."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights: load_weights against a stand-in checkpoint and a counting backend
+
+
+def _zeros(dtype, shape: tuple[int, ...]) -> np.ndarray:
+    """A read-only zero-stride array of any size: slicing and .nbytes work, nothing is allocated."""
+    return np.broadcast_to(np.zeros((), dtype=dtype), tuple(shape))
+
+
+class _TableCheckpoint:
+    """The Checkpoint interface load_weights uses (has / raw / f32 / weight) over a table of
+    stored tensors {name: (safetensors dtype, shape)}; arrays are zero-stride views."""
+
+    def __init__(self, table: dict[str, tuple[str, tuple[int, ...]]], block_size=None, block_of=None):
+        self.table = table
+        self.block_size = tuple(block_size) if block_size else None
+        self._block_of = block_of
+
+    def has(self, name: str) -> bool:
+        return name in self.table
+
+    __contains__ = has
+
+    def names(self) -> list[str]:
+        return sorted(self.table)
+
+    def _get(self, name: str) -> tuple[str, tuple[int, ...]]:
+        if name not in self.table:
+            from engine.checkpoint.reader import CheckpointError
+
+            raise CheckpointError(f"missing tensor {name!r}")
+        return self.table[name]
+
+    def raw(self, name: str, expect_dtype=None) -> RawTensor:
+        dtype, shape = self._get(name)
+        return RawTensor(name, dtype, shape, _zeros(SAFETENSORS_DTYPES[dtype], shape))
+
+    def f32(self, name: str) -> np.ndarray:
+        return _zeros(np.float32, self._get(name)[1])
+
+    def weight(self, name: str, expect_shape=None, expect_fmt=None) -> Weight:
+        dtype, shape = self._get(name)
+        if dtype == "BF16":
+            return Weight(name, _zeros(np.uint16, shape), "bf16", shape=shape)
+        if dtype in ("F32", "F16", "F64"):
+            return Weight(name, _zeros(np.float32, shape), "f32", shape=shape)
+        sdt, sshape = self._get(scale_name(name))
+        scale = _zeros(SAFETENSORS_DTYPES[sdt], sshape)
+        scale_fmt = "fp32" if sdt == "F32" else "ue8m0"
+        n, k = shape
+        if dtype == "F8_E4M3":
+            block = self._block_of(name) if self._block_of else self._fp8_block(shape, sshape)
+            return Weight(name, _zeros(np.uint8, shape), "fp8", scale, scale_fmt, block, (n, k))
+        return Weight(name, _zeros(np.uint8, shape), "fp4", scale, scale_fmt, (1, 2 * k // sshape[1]), (n, 2 * k))
+
+    def _fp8_block(self, shape, sshape) -> tuple[int, int]:
+        (n, k), (sn, sk) = shape, sshape
+        if self.block_size and (math.ceil(n / self.block_size[0]), math.ceil(k / self.block_size[1])) == (sn, sk):
+            return self.block_size
+        cn, ck = _block_candidates(n, sn, allow_one=True), _block_candidates(k, sk, allow_one=False)
+        common = [b for b in cn if b in ck]
+        return (common[0], common[0]) if common else (cn[0] if cn else n, ck[0] if ck else k)
+
+
+def _category(name: str) -> str:
+    if ".engram.embed." in name:
+        return "engram tables (host)"
+    if ".ffn.experts." in name:
+        return "routed experts"
+    if ".ffn.shared_experts." in name:
+        return "shared experts"
+    if name.startswith(("embed.", "head.")):
+        return "embedding + head"
+    if ".attn." in name:
+        return "attention"
+    return "other"
+
+
+class _CountingOps:
+    """Stands in for a backend in load_weights: books the device bytes cupy_ops.prepare would
+    allocate (and the stored bytes of the slice), returns nothing usable."""
+
+    name = "count"
+    xp = np
+
+    def __init__(self) -> None:
+        self.device: dict[str, int] = {}  # category -> device bytes
+        self.host: dict[str, int] = {}
+        self.tensors: dict[str, tuple[int, int]] = {}  # weight name -> (stored bytes, device bytes)
+
+    def _book(self, cat: str, nbytes: int) -> None:
+        d = self.host if cat.endswith("(host)") else self.device
+        d[cat] = d.get(cat, 0) + int(nbytes)
+
+    def prepare(self, w):
+        if isinstance(w, np.ndarray):
+            self._book("other", w.size * 4)
+            return None
+        stored = w.data.nbytes + (w.scale.nbytes if w.scale is not None else 0)
+        if w.fmt in ("f32", "bf16"):
+            dev = w.data.size * (4 if w.fmt == "f32" else 2)
+        elif w.fmt == "fp8":
+            dev = w.data.size + (w.scale.size if w.scale is not None else 1) * 4  # scales widened to f32
+        else:  # fp4: packed bytes + UE8M0 bytes as stored
+            dev = w.data.size + w.scale.nbytes
+        cat = _category(w.name)
+        if cat.endswith("(host)"):
+            dev = stored  # pinned host memory, stored format
+        self._book(cat, dev)
+        self.tensors[w.name] = (int(stored), int(dev))
+        return None
+
+    def prepare_rows(self, ws: list):
+        """Weights the backends stack into one (engine/parallel/tp.py stack_rows): booked one by one."""
+        for w in ws:
+            self.prepare(w)
+
+    def prepare_table(self, table, scale=None):
+        """Engram tables: booked as host bytes in their stored format (pinned host memory)."""
+        used_scale = scale is not None and table.fmt == "fp8"  # a float table's scales are unused
+        stored = table.data.nbytes + (scale.array.nbytes if used_scale else 0)
+        self._book("engram tables (host)", stored)
+        self.tensors[table.name] = (int(stored), int(stored))
+        return None
+
+    def asarray(self, x, dtype=np.float32):
+        return _Counted(self, np.asarray(x), np.dtype(dtype).itemsize)
+
+
+class _Counted:
+    """A vector the counting ops 'holds': slicing it (sinks of this rank's heads) re-books its bytes."""
+
+    def __init__(self, ops: _CountingOps, arr: np.ndarray, itemsize: int) -> None:
+        self.ops, self.arr, self.itemsize = ops, arr, itemsize
+        ops._book("other", arr.size * itemsize)
+
+    def __getitem__(self, idx):
+        self.ops._book("other", -self.arr.size * self.itemsize)
+        return _Counted(self.ops, self.arr[idx], self.itemsize)
+
+
+@dataclass
+class RankWeights:
+    device: dict[str, int]  # category -> bytes on this rank's GPU
+    host: dict[str, int]  # category -> bytes in host memory
+    tensors: dict[str, tuple[int, int]]  # weight name -> (stored bytes of the slice, device bytes)
+
+    @property
+    def device_total(self) -> int:
+        return sum(self.device.values())
+
+    @property
+    def host_total(self) -> int:
+        return sum(self.host.values())
+
+
+def _table_of(source, cfg: ModelConfig) -> _TableCheckpoint:
+    """A stand-in checkpoint over a Checkpoint, a checkpoint path, or a list of TensorSpecs."""
+    if isinstance(source, (str, Path)):
+        source = Checkpoint(source, block_size=cfg.weight_block_size)
+    if isinstance(source, _TableCheckpoint):
+        return source
+    if isinstance(source, Checkpoint):
+        table = {}
+        for n in source.names():
+            t = source.raw(n)  # header view only: a memmap slice, no data read
+            table[n] = (t.dtype, tuple(t.shape))
+        return _TableCheckpoint(table, source.block_size, block_of=lambda n: source.weight(n).block)
+    from engine.checkpoint.tiny_model import stored_tensors
+
+    block = tuple(cfg.weight_block_size or (128, 128))
+    table = {n: (dt, tuple(shape)) for spec in source for n, dt, shape in stored_tensors(spec, block)}
+    return _TableCheckpoint(table, block)
+
+
+def weight_bytes(cfg: ModelConfig | dict, source, n_gpus: int = 1, expert_split: str = "ep") -> list[RankWeights]:
+    """Per rank, the bytes of the weights load_weights would load for ShardPlan.make(cfg, r, n_gpus,
+    expert_split). `source`: a Checkpoint, a checkpoint directory, or tiny_model.tensor_specs(config)."""
+    from engine.model.transformer import load_weights
+
+    cfg = _as_config(cfg)
+    table = _table_of(source, cfg)
+    out = []
+    for r in range(n_gpus):
+        ops = _CountingOps()
+        load_weights(cfg, table, ops, ShardPlan.make(cfg, r, n_gpus, expert_split))
+        out.append(RankWeights(ops.device, ops.host, ops.tensors))
+    return out
+
+
+def _as_config(cfg) -> ModelConfig:
+    return parse_config(cfg) if isinstance(cfg, dict) else cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# State and workspace
+
+
+def state_bytes(cfg: ModelConfig, context: int) -> int:
+    """Device bytes of one running sequence's state at `context` tokens (the formula of
+    Model.resident_state_bytes_per_token, which only reads the config)."""
+    from engine.model.transformer import Model
+
+    per_token, fixed = Model.resident_state_bytes_per_token(SimpleNamespace(cfg=cfg))
+    return int(math.ceil(fixed + per_token * context))
+
+
+def workspace_bytes(cfg: ModelConfig, plan: ShardPlan, max_seqs: int, max_context: int,
+                    prefill_chunk: int = 512) -> dict[str, int]:
+    """The documented workspace estimate of one rank (see the module docstring), by term."""
+    t = prefill_chunk + max_seqs
+    ratios = [r for i, r in enumerate(cfg.compress_ratios) if r > 0 and
+              (cfg.arch != "v41" or i in cfg.kv_source_layer_ids)]
+    max_entries = max_context // min(ratios) if ratios else 0
+    local_heads = plan.heads[1] - plan.heads[0]
+    from engine.ops.gpu.graphs import MAX_GRAPH_ROWS, MAX_ROW_BUCKETS
+
+    graph_rows = sum(max(0, MAX_GRAPH_ROWS - i) for i in range(MAX_ROW_BUCKETS))
+    return {
+        "graphs": graph_rows * graph_bytes_per_row(cfg, plan),
+        "activations": t * cfg.hidden_size * cfg.hc_mult * 4 * ACT_FACTOR,
+        "attention": t * local_heads * cfg.head_dim * 4 * 3,
+        "moe": t * cfg.num_experts_per_tok * cfg.moe_intermediate_size * 4 * 3,
+        "scores": min(prefill_chunk, max_context) * max_entries * 4 * 3,
+        "split": t * cfg.num_experts_per_tok * (cfg.hidden_size + -(-cfg.hidden_size // 128)) * 4,
+        "attend_tc": min(prefill_chunk, ATTEND_TC_QUERIES) * local_heads
+        * (cfg.sliding_window + min(max_entries, 2 * cfg.index_topk) + 64) * 4,
+        "logits": max_seqs * cfg.vocab_size * 4,
+    }
+
+
+def graph_bytes_per_row(cfg: ModelConfig, plan: ShardPlan) -> int:
+    """Bytes per row of the float32 outputs of a forward's graphed regions (engine/model/transformer.py: per
+    layer `in`, then `post` on one rank or `attn_out`, `ffn`, `out` under tensor parallelism; on
+    one rank the `embed` region; the `head`), summed: what one row of a captured batch size holds
+    in graph buffers."""
+    d, hc, hd = cfg.hidden_size, cfg.hc_mult, cfg.head_dim
+    heads = plan.heads[1] - plan.heads[0]
+    mixes = 2 * hc + hc * hc  # pre, post, comb
+    total = plan.vocab[1] - plan.vocab[0]  # head: this rank's logits
+    if plan.single:  # embed: the streams (and V4.1's first collapse weights)
+        total += hc * d + (hc if cfg.arch == "v41" else 0)
+    for i in range(cfg.num_layers):
+        # in: streams, normed input, q residual, q, K=V row, mixes, then V4.1's projections
+        n = hc * d + d + cfg.q_lora_rank + heads * hd + hd + mixes
+        ratio = cfg.compress_ratios[i]
+        if cfg.arch == "v41" and ratio:
+            indexed = i in cfg.index_source_layer_ids
+            if cfg.layer_kinds[i] == "source":  # compressor kv + gate, or the entry (+ indexer key)
+                n += 2 * hd if ratio > 1 else hd + (cfg.index_head_dim if indexed else 0)
+            if indexed:  # indexer query and head weights
+                n += cfg.index_n_heads * (cfg.index_head_dim + 1)
+        if plan.single:
+            n += hc * d + hc  # post: the streams, the next collapse weights
+        else:
+            n += d if heads else 0  # attn_out (a rank without heads adds zeros instead)
+            n += hc * d + d + mixes  # ffn: streams, this rank's FFN part, mixes
+            n += hc * d  # out
+        total += n
+    return 4 * total
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan
+
+
+@dataclass
+class RankPlan:
+    rank: int
+    weights: dict[str, int]  # category -> device bytes
+    state: int
+    workspace: int
+    reserve: int
+    host: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def weights_total(self) -> int:
+        return sum(self.weights.values())
+
+    @property
+    def total(self) -> int:
+        return self.weights_total + self.state + self.workspace + self.reserve
+
+
+@dataclass
+class MemoryPlan:
+    n_gpus: int
+    gpu_bytes: int
+    max_seqs: int
+    max_context: int
+    prefill_chunk: int
+    state_per_seq: int
+    ranks: list[RankPlan]
+    workspace_terms: dict[str, int]
+    name: str = "checkpoint"
+    _ctx: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def fits(self) -> bool:
+        return all(r.total <= self.gpu_bytes for r in self.ranks)
+
+    @property
+    def worst(self) -> RankPlan:
+        return max(self.ranks, key=lambda r: r.total)
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory for the Engram tables (one copy, shared by the ranks of a host)."""
+        return max((sum(r.host.values()) for r in self.ranks), default=0)
+
+    def consumers(self, rank: RankPlan | None = None) -> list[tuple[str, int]]:
+        r = rank or self.worst
+        items = [(f"weights: {k}", v) for k, v in r.weights.items()]
+        items += [(f"state ({self.max_seqs} seqs x {self.max_context} tokens)", r.state),
+                  ("workspace", r.workspace), ("reserve", r.reserve)]
+        return sorted(items, key=lambda kv: -kv[1])
+
+    def summary(self) -> str:
+        g = _gib
+        lines = [f"memory plan: {self.name} on {self.n_gpus} GPU(s) of {g(self.gpu_bytes)} free, "
+                 f"{self.max_seqs} sequences x {self.max_context} tokens, prefill chunk {self.prefill_chunk}",
+                 f"{'rank':>4} {'weights':>11} {'state':>11} {'workspace':>11} {'reserve':>11} {'total':>11}  fits"]
+        for r in self.ranks:
+            lines.append(f"{r.rank:>4} {g(r.weights_total):>11} {g(r.state):>11} {g(r.workspace):>11} "
+                         f"{g(r.reserve):>11} {g(r.total):>11}  {'yes' if r.total <= self.gpu_bytes else 'NO'}")
+        w = self.worst
+        lines.append(f"largest (rank {w.rank}): " + ", ".join(f"{k} {g(v)}" for k, v in self.consumers(w)[:4]))
+        lines.append(f"state per sequence: {g(self.state_per_seq)}; host memory (Engram tables): "
+                     f"{g(self.host_bytes)}")
+        return "\n".join(lines)
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB // 100 else f"{n / (1 << 20):.2f} MiB"
+
+
+def plan_memory(cfg: ModelConfig | dict, ckpt, n_gpus: int, gpu_bytes: int, max_seqs: int, max_context: int,
+                workspace_bytes: int | None = None, *, prefill_chunk: int = 512,
+                weights: list[RankWeights] | None = None, name: str | None = None) -> MemoryPlan:
+    """Plan n_gpus ranks of `gpu_bytes` free bytes each for max_seqs sequences of max_context
+    tokens. `ckpt`: a Checkpoint, a checkpoint directory, or tensor_specs(config). `weights`
+    (from weight_bytes(cfg, ckpt, n_gpus)) skips recounting them."""
+    cfg = _as_config(cfg)
+    if n_gpus < 1 or max_seqs < 0 or max_context < 0:
+        raise ValueError("n_gpus must be >= 1, max_seqs and max_context >= 0")
+    weights = weights if weights is not None else weight_bytes(cfg, ckpt, n_gpus)
+    per_seq = state_bytes(cfg, max_context)
+    ranks, terms = [], {}
+    ws_arg = workspace_bytes
+    for r, rw in enumerate(weights):
+        if ws_arg is None:
+            terms = _workspace(cfg, ShardPlan.make(cfg, r, n_gpus), max_seqs, max_context, prefill_chunk)
+            ws = sum(terms.values())
+        else:
+            ws, terms = int(ws_arg), {"given": int(ws_arg)}
+        ranks.append(RankPlan(r, dict(rw.device), max_seqs * per_seq, ws, int(RESERVE_FRACTION * gpu_bytes),
+                              dict(rw.host)))
+    if name is None:
+        if isinstance(ckpt, (Checkpoint, str, Path)):
+            name = Path(ckpt.path if isinstance(ckpt, Checkpoint) else ckpt).name
+    return MemoryPlan(n_gpus, int(gpu_bytes), max_seqs, max_context, prefill_chunk, per_seq, ranks, terms,
+                      name or "checkpoint",
+                      _ctx=dict(cfg=cfg, ckpt=ckpt, workspace_bytes=ws_arg, weights={n_gpus: weights}))
+
+
+_workspace = workspace_bytes  # plan_memory's parameter shadows the function's name
+
+
+def max_sequences(cfg: ModelConfig | dict, ckpt, n_gpus: int, gpu_bytes: int, max_context: int,
+                  workspace_bytes: int | None = None, *, prefill_chunk: int = 512,
+                  weights: list[RankWeights] | None = None, limit: int = 1 << 20) -> int:
+    """How many sequences of max_context tokens fit (0: not even one; capped at `limit`)."""
+    cfg = _as_config(cfg)
+    weights = weights if weights is not None else weight_bytes(cfg, ckpt, n_gpus)
+
+    def fits(n: int) -> bool:
+        return plan_memory(cfg, ckpt, n_gpus, gpu_bytes, n, max_context, workspace_bytes,
+                           prefill_chunk=prefill_chunk, weights=weights).fits
+
+    return _last_true(fits, 1, limit)
+
+
+def max_context(cfg: ModelConfig | dict, ckpt, n_gpus: int, gpu_bytes: int, max_seqs: int,
+                workspace_bytes: int | None = None, *, prefill_chunk: int = 512,
+                weights: list[RankWeights] | None = None, limit: int = 1 << 30) -> int:
+    """The longest context at which max_seqs sequences fit (0: none)."""
+    cfg = _as_config(cfg)
+    weights = weights if weights is not None else weight_bytes(cfg, ckpt, n_gpus)
+
+    def fits(c: int) -> bool:
+        return plan_memory(cfg, ckpt, n_gpus, gpu_bytes, max_seqs, c, workspace_bytes,
+                           prefill_chunk=prefill_chunk, weights=weights).fits
+
+    return _last_true(fits, 1, limit)
+
+
+def _last_true(pred, lo: int, limit: int) -> int:
+    """Largest n in [lo, limit] with pred(n) for a monotone (true, ..., true, false, ...) pred; lo-1 if none."""
+    if not pred(lo):
+        return lo - 1
+    hi = lo
+    while hi < limit and pred(min(hi * 2, limit)):
+        hi = min(hi * 2, limit)
+    if hi >= limit:
+        return limit
+    a, b = hi, min(hi * 2, limit)  # pred(a) true, pred(b) false
+    while b - a > 1:
+        m = (a + b) // 2
+        a, b = (m, b) if pred(m) else (a, m)
+    return a
+
+
+def check(plan: MemoryPlan) -> MemoryPlan:
+    """Raise MemoryPlanError, naming the largest consumers and what would fit, unless the plan fits."""
+    if plan.fits:
+        return plan
+    w = plan.worst
+    g = _gib
+    parts = ", ".join(f"{k} {g(v)}" for k, v in plan.consumers(w)[:4])
+    msg = [f"{plan.name} does not fit {plan.n_gpus} GPU(s) with {g(plan.gpu_bytes)} free each: rank {w.rank} "
+           f"needs {g(w.total)} ({parts}); {plan.max_seqs} sequences x {plan.max_context} tokens of context, "
+           f"{g(plan.state_per_seq)} of state per sequence."]
+    hints = []
+    ctx = plan._ctx
+    cfg, ckpt, ws = ctx.get("cfg"), ctx.get("ckpt"), ctx.get("workspace_bytes")
+    if cfg is not None and ckpt is not None:
+        weights = ctx["weights"][plan.n_gpus]
+        kw = dict(prefill_chunk=plan.prefill_chunk, weights=weights)
+        if max(r.weights_total + r.reserve for r in plan.ranks) < plan.gpu_bytes:
+            n = max_sequences(cfg, ckpt, plan.n_gpus, plan.gpu_bytes, plan.max_context, ws, **kw)
+            if n > 0:
+                hints.append(f"fewer sequences: --max-batch {n} fits at this context")
+            c = max_context(cfg, ckpt, plan.n_gpus, plan.gpu_bytes, plan.max_seqs, ws, limit=plan.max_context, **kw)
+            if c > 0:
+                hints.append(f"a shorter context: --max-model-len {c} fits with {plan.max_seqs} sequences")
+        else:
+            msg.append(f"The weights alone need {g(w.weights_total)} on rank {w.rank}.")
+        for n_gpus in (2, 4, 8, 16, 32, 64):
+            if n_gpus <= plan.n_gpus:
+                continue
+            try:
+                p = plan_memory(cfg, ckpt, n_gpus, plan.gpu_bytes, plan.max_seqs, plan.max_context, ws,
+                                prefill_chunk=plan.prefill_chunk)
+            except ShardingError:
+                continue
+            if p.fits:
+                hints.append(f"more GPUs: --gpus with {n_gpus} GPUs fits ({g(p.worst.total)} per GPU)")
+                break
+        else:  # (the state is replicated on every rank: more GPUs only help with the weights)
+            if not hints:
+                hints.append("more GPUs (--gpus 0,1,...) than 64")
+    else:
+        hints.append("more GPUs (--gpus 0,1,...), fewer sequences (--max-batch) or a shorter context "
+                     "(--max-model-len)")
+    if hints:
+        msg.append("Try " + "; or ".join(hints) + ".")
+    raise MemoryPlanError(" ".join(msg))
+
+
+# ---------------------------------------------------------------------------------------------
+# GPUs
+
+
+def parse_gpus(gpus: str | int | Iterable[int] | None) -> list[int] | None:
+    """'0,1,2,3' / [0, 1] / 3 -> a list of device ids (None stays None)."""
+    if gpus is None:
+        return None
+    if isinstance(gpus, int):
+        ids = [gpus]
+    elif isinstance(gpus, str):
+        try:
+            ids = [int(x) for x in gpus.replace(" ", "").split(",") if x != ""]
+        except ValueError as e:
+            raise ValueError(f"--gpus {gpus!r}: expected device ids like 0,1,2,3") from e
+    else:
+        ids = [int(x) for x in gpus]
+    if not ids or any(i < 0 for i in ids) or len(set(ids)) != len(ids):
+        raise ValueError(f"--gpus {gpus!r}: expected distinct non-negative device ids like 0,1,2,3")
+    return ids
+
+
+def gpu_free_bytes(gpus: Sequence[int]) -> list[int]:
+    """Free bytes on each device (cupy.cuda.Device(i).mem_info)."""
+    import cupy
+
+    n = cupy.cuda.runtime.getDeviceCount()
+    out = []
+    for i in gpus:
+        if i >= n:
+            raise ValueError(f"--gpus: no GPU {i} (this machine has {n})")
+        free, _total = cupy.cuda.Device(i).mem_info
+        out.append(int(free))
+    return out

@@ -1,0 +1,270 @@
+"""The host half of a V4.1 decode step: every layer's state bookkeeping, done before any kernel.
+
+A decode step (one new token per sequence) appends rows to each sequence's state: a window row
+in every layer, pending compressor rows, now and then a compressed entry and an indexer key.
+Which buffer row each of them lands in, which rows the compressor pools, which keys the indexer
+scores and which rows each query attends depend only on the sequences' positions and state
+sizes, all known on the host. `plan_decode` works them out for every layer up front, reserving
+and committing the grown state views (engine/state/rows.py), and records them as backend-neutral
+lists of Spans. A backend's `stage` turns those into what its kernels read (on the GPU: one
+upload of pointer tables), and the device half (`Model._decode_attend`) only reads the tables.
+
+So a whole decode step launches the same kernels with the same shapes for a given batch size
+and set of capacity buckets, whatever the positions: the GPU replays it as one CUDA graph.
+Widths that grow with the context (indexer scores, the published top-k mask, the attention's
+key split) are sized to `capacity(n)`, a power of two: padding columns score -inf, so the
+selections equal those over the exact widths, and a context crosses a bucket ~log2(n) times.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field, fields, replace
+
+import numpy as np
+
+from engine.state import rows
+from engine.state.rows import Span
+
+MIN_CAPACITY = 64
+
+
+def capacity(n: int) -> int:
+    """Width bucket for n columns: 0 for none, else the next power of two >= max(n, 64)."""
+    return 0 if n <= 0 else max(MIN_CAPACITY, 1 << (int(n) - 1).bit_length())
+
+
+# How a backend stages each field (CupyOps.stage): "rows": per sequence a destination row or
+# None; "spans": per sequence a Span of rows (n may be 0) or None; "f32" / "i64": host arrays
+# uploaded as they are; "host": read by the staging only; anything else (ints, strings) is static:
+# it fixes the step's launches and keys its graph. A layer's window rows and attention sources
+# (`win_dst`, `attend`) are staged from the step's WindowPlan and the layer's entries source.
+ROWS, SPANS, F32, I64, HOST = "rows", "spans", "f32", "i64", "host"
+
+
+@dataclass
+class LayerPlan:
+    """One V4.1 layer's decode step for B sequences (lists are per sequence, in batch order)."""
+
+    # attention: the entries of KV source `ents_from` (its `entries`) under the top-k mask that
+    # index source `mask_from` publishes (-1: none), mask_cap wide; attend_cap: capacity of the
+    # longest key list (window + entries), which sizes the attention's split
+    ents_from: int = -1
+    mask_from: int = -1
+    mask_cap: int = 0
+    attend_cap: int = 0
+    # ratio > 1 KV source: the new compressor rows' destinations, the closing groups' pending rows
+    # (None where a sequence's group does not close) and RoPE at each group's first position
+    pend_kv: list | None = field(default=None, metadata={"kind": ROWS})
+    pend_gate: list | None = field(default=None, metadata={"kind": ROWS})
+    pool_kv: list | None = field(default=None, metadata={"kind": SPANS})
+    pool_gate: list | None = field(default=None, metadata={"kind": SPANS})
+    pool_rope: np.ndarray | None = field(default=None, metadata={"kind": F32})  # [2, B, rope/2]
+    # KV source: where each sequence's new compressed entry / indexer key goes (None: none), and
+    # each sequence's entries after this step (what its group's layers attend)
+    entry_dst: list | None = field(default=None, metadata={"kind": ROWS})
+    key_dst: list | None = field(default=None, metadata={"kind": ROWS})
+    entries: list | None = field(default=None, metadata={"kind": HOST})
+    # index source: each sequence's group keys, the scores' width, its role at the candidate level
+    keys: list | None = field(default=None, metadata={"kind": SPANS})
+    keys_cap: int = 0
+    cand: str = ""  # "source": this layer picks the candidate blocks; "filter": its scores are cut to them
+    cand_last: np.ndarray | None = field(default=None, metadata={"kind": I64})  # [B] newest block (-1: none)
+    pub_ns: np.ndarray | None = field(default=None, metadata={"kind": HOST})  # [B] key counts it scored
+    # which sequences attend their group's entries (bool [B], see plan_attention; None: none)
+    attended: np.ndarray | None = field(default=None, metadata={"kind": HOST})
+    # staged (ops.stage): where each sequence's new K=V row goes, and what its query attends
+    win_dst: object = None
+    attend: object = None
+
+    def static(self) -> dict:
+        """The fields that are no tables (they fix the launches)."""
+        return {name: getattr(self, name) for name in STATIC}
+
+    def signature(self) -> tuple:
+        """What fixes this layer's launches: its static fields and which tables it has."""
+        return (*map(self.__getattribute__, STATIC), *(getattr(self, name) is None for name in _TABLES))
+
+
+STATIC = ("ents_from", "mask_from", "mask_cap", "attend_cap", "keys_cap", "cand")
+_TABLES = [f.name for f in fields(LayerPlan) if "kind" in f.metadata]
+
+
+@dataclass
+class WindowPlan:
+    """Every sequence's WindowBlock this step (engine/state/rows.py): in each layer l the new K=V row
+    goes to row dst[b] of blocks[b][l], and the query attends rows start[b] .. dst[b]."""
+
+    blocks: list  # [layers, rows, width] buffers, one per sequence
+    start: np.ndarray  # int64 [B]
+    dst: np.ndarray  # int64 [B]
+
+
+@dataclass
+class StepInputs:
+    """A forward's per-step inputs: token ids [T], Engram hash ids [T, cols] (or None), RoPE cos /
+    sin of both tables at each row's position [4, T, rope/2]; for V4.1 sequences fed one token
+    their windows and each layer's plan of their decode step, and where prompt chunks share the
+    step, the rows of those one-token sequences in the batch (dec_rows)."""
+
+    ids: np.ndarray = field(metadata={"kind": I64})
+    hash_ids: np.ndarray | None = field(metadata={"kind": I64})
+    rope: np.ndarray = field(metadata={"kind": F32})
+    layers: list | None = None
+    window: WindowPlan | None = None
+    dec_rows: np.ndarray | None = field(default=None, metadata={"kind": I64})
+
+    def signature(self) -> tuple:
+        shapes = tuple(None if a is None else a.shape for a in (self.ids, self.hash_ids, self.rope, self.dec_rows))
+        if self.layers is None:
+            return shapes + (None,)
+        sigs: dict = {}  # id(plan) -> its signature (the layers that share a plan share it)
+        for lp in self.layers:
+            if id(lp) not in sigs:
+                sigs[id(lp)] = lp.signature()
+        return shapes + (tuple(sigs[id(lp)] for lp in self.layers),)
+
+
+def plan_decode(cfg, states: list, xp, growth: list, rope_comp, heads: bool) -> tuple[WindowPlan, list[LayerPlan]]:
+    """The windows and every layer's LayerPlan for one new token per state, committing the grown
+    state. Copies of rows into a grown buffer are appended to `growth` (ops.copy_rows jobs, to run
+    before the step); rope_comp(positions) -> (cos, sin) of the compressed RoPE; heads: whether
+    this rank attends (a tensor-parallel rank may hold no query heads)."""
+    keep = cfg.sliding_window - 1
+    blocks, start, dst = [], np.zeros(len(states), np.int64), np.zeros(len(states), np.int64)
+    for b, s in enumerate(states):  # every layer's window grows by one row, in one block per sequence
+        blk = rows.window_block(xp, s.layers, cfg.head_dim, keep, growth)
+        blocks.append(blk.buf)
+        start[b], dst[b] = blk.start, blk.end
+        blk.end += 1
+        blk.start = max(blk.start, blk.end - keep)
+    win = WindowPlan(blocks, start, dst)
+    layers: list[LayerPlan] = []
+    published: dict = {}  # index sources' key counts and keys, for the later layers
+    reads: dict = {}  # (ents_from, mask_from) -> the plan of layers that only read (shared: no tables)
+    for li, (grp, busy) in enumerate(_schedule(cfg)):
+        if busy:
+            layers.append(_plan_layer(cfg, li, grp, states, xp, growth, rope_comp, published))
+            continue
+        key = (grp, published["topk"]) if grp >= 0 and "topk" in published else (-1, -1)
+        lp = reads.get(key)
+        if lp is None:
+            lp = reads[key] = LayerPlan(ents_from=key[0], mask_from=key[1])
+        layers.append(lp)
+    if heads:
+        plan_attention(layers, win)
+    return win, layers
+
+
+@functools.lru_cache(maxsize=16)
+def _schedule(cfg) -> tuple:
+    """Per layer: (its KV group's source layer, whether the layer has state of its own to plan: a
+    KV source or an index source). The other layers only read their group's entries under the
+    latest published mask, and layers reading the same ones share one LayerPlan."""
+    return tuple((cfg.kv_group_source(li), cfg.layer_kinds[li] == "source" or li in cfg.index_source_layer_ids)
+                 for li in range(cfg.num_layers))
+
+
+def _plan_layer(cfg, li: int, grp: int, states: list, xp, growth: list, rope_comp, published: dict) -> LayerPlan:
+    kind, indexed = cfg.layer_kinds[li], li in cfg.index_source_layer_ids
+    p = LayerPlan()
+    if grp >= 0 and "topk" in published:  # (grp >= 0: a compressed layer with a KV source)
+        p.ents_from, p.mask_from = grp, published["topk"]
+    if kind != "source" and not indexed:
+        return p
+    ratio, d = cfg.compress_ratios[li], cfg.head_dim
+    if kind == "source":
+        lss = [s.layers[li] for s in states]
+        if ratio > 1:  # the new row joins its group's pending rows; full groups are pooled
+            p.pend_kv, p.pend_gate, p.pool_kv, p.pool_gate = [], [], [], []
+            first = np.zeros(len(lss), np.int64)
+            appends = []
+            for b, ls in enumerate(lss):
+                pend = []
+                for name, dst in (("buf_kv", p.pend_kv), ("buf_gate", p.pend_gate)):
+                    # (a group's rows are pooled, then the buffer is reused from its start)
+                    buf, start, end = rows.reserve(xp, ls, name, d, 1, growth, room=ratio)
+                    dst.append(Span(buf, end, 1))
+                    pend.append(Span(buf, start, end + 1 - start))
+                    rows.commit(ls, name, *((buf, 0, 0) if end + 1 - start == ratio else (buf, start, end + 1)))
+                appends.append(pend[0].n == ratio)
+                p.pool_kv.append(pend[0] if appends[b] else None)
+                p.pool_gate.append(pend[1] if appends[b] else None)
+                first[b] = ls.n_entries * ratio
+            p.pool_rope = np.stack(rope_comp(first))
+        else:  # ratio 1: each token is its own group, projected already
+            appends = [True] * len(lss)
+        p.entry_dst = _append(xp, lss, "entries", d, appends, growth)
+        if indexed:
+            p.key_dst = _append(xp, lss, "idx_keys", cfg.index_head_dim, appends, growth)
+        p.entries = [rows.span(ls, "entries") for ls in lss]
+    if indexed:
+        # (the index layers after a group's source read the keys it left: the same Spans)
+        if ("keys", grp) not in published:
+            keys = [rows.span(s.layers[grp], "idx_keys") for s in states]
+            published["keys", grp] = keys, [k.n for k in keys]
+        p.keys, counts = published["keys", grp]
+        most = max(counts)
+        if most == 0:  # nothing to score yet: earlier publications stand
+            p.keys = None
+        else:
+            ns = np.array(counts, np.int64)
+            p.keys_cap, p.pub_ns = capacity(most), ns
+            cand = cfg.candidate_source_layer_id
+            if li == cand:
+                p.cand = "source"
+                p.cand_last = (ns - 1) // cfg.candidate_block_size
+                published["cand"] = ns
+            elif 0 <= cand < li and np.array_equal(published.get("cand"), ns):  # (same keys: same ratio)
+                p.cand = "filter"
+            published["topk"] = li
+    if grp >= 0 and "topk" in published:  # (this layer's own publication, if it made one)
+        p.ents_from, p.mask_from = grp, published["topk"]
+    return p
+
+
+def with_spans(inputs: StepInputs) -> StepInputs:
+    """The step with every layer's window destinations and attention sources as Spans: (window
+    rows, attended entries or None) per sequence (the numpy backend's staging)."""
+    if inputs.window is None:
+        return inputs
+    w, out = inputs.window, []
+    for li, lp in enumerate(inputs.layers):
+        ok = lp.attended
+        ents = inputs.layers[lp.ents_from].entries if ok is not None else None
+        out.append(replace(lp, win_dst=[Span(blk[li], int(e), 1) for blk, e in zip(w.blocks, w.dst, strict=True)],
+                           attend=[(Span(blk[li], int(s0), int(e + 1 - s0)), ents[b] if ok is not None and ok[b]
+                                    else None) for b, (blk, s0, e) in enumerate(zip(w.blocks, w.start, w.dst,
+                                                                                   strict=True))]))
+    return replace(inputs, layers=out)
+
+
+def plan_attention(layers: list[LayerPlan], win: WindowPlan) -> None:
+    """Each layer's attended sequences, mask width and attention capacity. A sequence attends its
+    group's entries where it has some and the published top-k mask scored that many; layers
+    reading one group under one mask share the result."""
+    n_win = win.dst + 1 - win.start
+    done: dict = {}
+    for lp in layers:  # (a plan several reading layers share is visited once per layer: a lookup)
+        key = (lp.ents_from, lp.mask_from)
+        if key not in done:
+            ok, longest, mask_cap = None, n_win, 0
+            if lp.ents_from >= 0:
+                n = np.array([sp.n for sp in layers[lp.ents_from].entries], np.int64)
+                ok = (n > 0) & (layers[lp.mask_from].pub_ns == n)
+                longest, mask_cap = n_win + np.where(ok, n, 0), layers[lp.mask_from].keys_cap
+            done[key] = (ok, mask_cap, capacity(int(longest.max())))
+        lp.attended, lp.mask_cap, lp.attend_cap = done[key]
+
+
+def _append(xp, lss: list, name: str, width: int, which: list, growth: list) -> list:
+    """A new row of ls.<name> for each state where `which` says so (committed); its destinations."""
+    out = []
+    for ls, yes in zip(lss, which, strict=True):
+        if not yes:
+            out.append(None)
+            continue
+        buf, start, end = rows.reserve(xp, ls, name, width, 1, growth)
+        out.append(Span(buf, end, 1))
+        rows.commit(ls, name, buf, start, end + 1)
+    return out

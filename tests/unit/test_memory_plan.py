@@ -1,0 +1,267 @@
+"""Device memory planning (engine/runtime/memory_plan.py): CPU only, nothing is loaded onto a GPU."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from engine.checkpoint import tiny_model as T
+from engine.checkpoint.reader import SAFETENSORS_DTYPES, Checkpoint, scale_name
+from engine.model.config import load_config, parse_config
+from engine.model.transformer import Model, _joined
+from engine.parallel.tp import ShardingError, ShardPlan
+from engine.runtime import memory_plan as mp
+from engine.runtime.engine import DEFAULT_CKPT
+
+GB = 10**9
+GIB = 1 << 30
+H200 = 141 * GB
+SMALL = dict(layers=4, hidden=128, heads=8, head_dim=64, rope_dim=16, q_lora=64, o_groups=2, o_lora=64,
+             experts=8, topk=2, moe_inter=64, vocab=1024, index_heads=16, index_head_dim=32,
+             engram_head_dim=32, engram_vocab=300)
+
+
+def _open(path):
+    cfg = load_config(path)
+    return cfg, Checkpoint(path, block_size=cfg.weight_block_size)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("memplan")
+    v4 = dict(SMALL, o_lora=128)  # V4's 128x128 FP8 blocks: wo_a's group rows must cover whole blocks
+    return {"v41": T.write_tiny_model(root / "v41", "v41", seed=1, **SMALL),
+            "v4": T.write_tiny_model(root / "v4", "v4", seed=1, **v4)}
+
+
+def _stored(ckpt, name: str) -> int:
+    t = ckpt.raw(name)
+    quantized = t.dtype in ("F8_E4M3", "I8", "U8")  # a bf16 / f32 weight ignores any .scale beside it
+    return t.array.nbytes + (ckpt.raw(scale_name(name)).array.nbytes if quantized else 0)
+
+
+def _check_split(cfg, ckpt, sizes=(1, 2, 4, 8)):
+    full = mp.weight_bytes(cfg, ckpt, 1)[0]
+    for name, (stored, _dev) in full.tensors.items():  # TP1 holds every tensor whole, as stored
+        assert stored == _stored(ckpt, name), name
+    for n in sizes:
+        ranks = mp.weight_bytes(cfg, ckpt, n)
+        for name, (stored, _dev) in full.tensors.items():
+            got = [r.tensors.get(name, (0, 0))[0] for r in ranks]
+            if name.endswith("attn.wo_b.weight"):  # ranks inside one output group share its columns
+                want = [stored * len(ShardPlan.make(cfg, r, n).head_groups(cfg)) // cfg.o_groups for r in range(n)]
+                assert got == want, name
+            elif all(g == stored for g in got):
+                pass  # replicated: whole on every rank
+            else:
+                assert sum(got) == stored, (name, n, got)  # split: the slices add up to the tensor
+        # replicated + split: each rank holds exactly its share, the engram tables stay on the host
+        assert all(r.host == full.host for r in ranks)
+        assert sum(r.device_total for r in ranks) >= full.device_total
+        routed = sum(r.device.get("routed experts", 0) for r in ranks)
+        assert routed == full.device["routed experts"]
+    return full
+
+
+def test_demo_v41_split_sums_to_checkpoint():
+    cfg, ckpt = _open(DEFAULT_CKPT)
+    full = _check_split(cfg, ckpt)
+    # Engram tables stay in host memory in their stored format (with their scales when FP8)
+    assert full.host["engram tables (host)"] == sum(_stored(ckpt, f"layers.{i}.engram.embed.weight")
+                                                   for i in cfg.engram_layer_ids)
+    # every stored byte is counted somewhere (gate.bias_vl is not read, nor a bf16 table's scales)
+    read = {n for n in ckpt.names() if not n.endswith((".gate.bias_vl", "engram.embed.scale"))}
+    total = sum(ckpt.raw(n).array.nbytes for n in read)
+    linear = sum(s for s, _ in full.tensors.values())
+    assert linear <= total and total - linear < 0.05 * total
+
+
+@pytest.mark.parametrize("arch", ["v41", "v4"])
+def test_tiny_model_split_and_specs_agree(tiny, arch):
+    cfg, ckpt = _open(tiny[arch])
+    _check_split(cfg, ckpt, (1, 2, 4, 8) if arch == "v41" else (1, 2, 4))
+    if arch == "v4":  # one 64-row head per rank is not a whole 128-row FP8 block: the load would fail too
+        with pytest.raises(ShardingError):
+            mp.plan_memory(cfg, ckpt, 8, 1 * GIB, 1, 1024)
+    # the planner gives the same numbers from the tensor specs as from the written checkpoint
+    raw = __import__("json").loads((tiny[arch] / "config.json").read_text())
+    specs = T.tensor_specs(raw)
+    for n in (1, 4):
+        a = mp.plan_memory(cfg, ckpt, n, 1 * GIB, 4, 4096)
+        b = mp.plan_memory(parse_config(raw), specs, n, 1 * GIB, 4, 4096)
+        assert [(r.weights, r.host, r.state, r.workspace) for r in a.ranks] == \
+               [(r.weights, r.host, r.state, r.workspace) for r in b.ranks]
+
+
+def test_state_matches_the_model_formula():
+    from engine.model.transformer import Model
+
+    cfg, ckpt = _open(DEFAULT_CKPT)
+    m = Model(cfg, ckpt, __import__("engine.runtime.engine", fromlist=["make_ops"]).make_ops("numpy"),
+              DEFAULT_CKPT / "tokenizer.json")
+    per_token, fixed = m.resident_state_bytes_per_token()
+    assert mp.state_bytes(cfg, 1000) == math.ceil(fixed + 1000 * per_token)
+    p = mp.plan_memory(cfg, ckpt, 2, 1 * GIB, 3, 1000)
+    assert all(r.state == 3 * mp.state_bytes(cfg, 1000) for r in p.ranks)
+
+
+# ---------------------------------------------------------------------------------------------
+# V4.1-Flash shapes, from specs (nothing written)
+
+
+def flash_config() -> dict:
+    """The released V4.1-Flash text config's shapes and schedule (DESIGN.md), in config.json form."""
+    sizes = {k: v for k, v in T.PRESETS["v41-flash-shaped"].items() if k != "arch"}
+    sizes.update(layers=40, engram_vocab=16_000_000)
+    c = T.make_config("v41", **sizes)
+    kv, idx, eng = [2, 8, 14, 20], [2, 8, 14, 20, 24, 28, 32, 36], [1, 14]
+    primes = T.engram_primes(len(eng), c["engram_max_ngram_size"], c["engram_n_heads"], 16_000_000)
+    c.update(compress_ratios=[0, 0] + [2] * 18 + [1] * 20, kv_source_layer_ids=kv, index_source_layer_ids=idx,
+             candidate_source_layer_id=20,
+             layer_types=["shared_compressed_attention" if i in kv else "sliding_attention" for i in range(40)],
+             engram_layer_ids=eng, engram_num_embeddings=[sum(map(sum, layer)) for layer in primes],
+             engram_compressed_vocab_size=99092)
+    return c
+
+
+def flash_specs(c: dict) -> list:
+    # V4.1 ships an fp32 head (DESIGN.md); tensor_specs writes bf16 for the tiny models
+    return [T.TensorSpec(s.name, "f32", s.shape) if s.name == "head.weight" else s for s in T.tensor_specs(c)]
+
+
+@pytest.fixture(scope="module")
+def flash():
+    c = flash_config()
+    cfg, specs = parse_config(c), flash_specs(c)
+    return cfg, specs, {n: mp.weight_bytes(cfg, specs, n) for n in (1, 4, 8)}
+
+
+def test_v41_flash_does_not_fit_one_h200(flash, capsys):
+    cfg, specs, w = flash
+    stored = sum(math.prod(sh) * SAFETENSORS_DTYPES[dt].itemsize
+                 for s in specs for _, dt, sh in T.stored_tensors(s, (32, 32)))
+    assert 455 * GIB < stored < 480 * GIB  # ~475 GiB with the DSpark layers, which the engine skips
+    host = w[1][0].host_total
+    assert 185 * GIB < host < 195 * GIB  # Engram: two ~384M-row FP8 tables
+    plans = {n: mp.plan_memory(cfg, specs, n, H200, 1, 1 << 20, weights=w[n]) for n in (1, 4, 8)}
+    assert not plans[1].fits and plans[1].worst.weights_total > H200
+    assert plans[4].fits and plans[8].fits
+    assert 30 * GIB < plans[8].worst.weights_total < 40 * GIB
+    # a running sequence holds float32 rows on the device (plus growth headroom): ~7.8 GiB at 1M
+    # tokens, where its stored form (FP8 / FP4, what the host keeps between turns) is ~0.89 GiB
+    assert 7.5 * GIB < plans[8].state_per_seq < 8.2 * GIB
+    per_token, fixed = Model.state_bytes_per_token(SimpleNamespace(cfg=cfg))
+    assert 0.8 * GIB < fixed + per_token * (1 << 20) < 0.9 * GIB  # ~890 B/token + ~2.6 MiB of rings
+    with capsys.disabled():
+        for n, p in plans.items():
+            r = p.worst
+            print(f"\nV4.1-Flash TP{n}: weights {r.weights_total / GIB:.2f} GiB/rank, state per 1M-token "
+                  f"sequence {p.state_per_seq / GIB:.3f} GiB, workspace {r.workspace / GIB:.2f} GiB, "
+                  f"host {p.host_bytes / GIB:.1f} GiB")
+    with pytest.raises(mp.MemoryPlanError) as e:
+        mp.check(plans[1])
+    msg = str(e.value)
+    assert "does not fit 1 GPU" in msg and "routed experts" in msg and "4 GPUs" in msg
+
+
+def test_error_names_consumers_and_suggestions():
+    cfg, ckpt = _open(DEFAULT_CKPT)
+    p = mp.plan_memory(cfg, ckpt, 1, 2 * GIB, 1024, 65536)
+    assert not p.fits
+    with pytest.raises(mp.MemoryPlanError) as e:
+        mp.check(p)
+    msg = str(e.value)
+    assert "state (1024 seqs x 65536 tokens)" in msg
+    assert "--max-batch" in msg and "--max-model-len" in msg
+    assert "--gpus" not in msg  # the state is replicated on every rank: more GPUs would not help
+    n = int(msg.split("--max-batch ")[1].split()[0])
+    assert mp.plan_memory(cfg, ckpt, 1, 2 * GIB, n, 65536).fits
+    assert not mp.plan_memory(cfg, ckpt, 1, 2 * GIB, n + 1, 65536).fits
+    assert mp.check(mp.plan_memory(cfg, ckpt, 1, 2 * GIB, n, 65536)).fits
+    table = p.summary()
+    assert "rank" in table and "NO" in table and "workspace" in table
+
+
+def test_max_sequences_monotone_in_context():
+    cfg, ckpt = _open(DEFAULT_CKPT)
+    w = mp.weight_bytes(cfg, ckpt, 2)
+    counts = [mp.max_sequences(cfg, ckpt, 2, 16 * GIB, c, weights=w) for c in (1024, 8192, 65536, 262144, 1 << 20)]
+    assert counts == sorted(counts, reverse=True) and counts[0] > counts[-1] > 0
+    assert mp.max_sequences(cfg, ckpt, 2, 10 << 20, 1024, weights=w) == 0  # not even the weights fit
+    assert mp.max_sequences(cfg, ckpt, 1, 4 * GIB, 1024, workspace_bytes=0, limit=64) == 64
+
+
+def test_parse_gpus():
+    assert mp.parse_gpus("0,1,2,3") == [0, 1, 2, 3]
+    assert mp.parse_gpus([2]) == [2] and mp.parse_gpus(1) == [1] and mp.parse_gpus(None) is None
+    for bad in ("a", "0,0", "", "-1"):
+        with pytest.raises(ValueError):
+            mp.parse_gpus(bad)
+
+
+def test_engine_load_with_gpus_checks_memory_first(monkeypatch):
+    from engine.runtime.engine import Engine
+
+    monkeypatch.setattr(mp, "gpu_free_bytes", lambda ids: [64 << 20] * len(ids))
+    with pytest.raises(mp.MemoryPlanError, match="does not fit 1 GPU"):
+        Engine.load(None, gpus="0", max_seqs=4, max_context=4096)
+    monkeypatch.setattr(mp, "gpu_free_bytes", lambda ids: [80 * GB] * len(ids))
+    import engine.parallel.gpu
+
+    class Reached(Exception):
+        pass
+
+    def sharded(cfg, ckpt, devices, tok, expert_split):  # stop where the GPUs would be touched (none in CI)
+        raise Reached(devices, expert_split)
+
+    monkeypatch.setattr(engine.parallel.gpu, "GpuTP", sharded)
+    with pytest.raises(Reached) as got:  # the plan fits two GPUs: one tensor-parallel rank on each
+        Engine.load(None, gpus="0,1", max_seqs=4, max_context=4096)
+    assert got.value.args == ([0, 1], "ep")
+    with pytest.raises(Reached) as got:
+        Engine.load(None, gpus="0,1", max_seqs=4, max_context=4096, expert_split="width")
+    assert got.value.args == ([0, 1], "width")
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA-graph buffers: the formula against the outputs the regions really return
+
+
+@pytest.mark.parametrize("arch,size", [("v41", 1), ("v41", 2), ("v4", 1), ("v4", 4)])
+def test_graph_bytes_match_the_regions(tiny, arch, size):
+    """graph_bytes_per_row equals the bytes every graphed region of a one-row decode step returns,
+    on each tensor-parallel rank (numpy ranks: the regions are the same functions)."""
+    from engine.ops.numpy_ops import NumpyOps
+    from engine.parallel.tp import SimulatedTP
+
+    path = tiny[arch]
+    cfg, ckpt = _open(path)
+    tp = SimulatedTP(cfg, ckpt, NumpyOps, size, path / "tokenizer.json")
+    states = [tp.new_state()]
+    tp.forward(states, [list(range(3, 40))])
+    seen = {r: [] for r in range(size)}
+    for r, m in enumerate(tp.ranks):
+        def graphed(key, fn, *arrays, r=r):
+            out = fn(*arrays)
+            vals = [_joined(a) for a in (out if isinstance(out, tuple) else (out,))]
+            seen[r].append(sum(a.nbytes for a in vals if a is not None))  # (open side branches: their values)
+            return out
+        m.ops.graphed = graphed
+    tp.forward(states, [[7]])  # one decode row
+    for r, m in enumerate(tp.ranks):
+        assert len(seen[r]) >= 2 * cfg.num_layers + 1
+        assert sum(seen[r]) == mp.graph_bytes_per_row(cfg, m.plan), (arch, size, r)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_width_split_experts_counted(tiny, n):
+    """Routed experts split by width: every rank holds a slice of every expert, the slices add up
+    to the whole experts, and no rank holds more than its share (rounded up to 32 columns)."""
+    cfg, ckpt = _open(tiny["v41"])
+    whole = mp.weight_bytes(cfg, ckpt, 1)[0].device["routed experts"]
+    ranks = [r.device.get("routed experts", 0) for r in mp.weight_bytes(cfg, ckpt, n, "width")]
+    ep = [r.device.get("routed experts", 0) for r in mp.weight_bytes(cfg, ckpt, n)]
+    assert sum(ranks) == whole == sum(ep)
+    assert max(ranks) <= whole * (-(-cfg.moe_intermediate_size // (32 * n)) * 32) / cfg.moe_intermediate_size
