@@ -172,8 +172,8 @@ def _load(ckpt: str, gpus: list[int] | None, expert_split: str = "ep"):
 
     from engine.checkpoint.reader import Checkpoint
     from engine.model.config import load_config
-    from engine.model.transformer import Model
     from engine.ops.gpu.ops import CupyOps
+    from engine.runtime.runner import ModelRunner as Model
 
     cfg = load_config(ckpt)
     ck, tok = Checkpoint(ckpt, block_size=cfg.weight_block_size), f"{ckpt}/tokenizer.json"
@@ -349,7 +349,7 @@ def parse_variants(text: str) -> tuple[dict[str, str], ...]:
 def bench_main(argv: list[str] | None = None) -> int:
     """CLI entry: `bench [--ckpt DIR] [--batches 1,8,32] [--prefill 4096,65536] [--chunk N] [--no-linears]
     [--gpus 0,1,2,3 [--compare-tp1]] [--variants 'DSUF_X=1 DSUF_Y=0,DSUF_Z=1']`."""
-    from engine.parallel.tp import EXPERT_SPLITS
+    from engine.parallel.shard import EXPERT_SPLITS
 
     ap = argparse.ArgumentParser(prog="dsuf bench", description=__doc__.splitlines()[0])
     ap.add_argument("--ckpt", default=None, help="checkpoint to time whole-model decode / prefill on")

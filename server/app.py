@@ -594,7 +594,7 @@ async def _serve(app: web.Application, host: str, port: int) -> int:
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ckpt", default=None, help="checkpoint directory (default: embedded demo-v41)")
     p.add_argument("--gpus", default=None, help="GPUs to use, e.g. 0,1,2,3 (default: numpy on the CPU)")
-    from engine.parallel.tp import EXPERT_SPLITS
+    from engine.parallel.shard import EXPERT_SPLITS
 
     p.add_argument("--expert-split", choices=EXPERT_SPLITS, default="ep",
                    help="with several GPUs: routed experts split by expert id or by width")

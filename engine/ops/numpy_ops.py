@@ -1,6 +1,6 @@
 """float32 numpy reference ops: the backend every other backend is tested against.
 
-The model code (engine/model/transformer.py) calls only these methods plus `xp` array glue, so a GPU backend
+The model code (engine/model/) calls only these methods (engine/ops/protocol.py) plus `xp` array glue, so a GPU backend
 supplies the same names with kernels behind them. Weights arrive as `engine.checkpoint.reader.Weight`
 in their stored format; `prepare_*` turns them into whatever the backend computes with (here:
 dequantized float32), once, at load time.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine.checkpoint import formats
-from engine.parallel.tp import stack_rows
+from engine.parallel.shard import stack_rows
 from engine.runtime.sampling import sample_batch
 from engine.state import sequence as codecs
 from engine.state.decode_plan import with_spans
@@ -19,16 +19,6 @@ from engine.state.rows import Span
 
 F32 = np.float32
 NEG_INF = F32(-np.inf)
-
-
-class Done:
-    """A branch already computed (NumpyOps.side)."""
-
-    def __init__(self, value) -> None:
-        self.value = value
-
-    def result(self):
-        return self.value
 
 
 def fake_quant(ops, x, codec: int):
@@ -60,6 +50,7 @@ class NumpyOps:
 
     name = placement = "numpy"
     xp = np
+    comm = None  # tensor parallelism: set by the lockstep driver (engine/parallel/lockstep.py)
 
     # ---- weights ---------------------------------------------------------------------
     def prepare(self, weight) -> np.ndarray:
@@ -69,7 +60,7 @@ class NumpyOps:
         return np.ascontiguousarray(dequantize(weight), dtype=F32)
 
     def prepare_rows(self, ws: list) -> np.ndarray:
-        """Weights of one input as one, stacked along their output rows (engine/parallel/tp.py stack_rows)."""
+        """Weights of one input as one, stacked along their output rows (engine/parallel/shard.py stack_rows)."""
         return self.prepare(stack_rows(ws))
 
     def prepare_table(self, table, scale=None) -> np.ndarray:
@@ -100,20 +91,20 @@ class NumpyOps:
         for src, sr, dst, dr, n in jobs:
             dst[dr : dr + n] = src[sr : sr + n]
 
-    def graphed(self, key, fn, *arrays):
-        """Run a region of the forward (a pure function of arrays). Here simply fn(*arrays); the
-        GPU backend replays it as a CUDA graph once its shapes repeat."""
-        return fn(*arrays)
+    def fork(self, fn, *args):
+        """fn(*args): the GPU backend runs it on a second stream while it captures a step; here now."""
+        return fn(*args)
 
-    def regions_inline(self) -> bool:
-        """Whether graphed regions called now run inline (here: always; no graphs)."""
-        return True
+    def join_all(self) -> None:
+        """Nothing forked is pending here (fork computes at once)."""
 
-    def side(self, fn, *args, lane: int = 0) -> Done:
-        """fn(*args) as a branch the caller joins with .result() (the GPU backend runs it on a
-        second stream, concurrently: `lane` picks which, so that a branch need not queue behind
-        another); here simply computed now."""
-        return Done(fn(*args))
+    def all_reduce(self, x):
+        """x summed over the tensor-parallel ranks (one rank: x)."""
+        return x if self.comm is None else self.comm.all_reduce(x)
+
+    def all_gather(self, x):
+        """The ranks' x joined along the last axis (one rank: x)."""
+        return x if self.comm is None else self.comm.all_gather(x)
 
     def stage(self, inputs):
         """A step's inputs (engine/state/decode_plan.py StepInputs) as this backend's ops read them: here
@@ -133,11 +124,6 @@ class NumpyOps:
         for b, sp in enumerate(dst):
             if sp is not None:
                 sp.buf[sp.start] = src[b]
-
-    def scatter_rows_many(self, jobs: list) -> None:
-        """scatter_rows(src, dst) of each (src, dst) job (the GPU may do them in one launch)."""
-        for src, dst in jobs:
-            self.scatter_rows(src, dst)
 
     # ---- dense math ------------------------------------------------------------------
     def linear(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -230,19 +216,11 @@ class NumpyOps:
         mixed = np.einsum("tjk,tjd->tkd", comb, residual, dtype=F32)
         return post[:, :, None] * out[:, None, :] + mixed
 
-    def hc_expand_norm(self, out: np.ndarray, residual: np.ndarray, post: np.ndarray, comb: np.ndarray,
-                       pre: np.ndarray, weight: np.ndarray | None, eps: float) -> tuple[np.ndarray, np.ndarray]:
-        """The streams updated (hc_expand) and the next site's input, their collapse + norm by
-        `pre` (V4.1's single-pass mHC knows it before the update; the GPU fuses the two)."""
-        y = self.hc_expand(out, residual, post, comb)
-        return y, self.hc_collapse_norm(y, pre, weight, eps)
-
     # ---- MoE -------------------------------------------------------------------------
     def route(self, x: np.ndarray, gate_w: np.ndarray, bias: np.ndarray | None, top_k: int, scoring: str,
-              temp: float, scale: float, normalise: bool, hash_ids: np.ndarray | None = None,
-              experts: list | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Returns (weights [T, k] f32, expert ids [T, k] int64). (experts: the layer's, for a
-        backend that also groups the pairs by expert in the routing's launch: CupyOps.)"""
+              temp: float, scale: float, normalise: bool, hash_ids: np.ndarray | None = None
+              ) -> tuple[np.ndarray, np.ndarray]:
+        """Returns (weights [T, k] f32, expert ids [T, k] int64)."""
         logits = self.linear(x, gate_w)
         if temp != 1.0:
             logits = logits / F32(temp)
@@ -271,9 +249,9 @@ class NumpyOps:
         return self.linear(_silu(gate) * up, w2)
 
     def moe(self, x: np.ndarray, experts: list, weights: np.ndarray, ids: np.ndarray, limit: float,
-            shared=None) -> np.ndarray:
-        """Routed experts: sum_k weights[t,k] * expert_{ids[t,k]}(x_t), plus the result of `shared`
-        (a side branch: the shared expert) where given. experts[e] = (w1, w2, w3), or None for an
+            shared: np.ndarray | None = None) -> np.ndarray:
+        """Routed experts: sum_k weights[t,k] * expert_{ids[t,k]}(x_t), plus `shared` (the shared
+        expert's output) where given. experts[e] = (w1, w2, w3), or None for an
         expert another rank holds (its contribution arrives through the all-reduce)."""
         y = np.zeros_like(x)
         for e in np.unique(ids):
@@ -283,7 +261,7 @@ class NumpyOps:
             w1, w2, w3 = experts[int(e)]
             out = self.swiglu_mlp(x[rows], w1, w2, w3, limit)
             np.add.at(y, rows, out * weights[rows, slot][:, None])
-        return y + shared.result() if shared is not None else y
+        return y + shared if shared is not None else y
 
     # ---- attention -------------------------------------------------------------------
     def attention(self, q: np.ndarray, kv: np.ndarray, bias: np.ndarray, sinks: np.ndarray,
@@ -329,15 +307,12 @@ class NumpyOps:
         return out
 
     def attend_decode(self, q: np.ndarray, attend: list, mask: np.ndarray | None, sinks: np.ndarray,
-                      scale: float, longest: int, window: int = 0, selected: int = 0,
-                      derope: tuple | None = None) -> np.ndarray:
+                      scale: float, longest: int, window: int = 0, selected: int = 0) -> np.ndarray:
         """A V4.1 decode step's attention (engine/state/decode_plan.py): attend[b] = (window Span, group
-        entries Span or None), the entries masked by row b of the published top-k `mask`; derope:
-        (cos, sin), the output with that RoPE undone. (longest, window and selected size the GPU
-        kernel's work; the result does not depend on them.)"""
-        out = self.attention_decode(q, [[(w, None)] + ([(e, Span(mask, b, e.n))] if e is not None else [])
+        entries Span or None), the entries masked by row b of the published top-k `mask`. (longest,
+        window and selected size the GPU kernel's work; the result does not depend on them.)"""
+        return self.attention_decode(q, [[(w, None)] + ([(e, Span(mask, b, e.n))] if e is not None else [])
                                         for b, (w, e) in enumerate(attend)], sinks, scale)
-        return out if derope is None else self.rope(out, *derope, inverse=True)
 
     def indexer_scores(self, q: np.ndarray, k: np.ndarray, w: np.ndarray, n_heads: int, head_dim: int,
                        exact: bool = False) -> np.ndarray:

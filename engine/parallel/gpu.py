@@ -1,9 +1,9 @@
 """Tensor parallelism over the GPUs of one process: one rank per device, one Python thread.
 
-Rank r's Model (engine/model/transformer.py, its ShardPlan slice of the weights read straight from the
-safetensors files) lives on devices[r] with its own CupyOps (kernels, region CUDA graphs).
-`engine.parallel.tp.run_ranks` resumes each rank's forward generator under its device until the next
-collective; sums are NCCL all-reduces (cupy.cuda.nccl, in place, one group call over all
+Rank r's ModelRunner (engine/runtime/runner.py, its ShardPlan slice of the weights read straight
+from the safetensors files) lives on devices[r] with its own CupyOps. The lockstep driver
+(engine/parallel/lockstep.py run_ranks) resumes each rank's forward under its device until the
+next collective; sums are NCCL all-reduces (cupy.cuda.nccl, in place, one group call over all
 ranks on each device's current stream), and the logits gather is a host concatenation of the
 ranks' vocabulary slices, or (step_sample) a device-to-device gather onto the first GPU, where
 the tokens are drawn.
@@ -13,11 +13,9 @@ identical copy of a sequence's state. The caller sees one SequenceState per sequ
 the others' copies ride along in its `replicas`. A state restored from bytes (host arrays) is
 placed on every device before its first step.
 
-A decode step alone (one token per sequence) comes to the driver as one StepRegion per rank
-(engine/parallel/tp.py). By default each rank's step is captured as one CUDA graph, the NCCL all-reduces
-inside it (one group call over the ranks' capturing streams), and later steps replay every rank's
-graph: one launch per GPU instead of a few per layer. DSUF_TP_GRAPHS=0 runs each rank's step as
-per-layer region graphs with the all-reduces between them.
+A decode step alone (one token per sequence) comes to the driver as one StepRegion per rank. Each
+rank's step is captured as one CUDA graph, the NCCL all-reduces inside it (one group call over
+the ranks' capturing streams), and later steps replay every rank's graph: one launch per GPU.
 
 The same driver runs several ranks on one device (devices [0, 0]): collectives are then device
 sums instead of NCCL, which lets one GPU test the sharded path (their steps are never captured:
@@ -28,16 +26,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 
 import numpy as np
 
-from engine.parallel.tp import Collective, ShardPlan, combine, run_ranks, run_steps
+from engine.parallel.lockstep import Collective, RankComm, combine, run_ranks, run_steps
+from engine.parallel.shard import ShardPlan
 from engine.state.sequence import SequenceState, place
 
 log = logging.getLogger("dsuf.tp")
-
-STEP_GRAPHS = os.environ.get("DSUF_TP_GRAPHS", "1") != "0"
 
 
 class GpuTP:
@@ -47,8 +43,8 @@ class GpuTP:
                  make_ops=None, expert_split: str = "ep") -> None:
         import cupy as cp
 
-        from engine.model.transformer import Model
         from engine.ops.gpu.ops import CupyOps
+        from engine.runtime.runner import ModelRunner
 
         self.cp, self.cfg, self.devices = cp, cfg, list(devices)
         self.size = len(self.devices)
@@ -56,10 +52,11 @@ class GpuTP:
         self.ranks = []
         for r, dev in enumerate(self.devices):
             with cp.cuda.Device(dev):
-                self.ranks.append(Model(cfg, ckpt, make_ops(), tokenizer_json, store_quantized,
-                                        plan=ShardPlan.make(cfg, r, self.size, expert_split)))
+                ops = make_ops()
+                ops.comm = RankComm() if self.size > 1 else None  # (one rank: no collectives)
+                self.ranks.append(ModelRunner(cfg, ckpt, ops, tokenizer_json, store_quantized,
+                                              plan=ShardPlan.make(cfg, r, self.size, expert_split)))
         self.model_key = self.ranks[0].model_key
-        self.step_graphs = STEP_GRAPHS
         # what each rank's work runs under: its device, and while its step is captured, the capture
         self._ctx = [self._device(d) for d in self.devices]
         self.comms = None
@@ -89,8 +86,8 @@ class GpuTP:
     def forward(self, states: list[SequenceState], chunks: list, all_logits: bool = False,
                 on_device: bool = False) -> list[np.ndarray]:
         per_rank = self._per_rank(states)
-        gens = [m.forward_steps(per_rank[r], chunks, all_logits, on_device) for r, m in enumerate(self.ranks)]
-        outs = run_ranks(gens, reduce=self._reduce, contexts=self._ctx)
+        outs = run_ranks([lambda r=r, m=m: m.forward(per_rank[r], chunks, all_logits, on_device)
+                          for r, m in enumerate(self.ranks)], reduce=self._reduce, contexts=self._ctx)
         return outs[0]
 
     def step_sample(self, states: list[SequenceState], chunks: list, jobs: list) -> list:
@@ -168,7 +165,7 @@ class GpuTP:
     def _steps(self, msgs: list[Collective]) -> list:
         """Every rank's StepRegion: eagerly on its first sight, captured (all ranks at once, the
         all-reduces inside) on its second, replayed after that."""
-        if not self.step_graphs or self.comms is None:
+        if self.comms is None or not steps_graphed(msgs):
             return run_steps(msgs, self._reduce, self._ctx)
         steps = [m.value for m in msgs]
         staged, sigs, modes = [], [], []
@@ -226,12 +223,15 @@ class GpuTP:
         return True
 
     def _run_inline(self, steps: list, views: list) -> list:
-        """Every rank's step over its staged views, its regions inline (as inside a graph), the
+        """Every rank's step over its staged views (eagerly, or inside its capture), the
         collectives through _reduce under each rank's current context."""
-        with contextlib.ExitStack() as inline:
-            for s in steps:
-                inline.enter_context(s.ops.graphs.inline())
-            return run_ranks([s.run(v) for s, v in zip(steps, views, strict=True)], self._reduce, self._ctx)
+        return run_ranks([lambda s=s, v=v: s.run(v) for s, v in zip(steps, views, strict=True)], self._reduce,
+                         self._ctx)
+
+
+def steps_graphed(msgs: list[Collective]) -> bool:
+    """Whether the ranks' backends replay steps as graphs (Settings.cuda_graphs)."""
+    return all(m.value.ops.graphs.enabled for m in msgs)
 
 
 def _within(device_ctx, graphs, cap):

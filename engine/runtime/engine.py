@@ -14,7 +14,7 @@ import numpy as np
 
 from engine.checkpoint.reader import Checkpoint
 from engine.model.config import ModelConfig, load_config
-from engine.model.transformer import Model
+from engine.runtime.runner import ModelRunner as Model
 from engine.runtime.sampling import SampleJob, SamplingParams, make_rngs
 from engine.state.sequence import SequenceState
 from engine.text.tokenizer import Tokenizer
@@ -53,7 +53,7 @@ class Engine:
         '0,1'): the cupy backend, after checking the memory plan for max_seqs sequences of
         max_context tokens (default: the model's context) against each GPU's free memory
         (raises engine.runtime.memory_plan.MemoryPlanError when it does not fit); several GPUs split the
-        routed experts by expert id or by width (`expert_split`, engine/parallel/tp.py)."""
+        routed experts by expert id or by width (`expert_split`, engine/parallel/shard.py)."""
         path = Path(ckpt_dir) if ckpt_dir is not None else DEFAULT_CKPT
         cfg = load_config(path)
         tok_json = path / "tokenizer.json"

@@ -1,6 +1,6 @@
 """Device memory planning: will this checkpoint, with N sequences of C tokens, fit these GPUs?
 
-Per tensor-parallel rank (engine.parallel.tp.ShardPlan decides what each rank holds) the plan adds up
+Per tensor-parallel rank (engine.parallel.shard.ShardPlan decides what each rank holds) the plan adds up
 
 - weights: what `engine.model.transformer.load_weights` would put on the device for that rank, in the form
   the GPU backend keeps (engine/ops/gpu/ops.py `prepare`): fp8 data 1 B per value plus its
@@ -13,8 +13,8 @@ Per tensor-parallel rank (engine.parallel.tp.ShardPlan decides what each rank ho
   data is read. Engram tables are counted as HOST bytes (pinned host memory: a token reads only a
   few rows of them); hash-routing tables (`tid2eid`, int64) are device bytes, gathered on the GPU.
 - state: max_seqs * (fixed + per_token * max_context), with (per_token, fixed) from
-  `Model.resident_state_bytes_per_token`: what a running sequence occupies on the device (float32
-  arrays, growth-buffer headroom), not its stored size (`Model.state_bytes_per_token`: V4.1's
+  `resident_state_bytes_per_token` (engine/model/base.py): what a running sequence occupies on the device (float32
+  arrays, growth-buffer headroom), not its stored size (`state_bytes_per_token`: V4.1's
   FP8 window rings, FP4 compressed KV and MXFP4 indexer keys, 4-7x smaller), which is what the
   host keeps between turns. Every rank keeps the whole (replicated) state of its sequences.
 - workspace (per rank; override with workspace_bytes), with T = prefill_chunk + max_seqs tokens
@@ -50,14 +50,13 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 
 from engine.checkpoint.reader import SAFETENSORS_DTYPES, Checkpoint, RawTensor, Weight, _block_candidates, scale_name
 from engine.model.config import ModelConfig, parse_config
 from engine.ops.kernels import ATTEND_TC_QUERIES
-from engine.parallel.tp import ShardingError, ShardPlan
+from engine.parallel.shard import ShardingError, ShardPlan
 
 __all__ = [
     "ACT_FACTOR",
@@ -199,7 +198,7 @@ class _CountingOps:
         return None
 
     def prepare_rows(self, ws: list):
-        """Weights the backends stack into one (engine/parallel/tp.py stack_rows): booked one by one."""
+        """Weights the backends stack into one (engine/parallel/shard.py stack_rows): booked one by one."""
         for w in ws:
             self.prepare(w)
 
@@ -286,10 +285,10 @@ def _as_config(cfg) -> ModelConfig:
 
 def state_bytes(cfg: ModelConfig, context: int) -> int:
     """Device bytes of one running sequence's state at `context` tokens (the formula of
-    Model.resident_state_bytes_per_token, which only reads the config)."""
-    from engine.model.transformer import Model
+    engine/model/base.py resident_state_bytes_per_token)."""
+    from engine.model.base import resident_state_bytes_per_token
 
-    per_token, fixed = Model.resident_state_bytes_per_token(SimpleNamespace(cfg=cfg))
+    per_token, fixed = resident_state_bytes_per_token(cfg)
     return int(math.ceil(fixed + per_token * context))
 
 
@@ -318,10 +317,10 @@ def workspace_bytes(cfg: ModelConfig, plan: ShardPlan, max_seqs: int, max_contex
 
 
 def graph_bytes_per_row(cfg: ModelConfig, plan: ShardPlan) -> int:
-    """Bytes per row of the float32 outputs of a forward's graphed regions (engine/model/transformer.py: per
-    layer `in`, then `post` on one rank or `attn_out`, `ffn`, `out` under tensor parallelism; on
-    one rank the `embed` region; the `head`), summed: what one row of a captured batch size holds
-    in graph buffers."""
+    """Bytes per row a captured decode step keeps in its graph's memory, estimated as the float32
+    arrays its layers produce per row (per layer: the streams, the normed input, the q residual, q,
+    the K=V row, the mixes, V4.1's compressor / indexer projections, then the output projection,
+    the FFN's part and the updated streams; the embedding's streams; this rank's logits)."""
     d, hc, hd = cfg.hidden_size, cfg.hc_mult, cfg.head_dim
     heads = plan.heads[1] - plan.heads[0]
     mixes = 2 * hc + hc * hc  # pre, post, comb

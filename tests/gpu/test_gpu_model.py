@@ -18,9 +18,9 @@ cp = require_gpu()
 
 from engine.checkpoint.reader import Checkpoint  # noqa: E402
 from engine.model.config import load_config  # noqa: E402
-from engine.model.transformer import Model  # noqa: E402
 from engine.ops.gpu.ops import CupyOps, GpuWeight, _host_dequant  # noqa: E402
 from engine.ops.numpy_ops import NumpyOps, fake_quant  # noqa: E402
+from engine.runtime.runner import ModelRunner as Model  # noqa: E402
 from engine.state.rows import Span  # noqa: E402
 from engine.text.tokenizer import Tokenizer  # noqa: E402
 

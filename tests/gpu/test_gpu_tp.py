@@ -13,9 +13,9 @@ cp = require_gpu()
 
 from engine.checkpoint.reader import Checkpoint  # noqa: E402
 from engine.model.config import load_config  # noqa: E402
-from engine.model.transformer import Model  # noqa: E402
 from engine.ops.gpu.ops import CupyOps  # noqa: E402
-from engine.parallel.tp import SimulatedTP  # noqa: E402
+from engine.parallel.simulated import SimulatedTP  # noqa: E402
+from engine.runtime.runner import ModelRunner as Model  # noqa: E402
 
 DEMO = Path(__file__).resolve().parents[2] / "models" / "demo-v41"
 

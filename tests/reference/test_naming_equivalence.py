@@ -10,8 +10,8 @@ import pytest
 
 from engine.checkpoint.reader import Checkpoint, write_safetensors
 from engine.model.config import load_config
-from engine.model.transformer import Model
 from engine.ops.numpy_ops import NumpyOps
+from engine.runtime.runner import ModelRunner as Model
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "ref"
 TOKENIZER = Path(__file__).resolve().parents[2] / "models" / "demo-v41" / "tokenizer.json"

@@ -15,8 +15,8 @@ import pytest
 
 from engine.checkpoint.reader import Checkpoint
 from engine.model.config import load_config
-from engine.model.transformer import Model
 from engine.ops.numpy_ops import NumpyOps
+from engine.runtime.runner import ModelRunner as Model
 
 REPO = Path(__file__).resolve().parents[2]
 FIX = REPO / "tests" / "fixtures" / "ref"

@@ -8,8 +8,8 @@ import numpy as np
 from engine.checkpoint.reader import Checkpoint
 from engine.checkpoint.tiny_model import write_tiny_model
 from engine.model.config import load_config
-from engine.model.transformer import Model
 from engine.ops.numpy_ops import NumpyOps
+from engine.runtime.runner import ModelRunner as Model
 from engine.state.decode_plan import StepInputs, plan_decode
 
 
@@ -24,7 +24,7 @@ def test_reading_layers_share_plans_and_signatures(tmp_path) -> None:
     rng = np.random.default_rng(0)
     states = [m.new_state() for _ in range(3)]
     m.forward(states, [rng.integers(3, cfg.vocab_size, n) for n in (40, 9, 70)])
-    win, layers = plan_decode(cfg, states, m.ops.xp, [], m._comp_rope_tables, True)
+    win, layers = plan_decode(cfg, states, m.ops.xp, [], m.model.rope.compressed, True)
     busy = {li for li in range(cfg.num_layers)
             if cfg.layer_kinds[li] == "source" or li in cfg.index_source_layer_ids}
     by_id: dict = {}

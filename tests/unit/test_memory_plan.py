@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import pytest
 
 from engine.checkpoint import tiny_model as T
 from engine.checkpoint.reader import SAFETENSORS_DTYPES, Checkpoint, scale_name
+from engine.model.base import state_bytes_per_token
 from engine.model.config import load_config, parse_config
-from engine.model.transformer import Model, _joined
-from engine.parallel.tp import ShardingError, ShardPlan
+from engine.parallel.shard import ShardingError, ShardPlan
 from engine.runtime import memory_plan as mp
 from engine.runtime.engine import DEFAULT_CKPT
 
@@ -96,10 +95,10 @@ def test_tiny_model_split_and_specs_agree(tiny, arch):
 
 
 def test_state_matches_the_model_formula():
-    from engine.model.transformer import Model
+    from engine.runtime.runner import ModelRunner
 
     cfg, ckpt = _open(DEFAULT_CKPT)
-    m = Model(cfg, ckpt, __import__("engine.runtime.engine", fromlist=["make_ops"]).make_ops("numpy"),
+    m = ModelRunner(cfg, ckpt, __import__("engine.runtime.engine", fromlist=["make_ops"]).make_ops("numpy"),
               DEFAULT_CKPT / "tokenizer.json")
     per_token, fixed = m.resident_state_bytes_per_token()
     assert mp.state_bytes(cfg, 1000) == math.ceil(fixed + 1000 * per_token)
@@ -152,7 +151,7 @@ def test_v41_flash_does_not_fit_one_h200(flash, capsys):
     # a running sequence holds float32 rows on the device (plus growth headroom): ~7.8 GiB at 1M
     # tokens, where its stored form (FP8 / FP4, what the host keeps between turns) is ~0.89 GiB
     assert 7.5 * GIB < plans[8].state_per_seq < 8.2 * GIB
-    per_token, fixed = Model.state_bytes_per_token(SimpleNamespace(cfg=cfg))
+    per_token, fixed = state_bytes_per_token(cfg)
     assert 0.8 * GIB < fixed + per_token * (1 << 20) < 0.9 * GIB  # ~890 B/token + ~2.6 MiB of rings
     with capsys.disabled():
         for n, p in plans.items():
@@ -223,36 +222,6 @@ def test_engine_load_with_gpus_checks_memory_first(monkeypatch):
     with pytest.raises(Reached) as got:
         Engine.load(None, gpus="0,1", max_seqs=4, max_context=4096, expert_split="width")
     assert got.value.args == ([0, 1], "width")
-
-
-# ---------------------------------------------------------------------------------------------
-# CUDA-graph buffers: the formula against the outputs the regions really return
-
-
-@pytest.mark.parametrize("arch,size", [("v41", 1), ("v41", 2), ("v4", 1), ("v4", 4)])
-def test_graph_bytes_match_the_regions(tiny, arch, size):
-    """graph_bytes_per_row equals the bytes every graphed region of a one-row decode step returns,
-    on each tensor-parallel rank (numpy ranks: the regions are the same functions)."""
-    from engine.ops.numpy_ops import NumpyOps
-    from engine.parallel.tp import SimulatedTP
-
-    path = tiny[arch]
-    cfg, ckpt = _open(path)
-    tp = SimulatedTP(cfg, ckpt, NumpyOps, size, path / "tokenizer.json")
-    states = [tp.new_state()]
-    tp.forward(states, [list(range(3, 40))])
-    seen = {r: [] for r in range(size)}
-    for r, m in enumerate(tp.ranks):
-        def graphed(key, fn, *arrays, r=r):
-            out = fn(*arrays)
-            vals = [_joined(a) for a in (out if isinstance(out, tuple) else (out,))]
-            seen[r].append(sum(a.nbytes for a in vals if a is not None))  # (open side branches: their values)
-            return out
-        m.ops.graphed = graphed
-    tp.forward(states, [[7]])  # one decode row
-    for r, m in enumerate(tp.ranks):
-        assert len(seen[r]) >= 2 * cfg.num_layers + 1
-        assert sum(seen[r]) == mp.graph_bytes_per_row(cfg, m.plan), (arch, size, r)
 
 
 @pytest.mark.parametrize("n", [2, 4])

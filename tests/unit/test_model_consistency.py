@@ -9,8 +9,8 @@ import pytest
 
 from engine.checkpoint.reader import Checkpoint
 from engine.model.config import load_config
-from engine.model.transformer import Model
 from engine.ops.numpy_ops import NumpyOps
+from engine.runtime.runner import ModelRunner as Model
 from engine.state.sequence import _ARRAY_FIELDS, SequenceState, StateError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -49,15 +49,6 @@ def _ids(m: Model, n: int, seed: int = 0) -> list[int]:
 
 def _close(a: np.ndarray, b: np.ndarray) -> None:
     np.testing.assert_array_equal(a, b)
-
-
-def _on_ops(model: Model, ops, run):
-    """run() with model.ops swapped for ops (a backend with a scheduling hint set), then back."""
-    saved, model.ops = model.ops, ops
-    try:
-        return run()
-    finally:
-        model.ops = saved
 
 
 # long enough to wrap the sliding window (64) and emit many compressed entries
@@ -163,11 +154,11 @@ def test_engram_decode_hashes_equal_chunk_hashes(ngram: int, tmp_path) -> None:
     the n-gram (the first tokens of a sequence) and full ones: demo-v41's 3-grams and a random
     checkpoint's 4-grams."""
     if ngram == 3:
-        h = _model(DEMO_V41).hasher
+        h = _model(DEMO_V41).model.hasher
     else:
         from engine.checkpoint.tiny_model import write_tiny_model
 
-        h = _model(write_tiny_model(tmp_path / "m", arch="v41", seed=3, engram_ngram=4)).hasher
+        h = _model(write_tiny_model(tmp_path / "m", arch="v41", seed=3, engram_ngram=4)).model.hasher
     assert h.n == ngram
     rng = np.random.default_rng(7)
     hists, toks, pos = [], [], []
@@ -306,155 +297,45 @@ def test_state_codecs_are_lossless_over_a_wide_range() -> None:
 
 
 
-class _OrderOps(NumpyOps):
-    """NumpyOps with one of the backend's scheduling hints set (Model reads them with getattr),
-    recording the order of the calls the hint moves: the routing, the shared expert's fork, each
-    collapse + norm and each mix's fork."""
+class _ForkOps(NumpyOps):
+    """NumpyOps recording what the runner forks (ops.fork: a side stream on the GPU)."""
 
-    def __init__(self, hint: str) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        setattr(self, hint, True)
-        self.calls: list[str] = []
+        self.forked: list[str] = []
 
-    def route(self, *a, **kw):
-        self.calls.append("route")
-        return super().route(*a, **kw)
-
-    def hc_collapse_norm(self, *a, **kw):
-        self.calls.append("collapse")
-        return super().hc_collapse_norm(*a, **kw)
-
-    def side(self, fn, *args, lane: int = 0):
-        self.calls.append("far" if lane else {self.swiglu_mlp: "shared", self.hc_mixes: "mixes"}.get(fn, "other"))
-        return super().side(fn, *args, lane=lane)
+    def fork(self, fn, *args):
+        self.forked.append(fn.__name__)
+        return super().fork(fn, *args)
 
 
-@pytest.mark.parametrize("hint", ["shared_after_routing", "mixes_after_collapse"])
-def test_fork_points_change_nothing(model: Model, hint: str) -> None:
-    """The backend's fork-point hints (CupyOps DSUF_SHARED_LATE: the shared expert after the
-    routing; DSUF_MIXES_LATE, V4.1: each mHC site's mixes after its collapse + norm) give the same
-    logits bit for bit, and the calls do come in the hinted order."""
-    if hint == "mixes_after_collapse" and model.cfg.arch != "v41":
-        pytest.skip("V4 collapses with the site's own mixes")
-    ids = _ids(model, 40)
-    want = model.forward([model.new_state()], [ids])[0]
-    hinted = _OrderOps(hint)
-    got = _on_ops(model, hinted, lambda: model.forward([model.new_state()], [ids])[0])
-    _close(got, want)
-    if hint == "shared_after_routing":
-        moe = [c for c in hinted.calls if c in ("route", "shared")]
-        assert moe and moe == ["route", "shared"] * (len(moe) // 2)
-    else:  # every site, then the head's collapse with no mixes after it
-        sites = [c for c in hinted.calls if c in ("collapse", "mixes")]
-        assert sites == ["collapse", "mixes"] * (2 * model.cfg.num_layers) + ["collapse"]
-
-
-class _UpdateOps(_OrderOps):
-    """_OrderOps with the fused stream-update hint, recording each update ("update"; the collapse
-    its numpy form runs inside is not recorded)."""
-
-    def __init__(self) -> None:
-        super().__init__("expand_norm_fused")
-
-    def hc_expand_norm(self, *a, **kw):
-        self.calls.append("update")
-        n = len(self.calls)
-        out = super().hc_expand_norm(*a, **kw)
-        del self.calls[n:]
-        return out
-
-
-def test_fused_stream_update_changes_nothing(model: Model) -> None:
-    """The plumbing of CupyOps DSUF_FUSED_EXPAND: with the backend's expand_norm_fused hint, each
-    V4.1 stream update also gives the next site's input (Model._update), carried across layers,
-    bounded replay's dropped rows and the head. On numpy that is the same ops in the same order, so
-    the logits are bit-identical, for a prompt in chunks and for decode steps; and the streams are
-    collapsed separately only at layer 0's attention site and at Engram layers' (which change the
-    streams before it)."""
-    if model.cfg.arch != "v41":
-        pytest.skip("V4 collapses with the site's own mixes")
-    ids = _ids(model, 293)
-
-    def run() -> list:  # (the second chunk's last row only: bounded replay drops rows)
-        st = model.new_state()
-        out = [model.forward([st], [ids[:37]], all_logits=True)[0], model.forward([st], [ids[37:290]])[0]]
-        return out + [model.forward([st], [[t]])[0] for t in ids[290:]]
-
-    want = run()
-    hinted = _UpdateOps()
-    got = _on_ops(model, hinted, run)
-    for g, w in zip(got, want, strict=True):
-        _close(g, w)
-    engram = set(model.cfg.engram_layer_ids)
-    one: list[str] = []
-    for li in range(model.cfg.num_layers):
-        one += ["collapse"] if li == 0 or li in engram else []  # the attention site
-        one += ["update"]  # the attention's update with the FFN site's input
-        one += ["update"] if li + 1 not in engram else []  # the FFN's update with the next site's
-    sites = [c for c in hinted.calls if c in ("collapse", "update")]
-    assert sites == one * len(want)
-
-
-class _EarlyOps(_OrderOps):
-    """_OrderOps with the early-Engram hint (each branch on a lane of its own recorded as "far")."""
-
-    def __init__(self) -> None:
-        super().__init__("engram_early")
-
-
-def test_engram_early_changes_nothing(model: Model) -> None:
-    """The plumbing of CupyOps DSUF_ENGRAM_EARLY: with the backend's engram_early hint, a decode
-    step forks every Engram layer's projected rows before its first layer (Model._engram_early) and
-    the layer's gate joins them; a prompt chunk computes them at the layer. Bit-identical logits."""
-    if not model.cfg.engram_layer_ids:
-        pytest.skip("no Engram layers")
+def test_forked_parts_change_nothing(model: Model) -> None:
+    """The runner's forked parts (engine/runtime/runner.py FORKED: the query heads, the indexer's
+    queries, each mHC site's mixes, the shared expert) go through ops.fork, for a prompt chunk and
+    for decode steps alike, and the logits are those of the plain calls, bit for bit."""
     ids = _ids(model, 43)
+    ops = _ForkOps()
+    forked = Model(model.cfg, model.ckpt, ops, model.tokenizer_json, model.store_quantized)
 
-    def run(calls: list) -> list:
-        st = model.new_state()
-        out = []
-        for chunk in [ids[:40]] + [[t] for t in ids[40:]]:
-            calls.append("step")
-            out.append(model.forward([st], [chunk])[0])
-        return out
+    def run(m: Model) -> list:
+        st = m.new_state()
+        return [m.forward([st], [ids[:40]])[0]] + [m.forward([st], [[t]])[0] for t in ids[40:]]
 
-    want = run([])
-    hinted = _EarlyOps()
-    got = _on_ops(model, hinted, lambda: run(hinted.calls))
-    for g, w in zip(got, want, strict=True):
+    for g, w in zip(run(forked), run(model), strict=True):
         _close(g, w)
-    n = len(model.cfg.engram_layer_ids)
-    steps = " ".join(c for c in hinted.calls if c in ("step", "far", "collapse")).split("step")[1:]
-    assert "far" not in steps[0] and "collapse" in steps[0]  # the chunk: at each Engram layer
-    for step in steps[1:]:  # each decode step: all of them first
-        assert step.split()[:n + 1] == ["far"] * n + ["collapse"], step
+    cfg = model.cfg
+    per_step = {"query_heads": cfg.num_layers, "hc_mixes": 2 * cfg.num_layers,
+                "shared_expert": cfg.num_layers if cfg.n_shared_experts else 0,
+                "queries": sum(1 for L in forked.model.layers if getattr(L.attn, "indexer", None) is not None)}
+    for name, n in per_step.items():
+        assert ops.forked.count(name) == 4 * n, (name, ops.forked.count(name))
 
 
-def test_xproj_early_changes_nothing(model: Model) -> None:
-    """The plumbing of CupyOps DSUF_XPROJ_EARLY: with the backend's xproj_early hint, each V4.1
-    compressing layer forks its x projections (compressor, indexer weights) as a far branch before
-    its q / K=V projection, in prompt chunks and decode steps alike. Bit-identical logits."""
-    if model.cfg.arch != "v41":
-        pytest.skip("V4.1 only")
-    ids = _ids(model, 43)
-
-    def run() -> list:
-        st = model.new_state()
-        return [model.forward([st], [ids[:40]])[0]] + [model.forward([st], [[t]])[0] for t in ids[40:]]
-
-    want = run()
-    hinted = _EarlyOps()
-    hinted.engram_early, hinted.xproj_early = False, True
-    got = _on_ops(model, hinted, run)
-    for g, w in zip(got, want, strict=True):
-        _close(g, w)
-    assert hinted.calls.count("far") == 4 * sum(1 for r in model.cfg.compress_ratios if r)
-
-
-def _serve(model: Model, script: list) -> tuple[list, list[bytes]]:
+def _serve(model: Model, script: list, ahead: bool = True) -> tuple[list, list[bytes]]:
     """Run a script of steps through step_sample (greedy): each step a list of (sequence name,
     prompt ids or None: its last drawn token); a name not seen before starts a new state. Returns
-    every step's tokens and the states' bytes at the end."""
+    every step's tokens and the states' bytes at the end. ahead=False: forward and draw without
+    planning the next step ahead."""
     from engine.bench import GREEDY
     from engine.runtime.sampling import SampleJob
 
@@ -468,41 +349,40 @@ def _serve(model: Model, script: list) -> tuple[list, list[bytes]]:
             states.setdefault(n, model.new_state())
         chunks = [ids if ids is not None else [last[n]] for n, ids in step]
         jobs = [SampleJob(i, GREEDY, [], rng) for i in range(len(step))]
-        toks = [t for t, _, _ in model.step_sample([states[n] for n in names], chunks, jobs)]
+        sts = [states[n] for n in names]
+        drawn = (model.step_sample(sts, chunks, jobs) if ahead else
+                 model.ops.sample_rows(model.forward(sts, chunks, on_device=True), jobs))
+        toks = [t for t, _, _ in drawn]
         last.update(zip(names, toks, strict=True))
         out.append(toks)
     return out, [states[n].to_bytes() for n in sorted(states)]
 
 
 def test_next_step_planned_ahead_changes_nothing(model: Model) -> None:
-    """CupyOps DSUF_PREPARE_NEXT's host side: with the backend's prepare_next hint, each decode
-    step plans the next one for the same sequences while the device would still run (Model.
-    prepare_next: the grown state's bookkeeping set aside, then applied at that step), and a step
-    that is not that one drops it. The same tokens and the same states, byte for byte, through
-    steady decoding (window blocks and entry buffers grow, groups pool), a sequence leaving, one
-    joining with a prompt chunk beside decode rows, and a state rebuilt from its bytes."""
+    """Each decode step plans the next one for the same sequences while the device would still run
+    (ModelRunner.prepare_next: the grown state's bookkeeping set aside, then applied at that step),
+    and a step that is not that one drops it. The same tokens and the same states, byte for byte,
+    as without planning ahead, through steady decoding (window blocks and entry buffers grow,
+    groups pool), a sequence leaving, one joining with a prompt chunk beside decode rows, and a
+    state rebuilt from its bytes."""
     if model.cfg.arch != "v41":
         pytest.skip("V4.1's decode plan")
     a, b, c = _ids(model, 20, 1), _ids(model, 7, 2), _ids(model, 11, 3)
     script = [[("a", a), ("b", b)]] + [[("a", None), ("b", None)]] * 80 + [[("a", None)]] * 5
     script += [[("a", None), ("c", c)]] + [[("a", None), ("c", None)]] * 30
-    want = _serve(model, script)
-    hinted, used = NumpyOps(), model.ahead_used
-    hinted.prepare_next = True
-    assert _on_ops(model, hinted, lambda: _serve(model, script)) == want
+    used = model.ahead_used
+    want = _serve(model, script, ahead=False)
+    assert model.ahead_used == used
+    assert _serve(model, script) == want
     # every decode step after a decode step of the same sequences took the plan made ahead
     assert model.ahead_used - used == 79 + 4 + 29
     # a plan made ahead leaves no trace in the state (here it is stored after the step, and a copy
     # rebuilt from its bytes goes on: not the planned-for object, so the plan is dropped)
     st, twin = model.new_state(), model.new_state()
     model.forward([twin], [a])
-    model.step_sample([twin], [[5]], [])
-
-    def stored_and_restored() -> None:
-        model.forward([st], [a])
-        model.step_sample([st], [[5]], [])
-        assert model._next is not None and st.to_bytes() == twin.to_bytes()
-        model.step_sample([SequenceState.from_bytes(st.to_bytes())], [[6]], [])
-
-    _on_ops(model, hinted, stored_and_restored)
+    model.forward([twin], [[5]])
+    model.forward([st], [a])
+    model.step_sample([st], [[5]], [])
+    assert model._next is not None and st.to_bytes() == twin.to_bytes()
+    model.step_sample([SequenceState.from_bytes(st.to_bytes())], [[6]], [])
     assert model.ahead_used - used == 112

@@ -9,9 +9,9 @@ import numpy as np
 from engine.checkpoint.reader import Checkpoint
 from engine.checkpoint.tiny_model import write_tiny_model
 from engine.model.config import load_config
-from engine.model.transformer import Model
 from engine.ops.gpu import staging as cupy_staging
 from engine.ops.numpy_ops import NumpyOps
+from engine.runtime.runner import ModelRunner as Model
 from engine.state.decode_plan import F32, HOST, I64, ROWS, SPANS, LayerPlan, with_spans
 
 _FIELDS = [(name, kind) for name, kind in cupy_staging._LAYER_FIELDS]

@@ -1,5 +1,5 @@
 """Simulated tensor parallelism: N numpy ranks, each with only its slices, collectives as sums,
-give the logits of the unsharded model (engine/parallel/tp.py)."""
+give the logits of the unsharded model (engine/parallel/simulated.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ import pytest
 
 from engine.checkpoint.reader import Checkpoint
 from engine.model.config import load_config
-from engine.model.transformer import Model
 from engine.ops.numpy_ops import NumpyOps
-from engine.parallel.tp import ShardingError, ShardPlan, SimulatedTP, even_range
+from engine.parallel.shard import ShardingError, ShardPlan, even_range
+from engine.parallel.simulated import SimulatedTP
+from engine.runtime.runner import ModelRunner as Model
 
 DEMO_V41 = Path(__file__).resolve().parents[2] / "models" / "demo-v41"
 
@@ -109,7 +110,7 @@ def test_stack_rows_equals_the_stacked_dequantized_weights():
     FP8 scale blocks that would straddle two weights, or mixed formats, are refused."""
     from engine.checkpoint import formats
     from engine.checkpoint.reader import Weight
-    from engine.parallel.tp import rows_stackable, stack_rows
+    from engine.parallel.shard import rows_stackable, stack_rows
 
     rng = np.random.default_rng(3)
 

@@ -32,7 +32,7 @@ from engine.ops.gpu.graphs import RegionGraphs
 from engine.ops.gpu.pinned import PinnedUploader
 from engine.ops.kernels import FMT_BF16, FMT_F32, FMT_FP4, FMT_FP8
 from engine.ops.numpy_ops import norm_rope_quant_chain
-from engine.parallel.tp import stack_rows
+from engine.parallel.shard import stack_rows
 from engine.state import sequence as codecs
 from engine.state.rows import Span
 
@@ -534,7 +534,7 @@ class CupyOps:
 
     # ---- weights ---------------------------------------------------------------------
     def prepare_rows(self, ws: list) -> GpuWeight:
-        """Weights of one input as one, stacked along their output rows (engine/parallel/tp.py stack_rows)."""
+        """Weights of one input as one, stacked along their output rows (engine/parallel/shard.py stack_rows)."""
         return self.prepare(stack_rows(ws))
 
     def prepare_table(self, table, scale=None) -> cp.ndarray:

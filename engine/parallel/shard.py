@@ -1,24 +1,16 @@
-"""Tensor parallelism: which rank holds which slice, and a driver that runs N ranks in lockstep.
+"""Tensor parallelism: which rank holds which slice of the weights.
 
-The plan (README "Tensor parallelism"): attention heads are split across ranks (wq_b rows,
-sinks, the wo_a blocks of the rank's heads, the wo_b columns of its groups; the one shared K=V
-head, the compressors and the indexer are replicated, since every head reads the same KV);
-routed experts are split by expert id (EP; or by width, `expert_split="width"`) and the shared
-expert by width; embedding and head
-are vocab-parallel. Everything else (mHC, norms, router, Engram) is replicated. Per layer that
-is two all-reduces of [tokens, hidden] (attention output, MoE output), plus one for the
-embedding and an all-gather of the logits.
-
-`Model.forward_steps` is a generator that yields at each collective; `run_ranks` advances every
-rank's generator to its next collective, combines their contributions and sends the result back.
-One Python thread thus drives all ranks: numpy ranks here (the collective is a plain sum, which
-tests the sharding math on CPUs), GPU ranks with NCCL later.
+Attention heads are split across ranks (wq_b rows, sinks, the wo_a blocks of the rank's heads,
+the wo_b columns of its groups; the one shared K=V head, the compressors and the indexer are
+replicated, since every head reads the same KV); routed experts are split by expert id (EP; or
+by width, `expert_split="width"`) and the shared expert by width; embedding and head are
+vocab-parallel. Everything else (mHC, norms, router, Engram) is replicated. Per layer that is two
+all-reduces of [tokens, hidden] (attention output, MoE output), plus one for the embedding and an
+all-gather of the logits (docs/tensor-parallel.md).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -142,119 +134,3 @@ def stack_rows(ws: list):
     scale = None if w0.scale is None else np.concatenate([np.asarray(w.scale) for w in ws])
     return replace(w0, name="+".join(w.name for w in ws), data=np.concatenate([np.asarray(w.data) for w in ws]),
                    scale=scale, shape=(sum(w.shape[0] for w in ws), w0.shape[1]))
-
-
-# ---------------------------------------------------------------------------------------------
-# Collectives and the lockstep driver
-
-
-@dataclass
-class Collective:
-    op: str  # 'sum' (all-reduce) | 'gather' (all-gather along the last axis)
-    value: object
-
-
-def combine(msgs: list[Collective]) -> object:
-    """What every rank receives back: the sum of their parts, or their concatenation."""
-    op = msgs[0].op  # (run_ranks has checked that every rank asks for it)
-    vals = [m.value for m in msgs]
-    if op == "sum":
-        total = vals[0]
-        for v in vals[1:]:
-            total = total + v
-        return total
-    if op == "gather":
-        return np.concatenate([np.asarray(v) for v in vals], axis=-1)
-    raise RuntimeError(f"unknown collective {op!r}")
-
-
-@dataclass
-class StepRegion:
-    """A rank's whole decode step offered to the driver as one region (a Collective "step"):
-    run(staged inputs) is the rank's generator over it (Model._run), with its own collectives.
-    The driver runs every rank's step eagerly (run_steps) or, on GPUs, as one CUDA graph per rank
-    with the all-reduces inside (engine/parallel/gpu.py)."""
-
-    key: tuple
-    inputs: object  # engine.state.decode_plan.StepInputs
-    run: Callable
-    ops: object
-    rows: int
-
-
-def run_steps(msgs: list[Collective], reduce=None, contexts=None) -> list:
-    """Every rank's StepRegion run eagerly: inputs staged by the rank's backend, its generator
-    driven like the forward's; one result per rank."""
-    ctx = contexts or [contextlib.nullcontext] * len(msgs)
-    gens = []
-    for r, m in enumerate(msgs):
-        with ctx[r]():
-            gens.append(m.value.run(m.value.ops.stage(m.value.inputs)))
-    return run_ranks(gens, reduce, contexts)
-
-
-def run_ranks(gens: Iterable[Generator], reduce=None, contexts=None) -> list:
-    """Drive the ranks' forward generators to completion; returns each rank's return value.
-    reduce(msgs) -> one reply per rank (default: everyone gets `combine(msgs)`, and each rank
-    its own result of a "step", see run_steps); contexts[r] is entered around every resumption
-    of rank r (e.g. its CUDA device)."""
-    gens = list(gens)
-    ctx = contexts or [contextlib.nullcontext] * len(gens)
-    if reduce is None:
-        def reduce(msgs: list) -> list:
-            return run_steps(msgs, None, contexts) if msgs[0].op == "step" else [combine(msgs)] * len(msgs)
-
-    def resume(r: int, g: Generator, value=None, first: bool = False):
-        with ctx[r]():
-            try:
-                return next(g) if first else g.send(value)
-            except StopIteration as stop:
-                return stop
-
-    msgs = [resume(r, g, first=True) for r, g in enumerate(gens)]
-    while True:
-        done = [isinstance(m, StopIteration) for m in msgs]
-        if all(done):
-            return [m.value for m in msgs]
-        if any(done):
-            raise RuntimeError("ranks finished at different collectives")
-        if any(m.op != msgs[0].op for m in msgs):
-            raise RuntimeError(f"ranks disagree on the next collective: {[m.op for m in msgs]}")
-        replies = reduce(msgs)
-        msgs = [resume(r, g, replies[r]) for r, g in enumerate(gens)]
-
-
-def run_single(gen: Generator):
-    """One rank: every collective is the identity."""
-    try:
-        msg = next(gen)
-        while True:
-            msg = gen.send(msg.value)
-    except StopIteration as stop:
-        return stop.value
-
-
-class SimulatedTP:
-    """N numpy ranks of one model in one process: each rank loads only its slices and keeps its
-    own (replicated) sequence state; collectives are sums. Used to test the sharding math."""
-
-    def __init__(self, cfg, ckpt, make_ops, size: int, tokenizer_json=None, store_quantized: bool = True,
-                 expert_split: str = "ep"):
-        from engine.model.transformer import Model
-
-        self.size = size
-        self.ranks = [Model(cfg, ckpt, make_ops(), tokenizer_json, store_quantized,
-                            plan=ShardPlan.make(cfg, r, size, expert_split)) for r in range(size)]
-
-    def new_state(self) -> list:
-        return [m.new_state() for m in self.ranks]
-
-    def forward(self, states: list[list], chunks: list, all_logits: bool = False) -> list[np.ndarray]:
-        """states[i] is sequence i's per-rank state list."""
-        per_rank = [[s[r] for s in states] for r in range(self.size)]
-        outs = run_ranks(m.forward_steps(per_rank[r], chunks, all_logits) for r, m in enumerate(self.ranks))
-        for o in outs[1:]:  # every rank ends with the full (gathered) logits
-            for a, b in zip(o, outs[0], strict=True):
-                if not np.array_equal(a, b):
-                    raise RuntimeError("ranks disagree on the gathered logits")
-        return outs[0]
