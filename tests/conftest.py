@@ -70,3 +70,13 @@ def make_server(engine):
     yield make
     for s in made:
         s.shutdown()
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Every test under tests/gpu is marked `gpu`, every test with a real redis-server `redis`
+    (`pytest -m "not gpu and not redis"` leaves them out)."""
+    for item in items:
+        if item.path.parent.name == "gpu":
+            item.add_marker(pytest.mark.gpu)
+        if "redis_srv" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.redis)

@@ -29,7 +29,8 @@ from server.metrics import parse_prometheus
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "demo-v41"
-pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")
+pytestmark = [pytest.mark.redis, pytest.mark.slow,
+              pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")]
 
 TOPICS = {
     "main": "Write a function that parses a CSV line, handles quoted fields and returns a list.",

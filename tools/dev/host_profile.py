@@ -7,8 +7,8 @@ On the numpy backend (CKPT: a narrow checkpoint with the layer structure of inte
 `dsuf.py tiny-model DIR --arch v41 --layers 2`), per batch size, the best of --rounds rounds of
 --steps decode steps' mean time of each part the GPU backend runs on the host before its graph
 replay: the plan (engine/state/decode_plan.py plan_decode), the Engram hashes with the look-back update,
-the step's inputs (RoPE tables), the packing of its tables (cupy_staging.pack, with the numpy
-buffers' host addresses), the graph key (StepInputs.signature) and the draw's job table; then
+the step's inputs (RoPE tables), the packing of its tables (engine/ops/gpu/staging.py pack, with
+the numpy buffers' host addresses), the graph key (StepInputs.signature) and the draw's job table; then
 DSUF_PREPARE_NEXT's two parts: planning the step ahead (Model.prepare_next, which a GPU overlaps
 with the step before) and taking that plan at the step (Model._take_next, serial). The GPU
 machine's own split of a served step is `tools/dev/gpu_profile.py host`.
@@ -31,38 +31,36 @@ PARTS = ("plan", "engram", "inputs", "pack", "key", "jobs", "ahead", "take")
 def profile(ckpt: str, batch: int, steps: int, rounds: int) -> dict[str, float]:
     """Best-of-rounds mean seconds per decode step of each part (PARTS)."""
     from engine.bench import GREEDY
-    from engine.model import transformer as model_mod
-    from engine.ops.gpu.sampling import job_table
-    from engine.ops.gpu.staging import pack
+    from engine.model.batch import Seq
+    from engine.ops.gpu.staging import job_table, pack
     from engine.runtime.engine import Engine
     from engine.runtime.sampling import SampleJob
     from engine.state.decode_plan import StepInputs, plan_decode
 
     eng = Engine.load(ckpt)
-    model, cfg = eng.model, eng.config
+    runner, cfg = eng.model, eng.config
+    model = runner.model
     if cfg.arch != "v41":
         raise SystemExit("the decode plan is V4.1's")
     rng = np.random.default_rng(0)
-    states = [model.new_state() for _ in range(batch)]
-    model.forward(states, [rng.integers(0, cfg.vocab_size, 40 + 3 * i) for i in range(batch)])
+    states = [runner.new_state() for _ in range(batch)]
+    runner.forward(states, [rng.integers(0, cfg.vocab_size, 40 + 3 * i) for i in range(batch)])
     toks = [np.array([int(rng.integers(0, cfg.vocab_size))], np.int64) for _ in range(batch)]
     jobs = [SampleJob(i, GREEDY, [], rng) for i in range(batch)]
     best = dict.fromkeys(PARTS, float("inf"))
     for _ in range(rounds):
         spent = dict.fromkeys(PARTS, 0.0)
         for _ in range(steps):
-            seqs = [model_mod._Seq(st, slice(i, i + 1), st.position + np.arange(1), {}) for i, st in enumerate(states)]
+            seqs = [Seq(st, slice(i, i + 1), st.position + np.arange(1)) for i, st in enumerate(states)]
             t0 = time.perf_counter()
-            win, layers = plan_decode(cfg, states, model.ops.xp, [], model._comp_rope_tables,
-                                      model.plan.heads[1] > model.plan.heads[0])
+            win, layers = plan_decode(cfg, states, model.ops.xp, [], model.rope.compressed,
+                                      runner.plan.heads[1] > runner.plan.heads[0])
             t1 = time.perf_counter()
-            hashes = model._engram_hashes(seqs, toks) if model.hasher else None
+            hashes = model.engram_hashes(seqs, toks) if model.hasher else None
             t2 = time.perf_counter()
             pos = np.concatenate([s.pos for s in seqs])
-            rope = [*model_mod.rope_tables(model.freq_main, pos, cfg.rope_main.attention_factor),
-                    *model_mod.rope_tables(model.freq_comp, pos, cfg.rope_compress.attention_factor)]
             inputs = StepInputs(ids=np.concatenate(toks), hash_ids=hashes, layers=layers, window=win, dec_rows=None,
-                                rope=np.stack(rope))
+                                rope=model.rope.rows(pos))
             t3 = time.perf_counter()
             pack(inputs)
             t4 = time.perf_counter()
@@ -72,9 +70,9 @@ def profile(ckpt: str, batch: int, steps: int, rounds: int) -> dict[str, float]:
             t6 = time.perf_counter()
             for st in states:  # (planned but not run: the next step plans the next position)
                 st.position += 1
-            model.prepare_next(states)
+            runner.prepare_next(states)
             t7 = time.perf_counter()
-            if model._take_next(states, np.array([st.position for st in states], np.int64)) is None:
+            if runner._take_next(states, np.array([st.position for st in states], np.int64)) is None:
                 raise RuntimeError("the plan made ahead was not taken")
             t8 = time.perf_counter()
             for st in states:
