@@ -30,10 +30,8 @@ class Transformer:
     def __init__(self, cfg: ModelConfig, weights, ops, plan: ShardPlan, tokenizer_json: str | Path | None = None,
                  store_quantized: bool = True) -> None:
         self.cfg, self.w, self.ops, self.plan = cfg, weights, ops, plan
-        # V4.1 keeps its state on DeepSeek's FP8/FP4 grids; False computes on unrounded state
-        # (only to compare against a reference run without fake quantization).
-        self.store_quantized = store_quantized and cfg.arch == "v41"
-        self.codecs = dict(V41_CODECS) if self.store_quantized else {}
+        self.codecs: dict = {}  # the state codecs every part rounds onto (one dict, shared)
+        self.set_store_quantized(store_quantized)
         self.rope = Rope(cfg)
         attn_cls, block_cls = (V41Attention, V41Block) if cfg.arch == "v41" else (V4Attention, V4Block)
         self.embedding = Embedding(weights.embed, plan, ops)
@@ -46,6 +44,13 @@ class Transformer:
                 raise ValueError("this checkpoint has Engram layers: the tokenizer is needed to hash n-grams")
             self.hasher = NgramHasher(cfg, tokenizer_json)
         self.model_key = f"{cfg.model_type}:{cfg.num_layers}x{cfg.hidden_size}:{cfg.vocab_size}"
+
+    def set_store_quantized(self, on: bool) -> None:
+        """V4.1 keeps its state on DeepSeek's FP8/FP4 grids; False computes on unrounded state
+        (only to compare against a reference run without fake quantization)."""
+        self.store_quantized = on and self.cfg.arch == "v41"
+        self.codecs.clear()
+        self.codecs.update(V41_CODECS if self.store_quantized else {})
 
     def embed(self, batch: Batch):
         """The hc_mult residual streams of the rows' tokens, and V4.1's first collapse weights

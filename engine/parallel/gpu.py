@@ -53,7 +53,7 @@ class GpuTP:
         for r, dev in enumerate(self.devices):
             with cp.cuda.Device(dev):
                 ops = make_ops()
-                ops.comm = RankComm() if self.size > 1 else None  # (one rank: no collectives)
+                ops.comm = RankComm()
                 self.ranks.append(ModelRunner(cfg, ckpt, ops, tokenizer_json, store_quantized,
                                               plan=ShardPlan.make(cfg, r, self.size, expert_split)))
         self.model_key = self.ranks[0].model_key

@@ -21,7 +21,7 @@ class SimulatedTP:
         self.ranks = []
         for r in range(size):
             ops = make_ops()
-            ops.comm = RankComm() if size > 1 else None  # (one rank: no collectives)
+            ops.comm = RankComm()
             self.ranks.append(ModelRunner(cfg, ckpt, ops, tokenizer_json, store_quantized,
                                           plan=ShardPlan.make(cfg, r, size, expert_split)))
 

@@ -97,6 +97,10 @@ class ModelRunner:
     def store_quantized(self) -> bool:
         return self.model.store_quantized
 
+    @store_quantized.setter
+    def store_quantized(self, on: bool) -> None:
+        self.model.set_store_quantized(on)
+
     def new_state(self) -> SequenceState:
         return self.model.new_state()
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import pytest
 from gpu_required import require_gpu
 
 cp = require_gpu()
@@ -21,6 +20,7 @@ from engine.model.config import load_config  # noqa: E402
 from engine.ops.gpu.ops import CupyOps, GpuWeight, _host_dequant  # noqa: E402
 from engine.ops.numpy_ops import NumpyOps, fake_quant  # noqa: E402
 from engine.runtime.runner import ModelRunner as Model  # noqa: E402
+from engine.settings import Settings  # noqa: E402
 from engine.state.rows import Span  # noqa: E402
 from engine.text.tokenizer import Tokenizer  # noqa: E402
 
@@ -96,13 +96,12 @@ def test_step_sample_draws_from_the_models_logits():
             assert abs(g[1] - w[1]) < LP_TOL and [t for t, _ in g[2]] == [t for t, _ in w[2]]
 
 
-def test_next_step_planned_ahead_on_the_gpu(monkeypatch):
-    """DSUF_PREPARE_NEXT: decode steps that take the plan and the tables packed while the device ran
-    the step before (Model.prepare_next, CupyOps.prestage; the grown buffers' copies enqueued then)
-    draw the same greedy tokens and leave the same states, byte for byte, as steps planned in turn;
-    through window-block growth, a sequence leaving and one joining with a prompt."""
+def test_next_step_planned_ahead_on_the_gpu():
+    """Decode steps that take the plan and the tables packed while the device ran the step before
+    (ModelRunner.prepare_next, CupyOps.prestage; the grown buffers' copies enqueued then) draw the
+    same greedy tokens and leave the same states, byte for byte, as steps planned in turn (forward,
+    then the draw); through window-block growth, a sequence leaving and one joining with a prompt."""
     from engine.bench import GREEDY
-    from engine.ops.gpu import ops as cupy_ops
     from engine.runtime.sampling import SampleJob
 
     tok = Tokenizer.from_dir(DEMO)
@@ -110,7 +109,6 @@ def test_next_step_planned_ahead_on_the_gpu(monkeypatch):
     script = [["a", "b"]] * 75 + [["a"]] * 3 + [["a", "c"]] * 20
     runs = []
     for ahead in (False, True):
-        monkeypatch.setattr(cupy_ops, "PREPARE_NEXT", ahead)
         model = _model(CupyOps())
         states, last, toks = {}, {}, []
         rng = np.random.default_rng(0)
@@ -120,8 +118,9 @@ def test_next_step_planned_ahead_on_the_gpu(monkeypatch):
                 if n not in states:
                     states[n] = _gpu_state(model)
                 chunks.append(prompts[n] if n not in last else [last[n]])
-            out = model.step_sample([states[n] for n in step], chunks,
-                                    [SampleJob(i, GREEDY, [], rng) for i in range(len(step))])
+            sts, jobs = [states[n] for n in step], [SampleJob(i, GREEDY, [], rng) for i in range(len(step))]
+            out = (model.step_sample(sts, chunks, jobs) if ahead else
+                   model.ops.sample_rows(model.forward(sts, chunks, on_device=True), jobs))
             last.update({n: t for n, (t, _, _) in zip(step, out, strict=True)})
             toks.append([t for t, _, _ in out])
         runs.append((toks, [states[n].to_bytes() for n in sorted(states)], model.ahead_used))
@@ -212,9 +211,8 @@ class DualOps:
         fn = getattr(self.gpu, name)
         # (in place, or reading staged address tables the reference cannot: test_gpu_ops checks those)
         if name in ("prepare", "prepare_rows", "asarray", "to_host", "copy_rows", "stage", "scatter_rows",
-                    "scatter_rows_many",
-                    "gated_pool_rows", "attend_decode", "indexer_scores_spans", "side",
-                    "regions_inline") or not callable(fn):
+                    "gated_pool_rows", "attend_decode", "indexer_scores_spans", "fork", "join_all",
+                    "all_reduce", "all_gather", "prestage", "sample_rows") or not callable(fn):
             return fn
 
         def call(*args, **kw):
@@ -252,7 +250,7 @@ def test_cuda_graphs_replay_equals_eager():
     prompts = [tok.encode(PROMPT), tok.encode("Hello, world."), tok.encode(PROMPT * 2)]
     runs = {}
     for graphs in (False, True):
-        ops = CupyOps(graphs=graphs)
+        ops = CupyOps(Settings(cuda_graphs=graphs))
         model = _model(ops)
         states = [_gpu_state(model) for _ in prompts]
         first = model.forward(states, prompts)
@@ -272,28 +270,12 @@ def test_cuda_graphs_replay_equals_eager():
     assert eager[1] == graphed[1]
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["", "fused"])
-def test_flash_shaped_4_layers_logits(tmp_path, monkeypatch, fused):
+def test_flash_shaped_4_layers_logits(tmp_path):
     """Full V4.1-Flash widths (hidden 5120, 64 x 512 heads, q_lora 1280, 8 output groups, expert
     width 2304, index 32 x 128, window 128), 4 layers, 8 experts (not 384: the numpy reference
     dequantizes every expert to float32), small vocab: GPU vs numpy logits over a 24-token
-    prefill and 6 decode steps. Unrounded state: summation order only; FP8/FP4 state: loose.
-    fused: the opt-in fusions DSUF_FUSED_EXPAND (stream updates with the next site's collapse + norm
-    in one kernel), DSUF_ROUTE_GROUP (routing and grouping in one), DSUF_FUSED_SCATTER (state rows
-    scattered together), DSUF_ATT_DEROPE (the attention output's RoPE undone in its kernel) and
-    DSUF_ENGRAM_EARLY (the Engram layer's rows projected from the step's start, on a stream of their
-    own), DSUF_FUSED_ACT (the experts' SwiGLU applied by their down projection) and DSUF_XPROJ_EARLY
-    (a compressing layer's x projections on a stream of their own)."""
+    prefill and 6 decode steps. Unrounded state: summation order only; FP8/FP4 state: loose."""
     from engine.checkpoint.tiny_model import PRESETS, write_tiny_model
-    from engine.ops.gpu import ops as cupy_ops
-
-    monkeypatch.setattr(cupy_ops, "FUSED_EXPAND", fused)
-    monkeypatch.setattr(cupy_ops, "ROUTE_GROUP", fused)
-    monkeypatch.setattr(cupy_ops, "FUSED_SCATTER", fused)
-    monkeypatch.setattr(cupy_ops, "ATT_DEROPE", fused)
-    monkeypatch.setattr(cupy_ops, "ENGRAM_EARLY", fused)
-    monkeypatch.setattr(cupy_ops, "FUSED_ACT", fused)
-    monkeypatch.setattr(cupy_ops, "XPROJ_EARLY", fused)
 
     sizes = {k: v for k, v in PRESETS["v41-flash-shaped"].items() if k != "arch"}
     sizes.update(layers=4, experts=8, vocab=4096, engram_vocab=1024)
@@ -314,7 +296,7 @@ def test_flash_shaped_4_layers_logits(tmp_path, monkeypatch, fused):
                 break
             nxt = int(np.argmax(logits[0]))
             logits = [m.forward([s], [[nxt]])[0] for m, s in zip(models, states, strict=True)]
-        print(f"flash-shaped 4 layers{', fused' if fused else ''}, "
+        print("flash-shaped 4 layers, "
               f"{'FP8/FP4' if quantized else 'unrounded'} state: logit errors "
               + " ".join(f"{e:.1e}" for e in errs))
         assert np.median(errs) < tol
@@ -330,7 +312,7 @@ def test_v4_tiny_checkpoint_matches_numpy_and_graphs_are_exact(tmp_path):
     cfg = load_config(ckpt)
     ids = list(np.random.default_rng(1).integers(3, cfg.vocab_size, 40))
     runs = []
-    for ops in (NumpyOps(), CupyOps(graphs=False), CupyOps(graphs=True)):
+    for ops in (NumpyOps(), CupyOps(Settings(cuda_graphs=False)), CupyOps(Settings(cuda_graphs=True))):
         m = Model(cfg, Checkpoint(ckpt, block_size=cfg.weight_block_size), ops, ckpt / "tokenizer.json")
         st = m.new_state() if ops.name == "numpy" else _gpu_state(m)
         out = [m.forward([st], [ids])[0]]
@@ -351,7 +333,7 @@ def test_cuda_graph_buckets_are_bounded_and_eviction_is_safe():
     prompts = [tok.encode(PROMPT), tok.encode("Hello, world."), tok.encode("Count to ten:")]
     runs = {}
     for graphs in (False, True):
-        ops = CupyOps(graphs=graphs)
+        ops = CupyOps(Settings(cuda_graphs=graphs))
         ops.graphs.max_buckets = 2
         model = _model(ops)
         states = [_gpu_state(model) for _ in prompts]

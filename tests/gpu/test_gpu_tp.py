@@ -76,19 +76,18 @@ def test_gpu_tp_restored_state_replicates():
     assert np.array_equal(a, b)
 
 
-def test_gpu_tp_step_graphs_equal_region_graphs():
-    """GpuTP.step_graphs (default on; DSUF_TP_GRAPHS=0: off): each rank's decode step captured as
-    one CUDA graph with the NCCL all-reduces inside (here one rank, through NCCL) gives bit-identical logits and
-    state to the per-region graphs with the all-reduces between them."""
+def test_gpu_tp_step_graphs_equal_eager_steps():
+    """Each rank's decode step captured as one CUDA graph with the NCCL all-reduces inside (here one
+    rank, through NCCL) gives bit-identical logits and state to the same steps run eagerly."""
     from engine.parallel.gpu import GpuTP
+    from engine.settings import Settings
 
     cfg = load_config(DEMO)
     ck, tok = Checkpoint(DEMO), DEMO / "tokenizer.json"
     ids = np.random.default_rng(7).integers(3, cfg.vocab_size, size=40).tolist()
     runs = {}
     for whole in (False, True):
-        tp = GpuTP(cfg, ck, [0], tok)
-        tp.step_graphs = whole
+        tp = GpuTP(cfg, ck, [0], tok, make_ops=lambda whole=whole: CupyOps(Settings(cuda_graphs=whole)))
         st = tp.new_state()
         out = [tp.forward([st], [ids[:30]])[0]]
         out += [tp.forward([st], [[t]])[0] for t in ids[30:]]
