@@ -23,6 +23,7 @@ from aiohttp import web
 from kvcache import serving as kv_serving  # state cache hooks (kvcache/serving.py)
 
 from . import protocol
+from .logprobs import chat_logprobs, completion_logprobs
 from .metrics import Metrics
 from .protocol import APIError, GenRequest, bad
 from .scheduler import Event, Scheduler, Sequence
@@ -204,64 +205,6 @@ def _check_lengths(st: ServerState, gen: GenRequest) -> list[int]:
     return out
 
 
-def _gpt2_byte_decoder() -> dict[str, int]:
-    """Byte-level BPE spells byte b as one printable character; this is the inverse map."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
-    cs, n = list(bs), 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
-
-
-_BYTE_DECODER = _gpt2_byte_decoder()
-_TOKEN_CACHE: dict[tuple[int, int], tuple[str, list[int]]] = {}
-
-
-def _token_str(tok: Any, tid: int) -> tuple[str, list[int]]:
-    """(text, raw bytes) of one token for logprobs; a token holding part of a UTF-8 character has
-    its real bytes (the text shows U+FFFD)."""
-    key = (id(tok), tid)
-    hit = _TOKEN_CACHE.get(key)
-    if hit is not None:
-        return hit
-    piece = tok.id_to_token(tid) if hasattr(tok, "id_to_token") else None
-    if piece is not None and all(ch in _BYTE_DECODER for ch in piece):
-        raw = bytes(_BYTE_DECODER[ch] for ch in piece)
-    else:  # special / added token, or not a byte-level vocabulary
-        raw = tok.decode([tid]).encode("utf-8")
-    out = (raw.decode("utf-8", errors="replace"), list(raw))
-    if len(_TOKEN_CACHE) < 1 << 20:
-        _TOKEN_CACHE[key] = out
-    return out
-
-
-def _chat_logprobs(tok: Any, entries: list) -> dict:
-    content = []
-    for tid, lp, top in entries:
-        s, b = _token_str(tok, tid)
-        alts = []
-        for t, v in top:
-            ts, tb = _token_str(tok, t)
-            alts.append({"token": ts, "logprob": v, "bytes": tb})
-        content.append({"token": s, "logprob": lp, "bytes": b, "top_logprobs": alts})
-    return {"content": content}
-
-
-def _completion_logprobs(tok: Any, entries: list, offset: int) -> dict:
-    tokens, lps, tops, offsets = [], [], [], []
-    for tid, lp, top in entries:
-        s, _ = _token_str(tok, tid)
-        tokens.append(s)
-        lps.append(lp)
-        tops.append({_token_str(tok, t)[0]: v for t, v in top})
-        offsets.append(offset)
-        offset += len(s)
-    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
-
-
 # ---------------------------------------------------------------- generation
 
 
@@ -340,14 +283,14 @@ async def _stream(w: SSEWriter, st: ServerState, gen: GenRequest, seqs: list[Seq
             choice: dict[str, Any] = {"index": ev.index, "delta": delta, "logprobs": None,
                                       "finish_reason": ev.finish_reason}
             if gen.logprobs:
-                choice["logprobs"] = _chat_logprobs(tok, pending_lp[ev.index])
+                choice["logprobs"] = chat_logprobs(tok, pending_lp[ev.index])
         else:
             text = ev.delta.content
             if not text and ev.finish_reason is None:
                 continue
             choice = {"index": ev.index, "text": text, "logprobs": None, "finish_reason": ev.finish_reason}
             if gen.logprobs:
-                choice["logprobs"] = _completion_logprobs(tok, pending_lp[ev.index], offsets[ev.index])
+                choice["logprobs"] = completion_logprobs(tok, pending_lp[ev.index], offsets[ev.index])
             offsets[ev.index] += len(text)
         if gen.return_token_ids:
             choice["token_ids"] = pending_ids[ev.index]
@@ -403,12 +346,12 @@ async def _collect(st: ServerState, gen: GenRequest, seqs: list[Sequence], sink:
             choice: dict[str, Any] = {"index": idx, "message": msg, "logprobs": None,
                                       "finish_reason": a["finish"]}
             if gen.logprobs:
-                choice["logprobs"] = _chat_logprobs(tok, a["lp"])
+                choice["logprobs"] = chat_logprobs(tok, a["lp"])
         else:
             prefix = gen.prompt_texts[idx // gen.n] if gen.echo else ""
             choice = {"index": idx, "text": prefix + a["content"], "logprobs": None, "finish_reason": a["finish"]}
             if gen.logprobs:
-                choice["logprobs"] = _completion_logprobs(tok, a["lp"], len(prefix))
+                choice["logprobs"] = completion_logprobs(tok, a["lp"], len(prefix))
         if gen.return_token_ids:
             choice["token_ids"] = a["ids"]
             if gen.kind == "completion":

@@ -16,6 +16,7 @@ from engine.checkpoint.reader import Checkpoint
 from engine.model.config import ModelConfig, load_config
 from engine.runtime.runner import ModelRunner as Model
 from engine.runtime.sampling import SampleJob, SamplingParams, make_rngs
+from engine.settings import Settings
 from engine.state.sequence import SequenceState
 from engine.text.tokenizer import Tokenizer
 
@@ -25,7 +26,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CKPT = REPO_ROOT / "models" / "demo-v41"
 
 
-def make_ops(backend: str):
+def make_ops(backend: str, settings: Settings | None = None):
     if backend == "numpy":
         from engine.ops.numpy_ops import NumpyOps
 
@@ -33,7 +34,7 @@ def make_ops(backend: str):
     if backend == "cupy":
         from engine.ops.gpu.ops import CupyOps
 
-        return CupyOps()
+        return CupyOps(settings)
     raise ValueError(f"unknown backend {backend!r} (available: numpy, cupy)")
 
 
@@ -48,12 +49,13 @@ class Engine:
     @classmethod
     def load(cls, ckpt_dir: str | Path | None = None, backend: str = "numpy",
              gpus: str | list[int] | None = None, *, max_seqs: int = 32, max_context: int | None = None,
-             prefill_chunk: int = 512, expert_split: str = "ep") -> Engine:
+             prefill_chunk: int = 512, expert_split: str = "ep", settings: Settings | None = None) -> Engine:
         """Load a checkpoint directory (None: the embedded demo-v41 model). With `gpus` (ids or
         '0,1'): the cupy backend, after checking the memory plan for max_seqs sequences of
         max_context tokens (default: the model's context) against each GPU's free memory
         (raises engine.runtime.memory_plan.MemoryPlanError when it does not fit); several GPUs split the
-        routed experts by expert id or by width (`expert_split`, engine/parallel/shard.py)."""
+        routed experts by expert id or by width (`expert_split`, engine/parallel/shard.py).
+        settings: the GPU backend's knobs (engine/settings.py; default: Settings.from_env())."""
         path = Path(ckpt_dir) if ckpt_dir is not None else DEFAULT_CKPT
         cfg = load_config(path)
         tok_json = path / "tokenizer.json"
@@ -70,14 +72,15 @@ class Engine:
         if len(ids) > 1:
             from engine.parallel.gpu import GpuTP
 
-            model = GpuTP(cfg, ckpt, ids, tok_json, expert_split=expert_split)
+            model = GpuTP(cfg, ckpt, ids, tok_json, expert_split=expert_split,
+                          make_ops=lambda: make_ops(backend, settings))
         elif device is not None:
             import cupy
 
             with cupy.cuda.Device(device):
-                model = Model(cfg, ckpt, make_ops(backend), tok_json)
+                model = Model(cfg, ckpt, make_ops(backend, settings), tok_json)
         else:
-            model = Model(cfg, ckpt, make_ops(backend), tok_json)
+            model = Model(cfg, ckpt, make_ops(backend, settings), tok_json)
         log.info("loaded %s (%s, %d layers, hidden %d) on %s%s", path.name, cfg.arch, cfg.num_layers,
                  cfg.hidden_size, backend, f" (GPUs {ids}, tensor parallel)" if len(ids) > 1
                  else f" (GPU {device})" if device is not None else "")
