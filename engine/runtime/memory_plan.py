@@ -301,7 +301,7 @@ def workspace_bytes(cfg: ModelConfig, plan: ShardPlan, max_seqs: int, max_contex
               (cfg.arch != "v41" or i in cfg.kv_source_layer_ids)]
     max_entries = max_context // min(ratios) if ratios else 0
     local_heads = plan.heads[1] - plan.heads[0]
-    from engine.ops.gpu.graphs import MAX_GRAPH_ROWS, MAX_ROW_BUCKETS
+    from engine.ops.gpu.limits import MAX_GRAPH_ROWS, MAX_ROW_BUCKETS
 
     graph_rows = sum(max(0, MAX_GRAPH_ROWS - i) for i in range(MAX_ROW_BUCKETS))
     return {
