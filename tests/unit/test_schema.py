@@ -19,6 +19,7 @@ from engine.model import transformer
 from engine.model.config import load_config
 from engine.ops.numpy_ops import NumpyOps
 from engine.parallel.tp import ShardingError, ShardPlan
+from engine.runtime import memory_plan as mp
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO_V41 = REPO / "models" / "demo-v41"
@@ -179,6 +180,17 @@ def test_tiny_model_writes_the_schema(ckpts):
         assert len(schema.validate(cfg, ck)) == sum(e.place is not None for e in entries)
 
 
+def test_planner_counts_the_schema(ckpts):
+    """Per-rank bytes from the written checkpoint's headers, from its tensor specs and from the
+    config alone (the schema's formats) agree."""
+    for name in ("tiny-v41", "tiny-v4"):
+        cfg, ck = _open(ckpts[name])
+        specs = T.tensor_specs(json.loads((ckpts[name] / "config.json").read_text()))
+        for n in (1, 2):
+            got = [[(r.device, r.host, r.tensors) for r in mp.weight_bytes(cfg, src, n)] for src in (ck, specs, None)]
+            assert got[0] == got[1] == got[2], (name, n)
+
+
 def test_every_place_is_filled(ckpts):
     """Each place of the schema exists in the loaded structure (a wrong place raises in _put)."""
     cfg, ck = _open(ckpts["tiny-v4"])
@@ -235,7 +247,7 @@ def _edited(src: Path, dst: Path, edit) -> Path:
 def _fails(d: Path, *needles: str) -> None:
     cfg, ck = _open(d)
     for call in (lambda: loader.load_weights(cfg, ck, NumpyOps(), ShardPlan.make(cfg)),
-                 lambda: schema.validate(cfg, ck)):
+                 lambda: schema.validate(cfg, ck), lambda: mp.weight_bytes(cfg, ck, 2)):
         with pytest.raises(schema.SchemaError) as e:
             call()
         for s in needles:
