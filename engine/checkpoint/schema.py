@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from engine.checkpoint.reader import CheckpointError, scale_name
+from engine.checkpoint.reader import CheckpointError, RawTensor, Weight, scale_name
 from engine.model.config import ModelConfig
 from engine.parallel.tp import ShardingError, ShardPlan
 
@@ -354,7 +354,7 @@ def _describe(e: Entry) -> str:
     return f"{e.fmt} {list(e.shape)} ({KINDS[e.kind]})"
 
 
-def check_stored(e: Entry, ckpt, name: str | None = None):
+def check_stored(e: Entry, ckpt, name: str | None = None) -> Weight | RawTensor:
     """What `ckpt` holds for `e` (under `name`, default resolve(ckpt, e.name)): its Weight for a
     linear or a table, else its RawTensor; SchemaError unless it is there, in a format its kind
     accepts and with its logical shape. Reads headers only."""
@@ -372,7 +372,7 @@ def check_stored(e: Entry, ckpt, name: str | None = None):
     return got
 
 
-def validate(cfg: ModelConfig, ckpt) -> list[tuple[Entry, object]]:
+def validate(cfg: ModelConfig, ckpt) -> list[tuple[Entry, Weight | RawTensor]]:
     """Check every tensor the forward reads against `ckpt` (headers only); SchemaError listing
     the disagreements. Returns each entry the checkpoint holds with what check_stored found."""
     held, errors = [], []
