@@ -26,7 +26,10 @@ from pathlib import Path
 import numpy as np
 
 from engine.checkpoint import formats
-from engine.checkpoint.reader import SAFETENSORS_DTYPES, ShardWriter
+from engine.checkpoint.reader import SAFETENSORS_DTYPES, ShardWriter, scale_name
+from engine.checkpoint.schema import stored_tensors as schema_stored_tensors
+from engine.checkpoint.schema import tensor_schema
+from engine.model.config import parse_config
 from engine.model.engram import compressed_token_map, layer_primes
 
 __all__ = [
@@ -179,9 +182,8 @@ def make_config(arch: str, **sizes: int) -> dict:
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One logical tensor. fmt: 'fp8' (block-scaled linear, + `.scale`), 'fp4' (routed expert,
-    packed I8 + `.scale` per row per 32), 'fp8_rows' (Engram table, + `.scale` per row per 32),
-    'bf16', 'f32', 'i64'. init: how to draw it (see _draw)."""
+    """One logical tensor. fmt: see engine.checkpoint.schema.FORMATS ('fp8', 'fp4', 'fp8_rows',
+    'bf16', 'f32', 'i64'). init: how to draw it (see _draw): the schema entry's role."""
 
     name: str
     fmt: str
@@ -190,141 +192,14 @@ class TensorSpec:
 
 
 def tensor_specs(cfg: dict) -> list[TensorSpec]:
-    """Every tensor of a checkpoint for `cfg` (upstream names, logical shapes), in file order.
-    This is the shape table of the reference modeling (transformers deepseek_v4 / deepseek_v41)."""
-    v41 = str(cfg.get("model_type", "")).startswith("deepseek_v41")
-    h, n, v = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
-    nh, hd, ql = cfg["num_attention_heads"], cfg["head_dim"], cfg["q_lora_rank"]
-    og, ol = cfg["o_groups"], cfg["o_lora_rank"]
-    e, inter = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
-    shared_inter = inter * cfg.get("n_shared_experts", 1)
-    ih, ihd = cfg["index_n_heads"], cfg["index_head_dim"]
-    hc = cfg["hc_mult"]
-    mix = (2 + hc) * hc
-    norm_fmt = "bf16" if v41 else "f32"  # V4.1 ships its RMSNorm weights in BF16
-    out = [TensorSpec("embed.weight", "bf16", (v, h), "embed")]
-
-    def norm(name: str, dim: int) -> None:
-        out.append(TensorSpec(name, norm_fmt, (dim,), "norm"))
-
-    for i in range(n):
-        p = f"layers.{i}."
-        if v41 and i in cfg.get("engram_layer_ids", []):
-            k = cfg["engram_layer_ids"].index(i)
-            cols = (cfg["engram_max_ngram_size"] - 1) * cfg["engram_n_heads"] * cfg["engram_head_dim"]
-            out += [
-                TensorSpec(p + "engram.embed.weight", "fp8_rows",
-                           (cfg["engram_num_embeddings"][k], cfg["engram_head_dim"]), "table"),
-                TensorSpec(p + "engram.wkv.weight", "fp8", (h * (hc + 1), cols)),
-                TensorSpec(p + "engram.q_weight", "bf16", (hc, h), "norm"),
-                TensorSpec(p + "engram.k_weight", "bf16", (hc, h), "norm"),
-            ]
-        norm(p + "attn_norm.weight", h)
-        a = p + "attn."
-        out += [
-            TensorSpec(a + "wq_a.weight", "fp8", (ql, h)),
-            TensorSpec(a + "q_norm.weight", norm_fmt, (ql,), "norm"),
-            TensorSpec(a + "wq_b.weight", "fp8", (nh * hd, ql)),
-            TensorSpec(a + "wkv.weight", "fp8", (hd, h)),
-            TensorSpec(a + "kv_norm.weight", norm_fmt, (hd,), "norm"),
-            TensorSpec(a + "wo_a.weight", "fp8", (og * ol, nh * hd // og)),
-            TensorSpec(a + "wo_b.weight", "fp8", (h, og * ol)),
-            TensorSpec(a + "attn_sink", "f32", (nh,), "sink"),
-        ]
-        if v41:
-            ratio = cfg["compress_ratios"][i]
-            is_kv = i in cfg["kv_source_layer_ids"]
-            if is_kv:  # one latent per group: wkv/wgate at head_dim, no ape; no wgate at ratio 1
-                out.append(TensorSpec(a + "compressor.wkv.weight", "bf16", (hd, h)))
-                if ratio > 1:
-                    out.append(TensorSpec(a + "compressor.wgate.weight", "bf16", (hd, h)))
-                norm(a + "compressor.norm.weight", hd)
-            if i in cfg["index_source_layer_ids"]:
-                out += [
-                    TensorSpec(a + "indexer.wq_b.weight", "fp8", (ih * ihd, ql)),
-                    TensorSpec(a + "indexer.weights_proj.weight", "bf16", (ih, h)),
-                ]
-                if is_kv:  # keys come from the source's pooled latent
-                    out.append(TensorSpec(a + "indexer.wk.weight", "fp8", (ihd, hd)))
-                    norm(a + "indexer.k_norm.weight", ihd)
-        else:
-            kind = cfg["layer_types"][i]
-            if kind == "compressed_sparse_attention":  # overlapping windows: two series (2x width)
-                rate = cfg["compress_rates"]["compressed_sparse_attention"]
-                out += _v4_compressor(a + "compressor.", h, hd, rate, overlap=True, norm_fmt=norm_fmt)
-                out += [
-                    TensorSpec(a + "indexer.wq_b.weight", "fp8", (ih * ihd, ql)),
-                    TensorSpec(a + "indexer.weights_proj.weight", "bf16", (ih, h)),
-                ]
-                out += _v4_compressor(a + "indexer.compressor.", h, ihd, rate, overlap=True, norm_fmt=norm_fmt)
-            elif kind == "heavily_compressed_attention":
-                rate = cfg["compress_rates"]["heavily_compressed_attention"]
-                out += _v4_compressor(a + "compressor.", h, hd, rate, overlap=False, norm_fmt=norm_fmt)
-        norm(p + "ffn_norm.weight", h)
-        f = p + "ffn."
-        out.append(TensorSpec(f + "gate.weight", "bf16", (e, h)))
-        if not v41 and cfg["mlp_layer_types"][i] == "hash_moe":
-            out.append(TensorSpec(f + "gate.tid2eid", "i64", (v, cfg["num_experts_per_tok"]), "tid2eid"))
-        else:
-            out.append(TensorSpec(f + "gate.bias", "f32", (e,), "bias"))
-            if v41:
-                out.append(TensorSpec(f + "gate.bias_vl", "f32", (e,), "bias"))
-        for x in range(e):
-            out += [
-                TensorSpec(f"{f}experts.{x}.w1.weight", "fp4", (inter, h)),
-                TensorSpec(f"{f}experts.{x}.w2.weight", "fp4", (h, inter)),
-                TensorSpec(f"{f}experts.{x}.w3.weight", "fp4", (inter, h)),
-            ]
-        out += [
-            TensorSpec(f + "shared_experts.w1.weight", "fp8", (shared_inter, h)),
-            TensorSpec(f + "shared_experts.w2.weight", "fp8", (h, shared_inter)),
-            TensorSpec(f + "shared_experts.w3.weight", "fp8", (shared_inter, h)),
-        ]
-        for site in ("attn", "ffn"):
-            out += [
-                TensorSpec(f"{p}hc_{site}_fn", "f32", (mix, hc * h), "hc_fn"),
-                TensorSpec(f"{p}hc_{site}_base", "f32", (mix,), "hc_base"),
-                TensorSpec(f"{p}hc_{site}_scale", "f32", (3,), "hc_scale"),
-            ]
-    norm("norm.weight", h)
-    out.append(TensorSpec("head.weight", "bf16", (v, h)))
-    if not v41:  # V4.1 collapses with the last site's pre-mix instead
-        out += [
-            TensorSpec("hc_head_fn", "f32", (hc, hc * h), "hc_fn"),
-            TensorSpec("hc_head_base", "f32", (hc,), "hc_base"),
-            TensorSpec("hc_head_scale", "f32", (1,), "hc_scale"),
-        ]
-    return out
-
-
-def _v4_compressor(p: str, h: int, dim: int, rate: int, overlap: bool, norm_fmt: str) -> list[TensorSpec]:
-    w = 2 * dim if overlap else dim
-    return [
-        TensorSpec(p + "wkv.weight", "bf16", (w, h)),
-        TensorSpec(p + "wgate.weight", "bf16", (w, h)),
-        TensorSpec(p + "ape", "f32", (rate, w), "ape"),
-        TensorSpec(p + "norm.weight", norm_fmt, (dim,), "norm"),
-    ]
-
-
-def _scale_name(name: str) -> str:
-    return (name[: -len(".weight")] if name.endswith(".weight") else name) + ".scale"
+    """Every tensor of a checkpoint for `cfg` (upstream names, logical shapes), in file order:
+    engine.checkpoint.schema's table for this config."""
+    return [TensorSpec(e.name, e.fmt, e.shape, e.role) for e in tensor_schema(parse_config(cfg))]
 
 
 def stored_tensors(spec: TensorSpec, block: tuple[int, int]) -> list[tuple[str, str, tuple[int, ...]]]:
     """(name, safetensors dtype, stored shape) of what `spec` writes."""
-    if spec.fmt == "fp8":
-        n, k = spec.shape
-        return [(spec.name, "F8_E4M3", spec.shape),
-                (_scale_name(spec.name), "F8_E8M0", (math.ceil(n / block[0]), math.ceil(k / block[1])))]
-    if spec.fmt == "fp8_rows":
-        n, k = spec.shape
-        return [(spec.name, "F8_E4M3", spec.shape), (_scale_name(spec.name), "F8_E8M0", (n, k // 32))]
-    if spec.fmt == "fp4":
-        n, k = spec.shape
-        return [(spec.name, "I8", (n, k // 2)), (_scale_name(spec.name), "F8_E8M0", (n, k // 32))]
-    dtype = {"bf16": "BF16", "f32": "F32", "i64": "I64"}[spec.fmt]
-    return [(spec.name, dtype, spec.shape)]
+    return schema_stored_tensors(spec.name, spec.fmt, spec.shape, block)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -399,7 +274,7 @@ def _tensor_chunks(spec: TensorSpec, cfg: dict, seed: int, block: tuple[int, int
     n, _ = spec.shape
     rows = _chunk_rows(spec, blk[0])
     scales = []
-    sname = _scale_name(spec.name)
+    sname = scale_name(spec.name)
     for c, r0 in enumerate(range(0, n, rows)):
         x = _draw(spec, _rng(seed, spec.name, c), (min(rows, n - r0), spec.shape[1]))
         q, s = formats.quant_fp8_blocks(x, blk, "ue8m0")
@@ -417,7 +292,7 @@ def _fp4_chunks(spec: TensorSpec, seed: int) -> Iterator[dict]:
     base = int(round(math.log2(1.0 / (math.sqrt(k) * rms)))) + 127
     rows = max(1, _CHUNK_ELEMS // k)
     scales = []
-    sname = _scale_name(spec.name)
+    sname = scale_name(spec.name)
     for c, r0 in enumerate(range(0, n, rows)):
         m = min(rows, n - r0)
         rng = _rng(seed, spec.name, c)

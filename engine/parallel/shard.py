@@ -94,28 +94,41 @@ class ShardPlan:
         return out
 
 
-def slice_weight(w, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None):
-    """A checkpoint Weight restricted to rows / logical columns, reading only that slice (the
-    data stays a memmap view). Block-scaled FP8 slices must fall on block boundaries."""
-    r0, r1 = rows if rows is not None else (0, w.shape[0])
-    c0, c1 = cols if cols is not None else (0, w.shape[1])
-    if w.fmt in ("bf16", "f32"):
-        return replace(w, data=w.data[r0:r1, c0:c1], shape=(r1 - r0, c1 - c0))
-    bn, bk = w.block
-    n, k = w.shape
+def slice_bounds(name: str, fmt: str, block: tuple[int, int] | None, shape: tuple[int, ...],
+                 rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None) -> tuple:
+    """((r0, r1), (c0, c1), scale rows, scale cols) of a slice of a weight stored as `fmt` with
+    logical `shape`; the scale ranges are None for dense formats. Block-scaled slices must fall on
+    block boundaries (ShardingError otherwise). slice_weight and the memory planner both use it."""
+    r0, r1 = rows if rows is not None else (0, shape[0])
+    c0, c1 = cols if cols is not None else (0, shape[1])
+    if fmt in ("bf16", "f32"):
+        return (r0, r1), (c0, c1), None, None
+    if fmt not in ("fp8", "fp4"):
+        raise ShardingError(f"{name}: cannot slice format {fmt}")
+    bn, bk = block
+    n, k = shape
 
     def aligned(a: int, b: int, unit: int, end: int) -> bool:
         return a % unit == 0 and (b % unit == 0 or b == end)
 
     if not (aligned(r0, r1, bn, n) and aligned(c0, c1, bk, k)):
-        raise ShardingError(f"{w.name}: slice rows {r0}:{r1} cols {c0}:{c1} is not aligned to its {bn}x{bk} blocks")
-    if w.fmt == "fp8":
-        scale = w.scale[r0 // bn: -(-r1 // bn), c0 // bk: -(-c1 // bk)]
-        return replace(w, data=w.data[r0:r1, c0:c1], scale=scale, shape=(r1 - r0, c1 - c0))
-    if w.fmt == "fp4":  # two values per byte; one scale per row per bk columns
-        scale = w.scale[r0:r1, c0 // bk: -(-c1 // bk)]
-        return replace(w, data=w.data[r0:r1, c0 // 2: c1 // 2], scale=scale, shape=(r1 - r0, c1 - c0))
-    raise ShardingError(f"{w.name}: cannot slice format {w.fmt}")
+        raise ShardingError(f"{name}: slice rows {r0}:{r1} cols {c0}:{c1} is not aligned to its {bn}x{bk} blocks")
+    scale_cols = (c0 // bk, -(-c1 // bk))
+    if fmt == "fp8":
+        return (r0, r1), (c0, c1), (r0 // bn, -(-r1 // bn)), scale_cols
+    return (r0, r1), (c0, c1), (r0, r1), scale_cols  # fp4: one scale per row per bk columns
+
+
+def slice_weight(w, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None):
+    """A checkpoint Weight restricted to rows / logical columns, reading only that slice (the
+    data stays a memmap view). Block-scaled FP8 slices must fall on block boundaries."""
+    (r0, r1), (c0, c1), srows, scols = slice_bounds(w.name, w.fmt, w.block, w.shape, rows, cols)
+    if srows is None:
+        return replace(w, data=w.data[r0:r1, c0:c1], shape=(r1 - r0, c1 - c0))
+    scale = w.scale[srows[0]:srows[1], scols[0]:scols[1]]
+    # (fp4: two values per byte)
+    data = w.data[r0:r1, c0:c1] if w.fmt == "fp8" else w.data[r0:r1, c0 // 2: c1 // 2]
+    return replace(w, data=data, scale=scale, shape=(r1 - r0, c1 - c0))
 
 
 def rows_stackable(ws: list) -> bool:

@@ -2,16 +2,17 @@
 
 Per tensor-parallel rank (engine.parallel.shard.ShardPlan decides what each rank holds) the plan adds up
 
-- weights: what `engine.model.transformer.load_weights` would put on the device for that rank, in the form
-  the GPU backend keeps (engine/ops/gpu/ops.py `prepare`): fp8 data 1 B per value plus its
-  block scales widened to f32 (4 B per block); fp4 experts 1/2 B per value plus one UE8M0 byte
-  per 32; bf16 linears 2 B; f32 linears and every vector (norms, mHC, sinks, biases, ape, which
-  the model reads as float32) 4 B. The sizes come from the tensor headers (or from
-  `engine.checkpoint.tiny_model.tensor_specs` shapes): `load_weights` itself runs against a stand-in
-  checkpoint whose arrays are zero-stride views and a recording "ops" that only counts, so the
-  slicing (heads, vocab rows, experts, shared-expert width) is exactly the model's and no byte of
-  data is read. Engram tables are counted as HOST bytes (pinned host memory: a token reads only a
-  few rows of them); hash-routing tables (`tid2eid`, int64) are device bytes, gathered on the GPU.
+- weights: what `engine.checkpoint.loader.load_weights` puts on the device for that rank, counted
+  from the tensor schema (engine/checkpoint/schema.py): each tensor's shard rule gives the
+  rank's slice (heads, vocab rows, experts, shared-expert width), its stored format the bytes in
+  the form the GPU backend keeps (engine/ops/gpu/ops.py `prepare`): fp8 data 1 B per value plus
+  its block scales widened to f32 (4 B per block); fp4 experts 1/2 B per value plus one UE8M0
+  byte per 32; bf16 linears 2 B; f32 linears and every vector (norms, mHC, sinks, biases, ape,
+  which the model reads as float32) 4 B. Formats and block sizes come from the tensor headers
+  (checked against the schema; no data is read), from `engine.checkpoint.tiny_model.tensor_specs`,
+  or from the schema itself. Engram tables are counted as HOST bytes (pinned host memory: a
+  token reads only a few rows of them); hash-routing tables (`tid2eid`, int64) are device bytes,
+  gathered on the GPU.
 - state: max_seqs * (fixed + per_token * max_context), with (per_token, fixed) from
   `resident_state_bytes_per_token` (engine/model/base.py): what a running sequence occupies on the device (float32
   arrays, growth-buffer headroom), not its stored size (`state_bytes_per_token`: V4.1's
@@ -33,8 +34,8 @@ Per tensor-parallel rank (engine.parallel.shard.ShardPlan decides what each rank
                    2 * index_topk) + 64) * 4     (a prompt chunk's tensor-core attention scores: each
                                                   query's window, then its listed or unmasked entries)
       logits       max_seqs * vocab * 4
-      graphs       the outputs the CUDA graphs of the layer regions keep (engine/backends/
-                   cuda_graphs.py): graph_bytes_per_row * the rows of the MAX_ROW_BUCKETS largest
+      graphs       the outputs the CUDA graphs of the layer regions keep (engine/ops/gpu/
+                   graphs.py): graph_bytes_per_row * the rows of the MAX_ROW_BUCKETS largest
                    row counts up to MAX_GRAPH_ROWS (a step of a few decode rows and a short
                    prompt's chunk is graphed too, so any count up to 64 can hold a bucket); a
                    V4.1 decode step graphed whole on one GPU keeps less: its logits, and
@@ -51,12 +52,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
-from engine.checkpoint.reader import SAFETENSORS_DTYPES, Checkpoint, RawTensor, Weight, _block_candidates, scale_name
+from engine.checkpoint.reader import Checkpoint, scale_name
+from engine.checkpoint.schema import IDS, LINEAR, TABLE, SchemaError, resolve, tensor_schema, validate
 from engine.model.config import ModelConfig, parse_config
 from engine.ops.kernels import ATTEND_TC_QUERIES
-from engine.parallel.shard import ShardingError, ShardPlan
+from engine.parallel.shard import ShardingError, ShardPlan, slice_bounds
 
 __all__ = [
     "ACT_FACTOR",
@@ -86,67 +86,7 @@ class MemoryPlanError(RuntimeError):
 
 
 # ---------------------------------------------------------------------------------------------
-# Weights: load_weights against a stand-in checkpoint and a counting backend
-
-
-def _zeros(dtype, shape: tuple[int, ...]) -> np.ndarray:
-    """A read-only zero-stride array of any size: slicing and .nbytes work, nothing is allocated."""
-    return np.broadcast_to(np.zeros((), dtype=dtype), tuple(shape))
-
-
-class _TableCheckpoint:
-    """The Checkpoint interface load_weights uses (has / raw / f32 / weight) over a table of
-    stored tensors {name: (safetensors dtype, shape)}; arrays are zero-stride views."""
-
-    def __init__(self, table: dict[str, tuple[str, tuple[int, ...]]], block_size=None, block_of=None):
-        self.table = table
-        self.block_size = tuple(block_size) if block_size else None
-        self._block_of = block_of
-
-    def has(self, name: str) -> bool:
-        return name in self.table
-
-    __contains__ = has
-
-    def names(self) -> list[str]:
-        return sorted(self.table)
-
-    def _get(self, name: str) -> tuple[str, tuple[int, ...]]:
-        if name not in self.table:
-            from engine.checkpoint.reader import CheckpointError
-
-            raise CheckpointError(f"missing tensor {name!r}")
-        return self.table[name]
-
-    def raw(self, name: str, expect_dtype=None) -> RawTensor:
-        dtype, shape = self._get(name)
-        return RawTensor(name, dtype, shape, _zeros(SAFETENSORS_DTYPES[dtype], shape))
-
-    def f32(self, name: str) -> np.ndarray:
-        return _zeros(np.float32, self._get(name)[1])
-
-    def weight(self, name: str, expect_shape=None, expect_fmt=None) -> Weight:
-        dtype, shape = self._get(name)
-        if dtype == "BF16":
-            return Weight(name, _zeros(np.uint16, shape), "bf16", shape=shape)
-        if dtype in ("F32", "F16", "F64"):
-            return Weight(name, _zeros(np.float32, shape), "f32", shape=shape)
-        sdt, sshape = self._get(scale_name(name))
-        scale = _zeros(SAFETENSORS_DTYPES[sdt], sshape)
-        scale_fmt = "fp32" if sdt == "F32" else "ue8m0"
-        n, k = shape
-        if dtype == "F8_E4M3":
-            block = self._block_of(name) if self._block_of else self._fp8_block(shape, sshape)
-            return Weight(name, _zeros(np.uint8, shape), "fp8", scale, scale_fmt, block, (n, k))
-        return Weight(name, _zeros(np.uint8, shape), "fp4", scale, scale_fmt, (1, 2 * k // sshape[1]), (n, 2 * k))
-
-    def _fp8_block(self, shape, sshape) -> tuple[int, int]:
-        (n, k), (sn, sk) = shape, sshape
-        if self.block_size and (math.ceil(n / self.block_size[0]), math.ceil(k / self.block_size[1])) == (sn, sk):
-            return self.block_size
-        cn, ck = _block_candidates(n, sn, allow_one=True), _block_candidates(k, sk, allow_one=False)
-        common = [b for b in cn if b in ck]
-        return (common[0], common[0]) if common else (cn[0] if cn else n, ck[0] if ck else k)
+# Weights: the schema's tensors, this rank's slices, in the form the GPU backend keeps
 
 
 def _category(name: str) -> str:
@@ -163,67 +103,16 @@ def _category(name: str) -> str:
     return "other"
 
 
-class _CountingOps:
-    """Stands in for a backend in load_weights: books the device bytes cupy_ops.prepare would
-    allocate (and the stored bytes of the slice), returns nothing usable."""
+@dataclass(frozen=True)
+class _Stored:
+    """What a tensor's bytes follow from: for a linear or a table its format as read
+    (reader.Weight.fmt: 'bf16' | 'f32' | 'fp8' | 'fp4'), scale blocks and the bytes of one scale;
+    vectors and ids are uploaded as float32 / int64 whatever their stored dtype."""
 
-    name = "count"
-    xp = np
-
-    def __init__(self) -> None:
-        self.device: dict[str, int] = {}  # category -> device bytes
-        self.host: dict[str, int] = {}
-        self.tensors: dict[str, tuple[int, int]] = {}  # weight name -> (stored bytes, device bytes)
-
-    def _book(self, cat: str, nbytes: int) -> None:
-        d = self.host if cat.endswith("(host)") else self.device
-        d[cat] = d.get(cat, 0) + int(nbytes)
-
-    def prepare(self, w):
-        if isinstance(w, np.ndarray):
-            self._book("other", w.size * 4)
-            return None
-        stored = w.data.nbytes + (w.scale.nbytes if w.scale is not None else 0)
-        if w.fmt in ("f32", "bf16"):
-            dev = w.data.size * (4 if w.fmt == "f32" else 2)
-        elif w.fmt == "fp8":
-            dev = w.data.size + (w.scale.size if w.scale is not None else 1) * 4  # scales widened to f32
-        else:  # fp4: packed bytes + UE8M0 bytes as stored
-            dev = w.data.size + w.scale.nbytes
-        cat = _category(w.name)
-        if cat.endswith("(host)"):
-            dev = stored  # pinned host memory, stored format
-        self._book(cat, dev)
-        self.tensors[w.name] = (int(stored), int(dev))
-        return None
-
-    def prepare_rows(self, ws: list):
-        """Weights the backends stack into one (engine/parallel/shard.py stack_rows): booked one by one."""
-        for w in ws:
-            self.prepare(w)
-
-    def prepare_table(self, table, scale=None):
-        """Engram tables: booked as host bytes in their stored format (pinned host memory)."""
-        used_scale = scale is not None and table.fmt == "fp8"  # a float table's scales are unused
-        stored = table.data.nbytes + (scale.array.nbytes if used_scale else 0)
-        self._book("engram tables (host)", stored)
-        self.tensors[table.name] = (int(stored), int(stored))
-        return None
-
-    def asarray(self, x, dtype=np.float32):
-        return _Counted(self, np.asarray(x), np.dtype(dtype).itemsize)
-
-
-class _Counted:
-    """A vector the counting ops 'holds': slicing it (sinks of this rank's heads) re-books its bytes."""
-
-    def __init__(self, ops: _CountingOps, arr: np.ndarray, itemsize: int) -> None:
-        self.ops, self.arr, self.itemsize = ops, arr, itemsize
-        ops._book("other", arr.size * itemsize)
-
-    def __getitem__(self, idx):
-        self.ops._book("other", -self.arr.size * self.itemsize)
-        return _Counted(self.ops, self.arr[idx], self.itemsize)
+    fmt: str
+    block: tuple[int, int] | None = None
+    scale_itemsize: int = 0
+    table_scale: int = 0  # bytes of an FP8 table's scales (kept beside it in host memory)
 
 
 @dataclass
@@ -240,38 +129,104 @@ class RankWeights:
     def host_total(self) -> int:
         return sum(self.host.values())
 
+    def _book(self, cat: str, nbytes: int) -> None:
+        d = self.host if cat.endswith("(host)") else self.device
+        d[cat] = d.get(cat, 0) + int(nbytes)
 
-def _table_of(source, cfg: ModelConfig) -> _TableCheckpoint:
-    """A stand-in checkpoint over a Checkpoint, a checkpoint path, or a list of TensorSpecs."""
+
+def _from_format(fmt: str, shape: tuple[int, ...], block: tuple[int, int]) -> _Stored:
+    """The stored form of a schema / TensorSpec format (tiny_model writes UE8M0 scales)."""
+    if fmt == "fp8":
+        return _Stored("fp8", block, 1)
+    if fmt == "fp4":
+        return _Stored("fp4", (1, 32), 1)
+    if fmt == "fp8_rows":
+        return _Stored("fp8", (1, 32), 1, shape[0] * (shape[1] // 32))
+    return _Stored(fmt)
+
+
+def _stored_forms(cfg: ModelConfig, source) -> dict[str, tuple[str, _Stored]]:
+    """{schema name: (name as held, stored form)} of every tensor the forward reads that `source`
+    holds: a Checkpoint (its headers, checked against the schema: SchemaError where they
+    disagree), a checkpoint directory, a list of TensorSpecs (tiny_model.tensor_specs: nothing
+    written), or None (the schema's own formats)."""
     if isinstance(source, (str, Path)):
         source = Checkpoint(source, block_size=cfg.weight_block_size)
-    if isinstance(source, _TableCheckpoint):
-        return source
     if isinstance(source, Checkpoint):
-        table = {}
-        for n in source.names():
-            t = source.raw(n)  # header view only: a memmap slice, no data read
-            table[n] = (t.dtype, tuple(t.shape))
-        return _TableCheckpoint(table, source.block_size, block_of=lambda n: source.weight(n).block)
-    from engine.checkpoint.tiny_model import stored_tensors
-
+        out = {}
+        for e, got in validate(cfg, source):
+            if e.kind not in (LINEAR, TABLE):
+                out[e.name] = (got.name, _Stored(""))
+                continue
+            table_scale = 0
+            sname = resolve(source, scale_name(e.name))
+            if e.kind == TABLE and got.fmt == "fp8" and source.has(sname):
+                table_scale = source.raw(sname).array.nbytes
+            itemsize = got.scale.itemsize if got.scale is not None else 0
+            out[e.name] = (got.name, _Stored(got.fmt, got.block, itemsize, table_scale))
+        return out
     block = tuple(cfg.weight_block_size or (128, 128))
-    table = {n: (dt, tuple(shape)) for spec in source for n, dt, shape in stored_tensors(spec, block)}
-    return _TableCheckpoint(table, block)
+    entries = [e for e in tensor_schema(cfg) if e.place is not None]
+    specs = {e.name: e for e in entries} if source is None else {s.name: s for s in source}
+    out = {}
+    for e in entries:
+        s = specs.get(e.name)
+        if s is None:
+            if e.optional:
+                continue
+            raise SchemaError(f"the tensor specs lack {e.name!r}, which the {cfg.arch} schema lists")
+        out[e.name] = (e.name, _from_format(s.fmt, tuple(s.shape), block))
+    return out
 
 
-def weight_bytes(cfg: ModelConfig | dict, source, n_gpus: int = 1, expert_split: str = "ep") -> list[RankWeights]:
-    """Per rank, the bytes of the weights load_weights would load for ShardPlan.make(cfg, r, n_gpus,
-    expert_split). `source`: a Checkpoint, a checkpoint directory, or tiny_model.tensor_specs(config)."""
-    from engine.model.transformer import load_weights
+def _linear_bytes(name: str, s: _Stored, shape: tuple[int, ...], window: tuple) -> tuple[int, int]:
+    """(stored bytes, device bytes) of a linear's slice: the GPU backend keeps FP8 scales widened
+    to float32 and FP4 experts as stored (engine/ops/gpu/ops.py prepare)."""
+    (r0, r1), (c0, c1), srows, scols = slice_bounds(name, s.fmt, s.block, shape, *window)
+    if srows is None:
+        n = (r1 - r0) * (c1 - c0) * (2 if s.fmt == "bf16" else 4)
+        return n, n
+    scales = (srows[1] - srows[0]) * (scols[1] - scols[0])
+    if s.fmt == "fp8":
+        data = (r1 - r0) * (c1 - c0)
+        return data + scales * s.scale_itemsize, data + scales * 4
+    stored = (r1 - r0) * (c1 // 2 - c0 // 2) + scales * s.scale_itemsize  # fp4: two values a byte
+    return stored, stored
 
+
+def weight_bytes(cfg: ModelConfig | dict, source=None, n_gpus: int = 1, expert_split: str = "ep") -> list[RankWeights]:
+    """Per rank, the bytes of the weights engine.checkpoint.loader.load_weights loads for
+    ShardPlan.make(cfg, r, n_gpus, expert_split), from the schema: its slice of each tensor (the
+    shard rules), in the form the GPU backend keeps it. `source`: a Checkpoint, a checkpoint
+    directory, tiny_model.tensor_specs(config), or None (the schema's formats)."""
     cfg = _as_config(cfg)
-    table = _table_of(source, cfg)
+    stored = _stored_forms(cfg, source)
+    entries = [e for e in tensor_schema(cfg) if e.name in stored]
     out = []
     for r in range(n_gpus):
-        ops = _CountingOps()
-        load_weights(cfg, table, ops, ShardPlan.make(cfg, r, n_gpus, expert_split))
-        out.append(RankWeights(ops.device, ops.host, ops.tensors))
+        plan = ShardPlan.make(cfg, r, n_gpus, expert_split)
+        rw = RankWeights({}, {}, {})
+        products = set()
+        for e in entries:
+            window = e.shard.window(cfg, plan)
+            if window is None:
+                continue
+            name, s = stored[e.name]
+            if e.kind == TABLE:  # pinned host memory, in the stored format
+                n = math.prod(e.shape) * {"fp8": 1, "bf16": 2}.get(s.fmt, 4) + s.table_scale
+                rw._book(_category(name), n)
+                rw.tensors[name] = (n, n)
+            elif e.kind == LINEAR:
+                st, dev = _linear_bytes(name, s, e.shape, window)
+                rw._book(_category(name), dev)
+                rw.tensors[name] = (st, dev)
+            elif e.part is None or e.place not in products:  # vectors as float32, ids as int64
+                if e.part is not None:  # Engram's q * k: one vector of their shape
+                    products.add(e.place)
+                rows = window[0] or (0, e.shape[0])
+                n = (rows[1] - rows[0]) * math.prod(e.shape[1:])
+                rw._book("other", n * (8 if e.kind == IDS else 4))
+        out.append(rw)
     return out
 
 
@@ -300,7 +255,7 @@ def workspace_bytes(cfg: ModelConfig, plan: ShardPlan, max_seqs: int, max_contex
               (cfg.arch != "v41" or i in cfg.kv_source_layer_ids)]
     max_entries = max_context // min(ratios) if ratios else 0
     local_heads = plan.heads[1] - plan.heads[0]
-    from engine.ops.gpu.graphs import MAX_GRAPH_ROWS, MAX_ROW_BUCKETS
+    from engine.ops.gpu.limits import MAX_GRAPH_ROWS, MAX_ROW_BUCKETS
 
     graph_rows = sum(max(0, MAX_GRAPH_ROWS - i) for i in range(MAX_ROW_BUCKETS))
     return {
@@ -425,7 +380,8 @@ def plan_memory(cfg: ModelConfig | dict, ckpt, n_gpus: int, gpu_bytes: int, max_
                 workspace_bytes: int | None = None, *, prefill_chunk: int = 512,
                 weights: list[RankWeights] | None = None, name: str | None = None) -> MemoryPlan:
     """Plan n_gpus ranks of `gpu_bytes` free bytes each for max_seqs sequences of max_context
-    tokens. `ckpt`: a Checkpoint, a checkpoint directory, or tensor_specs(config). `weights`
+    tokens. `ckpt`: a Checkpoint, a checkpoint directory, tensor_specs(config) or None (the
+    schema's formats). `weights`
     (from weight_bytes(cfg, ckpt, n_gpus)) skips recounting them."""
     cfg = _as_config(cfg)
     if n_gpus < 1 or max_seqs < 0 or max_context < 0:

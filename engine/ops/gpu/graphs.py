@@ -27,13 +27,9 @@ from dataclasses import dataclass
 
 import cupy as cp
 
-log = logging.getLogger("dsuf.graphs")
+from engine.ops.gpu.limits import MAX_GRAPH_ROWS, MAX_ROW_BUCKETS
 
-MAX_GRAPH_ROWS = 64  # regions over more rows (prefill) run eagerly: their shapes rarely repeat
-# Graphs (and their output buffers) are kept for at most this many distinct row counts (batch
-# sizes), least recently used dropped first: every batch size 1..64 across 40 layers would
-# otherwise hold gigabytes of region outputs.
-MAX_ROW_BUCKETS = int(os.environ.get("DSUF_GRAPH_BUCKETS", "8"))
+log = logging.getLogger("dsuf.graphs")
 
 
 @dataclass

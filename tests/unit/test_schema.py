@@ -1,0 +1,296 @@
+"""The tensor schema (engine/checkpoint/schema.py) and the loader that reads through it
+(engine/checkpoint/loader.py): the same values as engine/model/transformer.py's load_weights, on
+every tensor-parallel rank, and clear errors where a checkpoint disagrees with the schema."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from engine.checkpoint import loader, schema
+from engine.checkpoint import tiny_model as T
+from engine.checkpoint.reader import Checkpoint, write_safetensors
+from engine.model import transformer
+from engine.model.config import load_config
+from engine.ops.numpy_ops import NumpyOps
+from engine.parallel.shard import ShardingError, ShardPlan
+from engine.runtime import memory_plan as mp
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO_V41 = REPO / "models" / "demo-v41"
+FIX = REPO / "tests" / "fixtures" / "ref"
+V41 = dict(layers=4, hidden=128, heads=4, head_dim=64, rope_dim=16, q_lora=64, o_groups=2, o_lora=64,
+           experts=4, topk=2, moe_inter=64, vocab=1024, index_heads=16, index_head_dim=32,
+           engram_head_dim=32, engram_vocab=300)
+# V4's 128x128 FP8 blocks: 8 heads of 64 give 128-row slices up to TP4; the shared expert's and
+# the experts' 256 columns leave TP4's last two ranks without any (None in the loaded weights)
+V4 = dict(layers=4, hidden=128, heads=8, head_dim=64, rope_dim=16, q_lora=128, o_groups=2, o_lora=128,
+          experts=4, topk=2, moe_inter=256, vocab=1024, index_heads=16, index_head_dim=32, hash_layers=1)
+PLANS = [(1, "ep"), (2, "ep"), (4, "ep"), (2, "width"), (4, "width"), (8, "ep")]
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("schema")
+    return {"demo-v41": DEMO_V41, "tiny-v41": T.write_tiny_model(root / "v41", "v41", seed=2, **V41),
+            "tiny-v4": T.write_tiny_model(root / "v4", "v4", seed=2, **V4)}
+
+
+def _open(d: Path):
+    cfg = load_config(d)
+    return cfg, Checkpoint(d, block_size=cfg.weight_block_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# Both loaders, value for value
+
+
+def _same(a, b, where: str) -> None:
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        assert isinstance(a, np.ndarray) and isinstance(b, np.ndarray), where
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), where
+        assert a.tobytes() == b.tobytes(), where  # bit for bit
+    elif isinstance(a, (tuple, list)):
+        assert isinstance(b, (tuple, list)) and len(a) == len(b), where
+        for k, (x, y) in enumerate(zip(a, b, strict=True)):
+            _same(x, y, f"{where}[{k}]")
+    else:
+        assert a == b, where  # None, ints, stacked parts' names and rows
+
+
+def _same_ns(old, new, fields: dict[str, str], where: str) -> None:
+    """new.<field> equals old.<old name> (absent in old: None) for each field."""
+    if old is None or new is None:
+        assert old is None and new is None, where
+        return
+    for f, o in fields.items():
+        _same(getattr(old, o, None), getattr(new, f), f"{where}.{f}")
+
+
+LAYER_KEYS = {"attn_norm", "ffn_norm", "hc_attn", "hc_ffn", "attn", "ffn", "engram"}
+ATTN = {"q_norm": "q_norm", "kv_norm": "kv_norm", "wq_b": "wq_b", "sinks": "sinks", "wo_a": "wo_a", "wo_b": "wo_b",
+        "qkv": "qkv", "x_proj": "x_proj"}
+FFN = {"gate": "gate_w", "gate_bias": "gate_bias", "tid2eid": "tid2eid", "experts": "experts",
+       "shared_experts": "shared"}
+COMPRESSOR = {k: k for k in ("norm", "wkv", "wgate", "ape")}
+INDEXER = {k: k for k in ("wq_b", "weights_proj", "wk", "k_norm")}
+ENGRAM = {k: k for k in ("table", "wkv", "qk")}
+# every field today's flat layer has, and where the structure puts it
+OLD_FIELDS = {"attn_norm", "ffn_norm", "hc_attn", "hc_ffn", "comp", "idx", "engram", "wo_groups",
+              *ATTN.values(), *FFN.values()}
+
+
+def _compare(old: SimpleNamespace, new: SimpleNamespace) -> None:
+    assert set(vars(new)) == {"embed", "head", "norm", "hc_head", "layers"}
+    for f in ("embed", "head", "norm"):
+        _same(getattr(old, f), getattr(new, f), f)
+    _same(getattr(old, "hc_head", None), new.hc_head, "hc_head")
+    assert len(old.layers) == len(new.layers)
+    for i, (o, n) in enumerate(zip(old.layers, new.layers, strict=True)):
+        w = f"layers[{i}]"
+        assert set(vars(o)) <= OLD_FIELDS, set(vars(o)) - OLD_FIELDS
+        assert set(vars(n)) == LAYER_KEYS
+        assert set(vars(n.attn)) == {*ATTN, "wo_groups", "compressor", "indexer"}
+        assert set(vars(n.ffn)) == set(FFN)
+        for f in ("attn_norm", "ffn_norm", "hc_attn", "hc_ffn"):
+            _same(getattr(o, f), getattr(n, f), f"{w}.{f}")
+        _same_ns(o, n.attn, ATTN, f"{w}.attn")
+        assert n.attn.wo_groups == getattr(o, "wo_groups", 0), w
+        _same_ns(o, n.ffn, FFN, f"{w}.ffn")
+        _same_ns(o.comp, n.attn.compressor, COMPRESSOR, f"{w}.attn.compressor")
+        _same_ns(o.idx, n.attn.indexer, INDEXER, f"{w}.attn.indexer")
+        if n.attn.indexer is not None:
+            assert set(vars(n.attn.indexer)) == {*INDEXER, "compressor"}
+            _same_ns(getattr(o.idx, "comp", None), n.attn.indexer.compressor, COMPRESSOR, f"{w}.attn.indexer.comp")
+        _same_ns(o.engram, n.engram, ENGRAM, f"{w}.engram")
+
+
+def _load_both(cfg, ck, plan):
+    out = []
+    for fn in (transformer.load_weights, loader.load_weights):
+        try:
+            out.append(fn(cfg, ck, NumpyOps(), plan))
+        except ShardingError as e:
+            out.append(e)
+    return out
+
+
+def _check_plans(d: Path, plans) -> int:
+    cfg, ck = _open(d)
+    loaded = 0
+    for n, split in plans:
+        for r in range(n):
+            try:
+                plan = ShardPlan.make(cfg, r, n, split)
+            except ShardingError:
+                continue
+            old, new = _load_both(cfg, ck, plan)
+            if isinstance(old, Exception):  # an unsplittable model fails the same way through both
+                assert type(old) is type(new) and str(old) == str(new)
+                continue
+            _compare(old, new)
+            loaded += 1
+    return loaded
+
+
+@pytest.mark.parametrize("name", ["demo-v41", "tiny-v41", "tiny-v4"])
+def test_both_loaders_give_the_same_weights(ckpts, name):
+    assert _check_plans(ckpts[name], PLANS) >= 13
+
+
+@pytest.mark.parametrize("case", sorted(p.name for p in FIX.glob("*") if (p / "model.safetensors").exists()))
+def test_both_loaders_on_the_reference_fixtures(case):
+    """F32 exports in HF naming, Engram tables with float scales, V4 hash layers."""
+    assert _check_plans(FIX / case, [(1, "ep"), (2, "ep")]) >= 1
+
+
+def test_headless_and_expertless_ranks(ckpts):
+    """A rank without heads holds no wo_a / wo_b and empty head slices; one without any of the
+    experts' or the shared expert's width holds None for them."""
+    cfg, ck = _open(ckpts["tiny-v41"])
+    w = loader.load_weights(cfg, ck, NumpyOps(), ShardPlan.make(cfg, 7, 8))
+    a = w.layers[0].attn
+    assert (a.wo_a, a.wo_b, a.wo_groups) == (None, None, 0)
+    assert a.wq_b.shape[0] == 0 and a.sinks.shape == (0,)
+    cfg, ck = _open(ckpts["tiny-v4"])
+    w = loader.load_weights(cfg, ck, NumpyOps(), ShardPlan.make(cfg, 3, 4, "width"))
+    f = w.layers[1].ffn
+    assert f.shared_experts is None and f.experts == [None] * cfg.n_routed_experts
+    assert w.layers[0].ffn.tid2eid.dtype == np.int64 and w.layers[0].ffn.gate_bias is None
+
+
+# ---------------------------------------------------------------------------------------------
+# The schema is the table tiny_model writes and the planner counts
+
+
+def test_tiny_model_writes_the_schema(ckpts):
+    for name in ("tiny-v41", "tiny-v4"):
+        cfg, ck = _open(ckpts[name])
+        entries = schema.tensor_schema(cfg)
+        raw = json.loads((ckpts[name] / "config.json").read_text())
+        assert [(s.name, s.fmt, s.shape, s.init) for s in T.tensor_specs(raw)] == \
+               [(e.name, e.fmt, e.shape, e.role) for e in entries]
+        stored = [schema.stored_tensors(e.name, e.fmt, e.shape, cfg.weight_block_size) for e in entries]
+        assert set(ck.names()) == {n for s in stored for n, _, _ in s}
+        assert len(schema.validate(cfg, ck)) == sum(e.place is not None for e in entries)
+
+
+def test_planner_counts_the_schema(ckpts):
+    """Per-rank bytes from the written checkpoint's headers, from its tensor specs and from the
+    config alone (the schema's formats) agree."""
+    for name in ("tiny-v41", "tiny-v4"):
+        cfg, ck = _open(ckpts[name])
+        specs = T.tensor_specs(json.loads((ckpts[name] / "config.json").read_text()))
+        for n in (1, 2):
+            got = [[(r.device, r.host, r.tensors) for r in mp.weight_bytes(cfg, src, n)] for src in (ck, specs, None)]
+            assert got[0] == got[1] == got[2], (name, n)
+
+
+def test_every_place_is_filled(ckpts):
+    """Each place of the schema exists in the loaded structure (a wrong place raises in _put)."""
+    cfg, ck = _open(ckpts["tiny-v4"])
+    w = loader.load_weights(cfg, ck, NumpyOps(), ShardPlan.make(cfg))
+    for e in schema.tensor_schema(cfg):
+        if e.place is None or e.part is not None:
+            continue
+        obj = w
+        for seg in e.place.split("."):
+            obj = obj[int(seg)] if seg.isdigit() else getattr(obj, seg)
+        assert obj is not None, e.place
+
+
+def test_shard_windows_cover_each_tensor():
+    """Over the ranks of a plan, a split tensor's slices add up to it (out groups: shared by the
+    ranks inside one), a replicated one is whole everywhere."""
+    cfg, _ = _open(DEMO_V41)
+    for n, split in [(2, "ep"), (4, "width"), (8, "ep")]:
+        plans = [ShardPlan.make(cfg, r, n, split) for r in range(n)]
+        for e in schema.tensor_schema(cfg):
+            wins = [e.shard.window(cfg, p) for p in plans]
+            if e.shard.replicated:
+                assert wins == [(None, None)] * n, e.name
+                continue
+            area = 0
+            for win in wins:
+                if win is None:
+                    continue
+                rows, cols = win
+                r = (rows or (0, e.shape[0]))
+                c = (cols or (0, e.shape[1])) if len(e.shape) > 1 else (0, 1)
+                area += (r[1] - r[0]) * (c[1] - c[0])
+            whole = e.shape[0] * (e.shape[1] if len(e.shape) > 1 else 1)
+            if "out_groups" in (e.shard.rows, e.shard.cols) and n > cfg.o_groups:
+                assert area >= whole, e.name
+            else:
+                assert area == whole, (e.name, n, split)
+
+
+# ---------------------------------------------------------------------------------------------
+# A checkpoint that disagrees with the schema
+
+
+def _edited(src: Path, dst: Path, edit) -> Path:
+    ck = Checkpoint(src)
+    tensors = {n: (ck.raw(n).dtype, np.asarray(ck.raw(n).array)) for n in ck.names()}
+    edit(tensors)
+    dst.mkdir()
+    write_safetensors(dst / "model.safetensors", tensors)
+    shutil.copy(src / "config.json", dst / "config.json")
+    return dst
+
+
+def _fails(d: Path, *needles: str) -> None:
+    cfg, ck = _open(d)
+    for call in (lambda: loader.load_weights(cfg, ck, NumpyOps(), ShardPlan.make(cfg)),
+                 lambda: schema.validate(cfg, ck), lambda: mp.weight_bytes(cfg, ck, 2)):
+        with pytest.raises(schema.SchemaError) as e:
+            call()
+        for s in needles:
+            assert s in str(e.value), (s, str(e.value))
+
+
+def test_missing_tensor_is_named(ckpts, tmp_path):
+    name = "layers.1.attn.wq_b.weight"
+
+    def drop(t):
+        del t[name], t["layers.1.attn.wq_b.scale"]
+
+    _fails(_edited(ckpts["tiny-v41"], tmp_path / "m", drop), name, "lacks", "fp8 [256, 64]")
+
+
+def test_wrong_shape_is_named(ckpts, tmp_path):
+    name = "layers.2.ffn.gate.weight"
+
+    def narrow(t):
+        t[name] = (t[name][0], t[name][1][:, :96])
+
+    _fails(_edited(ckpts["tiny-v41"], tmp_path / "s", narrow), name, "shape [4, 96]", "[4, 128]")
+
+
+def test_wrong_format_is_named(ckpts, tmp_path):
+    name = "layers.0.attn_norm.weight"
+
+    def fp8(t):
+        t[name] = ("F8_E4M3", np.zeros(t[name][1].shape, np.uint8))
+
+    _fails(_edited(ckpts["tiny-v41"], tmp_path / "f", fp8), name, "stored as F8_E4M3", "BF16/F16/F32/F64")
+    ids = "layers.0.ffn.gate.tid2eid"
+
+    def floats(t):
+        t[ids] = ("F32", t[ids][1].astype(np.float32))
+
+    _fails(_edited(ckpts["tiny-v4"], tmp_path / "i", floats), ids, "stored as F32", "I64")
+
+
+def test_optional_gate_bias_may_be_absent(ckpts, tmp_path):
+    name = "layers.0.ffn.gate.bias"
+    d = _edited(ckpts["tiny-v41"], tmp_path / "b", lambda t: t.pop(name))
+    cfg, ck = _open(d)
+    old, new = _load_both(cfg, ck, ShardPlan.make(cfg))
+    assert new.layers[0].ffn.gate_bias is None
+    _compare(old, new)
