@@ -212,7 +212,7 @@ def test_engine_load_with_gpus_checks_memory_first(monkeypatch):
     class Reached(Exception):
         pass
 
-    def sharded(cfg, ckpt, devices, tok, expert_split, make_ops=None):  # stop where the GPUs would be touched (none in CI)
+    def sharded(cfg, ckpt, devices, tok, expert_split, make_ops=None):  # stop before touching GPUs (none in CI)
         raise Reached(devices, expert_split)
 
     monkeypatch.setattr(engine.parallel.gpu, "GpuTP", sharded)
