@@ -26,9 +26,10 @@ from pathlib import Path
 import numpy as np
 
 from engine.checkpoint import formats
-from engine.checkpoint.reader import SAFETENSORS_DTYPES, ShardWriter, scale_name
+from engine.checkpoint.reader import SAFETENSORS_DTYPES, scale_name
 from engine.checkpoint.schema import stored_tensors as schema_stored_tensors
 from engine.checkpoint.schema import tensor_schema
+from engine.checkpoint.writer import ShardWriter
 from engine.model.config import parse_config
 from engine.model.engram import compressed_token_map, layer_primes
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.checkpoint.reader import Checkpoint, write_safetensors
+from engine.checkpoint.reader import Checkpoint
+from engine.checkpoint.writer import write_safetensors
 from engine.model.config import load_config
 from engine.ops.numpy_ops import NumpyOps
 from engine.runtime.runner import ModelRunner as Model

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from engine.checkpoint import formats as F
-from engine.checkpoint.reader import Checkpoint, CheckpointError, canonical_name, write_safetensors
+from engine.checkpoint.reader import Checkpoint, CheckpointError, canonical_name
+from engine.checkpoint.writer import write_safetensors
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO_V41 = REPO / "models" / "demo-v41"

@@ -14,7 +14,8 @@ import pytest
 
 from engine.checkpoint import loader, schema
 from engine.checkpoint import tiny_model as T
-from engine.checkpoint.reader import Checkpoint, write_safetensors
+from engine.checkpoint.reader import Checkpoint
+from engine.checkpoint.writer import write_safetensors
 from engine.model.config import load_config
 from engine.ops.numpy_ops import NumpyOps
 from engine.parallel.shard import ShardPlan
