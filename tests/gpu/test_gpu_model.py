@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import pytest
 from gpu_required import require_gpu
 
 cp = require_gpu()
@@ -96,13 +95,12 @@ def test_step_sample_draws_from_the_models_logits():
             assert abs(g[1] - w[1]) < LP_TOL and [t for t, _ in g[2]] == [t for t, _ in w[2]]
 
 
-def test_next_step_planned_ahead_on_the_gpu(monkeypatch):
-    """DSUF_PREPARE_NEXT: decode steps that take the plan and the tables packed while the device ran
-    the step before (Model.prepare_next, CupyOps.prestage; the grown buffers' copies enqueued then)
-    draw the same greedy tokens and leave the same states, byte for byte, as steps planned in turn;
-    through window-block growth, a sequence leaving and one joining with a prompt."""
+def test_next_step_planned_ahead_on_the_gpu():
+    """Decode steps that take the plan and the tables packed while the device ran the step before
+    (Model.prepare_next, CupyOps.prestage; the grown buffers' copies enqueued then) draw the same
+    greedy tokens and leave the same states, byte for byte, as steps planned in turn; through
+    window-block growth, a sequence leaving and one joining with a prompt."""
     from engine.bench import GREEDY
-    from engine.ops.gpu import ops as cupy_ops
     from engine.runtime.sampling import SampleJob
 
     tok = Tokenizer.from_dir(DEMO)
@@ -110,8 +108,9 @@ def test_next_step_planned_ahead_on_the_gpu(monkeypatch):
     script = [["a", "b"]] * 75 + [["a"]] * 3 + [["a", "c"]] * 20
     runs = []
     for ahead in (False, True):
-        monkeypatch.setattr(cupy_ops, "PREPARE_NEXT", ahead)
-        model = _model(CupyOps())
+        ops = CupyOps()
+        ops.prepare_next = ahead  # (the model plans ahead where its ops say so)
+        model = _model(ops)
         states, last, toks = {}, {}, []
         rng = np.random.default_rng(0)
         for step in script:
@@ -272,28 +271,12 @@ def test_cuda_graphs_replay_equals_eager():
     assert eager[1] == graphed[1]
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["", "fused"])
-def test_flash_shaped_4_layers_logits(tmp_path, monkeypatch, fused):
+def test_flash_shaped_4_layers_logits(tmp_path):
     """Full V4.1-Flash widths (hidden 5120, 64 x 512 heads, q_lora 1280, 8 output groups, expert
     width 2304, index 32 x 128, window 128), 4 layers, 8 experts (not 384: the numpy reference
     dequantizes every expert to float32), small vocab: GPU vs numpy logits over a 24-token
-    prefill and 6 decode steps. Unrounded state: summation order only; FP8/FP4 state: loose.
-    fused: the opt-in fusions DSUF_FUSED_EXPAND (stream updates with the next site's collapse + norm
-    in one kernel), DSUF_ROUTE_GROUP (routing and grouping in one), DSUF_FUSED_SCATTER (state rows
-    scattered together), DSUF_ATT_DEROPE (the attention output's RoPE undone in its kernel) and
-    DSUF_ENGRAM_EARLY (the Engram layer's rows projected from the step's start, on a stream of their
-    own), DSUF_FUSED_ACT (the experts' SwiGLU applied by their down projection) and DSUF_XPROJ_EARLY
-    (a compressing layer's x projections on a stream of their own)."""
+    prefill and 6 decode steps. Unrounded state: summation order only; FP8/FP4 state: loose."""
     from engine.checkpoint.tiny_model import PRESETS, write_tiny_model
-    from engine.ops.gpu import ops as cupy_ops
-
-    monkeypatch.setattr(cupy_ops, "FUSED_EXPAND", fused)
-    monkeypatch.setattr(cupy_ops, "ROUTE_GROUP", fused)
-    monkeypatch.setattr(cupy_ops, "FUSED_SCATTER", fused)
-    monkeypatch.setattr(cupy_ops, "ATT_DEROPE", fused)
-    monkeypatch.setattr(cupy_ops, "ENGRAM_EARLY", fused)
-    monkeypatch.setattr(cupy_ops, "FUSED_ACT", fused)
-    monkeypatch.setattr(cupy_ops, "XPROJ_EARLY", fused)
 
     sizes = {k: v for k, v in PRESETS["v41-flash-shaped"].items() if k != "arch"}
     sizes.update(layers=4, experts=8, vocab=4096, engram_vocab=1024)
@@ -314,7 +297,7 @@ def test_flash_shaped_4_layers_logits(tmp_path, monkeypatch, fused):
                 break
             nxt = int(np.argmax(logits[0]))
             logits = [m.forward([s], [[nxt]])[0] for m, s in zip(models, states, strict=True)]
-        print(f"flash-shaped 4 layers{', fused' if fused else ''}, "
+        print("flash-shaped 4 layers, "
               f"{'FP8/FP4' if quantized else 'unrounded'} state: logit errors "
               + " ".join(f"{e:.1e}" for e in errs))
         assert np.median(errs) < tol

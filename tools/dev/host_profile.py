@@ -9,7 +9,7 @@ On the numpy backend (CKPT: a narrow checkpoint with the layer structure of inte
 replay: the plan (engine/state/decode_plan.py plan_decode), the Engram hashes with the look-back update,
 the step's inputs (RoPE tables), the packing of its tables (cupy_staging.pack, with the numpy
 buffers' host addresses), the graph key (StepInputs.signature) and the draw's job table; then
-DSUF_PREPARE_NEXT's two parts: planning the step ahead (Model.prepare_next, which a GPU overlaps
+the two parts of planning ahead: planning the step ahead (Model.prepare_next, which a GPU overlaps
 with the step before) and taking that plan at the step (Model._take_next, serial). The GPU
 machine's own split of a served step is `tools/dev/gpu_profile.py host`.
 """

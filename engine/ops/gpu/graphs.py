@@ -219,8 +219,7 @@ class RegionGraphs:
 
     def release(self) -> None:
         """Drop every captured graph and free the memory they kept (their outputs are invalid
-        from now on), e.g. after switching a backend path (engine/bench.py --variants). Each region
-        runs eagerly once more before its next capture (a new path may fill caches then)."""
+        from now on). Each region runs eagerly once more before its next capture."""
         self._seen.clear()
         self._graphs.clear()
         self._owned.clear()

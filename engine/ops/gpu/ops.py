@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-import threading
 from dataclasses import dataclass
 
 import cupy as cp
@@ -52,210 +51,41 @@ GEMM_TILE = 64
 GEMVX_RPW = {FMT_F32: 4, FMT_BF16: 4, FMT_FP8: 2, FMT_FP4: 2}  # (kernels/linear.cu DEF_GEMVX)
 GEMVX_PC = {FMT_F32: 2, FMT_BF16: 2, FMT_FP8: 2, FMT_FP4: 2}
 GEMVX_MAX_SMEM, GEMVX_WARPS_TARGET = 200 << 10, 2048
-GEMVX_PREFETCH_BYTES = 32 << 20  # a captured gemvx prefetches up to this much weight into L2 (H200: 50 MB)
+GEMVX_PREFETCH_BYTES = 32 << 20  # a captured gemvx prefetches up to this much weight into L2
 GEMV_WARPS_TARGET = 132 * 32  # enough independent loads in flight to saturate an H200's HBM
 TC_MAX_ROWS = 32  # FP8 / FP4 segments of up to this many rows: tensor-core GEMV (gemv_tc.cu)
 # its configuration (kernels/gemv_tc.cu TC_W, TC_S, TC_R): blocks of 8 warps, each streaming its
 # tile through a 4-stage ring of 16 rows x 128 bytes, each stage followed by its scales (128 bytes)
 TC_WARPS, TC_SMEM, TC_STAGE_BYTES = 8, 8 * 4 * (2048 + 128), 128
 TC_WARPS_TARGET = 132 * 24  # what the H200 holds resident (3 blocks of 8 warps per SM)
-# Fewest rows per segment for which the tensor-core GEMV beats the CUDA-core GEMV, per format
-# (H200, CUDA graphs, weights rotated past L2): one row of either streams faster through gemvx
-# (FP8 wq_b 19.1 vs 29.9 us; FP4 six experts' gate + up 40 vs 64).
+# Fewest rows per segment for which the tensor-core GEMV beats the one-row GEMVs (gemvx, gemvr)
 TC_MIN_ROWS = {FMT_FP8: 2, FMT_FP4: 2}
-# One row of FP8 / FP4: the register-fed tensor-core GEMV (kernels/gemv_tc.cu gemvr_*), GEMVR_U units
-# of 128 k in flight per lane. It issues about a fifth of gemvx's instructions per weight byte, yet
-# neither reaches half of HBM bandwidth at one row: a launch costs ~3.5 us however small (H200, in a
-# graph), and even an L2-resident weight streams at ~1.5-3 TB/s. Measured in a flash-shaped decode
-# step (H200, graphs, us, gemvx -> gemvr): wins wq_b 20.9 -> 17.2, wo_a 17.5 -> 16.3, shared w1 + w3
-# 15.2 -> 13.2, wo_b 19.2 -> 18.8; loses shared w2 8.1 -> 9.5, the indexer's wq_b 6.4 -> 7.3, Engram's
-# wkv (K 6144) 46.8 -> 54.3. FP4 (the routed experts) runs the pipelined U = 8 kernel: six experts at
-# one token 84.5 (gemvx) -> 75.5 us. So by default: every FP4 launch, and FP8 launches of >=
-# GEMVR_MIN_BYTES of weight with K <= GEMVR_MAX_K. DSUF_GEMVR=0: never; =all: every eligible launch.
-GEMVR = os.environ.get("DSUF_GEMVR", "1")
-
-
-# Parsers of the switches' values (the import below and set_flags read them alike).
-def _opt_in(v: str) -> bool:
-    return v == "1"
-
-
-def _default_on(v: str) -> bool:
-    return v != "0"
-
-
-def _on(name: str) -> bool:
-    return _default_on(os.environ.get(name, "1"))
-
-
-def _gemvr_fp4_name(v: str) -> str:
-    if v not in GEMVR_FP4_KERNELS:
-        raise ValueError(f"DSUF_GEMVR_FP4 must be one of {sorted(GEMVR_FP4_KERNELS)}, not {v!r}")
-    return v
-
-
-def _att_min_split(v: str) -> int:
-    if int(v) < 16 or int(v) % 16:
-        raise ValueError(f"DSUF_ATT_MIN_SPLIT must be a positive multiple of 16, not {v}")
-    return int(v)
-
-
-# Paths on by default since their GPU tests passed on an H200 (stop 24); each environment variable
-# set to 0 falls back to the older path, kept for A/B timing (test_gpu_ops.py forces both ways).
-# norm_rope_quant as one kernel, or as its chain of rmsnorm / rope / fake_quant launches.
-FUSED_NORM_ROPE = _on("DSUF_FUSED_NORM_ROPE")
-# A captured step's independent chains on a second stream (CupyOps.side), or inline: =0 gives the
-# timeline each kernel's own time, without its neighbours on the other stream competing for SMs.
-SIDE_BRANCHES = _on("DSUF_SIDE")
-# Opt-in, not yet measured (DSUF_SHARED_LATE=1): fork the shared expert's side branch after the
-# routing instead of before it (Model._moe). In the stop-27 b1 timeline, route_topk (one block) ran
-# beside the shared expert's gate + up GEMV for its whole 10 us and ended just after it: that GEMV's
-# resident blocks fill every SM, so the routed chain (the longest) waited for the side branch.
-SHARED_LATE = os.environ.get("DSUF_SHARED_LATE", "0") == "1"
-# Opt-in, not yet measured (DSUF_MIXES_LATE=1): fork a V4.1 mHC site's mixes after its collapse +
-# norm (Model._site_in). In the same timeline hc_collapse_norm (one block) took 6-10 us beside
-# hc_mix and the next GEMV's early-launched blocks, on the critical path at both sites of a layer.
-MIXES_LATE = os.environ.get("DSUF_MIXES_LATE", "0") == "1"
-# Opt-in, not yet measured (DSUF_SIDE_BLOCKS_PER_SM=N): a captured side branch's GEMVs (gemvx,
-# gemvr: grids sized to what the SMs hold) keep to N resident blocks per SM, leaving room beside
-# them for the critical path's one-block kernels (route_topk, moe_group, collapse + norm), which
-# otherwise wait for SMs the side GEMV fills. 0: no cap.
-SIDE_BLOCKS_PER_SM = int(os.environ.get("DSUF_SIDE_BLOCKS_PER_SM", "0"))
-_side_cap = threading.local()  # .blocks: the cap while a side branch is being enqueued
-# Opt-in, not yet measured (DSUF_TIGHT_BLOCKS=1): route_topk and moe_group launched with the warps a
-# decode step needs (1 token: one warp; 6 pairs: one warp) instead of 256 / 1024 threads, so that
-# they fit beside a side branch's resident GEMV blocks instead of waiting for an SM to empty.
-TIGHT_BLOCKS = os.environ.get("DSUF_TIGHT_BLOCKS", "0") == "1"
-# Opt-in, not yet measured (DSUF_FUSED_EXPAND=1): V4.1's stream update and the next site's collapse +
-# norm as one kernel (kernels/elementwise.cu hc_expand_norm: single-pass mHC knows the next collapse
-# weights before the update), and the shared expert's output summed inside the MoE combine. A b1
-# layer's critical path loses 3 launches (the 2 collapses and the add), ~11 us in the stop-27 timeline.
-FUSED_EXPAND = os.environ.get("DSUF_FUSED_EXPAND", "0") == "1"
-# Opt-in, not yet measured (DSUF_ROUTE_GROUP=1): a decode step's routing and the grouping of its
-# pairs by expert in one launch (kernels/moe.cu route_group), where route() is given the layer's
-# experts and moe() then gets the ids it returned: one launch and one boundary fewer per MoE layer
-# (route_topk 9-10 us, then moe_group ~4 us, in the stop-27 b1 timeline).
-ROUTE_GROUP = os.environ.get("DSUF_ROUTE_GROUP", "0") == "1"
-# Opt-in, not yet measured (DSUF_FUSED_SCATTER=1): a decode step's state-row scatters that are ready
-# together (the window's, pending kv and gate rows; entries and keys) as one launch each group
-# (kernels/elementwise.cu scatter_rows3): up to three launches fewer per compressing layer.
-FUSED_SCATTER = os.environ.get("DSUF_FUSED_SCATTER", "0") == "1"
-# Opt-in, not yet measured (DSUF_ATT_DEROPE=1): a decode step's attention output leaves the kernel
-# with RoPE undone (attention_decode / attention_combine, from the rows' tables), instead of a rope
-# launch between the attention and the output projection.
-ATT_DEROPE = os.environ.get("DSUF_ATT_DEROPE", "0") == "1"
-# Opt-in, not yet measured (DSUF_ENGRAM_EARLY=1): a decode step's Engram rows (a gather and a 157 MB
-# GEMV at flash width, a function of the hash ids alone: 49 us on the critical path of its layer in
-# the stop-27 b1 timeline) forked at the step's start on a stream of their own, beside
-# the layers before it, and joined at its layer's gate (side lane 1).
-ENGRAM_EARLY = os.environ.get("DSUF_ENGRAM_EARLY", "0") == "1"
-# Opt-in, not yet measured (DSUF_FUSED_ACT=1): the routed experts' down projection at one row per
-# pair (gemvr FP4) reads the fused gate / up output and applies the SwiGLU as it stages x
-# (kernels/gemv_tc.cu gemvr_*_act), instead of a swiglu_pairs launch between the two GEMVs.
-FUSED_ACT = os.environ.get("DSUF_FUSED_ACT", "0") == "1"
-# Opt-in, not yet measured (DSUF_PREPARE_NEXT=1): while the device runs a decode step, the host
-# plans the next one for the same sequences and packs its tables (Model.prepare_next), ahead of the
-# draw's read-back: a served b1 step spent ~270 of its ~470 us of host work on them (stop 27).
-PREPARE_NEXT = os.environ.get("DSUF_PREPARE_NEXT", "0") == "1"
-# Opt-in, not yet measured (DSUF_XPROJ_EARLY=1): a V4.1 compressing layer's compressor and indexer
-# projections of the site's input (L.x_proj: BF16, ~10 MB at flash width, on the critical path
-# between the K=V norm and the state scatters) forked onto a side stream of their own (lane 2)
-# beside the q / K=V projections (Model._layer_in).
-XPROJ_EARLY = os.environ.get("DSUF_XPROJ_EARLY", "0") == "1"
-EN_HC = 4  # (kernels/elementwise.cu EN_HC: V4.1's hc_mult; more streams take the two launches)
-# The indexer's scores with lanes over heads (kernels/attention.cu indexer_row<true>: one warp
-# reduction per key, not one per head).
-INDEXER_LANES = _on("DSUF_INDEXER_LANES")
-# Decode attention reads a masked source through each row's list of visible rows (kernels/attention.cu
-# mask_rows) where that bounds its keys far below the entries' count (a long context).
-ATTEND_ROWS = _on("DSUF_ATTEND_ROWS")
-# A prompt chunk's attention as one decode-kernel query per row (its window's range, then its
-# selected entries; through row lists with ATTEND_ROWS) instead of the dense kernel over every key
-# under a [S, keys] bias: 708 -> 356 ms for a 4096-token chunk after 32768 (flash-shaped, 2 layers).
-SPARSE_PREFILL = _on("DSUF_SPARSE_PREFILL")
-# A prompt chunk's indexer scores on tensor cores (kernels/attention.cu indexer_scores_tc*) for
-# launches of at least ITC_MIN_QUERIES queries: 137 -> 4.4 ms for a 4096-token chunk after 32768.
-INDEXER_TC = _on("DSUF_INDEXER_TC")
-ITC_ROWS, ITC_MIN_QUERIES = 128, 16  # (query, head) rows per block (ITC_ROWS in the kernel)
-# A prompt chunk's sparse attention on tensor cores (attn_tc_*, three passes through an [n, H, L]
-# score buffer, n <= ATC_QUERIES queries at a time) instead of one decode-kernel query per row:
-# 66 -> 8 ms for the chunk above.
-ATTEND_TC = _on("DSUF_ATTEND_TC")
-ATC_QUERIES = K.ATTEND_TC_QUERIES
-# Prompt chunks' FP8 / FP4 GEMMs on the tensor-core GEMV's arithmetic (kernels/gemv_tc.cu gemm_tc_*:
-# weights decoded to f16 by cvt, x as two scaled f16 terms, 128 x 64 tiles and their scales through a
-# cp.async ring) instead of gemm (three bf16 terms of x, per-element dequantization on CUDA cores):
-# 4096 rows of wo_b 4.60 -> 3.39 ms, of an expert's w1 1.35 -> 1.01 ms; 65536-token prefill 2.64 ->
-# 2.20 s (flash-shaped, 2 layers, H200). gemm keeps BF16 / f32 weights and what gemm_tc cannot read.
-GEMM_TC = _on("DSUF_GEMM_TC")
-GEMM_TC_SMEM, GEMM_TC_TILE_N = 96000, 128  # (kernels/gemv_tc.cu GT_SMEM, GT_BN)
+# One row of FP8 / FP4: the register-fed tensor-core GEMV (kernels/gemv_tc.cu gemvr_*), GEMVR_U units of
+# 128 k in flight per lane. It issues about a fifth of gemvx's instructions per weight byte but, like
+# any launch, has a fixed cost however small the weight: it runs every FP4 launch, and FP8 launches of
+# >= GEMVR_MIN_BYTES of weight with K <= GEMVR_MAX_K (smaller or wider FP8 weights stream faster
+# through gemvx).
 GEMVR_MIN_BYTES, GEMVR_MAX_K = 16 << 20, 5120
 GEMVR_U = {FMT_FP8: 2, FMT_FP4: 8}
-# The FP4 gemvr to use (opt-in variants, not yet measured on a GPU; kernels/gemv_tc.cu DEF_GR4):
-# "u6": 6 units in flight, which fit the 128 registers that 2 blocks per SM allow (gemvr_fp4's 8
-# spill ~100 bytes a thread); "e4" / "e4u6": nibbles decoded to e4m3 bytes for the e4m3 MMA (about
-# a third fewer instructions per weight; x as four e4m3 terms). Name -> (kernel, units in flight,
-# x staged as e4m3 terms).
-GEMVR_FP4_KERNELS = {"": ("gemvr_fp4", 8, False), "u6": ("gemvr_fp4_u6", 6, False), "e4": ("gemvr_fp4e4", 8, True),
-                     "e4u6": ("gemvr_fp4e4_u6", 6, True)}
-GEMVR_FP4 = _gemvr_fp4_name(os.environ.get("DSUF_GEMVR_FP4", ""))
 GEMVR_BLOCKS_PER_SM = {FMT_FP8: 3, FMT_FP4: 2}  # what each kernel's registers allow (DEF_GR's MINB)
+# The indexer's scores on tensor cores (kernels/attention.cu indexer_scores_tc*) for launches of at
+# least ITC_MIN_QUERIES queries (fewer do not fill its tiles: the CUDA-core kernel).
+ITC_ROWS, ITC_MIN_QUERIES = 128, 16  # (query, head) rows per block (ITC_ROWS in the kernel)
+# A prompt chunk's sparse attention on tensor cores (attn_tc_*, three passes through an [n, H, L]
+# score buffer, n <= ATC_QUERIES queries at a time).
+ATC_QUERIES = K.ATTEND_TC_QUERIES
+GEMM_TC_SMEM, GEMM_TC_TILE_N = 96000, 128  # (kernels/gemv_tc.cu GT_SMEM, GT_BN)
 _ELT_BLOCK = 256
-# decode attention: split the keys until about this many blocks run, each split >= this many keys
-# (DSUF_ATT_MIN_SPLIT, a multiple of the kernel's 16-key tile, for measuring: at a short context a
-# b1 layer's attention is ~2 splits of 4 tiles, each tile's loads a round trip, ~13 us)
-ATT_BLOCKS_TARGET, ATT_MIN_SPLIT = 132 * 2, _att_min_split(os.environ.get("DSUF_ATT_MIN_SPLIT", "64"))
+# decode attention: split the keys until about this many blocks run, each split >= this many keys (a
+# multiple of the kernel's 16-key tile: each tile's loads are a round trip)
+ATT_BLOCKS_TARGET, ATT_MIN_SPLIT = 132 * 2, 64
 _NULL = np.uint64(0)  # a null pointer kernel argument
-
-
-def _switch_view(attr: str, doc: str) -> property:
-    """A read-only CupyOps attribute showing the module switch `attr` as it is now."""
-    return property(lambda self: globals()[attr], doc=f"{doc} ({attr})")
-
-
-# The switches above by environment variable: (module attribute, parser of the variable's value).
-# set_flags uses it to switch paths inside a running process (`dsuf.py bench --variants`);
-# tests/test_backend_flags.py checks it against the variables this module reads at import.
-SWITCHES = {
-    "DSUF_GEMVR": ("GEMVR", str), "DSUF_GEMVR_FP4": ("GEMVR_FP4", _gemvr_fp4_name),
-    "DSUF_ATT_MIN_SPLIT": ("ATT_MIN_SPLIT", _att_min_split), "DSUF_SIDE_BLOCKS_PER_SM": ("SIDE_BLOCKS_PER_SM", int),
-    **{f"DSUF_{name}": (name, _default_on) for name in (
-        "FUSED_NORM_ROPE", "INDEXER_LANES", "ATTEND_ROWS", "SPARSE_PREFILL", "INDEXER_TC", "ATTEND_TC", "GEMM_TC")},
-    "DSUF_SIDE": ("SIDE_BRANCHES", _default_on),
-    **{f"DSUF_{name}": (name, _opt_in) for name in (
-        "SHARED_LATE", "MIXES_LATE", "TIGHT_BLOCKS", "MOE_DEVICE_LARGE", "FUSED_EXPAND", "ROUTE_GROUP",
-        "FUSED_SCATTER", "ATT_DEROPE", "ENGRAM_EARLY", "FUSED_ACT", "XPROJ_EARLY", "PREPARE_NEXT")},
-}
-
-
-def set_flags(settings: dict[str, str]) -> dict[str, object]:
-    """Set switches (SWITCHES) in a running process as their environment variables would at
-    import: {"DSUF_FUSED_EXPAND": "1", ...}. Returns the attributes' previous values (undo with
-    globals().update: restore_flags). A graph captured before keeps the paths it was captured
-    with: a caller replays none of them after a change (bench clears its graphs)."""
-    new = {}
-    for env, value in settings.items():
-        if env not in SWITCHES:
-            raise ValueError(f"{env} is not a switch of the GPU backend (one of {sorted(SWITCHES)})")
-        attr, parse = SWITCHES[env]
-        new[attr] = parse(value)
-    old = {attr: globals()[attr] for attr in new}
-    globals().update(new)
-    return old
-
-
-def restore_flags(old: dict[str, object]) -> None:
-    """Undo set_flags (its return value)."""
-    globals().update(old)
 COPY_ROWS_MAX = 64 << 10  # copy_rows: larger copies (a state buffer's growth) go through cudaMemcpyAsync
 HC_COUNTERS = 1 << 16  # rows the fused mHC mix handles per launch (one int32 block counter each)
-MOE_DEVICE_MAX_PAIRS = 1024  # moe(): up to this many (token, expert) pairs are grouped on the device
+MOE_DEVICE_MAX_PAIRS = 1024  # moe(): up to this many (token, expert) pairs are grouped in GEMV-sized segments
 _MOE_GROUP_MAXP = 1024  # kernels/moe.cu MOE_GROUP_MAXP: moe_group runs one block, one thread a pair
-# Above that (prompt chunks) they are grouped on the device too (moe_group_large, a counting sort in
-# one block, up to MOE_GROUP_LARGE_MAXE experts) instead of copying the routing to the host: no
-# synchronization per MoE layer and chunk (H200, 65536-token prefill 2.156 -> 2.027 s).
-# DSUF_MOE_DEVICE_LARGE=0 falls back to the host's grouping.
-MOE_DEVICE_LARGE = os.environ.get("DSUF_MOE_DEVICE_LARGE", "1") == "1"
+# Above that (prompt chunks) moe_group_large groups them (a counting sort in one block, up to
+# MOE_GROUP_LARGE_MAXE experts), so a chunk's MoE never waits for the host.
 MOE_GROUP_LARGE_MAXE = 1024  # (kernels/moe.cu MOE_GROUP_LARGE_MAXE)
 
 
@@ -359,18 +189,14 @@ def _x_rows_aligned(a: cp.ndarray, segs) -> bool:
 
 
 def _blocks_per_sm(fn, smem: int) -> int:
-    """Blocks of 256 threads of `fn` with `smem` bytes of dynamic shared memory one SM holds (in a
-    side branch, at most DSUF_SIDE_BLOCKS_PER_SM of them)."""
-    n = max(1, min(65536 // (256 * max(fn.num_regs, 32)), (228 << 10) // (smem + 1024)))
-    cap = getattr(_side_cap, "blocks", 0)
-    return min(n, cap) if cap else n
+    """Blocks of 256 threads of `fn` with `smem` bytes of dynamic shared memory one SM holds."""
+    return max(1, min(65536 // (256 * max(fn.num_regs, 32)), (228 << 10) // (smem + 1024)))
 
 
 def _gemvx_split(groups: int, slices: int, pc: int) -> int:
     """Warps sharing one gemvx row group (1, 2, 4 or 8): split K while the launch has fewer than
     GEMVX_WARPS_TARGET warps and each warp keeps a whole pass of pc slices (a small GEMV is a chain
-    of load round trips, one per pass; at least two passes each measured 0.730 against 0.724 ms per
-    flash-shaped decode step, H200)."""
+    of load round trips, one per pass)."""
     kw = 1
     while kw < 8 and groups * kw < GEMVX_WARPS_TARGET and slices >= kw * pc:
         kw *= 2
@@ -383,34 +209,28 @@ def _x_cols_bytes(k: int) -> int:
     return 2 * ((288 * -(-k // 128) + 127) // 128 * 128 + 32)
 
 
-def _gemvr_smem(k: int, e4: bool = False) -> int:
-    """gemvr's shared memory: x's staged columns (e4: four e4m3 term planes of 128 bytes per group
-    + 16, stage_x_e4), its group scales, the tile reduction."""
-    ngx = -(-k // 128)
-    return (4 * (128 * ngx + 16) if e4 else _x_cols_bytes(k)) + 4 * ngx + 512
+def _gemvr_smem(k: int) -> int:
+    """gemvr's shared memory: x's staged columns, its group scales, the tile reduction."""
+    return _x_cols_bytes(k) + 4 * -(-k // 128) + 512
 
 
 def _gemvr_ok(a: cp.ndarray, w: GpuWeight, segs, nseg: int, rows: int) -> bool:
-    """gemvr: one row, a weight it can read (_gemvr_shape_ok), chosen by DSUF_GEMVR's rule (GEMVR
-    above), x read as float4 from each segment's start."""
-    if GEMVR == "0" or rows != 1:
+    """gemvr: one row, a weight it can read (_gemvr_shape_ok), chosen by the rule at GEMVR_MIN_BYTES,
+    x read as float4 from each segment's start."""
+    if rows != 1:
         return False
     n, k = w.shape
-    if GEMVR != "all" and w.fmt == FMT_FP8 and (n * k * nseg < GEMVR_MIN_BYTES or k > GEMVR_MAX_K):
+    if w.fmt == FMT_FP8 and (n * k * nseg < GEMVR_MIN_BYTES or k > GEMVR_MAX_K):
         return False
     return _gemvr_shape_ok(w) and _gemvr_smem(k) <= GEMVX_MAX_SMEM and _x_rows_aligned(a, segs)
 
 
-def _gemvr_config(fmt: int, n: int, k: int, nseg: int) -> tuple[str, int, bool]:
-    """gemvr's kernel, warps per 16-row tile (kw), for GEMVR_U units in flight per lane, and whether it
-    stages x as e4m3 terms (_gemvr_smem). FP8: warps split
-    K while the launch is short of TC_WARPS_TARGET and each keeps a whole pass of U units. FP4: only
-    while every warp of the launch stays resident at once (one round: a second, partial round cost
-    the experts more than fewer warps did)."""
-    if fmt == FMT_FP4:
-        name, u, e4 = GEMVR_FP4_KERNELS[GEMVR_FP4]
-    else:
-        name, u, e4 = f"gemvr_{_FMT_TAG[fmt]}", GEMVR_U[fmt], False
+def _gemvr_config(fmt: int, n: int, k: int, nseg: int) -> tuple[str, int]:
+    """gemvr's kernel and warps per 16-row tile (kw), for GEMVR_U units in flight per lane. FP8: warps
+    split K while the launch is short of TC_WARPS_TARGET and each keeps a whole pass of U units. FP4:
+    only while every warp of the launch stays resident at once (one round: a second, partial round
+    costs the experts more than fewer warps do)."""
+    name, u = f"gemvr_{_FMT_TAG[fmt]}", GEMVR_U[fmt]
     tiles, units = -(-n // 16), -(-k // 128)
     kw = 1
     if fmt == FMT_FP8:
@@ -420,7 +240,7 @@ def _gemvr_config(fmt: int, n: int, k: int, nseg: int) -> tuple[str, int, bool]:
         resident = _sm_count() * 8 * GEMVR_BLOCKS_PER_SM[fmt]
         while kw < 8 and tiles * nseg * 2 * kw <= resident and units >= 4 * kw * u:
             kw *= 2
-    return name, kw, e4
+    return name, kw
 
 
 def _gemvr_shape_ok(w: GpuWeight) -> bool:
@@ -475,11 +295,10 @@ def _span_ptr(sp: Span, width: int) -> int:
     return int(buf.data.ptr) + sp.start * width * 4
 
 
-def _indexer_tc_shape(s: int, h: int, dh: int, forced: bool = False) -> bool:
+def _indexer_tc_shape(s: int, h: int, dh: int) -> bool:
     """Whether the tensor-core indexer kernel takes this launch (kernels/attention.cu
-    indexer_tc_body's limits; and enough queries to fill its tiles, unless forced)."""
-    return (h % 32 == 0 and ITC_ROWS % h == 0 and dh % 16 == 0 and dh <= 128
-            and (forced or s >= ITC_MIN_QUERIES))
+    indexer_tc_body's limits; and enough queries to fill its tiles)."""
+    return h % 32 == 0 and ITC_ROWS % h == 0 and dh % 16 == 0 and dh <= 128 and s >= ITC_MIN_QUERIES
 
 
 def _indexer_tc_smem(dh: int, terms: int) -> int:
@@ -488,10 +307,9 @@ def _indexer_tc_smem(dh: int, terms: int) -> int:
     return terms * (ITC_ROWS + 64) * (dh + 8) * 2 + 8 * 32 * 4
 
 
-def _indexer_path(h: int, dh: int, lanes: bool | None) -> tuple[bool, int]:
-    """(lanes over heads?, dynamic shared memory bytes) of an indexer scores launch."""
-    lanes = INDEXER_LANES if lanes is None else lanes
-    return lanes, 4 * (h * (dh + 1) + h + 8 * dh if lanes else h * dh + h)
+def _indexer_smem(h: int, dh: int) -> int:
+    """Dynamic shared memory bytes of an indexer scores launch (kernels/attention.cu indexer_row)."""
+    return 4 * (h * (dh + 1) + h + 8 * dh)
 
 
 def _smem_function(mod: str, name: str, smem: int):
@@ -528,9 +346,7 @@ class CupyOps:
         self._no_scale = cp.zeros(1, F32)  # the scale argument of unscaled tables
         self._hc_count = cp.zeros(HC_COUNTERS, dtype=cp.int32)  # hc_mix's block counters (each resets its own)
         self._side_stream: cp.cuda.Stream | None = None  # side(): made on first use, on this device
-        self._lane_streams: dict[int, cp.cuda.Stream] = {}  # side()'s other lanes, likewise
         self._rows_of_mask: tuple | None = None  # (mask, k, its row lists): attend_decode's last
-        self._routed: tuple | None = None  # (ids, (E, step, dup), grouping): route_group's, for moe()
 
     # ---- weights ---------------------------------------------------------------------
     def prepare_rows(self, ws: list) -> GpuWeight:
@@ -644,16 +460,7 @@ class CupyOps:
         graph or step (so a region may return open side branches, joined later in that capture)."""
         return self.graphs.inline_now
 
-    # Model's scheduling hints (read with getattr; NumpyOps has none): views of the module's switches,
-    # so that set_flags changes them too.
-    shared_after_routing = _switch_view("SHARED_LATE", "Model._moe's fork point for the shared expert.")
-    mixes_after_collapse = _switch_view("MIXES_LATE", "Model._site_in's fork point for an mHC site's mixes.")
-    expand_norm_fused = _switch_view("FUSED_EXPAND", "Whether V4.1 stream updates also give the next site's input.")
-    engram_early = _switch_view("ENGRAM_EARLY", "Whether a decode step forks its Engram projections at its start.")
-    xproj_early = _switch_view("XPROJ_EARLY", "Whether a compressing layer forks its x projections beside q / K=V.")
-    prepare_next = _switch_view("PREPARE_NEXT", "Whether the next decode step is planned while the device runs one.")
-
-    def side(self, fn, *args, lane: int = 0) -> SideBranch:
+    def side(self, fn, *args) -> SideBranch:
         """fn(*args) enqueued on a second stream, forked from the current one here: it runs
         concurrently with what the caller enqueues next, until .result() joins it back. Inside a
         graph capture the fork and join become the graph's edges, so a decode step's independent
@@ -663,57 +470,39 @@ class CupyOps:
         Only while capturing: eagerly fn runs inline, because an eager branch may fill a cache
         (segment tables, pointer tables) or the pinned upload ring on its own stream, and the main
         stream could read that entry before the join. A capture runs after the region's eager
-        warm-up, with its caches full and uploads not staged through the ring.
-        lane: the side stream (0: the usual one; Model gives the branches that must not queue
-        behind it their own lanes: 1 an Engram layer's rows forked at the step's start,
-        DSUF_ENGRAM_EARLY; 2 a layer's x projections, DSUF_XPROJ_EARLY)."""
+        warm-up, with its caches full and uploads not staged through the ring."""
         main = cp.cuda.get_current_stream()
-        if not SIDE_BRANCHES or not main.is_capturing():
+        if not main.is_capturing():
             return SideBranch(fn(*args), None, ())
-        if lane == 0:
-            if self._side_stream is None:
-                self._side_stream = cp.cuda.Stream(non_blocking=True)
-            side = self._side_stream
-        else:
-            side = self._lane_streams.get(lane)
-            if side is None:
-                side = self._lane_streams[lane] = cp.cuda.Stream(non_blocking=True)
+        if self._side_stream is None:
+            self._side_stream = cp.cuda.Stream(non_blocking=True)
+        side = self._side_stream
         fork = cp.cuda.Event(disable_timing=True)
         fork.record(main)
         side.wait_event(fork)
         with side:
-            outer = getattr(_side_cap, "blocks", 0)
-            _side_cap.blocks = SIDE_BLOCKS_PER_SM
-            try:
-                out = fn(*args)
-            finally:
-                _side_cap.blocks = outer
+            out = fn(*args)
         done = cp.cuda.Event(disable_timing=True)
         done.record(side)
         return SideBranch(out, done, args)
 
     # ---- linear kernels ----------------------------------------------------------------
     def _run_linear(self, a: cp.ndarray, y: cp.ndarray, n: int, k: int, segs,
-                    wptrs: cp.ndarray, sptrs: cp.ndarray, w: GpuWeight, max_rows: int, lda: int | None = None,
-                    act: float | None = None) -> None:
+                    wptrs: cp.ndarray, sptrs: cp.ndarray, w: GpuWeight, max_rows: int, lda: int | None = None) -> None:
         """Launch the tensor-core GEMV (FP8 / FP4, 2 <= max_rows <= 32), the GEMV (max_rows <= 8) or
         a GEMM kernel (FP8 / FP4 on tensor cores: gemm_tc; else gemm) over a segment table (a list
         of (weight, row0, rows, a_col, y_col), or that table already on the device). lda = 0 (with
-        max_rows 1): every segment reads a's row 0. act: a's rows are fused gate / up outputs [gate
-        (k) | up (k)] and the input is their SwiGLU clamped at act: applied by gemvr FP4 as it stages
-        x, else by swiglu_pairs first."""
+        max_rows 1): every segment reads a's row 0."""
         tag = _FMT_TAG[w.fmt]
         seg = segs if isinstance(segs, cp.ndarray) else self._segs_device(segs)
         nseg = seg.size // 5
-        if act is not None and not (w.fmt == FMT_FP4 and lda is None and _gemvr_ok(a, w, segs, nseg, max_rows)):
-            a, act = self._swiglu_pairs(a, k, act), None
         if lda is not None and max_rows != 1:
             raise ValueError("_run_linear: a row stride override needs one-row segments")
         args = (a, np.int32(a.shape[1] if lda is None else lda), y, np.int32(y.shape[1]), np.int32(n), np.int32(k),
                 seg, wptrs, sptrs, np.int32(w.block[0]), np.int32(w.block[1]), np.int32(w.gk))
         # (the tensor-core GEMV reads x in 128-column groups: segments must start on one)
         if _gemvr_ok(a, w, segs, nseg, max_rows):
-            self._run_reg(args, n, k, seg, nseg, w, constant=not isinstance(segs, cp.ndarray), act=act)
+            self._run_reg(args, n, k, seg, nseg, w, constant=not isinstance(segs, cp.ndarray))
         elif (TC_MIN_ROWS.get(w.fmt, 99) <= max_rows <= TC_MAX_ROWS and _tc_ok(w, a.shape[1])
                 and (isinstance(segs, cp.ndarray) or all(s[3] % 128 == 0 for s in segs))):
             self._run_tc(a, y, n, k, seg, wptrs, sptrs, w, max_rows)
@@ -739,32 +528,28 @@ class CupyOps:
             kw = _gemv_split(n, k // _EPC[w.fmt], rpw, nseg)
             fn = K.function("linear", f"gemv_{tag}_m{mt}")
             fn((math.ceil(n / (rpw * 8 // kw)), nseg), (256,), (*args, np.int32(kw)))
-        elif GEMM_TC and _gemm_tc_ok(w, a.shape[1]) and (
-                isinstance(segs, cp.ndarray) or all(s[3] % 128 == 0 for s in segs)):
+        elif _gemm_tc_ok(w, a.shape[1]) and (isinstance(segs, cp.ndarray) or all(s[3] % 128 == 0 for s in segs)):
             xs, xinv = self._tc_split_x(a, w.fmt == FMT_FP4)  # (in place of x; gemm's other arguments)
             K.function_with_smem("gemv_tc", f"gemm_tc_{tag}", GEMM_TC_SMEM)(
                 (math.ceil(n / GEMM_TC_TILE_N), nseg), (256,), (xs, xinv, *args[1:]), shared_mem=GEMM_TC_SMEM)
-        else:
+        else:  # (BF16 / f32 weights, and block shapes or x columns gemm_tc cannot read)
             fn = K.function("linear", f"gemm_{tag}")
             fn((math.ceil(n / GEMM_TILE), nseg), (128,), args)
 
     @staticmethod
-    def _run_reg(args: tuple, n: int, k: int, seg: cp.ndarray, nseg: int, w: GpuWeight, constant: bool,
-                 act: float | None = None) -> None:
+    def _run_reg(args: tuple, n: int, k: int, seg: cp.ndarray, nseg: int, w: GpuWeight, constant: bool) -> None:
         """Register-fed tensor-core GEMV over one-row segments (configuration: _gemvr_config); blocks
         stride over the 16-row tiles. constant: the segment table is ours, so blocks may load weights
-        early (PDL). act (FP4): the SwiGLU of fused gate / up rows as x (the kernel's _act twin)."""
-        name, kw, e4 = _gemvr_config(w.fmt, n, k, nseg)
-        smem = _gemvr_smem(k, e4)
-        if act is not None:
-            name += "_act"
+        early (PDL)."""
+        name, kw = _gemvr_config(w.fmt, n, k, nseg)
+        smem = _gemvr_smem(k)
         fn = K.function_with_smem("gemv_tc", name, GEMVX_MAX_SMEM)
         tiles = -(-n // 16)
         per_sm = _blocks_per_sm(fn, smem)
         nbi = -(-tiles // (8 // kw))
         blocks = max(1, min(nbi, _sm_count() * per_sm // nseg))
-        K.launch(fn, (blocks, nseg), (256,), (*args, np.int32(kw), np.int32(1 if constant else 0),
-                                              F32(0.0 if act is None else act)), shared_mem=smem, pdl=True)
+        K.launch(fn, (blocks, nseg), (256,), (*args, np.int32(kw), np.int32(1 if constant else 0)),
+                 shared_mem=smem, pdl=True)
 
     def _run_tc(self, a: cp.ndarray, y: cp.ndarray, n: int, k: int, seg: cp.ndarray,
                 wptrs: cp.ndarray, sptrs: cp.ndarray, w: GpuWeight, max_rows: int) -> None:
@@ -803,14 +588,12 @@ class CupyOps:
     def _row_segments(rows: int, w_index: int = 0, row0: int = 0, a_col: int = 0, y_col: int = 0, fmt: int = -1
                       ) -> tuple[list[tuple[int, int, int, int, int]], int]:
         # BF16 / f32 weights (no tensor-core GEMV) up to TC_MAX_ROWS rows: 8-row GEMV segments in one
-        # launch, which stream the weight once per 8 rows yet beat the GEMM's tiles there 2x (H200:
-        # 2 layers' bf16 linears at 32 rows, 1.6 ms on the GEMM)
+        # launch, which stream the weight once per 8 rows yet beat the GEMM's tiles there
         small = rows <= GEMV_MAX_ROWS or (fmt in (FMT_BF16, FMT_F32) and rows <= TC_MAX_ROWS)
         step = GEMV_MAX_ROWS if small else GEMM_TILE
         if fmt == FMT_FP8 and GEMV_MAX_ROWS < rows <= TC_MAX_ROWS:
             # 17-32 FP8 rows as two 16-row tensor-core GEMV segments: reading each weight twice beats
-            # one 32-row pass, which re-reads x from L2 per 16-row tile (H200, graphs, L2 rotated:
-            # wq_b 103 -> 73 us, wo_b 120 -> 87, shared w1 54 -> 36)
+            # one 32-row pass, which re-reads x from L2 per 16-row tile
             step = 16
         segs = [(w_index, row0 + r, min(step, rows - r), a_col, y_col) for r in range(0, rows, step)]
         return segs, min(rows, step)
@@ -924,7 +707,7 @@ class CupyOps:
         return y
 
     def norm_rope_quant(self, x: cp.ndarray, cos: cp.ndarray, sin: cp.ndarray, norm: tuple | None = None,
-                        quant: int = codecs.F32, keep_normed: bool = False, fused: bool | None = None):
+                        quant: int = codecs.F32, keep_normed: bool = False):
         """NumpyOps.norm_rope_quant in one launch (kernels/quant.cu norm_rope_quant) where a row
         is 32..512 wide (a power of two) and RoPE starts on a float4 boundary; a 2-D x with a row
         stride (a column slice of a stacked projection) is read in place."""
@@ -932,9 +715,8 @@ class CupyOps:
             raise ValueError(f"unknown state codec {quant}")
         d, p = x.shape[-1], cos.shape[-1]
         tpr = d // 4
-        fused = FUSED_NORM_ROPE if fused is None else fused
-        if (not fused or x.size == 0 or d % 4 or not 8 <= tpr <= 128 or tpr & (tpr - 1) or d < 2 * p
-                or (d - 2 * p) % 4):
+        # (the kernel: rows of 32..512 floats, a power of two, RoPE from a float4 boundary)
+        if x.size == 0 or d % 4 or not 8 <= tpr <= 128 or tpr & (tpr - 1) or d < 2 * p or (d - 2 * p) % 4:
             return norm_rope_quant_chain(self, x, cos, sin, norm, quant, keep_normed)
         if not (x.ndim == 2 and x.dtype == F32 and x.strides[1] == 4 and x.strides[0] % 16 == 0
                 and x.data.ptr % 16 == 0):
@@ -1026,28 +808,10 @@ class CupyOps:
                 _c32(out), _c32(residual), _c32(post), _c32(comb), y, np.int64(y.size), np.int32(hc), np.int32(d)))
         return y
 
-    def hc_expand_norm(self, out: cp.ndarray, residual: cp.ndarray, post: cp.ndarray, comb: cp.ndarray,
-                       pre: cp.ndarray, weight: cp.ndarray | None, eps: float) -> tuple[cp.ndarray, cp.ndarray]:
-        """(hc_expand(out, residual, post, comb), its hc_collapse_norm by pre): one launch with
-        DSUF_FUSED_EXPAND, else those two."""
-        t, hc, d = residual.shape
-        if not FUSED_EXPAND or hc > EN_HC or d % 4:
-            y = self.hc_expand(out, residual, post, comb)
-            return y, self.hc_collapse_norm(y, pre, weight, eps)
-        y = cp.empty((t, hc, d), F32)
-        x = cp.empty((t, d), F32)
-        if t:
-            K.function("elementwise", "hc_expand_norm")((t,), (256,), (
-                _c32(out), _c32(residual), _c32(post), _c32(comb), _c32(pre),
-                _c32(weight) if weight is not None else _NULL, y, x, np.int32(hc), np.int32(d), F32(eps)))
-        return y, x
-
     # ---- MoE -------------------------------------------------------------------------
     def route(self, x: cp.ndarray, gate_w, bias: cp.ndarray | None, top_k: int, scoring: str,
-              temp: float, scale: float, normalise: bool, hash_ids=None,
-              experts: list | None = None) -> tuple[cp.ndarray, cp.ndarray]:
-        """Returns (weights [T, k] f32, expert ids [T, k] int64). experts: the layer's, so that with
-        DSUF_ROUTE_GROUP the same launch also groups the pairs as moe() of these ids will."""
+              temp: float, scale: float, normalise: bool, hash_ids=None) -> tuple[cp.ndarray, cp.ndarray]:
+        """Returns (weights [T, k] f32, expert ids [T, k] int64)."""
         logits = self.linear(x, gate_w)
         t, e = logits.shape
         if e > 512 or top_k > 16:
@@ -1056,19 +820,8 @@ class CupyOps:
         ids = cp.empty((t, top_k), cp.int64)
         hid = None if hash_ids is None else cp.ascontiguousarray(cp.asarray(hash_ids, dtype=cp.int64))
         sc = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}[scoring]
-        plan = self._group_plan(experts, t * top_k, t) if ROUTE_GROUP and experts is not None and t else None
-        if plan is not None:
-            (ms, step, dup), p = plan, t * top_k
-            segs, gather, inv, order = self._group_buffers(p, ms, dup)
-            threads = max(32 * min(8, t), -(-p // 32) * 32)
-            K.function("moe", "route_group")((1,), (threads,), (
-                _c32(logits), _c32(bias) if bias is not None else _NULL, hid if hid is not None else _NULL, w, ids,
-                np.int32(t), np.int32(e), np.int32(top_k), np.int32(sc), F32(temp), F32(scale),
-                np.int32(bool(normalise)), np.int32(step), np.int32(ms), np.int32(dup), order, inv, gather, segs))
-            self._routed = (ids, (len(experts), step, dup), (segs, gather, inv, order))
-        elif t:
-            wpb = min(8, t) if TIGHT_BLOCKS else 8  # warps (tokens) per block
-            K.function("moe", "route_topk")((math.ceil(t / wpb),), (32 * wpb,), (
+        if t:
+            K.function("moe", "route_topk")((math.ceil(t / 8),), (256,), (  # a warp per token, 8 a block
                 _c32(logits), _c32(bias) if bias is not None else _NULL, hid if hid is not None else _NULL, w, ids,
                 np.int32(t), np.int32(e), np.int32(top_k), np.int32(sc), F32(temp), F32(scale),
                 np.int32(bool(normalise))))
@@ -1138,16 +891,6 @@ class CupyOps:
         pairs gives ceil(c / step) <= (c + step - 1) / step, and at most min(E, p) experts have pairs."""
         return min(p, (p + min(n_experts, p) * (step - 1) + step - 1) // step)
 
-    def _group_plan(self, experts: list, p: int, t: int) -> tuple[int, int, int] | None:
-        """(maxseg, step, dup_col) of the device grouping moe() would run for p pairs of t tokens
-        over these experts (_moe_device), or None where it would not group on the device in one
-        block (moe_group)."""
-        tabs = self._expert_tables(experts)
-        if tabs is None or p > min(MOE_DEVICE_MAX_PAIRS, _MOE_GROUP_MAXP):
-            return None
-        step, dup = self._group_shape(tabs, p, t)
-        return self._moe_max_segments(p, len(experts), step), step, dup
-
     @staticmethod
     def _group_shape(tabs, p: int, t: int) -> tuple[int, int]:
         """(rows per segment, w3's y column or 0) of moe()'s device grouping of p pairs of t tokens:
@@ -1183,8 +926,7 @@ class CupyOps:
             smem = 32 * n_experts * 4  # (the warps' per-expert counts)
             K.function_with_smem("moe", "moe_group_large", smem)((1,), (1024,), args, shared_mem=smem)
         else:
-            threads = -(-p // 32) * 32 if TIGHT_BLOCKS else _MOE_GROUP_MAXP  # (a thread per pair, at least)
-            K.function("moe", "moe_group")((1,), (threads,), args)
+            K.function("moe", "moe_group")((1,), (_MOE_GROUP_MAXP,), args)
         return segs, gather, inv, order
 
     def _moe_device(self, x: cp.ndarray, tabs, n_experts: int, weights, ids, limit: float,
@@ -1192,14 +934,10 @@ class CupyOps:
         """moe() with the pairs grouped by a kernel: no host round trip, shapes fixed by (T, k, E).
         An expert gets at most one pair per token, so segments of min(8, T) rows (GEMV) split no run
         that the host path would keep whole; they bound the rows per segment even if ids repeat.
-        Above MOE_DEVICE_MAX_PAIRS pairs (DSUF_MOE_DEVICE_LARGE), segments of GEMM_TILE rows, as the
-        host path cuts an expert with more than 8 pairs (the tensor-core GEMM)."""
+        Above MOE_DEVICE_MAX_PAIRS pairs, segments of GEMM_TILE rows, as the host path cuts an expert
+        with more than 8 pairs (the tensor-core GEMM)."""
         step, dup = self._group_shape(tabs, ids.size, x.shape[0])
-        routed, self._routed = self._routed, None
-        if routed is not None and routed[0] is ids and routed[1] == (n_experts, step, dup):
-            segs, gather, inv, _ = routed[2]  # (grouped by route_group, in the routing's launch)
-        else:
-            segs, gather, inv, _ = self._moe_group(ids, n_experts, step, dup)
+        segs, gather, inv, _ = self._moe_group(ids, n_experts, step, dup)
         return self._moe_project(x, gather, tabs, segs, step, weights, inv, int(ids.shape[1]), limit,
                                  doubled=bool(dup), shared=shared)
 
@@ -1232,10 +970,7 @@ class CupyOps:
             # table and write columns inter.. of one [P, 2 * inter] output (x split once, twice the blocks)
             gu = cp.empty((p, 2 * inter), F32)
             self._run_linear(xp_rows, gu, inter, d, segs_gu, tabs[3][1], tabs[3][2], w1, max_rows, lda)
-            if FUSED_ACT:  # (the down projection applies the SwiGLU: gemvr, or swiglu_pairs first)
-                self._run_linear(gu, out, d, inter, segs, p2, s2, w2, max_rows, act=limit)
-            else:
-                self._run_linear(self._swiglu_pairs(gu, inter, limit), out, d, inter, segs, p2, s2, w2, max_rows)
+            self._run_linear(self._swiglu_pairs(gu, inter, limit), out, d, inter, segs, p2, s2, w2, max_rows)
         else:
             gate = cp.empty((p, inter), F32)
             up = cp.empty((p, inter), F32)
@@ -1243,30 +978,28 @@ class CupyOps:
             self._run_linear(xp_rows, up, inter, d, segs, p3, s3, w3, max_rows, lda)
             self._run_linear(self._swiglu(gate, up, limit), out, d, inter, segs, p2, s2, w2, max_rows)
         y = cp.empty_like(x)
-        fold = shared is not None and FUSED_EXPAND  # (else joined after the combine, then its own add)
         K.function("elementwise", "moe_combine")(_grid(y.size), (_ELT_BLOCK,), (
-            out, _c32(weights), inv, _c32(shared.result()) if fold else _NULL, y, np.int64(y.size), np.int32(k),
-            np.int32(d)))
-        return y + shared.result() if shared is not None and not fold else y
+            out, _c32(weights), inv, y, np.int64(y.size), np.int32(k), np.int32(d)))
+        return y + shared.result() if shared is not None else y
 
     def moe(self, x: cp.ndarray, experts: list, weights: cp.ndarray, ids: cp.ndarray, limit: float,
             shared=None) -> cp.ndarray:
         """Routed experts: sum_k weights[t,k] * expert_{ids[t,k]}(x_t), plus `shared` (a side branch:
-        the shared expert), joined only at the combine and summed inside it with DSUF_FUSED_EXPAND.
-        experts[e] = (w1, w2, w3).
+        the shared expert), joined only after the combine. experts[e] = (w1, w2, w3).
         Pairs (t, k) are grouped by expert, then each projection is one launch over per-expert
-        segments. Up to MOE_DEVICE_MAX_PAIRS pairs (decode, small chunks) the grouping is a kernel
-        (no host sync: CUDA-graph capturable); above, by moe_group_large (the same table in segments of
-        up to 64 rows for the tensor-core GEMM, no copy), or with DSUF_MOE_DEVICE_LARGE=0 on the
-        host (one small copy of the ids)."""
+        segments. Up to MOE_DEVICE_MAX_PAIRS pairs (decode, small chunks) the grouping is moe_group
+        (no host sync: CUDA-graph capturable); above, moe_group_large (the same table in segments of
+        up to 64 rows for the tensor-core GEMM)."""
         x = _c32(x)
         t, d = x.shape
         if t == 0:
             return cp.zeros_like(x) if shared is None else _c32(shared.result())
         tabs = self._expert_tables(experts)
-        if tabs is not None and (ids.size <= min(MOE_DEVICE_MAX_PAIRS, _MOE_GROUP_MAXP) or (
-                MOE_DEVICE_LARGE and len(experts) <= MOE_GROUP_LARGE_MAXE)):
+        if tabs is not None and (ids.size <= min(MOE_DEVICE_MAX_PAIRS, _MOE_GROUP_MAXP)
+                                 or len(experts) <= MOE_GROUP_LARGE_MAXE):
             return self._moe_device(x, tabs, len(experts), weights, ids, limit, shared)
+        # (on the host: mixed expert formats or another rank's experts, or too many experts for
+        # moe_group_large's shared memory)
         ids_h = self.to_host(ids).astype(np.int64)
         k = ids_h.shape[1]
         if tabs is None:  # mixed formats: per-expert fallback through the dense kernels
@@ -1302,49 +1035,23 @@ class CupyOps:
                                  packed[nsg + order.size:], k, limit, shared=shared)
 
     # ---- attention -------------------------------------------------------------------
-    def attention(self, q: cp.ndarray, kv: cp.ndarray, bias: cp.ndarray, sinks: cp.ndarray,
-                  scale: float) -> cp.ndarray:
-        """MQA with K == V and a per-head sink: q [S, H, D], kv [N, D], bias [S, N] -> [S, H, D]."""
-        s, h, d = q.shape
-        n = kv.shape[0]
-        out = cp.empty((s, h, d), F32)
-        if s == 0:
-            return out
-        if d % 32 or d > 512:
-            raise ValueError(f"attention kernel needs head_dim % 32 == 0 and <= 512 (got {d})")
-        K.function("attention", "attention")((math.ceil(h / 8), s), (256,), (
-            _c32(q), _c32(kv), _c32(bias), _c32(sinks), out, np.int32(s), np.int32(h), np.int32(n), np.int32(d),
-            F32(scale)), shared_mem=16 * d * 4)
-        return out
-
     def attention_ranges(self, q: cp.ndarray, keys: cp.ndarray, lo: np.ndarray, hi: np.ndarray,
                          entries: cp.ndarray | None, emask: cp.ndarray | None, sinks: cp.ndarray, scale: float,
-                         selected: int = 0, exact: bool = False, sparse: bool | None = None,
-                         rows: bool | None = None, tc: bool | None = None) -> cp.ndarray:
-        """NumpyOps.attention_ranges: by default the dense kernel over every key under a bias
-        built here on the device; sparse (default SPARSE_PREFILL): one attention_decode query per
-        row, its window read as a range and its entries under its mask row (through the row's
-        list of selected rows where `selected` bounds them, with rows, default ATTEND_ROWS); tc
-        (default ATTEND_TC, where heads and head_dim are multiples of 64): the same keys per query
-        on tensor cores (_attention_ranges_tc; exact: keys and entries on state codecs' grids)."""
+                         selected: int = 0, exact: bool = False) -> cp.ndarray:
+        """NumpyOps.attention_ranges, each query over its own keys only: its window read as a range
+        of `keys`, then its entries under its mask row (through the row's list of selected rows
+        where `selected` bounds them far below the entries' count). On tensor cores where heads and
+        head_dim are multiples of 64 (_attention_ranges_tc; exact: keys and entries on state codecs'
+        grids), else one attention_decode query per row."""
         s, h, d = q.shape
-        sparse = SPARSE_PREFILL if sparse is None else sparse
-        rows = ATTEND_ROWS if rows is None else rows
-        if not sparse or s == 0:
-            j = cp.arange(keys.shape[0])
-            lo_d, hi_d = self.asarray(lo, dtype=np.int64), self.asarray(hi, dtype=np.int64)
-            visible = (j[None, :] >= lo_d[:, None]) & (j[None, :] < hi_d[:, None])
-            bias = cp.where(visible, F32(0.0), F32(-np.inf)).astype(F32, copy=False)
-            if entries is not None:
-                keys = self.cat([keys, entries], axis=0)
-                bias = self.cat([bias, cp.where(emask, F32(0.0), F32(-np.inf)).astype(F32, copy=False)], axis=1)
-            return self.attention(q, keys, bias, sinks, scale)
+        if s == 0:
+            return cp.empty((0, h, d), F32)
         keys = _c32(keys)
         entries = None if entries is None else _c32(entries)
         n_e = 0 if entries is None else entries.shape[0]
         masks = None if entries is None else cp.ascontiguousarray(emask, dtype=cp.bool_)
-        lists = self._mask_rows(masks, selected) if n_e and rows and 0 < selected and 2 * selected <= n_e else None
-        if (ATTEND_TC if tc is None else tc) and h % 64 == 0 and d % 64 == 0:
+        lists = self._mask_rows(masks, selected) if n_e and 0 < selected and 2 * selected <= n_e else None
+        if h % 64 == 0 and d % 64 == 0:  # (attn_tc_* take heads and head_dim in 64-wide tiles)
             return self._attention_ranges_tc(q, keys, lo, hi, entries, masks, lists, sinks, scale, exact)
         if d % 32 or d > 512:
             raise ValueError(f"attention kernel needs head_dim % 32 == 0 and <= 512 (got {d})")
@@ -1433,29 +1140,22 @@ class CupyOps:
         return self._attention_decode(q, self.asarray(tab, dtype=np.int64), None, sinks, scale, longest, out)
 
     def attend_decode(self, q: cp.ndarray, attend: cp.ndarray, mask: cp.ndarray | None, sinks: cp.ndarray,
-                      scale: float, longest: int, window: int = 0, selected: int = 0,
-                      rows: bool | None = None, derope: tuple | None = None) -> cp.ndarray:
+                      scale: float, longest: int, window: int = 0, selected: int = 0) -> cp.ndarray:
         """A V4.1 decode step's attention from its staged table (engine/state/decode_plan.py: each
         sequence's window, then its group's entries under row b of the published top-k `mask`);
         the split over the keys is sized for `longest` keys (the plan's capacity bucket), so the
         launch is the same whatever the exact counts. With at most `window` window rows and
         `selected` true values per mask row given, the entries are read through each row's list of
-        selected rows where that is far shorter (rows: force that path on or off; default
-        ATTEND_ROWS); the lists of one mask serve every layer that reads it. derope: (cos, sin)
-        [B, P], the output with that RoPE undone (in the kernel with DSUF_ATT_DEROPE)."""
-        if derope is not None and not ATT_DEROPE:
-            return self.rope(self.attend_decode(q, attend, mask, sinks, scale, longest, window, selected, rows),
-                             *derope, inverse=True)
+        selected rows where that is far shorter; the lists of one mask serve every layer that reads it."""
         b, h, d = q.shape
         out = cp.empty((b, h, d), F32)
         if b == 0:
             return out
-        rows = ATTEND_ROWS if rows is None else rows
         lists = None
-        if rows and mask is not None and selected > 0 and 2 * (window + selected) <= longest:
+        if mask is not None and selected > 0 and 2 * (window + selected) <= longest:
             lists = self._mask_rows(mask, selected)
             longest = window + selected
-        return self._attention_decode(q, attend, mask, sinks, scale, longest, out, lists, derope)
+        return self._attention_decode(q, attend, mask, sinks, scale, longest, out, lists)
 
     def _mask_rows(self, mask: cp.ndarray, k: int) -> tuple:
         """(rows [B, k] int32, counts [B] int32): each mask row's true positions (kernels/attention.cu
@@ -1470,7 +1170,7 @@ class CupyOps:
         return lists
 
     def _attention_decode(self, q, tab: cp.ndarray, masks, sinks, scale: float, longest: int, out,
-                          lists: tuple | None = None, derope: tuple | None = None) -> cp.ndarray:
+                          lists: tuple | None = None) -> cp.ndarray:
         b, h, d = q.shape
         if d % 32 or d > 512:
             raise ValueError(f"attention kernel needs head_dim % 32 == 0 and <= 512 (got {d})")
@@ -1487,31 +1187,28 @@ class CupyOps:
         masks_ld = 0 if masks is None else masks.shape[1]
         if masks is not None and (masks.dtype != cp.bool_ or not masks.flags.c_contiguous):
             raise ValueError("attend_decode: the mask must be a C-contiguous bool [B, N] array")
-        cs, sn = (_c32(derope[0]), _c32(derope[1])) if derope is not None else (_NULL, _NULL)
-        rp = np.int32(derope[0].shape[-1] if derope is not None else 0)
         K.function("attention", "attention_decode")((-(-h // 8), b, nsplit), (256,), (
             qc, tab, masks if masks is not None else _NULL, np.int32(masks_ld), sk, out, part_o, part_ml,
             np.int32(h), np.int32(d), np.int32(nsplit), np.int32(chunk), F32(scale),
             _NULL if lists is None else lists[0], _NULL if lists is None else lists[1],
-            np.int32(0 if lists is None else lists[0].shape[1]), cs, sn, rp), shared_mem=16 * d * 4)
+            np.int32(0 if lists is None else lists[0].shape[1])), shared_mem=16 * d * 4)
         if nsplit > 1:
-            K.function("attention", "attention_combine_derope" if derope is not None else "attention_combine")(
-                (-(-(b * h) // 8),), (256,), (
-                part_o, part_ml, sk, out, np.int32(b * h), np.int32(h), np.int32(d), np.int32(nsplit), cs, sn, rp))
+            K.function("attention", "attention_combine")((-(-(b * h) // 8),), (256,), (
+                part_o, part_ml, sk, out, np.int32(b * h), np.int32(h), np.int32(d), np.int32(nsplit)))
         return out
 
     def indexer_scores(self, q: cp.ndarray, k: cp.ndarray, w: cp.ndarray, n_heads: int, head_dim: int,
-                       exact: bool = False, lanes: bool | None = None, tc: bool | None = None) -> cp.ndarray:
+                       exact: bool = False) -> cp.ndarray:
         """sum_h w[s,h] * relu(q[s,h] . k[n]) * head_dim^-0.5 * n_heads^-0.5 -> [S, N]. Many
-        queries on tensor cores where the shape allows (tc: force that path on or off; default
-        INDEXER_TC), q and k as one bf16 term each if `exact` (values on a state codec's grid), else
-        three; otherwise the CUDA-core kernel (lanes: its lanes-over-heads path, default INDEXER_LANES)."""
+        queries on tensor cores, q and k as one bf16 term each if `exact` (values on a state codec's
+        grid), else three; few queries, or a shape the tensor-core kernel does not take, on the
+        CUDA-core kernel."""
         s, h, dh = q.shape
         n = k.shape[0]
         out = cp.empty((s, n), F32)
         if s == 0 or n == 0:
             return out
-        if (INDEXER_TC if tc is None else tc) and _indexer_tc_shape(s, h, dh, forced=tc is not None):
+        if _indexer_tc_shape(s, h, dh):
             terms = 1 if exact else 3
             smem = _indexer_tc_smem(dh, terms)
             _smem_function("attention", f"indexer_scores_tc{terms}", smem)((math.ceil(s / (ITC_ROWS // h)),), (256,), (
@@ -1520,14 +1217,14 @@ class CupyOps:
             return out
         if dh % 32 or dh > 256:
             raise ValueError(f"indexer kernel needs index_head_dim % 32 == 0 and <= 256 (got {dh})")
-        lanes, smem = _indexer_path(h, dh, lanes)
+        smem = _indexer_smem(h, dh)
         _smem_function("attention", "indexer_scores", smem)((math.ceil(n / 32), s), (256,), (
             _c32(q), _c32(k), _c32(w), out, np.int32(s), np.int32(h), np.int32(n), np.int32(dh),
-            F32(head_dim**-0.5), F32(n_heads**-0.5), np.int32(lanes)), shared_mem=smem)
+            F32(head_dim**-0.5), F32(n_heads**-0.5)), shared_mem=smem)
         return out
 
     def indexer_scores_spans(self, q: cp.ndarray, keys, w: cp.ndarray, n_heads: int, head_dim: int,
-                             width: int | None = None, lanes: bool | None = None) -> cp.ndarray:
+                             width: int | None = None) -> cp.ndarray:
         """Decode: query row b against its own keys (keys[b], a Span of rows, read in place; or a
         staged [B, 2] table of (address, count)) -> [B, width] (default: the largest count), -inf
         past each row's count. One launch."""
@@ -1543,10 +1240,10 @@ class CupyOps:
             return out
         if dh % 32 or dh > 256:
             raise ValueError(f"indexer kernel needs index_head_dim % 32 == 0 and <= 256 (got {dh})")
-        lanes, smem = _indexer_path(h, dh, lanes)
+        smem = _indexer_smem(h, dh)
         _smem_function("attention", "indexer_scores_spans", smem)((math.ceil(width / 32), b), (256,), (
             _c32(q), table, _c32(w), out, np.int32(h), np.int32(width), np.int32(dh),
-            F32(head_dim**-0.5), F32(n_heads**-0.5), np.int32(lanes)), shared_mem=smem)
+            F32(head_dim**-0.5), F32(n_heads**-0.5)), shared_mem=smem)
         return out
 
     def topk_mask(self, scores: cp.ndarray, k: int) -> cp.ndarray:
@@ -1596,26 +1293,6 @@ class CupyOps:
         src, w, ld, vec4 = self._scatter_args(src)
         K.function("elementwise", "scatter_rows")((src.shape[0],), (128,), (
             src, dst, np.int32(w), np.int32(ld), np.int32(vec4)))
-
-    def scatter_rows_many(self, jobs: list) -> None:
-        """scatter_rows(src, dst) of each (src, dst) job, all with B rows: up to three in one
-        launch with DSUF_FUSED_SCATTER (scatter_rows3), else one launch each."""
-        if not FUSED_SCATTER or not 1 < len(jobs) <= 3 or len({src.shape[0] for src, _ in jobs}) > 1:
-            for src, dst in jobs:
-                self.scatter_rows(src, dst)
-            return
-        b = jobs[0][0].shape[0]
-        if not b:
-            return
-        args, vec4 = [], 0
-        for j in range(3):
-            if j < len(jobs):
-                src, w, ld, v = self._scatter_args(jobs[j][0])
-                args += [src, jobs[j][1], np.int32(w), np.int32(ld)]
-                vec4 |= v << j
-            else:
-                args += [_NULL, _NULL, np.int32(0), np.int32(0)]
-        K.function("elementwise", "scatter_rows3")((b, len(jobs)), (128,), (*args, np.int32(vec4)))
 
     # ---- a step's inputs -------------------------------------------------------------
     def _upload(self, inputs) -> tuple:
