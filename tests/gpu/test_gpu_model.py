@@ -20,6 +20,7 @@ from engine.model.config import load_config  # noqa: E402
 from engine.model.transformer import Model  # noqa: E402
 from engine.ops.gpu.ops import CupyOps, GpuWeight, _host_dequant  # noqa: E402
 from engine.ops.numpy_ops import NumpyOps, fake_quant  # noqa: E402
+from engine.settings import Settings  # noqa: E402
 from engine.state.rows import Span  # noqa: E402
 from engine.text.tokenizer import Tokenizer  # noqa: E402
 
@@ -187,10 +188,7 @@ class DualOps:
     def __init__(self):
         self.gpu, self.ref, self.worst = CupyOps(), NumpyOps(), {}
 
-    def graphed(self, key, fn, *arrays):  # op by op, eagerly: each op is compared
-        return fn(*arrays)
-
-    def graphed_step(self, key, inputs, run, rows):
+    def graphed_step(self, key, inputs, run, rows, pre=None):  # op by op, eagerly: each op is compared
         return run(self.gpu.stage(inputs))
 
     def norm_rope_quant(self, x, cos, sin, norm=None, quant=0, keep_normed=False):
@@ -210,10 +208,9 @@ class DualOps:
     def __getattr__(self, name):
         fn = getattr(self.gpu, name)
         # (in place, or reading staged address tables the reference cannot: test_gpu_ops checks those)
-        if name in ("prepare", "prepare_rows", "asarray", "to_host", "copy_rows", "stage", "scatter_rows",
-                    "scatter_rows_many",
-                    "gated_pool_rows", "attend_decode", "indexer_scores_spans", "side",
-                    "regions_inline") or not callable(fn):
+        if name in ("prepare", "prepare_rows", "asarray", "to_host", "copy_rows", "stage", "prestage", "scatter_rows",
+                    "gated_pool_rows", "attend_decode", "indexer_scores_spans", "fork", "join_all", "all_reduce",
+                    "all_gather", "sample_rows") or not callable(fn):
             return fn
 
         def call(*args, **kw):
@@ -251,7 +248,7 @@ def test_cuda_graphs_replay_equals_eager():
     prompts = [tok.encode(PROMPT), tok.encode("Hello, world."), tok.encode(PROMPT * 2)]
     runs = {}
     for graphs in (False, True):
-        ops = CupyOps(graphs=graphs)
+        ops = CupyOps(Settings(cuda_graphs=graphs))
         model = _model(ops)
         states = [_gpu_state(model) for _ in prompts]
         first = model.forward(states, prompts)
@@ -313,7 +310,7 @@ def test_v4_tiny_checkpoint_matches_numpy_and_graphs_are_exact(tmp_path):
     cfg = load_config(ckpt)
     ids = list(np.random.default_rng(1).integers(3, cfg.vocab_size, 40))
     runs = []
-    for ops in (NumpyOps(), CupyOps(graphs=False), CupyOps(graphs=True)):
+    for ops in (NumpyOps(), CupyOps(Settings(cuda_graphs=False)), CupyOps(Settings(cuda_graphs=True))):
         m = Model(cfg, Checkpoint(ckpt, block_size=cfg.weight_block_size), ops, ckpt / "tokenizer.json")
         st = m.new_state() if ops.name == "numpy" else _gpu_state(m)
         out = [m.forward([st], [ids])[0]]
@@ -334,7 +331,7 @@ def test_cuda_graph_buckets_are_bounded_and_eviction_is_safe():
     prompts = [tok.encode(PROMPT), tok.encode("Hello, world."), tok.encode("Count to ten:")]
     runs = {}
     for graphs in (False, True):
-        ops = CupyOps(graphs=graphs)
+        ops = CupyOps(Settings(cuda_graphs=graphs))
         ops.graphs.max_buckets = 2
         model = _model(ops)
         states = [_gpu_state(model) for _ in prompts]

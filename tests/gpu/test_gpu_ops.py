@@ -22,7 +22,7 @@ from engine.checkpoint import formats  # noqa: E402
 from engine.checkpoint.reader import Weight  # noqa: E402
 from engine.ops import kernels as K  # noqa: E402
 from engine.ops.gpu.ops import CupyOps  # noqa: E402
-from engine.ops.numpy_ops import Done, NumpyOps  # noqa: E402
+from engine.ops.numpy_ops import NumpyOps  # noqa: E402
 from engine.state.rows import Span  # noqa: E402
 
 F32_TOL, BF16_TOL = 2e-5, 1e-2
@@ -157,10 +157,10 @@ def test_register_tensor_gemv(fmt, n, k, block, sfmt, scale, monkeypatch):
 
 def _gemvr_everywhere(monkeypatch) -> None:
     """gemvr for every one-row launch it can read (the test shapes are below the rule's FP8 sizes)."""
-    from engine.ops.gpu import ops as cupy_ops
+    from engine.ops.gpu import linear
 
-    monkeypatch.setattr(cupy_ops, "GEMVR_MIN_BYTES", 0)
-    monkeypatch.setattr(cupy_ops, "GEMVR_MAX_K", 1 << 30)
+    monkeypatch.setattr(linear, "GEMVR_MIN_BYTES", 0)
+    monkeypatch.setattr(linear, "GEMVR_MAX_K", 1 << 30)
 
 
 def _check_gemvr(fmt, n, k, block, sfmt, scale, monkeypatch):
@@ -344,7 +344,7 @@ def test_hc_mixes_and_head(t, hc, d):
 def test_hc_collapse_expand():
     t, hc, d = 5, 4, 5120
     h, pre, post, comb, out = rnd(t, hc, d), rnd(t, hc), rnd(t, hc), rnd(t, hc, hc), rnd(t, d)
-    assert rel(GPU.hc_collapse(cp.asarray(h), cp.asarray(pre)), REF.hc_collapse(h, pre)) < F32_TOL
+    assert rel(GPU._hc_collapse(cp.asarray(h), cp.asarray(pre)), REF.hc_collapse(h, pre)) < F32_TOL
     w = rnd(d)
     for wt in (w, None):  # collapse + RMSNorm in one launch
         got = GPU.hc_collapse_norm(cp.asarray(h), cp.asarray(pre), None if wt is None else cp.asarray(wt), 1e-6)
@@ -417,16 +417,17 @@ def test_swiglu_mlp():
 
 def _moe_case(t: int, e: int, k: int, d: int, inter: int, shared: bool = False) -> tuple:
     """(reference, GPU result, the most pairs one expert got) of t tokens through e FP4 experts;
-    shared: plus a random addend, the shared expert's output as a computed branch."""
+    shared: plus a random addend, the shared expert's output."""
     ws = [tuple(make_weight("fp4", *s) for s in ((inter, d), (d, inter), (inter, d))) for _ in range(e)]
     x = rnd(t, d)
     ids = np.stack([RNG.permutation(e)[:k] for _ in range(t)])
     wts = RNG.random((t, k), dtype=np.float32)
     add = rnd(t, d) if shared else None
-    ref = REF.moe(x, [tuple(REF.prepare(w) for w in ex) for ex in ws], wts, ids, 10.0,
-                  Done(add) if shared else None)
+    ref = REF.moe(x, [tuple(REF.prepare(w) for w in ex) for ex in ws], wts, ids, 10.0)
+    if shared:
+        ref = ref + add
     got = GPU.moe(cp.asarray(x), [tuple(GPU.prepare(w) for w in ex) for ex in ws], cp.asarray(wts),
-                  cp.asarray(ids), 10.0, Done(cp.asarray(add)) if shared else None)
+                  cp.asarray(ids), 10.0, cp.asarray(add) if shared else None)
     return ref, got, np.bincount(ids.ravel()).max()
 
 
@@ -443,11 +444,12 @@ def test_moe_plus_shared(t):
     assert rel(got, ref) < F32_TOL
 
 
-def test_side_branch_matches_inline(monkeypatch):
-    """CupyOps.side: the shared expert forked onto a second stream beside the routed experts (as
-    Model._moe does) equals both run inline, bit for bit, replayed as a CUDA graph (the fork and join
-    become graph edges; eagerly the branch runs inline); the branch's input is a temporary the
-    caller drops at once; moe() joins the branch after its combine."""
+def test_fork_matches_inline(monkeypatch):
+    """CupyOps.fork: the shared expert forked onto the side stream beside the routed experts (as a
+    captured decode step forks it) equals both run inline, bit for bit, replayed as a CUDA graph (the
+    fork and its join become graph edges; eagerly the fork runs inline); the fork's input is a
+    temporary the caller drops at once; moe() joins it after the routed experts' launches; a fork
+    whose output nothing reads is joined by join_all."""
     from engine.ops.gpu.graphs import RegionGraphs
 
     e, k, d, inter = 8, 6, 5120, 2304
@@ -461,19 +463,57 @@ def test_side_branch_matches_inline(monkeypatch):
     def inline(a):
         return GPU.moe(a, experts, wts, ids, 10.0) + GPU.swiglu_mlp(a, *shared, 10.0)
 
-    def branched(a):
-        b = GPU.side(GPU.swiglu_mlp, a * 1.0, *shared, 10.0)
-        return GPU.moe(a, experts, wts, ids, 10.0, b)
+    def forked(a):
+        b = GPU.fork(GPU.swiglu_mlp, a * 1.0, *shared, 10.0)
+        y = GPU.moe(a, experts, wts, ids, 10.0, b)
+        GPU.fork(GPU.rmsnorm, a * 2.0, None, 1e-6)  # (read by nothing)
+        GPU.join_all()
+        assert not GPU._open and not GPU._pending
+        return y
 
     ref = cp.asnumpy(inline(x))
     assert np.isfinite(ref).all() and np.abs(ref).max() > 0
-    assert np.array_equal(cp.asnumpy(branched(x)), ref)
+    assert np.array_equal(cp.asnumpy(forked(x)), ref)
     monkeypatch.setattr(GPU, "_side_stream", None)  # (made on first use: by this capture, below)
     graphs = RegionGraphs(enabled=True)
     for _ in range(4):  # eager, capture, then replays
-        assert np.array_equal(cp.asnumpy(graphs("side", branched, x)), ref)
+        assert np.array_equal(cp.asnumpy(graphs("fork", forked, x)), ref)
     assert graphs.captures == 1 and graphs.replays >= 2
     assert GPU._side_stream is not None  # the capture forked
+
+
+def test_fork_outputs_join_at_the_ops_that_read_them():
+    """A forked output passed to an op (also inside a list, or as a view) joins its fork there, and
+    only its own: the other fork stays open until join_all. Captured and replayed, the results equal
+    the same ops run inline."""
+    from engine.ops.gpu.graphs import RegionGraphs
+
+    w = GPU.prepare(make_weight("bf16", 512, 1024))
+    x = cp.asarray(rnd(4, 1024))
+    opened = []  # the forks open after the first op that read a forked output, per call
+
+    def inline(a):
+        n = GPU.rmsnorm(a * 1.0, None, 1e-6)
+        m = GPU.rmsnorm(a * 2.0, None, 1e-6)
+        return GPU.linear(n[:2], w), GPU.cat([m, n], 0)
+
+    def forked(a):
+        n = GPU.fork(GPU.rmsnorm, a * 1.0, None, 1e-6)
+        m, none = GPU.fork(lambda v: (GPU.rmsnorm(v, None, 1e-6), None), a * 2.0)
+        assert none is None
+        y = GPU.linear(n[:2], w)  # (a view of n: joins n's fork)
+        opened.append(len(GPU._open))
+        z = GPU.cat([m, n], 0)  # (inside a list: joins m's)
+        assert not GPU._open
+        GPU.join_all()
+        return y, z
+
+    ref = [cp.asnumpy(a) for a in inline(x)]
+    graphs = RegionGraphs(enabled=True)
+    for _ in range(3):  # eager, capture, replay
+        got = graphs("fork-join", forked, x)
+        assert all(np.array_equal(cp.asnumpy(g), r) for g, r in zip(got, ref, strict=True))
+    assert opened == [0, 1]  # (eagerly the forks ran inline; captured, m's stayed open past the linear)
 
 
 # MoE with the pairs grouped on the device (T * top-k <= MOE_DEVICE_MAX_PAIRS): narrow fp4 experts,
@@ -507,8 +547,8 @@ def _no_host(self, x):
 
 def _host_grouping(monkeypatch) -> None:
     """moe() groups the pairs on the host (its path for more experts than moe_group_large takes)."""
-    monkeypatch.setattr("engine.ops.gpu.ops.MOE_DEVICE_MAX_PAIRS", 0)
-    monkeypatch.setattr("engine.ops.gpu.ops.MOE_GROUP_LARGE_MAXE", 0)
+    monkeypatch.setattr("engine.ops.gpu.moe.MOE_DEVICE_MAX_PAIRS", 0)
+    monkeypatch.setattr("engine.ops.gpu.moe.MOE_GROUP_LARGE_MAXE", 0)
 
 
 @pytest.mark.parametrize("t,e", [(1, 64), (3, 384), (8, 256), (32, 128), (100, 64), (100, 384)])
@@ -683,7 +723,7 @@ def test_attention_decode(b, min_split, monkeypatch):
     entries under top-k masks (one selecting nothing, one sequence without entries) and long ones;
     40 sequences fill the GPU without splitting (one split writes the output directly). min_split:
     the fewest keys per split (ATT_MIN_SPLIT; 16: one tile each)."""
-    monkeypatch.setattr("engine.ops.gpu.ops.ATT_MIN_SPLIT", min_split)
+    monkeypatch.setattr("engine.ops.gpu.attention.ATT_MIN_SPLIT", min_split)
     h, d = 64, 512
     q, sinks = rnd(b, h, d), rnd(h)
     sources_ref, sources_gpu = [], []
@@ -832,7 +872,7 @@ def test_staged_decode_ops(monkeypatch):
         topk[i, RNG.choice(np.arange(n, 1024), 2, replace=False)] = True
     ref = REF.attend_decode(qa, sr.attend, topk, sinks, d**-0.5, sr.attend_cap)
     for min_split in (64, 1024):  # (7 splits merged by attention_combine; one, written directly)
-        monkeypatch.setattr("engine.ops.gpu.ops.ATT_MIN_SPLIT", min_split)
+        monkeypatch.setattr("engine.ops.gpu.attention.ATT_MIN_SPLIT", min_split)
         got = GPU.attend_decode(cp.asarray(qa), sg.attend, cp.asarray(topk), cp.asarray(sinks), d**-0.5,
                                 sg.attend_cap, 128, 40)
         assert rel(got, ref) < 1e-5, min_split
@@ -931,7 +971,7 @@ def test_indexer_scores_tc(s, n, h, dh, monkeypatch):
     terms equal the reference to f32 precision; inputs on a codec's grid as one term (exact=True)
     equal the three-term result bit for bit (the other terms are zeros) and the reference. (s 5,
     h 32: a block of 4 queries with one query; n 129, 333: a part key tile; dh 32 and 64.)"""
-    monkeypatch.setattr("engine.ops.gpu.ops.ITC_MIN_QUERIES", 1)
+    monkeypatch.setattr("engine.ops.gpu.attention.ITC_MIN_QUERIES", 1)
     q, k, w = rnd(s, h, dh), rnd(n, dh), rnd(s, h)
     ref = REF.indexer_scores(q, k, w, h, dh)
     assert rel(GPU.indexer_scores(cp.asarray(q), cp.asarray(k), cp.asarray(w), h, dh), ref) < 1e-5
@@ -990,9 +1030,9 @@ def test_fake_quant_exact():
     x[1, :32] *= 1e-6  # tiny blocks: subnormal e4m3 codes
     x[2, 5] = 1e4
     for got, ref in [
-        (GPU.fake_quant_fp8(cp.asarray(x), 32), REF.fake_quant_fp8(x, 32)),
-        (GPU.fake_quant_fp4(cp.asarray(x), 16, True), REF.fake_quant_fp4(x, 16, True)),
-        (GPU.fake_quant_fp4(cp.asarray(x), 32), REF.fake_quant_fp4(x, 32)),
+        (GPU._fake_quant_fp8(cp.asarray(x), 32), REF.fake_quant_fp8(x, 32)),
+        (GPU._fake_quant_fp4(cp.asarray(x), 16, True), REF.fake_quant_fp4(x, 16, True)),
+        (GPU._fake_quant_fp4(cp.asarray(x), 32), REF.fake_quant_fp4(x, 32)),
     ]:
         g = cp.asnumpy(got)
         assert np.array_equal(g.view(np.uint32), ref.view(np.uint32)) or np.array_equal(g, ref), \
