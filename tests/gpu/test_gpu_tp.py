@@ -77,7 +77,7 @@ def test_gpu_tp_restored_state_replicates():
 
 
 def test_gpu_tp_step_graphs_equal_region_graphs():
-    """GpuTP.step_graphs (default on; DSUF_TP_GRAPHS=0: off): each rank's decode step captured as
+    """GpuTP.step_graphs (default on): each rank's decode step captured as
     one CUDA graph with the NCCL all-reduces inside (here one rank, through NCCL) gives bit-identical logits and
     state to the per-region graphs with the all-reduces between them."""
     from engine.parallel.gpu import GpuTP

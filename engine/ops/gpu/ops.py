@@ -53,7 +53,7 @@ class CupyOps(Forks, WeightOps, LinearOps, NormOps, MoeOps, AttentionOps):
     comm = None  # the tensor-parallel ranks' collectives (engine/parallel/); None: one rank
 
     def __init__(self, settings: Settings | None = None) -> None:
-        """settings: the run-time knobs (default: Settings.from_env(), the DSUF_* variables)."""
+        """settings: the run-time knobs (default: Settings.from_env(), read from the environment)."""
         settings = Settings.from_env() if settings is None else settings
         if settings.direct_alloc:
             use_direct_alloc()
