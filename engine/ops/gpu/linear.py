@@ -296,7 +296,7 @@ class LinearOps:
         y = cp.empty((m, n), dtype=F32)
         if m == 0:
             return y.reshape(*lead, n)
-        if not w.kernel_ok(m):
+        if not w.kernel_ok(m):  # (rows our kernels cannot read in 16-byte chunks: GpuWeight.kernel_ok)
             return (a @ w.dequant().T).reshape(*lead, n)
         segs, mr = self._row_segments(m, fmt=w.fmt)
         wp, sp = w.ptr_tables()
@@ -315,7 +315,7 @@ class LinearOps:
             ok = False
         else:
             ok = w.kernel_ok(t) and kin % (8 if w.fmt == FMT_FP4 else 4) == 0
-        if not ok or t == 0:
+        if not ok or t == 0:  # (groups not on scale blocks, or rows our kernels cannot read)
             wg = w.dequant().reshape(groups, nout, kin)
             return cp.einsum("tgi,goi->tgo", _c32(x), wg)
         key = (id(w), groups)

@@ -70,6 +70,7 @@ class MoeOps:
         a = _c32(x).reshape(-1, w1.shape[1])
         m, inter = a.shape[0], w1.shape[0]
         if (w1.fmt, w1.shape, w1.block) != (w3.fmt, w3.shape, w3.block) or not w1.kernel_ok(m) or m == 0:
+            # (gate and up share a launch only where their weights match)
             return self.linear(self._swiglu(self.linear(x, w1), self.linear(x, w3), limit), w2)
         hit = self._pair_ptrs.get((id(w1), id(w3)))
         if hit is None or hit[0] is not w1 or hit[1] is not w3:

@@ -31,8 +31,8 @@ SMEM = 256 * (THREADS // 32) * 8  # SMP_SMEM: one 256-bin u64 radix histogram pe
 def job_table(jobs: Sequence[SampleJob], vocab: int) -> tuple[np.ndarray, int, int]:
     """The kernel's int32 input [header | delta ids | delta values] (floats by bit pattern);
     returns it with the number of deltas and of rows that need a scratch copy of their logits.
-    Draws each non-greedy job's uniform from its generator. (Column by column: a batch of 32
-    costs ~30 us of host time.)"""
+    Draws each non-greedy job's uniform from its generator. (Built column by column, for the host's
+    time.)"""
     ps = [j.params for j in jobs]
     if any(p.logprobs and p.top_logprobs > TOP_N for p in ps):
         raise ValueError(f"top_logprobs is at most {TOP_N}")
