@@ -210,15 +210,7 @@ def _sync(devices: list[int]) -> None:
 
 def bench_model(ckpt: str, bw: float, batches=(1, 8, 32), prefills=(4096, 65536), steps: int = 10,
                 chunk: int = 4096, gpus: list[int] | None = None, compare_tp1: bool = False,
-                expert_split: str = "ep", variants: tuple = ()) -> None:
-    """variants: settings of the GPU backend's switches ({"DSUF_FUSED_EXPAND": "1", ...}, see
-    engine/ops/gpu/ops.py set_flags), each timed after the default in the same process,
-    its graphs captured anew: one checkpoint load for an A/B of many paths (one GPU)."""
-    if variants:
-        from engine.ops.gpu import ops as cupy_ops
-
-        for settings in variants:  # (a misspelt switch fails now, not after the default's runs)
-            cupy_ops.restore_flags(cupy_ops.set_flags(settings))
+                expert_split: str = "ep") -> None:
     cfg, model, ranks, devices = _load(ckpt, gpus, expert_split)
     stats = [_weight_stats(r) for r in ranks]
     e, k, nl = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.num_layers
@@ -226,31 +218,12 @@ def bench_model(ckpt: str, bw: float, batches=(1, 8, 32), prefills=(4096, 65536)
     tp = f", tensor parallel over GPUs {devices}, experts split by {expert_split}" if len(ranks) > 1 else ""
     print(f"\nmodel {ckpt}: {nl} layers, hidden {cfg.hidden_size}, {e} experts top-{k}; "
           f"CUDA graphs {'on' if ranks[0].ops.graphs.enabled else 'off'}{tp}")
-    if variants and len(ranks) > 1:
-        raise SystemExit("bench --variants: one GPU")
     tc = tensor_core_rate() if prefills else 0.0
     if prefills:
         print(f"tensor-core rate (fp16 cuBLAS GEMM): {tc / 1e12:.0f} TFLOP/s per GPU")
-    for settings in ({}, *variants):
-        old = None
-        if settings:
-            from engine.ops.gpu import ops as cupy_ops
-
-            old = cupy_ops.set_flags(settings)
-            for r in ranks:  # (graphs captured before keep the paths they were captured with)
-                r.ops.graphs.release()
-            print("\n== " + ",".join(f"{name}={v}" for name, v in settings.items()))
-        try:
-            _bench_decode(model, cfg, ranks, devices, stats, batches, steps, bw, rng)
-            if prefills:
-                _bench_prefill(model, cfg, ranks, devices, stats, prefills, chunk, tc, rng)
-        except Exception as err:  # (a variant that fails is reported; the next one still runs)
-            if not settings:
-                raise
-            print(f"== failed: {type(err).__name__}: {err}")
-        finally:
-            if old is not None:
-                cupy_ops.restore_flags(old)
+    _bench_decode(model, cfg, ranks, devices, stats, batches, steps, bw, rng)
+    if prefills:
+        _bench_prefill(model, cfg, ranks, devices, stats, prefills, chunk, tc, rng)
     if compare_tp1 and len(ranks) > 1:
         _compare_tp1(ckpt, cfg, model, devices[0], rng)
 
@@ -331,24 +304,9 @@ def _compare_tp1(ckpt: str, cfg, model, device: int, rng) -> None:
           f"{float(np.median(errs)):.2e} over a 64-token prefill and 8 decode steps")
 
 
-def parse_variants(text: str) -> tuple[dict[str, str], ...]:
-    """'A=1 B=0,C=u6' -> ({"A": "1"}, {"B": "0", "C": "u6"}): runs apart by whitespace, one run's
-    settings by commas (the names are checked when a run sets them: cupy_ops.set_flags)."""
-    runs = []
-    for run in text.split():
-        settings = {}
-        for item in run.split(","):
-            name, eq, value = item.partition("=")
-            if not eq or not name:
-                raise SystemExit(f"bench --variants: {item!r} is not NAME=VALUE")
-            settings[name] = value
-        runs.append(settings)
-    return tuple(runs)
-
-
 def bench_main(argv: list[str] | None = None) -> int:
     """CLI entry: `bench [--ckpt DIR] [--batches 1,8,32] [--prefill 4096,65536] [--chunk N] [--no-linears]
-    [--gpus 0,1,2,3 [--compare-tp1]] [--variants 'DSUF_X=1 DSUF_Y=0,DSUF_Z=1']`."""
+    [--gpus 0,1,2,3 [--compare-tp1]]`."""
     from engine.parallel.shard import EXPERT_SPLITS
 
     ap = argparse.ArgumentParser(prog="dsuf bench", description=__doc__.splitlines()[0])
@@ -363,10 +321,6 @@ def bench_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compare-tp1", action="store_true", help="with --gpus: logits vs the model on one GPU")
     ap.add_argument("--expert-split", choices=EXPERT_SPLITS, default="ep",
                     help="with --gpus: routed experts by expert id or by width")
-    ap.add_argument("--variants", default="",
-                    help="with --ckpt, one GPU: the GPU backend's switches to time after the default in the same "
-                         "process, runs apart by spaces, one run's settings by commas, e.g. "
-                         "'DSUF_FUSED_EXPAND=1 DSUF_SIDE=0,DSUF_GEMVR_FP4=u6'")
     a = ap.parse_args(argv)
     gpus = [int(g) for g in a.gpus.split(",")] if a.gpus else None
     bw = copy_bandwidth()
@@ -376,5 +330,5 @@ def bench_main(argv: list[str] | None = None) -> int:
     if a.ckpt:
         prefills = tuple(n for n in (int(v) for v in a.prefill.split(",")) if n > 0)
         bench_model(a.ckpt, bw, tuple(int(b) for b in a.batches.split(",")), prefills, a.steps, a.chunk, gpus,
-                    a.compare_tp1, a.expert_split, parse_variants(a.variants))
+                    a.compare_tp1, a.expert_split)
     return 0

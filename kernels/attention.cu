@@ -87,58 +87,15 @@ __device__ __forceinline__ void load_query(const float* __restrict__ qh, bool ac
 }
 
 // Final normalisation with the head's sink in the denominator: out = o / (l + e^(sink - m)).
-// The inverse interleaved RoPE (kernels/elementwise.cu rope, sign -1) of one head's output row held
-// by a warp, channel lane + 32 i in v[i]: the pairs (2j, 2j + 1) of the trailing 2P channels, each
-// lane's partner in the neighbouring lane. cs, sn: the row's [P] tables. (nd is warp-uniform.)
-__device__ __forceinline__ void derope_lanes(float (&v)[ATT_DPL], int nd, int D, const float* __restrict__ cs,
-                                             const float* __restrict__ sn, int P) {
-  const int lane = threadIdx.x & 31, off = D - 2 * P;
-#pragma unroll
-  for (int i = 0; i < ATT_DPL; ++i) {
-    if (i >= nd) break;
-    const float other = __shfl_xor_sync(0xffffffffu, v[i], 1);
-    const int c = lane + 32 * i;
-    if (c < off) continue;
-    const float co = cs[(c - off) >> 1], sg = -sn[(c - off) >> 1];
-    v[i] = (lane & 1) == 0 ? v[i] * co - other * sg : other * sg + v[i] * co;
-  }
-}
-
-// One head's output: o / (l + e^(sink - m)) (in the max-shifted form), and where cs is not null
-// with the inverse RoPE of derope_lanes applied.
 __device__ __forceinline__ void write_with_sink(float* __restrict__ oh, const float (&o)[ATT_DPL], float m, float l,
-                                                float sk, int nd, const float* __restrict__ cs = nullptr,
-                                                const float* __restrict__ sn = nullptr, int P = 0, int D = 0) {
+                                                float sk, int nd) {
   const int lane = threadIdx.x & 31;
   const float mm = fmaxf(m, sk);
   const float em = expf(m - mm);
   const float f = em / (l * em + expf(sk - mm));
-  float v[ATT_DPL];
-#pragma unroll
-  for (int i = 0; i < ATT_DPL; ++i) v[i] = o[i] * f;
-  if (cs != nullptr) derope_lanes(v, nd, D, cs, sn, P);
 #pragma unroll
   for (int i = 0; i < ATT_DPL; ++i)
-    if (i < nd) oh[lane + 32 * i] = v[i];
-}
-
-// out[s, h, :] = softmax-with-sink over n of (q[s,h].kv[n] * scale + bias[s,n]) applied to kv.
-// q [S, H, D], kv [N, D], bias [S, N] (0 or -inf), sinks [H]. D % 32 == 0, D <= 512.
-// grid (ceil(H/8), S), block 256.
-extern "C" __global__ void __launch_bounds__(256) attention(const float* __restrict__ q, const float* __restrict__ kv,
-                                                           const float* __restrict__ bias,
-                                                           const float* __restrict__ sinks, float* __restrict__ out,
-                                                           int S, int H, int N, int D, float scale) {
-  const int h = blockIdx.x * 8 + (threadIdx.x >> 5), s = blockIdx.y, nd = D / 32;
-  const bool active = h < H;
-  float qr[ATT_DPL], o[ATT_DPL], m = -DSUF_INF, l = 0.f;
-  load_query(q + ((size_t)s * H + (active ? h : 0)) * D, active, nd, qr, o);
-  const float* br = bias + (size_t)s * N;
-  attend_rows(qr, o, m, l, active, 0, N, D, scale, [&](int n, float& b) {
-    b = br[n];
-    return kv + (size_t)n * D;
-  });
-  if (active) write_with_sink(out + ((size_t)s * H + h) * D, o, m, l, sinks[h], nd);
+    if (i < nd) oh[lane + 32 * i] = o[i] * f;
 }
 
 // Decode attention of B sequences (one query each) in one launch, split over the keys.
@@ -160,7 +117,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_decode(
     const float* __restrict__ q, const long long* __restrict__ tab, const bool* __restrict__ masks, int masks_ld,
     const float* __restrict__ sinks, float* __restrict__ out, float* __restrict__ part_o,
     float* __restrict__ part_ml, int H, int D, int nsplit, int chunk, float scale, const int* __restrict__ rows1,
-    const int* __restrict__ cnt1, int rows1_ld, const float* __restrict__ cs, const float* __restrict__ sn, int P) {
+    const int* __restrict__ cnt1, int rows1_ld) {
   const int h = blockIdx.x * 8 + (threadIdx.x >> 5), b = blockIdx.y, z = blockIdx.z, nd = D / 32;
   const bool active = h < H;
   const long long* e = tab + 6 * b;
@@ -187,9 +144,8 @@ extern "C" __global__ void __launch_bounds__(256) attention_decode(
   });
   if (!active) return;
   const size_t bh = (size_t)b * H + h;
-  if (nsplit == 1) {  // (cs: the output with the inverse RoPE applied, rows' tables [B, P])
-    write_with_sink(out + bh * D, o, m, l, sinks[h], nd, cs ? cs + (size_t)b * P : nullptr,
-                    sn ? sn + (size_t)b * P : nullptr, P, D);
+  if (nsplit == 1) {
+    write_with_sink(out + bh * D, o, m, l, sinks[h], nd);
     return;
   }
   const int lane = threadIdx.x & 31;
@@ -203,7 +159,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_decode(
   }
 }
 
-// A prompt chunk's attention on tensor cores (DSUF_ATTEND_TC), in three passes over a block of
+// A prompt chunk's attention on tensor cores, in three passes over a block of
 // queries: scores (attn_tc_scores), softmax with the sink (attn_tc_softmax), then P times V
 // (attn_tc_pv). MQA: every head of a query reads the same keys, so a query's 64 heads are the M
 // side of its MMAs. Query s's keys are j = 0 .. L-1 (attn_key_row): its window, rows lo[s] ..
@@ -368,14 +324,12 @@ extern "C" __global__ void __launch_bounds__(256) mask_rows(const bool* __restri
 
 // out[b, h] = sum_z e^(m_z - M) o_z / (sum_z e^(m_z - M) l_z + e^(sink - M)), M = max(m_z, sink):
 // the splits of attention_decode merged in a fixed order. grid (ceil(B * H / 8)), block 256: a
-// warp per (b, h). DEROPE (attention_combine_derope): the inverse RoPE of the rows' tables cs, sn
-// [B, P] applied as well (derope_lanes).
-template <bool DEROPE>
-__device__ __forceinline__ void attention_combine_body(const float* __restrict__ part_o,
-                                                       const float* __restrict__ part_ml,
-                                                       const float* __restrict__ sinks, float* __restrict__ out,
-                                                       int BH, int H, int D, int nsplit, const float* __restrict__ cs,
-                                                       const float* __restrict__ sn, int P) {
+// warp per (b, h).
+extern "C" __global__ void __launch_bounds__(256) attention_combine(const float* __restrict__ part_o,
+                                                                   const float* __restrict__ part_ml,
+                                                                   const float* __restrict__ sinks,
+                                                                   float* __restrict__ out, int BH, int H, int D,
+                                                                   int nsplit) {
   const int bh = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31, nd = D / 32;
   if (bh >= BH) return;
   const float* ml = part_ml + (size_t)bh * nsplit * 2;
@@ -394,59 +348,21 @@ __device__ __forceinline__ void attention_combine_body(const float* __restrict__
       if (i < nd) o[i] += f * po[lane + 32 * i];
   }
   const float inv = 1.f / den;
-  if (DEROPE) {
-#pragma unroll
-    for (int i = 0; i < ATT_DPL; ++i) o[i] *= inv;
-    derope_lanes(o, nd, D, cs + (size_t)(bh / H) * P, sn + (size_t)(bh / H) * P, P);
-  }
 #pragma unroll
   for (int i = 0; i < ATT_DPL; ++i)
-    if (i < nd) out[(size_t)bh * D + lane + 32 * i] = DEROPE ? o[i] : o[i] * inv;
-}
-
-#define ATT_COMBINE_ARGS                                                                                   \
-  const float *__restrict__ part_o, const float *__restrict__ part_ml, const float *__restrict__ sinks,   \
-      float *__restrict__ out, int BH, int H, int D, int nsplit, const float *__restrict__ cs,            \
-      const float *__restrict__ sn, int P
-extern "C" __global__ void __launch_bounds__(256) attention_combine(ATT_COMBINE_ARGS) {
-  attention_combine_body<false>(part_o, part_ml, sinks, out, BH, H, D, nsplit, cs, sn, P);
-}
-extern "C" __global__ void __launch_bounds__(256) attention_combine_derope(ATT_COMBINE_ARGS) {
-  attention_combine_body<true>(part_o, part_ml, sinks, out, BH, H, D, nsplit, cs, sn, P);
+    if (i < nd) out[(size_t)bh * D + lane + 32 * i] = o[i] * inv;
 }
 
 // out[s, n] = sum_h w[s, h] * H^-0.5 * relu(q[s, h] . k[n]) * Dh^-0.5
 // q [S, H, Dh], k [N, Dh], w [S, H]. Dh % 32 == 0, Dh <= 256. grid (ceil(N/32), S), block 256:
 // each warp scores 4 keys; q[s] and w[s] sit in dynamic shared memory. Keys n in [N, ldo) of the
-// row (a decode batch's padding) get -inf. Two ways to score a key (LANES):
-//  - lanes over k: each head's dot is split over the lanes and reduced across them, one warp
-//    reduction per head; the chain of H dependent reductions bounds it at ~6 us per key (64 heads)
-//    however few keys there are;
-//  - lanes over heads (DSUF_INDEXER_LANES): lane l takes heads l, l + 32, ... and dots the key row,
-//    staged in the warp's shared memory, with its heads' queries (rows Dh + 1 floats apart, so the
-//    lanes' reads fall in 32 banks): one reduction per key. Another summation order.
-// Dynamic shared memory: H * Dh + H floats, lanes over heads H * (Dh + 1) + H + 8 * Dh.
+// row (a decode batch's padding) get -inf. Lanes over heads: lane l takes heads l, l + 32, ... and
+// dots the key row, staged in the warp's shared memory, with its heads' queries (rows Dh + 1 floats
+// apart, so the lanes' reads fall in 32 banks): one warp reduction per key, not one per head.
+// Dynamic shared memory: H * (Dh + 1) + H + 8 * Dh floats.
 #define IDX_KPW 4
-__device__ __forceinline__ float key_score_over_k(const float* __restrict__ kn, const float* qs, const float* ws,
-                                                  int H, int Dh, float dscale) {
-  const int lane = threadIdx.x & 31, nd = Dh / 32;
-  float kr[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) kr[i] = i < nd ? kn[lane + 32 * i] : 0.f;
-  float acc = 0.f;
-  for (int hh = 0; hh < H; ++hh) {
-    float d = 0.f;
-#pragma unroll
-    for (int i = 0; i < 8; ++i)
-      if (i < nd) d += qs[hh * Dh + lane + 32 * i] * kr[i];
-    d = warp_sum(d);
-    acc += fmaxf(d, 0.f) * dscale * ws[hh];
-  }
-  return acc;
-}
-
-__device__ __forceinline__ float key_score_over_heads(const float* __restrict__ kn, const float* qs, const float* ws,
-                                                      float* kw, int H, int Dh, float dscale) {
+__device__ __forceinline__ float key_score(const float* __restrict__ kn, const float* qs, const float* ws, float* kw,
+                                           int H, int Dh, float dscale) {
   const int lane = threadIdx.x & 31;
   for (int i = lane; i < Dh; i += 32) kw[i] = kn[i];
   __syncwarp();
@@ -462,12 +378,11 @@ __device__ __forceinline__ float key_score_over_heads(const float* __restrict__ 
   return warp_sum(acc);
 }
 
-template <bool LANES>
 __device__ __forceinline__ void indexer_row(const float* __restrict__ q, const float* __restrict__ k,
                                             const float* __restrict__ w, float* __restrict__ out, int H, int N,
                                             int ldo, int Dh, float dscale, float hscale) {
   extern __shared__ __align__(16) float qs[];
-  const int qld = LANES ? Dh + 1 : Dh;
+  const int qld = Dh + 1;
   float* ws = qs + H * qld;
   const int s = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   for (int i = threadIdx.x; i < H * Dh; i += blockDim.x) qs[(i / Dh) * qld + i % Dh] = q[(size_t)s * H * Dh + i];
@@ -478,9 +393,7 @@ __device__ __forceinline__ void indexer_row(const float* __restrict__ q, const f
     const int n = blockIdx.x * 32 + warp * IDX_KPW + j;
     if (n >= ldo) break;
     float acc = __int_as_float(0xff800000);
-    if (n < N)
-      acc = LANES ? key_score_over_heads(k + (size_t)n * Dh, qs, ws, ws + H + warp * Dh, H, Dh, dscale)
-                  : key_score_over_k(k + (size_t)n * Dh, qs, ws, H, Dh, dscale);
+    if (n < N) acc = key_score(k + (size_t)n * Dh, qs, ws, ws + H + warp * Dh, H, Dh, dscale);
     if (lane == 0) out[(size_t)s * ldo + n] = acc;
   }
 }
@@ -489,11 +402,8 @@ extern "C" __global__ void __launch_bounds__(256) indexer_scores(const float* __
                                                                 const float* __restrict__ k,
                                                                 const float* __restrict__ w,
                                                                 float* __restrict__ out, int S, int H, int N,
-                                                                int Dh, float dscale, float hscale, int lanes) {
-  if (lanes)
-    indexer_row<true>(q, k, w, out, H, N, N, Dh, dscale, hscale);
-  else
-    indexer_row<false>(q, k, w, out, H, N, N, Dh, dscale, hscale);
+                                                                int Dh, float dscale, float hscale) {
+  indexer_row(q, k, w, out, H, N, N, Dh, dscale, hscale);
 }
 
 // Prefill: the same scores on tensor cores (mma.m16n8k16, bf16 in, f32 accumulate), for many
@@ -596,10 +506,7 @@ extern "C" __global__ void __launch_bounds__(256) indexer_scores_spans(const flo
                                                                       const long long* __restrict__ kspan,
                                                                       const float* __restrict__ w,
                                                                       float* __restrict__ out, int H, int ldo,
-                                                                      int Dh, float dscale, float hscale, int lanes) {
+                                                                      int Dh, float dscale, float hscale) {
   const long long* e = kspan + 2 * blockIdx.y;
-  if (lanes)
-    indexer_row<true>(q, (const float*)e[0], w, out, H, (int)e[1], ldo, Dh, dscale, hscale);
-  else
-    indexer_row<false>(q, (const float*)e[0], w, out, H, (int)e[1], ldo, Dh, dscale, hscale);
+  indexer_row(q, (const float*)e[0], w, out, H, (int)e[1], ldo, Dh, dscale, hscale);
 }

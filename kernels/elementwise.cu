@@ -22,7 +22,7 @@ extern "C" __global__ void rmsnorm(const float* __restrict__ x, const float* __r
 
 // Same for D % 4 == 0 and D <= 8192 (block 256): each thread loads its up to 8 float4 at once and
 // keeps them in registers, so a row costs one round trip to memory, not a chain of dependent
-// strided loads (a decode step's 5120-wide norms took ~15 us that way).
+// strided loads.
 #define RMS_VPT 8
 extern "C" __global__ void __launch_bounds__(256) rmsnorm_v4(const float* __restrict__ x, const float* __restrict__ w,
                                                              float* __restrict__ y, int D, float eps) {
@@ -120,8 +120,8 @@ extern "C" __global__ void __launch_bounds__(256) hc_mix_partial(const float* __
 
 // mode-0 finish for hc a power of two with hc*hc <= 32: lane l holds comb[i = l / hc][j = l % hc]; row sums
 // are xor-shuffles over offsets < hc, column sums over offsets hc .. hc*hc/2 (both stay inside the active
-// lanes, so the idle lanes' values never mix in). A single thread took ~50 us per call on 20 Sinkhorn
-// rounds of divisions; the sums here are trees instead of left-to-right (<= 1 ulp apart).
+// lanes, so the idle lanes' values never mix in), instead of one thread's serial chain of Sinkhorn
+// rounds; the sums here are trees instead of left-to-right (<= 1 ulp apart).
 __device__ __forceinline__ void hc_sinkhorn_warp(const float* mix, const float* __restrict__ scale,
                                                  const float* __restrict__ base, int hc, float hc_eps, int iters,
                                                  int t, float* __restrict__ pre, float* __restrict__ post,
@@ -366,82 +366,6 @@ extern "C" __global__ void hc_expand(const float* __restrict__ out, const float*
   y[i] = post[t * hc + k] * out[t * D + d] + s;
 }
 
-// A sub-layer's stream update and the next site's input in one launch, for V4.1's single-pass mHC,
-// whose next collapse weights `pre` are known before the update (hc_expand, then hc_collapse_norm):
-//   y[t, k] = post[t, k] * out[t] + sum_j comb[t, j, k] * res[t, j]
-//   x[t] = rmsnorm(sum_k pre[t, k] * y[t, k]) * w                    (w may be null)
-// grid (T), block EN_THREADS (hc_collapse_norm's size: a decode step's one block must find room on
-// an SM beside a side branch's GEMV blocks and the next GEMV's early-launched ones). Each thread
-// takes float4 columns two at a time, their hc stream loads in flight together, and stores the
-// unnormalised collapse in x; after the block's one reduction it rescales its own columns of x.
-// hc <= EN_HC, D % 4 == 0.
-#define EN_THREADS 256
-#define EN_HC 4
-extern "C" __global__ void __launch_bounds__(EN_THREADS) hc_expand_norm(
-    const float* __restrict__ out, const float* __restrict__ res, const float* __restrict__ post,
-    const float* __restrict__ comb, const float* __restrict__ pre, const float* __restrict__ w,
-    float* __restrict__ y, float* __restrict__ x, int hc, int D, float eps) {
-  dsuf_launch_dependents();
-  __shared__ float red[33];
-  __shared__ float mix[EN_HC * (EN_HC + 2)];  // comb [hc, hc], then post [hc], then pre [hc]
-  const int t = blockIdx.x, n4 = D >> 2, hh = hc * hc;
-  if (threadIdx.x < hh) mix[threadIdx.x] = comb[(size_t)t * hh + threadIdx.x];
-  else if (threadIdx.x < hh + hc) mix[threadIdx.x] = post[(size_t)t * hc + threadIdx.x - hh];
-  else if (threadIdx.x < hh + 2 * hc) mix[threadIdx.x] = pre[(size_t)t * hc + threadIdx.x - hh - hc];
-  __syncthreads();
-  const float4* rr = (const float4*)(res + (size_t)t * hc * D);
-  const float4* orow = (const float4*)(out + (size_t)t * D);
-  float4* yr = (float4*)(y + (size_t)t * hc * D);
-  float4* xr = (float4*)(x + (size_t)t * D);
-  float s = 0.f;
-  for (int c0 = threadIdx.x; c0 < n4; c0 += 2 * EN_THREADS) {
-    float4 o[2], r[2][EN_HC];
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      const int c = c0 + u * EN_THREADS;
-      if (c >= n4) break;
-      o[u] = __ldg(orow + c);
-#pragma unroll
-      for (int m = 0; m < EN_HC; ++m)
-        if (m < hc) r[u][m] = __ldg(rr + (size_t)m * n4 + c);
-    }
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      const int c = c0 + u * EN_THREADS;
-      if (c >= n4) break;
-      float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-      for (int k = 0; k < EN_HC; ++k) {
-        if (k >= hc) break;
-        float4 m4 = make_float4(0.f, 0.f, 0.f, 0.f);  // (summed over j first, as hc_expand does)
-#pragma unroll
-        for (int m = 0; m < EN_HC; ++m) {
-          if (m >= hc) break;
-          const float cw = mix[m * hc + k];
-          m4.x += cw * r[u][m].x; m4.y += cw * r[u][m].y; m4.z += cw * r[u][m].z; m4.w += cw * r[u][m].w;
-        }
-        const float p = mix[hh + k], q = mix[hh + hc + k];
-        const float4 e = make_float4(p * o[u].x + m4.x, p * o[u].y + m4.y, p * o[u].z + m4.z, p * o[u].w + m4.w);
-        yr[(size_t)k * n4 + c] = e;
-        v.x += q * e.x; v.y += q * e.y; v.z += q * e.z; v.w += q * e.w;
-      }
-      xr[c] = v;
-      s += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-    }
-  }
-  s = block_sum(s, red);
-  const float rs = 1.f / sqrtf(s / (float)D + eps);
-  for (int c = threadIdx.x; c < n4; c += EN_THREADS) {  // (this thread's own stores: plain loads)
-    float4 v = xr[c];
-    v.x *= rs; v.y *= rs; v.z *= rs; v.w *= rs;
-    if (w) {
-      const float4 g = __ldg((const float4*)w + c);
-      v.x *= g.x; v.y *= g.y; v.z *= g.z; v.w *= g.w;
-    }
-    xr[c] = v;
-  }
-}
-
 // Engram gate, one (t, stream) row per block: h + sigmoid(signed sqrt(dot)) * value[t].
 extern "C" __global__ void engram_mix(const float* __restrict__ h, const float* __restrict__ key,
                                       const float* __restrict__ value, const float* __restrict__ qk,
@@ -524,11 +448,10 @@ extern "C" __global__ void swiglu_pairs(const float* __restrict__ gu, float* __r
   y[i] = swiglu1(gu[r * 2 * inter + c], gu[r * 2 * inter + inter + c], limit);
 }
 
-// y[t, d] = sum_s w[t, s] * out[inv[t, s], d] (+ add[t, d], where not null: the shared expert)
-// (inv: row of pair (t, s) in expert order)
+// y[t, d] = sum_s w[t, s] * out[inv[t, s], d]   (inv: row of pair (t, s) in expert order)
 extern "C" __global__ void moe_combine(const float* __restrict__ out, const float* __restrict__ w,
-                                       const int* __restrict__ inv, const float* __restrict__ add,
-                                       float* __restrict__ y, long long total, int K, int D) {
+                                       const int* __restrict__ inv, float* __restrict__ y, long long total, int K,
+                                       int D) {
   dsuf_launch_dependents();
   long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= total) return;
@@ -536,7 +459,6 @@ extern "C" __global__ void moe_combine(const float* __restrict__ out, const floa
   const int d = (int)(i % D);
   float s = 0.f;
   for (int k = 0; k < K; ++k) s += out[(size_t)inv[t * K + k] * D + d] * w[t * K + k];
-  if (add) s += add[i];
   y[i] = s;
 }
 
@@ -554,8 +476,9 @@ extern "C" __global__ void copy_rows(const long long* __restrict__ tab) {
 // Row b of src [B, W] (rows ld floats apart) to the address dst[b], skipped where it is 0: a decode
 // step's new state rows, each into its own sequence's buffer. vec4: W, ld and the addresses are
 // multiples of 4 floats. grid (B), block 128.
-__device__ __forceinline__ void scatter_row(const float* __restrict__ src, const long long* __restrict__ dst, int W,
-                                            int ld, int vec4) {
+extern "C" __global__ void scatter_rows(const float* __restrict__ src, const long long* __restrict__ dst, int W,
+                                        int ld, int vec4) {
+  dsuf_launch_dependents();
   float* d = (float*)dst[blockIdx.x];
   if (d == nullptr) return;
   const float* s = src + (size_t)blockIdx.x * ld;
@@ -564,23 +487,4 @@ __device__ __forceinline__ void scatter_row(const float* __restrict__ src, const
   } else {
     for (int i = threadIdx.x; i < W; i += blockDim.x) d[i] = s[i];
   }
-}
-
-extern "C" __global__ void scatter_rows(const float* __restrict__ src, const long long* __restrict__ dst, int W,
-                                        int ld, int vec4) {
-  dsuf_launch_dependents();
-  scatter_row(src, dst, W, ld, vec4);
-}
-
-// Up to three such jobs in one launch (a decode step's window, pending kv and pending gate rows;
-// its entries and keys): grid (B, jobs), job blockIdx.y; bit j of vec4: job j's vec4.
-extern "C" __global__ void scatter_rows3(const float* __restrict__ s0, const long long* __restrict__ d0, int w0,
-                                         int l0, const float* __restrict__ s1, const long long* __restrict__ d1,
-                                         int w1, int l1, const float* __restrict__ s2,
-                                         const long long* __restrict__ d2, int w2, int l2, int vec4) {
-  dsuf_launch_dependents();
-  const int j = blockIdx.y;
-  if (j == 0) scatter_row(s0, d0, w0, l0, vec4 & 1);
-  else if (j == 1) scatter_row(s1, d1, w1, l1, (vec4 >> 1) & 1);
-  else scatter_row(s2, d2, w2, l2, (vec4 >> 2) & 1);
 }

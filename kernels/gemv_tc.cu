@@ -60,24 +60,20 @@ __device__ __forceinline__ void ldsm_x4(u32 addr, u32* d) {
 // x's 128-element groups are scaled by 2^sh, sh bringing the group's max |x| into [2^13, 2^14)
 // (0 for a zero or non-finite max: NaN is ignored here and propagates through the products
 // instead), then split into f16 hi + lo terms (22 mantissa bits: float32-grade products).
-// (top: the max's place, 14 for f16 terms; 8 for e4m3 terms, whose largest is 448)
-__device__ __forceinline__ int x_group_shift(float m, int top = 14) {
+__device__ __forceinline__ int x_group_shift(float m) {
   int sh = 0;
   if (m > 0.f && m <= 3.0e38f) {
     int e;
     frexpf(m, &e);  // m = f * 2^e, f in [0.5, 1)
-    sh = top - e;
+    sh = 14 - e;
     sh = sh < -125 ? -125 : (sh > 125 ? 125 : sh);
   }
   return sh;
 }
-// the shift of the group whose four elements this lane holds (v): over the warp's max |v|
-__device__ __forceinline__ int x_group_shift4(float4 v, int top = 14) {
-  return x_group_shift(warp_max(fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)))), top);
-}
 // four elements of one group (v) -> f16 hi and lo terms of v * 2^sh; returns 2^-sh (the group's inverse)
 __device__ __forceinline__ float split_group4(float4 v, u32* hi, u32* lo) {
-  const int sh = x_group_shift4(v);
+  const float m = warp_max(fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+  const int sh = x_group_shift(m);
   const float scale = pow2f(sh);
   const float x[4] = {v.x * scale, v.y * scale, v.z * scale, v.w * scale};
 #pragma unroll
@@ -414,91 +410,41 @@ DEF_TC(fp4, FMT_FP4, 1)
 DEF_TC(fp4, FMT_FP4, 2)
 DEF_TC(fp4, FMT_FP4, 4)
 
-// A row of x (K floats) by 128-element groups: warp `warp` of nw takes groups warp, warp + nw, ...,
-// a lane 4 elements (float4 v from element e0; zeros past K), with four groups' loads in flight per
-// warp (a warp reduction per group kept a plain loop from overlapping them: one L2 round trip per
-// group); each group is handed to stage(gi, e0, v). ACT: x holds the gate and up the up
-// projection of a SwiGLU, and the row is swiglu1(x, up, limit) (a fused gate / up GEMV's output
-// read by the down projection, with no activation launch between them); two groups' gates and ups
-// in flight, the registers of four plain groups.
-template <bool ACT, class Stage>
-__device__ __forceinline__ void for_x_groups(const float* __restrict__ x, const float* __restrict__ up, float limit,
-                                             int K, int warp, int nw, int lane, Stage stage) {
-  constexpr int G = ACT ? 2 : 4;
-  const int ngx = (K + 127) / 128;
-  for (int g0 = warp; g0 < ngx; g0 += G * nw) {
-    float4 v[G], u[G];
-#pragma unroll
-    for (int j = 0; j < G; ++j) {
-      const int e0 = (g0 + nw * j) * 128 + 4 * lane;
-      v[j] = e0 < K ? __ldg((const float4*)(x + e0)) : make_float4(0.f, 0.f, 0.f, 0.f);
-      if (ACT) u[j] = e0 < K ? __ldg((const float4*)(up + e0)) : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-#pragma unroll
-    for (int j = 0; j < G; ++j) {
-      const int gi = g0 + nw * j, e0 = gi * 128 + 4 * lane;
-      if (gi >= ngx) break;  // (uniform over the warp)
-      if (ACT)
-        v[j] = make_float4(swiglu1(v[j].x, u[j].x, limit), swiglu1(v[j].y, u[j].y, limit),
-                           swiglu1(v[j].z, u[j].z, limit), swiglu1(v[j].w, u[j].w, limit));
-      stage(gi, e0, v[j]);
-    }
-  }
-}
-
 // One row of x (K floats) -> shared memory as the one-row GEMVs' B operand: two f16 columns (hi,
 // lo terms) cs bytes apart, each 128-k group scaled by a power of two (inverse in xinv[group]),
 // half k at byte 2k + 16 (k / 64) of its column (FP4: permuted within each 8, see gemvr). Zeros
-// past K. One warp per group (for_x_groups; up, limit: its SwiGLU form).
-template <bool F8, bool ACT = false>
-__device__ __forceinline__ void stage_x_cols(const float* __restrict__ x, const float* __restrict__ up, float limit,
-                                             int K, u8* cols, int cs, float* xinv, int warp, int nw, int lane) {
-  for_x_groups<ACT>(x, up, limit, K, warp, nw, lane, [&](int gi, int e0, float4 v) {
-    u32 hv[4], lv[4];
-    const float inv = split_group4(v, hv, lv);
-    if (lane == 0) xinv[gi] = inv;
-    const int kp = e0 + 8 * (e0 >> 6);  // padded half index of element e0 (16 bytes per 64 halves)
-    if (F8) {
-      *(uint2*)(cols + 2 * kp) = make_uint2(hv[0] | (hv[1] << 16), hv[2] | (hv[3] << 16));
-      *(uint2*)(cols + cs + 2 * kp) = make_uint2(lv[0] | (lv[1] << 16), lv[2] | (lv[3] << 16));
-    } else {  // element e of an 8-group at 2e (e < 4) or 2(e - 4) + 1
-      u16* hi = (u16*)cols + (kp & ~7) + (lane & 1);
-      u16* lo = (u16*)(cols + cs) + (kp & ~7) + (lane & 1);
+// past K. One warp per group, nw warps (this one `warp`), four groups' loads in flight per warp (a
+// warp reduction per group kept the loop from overlapping them: one L2 round trip per group).
+template <bool F8>
+__device__ __forceinline__ void stage_x_cols(const float* __restrict__ x, int K, u8* cols, int cs, float* xinv,
+                                             int warp, int nw, int lane) {
+  const int ngx = (K + 127) / 128;
+  for (int g0 = warp; g0 < ngx; g0 += 4 * nw) {
+    float4 v[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) hi[2 * i] = (u16)hv[i], lo[2 * i] = (u16)lv[i];
+    for (int j = 0; j < 4; ++j) {
+      const int e0 = (g0 + nw * j) * 128 + 4 * lane;
+      v[j] = e0 < K ? __ldg((const float4*)(x + e0)) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
-  });
-}
-
-// One row of x (K floats) -> shared memory as gemvr_fp4e4's B operand: four e4m3 term planes, ps
-// bytes apart (ps = 16 mod 128: the 8 B-loading lanes hit distinct banks), each 128-k group scaled
-// by 2^sh (its max into [2^7, 2^8); inverse in xinv[group]); term j is the residual of the terms
-// before it times 16^j, so x = sum_j term_j 16^-j to ~2^-16 of the group's max. Within each 8 k a
-// plane holds elements 0, 2, 4, 6, then 1, 3, 5, 7 (the order e4m3_lo / e4m3_hi decode a weight
-// word in). Zeros past K. One warp per group (for_x_groups; up, limit: its SwiGLU form).
-template <bool ACT = false>
-__device__ __forceinline__ void stage_x_e4(const float* __restrict__ x, const float* __restrict__ up, float limit,
-                                           int K, u8* planes, int ps, float* xinv, int warp, int nw, int lane) {
-  for_x_groups<ACT>(x, up, limit, K, warp, nw, lane, [&](int gi, int e0, float4 v) {
-    const int sh = x_group_shift4(v, 8);
-    if (lane == 0) xinv[gi] = pow2f(-sh);
-    const float sc = pow2f(sh);
-    float r[4] = {v.x * sc, v.y * sc, v.z * sc, v.w * sc};
-    // an even lane holds elements 0-3 of an 8, its odd neighbour 4-7: the even lane writes the
-    // plane's word of elements 0, 2, 4, 6 and the odd one that of 1, 3, 5, 7
-    u8* dst = planes + (e0 & ~7) + 4 * (lane & 1);
 #pragma unroll
-    for (int t = 0; t < 4; ++t) {
-      const u32 p = e4m3x2_rn(r[0], r[1]) | ((u32)e4m3x2_rn(r[2], r[3]) << 16);
-      const u32 o = __shfl_xor_sync(0xffffffffu, p, 1);
-      *(u32*)(dst + t * ps) = (lane & 1) ? __byte_perm(o, p, 0x7531) : __byte_perm(p, o, 0x6420);
-      const u32 q01 = e4m3x2_to_f16x2(p), q23 = e4m3x2_to_f16x2(p >> 16);
-      r[0] = (r[0] - h2f(q01)) * 16.f;
-      r[1] = (r[1] - h2f(q01 >> 16)) * 16.f;
-      r[2] = (r[2] - h2f(q23)) * 16.f;
-      r[3] = (r[3] - h2f(q23 >> 16)) * 16.f;
+    for (int j = 0; j < 4; ++j) {
+      const int gi = g0 + nw * j, e0 = gi * 128 + 4 * lane;
+      if (gi >= ngx) break;  // (uniform over the warp)
+      u32 hv[4], lv[4];
+      const float inv = split_group4(v[j], hv, lv);
+      if (lane == 0) xinv[gi] = inv;
+      const int kp = e0 + 8 * (e0 >> 6);  // padded half index of element e0 (16 bytes per 64 halves)
+      if (F8) {
+        *(uint2*)(cols + 2 * kp) = make_uint2(hv[0] | (hv[1] << 16), hv[2] | (hv[3] << 16));
+        *(uint2*)(cols + cs + 2 * kp) = make_uint2(lv[0] | (lv[1] << 16), lv[2] | (lv[3] << 16));
+      } else {  // element e of an 8-group at 2e (e < 4) or 2(e - 4) + 1
+        u16* hi = (u16*)cols + (kp & ~7) + (lane & 1);
+        u16* lo = (u16*)(cols + cs) + (kp & ~7) + (lane & 1);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) hi[2 * i] = (u16)hv[i], lo[2 * i] = (u16)lv[i];
+      }
     }
-  });
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -528,27 +474,19 @@ __device__ __forceinline__ void stage_x_e4(const float* __restrict__ x, const fl
 // first weights before waiting on the previous kernel (PDL). A quad, then the kw warps sharing a
 // tile, reduce in a fixed order (graph replays are bit-identical).
 // grid (blocks, nseg), block 256, dynamic shared memory: host _gemvr_smem.
-//
-// E4 (FP4 only, gemvr_fp4e4): the weights' nibbles become e4m3 bytes by bit placement (e4m3_lo / hi,
-// ~1.2 integer ops a weight against fp4_pairs' ~3) and feed mma.m16n8k32.e4m3; x is four e4m3 terms
-// (stage_x_e4), two MMAs per weight word, one per pair of terms, in B columns 2G + j for granule G
-// (the same one-granule-per-lane scheme: lane (g, t) loads term 2p + (g & 1) of its granule where
-// g / 2 == t). For a kernel bound by its instructions per weight rather than by its loads.
-template <int FMT, int U, bool PIPE, bool E4 = false, bool ACT = false>
+template <int FMT, int U, bool PIPE>
 __device__ __forceinline__ void gemvr_body(const float* __restrict__ A, int lda, float* __restrict__ Y, int ldy,
                                            int N, int K, const int* __restrict__ segs,
                                            const u64* __restrict__ wptrs, const u64* __restrict__ sptrs,
-                                           int bn, int bk, int gk, int kw, int pf, float limit) {
+                                           int bn, int bk, int gk, int kw, int pf) {
   extern __shared__ __align__(16) u8 gr_smem[];
   constexpr bool F8 = FMT == FMT_FP8;
-  static_assert(!(E4 && F8), "E4 takes FP4 weights");
   constexpr int NW = F8 ? 8 : 4;  // weight words per lane, row and unit
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int tpb = 8 / kw, part = warp % kw;
   const int ngx = (K + 127) / 128;                    // units (= x groups)
   const int cs = ((288 * ngx + 127) & ~127) + 32;     // bytes per staged x column (= 32 mod 128)
-  const int ps = 128 * ngx + 16;                      // E4: bytes per x term plane (= 16 mod 128)
-  float* xinv = (float*)(gr_smem + (E4 ? 4 * ps : 2 * cs));
+  float* xinv = (float*)(gr_smem + 2 * cs);
   float* red = xinv + ngx;
   const int ntiles = (N + 15) / 16, nbi = (ntiles + tpb - 1) / tpb;
   const size_t row_bytes = F8 ? (size_t)K : (size_t)K / 2;
@@ -617,11 +555,7 @@ __device__ __forceinline__ void gemvr_body(const float* __restrict__ A, int lda,
     }
   }
 
-  const float* xr = A + (size_t)row0 * lda + acol;  // (ACT: the row's gate, its up K floats on)
-  if (E4)
-    stage_x_e4<ACT>(xr, xr + K, limit, K, gr_smem, ps, xinv, warp, 8, lane);
-  else
-    stage_x_cols<F8, ACT>(xr, xr + K, limit, K, gr_smem, cs, xinv, warp, 8, lane);
+  stage_x_cols<F8>(A + (size_t)row0 * lda + acol, K, gr_smem, cs, xinv, warp, 8, lane);
   __syncthreads();
 
   const bool feeds = (g >> 1) == t;  // this lane loads B column g = 2t + term (granule t)
@@ -640,28 +574,12 @@ __device__ __forceinline__ void gemvr_body(const float* __restrict__ A, int lda,
         for (int i = 0; i < U; ++i) {
           const int un = u0 + i * kw;
           if (un >= ngx) break;
-          if (feeds && !E4) {
+          if (feeds) {
 #pragma unroll
             for (int q = 0; q < 4; ++q) xv[q] = *(const uint4*)(xc + un * 288 + 16 * q);
           }
           float c[4] = {0.f, 0.f, 0.f, 0.f};
-          if (E4) {  // c: terms 0, 1 (columns 2t, 2t + 1); c2: terms 2, 3
-            float c2[4] = {0.f, 0.f, 0.f, 0.f};
-            const u8* xp = gr_smem + (g & 1) * ps + un * 128 + 32 * t;
-#pragma unroll
-            for (int w = 0; w < 4; ++w) {
-              const u32 la = e4m3_lo(wa[i][w]), ha = e4m3_hi(wa[i][w]);
-              const u32 lb = e4m3_lo(wb[i][w]), hb = e4m3_hi(wb[i][w]);
-              const uint2 x01 = feeds ? *(const uint2*)(xp + 8 * w) : make_uint2(0u, 0u);
-              const uint2 x23 = feeds ? *(const uint2*)(xp + 2 * ps + 8 * w) : make_uint2(0u, 0u);
-              mma_e4m3(c, la, lb, ha, hb, x01.x, x01.y);
-              mma_e4m3(c2, la, lb, ha, hb, x23.x, x23.y);
-            }
-            // term j weighs 16^-j (folded into c[0], c[2]: the sums below add c[1], c[3])
-            c[0] = (c[0] + c[1] * 0.0625f) + (c2[0] + c2[1] * 0.0625f) * 0.00390625f;
-            c[2] = (c[2] + c[3] * 0.0625f) + (c2[2] + c2[3] * 0.0625f) * 0.00390625f;
-            c[1] = c[3] = 0.f;
-          } else if (F8) {
+          if (F8) {
 #pragma unroll
             for (int w = 0; w < 8; ++w) {
               const uint4& x = xv[w >> 1];
@@ -679,9 +597,8 @@ __device__ __forceinline__ void gemvr_body(const float* __restrict__ A, int lda,
             }
           }
           const float xs = xinv[un];
-          constexpr int ESH = E4 ? 6 : 14;  // the decoded weight's 2^-ESH (e4m3_lo / hi; fp4_pairs)
-          const float fa = F8 ? __uint_as_float(sa[i]) * xs : e8m0_scaled(sa[i], ESH) * xs;
-          const float fb = F8 ? fa : e8m0_scaled(sb[i], ESH) * xs;
+          const float fa = F8 ? __uint_as_float(sa[i]) * xs : e8m0_scaled(sa[i], 14) * xs;
+          const float fb = F8 ? fa : e8m0_scaled(sb[i], 14) * xs;
           acc0 += (c[0] + c[1]) * fa;
           acc1 += (c[2] + c[3]) * fb;
           if (PIPE && nx < ngx) load_one(i, n0, nx + i * kw);  // slot i is free: refill it
@@ -717,34 +634,15 @@ __device__ __forceinline__ void gemvr_body(const float* __restrict__ A, int lda,
 }
 
 #define GR_ARGS const float *A, int lda, float *Y, int ldy, int N, int K, const int *segs, const u64 *wptrs, \
-                const u64 *sptrs, int bn, int bk, int gk, int kw, int pf, float limit
-#define GR_PASS A, lda, Y, ldy, N, K, segs, wptrs, sptrs, bn, bk, gk, kw, pf, limit
+                const u64 *sptrs, int bn, int bk, int gk, int kw, int pf
+#define GR_PASS A, lda, Y, ldy, N, K, segs, wptrs, sptrs, bn, bk, gk, kw, pf
 // U: units (128 k) in flight per lane; PIPE: each unit's registers reloaded (next pass) as soon as it
 // is multiplied, so a lane keeps ~U units in flight instead of draining to none every pass; MINB:
-// blocks per SM the registers must allow (engine/backends/cupy_ops.py GEMVR_BLOCKS_PER_SM). Measured on
-// the H200 (graphs, weights past L2): PIPE changes FP8 by +-1 us (noise); six FP4 experts at one
-// token (gate + up, then down) take 75.5 us with FP4 U = 8 pipelined, 84.5 through gemvx, 100.7
-// with U = 4 unpipelined.
+// blocks per SM the registers must allow (engine/ops/gpu/linear.py GEMVR_BLOCKS_PER_SM).
 #define DEF_GR(NAME, FMT, U, PIPE, MINB) \
   extern "C" __global__ void __launch_bounds__(256, MINB) NAME(GR_ARGS) { gemvr_body<FMT, U, PIPE>(GR_PASS); }
 DEF_GR(gemvr_fp8, FMT_FP8, 2, false, 3)
 DEF_GR(gemvr_fp4, FMT_FP4, 8, true, 2)
-// FP4 variants for measuring (engine/backends/cupy_ops.py GEMVR_FP4): gemvr_fp4 spills ~100 bytes
-// a thread at 128 registers (ptxas, sm_90a); U = 6 fits without spilling; e4: the E4 arithmetic.
-#define DEF_GR4(NAME, U, E4) \
-  extern "C" __global__ void __launch_bounds__(256, 2) NAME(GR_ARGS) { gemvr_body<FMT_FP4, U, true, E4>(GR_PASS); }
-DEF_GR4(gemvr_fp4_u6, 6, false)
-DEF_GR4(gemvr_fp4e4, 8, true)
-DEF_GR4(gemvr_fp4e4_u6, 6, true)
-// The routed experts' down projections with their SwiGLU folded in (DSUF_FUSED_ACT, cupy_ops.py):
-// x is each pair's fused gate / up row [gate (K) | up (K)], staged as swiglu1(gate, up, limit), so no
-// activation launch sits between the two GEMVs. The same kernels otherwise (each FP4 variant's twin).
-#define DEF_GR4A(NAME, U, E4) \
-  extern "C" __global__ void __launch_bounds__(256, 2) NAME(GR_ARGS) { gemvr_body<FMT_FP4, U, true, E4, true>(GR_PASS); }
-DEF_GR4A(gemvr_fp4_act, 8, false)
-DEF_GR4A(gemvr_fp4_u6_act, 6, false)
-DEF_GR4A(gemvr_fp4e4_act, 8, true)
-DEF_GR4A(gemvr_fp4e4_u6_act, 6, true)
 
 // ---------------------------------------------------------------------------------------------
 // Tensor-core GEMM for prompt chunks, FP8 / FP4 weights: the tensor-core GEMV's arithmetic (weights

@@ -498,7 +498,7 @@ __device__ __forceinline__ void gemvx_body(const float* __restrict__ A, int lda,
       }
     }
     // (a GEMV successor's prefetch starts once this block's weight loads are all issued: launched
-    // at our start it competed with them, H200: shared w1 + w3 19 -> 25 us)
+    // at our start it would compete with them)
     if (bi + gridDim.x >= nbi) dsuf_launch_dependents();
 #pragma unroll
     for (int r = 0; r < RPW; ++r) acc[r] = warp_sum(acc[r]);
@@ -526,15 +526,12 @@ __device__ __forceinline__ void gemvx_body(const float* __restrict__ A, int lda,
   }
 }
 
-// Three blocks per SM (<= 85 registers; without the bound the compiler took 89-118 and two blocks
-// fit): H200, one row, weights past L2, V4.1-Flash's per-token linears 249 -> 234 us in all, FP8 with
-// 2 rows per warp instead of 4 (72 registers, no spill; 4 blocks spilled at 4 rows, gained nothing at 2).
+// Three blocks per SM (<= 85 registers; without the bound the compiler takes more and two blocks
+// fit); FP8 with 2 rows per warp instead of 4 (4 rows spill at that bound).
 #define DEF_GEMVX(NAME, FMT, RPW, PC) \
   extern "C" __global__ void __launch_bounds__(256, 3) NAME(GEMV_ARGS, int kw, int pf) { \
     gemvx_body<FMT, RPW, PC>(GEMV_PASS, kw, pf);                                        \
   }
-// (H200, one row, graphs, weights past L2, vs gemv: wo_a 19.8 -> 13.6 us, wo_b 21.7 -> 18.6, shared w1+w3
-// 15.2 -> 12.1, six experts' gate + up 64 -> 40 (FP4, vs the tensor-core GEMV), lm_head 25 -> 24)
 DEF_GEMVX(gemvx_f32, FMT_F32, 4, 2)
 DEF_GEMVX(gemvx_bf16, FMT_BF16, 4, 2)
 DEF_GEMVX(gemvx_fp8, FMT_FP8, 2, 2)

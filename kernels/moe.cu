@@ -1,17 +1,20 @@
 // MoE routing: scores (softmax / sigmoid / sqrt(softplus)), top-k of score + bias (ties: lower
-// expert id first, like a stable argsort), renormalised weights. One warp per token, up to 8 a block.
+// expert id first, like a stable argsort), renormalised weights. One warp per token.
 #include "dsuf_common.cuh"
 
 #define ROUTE_MAXE 512
-// One token's routing by one warp: lr its logits [E]; hrow its hash-routed ids [K] or null; sc
-// (ROUTE_MAXE floats), wk / ik (16 each): the warp's shared scratch. Lane 0 writes the token's
-// weights wrow [K] and ids irow [K], and the ids to pe [K] too where not null (route_group).
-__device__ __forceinline__ void route_token(const float* __restrict__ lr, const float* __restrict__ bias,
-                                            const long long* __restrict__ hrow, int E, int K, int scoring,
-                                            float temp, float rscale, int normalise, float* sc, float* wk,
-                                            long long* ik, float* __restrict__ wrow, long long* __restrict__ irow,
-                                            int* pe) {
-  const int lane = threadIdx.x & 31;
+extern "C" __global__ void __launch_bounds__(256) route_topk(const float* __restrict__ logits,
+                                                            const float* __restrict__ bias,
+                                                            const long long* __restrict__ hash_ids,
+                                                            float* __restrict__ wout, long long* __restrict__ iout,
+                                                            int T, int E, int K, int scoring, float temp,
+                                                            float rscale, int normalise) {
+  __shared__ float sc_all[8][ROUTE_MAXE];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int t = blockIdx.x * 8 + warp;
+  if (t >= T) return;
+  float* sc = sc_all[warp];
+  const float* lr = logits + (size_t)t * E;
   float mx = -DSUF_INF;
   for (int e = lane; e < E; e += 32) {
     float x = lr[e];
@@ -47,11 +50,13 @@ __device__ __forceinline__ void route_token(const float* __restrict__ lr, const 
     v[i] = e < E ? (bias ? sc[e] + bias[e] : sc[e]) : 0.f;
     if (e >= E) taken |= 1u << i;
   }
+  __shared__ float wk_all[8][16];
+  __shared__ long long ik_all[8][16];
   float wsum = 0.f;
   for (int k = 0; k < K && k < 16; ++k) {
     long long best_e;
-    if (hrow) {
-      best_e = hrow[k];
+    if (hash_ids) {
+      best_e = hash_ids[(size_t)t * K + k];
     } else {
       float bv = -DSUF_INF;
       int be = 0x7fffffff;
@@ -74,37 +79,19 @@ __device__ __forceinline__ void route_token(const float* __restrict__ lr, const 
     }
     const float w = sc[best_e];
     if (lane == 0) {
-      wk[k] = w;
-      ik[k] = best_e;
+      wk_all[warp][k] = w;
+      ik_all[warp][k] = best_e;
     }
     wsum += w;
   }
   __syncwarp();
   if (lane != 0) return;
   for (int k = 0; k < K && k < 16; ++k) {
-    const float w = wk[k];
-    const float out = (normalise && (K > 1 || hrow)) ? w / (wsum + 1e-20f) : w;
-    wrow[k] = out * rscale;
-    irow[k] = ik[k];
-    if (pe) pe[k] = (int)ik[k];
+    const float w = wk_all[warp][k];
+    const float out = (normalise && (K > 1 || hash_ids)) ? w / (wsum + 1e-20f) : w;
+    wout[(size_t)t * K + k] = out * rscale;
+    iout[(size_t)t * K + k] = ik_all[warp][k];
   }
-}
-
-extern "C" __global__ void __launch_bounds__(256) route_topk(const float* __restrict__ logits,
-                                                            const float* __restrict__ bias,
-                                                            const long long* __restrict__ hash_ids,
-                                                            float* __restrict__ wout, long long* __restrict__ iout,
-                                                            int T, int E, int K, int scoring, float temp,
-                                                            float rscale, int normalise) {
-  __shared__ float sc_all[8][ROUTE_MAXE];
-  __shared__ float wk_all[8][16];
-  __shared__ long long ik_all[8][16];
-  const int warp = threadIdx.x >> 5;
-  const int t = blockIdx.x * (blockDim.x >> 5) + warp;  // (blocks of 1-8 warps)
-  if (t >= T) return;
-  route_token(logits + (size_t)t * E, bias, hash_ids ? hash_ids + (size_t)t * K : nullptr, E, K, scoring, temp,
-              rscale, normalise, sc_all[warp], wk_all[warp], ik_all[warp], wout + (size_t)t * K,
-              iout + (size_t)t * K, nullptr);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -119,12 +106,13 @@ extern "C" __global__ void __launch_bounds__(256) route_topk(const float* __rest
 // One block of MOE_GROUP_MAXP threads, P <= MOE_GROUP_MAXP, E <= 2^21. Keys expert << 10 | pair
 // are unique, so a bitonic sort of them in shared memory is deterministic and stable by pair.
 #define MOE_GROUP_MAXP 1024
-// The block's grouping of P pairs whose experts id_at(i) gives (key, wcount: its shared scratch).
-template <class IdAt>
-__device__ __forceinline__ void group_pairs(IdAt id_at, int P, int K, int E, int step, int maxseg, int dup_col,
-                                            int* __restrict__ order, int* __restrict__ inv,
-                                            int* __restrict__ gather, int* __restrict__ segs, u32* key,
-                                            int* wcount) {
+extern "C" __global__ void __launch_bounds__(MOE_GROUP_MAXP) moe_group(const long long* __restrict__ ids, int P,
+                                                                       int K, int E, int step, int maxseg,
+                                                                       int dup_col, int* __restrict__ order,
+                                                                       int* __restrict__ inv,
+                                                                       int* __restrict__ gather, int* __restrict__ segs) {
+  __shared__ u32 key[MOE_GROUP_MAXP];
+  __shared__ int wcount[MOE_GROUP_MAXP / 32];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   if (step < 1) step = 1;
   int n = 1;  // sort width: a power of two >= P, padded with keys above every real one
@@ -132,7 +120,7 @@ __device__ __forceinline__ void group_pairs(IdAt id_at, int P, int K, int E, int
   for (int i = tid; i < n; i += blockDim.x) {
     u32 kv = 0xffffffffu;
     if (i < P) {
-      long long e = id_at(i);
+      long long e = ids[i];
       e = e < 0 ? 0 : (e >= E ? E - 1 : e);
       kv = ((u32)e << 10) | (u32)i;
     }
@@ -198,41 +186,6 @@ __device__ __forceinline__ void group_pairs(IdAt id_at, int P, int K, int E, int
   for (int q = 5 * total + tid; q < 5 * maxseg; q += blockDim.x) segs[q] = 0;
   if (dup_col > 0)
     for (int q = 5 * total + tid; q < 5 * maxseg; q += blockDim.x) segs[5 * maxseg + q] = 0;
-}
-
-extern "C" __global__ void __launch_bounds__(MOE_GROUP_MAXP) moe_group(const long long* __restrict__ ids, int P,
-                                                                       int K, int E, int step, int maxseg,
-                                                                       int dup_col, int* __restrict__ order,
-                                                                       int* __restrict__ inv,
-                                                                       int* __restrict__ gather, int* __restrict__ segs) {
-  __shared__ u32 key[MOE_GROUP_MAXP];
-  __shared__ int wcount[MOE_GROUP_MAXP / 32];
-  group_pairs([&](int i) { return ids[i]; }, P, K, E, step, maxseg, dup_col, order, inv, gather, segs, key, wcount);
-}
-
-// route_topk then moe_group in one launch, for a decode step's few pairs (T x K <= MOE_GROUP_MAXP,
-// block: at least T x K threads, a multiple of 32): warps 0-7 route the tokens, each pair's expert
-// also into shared memory, from which the whole block groups them. route_topk's and moe_group's
-// outputs, bit for bit; one launch and one kernel boundary fewer on the critical path.
-extern "C" __global__ void __launch_bounds__(MOE_GROUP_MAXP) route_group(
-    const float* __restrict__ logits, const float* __restrict__ bias, const long long* __restrict__ hash_ids,
-    float* __restrict__ wout, long long* __restrict__ iout, int T, int E, int K, int scoring, float temp,
-    float rscale, int normalise, int step, int maxseg, int dup_col, int* __restrict__ order,
-    int* __restrict__ inv, int* __restrict__ gather, int* __restrict__ segs) {
-  __shared__ float sc_all[8][ROUTE_MAXE];
-  __shared__ float wk_all[8][16];
-  __shared__ long long ik_all[8][16];
-  __shared__ int pe[MOE_GROUP_MAXP];  // each pair's expert
-  __shared__ u32 key[MOE_GROUP_MAXP];
-  __shared__ int wcount[MOE_GROUP_MAXP / 32];
-  const int warp = threadIdx.x >> 5, routers = min(8, (int)(blockDim.x >> 5));
-  for (int t = warp; warp < routers && t < T; t += routers)
-    route_token(logits + (size_t)t * E, bias, hash_ids ? hash_ids + (size_t)t * K : nullptr, E, K, scoring, temp,
-                rscale, normalise, sc_all[warp], wk_all[warp], ik_all[warp], wout + (size_t)t * K,
-                iout + (size_t)t * K, pe + t * K);
-  __syncthreads();
-  group_pairs([&](int i) { return (long long)pe[i]; }, T * K, K, E, step, maxseg, dup_col, order, inv, gather, segs,
-              key, wcount);
 }
 
 // ---------------------------------------------------------------------------------------------

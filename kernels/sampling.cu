@@ -20,7 +20,7 @@
 #define SMP_THREADS 1024
 #define SMP_TOPN 20  // OpenAI's top_logprobs limit (server/protocol.py MAX_TOP_LOGPROBS)
 
-// job header: int32 words (floats by bit pattern) -- engine/backends/cupy_sampling.py JOB_*
+// job header: int32 words (floats by bit pattern) -- engine/ops/gpu/sampling.py JOB_*
 #define J_ROW 0    // logits row
 #define J_TOPK 1   // 0: off
 #define J_NTOP 2   // -1: no logprobs; else how many top logprobs (<= SMP_TOPN)

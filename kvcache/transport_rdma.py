@@ -21,7 +21,6 @@ import asyncio
 import importlib.machinery
 import importlib.util
 import logging
-import os
 import random
 import socket
 import sys
@@ -285,7 +284,7 @@ class RdmaMover:
 def make_mover(transport: str, device: str | None, port: int | None, gid_index: int | None
                ) -> tuple[RdmaMover | None, str]:
     """The RDMA mover if wanted and possible, else None with the reason (TCP is then used)."""
-    if transport == "tcp" or os.environ.get("DSUF_KV_NO_RDMA"):
+    if transport == "tcp":
         return None, "TCP chosen by configuration"
     ports, why = discover(device, port, gid_index)
     if not ports:

@@ -8,7 +8,6 @@ header edits. `tools/dev/check_kernels.py` compiles the same text for every targ
 from __future__ import annotations
 
 import functools
-import os
 import re
 from pathlib import Path
 
@@ -60,10 +59,7 @@ def options(arch: str) -> tuple[str, ...]:
 
 
 def device_arch() -> str:
-    """Target of the current device ('90a' on H100/H200); DSUF_SM overrides (90a, 100a, 103a)."""
-    env = os.environ.get("DSUF_SM")
-    if env:
-        return env.removeprefix("sm_")
+    """Target of the current device ('90a' on H100/H200)."""
     import cupy
 
     cc = cupy.cuda.Device().compute_capability  # e.g. '90'
@@ -165,6 +161,6 @@ def _dims(d) -> tuple:
 
 @functools.cache
 def _pdl_ok() -> bool:
-    """PDL needs sm_90+; DSUF_PDL=0 turns it off (to compare, or to rule it out)."""
+    """PDL needs sm_90+."""
     m = re.match(r"\d+", device_arch())
-    return os.environ.get("DSUF_PDL", "1") != "0" and m is not None and int(m.group()) >= 90
+    return m is not None and int(m.group()) >= 90

@@ -35,7 +35,7 @@ Per tensor-parallel rank (engine.parallel.shard.ShardPlan decides what each rank
                                                   query's window, then its listed or unmasked entries)
       logits       max_seqs * vocab * 4
       graphs       the outputs the CUDA graphs of the layer regions keep (engine/ops/gpu/
-                   graphs.py): graph_bytes_per_row * the rows of the MAX_ROW_BUCKETS largest
+                   graphs.py): graph_bytes_per_row * the rows of the Settings.graph_buckets largest
                    row counts up to MAX_GRAPH_ROWS (a step of a few decode rows and a short
                    prompt's chunk is graphed too, so any count up to 64 can hold a bucket); a
                    V4.1 decode step graphed whole on one GPU keeps less: its logits, and
@@ -255,9 +255,10 @@ def workspace_bytes(cfg: ModelConfig, plan: ShardPlan, max_seqs: int, max_contex
               (cfg.arch != "v41" or i in cfg.kv_source_layer_ids)]
     max_entries = max_context // min(ratios) if ratios else 0
     local_heads = plan.heads[1] - plan.heads[0]
-    from engine.ops.gpu.limits import MAX_GRAPH_ROWS, MAX_ROW_BUCKETS
+    from engine.ops.gpu.limits import MAX_GRAPH_ROWS
+    from engine.settings import Settings
 
-    graph_rows = sum(max(0, MAX_GRAPH_ROWS - i) for i in range(MAX_ROW_BUCKETS))
+    graph_rows = sum(max(0, MAX_GRAPH_ROWS - i) for i in range(Settings.from_env().graph_buckets))
     return {
         "graphs": graph_rows * graph_bytes_per_row(cfg, plan),
         "activations": t * cfg.hidden_size * cfg.hc_mult * 4 * ACT_FACTOR,

@@ -187,10 +187,7 @@ class DualOps:
     def __init__(self):
         self.gpu, self.ref, self.worst = CupyOps(), NumpyOps(), {}
 
-    def graphed(self, key, fn, *arrays):  # op by op, eagerly: each op is compared
-        return fn(*arrays)
-
-    def graphed_step(self, key, inputs, run, rows):
+    def graphed_step(self, key, inputs, run, rows, pre=None):  # op by op, eagerly: each op is compared
         return run(self.gpu.stage(inputs))
 
     def norm_rope_quant(self, x, cos, sin, norm=None, quant=0, keep_normed=False):

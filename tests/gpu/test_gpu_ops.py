@@ -6,7 +6,7 @@ norms, attention; only summation order differs), for the tensor-core GEMV on FP8
 (2 to 32 rows; exact f16 weights, activations as hi + lo f16 terms) and its GEMM form for more rows
 (gemm_tc, the same arithmetic); for the bf16 GEMM (gemm) 5e-5 on weights exact in bf16 (activations
 split into three bf16 terms), 1e-2 where it rounds the weight to bf16 (f32 weights; fp8 with fp32
-scales when gemm_tc is off); exact for the fake quantizers and routing ids.
+scales in blocks gemm_tc does not read); exact for the fake quantizers and routing ids.
 Skipped where CuPy or a GPU is absent (CI).
 """
 
@@ -22,7 +22,7 @@ from engine.checkpoint import formats  # noqa: E402
 from engine.checkpoint.reader import Weight  # noqa: E402
 from engine.ops import kernels as K  # noqa: E402
 from engine.ops.gpu.ops import CupyOps  # noqa: E402
-from engine.ops.numpy_ops import Done, NumpyOps  # noqa: E402
+from engine.ops.numpy_ops import NumpyOps  # noqa: E402
 from engine.state.rows import Span  # noqa: E402
 
 F32_TOL, BF16_TOL = 2e-5, 1e-2
@@ -89,13 +89,12 @@ def test_linear(fmt, n, k, block, sfmt, m):
 @pytest.mark.parametrize("m", [33, 77, 200])
 @pytest.mark.parametrize("fmt,n,k,block,sfmt", [c for c in LINEAR_CASES if c[0] in ("fp8", "fp4") and c[2] % 32 == 0])
 def test_gemm_tc(fmt, n, k, block, sfmt, m, monkeypatch):
-    """Prompt-sized FP8 / FP4 products on the tensor-core GEMM (DSUF_GEMM_TC, forced): x as two
-    scaled f16 terms, so float32-grade like the tensor-core GEMV (F32_TOL, not the bf16 GEMM's),
-    over 64-row segments and a ragged last one. (K not a multiple of 32 takes no GEMM kernel at
-    these row counts: GpuWeight.kernel_ok.)"""
+    """Prompt-sized FP8 / FP4 products on the tensor-core GEMM (gemm_tc): x as two scaled f16 terms,
+    so float32-grade like the tensor-core GEMV (F32_TOL, not the bf16 GEMM's), over 64-row segments
+    and a ragged last one. (K not a multiple of 32 takes no GEMM kernel at these row counts:
+    GpuWeight.kernel_ok.)"""
     from engine.ops.gpu import ops as cupy_ops
 
-    monkeypatch.setattr(cupy_ops, "GEMM_TC", True)
     splits = []
     split = cupy_ops.CupyOps._tc_split_x
     spy = staticmethod(lambda a, fp4: splits.append(a.shape) or split(a, fp4))
@@ -108,20 +107,14 @@ def test_gemm_tc(fmt, n, k, block, sfmt, m, monkeypatch):
     assert max(rel(got[i], ref[i]) for i in range(m)) < F32_TOL  # row by row
 
 
-def test_gemm_tc_moe(monkeypatch):
+def test_gemm_tc_moe():
     """The routed experts' grouped GEMMs (segments from the device-built table) on gemm_tc."""
-    from engine.ops.gpu import ops as cupy_ops
-
-    monkeypatch.setattr(cupy_ops, "GEMM_TC", True)
     ref, got, most = _moe_case(150, 6, 4, 1024, 512)
     assert most > 32 and rel(got, ref) < F32_TOL  # (segments past 32 rows: the GEMM, not a GEMV)
 
 
-def test_gemm_tc_grouped(monkeypatch):
+def test_gemm_tc_grouped():
     """A block-diagonal projection (wo_a's form: segments at x columns g * in_g) on gemm_tc."""
-    from engine.ops.gpu import ops as cupy_ops
-
-    monkeypatch.setattr(cupy_ops, "GEMM_TC", True)
     groups, nout, kin, t = 4, 256, 512, 100
     w = make_weight("fp8", groups * nout, kin, (32, 32), "ue8m0")
     x = rnd(t, groups, kin)
@@ -162,32 +155,16 @@ def test_register_tensor_gemv(fmt, n, k, block, sfmt, scale, monkeypatch):
     _check_gemvr(fmt, n, k, block, sfmt, scale, monkeypatch)
 
 
-@pytest.mark.parametrize("variant", ["u6", "e4", "e4u6"])
-@pytest.mark.parametrize("fmt,n,k,block,sfmt", [c for c in GEMVR_CASES if c[0] == "fp4"])
-@pytest.mark.parametrize("scale", [1.0, 1e-30, 0.0, 1e30, "mixed"])
-def test_register_tensor_gemv_fp4_variants(variant, fmt, n, k, block, sfmt, scale, monkeypatch):
-    """The opt-in FP4 gemvr kernels (DSUF_GEMVR_FP4: 6 units in flight; the e4m3 decoding and MMA,
-    x as four e4m3 terms) meet the same checks as gemvr_fp4."""
-    from engine.ops.gpu import ops as cupy_ops
+def _gemvr_everywhere(monkeypatch) -> None:
+    """gemvr for every one-row launch it can read (the test shapes are below the rule's FP8 sizes)."""
+    from engine.ops.gpu import linear
 
-    monkeypatch.setattr(cupy_ops, "GEMVR_FP4", variant)
-    launched = []  # the kernels _run_reg picked
-    config = cupy_ops._gemvr_config
-
-    def recorded(*a):
-        got = config(*a)
-        launched.append(got[0])
-        return got
-
-    monkeypatch.setattr(cupy_ops, "_gemvr_config", recorded)
-    _check_gemvr(fmt, n, k, block, sfmt, scale, monkeypatch)
-    assert launched and set(launched) == {cupy_ops.GEMVR_FP4_KERNELS[variant][0]}
+    monkeypatch.setattr(linear, "GEMVR_MIN_BYTES", 0)
+    monkeypatch.setattr(linear, "GEMVR_MAX_K", 1 << 30)
 
 
 def _check_gemvr(fmt, n, k, block, sfmt, scale, monkeypatch):
-    from engine.ops.gpu import ops as cupy_ops
-
-    monkeypatch.setattr(cupy_ops, "GEMVR", "all")
+    _gemvr_everywhere(monkeypatch)
     calls = []
     run_reg = CupyOps._run_reg
     monkeypatch.setattr(CupyOps, "_run_reg", staticmethod(lambda *a, **kw: (calls.append(1), run_reg(*a, **kw))))
@@ -221,19 +198,13 @@ def _check_gemvr(fmt, n, k, block, sfmt, scale, monkeypatch):
         assert np.array_equal(cp.asnumpy(y), got.astype(np.float32))
 
 
-@pytest.mark.parametrize("fmt,n,k,variant", [
-    ("fp8", 200, 4096, ""), ("fp4", 2304, 1024, ""), ("fp8", 5120, 4608, ""), ("fp4", 24, 128, ""),
-    *(("fp4", 2304, 1024, v) for v in ("u6", "e4", "e4u6")), ("fp4", 24, 128, "e4")])
+@pytest.mark.parametrize("fmt,n,k", [("fp8", 200, 4096), ("fp4", 2304, 1024), ("fp8", 5120, 4608), ("fp4", 24, 128)])
 @pytest.mark.parametrize("device_table", [False, True])
-def test_register_gemv_segments(fmt, n, k, variant, device_table, monkeypatch):
+def test_register_gemv_segments(fmt, n, k, device_table, monkeypatch):
     """gemvr over a table of one-row segments (three weights, rows of x and y columns of their own,
     unused slots when the table is built on the device, as moe_group leaves them). Each launch
-    equals the reference, and a second launch and a graph replay are bit-identical to the first.
-    variant: the FP4 kernel (DSUF_GEMVR_FP4)."""
-    from engine.ops.gpu import ops as cupy_ops
-
-    monkeypatch.setattr(cupy_ops, "GEMVR", "all")
-    monkeypatch.setattr(cupy_ops, "GEMVR_FP4", variant)
+    equals the reference, and a second launch and a graph replay are bit-identical to the first."""
+    _gemvr_everywhere(monkeypatch)
     src = [make_weight(fmt, n, k, (128, 128), "ue8m0") for _ in range(3)]
     ws, refs = [GPU.prepare(w) for w in src], [REF.prepare(w) for w in src]
     x = rnd(4, k)
@@ -337,11 +308,11 @@ def test_norm_rope_quant(shape, pairs, norm, codec, keep, strided):
     nh = None if norm is None else (w, 1e-6)
     nd = None if norm is None else (None if w is None else cp.asarray(w), 1e-6)
     args = (cp.asarray(c), cp.asarray(s), nd)
-    plain = GPU.norm_rope_quant(xd, *args, 0, keep, fused=True)
+    plain = GPU.norm_rope_quant(xd, *args, 0, keep)
     ref = REF.norm_rope_quant(x, c, s, nh, 0, keep)
     for g, r in zip(plain if keep else (plain,), ref if keep else (ref,), strict=True):
         assert rel(g, r) < F32_TOL
-    got = GPU.norm_rope_quant(xd, *args, codec, keep, fused=True)
+    got = GPU.norm_rope_quant(xd, *args, codec, keep)
     if keep:
         assert np.array_equal(cp.asnumpy(got[0]), cp.asnumpy(plain[0]))
         got, plain = got[1], plain[1]
@@ -373,28 +344,13 @@ def test_hc_mixes_and_head(t, hc, d):
 def test_hc_collapse_expand():
     t, hc, d = 5, 4, 5120
     h, pre, post, comb, out = rnd(t, hc, d), rnd(t, hc), rnd(t, hc), rnd(t, hc, hc), rnd(t, d)
-    assert rel(GPU.hc_collapse(cp.asarray(h), cp.asarray(pre)), REF.hc_collapse(h, pre)) < F32_TOL
+    assert rel(GPU._hc_collapse(cp.asarray(h), cp.asarray(pre)), REF.hc_collapse(h, pre)) < F32_TOL
     w = rnd(d)
     for wt in (w, None):  # collapse + RMSNorm in one launch
         got = GPU.hc_collapse_norm(cp.asarray(h), cp.asarray(pre), None if wt is None else cp.asarray(wt), 1e-6)
         assert rel(got, REF.hc_collapse_norm(h, pre, wt, 1e-6)) < F32_TOL
     got = GPU.hc_expand(cp.asarray(out), cp.asarray(h), cp.asarray(post), cp.asarray(comb))
     assert rel(got, REF.hc_expand(out, h, post, comb)) < F32_TOL
-
-
-@pytest.mark.parametrize("fused", [False, True])
-@pytest.mark.parametrize("t, hc, d", [(1, 4, 4096), (5, 4, 5120), (3, 4, 12288), (2, 3, 1100), (2, 8, 1024)])
-def test_hc_expand_norm(t, hc, d, fused, monkeypatch):
-    """The stream update and the next site's collapse + norm, two launches or one (hc_expand_norm,
-    DSUF_FUSED_EXPAND): up to 8 streams, rows of 1-12 float4 columns per thread, a partial last
-    pair of columns (1100: 275 float4), with and without the norm's weight."""
-    monkeypatch.setattr("engine.ops.gpu.ops.FUSED_EXPAND", fused)
-    h, pre, post, comb, out, w = rnd(t, hc, d), rnd(t, hc), rnd(t, hc), rnd(t, hc, hc), rnd(t, d), rnd(d)
-    for wt in (w, None):
-        ry, rx = REF.hc_expand_norm(out, h, post, comb, pre, wt, 1e-6)
-        gy, gx = GPU.hc_expand_norm(*(cp.asarray(a) for a in (out, h, post, comb, pre)),
-                                    None if wt is None else cp.asarray(wt), 1e-6)
-        assert rel(gy, ry) < F32_TOL and rel(gx, rx) < F32_TOL
 
 
 def test_engram_mix():
@@ -411,14 +367,11 @@ def test_gated_pool():
 
 
 # ---- MoE -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("tight", [False, True])
 @pytest.mark.parametrize("scoring,bias,hashed", [("sqrtsoftplus", True, False), ("softmax", False, False),
                                                  ("sigmoid", True, False), ("sqrtsoftplus", False, True)])
-def test_route(scoring, bias, hashed, tight, monkeypatch):
-    """tight: blocks of as many warps as tokens, up to 8 (DSUF_TIGHT_BLOCKS): the exact comparison
-    then routes 3 tokens (one block of 3 warps), the other 33."""
-    monkeypatch.setattr("engine.ops.gpu.ops.TIGHT_BLOCKS", tight)
-    m = 3 if tight else 8
+def test_route(scoring, bias, hashed):
+    """The exact comparison routes 8 tokens (one block), the other 33 (a partial last block)."""
+    m = 8
     t, e, k, d = 33, 384, 6, 5120
     x = rnd(t, d)
     gw = make_weight("bf16", e, d)
@@ -464,16 +417,17 @@ def test_swiglu_mlp():
 
 def _moe_case(t: int, e: int, k: int, d: int, inter: int, shared: bool = False) -> tuple:
     """(reference, GPU result, the most pairs one expert got) of t tokens through e FP4 experts;
-    shared: plus a random addend, the shared expert's output as a computed branch."""
+    shared: plus a random addend, the shared expert's output."""
     ws = [tuple(make_weight("fp4", *s) for s in ((inter, d), (d, inter), (inter, d))) for _ in range(e)]
     x = rnd(t, d)
     ids = np.stack([RNG.permutation(e)[:k] for _ in range(t)])
     wts = RNG.random((t, k), dtype=np.float32)
     add = rnd(t, d) if shared else None
-    ref = REF.moe(x, [tuple(REF.prepare(w) for w in ex) for ex in ws], wts, ids, 10.0,
-                  Done(add) if shared else None)
+    ref = REF.moe(x, [tuple(REF.prepare(w) for w in ex) for ex in ws], wts, ids, 10.0)
+    if shared:
+        ref = ref + add
     got = GPU.moe(cp.asarray(x), [tuple(GPU.prepare(w) for w in ex) for ex in ws], cp.asarray(wts),
-                  cp.asarray(ids), 10.0, Done(cp.asarray(add)) if shared else None)
+                  cp.asarray(ids), 10.0, cp.asarray(add) if shared else None)
     return ref, got, np.bincount(ids.ravel()).max()
 
 
@@ -483,58 +437,20 @@ def test_moe(t):
     assert rel(got, ref) < (F32_TOL if most <= 8 else GEMM_TOL)
 
 
-@pytest.mark.parametrize("variant", ["", "u6", "e4", "e4u6"])
-@pytest.mark.parametrize("t", [1, 3])
-def test_moe_fused_act(t, variant, monkeypatch):
-    """DSUF_FUSED_ACT: the down projection reads the fused gate / up rows and stages their SwiGLU
-    (gemvr's _act twin of each FP4 variant, at one token); at 3 tokens (the multi-row GEMV)
-    swiglu_pairs runs first, as without the flag."""
-    from engine.ops.gpu import ops as cupy_ops
-
-    monkeypatch.setattr(cupy_ops, "FUSED_ACT", True)
-    monkeypatch.setattr(cupy_ops, "GEMVR_FP4", variant)
-    names = []
-    fws = cupy_ops.K.function_with_smem
-    monkeypatch.setattr(cupy_ops.K, "function_with_smem",
-                        lambda mod, name, *a: (names.append(name), fws(mod, name, *a))[1])
-    ref, got, _ = _moe_case(t, 8, 6, 1024, 512)
-    assert rel(got, ref) < F32_TOL
-    assert any(n.endswith("_act") for n in names) == (t == 1), names
-
-
-@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("t", [1, 5])
-def test_moe_plus_shared(t, fused, monkeypatch):
-    """moe() with the shared expert's branch: summed after the combine, or inside it
-    (DSUF_FUSED_EXPAND)."""
-    monkeypatch.setattr("engine.ops.gpu.ops.FUSED_EXPAND", fused)
+def test_moe_plus_shared(t):
+    """moe() with the shared expert's output, summed after the combine."""
     ref, got, _ = _moe_case(t, 8, 6, 1024, 512, shared=True)
     assert rel(got, ref) < F32_TOL
 
 
-@pytest.mark.parametrize("side_cap, fused", [(0, False), (1, False), (2, False), (0, True)])
-def test_side_branch_matches_inline(side_cap, fused, monkeypatch):
-    """CupyOps.side: the shared expert forked onto a second stream beside the routed experts (as
-    Model._moe does) equals both run inline, bit for bit, replayed as a CUDA graph (the fork and join
-    become graph edges; eagerly the branch runs inline); the branch's input is a temporary the
-    caller drops at once; moe() joins the branch at its combine. side_cap: the branch's GEMVs kept
-    to that many blocks per SM (DSUF_SIDE_BLOCKS_PER_SM; the same tiles, in fewer resident blocks).
-    fused: the branch's output summed inside the combine (DSUF_FUSED_EXPAND), the same f32 sum."""
-    from engine.ops.gpu import ops as cupy_ops
+def test_fork_matches_inline(monkeypatch):
+    """CupyOps.fork: the shared expert forked onto the side stream beside the routed experts (as a
+    captured decode step forks it) equals both run inline, bit for bit, replayed as a CUDA graph (the
+    fork and its join become graph edges; eagerly the fork runs inline); the fork's input is a
+    temporary the caller drops at once; moe() joins it after the routed experts' launches; a fork
+    whose output nothing reads is joined by join_all."""
     from engine.ops.gpu.graphs import RegionGraphs
-
-    monkeypatch.setattr(cupy_ops, "SIDE_BLOCKS_PER_SM", side_cap)
-    monkeypatch.setattr(cupy_ops, "FUSED_EXPAND", fused)
-    capped = []  # blocks per SM of each GEMV launched while the cap was on
-    per_sm = cupy_ops._blocks_per_sm
-
-    def count(*a):
-        n = per_sm(*a)
-        if getattr(cupy_ops._side_cap, "blocks", 0):
-            capped.append(n)
-        return n
-
-    monkeypatch.setattr(cupy_ops, "_blocks_per_sm", count)
 
     e, k, d, inter = 8, 6, 5120, 2304
     shared = tuple(GPU.prepare(make_weight("fp8", *s)) for s in ((inter, d), (d, inter), (inter, d)))
@@ -547,21 +463,57 @@ def test_side_branch_matches_inline(side_cap, fused, monkeypatch):
     def inline(a):
         return GPU.moe(a, experts, wts, ids, 10.0) + GPU.swiglu_mlp(a, *shared, 10.0)
 
-    def branched(a):
-        b = GPU.side(GPU.swiglu_mlp, a * 1.0, *shared, 10.0)
-        return GPU.moe(a, experts, wts, ids, 10.0, b)
+    def forked(a):
+        b = GPU.fork(GPU.swiglu_mlp, a * 1.0, *shared, 10.0)
+        y = GPU.moe(a, experts, wts, ids, 10.0, b)
+        GPU.fork(GPU.rmsnorm, a * 2.0, None, 1e-6)  # (read by nothing)
+        GPU.join_all()
+        assert not GPU._open and not GPU._pending
+        return y
 
     ref = cp.asnumpy(inline(x))
     assert np.isfinite(ref).all() and np.abs(ref).max() > 0
-    assert np.array_equal(cp.asnumpy(branched(x)), ref)
+    assert np.array_equal(cp.asnumpy(forked(x)), ref)
     monkeypatch.setattr(GPU, "_side_stream", None)  # (made on first use: by this capture, below)
     graphs = RegionGraphs(enabled=True)
     for _ in range(4):  # eager, capture, then replays
-        assert np.array_equal(cp.asnumpy(graphs("side", branched, x)), ref)
+        assert np.array_equal(cp.asnumpy(graphs("fork", forked, x)), ref)
     assert graphs.captures == 1 and graphs.replays >= 2
-    # the capture's branch launched its GEMVs under the cap (none outside a branch, or eagerly)
-    assert (max(capped) <= side_cap) if side_cap else not capped
     assert GPU._side_stream is not None  # the capture forked
+
+
+def test_fork_outputs_join_at_the_ops_that_read_them():
+    """A forked output passed to an op (also inside a list, or as a view) joins its fork there, and
+    only its own: the other fork stays open until join_all. Captured and replayed, the results equal
+    the same ops run inline."""
+    from engine.ops.gpu.graphs import RegionGraphs
+
+    w = GPU.prepare(make_weight("bf16", 512, 1024))
+    x = cp.asarray(rnd(4, 1024))
+    opened = []  # the forks open after the first op that read a forked output, per call
+
+    def inline(a):
+        n = GPU.rmsnorm(a * 1.0, None, 1e-6)
+        m = GPU.rmsnorm(a * 2.0, None, 1e-6)
+        return GPU.linear(n[:2], w), GPU.cat([m, n], 0)
+
+    def forked(a):
+        n = GPU.fork(GPU.rmsnorm, a * 1.0, None, 1e-6)
+        m, none = GPU.fork(lambda v: (GPU.rmsnorm(v, None, 1e-6), None), a * 2.0)
+        assert none is None
+        y = GPU.linear(n[:2], w)  # (a view of n: joins n's fork)
+        opened.append(len(GPU._open))
+        z = GPU.cat([m, n], 0)  # (inside a list: joins m's)
+        assert not GPU._open
+        GPU.join_all()
+        return y, z
+
+    ref = [cp.asnumpy(a) for a in inline(x)]
+    graphs = RegionGraphs(enabled=True)
+    for _ in range(3):  # eager, capture, replay
+        got = graphs("fork-join", forked, x)
+        assert all(np.array_equal(cp.asnumpy(g), r) for g, r in zip(got, ref, strict=True))
+    assert opened == [0, 1]  # (eagerly the forks ran inline; captured, m's stayed open past the linear)
 
 
 # MoE with the pairs grouped on the device (T * top-k <= MOE_DEVICE_MAX_PAIRS): narrow fp4 experts,
@@ -593,6 +545,12 @@ def _no_host(self, x):
     raise AssertionError("the device MoE path copied to the host")
 
 
+def _host_grouping(monkeypatch) -> None:
+    """moe() groups the pairs on the host (its path for more experts than moe_group_large takes)."""
+    monkeypatch.setattr("engine.ops.gpu.moe.MOE_DEVICE_MAX_PAIRS", 0)
+    monkeypatch.setattr("engine.ops.gpu.moe.MOE_GROUP_LARGE_MAXE", 0)
+
+
 @pytest.mark.parametrize("t,e", [(1, 64), (3, 384), (8, 256), (32, 128), (100, 64), (100, 384)])
 def test_moe_device(t, e, monkeypatch):
     ws, gws = _moe_experts(e)
@@ -615,69 +573,28 @@ def test_moe_device_matches_host(t, e, monkeypatch):
     ids, wts = _moe_route(t, e, max_count=8, min_max=min(t, 2))
     ids, wts = cp.asarray(ids), cp.asarray(wts)
     dev = cp.asnumpy(GPU.moe(x, gws, wts, ids, 10.0))
-    monkeypatch.setattr("engine.ops.gpu.ops.MOE_DEVICE_MAX_PAIRS", 0)
+    _host_grouping(monkeypatch)
     host = cp.asnumpy(GPU.moe(x, gws, wts, ids, 10.0))
     assert np.array_equal(dev, host)
 
 
-@pytest.mark.parametrize("t,e,hashed", [(1, 384, False), (3, 384, False), (8, 256, False), (33, 384, False),
-                                        (170, 384, False), (5, 64, True)])
-def test_route_group(t, e, hashed, monkeypatch):
-    """route() given the layer's experts with DSUF_ROUTE_GROUP: route_group's weights and ids equal
-    route_topk's bit for bit, its grouping equals moe_group's of those ids (gate and up doubled),
-    and moe() of those ids takes it (no moe_group launch) with the same output as regrouping."""
-    from engine.ops.gpu import ops as cupy_ops
-
-    _, gws = _moe_experts(e)
-    x = cp.asarray(rnd(t, MOE_D))
-    gw = GPU.prepare(make_weight("bf16", e, MOE_D))
-    b = cp.asarray(rnd(e, scale=0.1))
-    hid = RNG.integers(0, e, size=(t, MOE_K)) if hashed else None
-    args = (x, gw, b, MOE_K, "sqrtsoftplus", 1.0, 1.5, True, hid)
-    w0, i0 = GPU.route(*args)
-    monkeypatch.setattr(cupy_ops, "ROUTE_GROUP", True)
-    w1, i1 = GPU.route(*args, experts=gws)
-    assert cp.array_equal(w0, w1) and cp.array_equal(i0, i1)
-    routed = GPU._routed
-    assert routed is not None and routed[0] is i1
-    step, dup = routed[1][1], routed[1][2]
-    assert step == min(8, t) and dup == MOE_INTER  # (gate and up in one doubled table)
-    for got, want in zip(routed[2], GPU._moe_group(i0, e, step, dup), strict=True):
-        assert cp.array_equal(got, want)
-    wts = cp.asarray(RNG.random((t, MOE_K), dtype=np.float32))
-    launched = []
-    group = CupyOps._moe_group
-    monkeypatch.setattr(CupyOps, "_moe_group", lambda self, *a: (launched.append(1), group(self, *a))[1])
-    y1 = GPU.moe(x, gws, wts, i1, 10.0)
-    assert not launched and GPU._routed is None
-    y0 = GPU.moe(x, gws, wts, i1, 10.0)  # (the stash is spent: grouped again by moe_group)
-    assert launched and cp.array_equal(y0, y1)
-
-
-@pytest.mark.parametrize("fused", [False, True])
-@pytest.mark.parametrize("jobs", [1, 2, 3])
-def test_scatter_rows_many(jobs, fused, monkeypatch):
-    """Several scatters of B rows into state rows at staged addresses (0: none), one launch with
-    DSUF_FUSED_SCATTER (scatter_rows3): float4 rows, a column slice read in place, and an odd
-    width moved a float at a time."""
-    monkeypatch.setattr("engine.ops.gpu.ops.FUSED_SCATTER", fused)
-    b, widths = 5, (512, 256, 130)[:jobs]
+@pytest.mark.parametrize("job", [0, 1, 2])
+def test_scatter_rows(job):
+    """B rows into state rows at staged addresses (0: none): float4 rows, a column slice read in
+    place, and an odd width moved a float at a time."""
+    b, width = 5, (512, 256, 130)[job]
     wide = cp.asarray(rnd(b, 256 + 64))
-    srcs = [cp.asarray(rnd(b, widths[0]))] + [wide[:, 64:], cp.asarray(rnd(b, 130))][:jobs - 1]
-    bufs = [cp.asarray(rnd(9, w)) for w in widths]
-    rows = [RNG.permutation(9)[:b] for _ in widths]
-    want = [cp.asnumpy(buf) for buf in bufs]
-    tabs = []
-    for j, (buf, r) in enumerate(zip(bufs, rows, strict=True)):
-        addr = np.array([buf.data.ptr + int(i) * widths[j] * 4 for i in r], np.int64)
-        addr[j % b] = 0  # (that row is skipped)
-        tabs.append(cp.asarray(addr))
-        for k, i in enumerate(r):
-            if k != j % b:
-                want[j][i] = cp.asnumpy(srcs[j][k])
-    GPU.scatter_rows_many(list(zip(srcs, tabs, strict=True)))
-    for got, w in zip(bufs, want, strict=True):
-        assert np.array_equal(cp.asnumpy(got), w)
+    src = [cp.asarray(rnd(b, 512)), wide[:, 64:], cp.asarray(rnd(b, 130))][job]
+    buf = cp.asarray(rnd(9, width))
+    rows = RNG.permutation(9)[:b]
+    want = cp.asnumpy(buf)
+    addr = np.array([buf.data.ptr + int(i) * width * 4 for i in rows], np.int64)
+    addr[job % b] = 0  # (that row is skipped)
+    for k, i in enumerate(rows):
+        if k != job % b:
+            want[i] = cp.asnumpy(src[k])
+    GPU.scatter_rows(src, cp.asarray(addr))
+    assert np.array_equal(cp.asnumpy(buf), want)
 
 
 def _group_ref(ids: np.ndarray, e: int, step: int, maxseg: int):
@@ -696,14 +613,14 @@ def _group_ref(ids: np.ndarray, e: int, step: int, maxseg: int):
     return order, inv, order // ids.shape[1], tab.reshape(-1)
 
 
-def _check_group_launch(name: str, ids: np.ndarray, e: int, step: int, smem: int = 0, threads: int = 1024) -> None:
+def _check_group_launch(name: str, ids: np.ndarray, e: int, step: int, smem: int = 0) -> None:
     """The grouping kernel itself, into poisoned buffers with maxseg = P (the tail must come back
     zeroed): the stable argsort's order, inverse, tokens and segments exactly."""
     p = ids.size
     buf = cp.full(8 * p, -1, cp.int32)
     segs, order, inv, gather = buf[:5 * p], buf[5 * p:6 * p], buf[6 * p:7 * p], buf[7 * p:]
     fn = K.function_with_smem("moe", name, smem) if smem else K.function("moe", name)
-    fn((1,), (threads,), (cp.asarray(ids), np.int32(p), np.int32(ids.shape[1]), np.int32(e), np.int32(step),
+    fn((1,), (1024,), (cp.asarray(ids), np.int32(p), np.int32(ids.shape[1]), np.int32(e), np.int32(step),
                           np.int32(p), np.int32(0), order, inv, gather, segs), shared_mem=smem)
     for got, ref in zip((order, inv, gather, segs), _group_ref(ids, e, step, p), strict=True):
         assert np.array_equal(cp.asnumpy(got), ref)
@@ -727,13 +644,9 @@ def _check_group_helper(ids: np.ndarray, e: int, step: int) -> None:
 
 @pytest.mark.parametrize("t,k,e,step", [(1, 1, 8, 1), (1, 6, 256, 1), (3, 6, 64, 3), (100, 6, 8, 8),
                                         (170, 6, 384, 8), (128, 8, 256, 8), (1024, 1, 3, 8), (33, 5, 40, 8)])
-def test_moe_group_kernel(t, k, e, step, monkeypatch):
-    """Also with as many threads as pairs, rounded up to a warp (DSUF_TIGHT_BLOCKS)."""
+def test_moe_group_kernel(t, k, e, step):
     ids = RNG.integers(0, e, (t, k))  # repeats across and within tokens
     _check_group_launch("moe_group", ids, e, step)
-    _check_group_launch("moe_group", ids, e, step, threads=-(-ids.size // 32) * 32)
-    _check_group_helper(ids, e, step)
-    monkeypatch.setattr("engine.ops.gpu.ops.TIGHT_BLOCKS", True)
     _check_group_helper(ids, e, step)
 
 
@@ -748,9 +661,9 @@ def test_moe_group_large_kernel(t, k, e, step):
 
 @pytest.mark.parametrize("t,e,most", [(400, 16, 65), (700, 64, 65), (700, 384, 9)])
 def test_moe_device_large(t, e, most, monkeypatch):
-    """MOE_DEVICE_LARGE (the default): a prompt chunk's MoE grouped on the device (no copy to the host) equals
-    the numpy reference; where an expert has more than 64 pairs the host-grouped path launches the
-    same 64-row GEMM segments, and the two agree bit for bit (with fewer, the host path picks the
+    """A prompt chunk's MoE grouped on the device (moe_group_large, no copy to the host) equals the
+    numpy reference; where an expert has more than 64 pairs the host-grouped path launches the same
+    64-row GEMM segments, and the two agree bit for bit (with fewer, the host path picks the
     tensor-core GEMV for its largest count and the two differ by rounding only)."""
     ws, gws = _moe_experts(e)
     x = rnd(t, MOE_D)
@@ -758,12 +671,11 @@ def test_moe_device_large(t, e, most, monkeypatch):
     used = set(ids.ravel().tolist())
     ref = REF.moe(x, [tuple(REF.prepare(w) for w in ex) if i in used else None for i, ex in enumerate(ws)],
                   wts, ids, 10.0)
-    monkeypatch.setattr("engine.ops.gpu.ops.MOE_DEVICE_LARGE", True)
     with monkeypatch.context() as m:
         m.setattr(CupyOps, "to_host", _no_host)
         dev = cp.asnumpy(GPU.moe(cp.asarray(x), gws, cp.asarray(wts), cp.asarray(ids), 10.0))
     assert rel(dev, ref) < GEMM_TOL
-    monkeypatch.setattr("engine.ops.gpu.ops.MOE_DEVICE_LARGE", False)
+    _host_grouping(monkeypatch)
     host = cp.asnumpy(GPU.moe(cp.asarray(x), gws, cp.asarray(wts), cp.asarray(ids), 10.0))
     assert np.array_equal(dev, host) if most > 64 else rel(host, ref) < GEMM_TOL
 
@@ -804,25 +716,14 @@ def _mask(s, n, window, p_drop, rng):
     return np.where(vis, np.float32(0.0), np.float32(-np.inf)).astype(np.float32)
 
 
-@pytest.mark.parametrize("s,n,d", [(1, 128, 512), (1, 700, 512), (37, 300, 512), (5, 50, 64)])
-def test_attention(s, n, d):
-    h = 64
-    q, kv, sinks = rnd(s, h, d), rnd(n, d), rnd(h)
-    bias = _mask(s, n, 128, 0.7, RNG)
-    bias[0, :] = -np.inf  # a query that sees nothing but its sink
-    ref = REF.attention(q, kv, bias, sinks, d**-0.5)
-    got = GPU.attention(*(cp.asarray(a) for a in (q, kv, bias, sinks)), d**-0.5)
-    assert rel(got, ref) < 1e-5
-
-
 @pytest.mark.parametrize("b,min_split", [(1, 64), (3, 64), (32, 64), (40, 64), (1, 16), (3, 32)])
 def test_attention_decode(b, min_split, monkeypatch):
     """Batched decode attention (split over the keys, splits merged with the sinks) equals the
     reference over each sequence's visible rows: windows of different lengths (one empty), compressed
     entries under top-k masks (one selecting nothing, one sequence without entries) and long ones;
     40 sequences fill the GPU without splitting (one split writes the output directly). min_split:
-    the fewest keys per split (DSUF_ATT_MIN_SPLIT; 16: one tile each)."""
-    monkeypatch.setattr("engine.ops.gpu.ops.ATT_MIN_SPLIT", min_split)
+    the fewest keys per split (ATT_MIN_SPLIT; 16: one tile each)."""
+    monkeypatch.setattr("engine.ops.gpu.attention.ATT_MIN_SPLIT", min_split)
     h, d = 64, 512
     q, sinks = rnd(b, h, d), rnd(h)
     sources_ref, sources_gpu = [], []
@@ -862,11 +763,9 @@ def test_attention_decode_spans():
     assert rel(got, ref) < 1e-5
 
 
-@pytest.mark.parametrize("lanes", [False, True])
-def test_indexer_scores_spans(lanes):
+def test_indexer_scores_spans():
     """Each decode query against its own keys (rows of a buffer at an offset; one sequence without
-    keys yet), -inf past each sequence's count; equal to the single-sequence kernel's rows. lanes:
-    the lanes-over-heads path (DSUF_INDEXER_LANES)."""
+    keys yet), -inf past each sequence's count; equal to the single-sequence kernel's rows."""
     h, dh = 32, 128
     counts = [700, 0, 5, 333]
     q, w = rnd(len(counts), h, dh), rnd(len(counts), h)
@@ -874,8 +773,7 @@ def test_indexer_scores_spans(lanes):
     offs = [int(RNG.integers(0, 50)) for _ in counts]
     ref = REF.indexer_scores_spans(q, [Span(bf, o, n) for bf, o, n in zip(bufs, offs, counts, strict=True)], w, h, dh)
     got = GPU.indexer_scores_spans(cp.asarray(q), [Span(cp.asarray(bf), o, n) for bf, o, n in
-                                                   zip(bufs, offs, counts, strict=True)], cp.asarray(w), h, dh,
-                                       lanes=lanes)
+                                                   zip(bufs, offs, counts, strict=True)], cp.asarray(w), h, dh)
     got = cp.asnumpy(got)
     assert got.shape == (4, 700)
     np.testing.assert_array_equal(np.isneginf(got), np.isneginf(ref))
@@ -909,8 +807,8 @@ def test_staged_decode_ops(monkeypatch):
     K=V rows scattered into each sequence's window block, closing groups pooled (one sequence
     without a closing group: a zero row), the indexer over each sequence's keys at a capacity
     width, and the attention over windows and top-k-masked entries (one sequence without entries,
-    one whose entry count the mask did not score) sized for a longer capacity than any sequence has;
-    its output with RoPE undone, by a rope launch or in the kernel (DSUF_ATT_DEROPE), split or not."""
+    one whose entry count the mask did not score) sized for a longer capacity than any sequence has,
+    split over the keys or not."""
     from engine.state.decode_plan import LayerPlan, StepInputs, WindowPlan, plan_attention
 
     b, h, d, dh, ratio = 5, 64, 512, 128, 2
@@ -967,35 +865,25 @@ def test_staged_decode_ops(monkeypatch):
     got = GPU.attend_decode(cp.asarray(qa), sg.attend, cp.asarray(mask), cp.asarray(sinks), d**-0.5, sg.attend_cap)
     assert rel(got, ref) < 1e-5
     # a top-k mask (at most 40 true a row; two past each row's entries, which count for nothing), the
-    # entries read through each row's list of selected rows (DSUF_ATTEND_ROWS) and through the mask
+    # entries read through each row's list of selected rows
     topk = np.zeros((b, 1024), bool)
     for i, n in enumerate(ns):
         topk[i, RNG.choice(n, min(n, 30), replace=False)] = True
         topk[i, RNG.choice(np.arange(n, 1024), 2, replace=False)] = True
     ref = REF.attend_decode(qa, sr.attend, topk, sinks, d**-0.5, sr.attend_cap)
-    for rows in (False, True):
+    for min_split in (64, 1024):  # (7 splits merged by attention_combine; one, written directly)
+        monkeypatch.setattr("engine.ops.gpu.attention.ATT_MIN_SPLIT", min_split)
         got = GPU.attend_decode(cp.asarray(qa), sg.attend, cp.asarray(topk), cp.asarray(sinks), d**-0.5,
-                                sg.attend_cap, 128, 40, rows=rows)
-        assert rel(got, ref) < 1e-5, rows
-    cos, sin = rnd(b, 32), rnd(b, 32)
-    ref = REF.attend_decode(qa, sr.attend, topk, sinks, d**-0.5, sr.attend_cap, derope=(cos, sin))
-    assert not np.array_equal(ref[..., -64:], REF.attend_decode(qa, sr.attend, topk, sinks, d**-0.5,
-                                                               sr.attend_cap)[..., -64:])
-    for fused in (False, True):
-        monkeypatch.setattr("engine.ops.gpu.ops.ATT_DEROPE", fused)
-        for min_split in (64, 1024):  # (7 splits merged by attention_combine; one, written directly)
-            monkeypatch.setattr("engine.ops.gpu.ops.ATT_MIN_SPLIT", min_split)
-            got = GPU.attend_decode(cp.asarray(qa), sg.attend, cp.asarray(topk), cp.asarray(sinks), d**-0.5,
-                                    sg.attend_cap, 128, 40, derope=(cp.asarray(cos), cp.asarray(sin)))
-            assert rel(got, ref) < 1e-5, (fused, min_split)
+                                sg.attend_cap, 128, 40)
+        assert rel(got, ref) < 1e-5, min_split
 
 
 @pytest.mark.parametrize("n_state,s,n_e,k", [(127, 300, 900, 40), (0, 70, 0, 0), (20, 200, 50, 0)])
 def test_attention_ranges(n_state, s, n_e, k):
     """A prompt chunk's attention (each query: a window range of the keys, then its entries under
-    its mask row, at most k true; k 0: a plain causal mask), dense under a device-built bias,
-    sparse (DSUF_SPARSE_PREFILL) through the decode kernel, and sparse through row lists
-    (DSUF_ATTEND_ROWS), against the numpy reference."""
+    its mask row, at most k true; k 0: a plain causal mask) through the decode kernel (16 heads:
+    not the tensor-core kernel's), its entries through row lists where k bounds them, against the
+    numpy reference."""
     h, d, win = 16, 512, 128
     keys, q, sinks = rnd(n_state + s, d), rnd(s, h, d), rnd(h)
     i = np.arange(s) + n_state
@@ -1009,8 +897,7 @@ def test_attention_ranges(n_state, s, n_e, k):
     ref = REF.attention_ranges(q, keys, lo, hi, entries, emask, sinks, d**-0.5, k)
     args = (cp.asarray(q), cp.asarray(keys), lo, hi, None if entries is None else cp.asarray(entries),
             None if emask is None else cp.asarray(emask), cp.asarray(sinks), d**-0.5, k)
-    for sparse, rows in ((False, False), (True, False), (True, True)):
-        assert rel(GPU.attention_ranges(*args, sparse=sparse, rows=rows), ref) < 1e-5, (sparse, rows)
+    assert rel(GPU.attention_ranges(*args), ref) < 1e-5
 
 
 def _on_fp8_grid(*shape) -> np.ndarray:
@@ -1023,7 +910,7 @@ def _on_fp8_grid(*shape) -> np.ndarray:
 @pytest.mark.parametrize("n_state,s,n_e,k", [(127, 300, 900, 40), (20, 200, 50, 0), (0, 70, 0, 0),
                                              (5, 130, 600, 512)])
 def test_attention_ranges_tc(n_state, s, n_e, k):
-    """The tensor-core prefill attention (DSUF_ATTEND_TC; forced): each query's window range, then its
+    """The tensor-core prefill attention (64 heads): each query's window range, then its
     entries through its row list (k 40 of 900), under its mask (k 0: any number; k 512 of 600: too
     many for lists), or none; f32 keys as three bf16 terms within 1e-5 of the reference, and keys on
     codec grids as one term (exact) bit-identical to three and within 1e-5."""
@@ -1042,10 +929,10 @@ def test_attention_ranges_tc(n_state, s, n_e, k):
         ref = REF.attention_ranges(q, keys, lo, hi, entries, emask, sinks, d**-0.5, k)
         args = (cp.asarray(q), cp.asarray(keys), lo, hi, None if entries is None else cp.asarray(entries),
                 None if emask is None else cp.asarray(emask), cp.asarray(sinks), d**-0.5, k)
-        three = GPU.attention_ranges(*args, sparse=True, rows=True, tc=True)
+        three = GPU.attention_ranges(*args)
         assert rel(three, ref) < 1e-5, grid
         if grid:
-            one = GPU.attention_ranges(*args, exact=True, sparse=True, rows=True, tc=True)
+            one = GPU.attention_ranges(*args, exact=True)
             np.testing.assert_array_equal(cp.asnumpy(one), cp.asnumpy(three))
 
 
@@ -1062,12 +949,12 @@ def test_mask_rows(b, n, k):
 
 @pytest.mark.parametrize("s,n,h,dh", [(1, 2048, 32, 128), (9, 333, 64, 128), (3, 40, 16, 32), (2, 70, 40, 64),
                                      (2, 50, 64, 256)])
-@pytest.mark.parametrize("lanes", [False, True])
-def test_indexer_scores(s, n, h, dh, lanes):
-    """(h 40: heads not a multiple of the lanes; dh 256: over 48 KB of shared memory)"""
+def test_indexer_scores(s, n, h, dh):
+    """The CUDA-core kernel (fewer queries than the tensor-core path takes; h 40: heads not a
+    multiple of the lanes; dh 256: over 48 KB of shared memory)."""
     q, k, w = rnd(s, h, dh), rnd(n, dh), rnd(s, h)
     ref = REF.indexer_scores(q, k, w, h, dh)
-    assert rel(GPU.indexer_scores(cp.asarray(q), cp.asarray(k), cp.asarray(w), h, dh, lanes=lanes), ref) < 1e-5
+    assert rel(GPU.indexer_scores(cp.asarray(q), cp.asarray(k), cp.asarray(w), h, dh), ref) < 1e-5
 
 
 def _on_fp4_grid(*shape) -> np.ndarray:
@@ -1079,18 +966,19 @@ def _on_fp4_grid(*shape) -> np.ndarray:
 
 @pytest.mark.parametrize("s,n,h,dh", [(16, 2048, 64, 128), (37, 333, 64, 128), (5, 70, 32, 64), (9, 1000, 128, 32),
                                      (300, 129, 64, 128)])
-def test_indexer_scores_tc(s, n, h, dh):
-    """The tensor-core path (forced on; DSUF_INDEXER_TC): f32 inputs as three bf16 terms equal the
-    reference to f32 precision; inputs on a codec's grid as one term (exact=True) equal the
-    three-term result bit for bit (the other terms are zeros) and the reference. (s 5, h 32: a
-    block of 4 queries with one query; n 129, 333: a part key tile; dh 32 and 64.)"""
+def test_indexer_scores_tc(s, n, h, dh, monkeypatch):
+    """The tensor-core path (from one query on, for these small cases): f32 inputs as three bf16
+    terms equal the reference to f32 precision; inputs on a codec's grid as one term (exact=True)
+    equal the three-term result bit for bit (the other terms are zeros) and the reference. (s 5,
+    h 32: a block of 4 queries with one query; n 129, 333: a part key tile; dh 32 and 64.)"""
+    monkeypatch.setattr("engine.ops.gpu.attention.ITC_MIN_QUERIES", 1)
     q, k, w = rnd(s, h, dh), rnd(n, dh), rnd(s, h)
     ref = REF.indexer_scores(q, k, w, h, dh)
-    assert rel(GPU.indexer_scores(cp.asarray(q), cp.asarray(k), cp.asarray(w), h, dh, tc=True), ref) < 1e-5
+    assert rel(GPU.indexer_scores(cp.asarray(q), cp.asarray(k), cp.asarray(w), h, dh), ref) < 1e-5
     qg, kg = _on_fp4_grid(s, h, dh), _on_fp4_grid(n, dh)
     ref = REF.indexer_scores(qg, kg, w, h, dh, exact=True)
-    one = GPU.indexer_scores(cp.asarray(qg), cp.asarray(kg), cp.asarray(w), h, dh, exact=True, tc=True)
-    three = GPU.indexer_scores(cp.asarray(qg), cp.asarray(kg), cp.asarray(w), h, dh, tc=True)
+    one = GPU.indexer_scores(cp.asarray(qg), cp.asarray(kg), cp.asarray(w), h, dh, exact=True)
+    three = GPU.indexer_scores(cp.asarray(qg), cp.asarray(kg), cp.asarray(w), h, dh)
     np.testing.assert_array_equal(cp.asnumpy(one), cp.asnumpy(three))
     assert rel(one, ref) < 1e-5
 
@@ -1142,9 +1030,9 @@ def test_fake_quant_exact():
     x[1, :32] *= 1e-6  # tiny blocks: subnormal e4m3 codes
     x[2, 5] = 1e4
     for got, ref in [
-        (GPU.fake_quant_fp8(cp.asarray(x), 32), REF.fake_quant_fp8(x, 32)),
-        (GPU.fake_quant_fp4(cp.asarray(x), 16, True), REF.fake_quant_fp4(x, 16, True)),
-        (GPU.fake_quant_fp4(cp.asarray(x), 32), REF.fake_quant_fp4(x, 32)),
+        (GPU._fake_quant_fp8(cp.asarray(x), 32), REF.fake_quant_fp8(x, 32)),
+        (GPU._fake_quant_fp4(cp.asarray(x), 16, True), REF.fake_quant_fp4(x, 16, True)),
+        (GPU._fake_quant_fp4(cp.asarray(x), 32), REF.fake_quant_fp4(x, 32)),
     ]:
         g = cp.asnumpy(got)
         assert np.array_equal(g.view(np.uint32), ref.view(np.uint32)) or np.array_equal(g, ref), \

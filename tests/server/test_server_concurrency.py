@@ -305,8 +305,8 @@ def test_n_choices_prefill_the_prompt_once(server):
 
 
 def test_planning_ahead_serves_the_same_completions(make_server, engine):
-    """A server whose backend plans each next decode step ahead (Model.prepare_next, CupyOps
-    DSUF_PREPARE_NEXT; here the hint on numpy) streams the same greedy completions as the plain
+    """A server whose model plans each next decode step ahead (Model.prepare_next; here through the
+    hint on numpy) streams the same greedy completions as the plain
     engine, under concurrent requests that join and finish at different steps (the batch changes:
     plans made ahead are dropped), and does take plans made ahead."""
     from engine.runtime.engine import Engine

@@ -19,8 +19,6 @@
                               -k regex:hc_mix python tools/dev/gpu_profile.py step CKPT
   linear NAME                 three eager one-row calls of a V4.1-Flash linear of the bench table
                               (engine/bench.py FLASH_LINEARS, e.g. wo_b), for ncu --launch-skip 2
-
-DSUF_GEMVR / DSUF_PDL / DSUF_GRAPHS select the paths as they do for the server.
 """
 
 from __future__ import annotations
@@ -225,7 +223,7 @@ def _host_split(model, states, toks, jobs, steps: int) -> None:
     patches = [(model_mod, "plan_decode", "plan_decode"), (type(model), "_engram_hashes", "engram hashes"),
                (StepInputs, "signature", "graph key (signature)"), (cupy_ops.CupyOps, "_upload", "pack + upload"),
                (cuda_graphs.RegionGraphs, "_replay", "graph replay call"),
-               (type(model), "prepare_next", "next step planned ahead (DSUF_PREPARE_NEXT; during the draw)")]
+               (type(model), "prepare_next", "next step planned ahead (during the draw)")]
     saved = [(o, n, timed(o, n, lab)) for o, n, lab in patches]
     try:
         stream = cp.cuda.get_current_stream()
@@ -236,8 +234,8 @@ def _host_split(model, states, toks, jobs, steps: int) -> None:
             t1 = time.perf_counter()
             stream.synchronize()
             t2 = time.perf_counter()
-            ahead = (lambda: model.prepare_next(states)) if getattr(model.ops, "prepare_next", False) else None
-            out = model.ops.sample_rows(logits, jobs, ahead=ahead)  # (as Model.step_sample draws)
+            ahead = (lambda: model.prepare_next(states)) if model.cfg.arch == "v41" else None
+            out = model.ops.sample_rows(logits, jobs, ahead=ahead)  # (as a served step draws)
             t3 = time.perf_counter()
             toks[:] = [[t] for t, _, _ in out]
             spent["forward, host"] += t1 - t0

@@ -9,8 +9,8 @@ On the numpy backend (CKPT: a narrow checkpoint with the layer structure of inte
 replay: the plan (engine/state/decode_plan.py plan_decode), the Engram hashes with the look-back update,
 the step's inputs (RoPE tables), the packing of its tables (engine/ops/gpu/staging.py pack, with
 the numpy buffers' host addresses), the graph key (StepInputs.signature) and the draw's job table; then
-DSUF_PREPARE_NEXT's two parts: planning the step ahead (Model.prepare_next, which a GPU overlaps
-with the step before) and taking that plan at the step (Model._take_next, serial). The GPU
+the two parts of planning ahead: the next step planned (ModelRunner.prepare_next, which a GPU
+overlaps with the step before) and that plan taken at the step (ModelRunner._take_next, serial). The GPU
 machine's own split of a served step is `tools/dev/gpu_profile.py host`.
 """
 
@@ -32,7 +32,8 @@ def profile(ckpt: str, batch: int, steps: int, rounds: int) -> dict[str, float]:
     """Best-of-rounds mean seconds per decode step of each part (PARTS)."""
     from engine.bench import GREEDY
     from engine.model.batch import Seq
-    from engine.ops.gpu.staging import job_table, pack
+    from engine.ops.gpu.sample_table import job_table
+    from engine.ops.gpu.staging import pack
     from engine.runtime.engine import Engine
     from engine.runtime.sampling import SampleJob
     from engine.state.decode_plan import StepInputs, plan_decode

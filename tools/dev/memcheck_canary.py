@@ -5,9 +5,14 @@ the pool's chunk). A developer's tool; exits 0 itself."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import cupy as cp
 
-import engine.ops.gpu.ops  # noqa: F401  (applies DSUF_DIRECT_ALLOC)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from engine.ops.gpu.ops import CupyOps  # noqa: E402
 
 _WRITE_PAST = cp.RawKernel(
     r'extern "C" __global__ void write_past(float* a, int n) { a[n + threadIdx.x] = 1.0f; }',
@@ -16,6 +21,7 @@ _WRITE_PAST = cp.RawKernel(
 
 
 def main() -> None:
+    CupyOps()  # (built as the engine builds it: Settings.from_env(), so DSUF_DIRECT_ALLOC=1 applies)
     n = 33  # 132 bytes: inside the 512-byte unit a pool would hand out
     a = cp.ones(n, cp.float32)
     _WRITE_PAST((1,), (1,), (a, cp.int32(n)))

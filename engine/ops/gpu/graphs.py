@@ -1,10 +1,11 @@
-"""CUDA graphs for the fixed-shape regions of the forward (engine/model/transformer.py calls ops.graphed).
+"""CUDA graphs for fixed-shape regions: a whole decode step (CupyOps.graphed_step), the tensor-parallel
+driver's per-rank steps (engine/parallel/gpu.py drives begin_capture / end_capture itself), and the
+benchmark's kernel timings.
 
-A region is a pure function of device arrays (a layer's projections, its output projection,
-its FFN): the same kernels on the same shapes every decode step. The first call with a given
-(region, input shapes) runs eagerly (it compiles kernels and fills caches); the second is
-captured into a CUDA graph; later calls copy their inputs into the graph's input buffers and
-launch it: one launch from Python instead of tens.
+A region is a pure function of device arrays: the same kernels on the same shapes every decode
+step. The first call with a given (region, input shapes) runs eagerly (it compiles kernels and
+fills caches); the second is captured into a CUDA graph; later calls copy their inputs into the
+graph's input buffers and launch it: one launch from Python instead of hundreds.
 
 Contract: a region's outputs are its graph's buffers, rewritten by the next replay; anything
 kept across steps (sequence state) must be a copy, never a view of them.
@@ -21,13 +22,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import cupy as cp
 
-from engine.ops.gpu.limits import MAX_GRAPH_ROWS, MAX_ROW_BUCKETS
+from engine.ops.gpu.limits import MAX_GRAPH_ROWS
 
 log = logging.getLogger("dsuf.graphs")
 
@@ -60,14 +60,17 @@ def _arrays(out) -> list:
 class RegionGraphs:
     """Cache of captured regions, keyed by (region key, input shapes and dtypes)."""
 
-    def __init__(self, enabled: bool | None = None) -> None:
-        self.enabled = os.environ.get("DSUF_GRAPHS", "1") != "0" if enabled is None else enabled
+    def __init__(self, enabled: bool = True, buckets: int = 8) -> None:
+        """enabled: capture and replay (else every call runs eagerly); buckets: graphs (and their
+        output buffers) are kept for at most this many distinct row counts (batch sizes), least
+        recently used dropped first (Settings.graph_buckets)."""
+        self.enabled = enabled
         self._seen: set = set()
         self._graphs: dict = {}
         self._owned: set[int] = set()  # data pointers of graph outputs
         self._rows: dict = {}  # signature -> its row count
         self._buckets: OrderedDict[int, None] = OrderedDict()  # row counts with graphs, oldest first
-        self.max_buckets = MAX_ROW_BUCKETS
+        self.max_buckets = buckets
         self.evictions = 0
         self._pool = cp.cuda.MemoryPool()
         self.replays = 0
@@ -77,16 +80,11 @@ class RegionGraphs:
     def __call__(self, key, fn, *arrays, rows: int | None = None):
         """fn(*arrays), as a graph once the same key and input shapes come again. rows: the
         batch rows the region computes (default: the first input's leading dimension). A region
-        called inside another (a decode step's layers) runs inline, part of the outer graph."""
+        called inside another runs inline, part of the outer graph."""
         if self._inside:
             return fn(*arrays)
         with self.inline():
             return self._call(key, fn, arrays, rows)
-
-    @property
-    def inline_now(self) -> bool:
-        """Whether a region called now runs inline (graphs off, or inside a region or step)."""
-        return self._inside or not self.enabled
 
     @contextlib.contextmanager
     def inline(self):
@@ -215,8 +213,7 @@ class RegionGraphs:
 
     def release(self) -> None:
         """Drop every captured graph and free the memory they kept (their outputs are invalid
-        from now on), e.g. after switching a backend path (engine/bench.py --variants). Each region
-        runs eagerly once more before its next capture (a new path may fill caches then)."""
+        from now on). Each region runs eagerly once more before its next capture."""
         self._seen.clear()
         self._graphs.clear()
         self._owned.clear()

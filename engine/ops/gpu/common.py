@@ -1,0 +1,47 @@
+"""Helpers shared by the GPU backend's op modules: array coercion, kernel arguments, launch sizes."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import cupy as cp
+import numpy as np
+
+from engine.ops import kernels as K
+from engine.state.rows import Span
+
+F32 = np.float32
+_ELT_BLOCK = 256  # threads per block of the elementwise kernels
+_NULL = np.uint64(0)  # a null pointer kernel argument
+
+
+def _c32(x) -> cp.ndarray:
+    return cp.ascontiguousarray(x, dtype=F32)
+
+
+def _grid(n: int, block: int = _ELT_BLOCK) -> tuple[int]:
+    return (max(1, math.ceil(n / block)),)
+
+
+def _ptr(a: cp.ndarray | None) -> int:
+    return 0 if a is None else int(a.data.ptr)
+
+
+def _span_ptr(sp: Span, width: int) -> int:
+    """Device address of a Span's first row (its buffer: C-contiguous float32 rows of `width`)."""
+    buf = sp.buf
+    if buf.dtype != F32 or not buf.flags.c_contiguous or buf.ndim != 2 or buf.shape[1] != width \
+            or sp.start + sp.n > buf.shape[0]:
+        raise ValueError(f"a Span must cover C-contiguous float32 rows of width {width}")
+    return int(buf.data.ptr) + sp.start * width * 4
+
+
+@functools.cache
+def _sm_count() -> int:
+    return int(cp.cuda.Device().attributes["MultiProcessorCount"])
+
+
+def _smem_function(mod: str, name: str, smem: int):
+    """A kernel launched with smem bytes of dynamic shared memory (opted in above the default 48 KB)."""
+    return K.function_with_smem(mod, name, smem) if smem > 48 << 10 else K.function(mod, name)

@@ -1,0 +1,51 @@
+"""The device sampler's job table (kernels/sampling.cu), built on the host; importable without cupy
+(the host profiler times it on any machine)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from engine.runtime.sampling import SampleJob, logit_deltas
+
+# kernels/sampling.cu J_* / O_* / SMP_*
+JOB_ROW, JOB_TOPK, JOB_NTOP, JOB_PEN0, JOB_PEN1, JOB_WORK = 0, 1, 2, 3, 4, 5
+JOB_TEMP, JOB_TOPP, JOB_MINP, JOB_U = 6, 7, 8, 10  # JOB_U: a float64 in words 10-11
+JOB_WORDS = 12
+TOP_N = 20
+OUT_TOKEN, OUT_LP, OUT_IDS, OUT_LPS, OUT_WORDS = 0, 1, 2, 2 + TOP_N, 2 + 2 * TOP_N
+THREADS = 1024
+SMEM = 256 * (THREADS // 32) * 8  # SMP_SMEM: one 256-bin u64 radix histogram per warp
+
+
+def job_table(jobs: Sequence[SampleJob], vocab: int) -> tuple[np.ndarray, int, int]:
+    """The kernel's int32 input [header | delta ids | delta values] (floats by bit pattern);
+    returns it with the number of deltas and of rows that need a scratch copy of their logits.
+    Draws each non-greedy job's uniform from its generator. (Built column by column, for the host's
+    time.)"""
+    ps = [j.params for j in jobs]
+    if any(p.logprobs and p.top_logprobs > TOP_N for p in ps):
+        raise ValueError(f"top_logprobs is at most {TOP_N}")
+    head = np.zeros((len(jobs), JOB_WORDS), dtype=np.int32)
+    hf = head.view(np.float32)
+    head[:, JOB_ROW] = [j.row for j in jobs]
+    head[:, JOB_TOPK] = [p.top_k if 0 < p.top_k < vocab else 0 for p in ps]
+    head[:, JOB_NTOP] = [p.top_logprobs if p.logprobs else -1 for p in ps]
+    head[:, JOB_WORK] = -1
+    hf[:, JOB_TEMP] = [0.0 if p.greedy else p.temperature for p in ps]
+    hf[:, JOB_TOPP] = [p.top_p for p in ps]
+    hf[:, JOB_MINP] = [p.min_p for p in ps]
+    head[:, JOB_U:JOB_U + 2] = np.array([0.0 if p.greedy else j.rng.random() for j, p in zip(jobs, ps, strict=True)]
+                                        ).view(np.int32).reshape(-1, 2)
+    ids, vals, off, nwork = [], [], 0, 0
+    for j, (job, p) in enumerate(zip(jobs, ps, strict=True)):
+        if not (p.logit_bias or ((p.presence_penalty or p.frequency_penalty) and len(job.generated))):
+            continue
+        d_ids, d_vals = logit_deltas(job.generated, p.presence_penalty, p.frequency_penalty, p.logit_bias, vocab)
+        head[j, JOB_PEN0], head[j, JOB_PEN1], head[j, JOB_WORK] = off, off + d_ids.size, nwork
+        ids.append(d_ids.astype(np.int32))
+        vals.append(d_vals.astype(np.float32).view(np.int32))
+        off += d_ids.size
+        nwork += 1
+    return np.concatenate([head.reshape(-1), *ids, *vals]), off, nwork
