@@ -148,16 +148,21 @@ def _weight_stats(model) -> dict:
     how many this rank holds per layer, the head."""
     from engine.ops.gpu.ops import GpuWeight
 
+    def weights(v) -> list:  # every GpuWeight in a part (stacked projections and sub-parts included)
+        if isinstance(v, GpuWeight):
+            return [v]
+        if isinstance(v, (list, tuple)):
+            return [w for x in v for w in weights(x)]
+        if hasattr(v, "__dict__"):
+            return [w for x in vars(v).values() for w in weights(x)]
+        return []
+
     dense = dense_macs = expert = expert_macs = owned = 0
     for L in model.w.layers:
-        ws = [v for v in vars(L).values() if isinstance(v, GpuWeight)] + list(L.shared or ())
-        for sub in ("comp", "idx", "engram"):
-            ns = getattr(L, sub, None)
-            if ns is not None:
-                ws += [v for v in vars(ns).values() if isinstance(v, GpuWeight)]
+        ws = weights(L.attn) + weights(L.ffn.gate) + weights(L.ffn.shared_experts) + weights(L.engram)
         dense += sum(_nbytes(w) for w in ws)
         dense_macs += sum(w.shape[0] * w.shape[1] for w in ws)
-        mine = [ex for ex in L.experts if ex is not None]
+        mine = [ex for ex in L.ffn.experts if ex is not None]
         owned = len(mine)
         if mine:
             expert = sum(_nbytes(w) for w in mine[0])
