@@ -201,9 +201,9 @@ def _host_split(model, states, toks, jobs, steps: int) -> None:
 
     import cupy as cp
 
-    from engine.model import transformer as model_mod
     from engine.ops.gpu import graphs as cuda_graphs
     from engine.ops.gpu import ops as cupy_ops
+    from engine.runtime import runner as runner_mod
     from engine.state.decode_plan import StepInputs
 
     spent: dict = collections.defaultdict(float)
@@ -220,7 +220,7 @@ def _host_split(model, states, toks, jobs, steps: int) -> None:
         setattr(owner, name, wrapper)
         return fn
 
-    patches = [(model_mod, "plan_decode", "plan_decode"), (type(model), "_engram_hashes", "engram hashes"),
+    patches = [(runner_mod, "plan_decode", "plan_decode"), (type(model.model), "engram_hashes", "engram hashes"),
                (StepInputs, "signature", "graph key (signature)"), (cupy_ops.CupyOps, "_upload", "pack + upload"),
                (cuda_graphs.RegionGraphs, "_replay", "graph replay call"),
                (type(model), "prepare_next", "next step planned ahead (during the draw)")]
