@@ -17,7 +17,7 @@ serve:
 
 # On a GPU machine: the GPU tests, the same under compute-sanitizer, and the benchmark on a
 # full-width V4.1-Flash-shaped 2-layer checkpoint (written once to BENCH_CKPT, 15 GB).
-GPU_TESTS = tests/gpu/test_gpu_ops.py tests/gpu/test_gpu_sampling.py tests/gpu/test_gpu_model.py tests/gpu/test_gpu_tp.py tests/gpu/test_gpu_tools.py
+GPU_TESTS = tests/gpu
 
 gpu-test:
 	$(PY) -m pytest -q -s $(GPU_TESTS)
@@ -30,7 +30,7 @@ MEMCHECK = DSUF_DIRECT_ALLOC=1 compute-sanitizer --tool memcheck --report-api-er
 
 gpu-memcheck:
 	! $(MEMCHECK) $(PY) tools/dev/memcheck_canary.py
-	$(MEMCHECK) $(PY) -m pytest -q tests/gpu/test_gpu_ops.py tests/gpu/test_gpu_sampling.py
+	$(MEMCHECK) $(PY) -m pytest -q tests/gpu/test_gpu_ops.py tests/gpu/test_gpu_linear.py tests/gpu/test_gpu_norms.py tests/gpu/test_gpu_moe.py tests/gpu/test_gpu_attention.py tests/gpu/test_gpu_sampling.py
 
 # One process per test, each with its own ERROR SUMMARY line, so that a device call cut short still
 # reports every test it finished (the model and TP files take minutes under memcheck). MEMCHECK_K
