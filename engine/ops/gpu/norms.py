@@ -100,26 +100,20 @@ class NormOps:
         return (n, y) if keep_normed else y
 
     def _fake_quant_fp8(self, x: cp.ndarray, block: int = 32) -> cp.ndarray:
-        n = x.shape[-1]
-        if n % block:
-            return x
-        x = _c32(x)
-        y = cp.empty_like(x)
-        nb = x.size // block
-        if nb:
-            K.function("quant", "fake_quant_fp8")(_grid(nb, 128), (128,), (x, y, np.int64(nb), np.int32(block)))
-        return y
+        return self._fake_quant(x, block, "fake_quant_fp8")
 
     def _fake_quant_fp4(self, x: cp.ndarray, block: int, e4m3_scales: bool = False) -> cp.ndarray:
-        n = x.shape[-1]
-        if n % block:
+        return self._fake_quant(x, block, "fake_quant_fp4", np.int32(bool(e4m3_scales)))
+
+    def _fake_quant(self, x: cp.ndarray, block: int, kernel: str, *extra) -> cp.ndarray:
+        """x onto a quantization grid in blocks of `block` channels (x unchanged if they do not divide)."""
+        if x.shape[-1] % block:
             return x
         x = _c32(x)
         y = cp.empty_like(x)
         nb = x.size // block
         if nb:
-            K.function("quant", "fake_quant_fp4")(_grid(nb, 128), (128,), (
-                x, y, np.int64(nb), np.int32(block), np.int32(bool(e4m3_scales))))
+            K.function("quant", kernel)(_grid(nb, 128), (128,), (x, y, np.int64(nb), np.int32(block), *extra))
         return y
 
     # ---- mHC -------------------------------------------------------------------------
