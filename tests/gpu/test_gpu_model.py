@@ -17,7 +17,8 @@ cp = require_gpu()
 
 from engine.checkpoint.reader import Checkpoint  # noqa: E402
 from engine.model.config import load_config  # noqa: E402
-from engine.ops.gpu.ops import CupyOps, GpuWeight, _host_dequant  # noqa: E402
+from engine.ops.gpu.ops import CupyOps, GpuWeight  # noqa: E402
+from engine.ops.gpu.weights import _host_dequant  # noqa: E402
 from engine.ops.numpy_ops import NumpyOps, fake_quant  # noqa: E402
 from engine.runtime.runner import ModelRunner as Model  # noqa: E402
 from engine.settings import Settings  # noqa: E402
