@@ -15,7 +15,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-from greenlet import greenlet
 
 
 @dataclass
@@ -51,7 +50,9 @@ class RankComm:
 
 
 def _to_driver(msg: Collective):
-    here = greenlet.getcurrent()
+    from greenlet import getcurrent
+
+    here = getcurrent()
     if here.parent is None:
         raise RuntimeError("a collective outside the lockstep driver (engine/parallel/lockstep.py run_ranks)")
     return here.parent.switch(msg)
@@ -88,6 +89,8 @@ def run_ranks(fns: list[Callable], reduce=None, contexts=None) -> list:
     reduce(msgs) -> one reply per rank (default: everyone gets `combine(msgs)`, and each rank its
     own result of a "step", see run_steps); contexts[r] is entered around every resumption of
     rank r (e.g. its CUDA device)."""
+    from greenlet import greenlet  # (only tensor parallelism needs it: one rank runs without)
+
     lets = [greenlet(fn) for fn in fns]
     ctx = contexts or [contextlib.nullcontext] * len(lets)
     if reduce is None:
