@@ -20,6 +20,7 @@ import numpy as np
 
 from engine.model.batch import Batch, Projected, Seq
 from engine.model.layers import NEG_INF, Attention, Block, project
+from engine.state.sequence import F32 as NO_CODEC
 from engine.state.sequence import LayerState
 
 
@@ -100,7 +101,7 @@ class Indexer:
         n = keys.shape[0]
         # (queries and keys rounded onto the same codec's grid are exact in bf16)
         scores = ops.indexer_scores(p.idx_q, keys, p.idx_w, cfg.index_n_heads, cfg.index_head_dim,
-                                    exact=attn.codec("idx_keys") != 0)
+                                    exact=attn.codec("idx_keys") != NO_CODEC)
         lens = (s.pos + 1) // ratio
         if not (lens >= n).all():  # queries that see only part of the keys (prefill)
             scores = xp.where(attn.causal_cols(lens, n), scores, NEG_INF)

@@ -91,7 +91,7 @@ class GpuTP:
         return outs[0]
 
     def step_sample(self, states: list[SequenceState], chunks: list, jobs: list) -> list:
-        """Model.step_sample: the vocabulary slices are gathered on rank 0's device and drawn there."""
+        """ModelRunner.step_sample: the vocabulary slices are gathered on rank 0's device and drawn there."""
         logits = self.forward(states, chunks, on_device=True)
         with self.cp.cuda.Device(self.devices[0]):
             return self.ranks[0].ops.sample_rows(logits, jobs)

@@ -34,12 +34,10 @@ Per tensor-parallel rank (engine.parallel.shard.ShardPlan decides what each rank
                    2 * index_topk) + 64) * 4     (a prompt chunk's tensor-core attention scores: each
                                                   query's window, then its listed or unmasked entries)
       logits       max_seqs * vocab * 4
-      graphs       the outputs the CUDA graphs of the layer regions keep (engine/ops/gpu/
-                   graphs.py): graph_bytes_per_row * the rows of the Settings.graph_buckets largest
-                   row counts up to MAX_GRAPH_ROWS (a step of a few decode rows and a short
-                   prompt's chunk is graphed too, so any count up to 64 can hold a bucket); a
-                   V4.1 decode step graphed whole on one GPU keeps less: its logits, and
-                   intermediates from the same pool, which never holds more than one step's
+      graphs       what the captured decode-step graphs keep (engine/ops/gpu/graphs.py):
+                   graph_bytes_per_row * the rows of the Settings.graph_buckets largest row
+                   counts up to MAX_GRAPH_ROWS, an estimate: a step's graph keeps its logits,
+                   and its intermediates come from one pool shared by every captured step
 - reserve: RESERVE_FRACTION of the GPU's bytes (allocator fragmentation, kernels, graph launches).
 
 A rank fits when weights + state + workspace + reserve <= gpu_bytes (the free bytes per GPU).

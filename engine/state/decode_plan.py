@@ -7,7 +7,7 @@ scores and which rows each query attends depend only on the sequences' positions
 sizes, all known on the host. `plan_decode` works them out for every layer up front, reserving
 and committing the grown state views (engine/state/rows.py), and records them as backend-neutral
 lists of Spans. A backend's `stage` turns those into what its kernels read (on the GPU: one
-upload of pointer tables), and the device half (`Model._decode_attend`) only reads the tables.
+upload of pointer tables), and the device half (engine/model/v41.py `V41Attention.decode`) only reads the tables.
 
 So a whole decode step launches the same kernels with the same shapes for a given batch size
 and set of capacity buckets, whatever the positions: the GPU replays it as one CUDA graph.

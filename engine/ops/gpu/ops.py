@@ -158,7 +158,7 @@ class CupyOps(Forks, WeightOps, LinearOps, NormOps, MoeOps, AttentionOps):
         return layout.views(i64, f32)
 
     def prestage(self, inputs):
-        """A step's tables packed on the host ahead of the step (Model.prepare_next: its token ids
+        """A step's tables packed on the host ahead of the step (ModelRunner.prepare_next: its token ids
         and Engram hash ids are placeholders, filled in by graphed_step), with its signature."""
         return (*cupy_staging.pack(inputs), inputs.signature())
 

@@ -113,7 +113,7 @@ class Layout:
 
 def fill(i64: np.ndarray, layout: Layout, name: str, value: np.ndarray) -> None:
     """Write a step's int64 host field `name` (e.g. its token ids) into an i64 array packed
-    before the field's values were known (Model.prepare_next)."""
+    before the field's values were known (ModelRunner.prepare_next)."""
     for field_name, dt, off, shape in layout.step:
         if field_name == name and dt is np.int64:
             i64[off:off + int(np.prod(shape))] = np.asarray(value, np.int64).reshape(-1)
