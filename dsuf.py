@@ -12,7 +12,7 @@ import time
 def _run(args: argparse.Namespace) -> int:
     from engine.runtime.engine import Engine
     from engine.runtime.sampling import SamplingParams
-    from engine.text.chat_encoding import encode_messages
+    from engine.text.chat_encoding import render_messages
 
     eng = Engine.load(args.ckpt, backend=args.backend)
     if args.prompt_ids:
@@ -25,9 +25,8 @@ def _run(args: argparse.Namespace) -> int:
         if args.prompt is None:
             print("error: give a prompt or --prompt-ids", file=sys.stderr)
             return 2
-        text = args.prompt if args.raw else encode_messages(
-            [{"role": "user", "content": args.prompt}], arch=eng.config.arch, thinking=args.thinking)
-        ids = eng.tokenizer.encode(text)
+        ids = eng.tokenizer.encode(args.prompt) if args.raw else eng.tokenizer.encode_segments(render_messages(
+            [{"role": "user", "content": args.prompt}], arch=eng.config.arch, thinking=args.thinking))
     if not ids:
         print("error: empty prompt", file=sys.stderr)
         return 2

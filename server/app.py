@@ -374,15 +374,16 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     _require_ready(st)
     spec = protocol.parse_chat(body, st.model_ids[0])
     _check_model(st, spec.gen)
-    from engine.text.chat_encoding import encode_messages
+    from engine.text.chat_encoding import render_messages
 
     arch = st.engine.config.arch
 
     def encode() -> list[int]:
-        text = encode_messages(spec.messages, arch=arch, thinking=spec.gen.thinking,
-                               reasoning_effort=spec.reasoning_effort, tools=spec.tools,
-                               response_format=spec.response_format, add_generation_prompt=True)
-        return st.engine.tokenizer.encode(text)
+        # Message text is tokenized as plain text: it can never spell a control token.
+        segments = render_messages(spec.messages, arch=arch, thinking=spec.gen.thinking,
+                                   reasoning_effort=spec.reasoning_effort, tools=spec.tools,
+                                   response_format=spec.response_format, add_generation_prompt=True)
+        return st.engine.tokenizer.encode_segments(segments)
 
     try:
         ids = await asyncio.to_thread(encode)
@@ -405,6 +406,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
         ids_out, texts = [], []
         for p in prompts:
             if isinstance(p, str):
+                # A raw prompt is the client's own context (no other party's turn in it):
+                # control tokens spelled in it are matched, as vLLM does.
                 ids = tok.encode(p)
                 texts.append(p)
             else:

@@ -2,7 +2,7 @@
 
 Token ids come in one at a time (from the scheduler, on the event loop) and leave as deltas of
 reasoning / content / tool calls. Three stages, each holding back only what it must:
-  detokenizer  -> text, never splitting a UTF-8 character
+  detokenizer  -> text, never splitting a UTF-8 character; control tokens dropped unless structural
   StopMatcher  -> stop strings found across token boundaries (text that could start one waits)
   OutputParser -> reasoning until `</think>`, content, DSML tool-call blocks -> OpenAI tool_calls
 """
@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
-from engine.text import chat_encoding
-from engine.text.chat_encoding import THINK_END
+from engine.text import output_parser as chat_encoding
+from engine.text.chat_encoding import DSML, THINK_END
 
 
 def _partial_suffix(buf: str, markers: tuple[str, ...]) -> int:
@@ -32,13 +33,20 @@ def _partial_suffix(buf: str, markers: tuple[str, ...]) -> int:
 
 
 class Detokenizer:
-    """The tokenizer's incremental decoder, special tokens kept (`</think>` and DSML are special)."""
+    """The tokenizer's incremental decoder. A generated control token (BOS, <｜User｜>, a stray
+    `</think>`, ...) is dropped, so its text never reaches content, unless `keep(id)` says it is
+    structural here: the parser acts on the spellings of `</think>` and `｜DSML｜`."""
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, keep: Callable[[int], bool] | None = None):
         self._dec = tokenizer.stream_decoder(skip_special_tokens=False)
+        self._control: frozenset[int] = getattr(tokenizer, "control_ids", frozenset())
+        self._keep = keep
 
     def push(self, token_id: int) -> str:
-        return self._dec.push(int(token_id))
+        token_id = int(token_id)
+        if token_id in self._control and not (self._keep is not None and self._keep(token_id)):
+            return ""
+        return self._dec.push(token_id)
 
     def flush(self) -> str:
         return self._dec.flush()
@@ -96,8 +104,13 @@ class OutputParser:
     def __init__(self, thinking: bool, tools: bool):
         self._dsml = chat_encoding.OutputParser(thinking=thinking) if tools else None
         self._reasoning = thinking
+        self.tools = tools
         self._buf = ""
         self.n_tool_calls = 0
+
+    @property
+    def in_reasoning(self) -> bool:
+        return self._dsml.in_reasoning if self._dsml is not None else self._reasoning
 
     def push(self, text: str) -> Delta:
         if self._dsml is not None:
@@ -127,8 +140,8 @@ class OutputParser:
         for e in events:
             if isinstance(e, chat_encoding.ReasoningDelta):
                 d.reasoning += e.text
-            elif isinstance(e, chat_encoding.ContentDelta):
-                d.content += e.text
+            elif isinstance(e, chat_encoding.ContentDelta):  # a malformed block's DSML tokens too
+                d.content += e.text.replace(DSML, "")
             elif isinstance(e, chat_encoding.ToolCallStart):  # streamed as it is written
                 d.tool_calls.append({"index": self.n_tool_calls, "id": "call_" + uuid.uuid4().hex[:24],
                                      "type": "function", "function": {"name": e.name, "arguments": ""}})
@@ -147,9 +160,17 @@ class OutputProcessor:
     """Token ids of one sequence -> Deltas, with stop-string detection."""
 
     def __init__(self, tokenizer: Any, *, stop: list[str], thinking: bool, tools: bool):
-        self.detok = Detokenizer(tokenizer)
+        ids = getattr(tokenizer, "special_ids", {})
+        self._think_end, self._dsml = ids.get("think_end"), ids.get("dsml") if tools else None
+        self.detok = Detokenizer(tokenizer, self._structural)
         self.stop = StopMatcher(stop)
         self.parser = OutputParser(thinking, tools)
+
+    def _structural(self, token_id: int) -> bool:
+        """`</think>` while reasoning is open; `｜DSML｜` in the answer when tools are offered."""
+        if token_id == self._think_end:
+            return self.parser.in_reasoning
+        return token_id == self._dsml and not self.parser.in_reasoning
 
     def push(self, token_id: int) -> tuple[Delta, bool]:
         piece, stopped = self.stop.push(self.detok.push(token_id))

@@ -11,7 +11,6 @@ with a leading space (`<｜DSML｜ calls>` instead of `<｜DSML｜tool_calls>`).
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -80,10 +79,24 @@ def to_json(value: Any) -> str:
         return json.dumps(value, ensure_ascii=True)
 
 
-def _tools_section(functions: list[dict], d: Dialect) -> str:
+# A prompt is a list of segments (text, trusted). Trusted text is the template's own, whose
+# spelled control tokens become control ids; everything a client sent (contents, names,
+# arguments, schemas, reasoning sent back) is untrusted and is tokenized as plain text.
+Segment = tuple[str, bool]
+
+
+def _t(text: str) -> Segment:
+    return (text, True)
+
+
+def _u(text: str) -> Segment:
+    return (text, False)
+
+
+def _tools_section(functions: list[dict], d: Dialect) -> list[Segment]:
     b, i, p = d.block, d.invoke, d.param
     schemas = "\n".join(to_json(f) for f in functions)
-    return (
+    return [_t(
         "## Tools\n\n"
         "You have access to a set of tools to help answer the user's question. You can invoke tools "
         f'by writing a "<{DSML}{b}>" block like the following:\n\n'
@@ -103,19 +116,20 @@ def _tools_section(functions: list[dict], d: Dialect) -> str:
         f"reasoning inside {THINK_START}...{THINK_END} BEFORE any tool calls or final response.\n\n"
         f"Otherwise, output directly after {THINK_END} with tool calls or final response.\n\n"
         "### Available Tool Schemas\n\n"
-        f"{schemas}\n\n"
+    ), _u(schemas), _t(
+        "\n\n"
         "You MUST strictly follow the above defined tool name and parameter schemas to invoke tool "
         "calls.\n"
-    )
+    )]
 
 
-def _extras(msg: dict, d: Dialect) -> str:
+def _extras(msg: dict, d: Dialect) -> list[Segment]:
     """Tools and response-format sections appended to a system/developer message."""
-    out = ""
+    out: list[Segment] = []
     if msg.get("tools"):
-        out += "\n\n" + _tools_section([t.get("function", t) for t in msg["tools"]], d)
+        out += [_t("\n\n"), *_tools_section([t.get("function", t) for t in msg["tools"]], d)]
     if msg.get("response_format"):
-        out += "\n\n" + RESPONSE_FORMAT_HEADER + to_json(msg["response_format"])
+        out += [_t("\n\n" + RESPONSE_FORMAT_HEADER), _u(to_json(msg["response_format"]))]
     return out
 
 
@@ -133,23 +147,28 @@ def _call_arguments(raw: Any, arch: str) -> dict:
     return args
 
 
-def render_tool_calls(calls: list[dict], arch: Arch) -> str:
+def _tool_call_segments(calls: list[dict], arch: Arch) -> list[Segment]:
     """DSML block for OpenAI-style tool calls ({"function": {"name", "arguments"}} or flat)."""
     d = DIALECTS[arch]
-    invokes = []
+    out = [_t(f"<{DSML}{d.block}>")]
     for call in calls:
         fn = call.get("function", call)
-        params = []
-        for key, value in _call_arguments(fn.get("arguments", "{}"), arch).items():
+        out += [_t(f'\n<{DSML}{d.invoke} name="'), _u(str(fn.get("name"))), _t('">\n')]
+        for n, (key, value) in enumerate(_call_arguments(fn.get("arguments", "{}"), arch).items()):
             is_str = isinstance(value, str)
-            text = value if is_str else to_json(value)
-            params.append(
-                f'<{DSML}{d.param} name="{key}" string="{"true" if is_str else "false"}">'
-                f"{text}</{DSML}{d.param}>"
-            )
-        body = "\n".join(params)
-        invokes.append(f'<{DSML}{d.invoke} name="{fn.get("name")}">\n{body}\n</{DSML}{d.invoke}>')
-    return f"<{DSML}{d.block}>\n" + "\n".join(invokes) + f"\n</{DSML}{d.block}>"
+            out += [
+                _t(("\n" if n else "") + f'<{DSML}{d.param} name="'), _u(str(key)),
+                _t(f'" string="{"true" if is_str else "false"}">'), _u(value if is_str else to_json(value)),
+                _t(f"</{DSML}{d.param}>"),
+            ]
+        out.append(_t(f"\n</{DSML}{d.invoke}>"))
+    out.append(_t(f"\n</{DSML}{d.block}>"))
+    return out
+
+
+def render_tool_calls(calls: list[dict], arch: Arch) -> str:
+    """DSML block for OpenAI-style tool calls, as text."""
+    return "".join(text for text, _ in _tool_call_segments(calls, arch))
 
 
 def _text_of(content: Any) -> str:
@@ -246,7 +265,12 @@ def _effort_prefix(arch: str, thinking: bool, effort: str | int | None) -> str:
     )
 
 
-def encode_messages(
+def encode_messages(messages: list[dict], **kwargs: Any) -> str:
+    """Prompt text of `render_messages` (the reference encoders' output, byte for byte)."""
+    return "".join(text for text, _ in render_messages(messages, **kwargs))
+
+
+def render_messages(
     messages: list[dict],
     *,
     arch: Arch,
@@ -255,8 +279,9 @@ def encode_messages(
     tools: list | None = None,
     response_format: Any = None,
     add_generation_prompt: bool = True,
-) -> str:
-    """Prompt text (starting with BOS) for an OpenAI-style conversation.
+) -> list[Segment]:
+    """Prompt segments (starting with BOS) for an OpenAI-style conversation; tokenize them
+    with engine.text.tokenizer.Tokenizer.encode_segments.
 
     `tools` / `response_format` go into the leading system message (one is inserted if the
     conversation has none). Earlier assistant turns lose their reasoning unless tools are
@@ -290,39 +315,37 @@ def encode_messages(
         turns = kept
     last_user = _last_user_index(turns, arch)
 
-    out = [BOS]
+    out = [_t(BOS)]
     for index, turn in enumerate(turns):
         role = turn.get("role")
         if index == 0:
             if arch == "v41" and (prefix or role == "system"):
-                out.append(SYSTEM)
-            out.append(prefix)
+                out.append(_t(SYSTEM))
+            out.append(_t(prefix))
         if role == "system":
             if arch == "v41" and index > 0:
-                out.append(SYSTEM)
-            out.append(_text_of(turn.get("content")) + _extras(turn, d))
+                out.append(_t(SYSTEM))
+            out += [_u(_text_of(turn.get("content"))), *_extras(turn, d)]
         elif role == "developer":
             if not turn.get("content"):
                 raise ValueError("developer message needs content")
-            out.append(USER + _text_of(turn["content"]) + _extras(turn, d))
+            out += [_t(USER), _u(_text_of(turn["content"])), *_extras(turn, d)]
         elif role == "user":
-            out.append(USER)
-            out.append(
-                "\n\n".join(
-                    f"<tool_result>{text}</tool_result>" if kind == "tool" else text
-                    for kind, _, text in turn["parts"]
-                )
-            )
+            out.append(_t(USER))
+            for n, (kind, _, text) in enumerate(turn["parts"]):
+                if n:
+                    out.append(_t("\n\n"))
+                out += [_t("<tool_result>"), _u(text), _t("</tool_result>")] if kind == "tool" else [_u(text)]
         elif role == "latest_reminder":
-            out.append(LATEST_REMINDER + _text_of(turn.get("content")))
+            out += [_t(LATEST_REMINDER), _u(_text_of(turn.get("content")))]
         elif role == "assistant":
             if thinking and (not drop or index > last_user):
-                out.append((turn.get("reasoning_content") or "") + THINK_END)
-            out.append(_text_of(turn.get("content")))
+                out += [_u(turn.get("reasoning_content") or ""), _t(THINK_END)]
+            out.append(_u(_text_of(turn.get("content"))))
             if turn.get("tool_calls"):
-                out.append("\n\n" + render_tool_calls(turn["tool_calls"], arch))
+                out += [_t("\n\n"), *_tool_call_segments(turn["tool_calls"], arch)]
             if not turn.get("wo_eos"):
-                out.append(EOS)
+                out.append(_t(EOS))
         else:
             raise ValueError(f"unknown role {role!r}")
 
@@ -331,265 +354,17 @@ def encode_messages(
             continue
         if nxt is None and not add_generation_prompt:
             continue
-        out.append(ASSISTANT)
-        out.append(THINK_START if thinking and (not drop or index >= last_user) else THINK_END)
-    return "".join(out)
+        out.append(_t(ASSISTANT))
+        out.append(_t(THINK_START if thinking and (not drop or index >= last_user) else THINK_END))
+    return [seg for seg in out if seg[0]]
 
 
-# ---------------------------------------------------------------------------------------
-# Parsing model output
-# ---------------------------------------------------------------------------------------
+def __getattr__(name: str) -> object:
+    """The output parser's names, which lived here first, from engine/text/output_parser.py."""
+    from engine.text import output_parser
 
+    try:
+        return getattr(output_parser, name)
+    except AttributeError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
 
-@dataclass(frozen=True)
-class ReasoningDelta:
-    text: str
-
-
-@dataclass(frozen=True)
-class ContentDelta:
-    text: str
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    name: str
-    arguments: str  # JSON object text
-
-
-# Streaming view of the same calls, for clients that show a call as it is written: a start as
-# soon as an invoke's name is known, then argument text as each parameter completes. The
-# fragments of one call concatenate to its ToolCall.arguments. An announced invoke that turns
-# out malformed (it then reaches the output as content, like any malformed block) ends with
-# ToolCallAbort, after which the streamed arguments must be closed by the consumer.
-@dataclass(frozen=True)
-class ToolCallStart:
-    name: str
-
-
-@dataclass(frozen=True)
-class ToolCallArgs:
-    text: str
-
-
-@dataclass(frozen=True)
-class ToolCallAbort:
-    closing: str  # text that makes the arguments streamed so far a JSON object
-
-
-Event = ReasoningDelta | ContentDelta | ToolCall | ToolCallStart | ToolCallArgs | ToolCallAbort
-
-# Both dialects are accepted: a server may host either, and the tags cannot collide.
-_BLOCK_TAGS = {d.open(d.block) + ">": d for d in DIALECTS.values()}
-_CONTENT_STOPS = [EOS] + [p + t for t in _BLOCK_TAGS for p in ("\n\n", "")]
-_WS = " \t\r\n"
-
-
-def _argument_item(key: str, is_str: str, value: str) -> str:
-    """One `"key": value` of the arguments JSON; string="false" values kept verbatim."""
-    if is_str != "true":
-        try:
-            json.loads(value)
-        except ValueError:
-            is_str = "true"  # not JSON after all: keep it as a string
-    return f"{to_json(key)}: {to_json(value) if is_str == 'true' else value}"
-
-
-def _arguments_json(params: list[tuple[str, str, str]]) -> str:
-    """Arguments JSON in the reference's layout."""
-    return "{" + ", ".join(_argument_item(*p) for p in params) + "}"
-
-
-def _invoke_head(d: Dialect) -> re.Pattern:
-    return re.compile(re.escape(d.open(d.invoke)) + r' name="([^"\n]*)">')
-
-
-def _param_re(d: Dialect) -> re.Pattern:
-    return re.compile(
-        r'\s*' + re.escape(d.open(d.param)) + r' name="([^"\n]*)" string="(true|false)">(.*?)'
-        + re.escape(d.close(d.param)),
-        re.DOTALL,
-    )
-
-
-def _parse_invoke(text: str, d: Dialect) -> ToolCall | None:
-    """One complete `<｜DSML｜invoke ...>...</｜DSML｜invoke>`; None when malformed."""
-    head = _invoke_head(d).match(text)
-    if head is None or not text.endswith(d.close(d.invoke)):
-        return None
-    body = text[head.end() : len(text) - len(d.close(d.invoke))]
-    param = _param_re(d)
-    params, pos = [], 0
-    while (m := param.match(body, pos)) is not None:
-        params.append(m.groups())
-        pos = m.end()
-    if body[pos:].strip(_WS) or len({k for k, _, _ in params}) != len(params):
-        return None
-    return ToolCall(name=head.group(1), arguments=_arguments_json(params))
-
-
-def _held_suffix(buf: str, tags: list[str]) -> int:
-    """Length of the longest tail of `buf` that could still grow into one of `tags`."""
-    for n in range(min(len(buf), max(map(len, tags)) - 1), 0, -1):
-        tail = buf[-n:]
-        if any(t.startswith(tail) for t in tags):
-            return n
-    return 0
-
-
-class OutputParser:
-    """Incremental parser of one assistant answer: feed text pieces, get events.
-
-    Reasoning ends at `</think>` (thinking mode only); a DSML block becomes ToolCall events
-    as each invoke completes; text that may be the start of a tag is held back, so a
-    partial tag never reaches content. A malformed block is passed through as content.
-    """
-
-    def __init__(self, thinking: bool = False) -> None:
-        self._mode = "reasoning" if thinking else "content"
-        self._buf = ""
-        self._dialect: Dialect | None = None
-        self._streamed: list[str] | None = None  # keys of the open invoke's streamed parameters
-        self._stream_pos = 0  # where in the open invoke's text the next parameter starts
-
-    def feed(self, text: str) -> list[Event]:
-        self._buf += text
-        events: list[Event] = []
-        while self._step(events, final=False):
-            pass
-        return events
-
-    def finish(self) -> list[Event]:
-        events: list[Event] = []
-        while self._step(events, final=True):
-            pass
-        if self._buf and self._mode != "done":
-            cls = ReasoningDelta if self._mode == "reasoning" else ContentDelta
-            events.append(cls(self._buf))
-        self._buf = ""
-        self._mode = "done"
-        return events
-
-    def _emit(self, events: list[Event], text: str) -> None:
-        if text:
-            events.append(ReasoningDelta(text) if self._mode == "reasoning" else ContentDelta(text))
-
-    def _step(self, events: list[Event], final: bool) -> bool:
-        """Consume what can be decided from the buffer; True when progress was made."""
-        buf = self._buf
-        if self._mode == "done":
-            self._buf = ""
-            return False
-        if self._mode == "raw":
-            self._emit(events, buf)
-            self._buf = ""
-            return False
-        if self._mode in ("reasoning", "content"):
-            stops = [THINK_END] if self._mode == "reasoning" else _CONTENT_STOPS
-            found = [(buf.find(s), -len(s), s) for s in stops if s in buf]
-            if found:
-                pos, _, stop = min(found)
-                self._emit(events, buf[:pos])
-                self._buf = buf[pos + len(stop) :]
-                if self._mode == "reasoning":
-                    self._mode = "content"
-                elif stop == EOS:
-                    self._mode = "done"
-                else:
-                    self._mode, self._dialect = "tools", _BLOCK_TAGS[stop.lstrip("\n")]
-                return True
-            held = 0 if final else _held_suffix(buf, stops)
-            self._emit(events, buf[: len(buf) - held])
-            self._buf = buf[len(buf) - held :]
-            return False
-        # Inside a tool-call block.
-        d = self._dialect
-        assert d is not None
-        body = buf.lstrip(_WS)
-        if not body:
-            self._buf = "" if final else buf
-            return False
-        end_tag, invoke_tag = d.close(d.block), d.open(d.invoke) + ' name="'
-        if body.startswith(end_tag):
-            self._buf, self._mode = body[len(end_tag) :], "content"
-            return True
-        if body.startswith(invoke_tag):
-            close = body.find(d.close(d.invoke))
-            self._stream_invoke(events, body if close < 0 else body[:close], d)
-            if close >= 0:
-                call = _parse_invoke(body[: close + len(d.close(d.invoke))], d)
-                if call is not None:
-                    self._end_invoke(events, call)
-                    events.append(call)
-                    self._buf = body[close + len(d.close(d.invoke)) :]
-                    return True
-            elif not final:
-                return False
-            self._end_invoke(events, None)
-        elif not final and (end_tag.startswith(body) or invoke_tag.startswith(body)):
-            return False
-        self._mode = "raw"  # malformed (or cut off): hand the rest over as plain content
-        self._buf = buf
-        return True
-
-    # ---- streaming view of an invoke (ToolCallStart / ToolCallArgs / ToolCallAbort) ----------
-    def _stream_invoke(self, events: list[Event], text: str, d: Dialect) -> None:
-        """Announce the invoke once its name is known and stream each newly completed
-        parameter; `text` is the invoke so far (without its close tag). Completed parts never
-        change as text arrives, so this is the same however the answer is split."""
-        if self._streamed is None:
-            head = _invoke_head(d).match(text)
-            if head is None:
-                return
-            events.append(ToolCallStart(head.group(1)))
-            self._streamed, self._stream_pos = [], head.end()
-        param = _param_re(d)  # resume after the last streamed parameter: completed ones never change
-        while (m := param.match(text, self._stream_pos)) is not None:
-            key, is_str, value = m.groups()
-            if key in self._streamed:  # a repeated key: the invoke is malformed, stream no more
-                return
-            events.append(ToolCallArgs(("{" if not self._streamed else ", ") + _argument_item(key, is_str, value)))
-            self._streamed.append(key)
-            self._stream_pos = m.end()
-
-    def _end_invoke(self, events: list[Event], call: ToolCall | None) -> None:
-        if self._streamed is None:
-            return
-        closing = "}" if self._streamed else "{}"
-        events.append(ToolCallArgs(closing) if call is not None else ToolCallAbort(closing))
-        self._streamed = None
-
-
-@dataclass
-class ParsedOutput:
-    reasoning: str
-    content: str
-    tool_calls: list[dict]
-
-
-def parse_output(text: str, *, thinking: bool) -> ParsedOutput:
-    """One-shot parse of a complete answer (the same machine as the streaming parser)."""
-    parser = OutputParser(thinking=thinking)
-    events = parser.feed(text) + parser.finish()
-    return ParsedOutput(
-        reasoning="".join(e.text for e in events if isinstance(e, ReasoningDelta)),
-        content="".join(e.text for e in events if isinstance(e, ContentDelta)),
-        tool_calls=[
-            {"name": e.name, "arguments": e.arguments} for e in events if isinstance(e, ToolCall)
-        ],
-    )
-
-
-def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
-    """(content, [{"name", "arguments"}]) of answer text that follows the reasoning."""
-    parsed = parse_output(text, thinking=False)
-    return parsed.content, parsed.tool_calls
-
-
-def split_reasoning(text: str, thinking: bool = True) -> tuple[str, str]:
-    """(reasoning, rest) split at the first `</think>`; without one a thinking answer is
-    all reasoning (cut off) and a chat answer all content."""
-    if not thinking:
-        return "", text
-    reasoning, sep, rest = text.partition(THINK_END)
-    return (reasoning, rest) if sep else (text, "")

@@ -1,13 +1,17 @@
 """Tokenizer of a checkpoint directory (tokenizer.json + tokenizer_config.json).
 
-Uses the HF `tokenizers` library only. Prompts are rendered as text with the special
-tokens spelled out (engine/text/chat_encoding.py), so `encode` never adds BOS itself.
+Uses the HF `tokenizers` library only. `encode` matches added tokens (<｜User｜>, ...) anywhere
+in its text and never adds BOS itself: it is for text the caller fully controls (a raw
+completions prompt). Chat prompts go through `encode_segments`: the chat template's own
+markers become control ids while client text is tokenized as plain text, so a message that
+spells a control token gets the ordinary tokens of that spelling and cannot forge a turn.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
@@ -44,6 +48,22 @@ class Tokenizer:
         self.special_ids: dict[str, int | None] = {
             k: self._tok.token_to_id(v) for k, v in CHAT_TOKENS.items()
         }
+        added = hf.get_added_tokens_decoder()
+        # Every added token is a control token, flagged special or not (the real V4 vocabulary
+        # does not flag <｜User｜> or </think>): none may come from client text or reach content.
+        self.control_ids: frozenset[int] = frozenset(added)
+        self._added = {a.content: i for i, a in added.items()}
+        # Leftmost-longest match, as the added-vocabulary split of `tokenizers` does.
+        names = sorted(self._added, key=len, reverse=True)
+        self._added_re = re.compile("|".join(map(re.escape, names))) if names else None
+        self._plain = self._without_added_tokens(hf)
+
+    @staticmethod
+    def _without_added_tokens(hf: _HFTokenizer) -> _HFTokenizer:
+        """A copy that matches no added token: their spellings become ordinary byte tokens."""
+        spec = json.loads(hf.to_str())
+        spec["added_tokens"] = []
+        return _HFTokenizer.from_str(json.dumps(spec))
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -69,6 +89,35 @@ class Tokenizer:
         # Added tokens in the text (<｜User｜>, ...) are matched by `tokenizers` itself;
         # add_special_tokens=False keeps post-processors from inserting a BOS.
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Text as ordinary tokens only: spelled control tokens are not matched."""
+        return self._plain.encode(text, add_special_tokens=False).ids
+
+    def encode_segments(self, segments: Sequence[tuple[str, bool]]) -> list[int]:
+        """Ids of (text, trusted) pieces: added tokens are matched in trusted pieces only.
+
+        The text between two matched control tokens is tokenized as one piece, across segment
+        boundaries, exactly as `encode` of the joined text splits it; so when no untrusted
+        piece spells a control token the ids equal `encode("".join(texts))`.
+        """
+        chunks: list[str] = [""]  # text runs; a control id sits between consecutive runs
+        cuts: list[int] = []
+        for text, trusted in segments:
+            pos = 0
+            if trusted and self._added_re is not None:
+                for m in self._added_re.finditer(text):
+                    chunks[-1] += text[pos : m.start()]
+                    cuts.append(self._added[m.group()])
+                    chunks.append("")
+                    pos = m.end()
+            chunks[-1] += text[pos:]
+        ids = self.encode_plain(chunks[0]) if chunks[0] else []
+        for cut, chunk in zip(cuts, chunks[1:], strict=True):
+            ids.append(cut)
+            if chunk:
+                ids.extend(self.encode_plain(chunk))
+        return ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -244,8 +244,10 @@ def test_thinking_splits_reasoning_at_think_end(server, engine):
     assert body["prompt_token_ids"] == _chat_ids(engine, msgs, thinking=True, reasoning_effort="high")
     assert body["prompt_token_ids"][-1] == tok.token_to_id("<think>")
     msg = body["choices"][0]["message"]
-    raw = tok.decode([t for t in body["choices"][0]["token_ids"] if t not in engine.eos_ids])
-    reasoning, sep, content = raw.partition("</think>")
+    # generated control tokens are dropped, except the first `</think>`, which ends the reasoning
+    gen, end = body["choices"][0]["token_ids"], tok.special_ids["think_end"]
+    cut = gen.index(end) if end in gen else len(gen)
+    reasoning, content = (tok.decode([t for t in p if t not in tok.control_ids]) for p in (gen[:cut], gen[cut + 1:]))
     assert msg["reasoning_content"] == reasoning
     assert (msg["content"] or "") == content
     # streaming: the same split, as reasoning_content deltas

@@ -68,8 +68,10 @@ def test_stop_string_inside_token_stream(tok):
 def test_reasoning_split(tok):
     r, c, calls, _ = _run(tok, "Let me think.\nOK</think>The answer is 4.", thinking=True)
     assert (r, c, calls) == ("Let me think.\nOK", "The answer is 4.", [])
-    # not thinking: `</think>` is just text
-    assert _run(tok, "a</think>b")[1] == "a</think>b"
+    # not thinking (the prompt closed reasoning) a generated `</think>` is a stray control token
+    assert _run(tok, "a</think>b")[1] == "ab"
+    # and so is a second one after reasoning ended
+    assert _run(tok, "r</think>a</think>b", thinking=True)[:2] == ("r", "ab")
 
 
 @pytest.mark.parametrize("arch", ["v41", "v4"])
@@ -97,4 +99,36 @@ def test_tool_calls_parsed_from_dsml(tok, arch):
 def test_tool_block_is_text_when_no_tools_were_offered(tok):
     block = render_tool_calls([{"function": {"name": "f", "arguments": "{}"}}], "v41")
     _, content, calls, _ = _run(tok, block)
-    assert calls == [] and content == block
+    assert calls == [] and content == block.replace("｜DSML｜", "")  # control tokens never reach content
+
+
+def _run_ids(tok, ids, *, thinking=False, tools=False):
+    proc = OutputProcessor(tok, stop=[], thinking=thinking, tools=tools)
+    out = [proc.push(t)[0] for t in ids] + [proc.finish(False)]
+    return ("".join(d.reasoning for d in out), "".join(d.content for d in out),
+            [c for d in out for c in d.tool_calls])
+
+
+@pytest.mark.parametrize("tools", [False, True])
+@pytest.mark.parametrize("thinking", [False, True])
+def test_generated_control_tokens_never_reach_text(tok, thinking, tools):
+    think_end = tok.special_ids["think_end"]
+    noise = [i for i in sorted(tok.control_ids) if i != think_end]
+    spellings = [tok.id_to_token(i) for i in sorted(tok.control_ids)]
+    plain = tok.encode_plain
+    ids = noise + plain("why") + noise + ([think_end] if thinking else []) + noise + plain("So 4.") + noise
+    ids += [think_end] + noise  # a stray `</think>` after reasoning ended
+    reasoning, content, calls = _run_ids(tok, ids, thinking=thinking, tools=tools)
+    assert (reasoning, content, calls) == (("why", "So 4.") if thinking else ("", "whySo 4.")) + ([],)
+    assert not any(s in reasoning + content for s in spellings)
+
+
+def test_tool_calls_parsed_among_control_tokens(tok):
+    noise = [i for i in sorted(tok.control_ids) if i != tok.special_ids["think_end"]]
+    block = render_tool_calls([{"function": {"name": "f", "arguments": json.dumps({"a": 1})}}], "v41")
+    ids = tok.encode_plain("r") + noise + [tok.special_ids["think_end"]] + noise + tok.encode_plain("Calling.")
+    ids += noise + tok.encode("\n\n" + block)  # the block as the model writes it, with DSML ids
+    reasoning, content, calls = _run_ids(tok, ids, thinking=True, tools=True)
+    assert (reasoning, content) == ("r", "Calling.")
+    assert [c["function"]["name"] for c in calls if "id" in c] == ["f"]
+    assert json.loads("".join(c["function"]["arguments"] for c in calls)) == {"a": 1}
