@@ -30,6 +30,8 @@
 #define J_TEMP 6   // f32; <= 0: greedy
 #define J_TOPP 7   // f32; >= 1: off
 #define J_MINP 8   // f32; <= 0: off
+#define J_MASK 9   // -1: unconstrained; else offset in masks of this row's packed token mask
+                   // (bit i of word w allows id 32w+i; needs J_WORK >= 0)
 #define J_U 10     // f64 uniform in [0, 1) (words 10-11: 8-byte aligned)
 #define J_WORDS 12
 // output: int32 words per job
@@ -98,14 +100,16 @@ __device__ __forceinline__ u64 block_sum_u64(u64 v, u64* red) {
   return total;
 }
 
-// logits: [rows, V] f32; jobs: [J, J_WORDS]; pen_ids / pen_val: the deltas; work: [*, V] f32
-// scratch for rows with deltas; out: [J, O_WORDS]. grid = J, block = SMP_THREADS, dynamic shared
+// logits: [rows, V] f32; jobs: [J, J_WORDS]; pen_ids / pen_val: the deltas; masks: the packed
+// token masks of constrained rows ((V + 31) / 32 words each); work: [*, V] f32 scratch for rows
+// with deltas or a mask; out: [J, O_WORDS]. grid = J, block = SMP_THREADS, dynamic shared
 // memory SMP_SMEM (the radix histograms, one per warp).
 #define SMP_SMEM (256 * (SMP_THREADS / 32) * 8)
 #define SMP_GROUPS 128  // per warp: group sums and tie counts fit SMP_SMEM (V <= 131072 at 1024 threads)
 extern "C" __global__ void __launch_bounds__(SMP_THREADS) sample_rows(
     const float* __restrict__ logits, int V, const int* __restrict__ jobs, const int* __restrict__ pen_ids,
-    const float* __restrict__ pen_val, float* __restrict__ work, int* __restrict__ out) {
+    const float* __restrict__ pen_val, const unsigned* __restrict__ masks, float* __restrict__ work,
+    int* __restrict__ out) {
   extern __shared__ u64 hist[];
   __shared__ u32 pick[6];
   __shared__ float red[33];
@@ -121,9 +125,15 @@ extern "C" __global__ void __launch_bounds__(SMP_THREADS) sample_rows(
   const u32 lt = (1u << lane) - 1u;  // lanes below this one
   const float* raw = logits + (size_t)jb[J_ROW] * V;
   const float* x = raw;
-  if (jb[J_WORK] >= 0) {  // penalties / logit_bias: x = raw + deltas in scratch
+  if (jb[J_WORK] >= 0) {  // penalties / logit_bias / a token mask: x = masked raw + deltas in scratch
     float* w = work + (size_t)jb[J_WORK] * V;
-    for (int i = tid; i < V; i += nt) w[i] = raw[i];
+    const int mo = jb[J_MASK];
+    if (mo < 0) {
+      for (int i = tid; i < V; i += nt) w[i] = raw[i];
+    } else {  // (a disallowed id stays -inf whatever delta it gets)
+      const unsigned* mk = masks + mo;
+      for (int i = tid; i < V; i += nt) w[i] = (mk[i >> 5] >> (i & 31)) & 1u ? raw[i] : __int_as_float(0xff800000);
+    }
     __syncthreads();
     for (int p = jb[J_PEN0] + tid; p < jb[J_PEN1]; p += nt) w[pen_ids[p]] += pen_val[p];
     __syncthreads();  // (global writes of this block are visible to it after the barrier)

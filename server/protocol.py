@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
+from engine.runtime import constraint
 from engine.runtime.sampling import SamplingParams
 
 MAX_N = 16
@@ -203,6 +204,7 @@ class GenRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     return_token_ids: bool = False
+    grammar: constraint.GrammarSpec | None = None  # constrained decoding (engine/runtime/constraint.py)
     prompts: list[list[int]] = field(default_factory=list)  # token ids, one list per prompt
     prompt_texts: list[str] = field(default_factory=list)
     request_id: str = ""
@@ -395,7 +397,8 @@ def _tools(body: dict) -> list[dict] | None:
 
 
 def _tool_choice(body: dict, tools: list[dict] | None) -> list[dict] | None:
-    """Applies tool_choice to the offered tools. 'required' is not enforced by decoding."""
+    """Applies tool_choice to the offered tools ('required' and a named function are enforced by
+    constrained decoding: _grammar)."""
     tc = body.get("tool_choice")
     if tc is None or tc == "auto" or tc == "required":
         if tc == "required" and not tools:
@@ -407,7 +410,8 @@ def _tool_choice(body: dict, tools: list[dict] | None) -> list[dict] | None:
         name = tc["function"].get("name")
         chosen = [t for t in tools or [] if t["function"]["name"] == name]
         if not chosen:
-            raise bad(f"tool_choice names {name!r}, which is not among 'tools'", "tool_choice")
+            shown = name[:64] if isinstance(name, str) else type(name).__name__
+            raise bad(f"tool_choice names {shown!r}, which is not among 'tools'", "tool_choice")
         return chosen
     raise bad("'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', "
               "'function': {'name': ...}}", "tool_choice")
@@ -424,10 +428,38 @@ def _response_format(body: dict) -> dict | None:
         return rf
     if t == "json_schema":
         js = rf.get("json_schema")
-        if not isinstance(js, dict) or ("schema" in js and not isinstance(js["schema"], dict)):
+        if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict | bool):
             raise bad("response_format.json_schema must be an object with a 'schema' object", "response_format")
         return rf
     raise bad("response_format.type must be 'text', 'json_object' or 'json_schema'", "response_format")
+
+
+def _short(message: str, limit: int = 300) -> str:
+    return message if len(message) <= limit else message[:limit] + "..."
+
+
+def _grammar(body: dict, tools: list[dict] | None, rf: dict | None) -> constraint.GrammarSpec | None:
+    """What constrained decoding enforces: tool_choice 'required' / a named function (a DSML block
+    of calls to the offered tools, one call when named or parallel_tool_calls is false), else
+    response_format json_object / json_schema. Every schema must compile (else 400)."""
+    tc = body.get("tool_choice")
+    if tools and (tc == "required" or isinstance(tc, dict)):
+        out = []
+        for t in tools:
+            fn = t["function"]
+            err = constraint.tool_schema_error(fn["name"], fn.get("parameters"))
+            if err:
+                raise bad(f"tools: cannot enforce the parameters schema: {_short(err)}", "tools")
+            out.append((fn["name"], json.dumps(fn["parameters"]) if "parameters" in fn else ""))
+        single = isinstance(tc, dict) or body.get("parallel_tool_calls") is False
+        return constraint.GrammarSpec("tools", tools=tuple(out), single=single)
+    if rf is None:
+        return None
+    schema = rf["json_schema"].get("schema", {}) if rf["type"] == "json_schema" else constraint.JSON_OBJECT_SCHEMA
+    err = constraint.schema_error(schema)
+    if err:
+        raise bad(f"response_format.json_schema.schema cannot be enforced: {_short(err)}", "response_format")
+    return constraint.GrammarSpec("json", schema=json.dumps({} if schema is True else schema))
 
 
 def _thinking(body: dict) -> tuple[bool, str | None]:
@@ -465,8 +497,9 @@ def parse_chat(body: Any, default_model: str) -> ChatSpec:
         raise bad("'top_logprobs' requires 'logprobs': true", "top_logprobs")
     gen.logprobs, gen.top_logprobs = logprobs, top
     gen.thinking, gen.tools = thinking, bool(tools)
-    return ChatSpec(gen=gen, messages=messages, tools=tools, response_format=_response_format(body),
-                    reasoning_effort=effort)
+    rf = _response_format(body)
+    gen.grammar = _grammar(body, tools, rf)
+    return ChatSpec(gen=gen, messages=messages, tools=tools, response_format=rf, reasoning_effort=effort)
 
 
 def parse_completion(body: Any, default_model: str) -> tuple[GenRequest, list[str | list[int]]]:

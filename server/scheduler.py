@@ -23,6 +23,7 @@ import numpy as np
 from engine.runtime.sampling import SampleJob, SamplingParams, make_rngs
 from kvcache import serving as kv_serving
 
+from . import guided
 from .metrics import Metrics
 from .protocol import APIError, GenRequest
 from .streaming import Delta, OutputProcessor
@@ -78,6 +79,9 @@ class Sequence:
     snap_at: list[int] = field(default_factory=list)
     # n > 1: choices 1.. of a prompt wait for choice 0's prefill and fork its state
     leader: Sequence | None = None
+    # constrained decoding (server/guided.py): the matcher, or why it failed
+    constraint: Any = None
+    guide_error: str | None = None
 
     @property
     def waits_for_leader(self) -> bool:
@@ -100,6 +104,7 @@ class Scheduler:
         self.prefill_chunk = max(1, prefill_chunk)
         self.executor = engine_executor(engine)
         self.eos_ids = {int(t) for t in getattr(engine, "eos_ids", (engine.tokenizer.eos_id,))}
+        self.guide = guided.Guide(engine)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.accepting = True
@@ -258,8 +263,9 @@ class Scheduler:
         forks = [(i, f) for i, (s, chunk) in enumerate(zip(batch, chunks, strict=True))
                  if s.prefilling and s.n_prefilled + len(chunk) == len(s.prompt)
                  for f in self.running if f.leader is s and f.prefilling and not f.finished]
-        jobs = [SampleJob(i, s.params, s.generated, s.rng) for i, s in enumerate(batch) if do_sample[i]]
-        jobs += [SampleJob(i, f.params, f.generated, f.rng) for i, f in forks]
+        draws = [(i, s) for i, s in enumerate(batch) if do_sample[i]] + forks
+        masks = self.guide.masks([s for _, s in draws])  # after the last step's tokens reached the matchers
+        jobs = [SampleJob(i, s.params, s.generated, s.rng, m) for (i, s), m in zip(draws, masks, strict=True)]
         drawn = iter(self.engine.step_sample([s.state for s in batch], chunks, jobs))
         for s, chunk in zip(batch, chunks, strict=True):
             if s.prefilling:  # snapshot before the state moves on (kvcache/serving.py)
@@ -284,6 +290,9 @@ class Scheduler:
             if res is None:
                 continue
             tok, lp, top = res
+            if s.gen.grammar is not None and (err := guided.advance(s, tok)) is not None:
+                self._fail(s, err)
+                continue
             s.generated.append(tok)
             self.metrics.generation_tokens.inc()
             if s.t_first is None:

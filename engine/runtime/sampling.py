@@ -125,13 +125,27 @@ def nucleus(probs: np.ndarray, top_p: float, first: int = 1024) -> np.ndarray:
         m *= 4
 
 
+def token_mask(mask: np.ndarray, vocab: int) -> np.ndarray:
+    """A packed token mask (int32 words, bit i of word w allowing id 32 * w + i, llguidance's
+    layout) as booleans [vocab]; ids past its words are disallowed."""
+    bits = np.unpackbits(np.ascontiguousarray(mask, dtype=np.int32).view(np.uint8), bitorder="little")
+    out = np.zeros(vocab, dtype=bool)
+    n = min(vocab, bits.size)
+    out[:n] = bits[:n].astype(bool)
+    return out
+
+
 def sample(
     logits: np.ndarray,
     params: SamplingParams,
     generated_ids: Sequence[int],
     rng: np.random.Generator,
+    mask: np.ndarray | None = None,
 ) -> tuple[int, float | None, list[tuple[int, float]] | None]:
     """Pick the next token from logits [vocab].
+
+    mask: a packed token mask (token_mask) of constrained decoding: disallowed ids get -inf before
+    penalties, temperature and truncation, greedy included (it must allow at least one id).
 
     Returns (token_id, logprob, top_logprobs). logprob / top_logprobs are None unless
     params.logprobs; they are the model's own distribution (log-softmax of the raw logits,
@@ -140,6 +154,8 @@ def sample(
     params.top_logprobs.
     """
     x = np.array(logits, dtype=np.float64)
+    if mask is not None:
+        x[~token_mask(mask, x.shape[-1])] = -np.inf
     ids, vals = logit_deltas(generated_ids, params.presence_penalty, params.frequency_penalty,
                              params.logit_bias, x.shape[-1])
     x[ids] += vals
@@ -175,6 +191,7 @@ class SampleJob:
     params: SamplingParams
     generated: Sequence[int]  # this sequence's tokens so far (penalties)
     rng: np.random.Generator
+    mask: np.ndarray | None = None  # packed token mask of constrained decoding (token_mask), or None
 
 
 # Rows of a batch are sampled on several threads when the vocabulary is large (numpy releases the
@@ -192,7 +209,7 @@ def sample_batch(logits: np.ndarray, jobs: Sequence[SampleJob]) -> list:
     """sample() for each job on host logits [rows, vocab], in order (the numpy backend's way;
     the CuPy backend draws on the device: engine/ops/gpu/sampling.py)."""
     def one(j: SampleJob):
-        return sample(logits[j.row], j.params, j.generated, j.rng)
+        return sample(logits[j.row], j.params, j.generated, j.rng, j.mask)
 
     if len(jobs) < 2 or logits.shape[-1] < PARALLEL_SAMPLE_VOCAB:
         return [one(j) for j in jobs]

@@ -123,3 +123,73 @@ def test_top_logprobs_over_20_is_refused():
     jobs = [SampleJob(0, SamplingParams(logprobs=True, top_logprobs=21), [], make_rngs(0)[0])]
     with pytest.raises(ValueError):
         cupy_sampling.sample_rows(cp.ones((1, 100), dtype=cp.float32), jobs)
+
+
+def _pack(allowed: np.ndarray) -> np.ndarray:
+    """Booleans -> a packed token mask (int32 words, bit i of word w = id 32 * w + i)."""
+    padded = np.zeros((allowed.size + 31) // 32 * 32, dtype=bool)
+    padded[:allowed.size] = allowed
+    return np.packbits(padded, bitorder="little").view(np.int32)
+
+
+@pytest.mark.parametrize("vocab", [1000, 129280])
+def test_masked_rows_match_the_reference(vocab):
+    """Constrained decoding's token masks: every masked row draws inside its mask and what the
+    float64 reference draws with the same mask (same margins as unmasked rows); unmasked rows
+    of the same launch are untouched; logprobs stay those of the raw logits."""
+    g = np.random.default_rng(vocab + 1)
+    rows = 36
+    logits = (g.standard_normal((rows, vocab)) * 3).astype(np.float32)
+    logits[rows // 2:] = np.round(logits[rows // 2:] * 2) / 2  # exact ties
+    densities = [1.0 / vocab, 0.001, 0.01, 0.1, 0.5, 0.97]
+    jobs, allowed = [], []
+    for r in range(rows):
+        if r % 4 == 3:  # unmasked beside masked ones
+            jobs.append(SampleJob(r, PARAMS[r % len(PARAMS)], [], make_rngs(2000 + r)[0]))
+            allowed.append(None)
+            continue
+        a = g.random(vocab) < densities[r % len(densities)]
+        a[g.integers(vocab)] = True
+        gen = list(g.integers(0, vocab, int(g.integers(0, 30))))
+        jobs.append(SampleJob(r, PARAMS[r % len(PARAMS)], gen, make_rngs(2000 + r)[0], _pack(a)))
+        allowed.append(a)
+    got = cupy_sampling.sample_rows(cp.asarray(logits), jobs)
+    close = 0
+    for r, (job, (tok, lp, top)) in enumerate(zip(jobs, got, strict=True)):
+        want_tok, want_lp, want_top = sample(logits[job.row], job.params, job.generated, make_rngs(2000 + r)[0],
+                                             job.mask)
+        if allowed[r] is not None:
+            assert allowed[r][tok], (r, tok)
+        if tok != want_tok:
+            masked = logits[job.row] if allowed[r] is None else np.where(allowed[r], logits[job.row], -np.inf)
+            u = make_rngs(2000 + r)[0].random()
+            assert _close_call(masked.astype(np.float32), job.params, job.generated, u), (r, tok, want_tok)
+            close += 1
+        if want_lp is not None and tok == want_tok:
+            assert abs(lp - want_lp) < LP_TOL
+            assert [t for t, _ in top] == [t for t, _ in want_top]
+    assert close <= max(1, rows // 20), f"{close} of {rows} rows decided differently"
+
+
+def test_masked_greedy_and_sampled_draws_many_seeds():
+    """One row, many seeds and parameter sets, masks of one to all tokens: never outside the mask,
+    and the reference's token (bar close calls)."""
+    g = np.random.default_rng(17)
+    vocab = 5000
+    row = (g.standard_normal(vocab) * 2).astype(np.float32)
+    jobs, allowed = [], []
+    for i in range(300):
+        a = g.random(vocab) < [0.0, 0.002, 0.05, 0.3, 1.0][i % 5]
+        a[g.integers(vocab)] = True
+        jobs.append(SampleJob(0, PARAMS[i % len(PARAMS)], [], make_rngs(i)[0], _pack(a)))
+        allowed.append(a)
+    got = cupy_sampling.sample_rows(cp.asarray(row[None]), jobs)
+    differ = 0
+    for i, (tok, _, _) in enumerate(got):
+        assert allowed[i][tok]
+        want = sample(row, jobs[i].params, [], make_rngs(i)[0], jobs[i].mask)[0]
+        if tok != want:
+            masked = np.where(allowed[i], row, -np.inf).astype(np.float32)
+            assert _close_call(masked, jobs[i].params, [], make_rngs(i)[0].random()), (i, tok, want)
+            differ += 1
+    assert differ <= 15

@@ -11,7 +11,7 @@ from engine.runtime.sampling import SampleJob, logit_deltas
 
 # kernels/sampling.cu J_* / O_* / SMP_*
 JOB_ROW, JOB_TOPK, JOB_NTOP, JOB_PEN0, JOB_PEN1, JOB_WORK = 0, 1, 2, 3, 4, 5
-JOB_TEMP, JOB_TOPP, JOB_MINP, JOB_U = 6, 7, 8, 10  # JOB_U: a float64 in words 10-11
+JOB_TEMP, JOB_TOPP, JOB_MINP, JOB_MASK, JOB_U = 6, 7, 8, 9, 10  # JOB_U: a float64 in words 10-11
 JOB_WORDS = 12
 TOP_N = 20
 OUT_TOKEN, OUT_LP, OUT_IDS, OUT_LPS, OUT_WORDS = 0, 1, 2, 2 + TOP_N, 2 + 2 * TOP_N
@@ -19,9 +19,15 @@ THREADS = 1024
 SMEM = 256 * (THREADS // 32) * 8  # SMP_SMEM: one 256-bin u64 radix histogram per warp
 
 
+def mask_words(vocab: int) -> int:
+    return (vocab + 31) // 32
+
+
 def job_table(jobs: Sequence[SampleJob], vocab: int) -> tuple[np.ndarray, int, int]:
-    """The kernel's int32 input [header | delta ids | delta values] (floats by bit pattern);
-    returns it with the number of deltas and of rows that need a scratch copy of their logits.
+    """The kernel's int32 input [header | delta ids | delta values | token masks] (floats by bit
+    pattern); returns it with the number of deltas and of rows that need a scratch copy of their
+    logits (rows with deltas or a mask). A constrained job's mask (SampleJob.mask, packed words) is
+    cut or zero-padded to mask_words(vocab); JOB_MASK is its offset in the masks, -1 without one.
     Draws each non-greedy job's uniform from its generator. (Built column by column, for the host's
     time.)"""
     ps = [j.params for j in jobs]
@@ -33,19 +39,33 @@ def job_table(jobs: Sequence[SampleJob], vocab: int) -> tuple[np.ndarray, int, i
     head[:, JOB_TOPK] = [p.top_k if 0 < p.top_k < vocab else 0 for p in ps]
     head[:, JOB_NTOP] = [p.top_logprobs if p.logprobs else -1 for p in ps]
     head[:, JOB_WORK] = -1
+    head[:, JOB_MASK] = -1
     hf[:, JOB_TEMP] = [0.0 if p.greedy else p.temperature for p in ps]
     hf[:, JOB_TOPP] = [p.top_p for p in ps]
     hf[:, JOB_MINP] = [p.min_p for p in ps]
     head[:, JOB_U:JOB_U + 2] = np.array([0.0 if p.greedy else j.rng.random() for j, p in zip(jobs, ps, strict=True)]
                                         ).view(np.int32).reshape(-1, 2)
-    ids, vals, off, nwork = [], [], 0, 0
+    ids, vals, masks, off, nwork = [], [], [], 0, 0
+    words = mask_words(vocab)
     for j, (job, p) in enumerate(zip(jobs, ps, strict=True)):
-        if not (p.logit_bias or ((p.presence_penalty or p.frequency_penalty) and len(job.generated))):
+        deltas = p.logit_bias or ((p.presence_penalty or p.frequency_penalty) and len(job.generated))
+        if not deltas and job.mask is None:
+            continue
+        head[j, JOB_WORK] = nwork
+        nwork += 1
+        if job.mask is not None:
+            m = np.zeros(words, dtype=np.int32)
+            src = np.asarray(job.mask, dtype=np.int32).reshape(-1)[:words]
+            m[:src.size] = src
+            if vocab % 32:  # (ids past the vocabulary stay cleared)
+                m[-1] &= np.uint32((1 << (vocab % 32)) - 1).view(np.int32)
+            head[j, JOB_MASK] = len(masks) * words
+            masks.append(m)
+        if not deltas:
             continue
         d_ids, d_vals = logit_deltas(job.generated, p.presence_penalty, p.frequency_penalty, p.logit_bias, vocab)
-        head[j, JOB_PEN0], head[j, JOB_PEN1], head[j, JOB_WORK] = off, off + d_ids.size, nwork
+        head[j, JOB_PEN0], head[j, JOB_PEN1] = off, off + d_ids.size
         ids.append(d_ids.astype(np.int32))
         vals.append(d_vals.astype(np.float32).view(np.int32))
         off += d_ids.size
-        nwork += 1
-    return np.concatenate([head.reshape(-1), *ids, *vals]), off, nwork
+    return np.concatenate([head.reshape(-1), *ids, *vals, *masks]), off, nwork

@@ -3,7 +3,8 @@
 The host builds one table for the whole batch: per job its row, top-k, logprobs request,
 temperature, top-p, min-p and the uniform its own generator draws (exactly where sample() draws
 it, so seeded streams stay those of the numpy backend; passed as float64), followed by the penalty / logit_bias
-deltas (engine.runtime.sampling.logit_deltas). One upload, one launch (a block per job), one download of
+deltas (engine.runtime.sampling.logit_deltas) and the packed token masks of constrained rows (applied
+as the row is copied to scratch: cleared ids become -inf). One upload, one launch (a block per job), one download of
 [jobs, 42] words: the token, its logprob and the top logprobs. The [batch, vocab] logits stay on
 the device.
 """
@@ -46,7 +47,8 @@ def sample_rows(logits: cp.ndarray, jobs: Sequence[SampleJob], upload=cp.asarray
     work = cp.empty((nwork, vocab), dtype=cp.float32) if nwork else logits  # (unread without deltas)
     out = cp.empty((len(jobs), OUT_WORDS), dtype=cp.int32)
     K.function_with_smem("sampling", "sample_rows", SMEM)((len(jobs),), (THREADS,), (
-        logits, np.int32(vocab), dev, dev[nh:nh + ndelta], dev[nh + ndelta:], work, out), shared_mem=SMEM)
+        logits, np.int32(vocab), dev, dev[nh:nh + ndelta], dev[nh + ndelta:], dev[nh + 2 * ndelta:], work, out),
+        shared_mem=SMEM)
     if ahead is not None:
         ahead()
     host = cp.asnumpy(out)
