@@ -29,6 +29,7 @@ from server.metrics import parse_prometheus
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "demo-v41"
+SECRET = os.urandom(16).hex()  # the cluster's shared secret, made per run
 pytestmark = [pytest.mark.redis, pytest.mark.slow,
               pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")]
 
@@ -57,6 +58,7 @@ class Server:
         env = {k: v for k, v in os.environ.items() if k != "DSUF_REDIS_URL"}
         if self.redis_url:
             env["DSUF_REDIS_URL"] = self.redis_url
+            env["DSUF_KV_SECRET"] = SECRET
         self.log = open(self.tmp / f"{self.name}.log", "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "dsuf.py", "serve", "--port", str(self.port), "--kv-node-id", self.name,
