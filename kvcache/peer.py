@@ -142,6 +142,7 @@ class TransferServer:
                               "from the directory until it can", e)
                 self._set_health(False)
                 backoff = await self._wait_for_descriptors(backoff)
+                self._set_health(True)  # descriptors are back: serve (a new failure withdraws again)
                 continue
             backoff = 0.05
             self._set_health(True)

@@ -63,6 +63,21 @@ def test_keys_chain_prefixes_and_namespaces():
 # ---------------------------------------------------------------- store
 
 
+def test_store_keeps_prompts_that_share_an_anchor_and_a_length():
+    """Two conversations with one system prompt and prompts of equal length share an anchor
+    and a length: both stay findable (the index holds every key, not the last one)."""
+    system = list(range(500, 500 + 3 * BLOCK))
+    a, b = PrefixKeys(NS, system + [1, 2, 3, 4]), PrefixKeys(NS, system + [5, 6, 7, 8])
+    st = HostStore(capacity_bytes=1 << 20, pin=False)
+    n = len(system) + 3
+    assert a.anchor(n) == b.anchor(n)
+    st.put(a.key(n), n, a.anchor(n), b"a" * 10)
+    st.put(b.key(n), n, b.anchor(n), b"b" * 10)
+    assert st.best_match(a, n).key == a.key(n) and st.best_match(b, n).key == b.key(n)
+    st.remove(a.key(n))
+    assert st.best_match(a, n) is None and st.best_match(b, n).key == b.key(n)
+
+
 def test_store_lru_by_bytes_longest_prefix_and_leases():
     toks = list(range(500))
     pk = PrefixKeys(NS, toks)
