@@ -312,7 +312,7 @@ class StateCache:
         try:
             if entry is None:
                 raise FetchError("too_large", "fetched state does not fit the host cache")
-            states = await self._load(entry, copies)
+            states = await self._load(entry, copies, from_peer=True)
         except (FetchError, StateError) as e:
             if entry is not None:
                 self.store.remove(entry.key)
@@ -326,15 +326,16 @@ class StateCache:
         self._spawn(self._claim(entry, force=True))  # we hold it now: become the owner, announce it
         return Hit(rec.n_tokens, "remote", states)
 
-    async def _load(self, entry: Entry, copies: int) -> list[SequenceState]:
-        """Fresh SequenceStates from an entry's bytes (checksummed, model-checked)."""
+    async def _load(self, entry: Entry, copies: int, from_peer: bool = False) -> list[SequenceState]:
+        """Fresh SequenceStates from an entry's bytes (checksummed, checked against the model's
+        layout; a peer's values are checked too, once, when it arrives)."""
         def read() -> list[SequenceState]:
             with self.store.lease(entry):
                 if entry.evicted:
                     raise StateError("state evicted before it was read")
                 view = entry.view()
-                out = [SequenceState.from_bytes(view, model_key=self.model_key, shape=self.shape)
-                       for _ in range(max(1, copies))]
+                out = [SequenceState.from_bytes(view, model_key=self.model_key, shape=self.shape,
+                                                finite=from_peer and i == 0) for i in range(max(1, copies))]
                 del view
             if out[0].position != entry.n_tokens:
                 raise StateError(f"state position {out[0].position} != its key's {entry.n_tokens} tokens")

@@ -172,7 +172,9 @@ class TransferServer:
                     os.close(fd)
 
     async def _handle(self, conn: socket.socket) -> None:
-        deadline = Deadline(self.timeout_s, self.stall_s)
+        # before it has authenticated, a connection gets a short deadline: idle or slow strangers
+        # must not hold the connection slots peers need
+        deadline = Deadline(min(self.timeout_s, self.stall_s * 2), self.stall_s)
         try:
             if self.auth is None:
                 self._refuse(UNAUTHORIZED)
@@ -190,6 +192,8 @@ class TransferServer:
                     log.warning("refused an unauthenticated state fetch (%d so far)", n)
                 await send_frame(conn, {"status": UNAUTHORIZED}, deadline)
                 return
+
+            deadline.restart(self.timeout_s)
 
             def seal(reply: dict) -> dict:
                 return {**reply, "mac": self.auth.proof("serve", server_nonce, client_nonce, key, reply)}

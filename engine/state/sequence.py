@@ -254,9 +254,11 @@ class SequenceState:
 
     @classmethod
     def from_bytes(cls, buf: bytes | memoryview, model_key: str | None = None,
-                   shape: StateShape | None = None) -> SequenceState:
+                   shape: StateShape | None = None, finite: bool = True) -> SequenceState:
         """Read a state back. With `shape` (the model's layout) every claim of the header and
-        the directory is checked against it before an array is allocated (validate.py)."""
+        the directory is checked against it before an array is allocated (validate.py), and,
+        with `finite`, every value after decoding (a pass over the arrays: states this process
+        wrote itself can skip it)."""
         buf = memoryview(buf)
         if len(buf) < _HEADER.size + 16:
             raise StateError("state buffer truncated (shorter than its header)")
@@ -282,7 +284,7 @@ class SequenceState:
         for li, name, dims, codec, nbytes in meta["arrays"]:
             setattr(layers[li], name, decode_array(bytes(buf[off : off + nbytes]), tuple(dims), codec))
             off += nbytes
-        if shape is not None:
+        if shape is not None and finite:
             check_values(layers)
         return cls(position=int(position), layers=layers, recent_tokens=list(meta["recent"]),
                    model_key=meta["model"], codecs=dict(meta.get("codecs", {})))
