@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.state.sequence import VERSION as STATE_VERSION
-from engine.state.sequence import SequenceState, StateError
+from engine.state.sequence import SequenceState, StateError, StateShape
 
+from .auth import MIN_SECRET_LEN, SECRET_ENV, PeerAuth
 from .directory import Directory, Record
 from .keys import PrefixKeys, namespace, snapshot_points
 from .peer import Offer, TransferServer, fetch
@@ -56,6 +57,7 @@ class CacheConfig:
     min_rate_mb_s: float = 200.0
     ttl_s: float = 120.0
     pin: bool = True
+    secret: str | None = field(default=None, repr=False)  # DSUF_KV_SECRET: sharing needs it
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> CacheConfig:
@@ -65,7 +67,8 @@ class CacheConfig:
                    transfer_port=int(g("kv_transfer_port") or 0), advertise_host=g("kv_advertise_host"),
                    transport=g("kv_transport") or "auto", rdma_device=g("kv_rdma_device"),
                    rdma_port=g("kv_rdma_port"), rdma_gid_index=g("kv_rdma_gid_index"),
-                   fetch_timeout_s=float(g("kv_fetch_timeout", 5.0)), ttl_s=float(g("kv_ttl", 120.0)))
+                   fetch_timeout_s=float(g("kv_fetch_timeout", 5.0)), ttl_s=float(g("kv_ttl", 120.0)),
+                   secret=os.environ.get(SECRET_ENV) or None)
 
 
 def add_cache_args(p: argparse.ArgumentParser) -> None:
@@ -96,9 +99,14 @@ class Hit:
 
 
 class StateCache:
-    def __init__(self, cfg: CacheConfig, model_id: str, model_key: str):
+    def __init__(self, cfg: CacheConfig, model_id: str, model_key: str, shape: StateShape | None = None):
         self.cfg, self.model_id, self.model_key = cfg, model_id, model_key
+        self.shape = shape  # the model's state layout: every state read back is checked against it
+        self.auth = PeerAuth.from_secret(cfg.secret)
         self.ns = namespace(f"{model_id}|{model_key}", STATE_VERSION)
+        self._tenant_ns: dict[str, bytes] = {"": self.ns}
+        self._withdrawn = False  # the transfer listener cannot accept: nothing advertised meanwhile
+        self._health_lock = asyncio.Lock()
         self.stats = KVStats()
         self.store = HostStore(int(cfg.host_cache_gb * (1 << 30)), pin=cfg.pin, on_evict=self._on_evict)
         self.movers: dict[str, Any] = {"tcp": TcpMover()}
@@ -124,6 +132,8 @@ class StateCache:
         s.gauge("directory_up", "1 while the Redis directory is reachable.",
                 lambda: float(bool(self.directory and self.directory.connected and self.directory.available)))
         s.gauge("rdma", "1 when states move over RDMA.", lambda: float("rdma" in self.movers))
+        s.gauge("transfer_listener_up", "1 while the state-transfer listener accepts (0: records withdrawn).",
+                lambda: float(self.server is not None and self.server.healthy))
 
     @property
     def enabled(self) -> bool:
@@ -140,6 +150,12 @@ class StateCache:
             log.info("state cache: %.1f GiB host memory, no sharing%s", self.cfg.host_cache_gb,
                      "" if self.cfg.redis_url else " (DSUF_REDIS_URL not set)")
             return
+        if self.auth is None:
+            log.error("state sharing is OFF: DSUF_REDIS_URL is set but %s is not (or is shorter than %d "
+                      "characters). Without a shared secret this server neither serves its states to peers nor "
+                      "fetches theirs; it keeps its own states only. Give every server the same secret to share.",
+                      SECRET_ENV, MIN_SECRET_LEN)
+            return
         from .transport_rdma import make_mover
 
         rdma, self.transport_note = await asyncio.to_thread(
@@ -149,7 +165,8 @@ class StateCache:
             self.store.registrar = rdma.registrar
         self.server = TransferServer(self.store, self.movers, self.cfg.transfer_host, self.cfg.transfer_port,
                                      timeout_s=max(self.cfg.fetch_timeout_s * 2, 10.0),
-                                     stall_s=self.cfg.stall_timeout_s * 2, min_rate=self.cfg.min_rate_mb_s * 1e6)
+                                     stall_s=self.cfg.stall_timeout_s * 2, min_rate=self.cfg.min_rate_mb_s * 1e6,
+                                     auth=self.auth, on_health=self._on_listener_health)
         port = await self.server.start()
         host = self.cfg.advertise_host or self.cfg.transfer_host
         if host in ("0.0.0.0", "::", ""):
@@ -187,7 +204,17 @@ class StateCache:
         """Prompt positions to snapshot at (the scheduler ends a prefill chunk there)."""
         return [p for p in snapshot_points(prompt_len) if p > n_cached] if self.enabled else []
 
-    def snapshot(self, tokens: list[int], state: SequenceState, session_id: str | None = None) -> bool:
+    def namespace_of(self, tenant: str = "") -> bytes:
+        """Key seed of one tenant's states (the default tenant: a single-tenant server)."""
+        ns = self._tenant_ns.get(tenant)
+        if ns is None:
+            if len(self._tenant_ns) > 4096:
+                self._tenant_ns = {"": self.ns}
+            ns = self._tenant_ns[tenant] = namespace(f"{self.model_id}|{self.model_key}", STATE_VERSION, tenant)
+        return ns
+
+    def snapshot(self, tokens: list[int], state: SequenceState, session_id: str | None = None,
+                 tenant: str = "") -> bool:
         """Store `state` as the state after tokens[:state.position]. Call it before the state is
         stepped again: a host copy is taken here (cheap), and encoded and stored on the cache's
         own thread, so the engine thread never waits for an encode (~0.3 s for a long V4.1
@@ -195,7 +222,7 @@ class StateCache:
         n = state.position
         if not self.enabled or n <= 0 or len(tokens) < n:
             return False
-        pk = PrefixKeys(self.ns, tokens[:n])
+        pk = PrefixKeys(self.namespace_of(tenant), tokens[:n])
         key = pk.key(n)
         with self._pending_lock:
             if self.store.get(key) is not None or key in self._pending:
@@ -220,14 +247,15 @@ class StateCache:
         if self.directory is not None and self._loop is not None:
             self._loop.call_soon_threadsafe(self._spawn, self._claim(entry, force=False))
 
-    async def lookup(self, tokens: list[int], session_id: str | None = None, copies: int = 1) -> Hit | None:
+    async def lookup(self, tokens: list[int], session_id: str | None = None, copies: int = 1,
+                     tenant: str = "") -> Hit | None:
         """Longest reusable prefix of tokens (at most len - 1: the last token must be fed to get
-        logits); `copies` independent states. None: prefill everything."""
+        logits) among the tenant's states; `copies` independent states. None: prefill everything."""
         if not self.enabled or len(tokens) < 2:
             return None
         self.stats.inc("lookups_total")
         limit = len(tokens) - 1
-        pk = PrefixKeys(self.ns, tokens)
+        pk = PrefixKeys(self.namespace_of(tenant), tokens)
         local = self.store.best_match(pk, limit, session_id)
         local_n = local.n_tokens if local else 0
         if self.directory is not None:
@@ -253,14 +281,24 @@ class StateCache:
             served = self.stats.counters["served_total"]
             served[()] = float(self.server.served)
             self.stats.counters["served_bytes_total"][()] = float(self.server.served_bytes)
+            self.stats.counters["accept_errors_total"][()] = float(self.server.accept_errors)
+            for reason, n in list(self.server.refused.items()):
+                self.stats.counters["refused_total"][(("reason", reason),)] = float(n)
         return self.stats.render()
 
     # ---- fetch ------------------------------------------------------------------------------
     async def _fetch(self, rec: Record, pk: PrefixKeys, session_id: str | None, copies: int) -> Hit | None:
         t0 = time.monotonic()
         offer = Offer(rec.key, rec.epoch, rec.addr, rec.size, rec.n_tokens, rec.transports)
+        max_size = None
+        if self.shape is not None:
+            max_size = self.shape.max_bytes(rec.n_tokens) + 64  # header and digest
+            if rec.n_tokens > self.shape.max_position:
+                self._fallback(rec, "too_large", f"record claims {rec.n_tokens} tokens, past the context")
+                return None
         try:
-            buf, reply = await fetch(offer, self.store, self.movers, timeout_s=self.cfg.fetch_timeout_s,
+            buf, reply = await fetch(offer, self.store, self.movers, auth=self.auth, max_size=max_size,
+                                     timeout_s=self.cfg.fetch_timeout_s,
                                      stall_s=self.cfg.stall_timeout_s, min_rate=self.cfg.min_rate_mb_s * 1e6)
         except FetchError as e:
             self._fallback(rec, e.reason, str(e))
@@ -274,7 +312,7 @@ class StateCache:
         try:
             if entry is None:
                 raise FetchError("too_large", "fetched state does not fit the host cache")
-            states = await self._load(entry, copies)
+            states = await self._load(entry, copies, from_peer=True)
         except (FetchError, StateError) as e:
             if entry is not None:
                 self.store.remove(entry.key)
@@ -288,14 +326,16 @@ class StateCache:
         self._spawn(self._claim(entry, force=True))  # we hold it now: become the owner, announce it
         return Hit(rec.n_tokens, "remote", states)
 
-    async def _load(self, entry: Entry, copies: int) -> list[SequenceState]:
-        """Fresh SequenceStates from an entry's bytes (checksummed, model-checked)."""
+    async def _load(self, entry: Entry, copies: int, from_peer: bool = False) -> list[SequenceState]:
+        """Fresh SequenceStates from an entry's bytes (checksummed, checked against the model's
+        layout; a peer's values are checked too, once, when it arrives)."""
         def read() -> list[SequenceState]:
             with self.store.lease(entry):
                 if entry.evicted:
                     raise StateError("state evicted before it was read")
                 view = entry.view()
-                out = [SequenceState.from_bytes(view, model_key=self.model_key) for _ in range(max(1, copies))]
+                out = [SequenceState.from_bytes(view, model_key=self.model_key, shape=self.shape,
+                                                finite=from_peer and i == 0) for i in range(max(1, copies))]
                 del view
             if out[0].position != entry.n_tokens:
                 raise StateError(f"state position {out[0].position} != its key's {entry.n_tokens} tokens")
@@ -324,13 +364,13 @@ class StateCache:
 
     async def _claim(self, entry: Entry, force: bool) -> bool:
         """Claim (force) or re-check our record of an entry; False when Redis was not reached."""
-        if self.directory is None or entry.evicted:
-            return True
+        if self.directory is None or entry.evicted or self._withdrawn:
+            return True  # (withdrawn: re-advertised when the listener accepts again)
         epoch = await self.directory.claim(entry.key, entry.n_tokens, entry.anchor, entry.size, entry.session,
                                            force=force, my_epoch=entry.epoch)
         if epoch is None:  # Redis down: the resync after reconnect (and its retries) advertises it
             return False
-        if entry.evicted:  # evicted while we claimed: do not leave a record behind
+        if entry.evicted or self._withdrawn:  # evicted (or withdrawn) while we claimed: leave no record
             if epoch:
                 await self.directory.release(entry.key, epoch=epoch)
             return True
@@ -359,6 +399,8 @@ class StateCache:
 
     async def _refresh_all(self) -> bool:
         """Re-check every advertised entry's record; False if Redis could not be reached for one."""
+        if self._withdrawn:
+            return True
         reached = True
         for e in self.store.entries():
             if e.advertise and not e.evicted:
@@ -374,6 +416,26 @@ class StateCache:
                 log.exception("directory refresh failed")
             now = time.monotonic()
             self._bad = {k: v for k, v in self._bad.items() if v > now}
+
+    def _on_listener_health(self, ok: bool) -> None:
+        """The transfer listener stopped (False) or resumed (True) accepting: peers must not be
+        sent to a server that cannot answer, so its records go while it cannot."""
+        self._withdrawn = not ok
+        self._spawn(self._apply_health())
+
+    async def _apply_health(self) -> None:
+        async with self._health_lock:  # one withdrawal or re-advertisement at a time, the latest state wins
+            if self._withdrawn:
+                await self._withdraw()
+            elif await self._refresh_all():
+                log.warning("state cache: transfer listener accepts again; states re-advertised")
+
+    async def _withdraw(self) -> None:
+        for e in self.store.entries():
+            e.epoch = None  # still ours to offer (advertise stays): claimed afresh on recovery
+        if self.directory is not None:
+            n = await self.directory.release_node()
+            log.warning("state cache: withdrew %d directory records while the transfer listener cannot accept", n)
 
     def _on_directory_event(self, ev: dict) -> None:
         try:

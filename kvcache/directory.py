@@ -257,13 +257,13 @@ class Directory:
             for idx, members in found:
                 last = int(idx)
                 k = batch[last - 1]
-                by_n = {}
+                by_n: dict[int, set[bytes]] = {}  # prompts sharing a prefix share anchors, and lengths too
                 for m in members:
                     n, key = _member(m)
-                    by_n[n] = key
+                    by_n.setdefault(n, set()).add(key)
                 for n in candidates_in_block(k, list(by_n), limit):
-                    if n > min_n and pk.key(n) == by_n[n]:
-                        cands.append((n, by_n[n]))
+                    if n > min_n and pk.key(n) in by_n[n]:
+                        cands.append((n, pk.key(n)))
             rec = await self._first_live(cands)
             if rec is not None:
                 return rec

@@ -1,7 +1,7 @@
 """Prefix keys: a sequence state is found by the token ids it has consumed.
 
 The key of a prefix of n tokens is a chained hash: a block chain over the ids in blocks of
-BLOCK tokens, seeded with the model id and the state format version, closed by the tail of
+BLOCK tokens, seeded with the model id, the state format version and the tenant, closed by the tail of
 the prefix and its length. Chaining by blocks keeps hashing a 1M-token prompt to ~16k hash
 calls, and gives every snapshot an *anchor* (the chain value at its last full block): a
 lookup walks the request's anchors from the longest down and only then compares exact
@@ -19,9 +19,11 @@ BLOCK = 64
 DIGEST = 16
 
 
-def namespace(model_id: str, state_version: int) -> bytes:
-    """Seed of every chain: states of different models or formats never share keys."""
-    return hashlib.blake2b(f"dsuf-kv\0{model_id}\0v{state_version}".encode(), digest_size=DIGEST).digest()
+def namespace(model_id: str, state_version: int, tenant: str = "") -> bytes:
+    """Seed of every chain: states of different models, formats or tenants never share keys
+    (so neither a local lookup nor a directory lookup can match across tenants)."""
+    seed = f"dsuf-kv\0{model_id}\0v{state_version}" + (f"\0t{len(tenant)}:{tenant}" if tenant else "")
+    return hashlib.blake2b(seed.encode(), digest_size=DIGEST).digest()
 
 
 class PrefixKeys:

@@ -2,14 +2,16 @@
 
 Every transfer starts on a TCP control connection to the owner's advertised address:
 
-    fetcher -> owner   frame {op: fetch, key, epoch, transport, offer}
-    owner  -> fetcher  frame {status, size, digest, n_tokens, epoch, transport, ...}
+    owner  -> fetcher  frame {op: hello, nonce}
+    fetcher -> owner   frame {op: fetch, key, epoch, transport, offer, nonce, mac}
+    owner  -> fetcher  frame {status, size, digest, state_mac, n_tokens, epoch, transport, ..., mac}
     payload            TCP: `size` raw bytes on the same socket;
                        RDMA: the fetcher RDMA-READs the owner's memory region, then sends
                        frame {op: done} so the owner can release its buffer.
 
 A frame is b"DSKV" + u32 length + JSON. The digest is a tree hash (blake2b over 4 MiB
-chunks, hashed in parallel) of the whole payload, checked before a state is used. Every
+chunks, hashed in parallel) of the whole payload, checked before a state is used; `mac` and
+`state_mac` are the handshake proofs and the state's MAC (auth.py). Every
 wait is bounded by a deadline and a stall timeout; every failure is a FetchError whose
 reason names the metric label.
 """
@@ -25,7 +27,7 @@ import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-PROTO_VERSION = 1
+PROTO_VERSION = 2
 MAGIC = b"DSKV"
 _FRAME = struct.Struct("<4sI")
 MAX_FRAME = 1 << 20
@@ -36,6 +38,7 @@ IO_CHUNK = 8 << 20
 UNREACHABLE, MISSING, STALE, TIMEOUT, CHECKSUM, PROTOCOL, INVALID, TOO_LARGE, PEER_CLOSED = (
     "unreachable", "missing", "stale", "timeout", "checksum", "protocol", "invalid_state", "too_large",
     "peer_closed")
+UNAUTHORIZED, BAD_MAC = "unauthorized", "bad_mac"
 
 _hash_pool = ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1)), thread_name_prefix="kv-digest")
 
@@ -157,11 +160,12 @@ async def send_all(sock: socket.socket, view: memoryview, deadline: Deadline) ->
             await _bounded(_ready(sock, True), deadline, "the peer to read")
 
 
-async def recv_frame(sock: socket.socket, deadline: Deadline) -> dict:
+async def recv_frame(sock: socket.socket, deadline: Deadline, limit: int = MAX_FRAME) -> dict:
+    """One frame; `limit` bounds what an unauthenticated peer can make us allocate."""
     head = bytearray(_FRAME.size)
     await recv_exact(sock, memoryview(head), deadline, "a frame header")
     magic, length = _FRAME.unpack(head)
-    if magic != MAGIC or length > MAX_FRAME:
+    if magic != MAGIC or length > limit:
         raise FetchError(PROTOCOL, "not a dsuf transfer frame")
     body = bytearray(length)
     await recv_exact(sock, memoryview(body), deadline, "a frame")

@@ -30,6 +30,8 @@ class KVStats:
             ("snapshots_total", "Sequence states stored."),
             ("served_total", "States sent to peers."),
             ("served_bytes_total", "State bytes sent to peers."),
+            ("refused_total", "Fetches this server refused, by reason (unauthorized, missing, stale, busy)."),
+            ("accept_errors_total", "Errors accepting state-transfer connections (descriptor shortage)."),
         ):
             self.counters[name] = {}
             self.help[name] = text

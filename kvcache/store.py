@@ -112,7 +112,9 @@ class HostStore:
         self.registrar = registrar  # set by the RDMA transport: registers every buffer
         self._lock = threading.RLock()
         self._lru: OrderedDict[bytes, Entry] = OrderedDict()
-        self._anchors: dict[bytes, dict[int, bytes]] = {}  # anchor -> {n_tokens: key}
+        # anchor -> {n_tokens: keys}: conversations that share a prefix (a system prompt) share
+        # anchors, and may have the same length
+        self._anchors: dict[bytes, dict[int, set[bytes]]] = {}
         self._sessions: dict[str, set[bytes]] = {}
         self.used = 0
         self.evictions = 0
@@ -161,7 +163,7 @@ class HostStore:
                 entry = Entry(key=key, n_tokens=n_tokens, anchor=anchor, buf=buf, session=session,
                               _digest=digest)
                 self._lru[key] = entry
-                self._anchors.setdefault(anchor, {})[n_tokens] = key
+                self._anchors.setdefault(anchor, {}).setdefault(n_tokens, set()).add(key)
                 if session:
                     self._sessions.setdefault(session, set()).add(key)
                 self.used += buf.size
@@ -189,8 +191,8 @@ class HostStore:
                 if not lengths:
                     continue
                 for n in candidates_in_block(k, lengths, limit):
-                    key = lengths[n]
-                    if pk.key(n) == key and key in self._lru:
+                    key = pk.key(n)
+                    if key in lengths[n] and key in self._lru:
                         self._lru.move_to_end(key)
                         return self._lru[key]
         return None
@@ -257,8 +259,11 @@ class HostStore:
     def _drop(self, e: Entry) -> None:
         del self._lru[e.key]
         lengths = self._anchors.get(e.anchor)
-        if lengths is not None and lengths.get(e.n_tokens) == e.key:
-            del lengths[e.n_tokens]
+        keys = lengths.get(e.n_tokens) if lengths is not None else None
+        if keys is not None:
+            keys.discard(e.key)
+            if not keys:
+                del lengths[e.n_tokens]
             if not lengths:
                 del self._anchors[e.anchor]
         if e.session and e.session in self._sessions:

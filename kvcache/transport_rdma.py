@@ -24,6 +24,7 @@ import logging
 import random
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -264,7 +265,8 @@ class RdmaMover:
         cq.close()
 
     # ---- owner side --------------------------------------------------------------------------
-    async def serve(self, sock: socket.socket, entry: Entry, offer: dict, reply: dict, deadline: Deadline) -> None:
+    async def serve(self, sock: socket.socket, entry: Entry, offer: dict, reply: dict, deadline: Deadline,
+                    seal: Callable[[dict], dict]) -> None:
         if entry.buf.reg is None:
             raise FetchError(PROTOCOL, "entry is not registered for RDMA")
         qp, cq, psn = self.verbs.new_qp()
@@ -272,7 +274,7 @@ class RdmaMover:
             self.verbs.to_rts(qp, psn, offer)
             reply = {**reply, "rdma": {**self.verbs.qp_info(qp, psn), "addr": entry.buf.addr,
                                        "rkey": entry.buf.reg.rkey}}
-            await send_frame(sock, reply, deadline)
+            await send_frame(sock, seal(reply), deadline)  # the handshake's proof covers the region too
             msg = await recv_frame(sock, deadline)  # the fetcher's reads are done (or it went away)
             if msg.get("op") != "done":
                 raise FetchError(PROTOCOL, "expected done after RDMA READ")

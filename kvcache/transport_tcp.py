@@ -8,6 +8,7 @@ fetcher receives straight into its host buffer (sock_recv_into, no intermediate 
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable
 from typing import Any
 
 from .protocol import Deadline, TreeHasher, recv_exact, send_frame, send_payload
@@ -32,6 +33,7 @@ class TcpMover:
         pass
 
     # ---- owner side --------------------------------------------------------------------------
-    async def serve(self, sock: socket.socket, entry: Entry, offer: dict, reply: dict, deadline: Deadline) -> None:
-        await send_frame(sock, reply, deadline)
+    async def serve(self, sock: socket.socket, entry: Entry, offer: dict, reply: dict, deadline: Deadline,
+                    seal: Callable[[dict], dict]) -> None:
+        await send_frame(sock, seal(reply), deadline)
         await send_payload(sock, entry.view(), deadline)

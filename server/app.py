@@ -215,7 +215,8 @@ async def _generate(request: web.Request, st: ServerState, gen: GenRequest) -> w
     seqs: list[Sequence] = []
     for i, (ids, mt) in enumerate(zip(gen.prompts, max_tokens, strict=True)):
         seqs += sched.new_sequences(gen, ids, mt, sink, first_index=i * gen.n)
-    await kv_serving.reuse_prefixes(st.kv, seqs, gen.n, kv_serving.session_id(request.headers), st.metrics)
+    await kv_serving.reuse_prefixes(st.kv, seqs, gen.n, kv_serving.session_id(request.headers), st.metrics,
+                                    tenant=kv_serving.tenant(request.headers, gen.cache_salt, st.opts.api_key))
     sched.submit(seqs)  # 429 / 503 raised here, before any byte of a stream is sent
     try:
         if not gen.stream:

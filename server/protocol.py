@@ -205,6 +205,7 @@ class GenRequest:
     top_logprobs: int = 0
     return_token_ids: bool = False
     grammar: constraint.GrammarSpec | None = None  # constrained decoding (engine/runtime/constraint.py)
+    cache_salt: str | None = None  # vLLM's field: prompt-cache reuse only among requests with the same salt
     prompts: list[list[int]] = field(default_factory=list)  # token ids, one list per prompt
     prompt_texts: list[str] = field(default_factory=list)
     request_id: str = ""
@@ -260,6 +261,9 @@ def _common(body: dict, kind: str, default_model: str) -> GenRequest:
     seed = _int(body, "seed", None)
     presence = _number(body, "presence_penalty", 0.0, -2.0, 2.0)
     frequency = _number(body, "frequency_penalty", 0.0, -2.0, 2.0)
+    cache_salt = body.get("cache_salt")
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not 0 < len(cache_salt) <= 256):
+        raise bad("'cache_salt' must be a non-empty string of at most 256 characters", "cache_salt")
     best_of = _int(body, "best_of", None, 1)
     if best_of is not None and best_of != n:
         raise bad("'best_of' other than n is not supported", "best_of")
@@ -267,6 +271,7 @@ def _common(body: dict, kind: str, default_model: str) -> GenRequest:
         kind=kind, model=model, n=n, max_tokens=mt if mt is not None else default_max,
         sampling=SamplingParams(), stop=_stop(body), stream=stream, include_usage=include_usage,
         ignore_eos=_bool(body, "ignore_eos", False), return_token_ids=_bool(body, "return_token_ids", False),
+        cache_salt=cache_salt,
     )
     gen.sampling = SamplingParams(
         temperature=temperature, top_p=top_p, top_k=max(0, top_k), min_p=min_p,

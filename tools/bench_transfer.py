@@ -137,7 +137,7 @@ async def _owner(configs: list[str], tokens: list[int]) -> None:
         for n in tokens:
             e = store.put(_key(c, n), n, b"\0" * 16, synthetic_state(cfg, n))
             e.epoch = 1
-    srv = TransferServer(store, {"tcp": TcpMover()}, timeout_s=120, stall_s=30)
+    srv = TransferServer(store, {"tcp": TcpMover()}, timeout_s=120, stall_s=30, auth=_auth())
     port = await srv.start()
     print(port, flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the parent closes stdin
@@ -162,7 +162,7 @@ async def _bench(configs: list[str], tokens: list[int], repeat: int, port: int, 
             times, load = [], []
             for i in range(repeat + 1):
                 t0 = time.perf_counter()
-                buf, reply = await fetch(offer, store, movers, timeout_s=120, stall_s=30, min_rate=1e6)
+                buf, reply = await fetch(offer, store, movers, auth=_auth(), timeout_s=120, stall_s=30, min_rate=1e6)
                 dt = time.perf_counter() - t0
                 t1 = time.perf_counter()
                 st = None
@@ -189,6 +189,13 @@ async def _bench(configs: list[str], tokens: list[int], repeat: int, port: int, 
     return rows
 
 
+def _auth():
+    """Both processes authenticate with the secret main() put in the environment."""
+    from kvcache.auth import SECRET_ENV, PeerAuth
+
+    return PeerAuth(os.environ[SECRET_ENV])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", default="demo-v41,v41-flash-shaped,v41-flash")
@@ -203,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve:
         asyncio.run(_owner(configs, tokens))
         return 0
+    os.environ.setdefault("DSUF_KV_SECRET", os.urandom(16).hex())  # the owner subprocess inherits it
     owner = subprocess.Popen([sys.executable, __file__, "--serve", "--configs", args.configs, "--tokens",
                               args.tokens], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:

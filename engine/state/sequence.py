@@ -27,14 +27,13 @@ import numpy as np
 
 from engine.checkpoint import formats
 from engine.state.rows import block_has_room
+from engine.state.validate import StateError, StateShape, check_directory, check_values
+
+__all__ = ["StateError", "StateShape", "SequenceState", "LayerState"]
 
 MAGIC = b"DSUFSTAT"
 VERSION = 2
 _HEADER = struct.Struct("<8sHHIqI")  # magic, version, reserved, n_arrays, position, meta_len
-
-
-class StateError(ValueError):
-    """A state buffer that cannot be read back (bad magic, version, model or truncation)."""
 
 
 # Storage codecs (DeepSeek's V4.1 formats). An array is stored in its codec only when that
@@ -254,7 +253,12 @@ class SequenceState:
         return head + meta + body + digest
 
     @classmethod
-    def from_bytes(cls, buf: bytes | memoryview, model_key: str | None = None) -> SequenceState:
+    def from_bytes(cls, buf: bytes | memoryview, model_key: str | None = None,
+                   shape: StateShape | None = None, finite: bool = True) -> SequenceState:
+        """Read a state back. With `shape` (the model's layout) every claim of the header and
+        the directory is checked against it before an array is allocated (validate.py), and,
+        with `finite`, every value after decoding (a pass over the arrays: states this process
+        wrote itself can skip it)."""
         buf = memoryview(buf)
         if len(buf) < _HEADER.size + 16:
             raise StateError("state buffer truncated (shorter than its header)")
@@ -263,21 +267,25 @@ class SequenceState:
             raise StateError("not a dsuf state buffer (bad magic)")
         if version != VERSION:
             raise StateError(f"state format version {version} is not supported (this build reads {VERSION})")
+        if meta_len > len(buf) - _HEADER.size - 16:
+            raise StateError("state directory longer than the buffer")
         if hashlib.blake2b(buf[:-16], digest_size=16).digest() != bytes(buf[-16:]):
             raise StateError("state buffer checksum mismatch (corrupted or truncated)")
         off = _HEADER.size
-        meta = json.loads(bytes(buf[off : off + meta_len]))
+        try:
+            meta = json.loads(bytes(buf[off : off + meta_len]))
+        except ValueError:
+            raise StateError("state directory is not JSON") from None
         off += meta_len
+        check_directory(meta, n_arrays, position, len(buf) - 16 - off, shape)
         if model_key is not None and meta["model"] != model_key:
             raise StateError(f"state belongs to model {meta['model']!r}, not {model_key!r}")
         layers = [LayerState(window=np.zeros((0, 0), np.float32)) for _ in range(meta["layers"])]
-        for li, name, shape, codec, nbytes in meta["arrays"]:
-            if off + nbytes > len(buf) - 16:
-                raise StateError("state buffer length does not match its directory")
-            setattr(layers[li], name, decode_array(bytes(buf[off : off + nbytes]), tuple(shape), codec))
+        for li, name, dims, codec, nbytes in meta["arrays"]:
+            setattr(layers[li], name, decode_array(bytes(buf[off : off + nbytes]), tuple(dims), codec))
             off += nbytes
-        if off != len(buf) - 16 or len(meta["arrays"]) != n_arrays:
-            raise StateError("state buffer length does not match its directory")
+        if shape is not None and finite:
+            check_values(layers)
         return cls(position=int(position), layers=layers, recent_tokens=list(meta["recent"]),
                    model_key=meta["model"], codecs=dict(meta.get("codecs", {})))
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from engine.state.sequence import SequenceState
+from kvcache.auth import PeerAuth
 from kvcache.cache import CacheConfig, StateCache
 from kvcache.directory import PREFIX, Directory
 from kvcache.keys import BLOCK, PrefixKeys, namespace, snapshot_points
@@ -24,6 +25,8 @@ from kvcache.transport_tcp import TcpMover
 
 ROOT = Path(__file__).resolve().parents[2]
 NS = namespace("demo-v41|test", 1)
+SECRET = os.urandom(16).hex()  # each run its own: no secret lives in the repository
+AUTH = PeerAuth(SECRET)
 needs_redis = pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")
 
 
@@ -58,6 +61,21 @@ def test_keys_chain_prefixes_and_namespaces():
 
 
 # ---------------------------------------------------------------- store
+
+
+def test_store_keeps_prompts_that_share_an_anchor_and_a_length():
+    """Two conversations with one system prompt and prompts of equal length share an anchor
+    and a length: both stay findable (the index holds every key, not the last one)."""
+    system = list(range(500, 500 + 3 * BLOCK))
+    a, b = PrefixKeys(NS, system + [1, 2, 3, 4]), PrefixKeys(NS, system + [5, 6, 7, 8])
+    st = HostStore(capacity_bytes=1 << 20, pin=False)
+    n = len(system) + 3
+    assert a.anchor(n) == b.anchor(n)
+    st.put(a.key(n), n, a.anchor(n), b"a" * 10)
+    st.put(b.key(n), n, b.anchor(n), b"b" * 10)
+    assert st.best_match(a, n).key == a.key(n) and st.best_match(b, n).key == b.key(n)
+    st.remove(a.key(n))
+    assert st.best_match(a, n) is None and st.best_match(b, n).key == b.key(n)
 
 
 def test_store_lru_by_bytes_longest_prefix_and_leases():
@@ -165,19 +183,19 @@ def test_transfer_tcp_ok_and_every_failure(engine):
         owner = HostStore(1 << 24)
         entry = owner.put(key, 90, pk.anchor(90), payload)
         entry.epoch = 7
-        srv = TransferServer(owner, {"tcp": TcpMover()}, stall_s=0.5)
+        srv = TransferServer(owner, {"tcp": TcpMover()}, stall_s=0.5, auth=AUTH)
         port = await srv.start()
         mine = HostStore(1 << 24)
         movers = {"tcp": TcpMover()}
         offer = Offer(key, 7, f"127.0.0.1:{port}", len(payload), 90)
-        buf, reply = await fetch(offer, mine, movers)
+        buf, reply = await fetch(offer, mine, movers, auth=AUTH)
         assert bytes(buf.view()) == payload and reply["digest"] == tree_digest(payload).hex()
         assert SequenceState.from_bytes(buf.view()).position == 90
         buf.close()
 
         async def reason(off: Offer, **kw) -> str:
             try:
-                b, _ = await fetch(off, mine, movers, **kw)
+                b, _ = await fetch(off, mine, movers, **{"auth": AUTH, **kw})
                 b.close()
                 return "ok"
             except FetchError as e:
@@ -218,7 +236,7 @@ def test_cache_two_nodes_share_and_survive_redis_restart(engine, redis_srv):
         return False
 
     async def go():
-        cfg = dict(host_cache_gb=0.1, redis_url=redis_srv.url, ttl_s=5)
+        cfg = dict(host_cache_gb=0.1, redis_url=redis_srv.url, ttl_s=5, secret=SECRET)
         a = StateCache(CacheConfig(node_id="A", **cfg), engine.model_id, engine.model.model_key)
         b = StateCache(CacheConfig(node_id="B", **cfg), engine.model_id, engine.model.model_key)
         await a.start()

@@ -29,6 +29,7 @@ from server.metrics import parse_prometheus
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "demo-v41"
+SECRET = os.urandom(16).hex()  # the cluster's shared secret, made per run
 pytestmark = [pytest.mark.redis, pytest.mark.slow,
               pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")]
 
@@ -47,16 +48,19 @@ HISTORY = ("You are a careful Python assistant. Answer with code only, keep it s
 
 
 class Server:
-    def __init__(self, name: str, tmp: Path, redis_url: str | None, cache_gb: float = 0.25):
-        self.name, self.tmp, self.redis_url, self.cache_gb = name, tmp, redis_url, cache_gb
+    def __init__(self, name: str, tmp: Path, redis_url: str | None, cache_gb: float = 0.25,
+                 secret: str | None = SECRET):
+        self.name, self.tmp, self.redis_url, self.cache_gb, self.secret = name, tmp, redis_url, cache_gb, secret
         self.proc: subprocess.Popen | None = None
         self.start()
 
     def start(self) -> None:
         self.port = free_port()
-        env = {k: v for k, v in os.environ.items() if k != "DSUF_REDIS_URL"}
+        env = {k: v for k, v in os.environ.items() if k not in ("DSUF_REDIS_URL", "DSUF_KV_SECRET")}
         if self.redis_url:
             env["DSUF_REDIS_URL"] = self.redis_url
+        if self.secret:
+            env["DSUF_KV_SECRET"] = self.secret
         self.log = open(self.tmp / f"{self.name}.log", "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "dsuf.py", "serve", "--port", str(self.port), "--kv-node-id", self.name,
@@ -97,9 +101,9 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.kill()
 
-    def chat(self, messages: list[dict], max_tokens: int = 10, headers: dict | None = None) -> dict:
+    def chat(self, messages: list[dict], max_tokens: int = 10, headers: dict | None = None, **extra) -> dict:
         body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-                "return_token_ids": True}
+                "return_token_ids": True, **extra}
         req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/chat/completions",
                                      data=json.dumps(body).encode(), method="POST",
                                      headers={"Content-Type": "application/json", **(headers or {})})
