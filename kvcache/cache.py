@@ -124,6 +124,8 @@ class StateCache:
         s.gauge("directory_up", "1 while the Redis directory is reachable.",
                 lambda: float(bool(self.directory and self.directory.connected and self.directory.available)))
         s.gauge("rdma", "1 when states move over RDMA.", lambda: float("rdma" in self.movers))
+        s.counter_fn("served_total", lambda: self.server.served if self.server is not None else 0)
+        s.counter_fn("served_bytes_total", lambda: self.server.served_bytes if self.server is not None else 0)
 
     @property
     def enabled(self) -> bool:
@@ -249,11 +251,7 @@ class StateCache:
         return Hit(local.n_tokens, "local", states)
 
     def render_metrics(self) -> str:
-        if self.server is not None:
-            served = self.stats.counters["served_total"]
-            served[()] = float(self.server.served)
-            self.stats.counters["served_bytes_total"][()] = float(self.server.served_bytes)
-        return self.stats.render()
+        return self.stats.render(self.model_id)
 
     # ---- fetch ------------------------------------------------------------------------------
     async def _fetch(self, rec: Record, pk: PrefixKeys, session_id: str | None, copies: int) -> Hit | None:
