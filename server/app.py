@@ -92,7 +92,7 @@ def _attach_engine(st: ServerState, engine: Any) -> None:
     st.model_ids = (mid,)
     st.scheduler = Scheduler(engine, st.metrics, max_batch=st.opts.max_batch, max_queue=st.opts.max_queue,
                              prefill_chunk=st.opts.prefill_chunk, kv=st.kv)
-    st.metrics.bind(mid, st.scheduler, engine, context_len=st.context_len, kv=st.kv)
+    st.metrics.bind(st.model_ids[0], st.scheduler, engine, context_len=st.context_len, kv=st.kv)
     st.scheduler.start()
     st.phase = "ready"
     st.loaded.set()
