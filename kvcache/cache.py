@@ -134,6 +134,11 @@ class StateCache:
         s.gauge("rdma", "1 when states move over RDMA.", lambda: float("rdma" in self.movers))
         s.gauge("transfer_listener_up", "1 while the state-transfer listener accepts (0: records withdrawn).",
                 lambda: float(self.server is not None and self.server.healthy))
+        s.counter_fn("served_total", lambda: self.server.served if self.server is not None else 0)
+        s.counter_fn("served_bytes_total", lambda: self.server.served_bytes if self.server is not None else 0)
+        s.counter_fn("accept_errors_total", lambda: self.server.accept_errors if self.server is not None else 0)
+        s.counter_fn("refused_total", lambda: dict(self.server.refused) if self.server is not None else {},
+                     label="reason")
 
     @property
     def enabled(self) -> bool:
@@ -277,14 +282,7 @@ class StateCache:
         return Hit(local.n_tokens, "local", states)
 
     def render_metrics(self) -> str:
-        if self.server is not None:
-            served = self.stats.counters["served_total"]
-            served[()] = float(self.server.served)
-            self.stats.counters["served_bytes_total"][()] = float(self.server.served_bytes)
-            self.stats.counters["accept_errors_total"][()] = float(self.server.accept_errors)
-            for reason, n in list(self.server.refused.items()):
-                self.stats.counters["refused_total"][(("reason", reason),)] = float(n)
-        return self.stats.render()
+        return self.stats.render(self.model_id)
 
     # ---- fetch ------------------------------------------------------------------------------
     async def _fetch(self, rec: Record, pk: PrefixKeys, session_id: str | None, copies: int) -> Hit | None:

@@ -24,7 +24,7 @@ from kvcache import serving as kv_serving  # state cache hooks (kvcache/serving.
 
 from . import protocol
 from .logprobs import chat_logprobs, completion_logprobs
-from .metrics import Metrics
+from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .protocol import APIError, GenRequest, bad
 from .scheduler import Event, Scheduler, Sequence
 from .streaming import SSEWriter
@@ -92,6 +92,7 @@ def _attach_engine(st: ServerState, engine: Any) -> None:
     st.model_ids = (mid,)
     st.scheduler = Scheduler(engine, st.metrics, max_batch=st.opts.max_batch, max_queue=st.opts.max_queue,
                              prefill_chunk=st.opts.prefill_chunk, kv=st.kv)
+    st.metrics.bind(st.model_ids[0], st.scheduler, engine, context_len=st.context_len, kv=st.kv)
     st.scheduler.start()
     st.phase = "ready"
     st.loaded.set()
@@ -462,9 +463,7 @@ async def healthz(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     st = request.app[STATE]
-    text = st.metrics.render() + (st.kv.render_metrics() if st.kv is not None else "")
-    return web.Response(body=text.encode(),
-                        headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+    return web.Response(body=st.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 def build_app(engine: Any = None, **opts: Any) -> web.Application:

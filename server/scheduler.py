@@ -71,6 +71,7 @@ class Sequence:
     generated: list[int] = field(default_factory=list)
     finished: bool = False
     t_arrival: float = field(default_factory=time.monotonic)
+    t_scheduled: float | None = None  # admitted into the running batch
     t_first: float | None = None
     t_last: float | None = None
     # state cache (kvcache/serving.py): conversation id, prompt tokens reused, snapshot points
@@ -112,9 +113,6 @@ class Scheduler:
         self._task: asyncio.Task | None = None
         self._idle = asyncio.Event()
         self._idle.set()
-        metrics.add_gauge("requests_running", "Sequences in the running batch.", lambda: len(self.running))
-        metrics.add_gauge("requests_waiting", "Sequences waiting for a batch slot.", lambda: len(self.waiting))
-        metrics.add_gauge("batch_capacity", "Maximum sequences in the running batch.", lambda: self.max_batch)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -183,6 +181,8 @@ class Scheduler:
             raise APIError(429, "too many requests: the queue is full, retry later", type="rate_limit_error",
                            code="rate_limit_exceeded", headers={"Retry-After": "1"})
         self.waiting.extend(seqs)
+        if seqs:
+            self.metrics.admitted(seqs[0].gen.n, sum(s.leader is None for s in seqs))
         self._idle.clear()
         self._wake.set()
 
@@ -196,7 +196,7 @@ class Scheduler:
                 self.waiting.remove(s)
             if s in self.running:
                 self.running.remove(s)
-            self.metrics.requests.inc(finish_reason="cancelled")
+            self.metrics.finished(s, "cancelled")
         self._check_idle()
 
     def _check_idle(self) -> None:
@@ -215,6 +215,7 @@ class Scheduler:
                 continue
             while self.waiting and len(self.running) < self.max_batch:
                 self.running.append(self.waiting.popleft())
+                self.running[-1].t_scheduled = time.monotonic()
             batch, chunks, do_sample = self._plan()
             try:
                 results = await loop.run_in_executor(self.executor, self._execute, batch, chunks, do_sample)
@@ -225,7 +226,7 @@ class Scheduler:
                 for s in batch:
                     self._fail(s, f"engine error: {type(e).__name__}: {e}")
                 continue
-            self.metrics.steps.inc()
+            self.metrics.step(sum(map(len, chunks)))
             try:
                 self._apply(batch, chunks, results)
             except Exception as e:  # a bug in output handling must not hang every request
@@ -286,7 +287,9 @@ class Scheduler:
             if s.prefilling:
                 # an empty chunk: a forked choice, its leader prefilled the prompt for it
                 s.n_prefilled = s.n_prefilled + len(chunk) if chunk else len(s.prompt)
-                self.metrics.prompt_tokens.inc(len(chunk))
+                self.metrics.prefill_tokens.inc(len(chunk))
+                if not s.prefilling and s.leader is None:  # once per prompt, as usage counts it
+                    self.metrics.prompt_tokens.inc(len(s.prompt))
             if res is None:
                 continue
             tok, lp, top = res
@@ -294,10 +297,9 @@ class Scheduler:
                 self._fail(s, err)
                 continue
             s.generated.append(tok)
-            self.metrics.generation_tokens.inc()
+            self.metrics.token(s, now)
             if s.t_first is None:
                 s.t_first = now
-                self.metrics.ttft.observe(now - s.t_arrival)
             s.t_last = now
             ev = Event(index=s.index, token_ids=[tok])
             if lp is not None:
@@ -329,11 +331,7 @@ class Scheduler:
         s.sink.put_nowait(ev)
         if self.kv is not None:  # the answer's state, serialized in the engine thread (in step order)
             self.executor.submit(kv_serving.snapshot_answer, self.kv, s)
-        m = self.metrics
-        m.requests.inc(finish_reason=reason)
-        if s.t_first is not None and s.t_last is not None and len(s.generated) > 1:
-            m.tpot.observe((s.t_last - s.t_first) / (len(s.generated) - 1))
-        m.e2e.observe(time.monotonic() - s.t_arrival)
+        self.metrics.finished(s, reason)
         self._check_idle()
 
     def _fail(self, s: Sequence, message: str) -> None:
@@ -346,5 +344,5 @@ class Scheduler:
             self.running.remove(s)
         s.sink.put_nowait(Event(index=s.index, error=message, prompt_tokens=len(s.prompt),
                                 completion_tokens=len(s.generated)))
-        self.metrics.requests.inc(finish_reason="error")
+        self.metrics.finished(s, "error")
         self._check_idle()

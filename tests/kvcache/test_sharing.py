@@ -235,13 +235,13 @@ def test_turn2_on_another_server_reuses_the_state(cluster, tok):
         'dsuf_kvcache_hits_total{source="remote"}', 0) + 1
     assert after_b["dsuf_kvcache_fetched_bytes_total"] > 0
     # B prefilled only the tokens after the reused prefix (the deterministic form of "a small fraction")
-    assert after_b["dsuf_prompt_tokens_total"] - before_b["dsuf_prompt_tokens_total"] == len(p2) - expected
+    assert after_b["dsuf_prefill_tokens_total"] - before_b["dsuf_prefill_tokens_total"] == len(p2) - expected
     assert len(p2) - expected < 0.1 * len(p2)
     # prefill time (server-side time to first token) of turn 2: a fetch plus the new tokens only.
     # Timing is reported, and only compared loosely: on a 2-core CI machine the fixed costs of a
     # fetch (handshake, checksum, decode) are a variable share of a 19M-parameter model's prefill.
-    ttft_b = after_b["dsuf_time_to_first_token_seconds_sum"] - before_b["dsuf_time_to_first_token_seconds_sum"]
-    ttft_r = after_r["dsuf_time_to_first_token_seconds_sum"] - before_r["dsuf_time_to_first_token_seconds_sum"]
+    ttft_b = after_b["vllm:time_to_first_token_seconds_sum"] - before_b["vllm:time_to_first_token_seconds_sum"]
+    ttft_r = after_r["vllm:time_to_first_token_seconds_sum"] - before_r["vllm:time_to_first_token_seconds_sum"]
     print(f"turn 2: {len(p2)} prompt tokens, {expected} reused; time to first token {ttft_b * 1e3:.0f} ms on B "
           f"(fetched from A) vs {ttft_r * 1e3:.0f} ms recomputing on R")
     assert ttft_b < ttft_r

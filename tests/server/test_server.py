@@ -65,9 +65,9 @@ def test_models_health_ready_metrics(server):
     assert status == 200 and json.loads(body)["status"] == "ready"
     status, text = _get(server, "/metrics")
     assert status == 200
-    for name in ("dsuf_requests_running", "dsuf_requests_waiting", "dsuf_prompt_tokens_total",
-                 "dsuf_generation_tokens_total", "dsuf_time_to_first_token_seconds_bucket",
-                 "dsuf_time_per_output_token_seconds_count", "dsuf_prefix_cache_hits_total"):
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:prompt_tokens_total",
+                 "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_bucket",
+                 "vllm:inter_token_latency_seconds_count", "vllm:prefix_cache_hits_total"):
         assert name in text
 
 

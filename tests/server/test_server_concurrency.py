@@ -127,7 +127,7 @@ def test_32_simultaneous_streams(server, engine):
     for i, (text, finish, n) in results.items():
         assert finish in ("stop", "length") and 1 <= n <= 8
         assert text == refs[prompts[i % 4]], i
-    assert _wait_for(lambda: _metrics(server)["dsuf_requests_running"] == 0)
+    assert _wait_for(lambda: _metrics(server)["vllm:num_requests_running"] == 0)
 
 
 def test_disconnect_mid_stream_frees_slot(server):
@@ -135,12 +135,12 @@ def test_disconnect_mid_stream_frees_slot(server):
     s = RawStream(server.port, _long(1))
     s.first_token()
     s.first_token()
-    assert _metrics(server)["dsuf_requests_running"] == 1
+    assert _metrics(server)["vllm:num_requests_running"] == 1
     s.close()
-    assert _wait_for(lambda: _metrics(server)["dsuf_requests_running"] == 0, timeout=5)
+    assert _wait_for(lambda: _metrics(server)["vllm:num_requests_running"] == 0, timeout=5)
     m = _metrics(server)
     assert m['dsuf_requests_total{finish_reason="cancelled"}'] == before + 1
-    assert m["dsuf_requests_waiting"] == 0
+    assert m["vllm:num_requests_waiting"] == 0
 
 
 def test_disconnect_of_non_streaming_request_frees_slot(server):
@@ -148,9 +148,9 @@ def test_disconnect_of_non_streaming_request_frees_slot(server):
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
     conn.request("POST", "/v1/chat/completions", body=json.dumps(_long(5)).encode(),
                  headers={"Content-Type": "application/json"})
-    assert _wait_for(lambda: _metrics(server)["dsuf_requests_running"] == 1)
+    assert _wait_for(lambda: _metrics(server)["vllm:num_requests_running"] == 1)
     conn.close()
-    assert _wait_for(lambda: _metrics(server)["dsuf_requests_running"] == 0, timeout=5)
+    assert _wait_for(lambda: _metrics(server)["vllm:num_requests_running"] == 0, timeout=5)
     assert _metrics(server)['dsuf_requests_total{finish_reason="cancelled"}'] == before + 1
 
 
@@ -159,7 +159,7 @@ def test_overload_gets_429_and_waiting_stream_gets_keepalives(make_server):
     a = RawStream(s.port, _long(2))
     a.first_token()
     b = RawStream(s.port, _long(3))  # queued behind a
-    assert _wait_for(lambda: _metrics(s)["dsuf_requests_waiting"] == 1)
+    assert _wait_for(lambda: _metrics(s)["vllm:num_requests_waiting"] == 1)
     t0 = time.monotonic()
     client = openai.OpenAI(base_url=s.base + "/v1", api_key="x", max_retries=0, timeout=30)
     with pytest.raises(openai.RateLimitError) as exc:
@@ -175,7 +175,7 @@ def test_overload_gets_429_and_waiting_stream_gets_keepalives(make_server):
     b.first_token()
     assert b.comments >= 2
     b.close()
-    assert _wait_for(lambda: _metrics(s)["dsuf_requests_running"] == 0, timeout=5)
+    assert _wait_for(lambda: _metrics(s)["vllm:num_requests_running"] == 0, timeout=5)
     r = client.chat.completions.create(model=MODEL, messages=_msgs("after"), max_tokens=2)
     assert r.choices[0].finish_reason in ("stop", "length")
 
@@ -195,7 +195,7 @@ def test_long_prompt_prefill_is_chunked_and_does_not_stall_decodes(make_server, 
     prompt_len = r.usage.prompt_tokens
     assert prompt_len > 300
     steps = m1["dsuf_engine_steps_total"] - m0["dsuf_engine_steps_total"]
-    short_tokens = m1["dsuf_generation_tokens_total"] - m0["dsuf_generation_tokens_total"] - 2
+    short_tokens = m1["vllm:generation_tokens_total"] - m0["vllm:generation_tokens_total"] - 2
     # the prompt took one step per 32 tokens, and the short stream decoded a token in every one
     assert steps >= prompt_len / 32
     assert short_tokens >= prompt_len / 32 - 1
@@ -292,9 +292,9 @@ def test_n_choices_prefill_the_prompt_once(server):
     sees the prompt's tokens once) and still decode on their own random streams."""
     client = openai.OpenAI(base_url=server.base + "/v1", api_key="x")
     msgs = _msgs("Write a haiku about the sea, then explain it.")
-    before = _metrics(server)["dsuf_prompt_tokens_total"]
+    before = _metrics(server)["dsuf_prefill_tokens_total"]
     r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, temperature=1.0, seed=7, n=3)
-    fed = _metrics(server)["dsuf_prompt_tokens_total"] - before
+    fed = _metrics(server)["dsuf_prefill_tokens_total"] - before
     assert fed == r.usage.prompt_tokens - (r.usage.prompt_tokens_details.cached_tokens or 0)
     assert len({c.message.content for c in r.choices}) > 1
     one = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, temperature=1.0, seed=7, n=1)
