@@ -375,7 +375,7 @@ def test_cross_tenant_lookup_misses_locally_and_through_redis(cluster):
         _same(r, ref)
         assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, (server.name, attacker)
         # the whole prompt was prefilled: no reuse, so no timing difference to observe
-        assert m1["dsuf_prompt_tokens_total"] - m0["dsuf_prompt_tokens_total"] == n_prompt
+        assert m1["dsuf_prefill_tokens_total"] - m0["dsuf_prefill_tokens_total"] == n_prompt
         assert m1.get("dsuf_kvcache_fetched_bytes_total", 0) == m0.get("dsuf_kvcache_fetched_bytes_total", 0)
     # the victim's own tenant still reuses its states, here and on another server
     for server in (B, A):
