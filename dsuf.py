@@ -51,7 +51,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from server.app import serve_main
+    from server.lifecycle import serve_main
 
     return serve_main(args) or 0
 
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--prompt-ids", default=None, help="comma-separated prompt token ids")
     r.add_argument("--print-ids", action="store_true", help="print generated ids, comma-separated")
 
-    from server.app import add_serve_args
+    from server.lifecycle import add_serve_args
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_serve_args(s)
