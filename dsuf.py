@@ -10,11 +10,13 @@ import time
 
 
 def _run(args: argparse.Namespace) -> int:
+    from engine.checkpoint.progress import LoadProgress
     from engine.runtime.engine import Engine
     from engine.runtime.sampling import SamplingParams
     from engine.text.chat_encoding import encode_messages
 
-    eng = Engine.load(args.ckpt, backend=args.backend)
+    eng = Engine.load(args.ckpt, backend=args.backend,
+                      progress=LoadProgress(lambda line: print(line, file=sys.stderr, flush=True)))
     if args.prompt_ids:
         try:
             ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
