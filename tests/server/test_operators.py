@@ -4,6 +4,7 @@ drain that keeps the listener open."""
 
 from __future__ import annotations
 
+import ast
 import http.client
 import json
 import re
@@ -101,7 +102,7 @@ def test_seed_streaming_script_as_published(served, tmp_path):
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     text, usage = out.stdout.rsplit("\nusage: ", 1)
-    usage = eval(usage, {})  # the script prints the usage dict as Python shows it
+    usage = ast.literal_eval(usage)  # the script prints the usage dict as Python shows it
     assert usage["completion_tokens"] == 16 and usage["prompt_tokens"] > 5, out.stdout
     assert text.strip(), out.stdout
     served.wait_for(lambda: '"POST /v1/chat/completions" 200' in served.stderr(), timeout=10)
