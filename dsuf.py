@@ -10,11 +10,13 @@ import time
 
 
 def _run(args: argparse.Namespace) -> int:
+    from engine.checkpoint.progress import LoadProgress
     from engine.runtime.engine import Engine
     from engine.runtime.sampling import SamplingParams
     from engine.text.chat_encoding import render_messages
 
-    eng = Engine.load(args.ckpt, backend=args.backend)
+    eng = Engine.load(args.ckpt, backend=args.backend,
+                      progress=LoadProgress(lambda line: print(line, file=sys.stderr, flush=True)))
     if args.prompt_ids:
         try:
             ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
@@ -50,7 +52,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from server.app import serve_main
+    from server.lifecycle import serve_main
 
     return serve_main(args) or 0
 
@@ -89,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--prompt-ids", default=None, help="comma-separated prompt token ids")
     r.add_argument("--print-ids", action="store_true", help="print generated ids, comma-separated")
 
-    from server.app import add_serve_args
+    from server.lifecycle import add_serve_args
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_serve_args(s)

@@ -3,7 +3,7 @@
 import argparse
 import sys
 
-from .app import add_serve_args, serve_main
+from .lifecycle import add_serve_args, serve_main
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="python -m server", description="dsuf OpenAI-compatible server")

@@ -1,20 +1,16 @@
-"""aiohttp application: routes, auth, readiness, startup (engine loaded in the background) and
-graceful shutdown. The request path: handler -> protocol.parse_* -> chat encoding + tokenize
-(worker thread) -> scheduler.submit -> events -> SSE chunks or one JSON response.
+"""aiohttp application: routes (each OpenAI route with and without /v1), auth, model names,
+readiness. Listening, loading and shutdown are in server/lifecycle.py. The request path:
+handler -> protocol.parse_* -> chat encoding + tokenize (worker thread) -> scheduler.submit ->
+events -> SSE chunks or one JSON response.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import hmac
-import inspect
 import json
 import logging
-import os
-import signal
-import sys
-import time
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,8 +19,10 @@ from aiohttp import web
 from kvcache import serving as kv_serving  # state cache hooks (kvcache/serving.py)
 
 from . import protocol
+from .access import access_middleware, note_usage
 from .logprobs import chat_logprobs, completion_logprobs
 from .metrics import CONTENT_TYPE_LATEST, Metrics
+from .names import ModelNames, thinking_default
 from .protocol import APIError, GenRequest, bad
 from .scheduler import Event, Scheduler, Sequence
 from .streaming import SSEWriter
@@ -49,6 +47,8 @@ class Options:
     drain_timeout_s: float = 30.0
     max_body: int = DEFAULT_MAX_BODY
     kv: Any = None  # kvcache.cache.CacheConfig: host state cache / sharing (None: off)
+    served_model_names: tuple[str, ...] = ()  # --served-model-name (default: the checkpoint's canonical id)
+    load_delay_s: float = 0.0  # test hook: wait after each tensor read, as slow storage would
 
 
 @dataclass
@@ -57,11 +57,14 @@ class ServerState:
     metrics: Metrics = field(default_factory=Metrics)
     engine: Any = None
     scheduler: Scheduler | None = None
-    model_ids: tuple[str, ...] = ()
+    model_ids: tuple[str, ...] = ()  # served ids (names.served)
+    names: ModelNames | None = None
     context_len: int = 0
     phase: str = "starting"  # starting | ready | draining | failed
     load_error: str | None = None
     load_task: asyncio.Task | None = None
+    load_thread: threading.Thread | None = None
+    sites: list = field(default_factory=list)  # listening sites (lifecycle.start_site)
     loaded: asyncio.Event = field(default_factory=asyncio.Event)
     kv: Any = None  # kvcache.cache.StateCache
 
@@ -72,24 +75,14 @@ STATE = web.AppKey("dsuf_state", ServerState)
 # ---------------------------------------------------------------- engine lifecycle
 
 
-def _load_engine(opts: Options) -> Any:
-    from engine.runtime.engine import Engine  # heavy import, off the loop
-
-    kwargs: dict[str, Any] = {}
-    if opts.gpus and "gpus" in inspect.signature(Engine.load).parameters:
-        kwargs["gpus"] = opts.gpus  # multi-GPU selection, once the engine takes it
-        # the memory plan (engine/runtime/memory_plan.py) checks --max-batch sequences of --max-model-len
-        kwargs.update(max_seqs=opts.max_batch, max_context=opts.max_model_len, prefill_chunk=opts.prefill_chunk,
-                      expert_split=opts.expert_split)
-    return Engine.load(opts.ckpt, backend=opts.backend, **kwargs)
-
-
 def _attach_engine(st: ServerState, engine: Any) -> None:
     st.engine = engine
     ctx = int(getattr(engine, "context_length", engine.config.max_position_embeddings))
     st.context_len = min(ctx, st.opts.max_model_len) if st.opts.max_model_len else ctx
-    mid = str(engine.model_id)
-    st.model_ids = (mid,)
+    ckpt_dir = getattr(engine, "ckpt_dir", None)
+    st.names = ModelNames.make(str(engine.model_id), getattr(ckpt_dir, "name", None), st.opts.served_model_names)
+    st.model_ids = st.names.served
+    mid = st.model_ids[0]
     st.scheduler = Scheduler(engine, st.metrics, max_batch=st.opts.max_batch, max_queue=st.opts.max_queue,
                              prefill_chunk=st.opts.prefill_chunk, kv=st.kv)
     st.metrics.bind(st.model_ids[0], st.scheduler, engine, context_len=st.context_len, kv=st.kv)
@@ -101,23 +94,9 @@ def _attach_engine(st: ServerState, engine: Any) -> None:
 
 async def _on_startup(app: web.Application) -> None:
     st = app[STATE]
-    if st.engine is not None:
+    if st.engine is not None:  # else lifecycle.start_site loads it once the port is bound
         st.kv = await kv_serving.start_cache(st.opts.kv, st.engine)
         _attach_engine(st, st.engine)
-        return
-
-    async def load() -> None:
-        try:
-            engine = await asyncio.to_thread(_load_engine, st.opts)
-            st.kv = await kv_serving.start_cache(st.opts.kv, engine)
-        except Exception as e:
-            log.exception("loading the model failed")
-            st.phase, st.load_error = "failed", f"{type(e).__name__}: {e}"
-            st.loaded.set()
-            return
-        _attach_engine(st, engine)
-
-    st.load_task = asyncio.get_running_loop().create_task(load(), name="load-engine")
 
 
 async def _on_cleanup(app: web.Application) -> None:
@@ -142,7 +121,7 @@ def _error_response(e: APIError, st: ServerState) -> web.Response:
 async def _middleware(request: web.Request, handler):
     st = request.app[STATE]
     try:
-        if st.opts.api_key and request.path.startswith("/v1/"):
+        if st.opts.api_key and _is_api_path(request.path):
             auth = request.headers.get("Authorization", "")
             token = auth[7:] if auth[:7].lower() == "bearer " else ""
             if not hmac.compare_digest(token.encode(), st.opts.api_key.encode()):
@@ -170,6 +149,15 @@ async def _middleware(request: web.Request, handler):
 # ---------------------------------------------------------------- helpers
 
 
+_API_PATHS = ("/chat/completions", "/completions", "/models")
+
+
+def _is_api_path(path: str) -> bool:
+    """The OpenAI routes, with or without the /v1 prefix (probes and /metrics need no key)."""
+    bare = path[3:] if path.startswith("/v1/") else path
+    return path.startswith("/v1/") or any(bare == p or bare.startswith(p + "/") for p in _API_PATHS)
+
+
 def _require_ready(st: ServerState) -> Scheduler:
     if st.phase != "ready" or st.scheduler is None:
         msg = {"starting": "the model is still loading", "draining": "server is shutting down",
@@ -187,10 +175,7 @@ async def _read_json(request: web.Request) -> Any:
 
 
 def _check_model(st: ServerState, gen: GenRequest) -> None:
-    if gen.model not in st.model_ids:
-        raise APIError(404, f"The model '{gen.model}' does not exist; this server serves "
-                       f"{', '.join(st.model_ids)}", param="model", code="model_not_found")
-    gen.model = st.model_ids[0]
+    gen.model = st.names.resolve(gen.model)  # 404 model_not_found for a name this server lacks
 
 
 def _check_lengths(st: ServerState, gen: GenRequest) -> list[int]:
@@ -231,6 +216,8 @@ async def _generate(request: web.Request, st: ServerState, gen: GenRequest) -> w
     finally:
         # disconnect (handler cancelled), write error or normal end: free the slots now
         sched.cancel([s for s in seqs if not s.finished])
+        note_usage(request, gen.model, sum(map(len, gen.prompts)), sum(len(s.generated) for s in seqs),
+                   _cached(gen, seqs))
 
 
 def _delta_json(ev: Event) -> dict:
@@ -375,7 +362,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await _read_json(request)
     _require_ready(st)
     spec = protocol.parse_chat(body, st.model_ids[0])
+    thinking = thinking_default(spec.gen.model, body)  # deepseek-reasoner: on unless the body says
     _check_model(st, spec.gen)
+    if thinking is not None:
+        spec.gen.thinking = thinking
     from engine.text.chat_encoding import render_messages
 
     arch = st.engine.config.arch
@@ -441,8 +431,7 @@ async def model_detail(request: web.Request) -> web.Response:
     st = request.app[STATE]
     _require_ready(st)
     mid = request.match_info["model"]
-    if mid not in st.model_ids:
-        raise APIError(404, f"The model '{mid}' does not exist", param="model", code="model_not_found")
+    st.names.resolve(mid)  # 404 for a name this server lacks
     return web.json_response(protocol.model_card(mid, st.context_len))
 
 
@@ -458,6 +447,7 @@ async def readyz(request: web.Request) -> web.Response:
 
 
 async def healthz(request: web.Request) -> web.Response:
+    """/health and /healthz: 200 while the process is alive (loading and draining included)."""
     return web.json_response({"status": "ok"})
 
 
@@ -470,14 +460,16 @@ def build_app(engine: Any = None, **opts: Any) -> web.Application:
     """The aiohttp application. With engine=None the model (opts ckpt/backend/gpus; ckpt None =
     embedded demo-v41) loads in the background after startup; /readyz says 503 until then."""
     o = Options(**opts)
-    app = web.Application(middlewares=[_middleware], client_max_size=o.max_body)
+    app = web.Application(middlewares=[access_middleware, _middleware], client_max_size=o.max_body)
     st = ServerState(opts=o, engine=engine)
     app[STATE] = st
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/v1/models/{model}", model_detail)
+    for prefix in ("/v1", ""):  # clients such as DeepSeek's dsh post to /chat/completions
+        app.router.add_post(f"{prefix}/chat/completions", chat_completions)
+        app.router.add_post(f"{prefix}/completions", completions)
+        app.router.add_get(f"{prefix}/models", models)
+        app.router.add_get(f"{prefix}/models/{{model}}", model_detail)
     app.router.add_get("/readyz", readyz)
+    app.router.add_get("/health", healthz)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics)
     app.on_startup.append(_on_startup)
@@ -488,95 +480,10 @@ def build_app(engine: Any = None, **opts: Any) -> web.Application:
 # ---------------------------------------------------------------- running it
 
 
-async def start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, web.TCPSite, int]:
-    """Start serving; returns the runner, the site and the bound port (port 0 = any free one)."""
-    # handler_cancellation: a client disconnect cancels its handler, which frees the slot
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    return runner, site, site.port
+def __getattr__(name: str) -> Any:
+    """start_site, shutdown, serve_main, add_serve_args live in server/lifecycle.py."""
+    if name in ("start_site", "shutdown", "serve_main", "add_serve_args"):
+        from . import lifecycle
 
-
-async def shutdown(app: web.Application, runner: web.AppRunner, site: web.TCPSite) -> None:
-    """Graceful: stop accepting, let accepted work finish (drain_timeout_s), cancel the rest."""
-    st = app[STATE]
-    st.phase = "draining" if st.phase != "failed" else st.phase
-    await site.stop()  # closes the listening socket; open connections get 503 for new work
-    if st.scheduler is not None:
-        if not await st.scheduler.drain(st.opts.drain_timeout_s):
-            log.warning("drain timed out; cancelling the remaining requests")
-            await st.scheduler.stop()
-        await asyncio.sleep(0.05)  # let handlers write their last frames
-    await runner.cleanup()
-
-
-async def _serve(app: web.Application, host: str, port: int) -> int:
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    runner, site, bound = await start_site(app, host, port)
-    st = app[STATE]
-    print(f"dsuf: serving on http://{host}:{bound}/v1 (loading the model; GET /readyz says when ready)",
-          flush=True)
-
-    async def watch_load() -> None:
-        await st.loaded.wait()
-        if st.phase == "failed":
-            print(f"dsuf: the model failed to load: {st.load_error}", file=sys.stderr, flush=True)
-            stop.set()
-        else:
-            print(f"dsuf: model {st.model_ids[0]} ready", flush=True)
-
-    watcher = loop.create_task(watch_load())
-    await stop.wait()
-    watcher.cancel()
-    print("dsuf: shutting down", flush=True)
-    await shutdown(app, runner, site)
-    return 1 if st.phase == "failed" else 0
-
-
-def add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ckpt", default=None, help="checkpoint directory (default: embedded demo-v41)")
-    p.add_argument("--gpus", default=None, help="GPUs to use, e.g. 0,1,2,3 (default: numpy on the CPU)")
-    from engine.parallel.shard import EXPERT_SPLITS
-
-    p.add_argument("--expert-split", choices=EXPERT_SPLITS, default="ep",
-                   help="with several GPUs: routed experts split by expert id or by width")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("DSUF_API_KEY"), help="require Bearer auth on /v1/*")
-    p.add_argument("--max-batch", type=int, default=32, help="sequences decoded together")
-    p.add_argument("--max-queue", type=int, default=256, help="waiting sequences before 429")
-    p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens prefilled per step")
-    p.add_argument("--max-model-len", type=int, default=None, help="cap the context length")
-    p.add_argument("--keepalive", type=float, default=5.0, help="seconds between SSE keep-alives")
-    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish work on SIGTERM")
-    from kvcache.cache import add_cache_args
-
-    add_cache_args(p)  # --host-cache-gb, --kv-* (sharing needs DSUF_REDIS_URL)
-
-
-def _kv_config(args: argparse.Namespace) -> Any:
-    from kvcache.cache import CacheConfig
-
-    return CacheConfig.from_args(args)
-
-
-def serve_main(args: argparse.Namespace) -> int:
-    """`dsuf.py serve`: blocks until SIGTERM/SIGINT, returns the exit status."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    gpus = getattr(args, "gpus", None)
-    app = build_app(
-        ckpt=getattr(args, "ckpt", None), backend="cupy" if gpus else "numpy", gpus=gpus,
-        expert_split=getattr(args, "expert_split", "ep"),
-        api_key=getattr(args, "api_key", None), max_batch=getattr(args, "max_batch", 32),
-        max_queue=getattr(args, "max_queue", 256), prefill_chunk=getattr(args, "prefill_chunk", 512),
-        max_model_len=getattr(args, "max_model_len", None), keepalive_s=getattr(args, "keepalive", 5.0),
-        drain_timeout_s=getattr(args, "drain_timeout", 30.0), kv=_kv_config(args),
-    )
-    t0 = time.monotonic()
-    rc = asyncio.run(_serve(app, getattr(args, "host", "127.0.0.1"), getattr(args, "port", 8000)))
-    log.info("server stopped after %.1f s", time.monotonic() - t0)
-    return rc
+        return getattr(lifecycle, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,6 +18,9 @@ where the schema's `place` says. The structure is named after DeepSeek's inferen
         ffn: gate, gate_bias, tid2eid (hash layers), experts ((w1, w2, w3) or None where another
              rank owns it), shared_experts ((w1, w2, w3) or None)
         engram: None or (table, wkv, qk)
+
+A checkpoint object carrying a `progress` attribute (an engine.checkpoint.progress.LoadProgress,
+set by engine.runtime.engine.Engine.load) is told of this rank's bytes and of every tensor read.
 """
 
 from __future__ import annotations
@@ -59,16 +62,18 @@ def load_weights(cfg: ModelConfig, ckpt, ops, plan: ShardPlan) -> SimpleNamespac
     prepare_table / asarray)."""
     w = _skeleton(cfg, plan)
     parts: dict[str, dict[str, object]] = {}  # combined values' parts, by place
-    for e in tensor_schema(cfg):
-        if e.place is None:
-            continue
+    progress = getattr(ckpt, "progress", None)
+    if progress is not None:
+        mine = [_stored_bytes(ckpt, e) for e in _entries(cfg, ckpt) if e.shard.window(cfg, plan) is not None]
+        progress.add_total(sum(mine), len(mine))
+    for e in _entries(cfg, ckpt):
         name = resolve(ckpt, e.name)
-        if e.optional and not ckpt.has(name):
-            continue
         got = check_stored(e, ckpt, name)  # (every rank checks the whole checkpoint: headers only)
         window = e.shard.window(cfg, plan)
         if window is None:  # another rank's
             continue
+        if progress is not None:
+            progress.advance(_stored_bytes(ckpt, e))
         if e.part is not None:  # stacked weights whole; Engram's q and k as float32
             if window != (None, None):
                 raise ValueError(f"{e.name}: parts of a combined value must be replicated")
@@ -83,6 +88,19 @@ def load_weights(cfg: ModelConfig, ckpt, ops, plan: ShardPlan) -> SimpleNamespac
             value = _stacked_projections(ops, [(p, got[p]) for p in STACK_PARTS[leaf] if p in got])
         _put(w, place, value)
     return _finish(w)
+
+
+def _entries(cfg: ModelConfig, ckpt) -> list[Entry]:
+    """The schema's entries this checkpoint provides a value for."""
+    return [e for e in tensor_schema(cfg)
+            if e.place is not None and not (e.optional and not ckpt.has(resolve(ckpt, e.name)))]
+
+
+def _stored_bytes(ckpt, e: Entry) -> int:
+    """Bytes of an entry as stored, with its scale (headers only)."""
+    n = ckpt.raw(resolve(ckpt, e.name)).array.nbytes
+    sname = resolve(ckpt, scale_name(e.name))
+    return n + (ckpt.raw(sname).array.nbytes if ckpt.has(sname) else 0)
 
 
 def _read(e: Entry, ckpt, ops, name: str, got, window: tuple):

@@ -7,11 +7,13 @@ at different positions; it blocks (numpy) and must run on one worker thread at a
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 from pathlib import Path
 
 import numpy as np
 
+from engine.checkpoint.progress import LoadProgress
 from engine.checkpoint.reader import Checkpoint
 from engine.model.config import ModelConfig, load_config
 from engine.runtime.runner import ModelRunner as Model
@@ -24,6 +26,21 @@ log = logging.getLogger("dsuf.engine")
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CKPT = REPO_ROOT / "models" / "demo-v41"
+# The id a checkpoint is served under by default: DeepSeek's API name for its architecture.
+CANONICAL_IDS = {"v41": "deepseek-v4.1-flash", "v4": "deepseek-v4-flash"}
+
+
+def canonical_model_id(cfg: ModelConfig, ckpt_dir: Path) -> str:
+    """config.json's explicit `served_model_name` when it carries one, else the architecture's
+    canonical name (never the directory's name, which clients cannot guess)."""
+    try:
+        raw = json.loads((ckpt_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        raw = {}
+    name = raw.get("served_model_name") if isinstance(raw, dict) else None
+    if isinstance(name, str) and name.strip():
+        return name.strip()
+    return CANONICAL_IDS.get(cfg.arch, f"deepseek-{cfg.arch}")
 
 
 def make_ops(backend: str, settings: Settings | None = None):
@@ -49,13 +66,15 @@ class Engine:
     @classmethod
     def load(cls, ckpt_dir: str | Path | None = None, backend: str = "numpy",
              gpus: str | list[int] | None = None, *, max_seqs: int = 32, max_context: int | None = None,
-             prefill_chunk: int = 512, expert_split: str = "ep", settings: Settings | None = None) -> Engine:
+             prefill_chunk: int = 512, expert_split: str = "ep", settings: Settings | None = None,
+             progress: LoadProgress | None = None) -> Engine:
         """Load a checkpoint directory (None: the embedded demo-v41 model). With `gpus` (ids or
         '0,1'): the cupy backend, after checking the memory plan for max_seqs sequences of
         max_context tokens (default: the model's context) against each GPU's free memory
         (raises engine.runtime.memory_plan.MemoryPlanError when it does not fit); several GPUs split the
         routed experts by expert id or by width (`expert_split`, engine/parallel/shard.py).
-        settings: the GPU backend's knobs (engine/settings.py; default: Settings.from_env())."""
+        settings: the GPU backend's knobs (engine/settings.py; default: Settings.from_env()).
+        progress: told of every tensor read (engine/checkpoint/progress.py); the caller prints it."""
         path = Path(ckpt_dir) if ckpt_dir is not None else DEFAULT_CKPT
         cfg = load_config(path)
         tok_json = path / "tokenizer.json"
@@ -63,6 +82,7 @@ class Engine:
             raise FileNotFoundError(f"{tok_json}: checkpoint has no tokenizer.json")
         tokenizer = Tokenizer.from_dir(path)
         ckpt = Checkpoint(path, block_size=cfg.weight_block_size)
+        ckpt.progress = progress  # read by engine.checkpoint.loader.load_weights (every rank)
         # ---- --gpus: memory plan, then one device, or one tensor-parallel rank per device ----
         device, plan, ids = None, None, []
         if gpus is not None:
@@ -84,7 +104,9 @@ class Engine:
         log.info("loaded %s (%s, %d layers, hidden %d) on %s%s", path.name, cfg.arch, cfg.num_layers,
                  cfg.hidden_size, backend, f" (GPUs {ids}, tensor parallel)" if len(ids) > 1
                  else f" (GPU {device})" if device is not None else "")
-        eng = cls(cfg, model, tokenizer, path.name, path, device=device)
+        if progress is not None:
+            progress.finish()
+        eng = cls(cfg, model, tokenizer, canonical_model_id(cfg, path), path, device=device)
         eng.memory_plan = plan
         return eng
 

@@ -16,7 +16,7 @@ import pytest
 from engine.text.chat_encoding import encode_messages
 
 ROOT = Path(__file__).resolve().parents[2]
-MODEL = "demo-v41"
+MODEL = "deepseek-v4.1-flash"  # the demo checkpoint's canonical id
 
 
 def _client(server, **kw) -> openai.OpenAI:
