@@ -40,6 +40,13 @@ from .transport_tcp import TcpMover
 log = logging.getLogger("dsuf.kvcache")
 
 
+def _one_address(host: str | None) -> str:
+    """The HTTP --host as one address for the transfer listener, which peers reach by one address:
+    `localhost` (the HTTP default, bound on every loopback address) is 127.0.0.1 here, since ::1 may
+    not exist in a container."""
+    return "127.0.0.1" if host in (None, "", "localhost") else host
+
+
 @dataclass
 class CacheConfig:
     host_cache_gb: float = 4.0
@@ -63,7 +70,7 @@ class CacheConfig:
     def from_args(cls, args: argparse.Namespace) -> CacheConfig:
         g = lambda name, default=None: getattr(args, name, default)  # noqa: E731
         return cls(host_cache_gb=float(g("host_cache_gb", 4.0)), redis_url=os.environ.get("DSUF_REDIS_URL") or None,
-                   node_id=g("kv_node_id"), transfer_host=g("kv_transfer_host") or g("host") or "127.0.0.1",
+                   node_id=g("kv_node_id"), transfer_host=g("kv_transfer_host") or _one_address(g("host")),
                    transfer_port=int(g("kv_transfer_port") or 0), advertise_host=g("kv_advertise_host"),
                    transport=g("kv_transport") or "auto", rdma_device=g("kv_rdma_device"),
                    rdma_port=g("kv_rdma_port"), rdma_gid_index=g("kv_rdma_gid_index"),
