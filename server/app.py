@@ -15,14 +15,17 @@ import os
 import signal
 import sys
 import time
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiohttp import web
+from aiohttp import ClientPayloadError, web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from kvcache import serving as kv_serving  # state cache hooks (kvcache/serving.py)
 
-from . import protocol
+from . import limits, protocol
+from .http_guard import GuardedRunner
 from .logprobs import chat_logprobs, completion_logprobs
 from .metrics import Metrics
 from .protocol import APIError, GenRequest, bad
@@ -49,6 +52,7 @@ class Options:
     drain_timeout_s: float = 30.0
     max_body: int = DEFAULT_MAX_BODY
     kv: Any = None  # kvcache.cache.CacheConfig: host state cache / sharing (None: off)
+    limits: limits.Limits = field(default_factory=limits.Limits)  # timeouts, connection and size caps
 
 
 @dataclass
@@ -144,7 +148,8 @@ async def _middleware(request: web.Request, handler):
         if st.opts.api_key and request.path.startswith("/v1/"):
             auth = request.headers.get("Authorization", "")
             token = auth[7:] if auth[:7].lower() == "bearer " else ""
-            if not hmac.compare_digest(token.encode(), st.opts.api_key.encode()):
+            # aiohttp keeps a non-UTF-8 header byte as a surrogate: compare bytes, never raise
+            if not hmac.compare_digest(token.encode("utf-8", "surrogateescape"), st.opts.api_key.encode()):
                 raise APIError(401, "missing or invalid API key (Authorization: Bearer ...)",
                                code="invalid_api_key")
         return await handler(request)
@@ -178,7 +183,17 @@ def _require_ready(st: ServerState) -> Scheduler:
 
 
 async def _read_json(request: web.Request) -> Any:
-    raw = await request.read()  # raises 413 past client_max_size
+    lim = limits.of(request.app)
+    try:  # raises 413 past client_max_size (after decompression too)
+        raw = await asyncio.wait_for(request.read(), lim.body_timeout_s)
+    except TimeoutError:
+        request.protocol.force_close()  # the rest of the body is not worth waiting for
+        raise APIError(408, f"the request body did not arrive within {lim.body_timeout_s:g} s",
+                       code="request_timeout") from None
+    except (HttpProcessingError, ClientPayloadError, zlib.error, EOFError, ValueError) as e:
+        # corrupt gzip / deflate / brotli, broken chunked framing, a body cut short
+        request.protocol.force_close()
+        raise bad(f"cannot read the request body: {protocol.short(str(e) or type(e).__name__)}") from None
     if len(raw) < (256 << 10):
         return protocol.parse_body(raw)
     # a big body takes tens of ms to check and parse: off the loop, so streams keep flowing
@@ -187,13 +202,14 @@ async def _read_json(request: web.Request) -> Any:
 
 def _check_model(st: ServerState, gen: GenRequest) -> None:
     if gen.model not in st.model_ids:
-        raise APIError(404, f"The model '{gen.model}' does not exist; this server serves "
+        raise APIError(404, f"The model '{protocol.short(gen.model)}' does not exist; this server serves "
                        f"{', '.join(st.model_ids)}", param="model", code="model_not_found")
     gen.model = st.model_ids[0]
 
 
 def _check_lengths(st: ServerState, gen: GenRequest) -> list[int]:
     """Per-prompt max_tokens, clamped to what the context leaves."""
+    protocol.check_capacity(gen, int(st.engine.config.vocab_size), st.opts.max_batch + st.opts.max_queue)
     out = []
     for ids in gen.prompts:
         if len(ids) >= st.context_len:
@@ -220,7 +236,7 @@ async def _generate(request: web.Request, st: ServerState, gen: GenRequest) -> w
     try:
         if not gen.stream:
             return await _collect(st, gen, seqs, sink)
-        w = SSEWriter(request)
+        w = SSEWriter(request, limits.of(request.app))
         try:
             return await _stream(w, st, gen, seqs, sink)
         except ConnectionResetError:  # the client went away mid-stream; nothing left to answer
@@ -377,15 +393,19 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     from engine.text.chat_encoding import encode_messages
 
     arch = st.engine.config.arch
+    lim = limits.of(request.app)
+    longest = limits.longest_token_chars(st.engine.tokenizer)
+    limits.check_chars(sum(len(m["content"]) for m in spec.messages), st.context_len, longest, "messages")
 
     def encode() -> list[int]:
         text = encode_messages(spec.messages, arch=arch, thinking=spec.gen.thinking,
                                reasoning_effort=spec.reasoning_effort, tools=spec.tools,
                                response_format=spec.response_format, add_generation_prompt=True)
-        return st.engine.tokenizer.encode(text)
+        limits.check_chars(len(text), st.context_len, longest, "messages")
+        return limits.encode_bounded(st.engine.tokenizer.encode, text, st.context_len, lim.piece_chars, "messages")
 
     try:
-        ids = await asyncio.to_thread(encode)
+        ids = await limits.tokenize(lim, encode)
     except (ValueError, TypeError, KeyError) as e:
         raise bad(f"cannot encode the conversation: {e}", "messages") from None
     spec.gen.prompts = [ids]
@@ -400,12 +420,19 @@ async def completions(request: web.Request) -> web.StreamResponse:
     _check_model(st, gen)
     tok = st.engine.tokenizer
     vocab = int(st.engine.config.vocab_size)
+    lim = limits.of(request.app)
+    longest = limits.longest_token_chars(tok)
+    for p in prompts:  # cheap bounds first: nothing that cannot fit is tokenized or decoded
+        if isinstance(p, str):
+            limits.check_chars(len(p), st.context_len, longest, "prompt")
+        elif len(p) >= st.context_len:
+            raise limits.too_long(str(len(p)), st.context_len, "prompt")
 
     def encode() -> tuple[list[list[int]], list[str]]:
         ids_out, texts = [], []
         for p in prompts:
             if isinstance(p, str):
-                ids = tok.encode(p)
+                ids = limits.encode_bounded(tok.encode, p, st.context_len, lim.piece_chars, "prompt")
                 texts.append(p)
             else:
                 if any(t < 0 or t >= vocab for t in p):
@@ -419,7 +446,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         return ids_out, texts
 
     try:
-        gen.prompts, gen.prompt_texts = await asyncio.to_thread(encode)
+        gen.prompts, gen.prompt_texts = await limits.tokenize(lim, encode)
     except ValueError as e:
         raise bad(str(e), "prompt") from None
     return await _generate(request, st, gen)
@@ -470,6 +497,7 @@ def build_app(engine: Any = None, **opts: Any) -> web.Application:
     app = web.Application(middlewares=[_middleware], client_max_size=o.max_body)
     st = ServerState(opts=o, engine=engine)
     app[STATE] = st
+    app[limits.LIMITS] = o.limits
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
@@ -488,7 +516,9 @@ def build_app(engine: Any = None, **opts: Any) -> web.Application:
 async def start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, web.TCPSite, int]:
     """Start serving; returns the runner, the site and the bound port (port 0 = any free one)."""
     # handler_cancellation: a client disconnect cancels its handler, which frees the slot
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+    lim = limits.of(app)  # GuardedRunner: error JSON from the parser, idle timeout, connection cap
+    runner = GuardedRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0,
+                           keepalive_timeout=lim.idle_timeout_s, max_connections=lim.max_connections)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

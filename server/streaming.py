@@ -9,6 +9,7 @@ reasoning / content / tool calls. Three stages, each holding back only what it m
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from dataclasses import dataclass, field
@@ -175,10 +176,16 @@ class OutputProcessor:
 
 
 class SSEWriter:
-    """`text/event-stream` response: `data: {json}` frames, `: keep-alive` comments, `[DONE]`."""
+    """`text/event-stream` response: `data: {json}` frames, `: keep-alive` comments, `[DONE]`.
 
-    def __init__(self, request: web.Request):
+    A client that stops reading must not make the server hold its output without bound: a write
+    that cannot drain within the write deadline, or unsent bytes past the buffer cap, cut the
+    connection and raise ConnectionResetError (the handler then cancels the sequences)."""
+
+    def __init__(self, request: web.Request, limits: Any = None):
         self.request = request
+        self.write_timeout_s = getattr(limits, "stream_write_timeout_s", 30.0)
+        self.max_buffer = getattr(limits, "stream_buffer_bytes", 4 << 20)
         self.resp = web.StreamResponse(
             status=200,
             headers={
@@ -193,12 +200,29 @@ class SSEWriter:
         await self.resp.prepare(self.request)
         self.started = True
 
+    def _cut(self, why: str) -> ConnectionResetError:
+        transport = self.request.transport
+        if transport is not None:
+            transport.abort()
+        return ConnectionResetError(f"stream cut: {why}")
+
+    async def _write(self, data: bytes) -> None:
+        transport = self.request.transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError("client went away")
+        if transport.get_write_buffer_size() + len(data) > self.max_buffer:
+            raise self._cut("the client is not reading")
+        try:
+            await asyncio.wait_for(self.resp.write(data), self.write_timeout_s)
+        except TimeoutError:
+            raise self._cut(f"no progress writing for {self.write_timeout_s:g} s") from None
+
     async def send(self, obj: dict) -> None:
-        await self.resp.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
+        await self._write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
 
     async def keepalive(self) -> None:
-        await self.resp.write(b": keep-alive\n\n")
+        await self._write(b": keep-alive\n\n")
 
     async def done(self) -> None:
-        await self.resp.write(b"data: [DONE]\n\n")
-        await self.resp.write_eof()
+        await self._write(b"data: [DONE]\n\n")
+        await asyncio.wait_for(self.resp.write_eof(), self.write_timeout_s)

@@ -1,0 +1,149 @@
+"""Bounds on what one client can make the server hold or do: request size before tokenizing,
+concurrent tokenizations, body and idle deadlines, connections, and a stream's unsent output.
+
+A prompt's token count is bounded cheaply before the tokenizer sees it: every token is at least
+one UTF-8 byte and at most the vocabulary's longest token, so the text's length alone settles
+most oversized prompts; the rest are tokenized in pieces that stop once the count is past the
+context, so no request holds millions of token ids to learn that it does not fit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import resource
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from aiohttp import web
+
+from .protocol import APIError, bad
+
+T = TypeVar("T")
+
+
+def _default_max_connections() -> int:
+    """Leave descriptors for the model files, the engine and the state cache."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 4096
+    return max(16, min(4096, soft - 128))
+
+
+@dataclass
+class Limits:
+    idle_timeout_s: float = 15.0  # a connection with no complete request (headers) in this long closes
+    body_timeout_s: float = 30.0  # a request body must arrive within this
+    max_connections: int = 0  # 0: from the descriptor limit; at the cap the oldest idle ones close
+    tokenize_threads: int = 4  # tokenizations at once (each may hold a prompt's ids)
+    tokenize_waiting: int = 64  # past this many waiting, 429
+    stream_write_timeout_s: float = 30.0  # a stream whose client does not read for this long is cut
+    stream_buffer_bytes: int = 4 << 20  # unsent bytes of one stream before it is cut
+    piece_chars: int = 1 << 16  # a large prompt is counted in pieces of about this size
+
+    def __post_init__(self) -> None:
+        if self.max_connections <= 0:
+            self.max_connections = _default_max_connections()
+
+
+LIMITS = web.AppKey("dsuf_limits", Limits)
+
+
+def of(app: web.Application) -> Limits:
+    lim = app.get(LIMITS)
+    return lim if lim is not None else Limits()
+
+
+# ---------------------------------------------------------------- tokenization
+
+
+class _Gate:
+    """At most `threads` tokenizations run at once on this event loop; past `waiting`, 429."""
+
+    def __init__(self, threads: int, waiting: int):
+        self.sem = asyncio.Semaphore(max(1, threads))
+        self.max_waiting = max(0, waiting)
+        self.waiting = 0
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        if self.sem.locked() and self.waiting >= self.max_waiting:
+            raise APIError(429, "too many requests are being tokenized; retry later", type="rate_limit_error",
+                           code="rate_limit_exceeded", headers={"Retry-After": "1"})
+        self.waiting += 1
+        try:
+            await self.sem.acquire()
+        finally:
+            self.waiting -= 1
+        try:
+            return await asyncio.to_thread(fn, *args)
+        finally:
+            self.sem.release()
+
+
+_GATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+async def tokenize(lim: Limits, fn: Callable[..., T], *args: Any) -> T:
+    """fn(*args) in a worker thread, bounded in concurrency per event loop."""
+    loop = asyncio.get_running_loop()
+    gate = _GATES.get(loop)
+    if gate is None:
+        gate = _GATES[loop] = _Gate(lim.tokenize_threads, lim.tokenize_waiting)
+    return await gate.run(fn, *args)
+
+
+_LONGEST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """Characters of the vocabulary's longest token (its byte-level form: one char per byte, so
+    at least its text's length), special tokens included. Computed once per tokenizer."""
+    n = _LONGEST.get(tokenizer)
+    if n is None:
+        lengths = (len(tokenizer.id_to_token(i) or "") for i in range(int(tokenizer.vocab_size)))
+        n = _LONGEST[tokenizer] = max(1, max(lengths, default=1))
+    return n
+
+
+def too_long(tokens: str, context_len: int, param: str) -> APIError:
+    return bad(f"This model's maximum context length is {context_len} tokens; the prompt has {tokens} "
+               "tokens, leaving no room for output", param, code="context_length_exceeded")
+
+
+def check_chars(n_chars: int, context_len: int, longest: int, param: str) -> None:
+    """A text longer than context_len tokens of the longest kind cannot fit: refused untokenized."""
+    if n_chars > context_len * longest:
+        raise too_long(f"more than {context_len}", context_len, param)
+
+
+def _pieces(text: str, size: int) -> list[tuple[int, int]]:
+    """Spans of about `size` characters, cut before whitespace where one is near, so a piece's
+    tokens are (nearly) those of the whole text there."""
+    spans, a = [], 0
+    while a < len(text):
+        b = min(len(text), a + size)
+        if b < len(text):
+            cut = max(text.rfind(" ", b - 1024, b), text.rfind("\n", b - 1024, b))
+            b = cut if cut > a else b
+        spans.append((a, b))
+        a = b
+    return spans
+
+
+def encode_bounded(encode: Callable[[str], list[int]], text: str, context_len: int, piece_chars: int,
+                   param: str) -> list[int]:
+    """encode(text), refused (context_length_exceeded) without holding all its ids when it is far
+    past the context. Texts that surely fit (no more UTF-8 bytes than context_len) are encoded at
+    once; others are counted in pieces first, stopping once the count passes the context, and
+    encoded whole (exactly) only when they fit. Runs in a worker thread."""
+    if len(text) * 4 <= context_len or len(text) <= piece_chars or len(text.encode()) <= context_len:
+        return encode(text)
+    count = 0
+    spans = _pieces(text, piece_chars)
+    for k, (a, b) in enumerate(spans):
+        count += len(encode(text[a:b]))
+        # a cut may split what the whole text would merge: allow a few tokens per cut
+        if count > context_len + 4 * (k + 1):
+            raise too_long(f"more than {context_len}", context_len, param)
+    return encode(text)
