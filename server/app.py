@@ -186,14 +186,14 @@ async def _read_json(request: web.Request) -> Any:
     lim = limits.of(request.app)
     try:  # raises 413 past client_max_size (after decompression too)
         raw = await asyncio.wait_for(request.read(), lim.body_timeout_s)
-    except TimeoutError:
-        request.protocol.force_close()  # the rest of the body is not worth waiting for
+    except TimeoutError:  # the rest of the body is not worth waiting for: answer and close
         raise APIError(408, f"the request body did not arrive within {lim.body_timeout_s:g} s",
-                       code="request_timeout") from None
-    except (HttpProcessingError, ClientPayloadError, zlib.error, EOFError, ValueError) as e:
+                       code="request_timeout", close=True) from None
+    except (HttpProcessingError, ClientPayloadError, web.RequestPayloadError, zlib.error, EOFError,
+            ValueError) as e:
         # corrupt gzip / deflate / brotli, broken chunked framing, a body cut short
-        request.protocol.force_close()
-        raise bad(f"cannot read the request body: {protocol.short(str(e) or type(e).__name__)}") from None
+        raise APIError(400, f"cannot read the request body: {protocol.short(str(e) or type(e).__name__)}",
+                       close=True) from None
     if len(raw) < (256 << 10):
         return protocol.parse_body(raw)
     # a big body takes tens of ms to check and parse: off the loop, so streams keep flowing
@@ -447,7 +447,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
     try:
         gen.prompts, gen.prompt_texts = await limits.tokenize(lim, encode)
-    except ValueError as e:
+    except (ValueError, TypeError) as e:  # TypeError: text the tokenizer cannot take (lone surrogates)
         raise bad(str(e), "prompt") from None
     return await _generate(request, st, gen)
 

@@ -2,7 +2,8 @@
 (bad framing, oversized headers, invalid methods answer text/plain otherwise), and a cap on open
 connections that closes the oldest idle ones first.
 
-aiohttp has no hook for either: its RequestHandler.handle_error writes the parser's error page,
+aiohttp has no hook for either: its RequestHandler.handle_error writes the parser's error page
+(and finish_response writes what is raised before the middleware, e.g. an unknown Expect),
 and web.Server makes one RequestHandler per connection. GuardedRunner is web.AppRunner with the
 server's class swapped for GuardedServer, which makes GuardedHandlers; nothing else changes.
 Idle and slow-header connections are closed by aiohttp's own keepalive timer, which runs from the
@@ -51,6 +52,13 @@ class GuardedHandler(RequestHandler):
         if request.writer.output_size > 0:  # part of a response went out: the connection is broken
             raise ConnectionError("response already started; cannot send the error")
         return error_response(status, message)
+
+    async def finish_response(self, request: Any, resp: web.StreamResponse, start_time: float | None) -> Any:
+        # an HTTPException raised before the middleware runs (aiohttp's Expect handling) is
+        # written as it is, text/plain: answer the OpenAI JSON instead
+        if isinstance(resp, web.HTTPException) and resp.status >= 400 and not resp.prepared:
+            resp = error_response(resp.status, resp.text)
+        return await super().finish_response(request, resp, start_time)
 
 
 def _idle(h: RequestHandler) -> bool:

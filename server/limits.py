@@ -40,6 +40,7 @@ class Limits:
     tokenize_waiting: int = 64  # past this many waiting, 429
     stream_write_timeout_s: float = 30.0  # a stream whose client does not read for this long is cut
     stream_buffer_bytes: int = 4 << 20  # unsent bytes of one stream before it is cut
+    stream_sndbuf: int = 256 << 10  # a stream socket's kernel send buffer (0: the system's autotuning)
     piece_chars: int = 1 << 16  # a large prompt is counted in pieces of about this size
 
     def __post_init__(self) -> None:

@@ -40,19 +40,24 @@ class APIError(Exception):
     """An OpenAI-style error response."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None,
+                 close: bool = False):
         # whatever a message quotes, its size stays bounded
         message = short(message, MAX_ERROR_MESSAGE)
         param = None if param is None else short(param, MAX_ERROR_VALUE)
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers or {}
+        self.close = close  # answer, then close the connection (e.g. a body left unread)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status, headers=self.headers)
+        resp = web.json_response(self.body(), status=self.status, headers=self.headers)
+        if self.close:
+            resp.force_close()
+        return resp
 
 
 def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:

@@ -10,7 +10,9 @@ reasoning / content / tool calls. Three stages, each holding back only what it m
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import socket
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -186,6 +188,7 @@ class SSEWriter:
         self.request = request
         self.write_timeout_s = getattr(limits, "stream_write_timeout_s", 30.0)
         self.max_buffer = getattr(limits, "stream_buffer_bytes", 4 << 20)
+        self.sndbuf = getattr(limits, "stream_sndbuf", 0)
         self.resp = web.StreamResponse(
             status=200,
             headers={
@@ -199,6 +202,10 @@ class SSEWriter:
     async def start(self) -> None:
         await self.resp.prepare(self.request)
         self.started = True
+        sock = self.request.transport.get_extra_info("socket") if self.request.transport else None
+        if sock is not None and self.sndbuf:  # the kernel's autotuned buffer would hold megabytes unsent
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.sndbuf)
 
     def _cut(self, why: str) -> ConnectionResetError:
         transport = self.request.transport
