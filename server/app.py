@@ -159,7 +159,7 @@ async def _middleware(request: web.Request, handler):
         if e.status < 400:
             raise
         code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(e.status)
-        msg = {404: f"no route for {request.method} {request.path}",
+        msg = {404: f"no route for {protocol.short(request.method)} {protocol.short(request.path)}",
                413: f"request body larger than {st.opts.max_body} bytes"}.get(e.status, e.reason)
         return _error_response(APIError(e.status, msg, code=code, headers={"Allow": e.headers["Allow"]}
                                         if "Allow" in e.headers else None), st)
