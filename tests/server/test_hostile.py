@@ -21,7 +21,7 @@ from server.app import STATE  # noqa: E402
 from server.limits import Limits, encode_bounded  # noqa: E402
 from server.protocol import APIError  # noqa: E402
 
-CONTEXT = 2048
+CONTEXT = 1024
 KEY = "hostile-key"
 
 
@@ -29,7 +29,7 @@ KEY = "hostile-key"
 def hardened(module_servers):
     lim = Limits(idle_timeout_s=1.5, body_timeout_s=1.5, stream_write_timeout_s=1.5, stream_buffer_bytes=256 << 10,
                  stream_sndbuf=64 << 10, max_connections=48)
-    return module_servers(max_model_len=CONTEXT, max_batch=8, max_queue=8, api_key=KEY, limits=lim)
+    return module_servers(max_model_len=CONTEXT, max_batch=12, max_queue=12, api_key=KEY, limits=lim)
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def module_servers(engine):
 def _target(srv, engine) -> hostile.Target:
     return hostile.Target("127.0.0.1", srv.port, "demo-v41", KEY, idle_timeout=1.5, body_timeout=1.5,
                           write_timeout=1.5, max_connections=48, context_len=CONTEXT,
-                          vocab=int(engine.config.vocab_size), capacity=16)
+                          vocab=int(engine.config.vocab_size), capacity=24)
 
 
 def test_hostile_suite(hardened, engine):
@@ -74,21 +74,13 @@ def test_hostile_suite(hardened, engine):
     assert counts["tried"] == len(cases)
     assert not counts["failures"], [(o.result, o.group, o.name, o.detail[:200]) for o in counts["failures"]]
     assert hostile.passed(counts), hostile.summary(counts)
-    # nothing left behind: no sequence running or waiting once the suite is done
+    assert any(o.name == "stream-never-read" for o in cases)  # cut (CUT), or it would not be right
+    # nothing left behind: the cut stream's sequences were cancelled, nothing runs or waits
     sched = hardened.app[STATE].scheduler
     deadline = time.monotonic() + 10
     while (sched.running or sched.waiting) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not sched.running and not sched.waiting
-
-
-def test_stream_that_is_never_read_is_cut_and_its_slots_freed(hardened, engine):
-    t = _target(hardened, engine)
-    t0 = time.monotonic()
-    assert hostile_cases._never_reads(t).status == hostile.CUT
-    assert time.monotonic() - t0 < 30
-    sched = hardened.app[STATE].scheduler
-    assert not sched.running and not sched.waiting  # the cut cancelled its 8 sequences
 
 
 def test_oversized_prompt_is_refused_before_it_is_tokenized_in_full():
