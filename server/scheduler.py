@@ -251,12 +251,7 @@ class Scheduler:
             for s, message in failed:
                 self._fail(s, message)
             self.metrics.steps.inc()
-            try:
-                self._apply(batch, chunks, results)
-            except Exception as e:  # a bug in output handling must not hang every request
-                log.exception("processing step results failed")
-                for s in batch:
-                    self._fail(s, f"internal error: {type(e).__name__}: {e}")
+            self._apply(batch, chunks, results)
             # let handlers run between steps even if the executor answered instantly
             await asyncio.sleep(0)
 
@@ -353,38 +348,45 @@ class Scheduler:
         for s, chunk, res in zip(batch, chunks, results, strict=True):
             if s.finished:  # cancelled while the step ran
                 continue
-            if s.prefilling:
-                # an empty chunk: a forked choice, its leader prefilled the prompt for it
-                s.n_prefilled = s.n_prefilled + len(chunk) if chunk else len(s.prompt)
-                self.metrics.prompt_tokens.inc(len(chunk))
-            if res is None:
-                continue
-            tok, lp, top = res
-            s.generated.append(tok)
-            self.metrics.generation_tokens.inc()
-            if s.t_first is None:
-                s.t_first = now
-                self.metrics.ttft.observe(now - s.t_arrival)
-            s.t_last = now
-            ev = Event(index=s.index, token_ids=[tok])
-            if lp is not None:
-                ev.logprobs.append((tok, lp, top or []))
-            finish, by_stop_string = None, False
-            if tok in self.eos_ids and not s.gen.ignore_eos:
+            try:
+                self._apply_one(s, chunk, res, now)
+            except Exception as e:  # a bug in one sequence's output handling fails that sequence only
+                log.exception("processing the step's result for %s failed", s.gen.request_id)
+                self._fail(s, f"internal error: {type(e).__name__}: {short(str(e))}")
+
+    def _apply_one(self, s: Sequence, chunk: list[int], res: Any, now: float) -> None:
+        if s.prefilling:
+            # an empty chunk: a forked choice, its leader prefilled the prompt for it
+            s.n_prefilled = s.n_prefilled + len(chunk) if chunk else len(s.prompt)
+            self.metrics.prompt_tokens.inc(len(chunk))
+        if res is None:
+            return
+        tok, lp, top = res
+        s.generated.append(tok)
+        self.metrics.generation_tokens.inc()
+        if s.t_first is None:
+            s.t_first = now
+            self.metrics.ttft.observe(now - s.t_arrival)
+        s.t_last = now
+        ev = Event(index=s.index, token_ids=[tok])
+        if lp is not None:
+            ev.logprobs.append((tok, lp, top or []))
+        finish, by_stop_string = None, False
+        if tok in self.eos_ids and not s.gen.ignore_eos:
+            finish = "stop"
+        else:
+            ev.delta, by_stop_string = s.proc.push(tok)
+            if by_stop_string:
                 finish = "stop"
-            else:
-                ev.delta, by_stop_string = s.proc.push(tok)
-                if by_stop_string:
-                    finish = "stop"
-                elif len(s.generated) >= s.max_tokens:
-                    finish = "length"
-            if finish is None:
-                s.sink.put_nowait(ev)
-                continue
-            ev.delta.extend(s.proc.finish(stopped=by_stop_string))
-            if finish == "stop" and s.proc.has_tool_calls:
-                finish = "tool_calls"
-            self._finish(s, finish, ev)
+            elif len(s.generated) >= s.max_tokens:
+                finish = "length"
+        if finish is None:
+            s.sink.put_nowait(ev)
+            return
+        ev.delta.extend(s.proc.finish(stopped=by_stop_string))
+        if finish == "stop" and s.proc.has_tool_calls:
+            finish = "tool_calls"
+        self._finish(s, finish, ev)
 
     def _finish(self, s: Sequence, reason: str, ev: Event) -> None:
         s.finished = True
