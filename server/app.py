@@ -15,12 +15,10 @@ import os
 import signal
 import sys
 import time
-import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiohttp import ClientPayloadError, web
-from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp import web
 
 from kvcache import serving as kv_serving  # state cache hooks (kvcache/serving.py)
 
@@ -183,17 +181,7 @@ def _require_ready(st: ServerState) -> Scheduler:
 
 
 async def _read_json(request: web.Request) -> Any:
-    lim = limits.of(request.app)
-    try:  # raises 413 past client_max_size (after decompression too)
-        raw = await asyncio.wait_for(request.read(), lim.body_timeout_s)
-    except TimeoutError:  # the rest of the body is not worth waiting for: answer and close
-        raise APIError(408, f"the request body did not arrive within {lim.body_timeout_s:g} s",
-                       code="request_timeout", close=True) from None
-    except (HttpProcessingError, ClientPayloadError, web.RequestPayloadError, zlib.error, EOFError,
-            ValueError) as e:
-        # corrupt gzip / deflate / brotli, broken chunked framing, a body cut short
-        raise APIError(400, f"cannot read the request body: {protocol.short(str(e) or type(e).__name__)}",
-                       close=True) from None
+    raw = await limits.read_body(request, limits.of(request.app))
     if len(raw) < (256 << 10):
         return protocol.parse_body(raw)
     # a big body takes tens of ms to check and parse: off the loop, so streams keep flowing
@@ -209,7 +197,7 @@ def _check_model(st: ServerState, gen: GenRequest) -> None:
 
 def _check_lengths(st: ServerState, gen: GenRequest) -> list[int]:
     """Per-prompt max_tokens, clamped to what the context leaves."""
-    protocol.check_capacity(gen, int(st.engine.config.vocab_size), st.opts.max_batch + st.opts.max_queue)
+    limits.check_capacity(gen, int(st.engine.config.vocab_size), st.opts.max_batch + st.opts.max_queue)
     out = []
     for ids in gen.prompts:
         if len(ids) >= st.context_len:

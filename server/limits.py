@@ -12,13 +12,15 @@ from __future__ import annotations
 import asyncio
 import resource
 import weakref
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from aiohttp import web
+from aiohttp import ClientPayloadError, web
+from aiohttp.http_exceptions import HttpProcessingError
 
-from .protocol import APIError, bad
+from .protocol import APIError, GenRequest, bad, short
 
 T = TypeVar("T")
 
@@ -54,6 +56,33 @@ LIMITS = web.AppKey("dsuf_limits", Limits)
 def of(app: web.Application) -> Limits:
     lim = app.get(LIMITS)
     return lim if lim is not None else Limits()
+
+
+def check_capacity(gen: GenRequest, vocab: int, capacity: int) -> None:
+    """What parsing could not check without the model and the server: logit_bias ids inside the
+    vocabulary, and a request that fits the server at all (more sequences than the batch and the
+    queue together hold would get 429 forever)."""
+    for tid, _ in gen.sampling.logit_bias:
+        if not 0 <= tid < vocab:
+            raise bad(f"'logit_bias' keys must be token ids in [0, {vocab}), got {short(tid)}", "logit_bias")
+    seqs = gen.n * max(1, len(gen.prompts))
+    if seqs > capacity:
+        raise bad(f"this request asks for {seqs} sequences; this server runs at most {capacity} at once", "n")
+
+
+async def read_body(request: web.Request, lim: Limits) -> bytes:
+    """The request body within the body deadline; a body that cannot be read (corrupt gzip,
+    broken chunked framing, cut short) is a 400, one that does not arrive in time a 408. Either
+    way the connection closes after the answer: the rest of the body is not worth waiting for."""
+    try:  # raises 413 past client_max_size (after decompression too)
+        return await asyncio.wait_for(request.read(), lim.body_timeout_s)
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {lim.body_timeout_s:g} s",
+                       code="request_timeout", close=True) from None
+    except (HttpProcessingError, ClientPayloadError, web.RequestPayloadError, zlib.error, EOFError,
+            ValueError) as e:
+        raise APIError(400, f"cannot read the request body: {short(str(e) or type(e).__name__)}",
+                       close=True) from None
 
 
 # ---------------------------------------------------------------- tokenization

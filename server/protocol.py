@@ -535,19 +535,6 @@ def parse_completion(body: Any, default_model: str) -> tuple[GenRequest, list[st
     return gen, prompts
 
 
-def check_capacity(gen: GenRequest, vocab: int, capacity: int) -> None:
-    """What parsing could not check without the model and the server: logit_bias ids inside the
-    vocabulary, and a request that fits the server at all (more sequences than the batch and the
-    queue together hold would get 429 forever)."""
-    for tid, _ in gen.sampling.logit_bias:
-        if not 0 <= tid < vocab:
-            raise bad(f"'logit_bias' keys must be token ids in [0, {vocab}), got {short(tid)}", "logit_bias")
-    seqs = gen.n * max(1, len(gen.prompts))
-    if seqs > capacity:
-        raise bad(f"this request asks for {seqs} sequences; this server runs at most {capacity} at once",
-                  "n")
-
-
 # ---------------------------------------------------------------- responses
 
 
