@@ -219,8 +219,9 @@ class SSEWriter:
             raise ConnectionResetError("client went away")
         if transport.get_write_buffer_size() + len(data) > self.max_buffer:
             raise self._cut("the client is not reading")
-        try:
-            await asyncio.wait_for(self.resp.write(data), self.write_timeout_s)
+        try:  # asyncio.timeout: a timer per write, not a task as wait_for makes
+            async with asyncio.timeout(self.write_timeout_s):
+                await self.resp.write(data)
         except TimeoutError:
             raise self._cut(f"no progress writing for {self.write_timeout_s:g} s") from None
 
@@ -232,4 +233,5 @@ class SSEWriter:
 
     async def done(self) -> None:
         await self._write(b"data: [DONE]\n\n")
-        await asyncio.wait_for(self.resp.write_eof(), self.write_timeout_s)
+        async with asyncio.timeout(self.write_timeout_s):
+            await self.resp.write_eof()
