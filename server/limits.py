@@ -10,10 +10,11 @@ context, so no request holds millions of token ids to learn that it does not fit
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import resource
 import weakref
 import zlib
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -40,6 +41,9 @@ class Limits:
     max_connections: int = 0  # 0: from the descriptor limit; at the cap the oldest idle ones close
     tokenize_threads: int = 4  # tokenizations at once (each may hold a prompt's ids)
     tokenize_waiting: int = 64  # past this many waiting, 429
+    big_body_bytes: int = 1 << 20  # bodies larger (or of unknown length) are read a few at a time
+    big_body_reads: int = 16
+    big_body_waiting: int = 256  # past this many waiting, 429
     stream_write_timeout_s: float = 30.0  # a stream whose client does not read for this long is cut
     stream_buffer_bytes: int = 4 << 20  # unsent bytes of one stream before it is cut
     stream_sndbuf: int = 256 << 10  # a stream socket's kernel send buffer (0: the system's autotuning)
@@ -73,9 +77,22 @@ def check_capacity(gen: GenRequest, vocab: int, capacity: int) -> None:
 async def read_body(request: web.Request, lim: Limits) -> bytes:
     """The request body within the body deadline; a body that cannot be read (corrupt gzip,
     broken chunked framing, cut short) is a 400, one that does not arrive in time a 408. Either
-    way the connection closes after the answer: the rest of the body is not worth waiting for."""
+    way the connection closes after the answer: the rest of the body is not worth waiting for.
+    Large bodies (and compressed ones, and ones of unknown length) are read a few at a time, so
+    many connections cannot each hold a body of client_max_size at once."""
+    if not request.can_read_body:
+        return b""
+    size = request.content_length
+    if size is not None and size <= lim.big_body_bytes and "Content-Encoding" not in request.headers:
+        return await _read(request, lim)  # small, and not compressed (which could inflate it)
+    async with _gate("body", lim.big_body_reads, lim.big_body_waiting, "large request bodies").slot():
+        return await _read(request, lim)
+
+
+async def _read(request: web.Request, lim: Limits) -> bytes:
     try:  # raises 413 past client_max_size (after decompression too)
-        return await asyncio.wait_for(request.read(), lim.body_timeout_s)
+        async with asyncio.timeout(lim.body_timeout_s):
+            return await request.read()
     except TimeoutError:
         raise APIError(408, f"the request body did not arrive within {lim.body_timeout_s:g} s",
                        code="request_timeout", close=True) from None
@@ -85,20 +102,22 @@ async def read_body(request: web.Request, lim: Limits) -> bytes:
                        close=True) from None
 
 
-# ---------------------------------------------------------------- tokenization
+# ---------------------------------------------------------------- gates
 
 
 class _Gate:
-    """At most `threads` tokenizations run at once on this event loop; past `waiting`, 429."""
+    """At most `slots` holders at once on this event loop; past `waiting` waiting, 429."""
 
-    def __init__(self, threads: int, waiting: int):
-        self.sem = asyncio.Semaphore(max(1, threads))
+    def __init__(self, slots: int, waiting: int, what: str):
+        self.sem = asyncio.Semaphore(max(1, slots))
         self.max_waiting = max(0, waiting)
         self.waiting = 0
+        self.what = what
 
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+    @contextlib.asynccontextmanager
+    async def slot(self) -> AsyncIterator[None]:
         if self.sem.locked() and self.waiting >= self.max_waiting:
-            raise APIError(429, "too many requests are being tokenized; retry later", type="rate_limit_error",
+            raise APIError(429, f"too many {self.what} in progress; retry later", type="rate_limit_error",
                            code="rate_limit_exceeded", headers={"Retry-After": "1"})
         self.waiting += 1
         try:
@@ -106,7 +125,7 @@ class _Gate:
         finally:
             self.waiting -= 1
         try:
-            return await asyncio.to_thread(fn, *args)
+            yield
         finally:
             self.sem.release()
 
@@ -114,13 +133,21 @@ class _Gate:
 _GATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def _gate(name: str, slots: int, waiting: int, what: str) -> _Gate:
+    """The event loop's gate of that name (made with these sizes on first use)."""
+    gates = _GATES.setdefault(asyncio.get_running_loop(), {})
+    if name not in gates:
+        gates[name] = _Gate(slots, waiting, what)
+    return gates[name]
+
+
 async def tokenize(lim: Limits, fn: Callable[..., T], *args: Any) -> T:
     """fn(*args) in a worker thread, bounded in concurrency per event loop."""
-    loop = asyncio.get_running_loop()
-    gate = _GATES.get(loop)
-    if gate is None:
-        gate = _GATES[loop] = _Gate(lim.tokenize_threads, lim.tokenize_waiting)
-    return await gate.run(fn, *args)
+    async with _gate("tokenize", lim.tokenize_threads, lim.tokenize_waiting, "tokenizations").slot():
+        return await asyncio.to_thread(fn, *args)
+
+
+# ---------------------------------------------------------------- prompt size
 
 
 _LONGEST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

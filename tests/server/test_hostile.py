@@ -134,3 +134,22 @@ def test_tokenization_is_bounded_in_concurrency():
     got = asyncio.run(go())
     assert most[0] == 2
     assert sorted(got) == [1] * 5 + [429] * 5  # 2 running + 3 waiting served, the rest refused
+
+
+def test_large_bodies_are_read_a_few_at_a_time(make_server, engine):
+    """A large body holds a read slot while it arrives; past the waiting bound, 429 at once."""
+    srv = make_server(limits=Limits(big_body_bytes=1000, big_body_reads=1, big_body_waiting=0, body_timeout_s=3))
+    t = _target(srv, engine)
+    t.api_key = None
+    body = json.dumps(hostile_cases._chat(t, messages=[{"role": "user", "content": "x" * 5000}])).encode()
+    with hostile.connect(t) as slow:  # holds the only slot: headers and a tenth of the body
+        slow.sendall(hostile.request_bytes(t, "POST", "/v1/chat/completions", body[:500],
+                                           {"Content-Length": str(len(body))}))
+        time.sleep(0.3)
+        r = hostile.exchange(t, hostile.request_bytes(t, "POST", "/v1/chat/completions", body), 30)
+        assert r.status == 429 and json.loads(r.body)["error"]["code"] == "rate_limit_exceeded"
+        small = json.dumps(hostile_cases._chat(t)).encode()  # under big_body_bytes: not gated
+        assert hostile.exchange(t, hostile.request_bytes(t, "POST", "/v1/chat/completions", small), 30).status == 200
+        slow.sendall(body[500:])
+        assert hostile.read_reply(slow, time.monotonic() + 30).status == 200
+    assert hostile.exchange(t, hostile.request_bytes(t, "POST", "/v1/chat/completions", body), 30).status == 200
