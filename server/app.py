@@ -18,7 +18,7 @@ from aiohttp import web
 
 from kvcache import serving as kv_serving  # state cache hooks (kvcache/serving.py)
 
-from . import protocol
+from . import limits, protocol
 from .access import access_middleware, note_usage
 from .logprobs import chat_logprobs, completion_logprobs
 from .metrics import CONTENT_TYPE_LATEST, Metrics
@@ -49,6 +49,7 @@ class Options:
     kv: Any = None  # kvcache.cache.CacheConfig: host state cache / sharing (None: off)
     served_model_names: tuple[str, ...] = ()  # --served-model-name (default: the checkpoint's canonical id)
     load_delay_s: float = 0.0  # test hook: wait after each tensor read, as slow storage would
+    limits: limits.Limits = field(default_factory=limits.Limits)  # timeouts, connection and size caps
 
 
 @dataclass
@@ -124,7 +125,8 @@ async def _middleware(request: web.Request, handler):
         if st.opts.api_key and _is_api_path(request.path):
             auth = request.headers.get("Authorization", "")
             token = auth[7:] if auth[:7].lower() == "bearer " else ""
-            if not hmac.compare_digest(token.encode(), st.opts.api_key.encode()):
+            # aiohttp keeps a non-UTF-8 header byte as a surrogate: compare bytes, never raise
+            if not hmac.compare_digest(token.encode("utf-8", "surrogateescape"), st.opts.api_key.encode()):
                 raise APIError(401, "missing or invalid API key (Authorization: Bearer ...)",
                                code="invalid_api_key")
         return await handler(request)
@@ -134,7 +136,7 @@ async def _middleware(request: web.Request, handler):
         if e.status < 400:
             raise
         code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(e.status)
-        msg = {404: f"no route for {request.method} {request.path}",
+        msg = {404: f"no route for {protocol.short(request.method)} {protocol.short(request.path)}",
                413: f"request body larger than {st.opts.max_body} bytes"}.get(e.status, e.reason)
         return _error_response(APIError(e.status, msg, code=code, headers={"Allow": e.headers["Allow"]}
                                         if "Allow" in e.headers else None), st)
@@ -167,7 +169,7 @@ def _require_ready(st: ServerState) -> Scheduler:
 
 
 async def _read_json(request: web.Request) -> Any:
-    raw = await request.read()  # raises 413 past client_max_size
+    raw = await limits.read_body(request, limits.of(request.app))
     if len(raw) < (256 << 10):
         return protocol.parse_body(raw)
     # a big body takes tens of ms to check and parse: off the loop, so streams keep flowing
@@ -180,6 +182,7 @@ def _check_model(st: ServerState, gen: GenRequest) -> None:
 
 def _check_lengths(st: ServerState, gen: GenRequest) -> list[int]:
     """Per-prompt max_tokens, clamped to what the context leaves."""
+    limits.check_capacity(gen, int(st.engine.config.vocab_size), st.opts.max_batch + st.opts.max_queue)
     out = []
     for ids in gen.prompts:
         if len(ids) >= st.context_len:
@@ -207,7 +210,7 @@ async def _generate(request: web.Request, st: ServerState, gen: GenRequest) -> w
     try:
         if not gen.stream:
             return await _collect(st, gen, seqs, sink)
-        w = SSEWriter(request)
+        w = SSEWriter(request, limits.of(request.app))
         try:
             return await _stream(w, st, gen, seqs, sink)
         except ConnectionResetError:  # the client went away mid-stream; nothing left to answer
@@ -369,16 +372,22 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     from engine.text.chat_encoding import render_messages
 
     arch = st.engine.config.arch
+    lim = limits.of(request.app)
+    longest = limits.longest_token_chars(st.engine.tokenizer)
+    limits.check_chars(sum(len(m["content"]) for m in spec.messages), st.context_len, longest, "messages")
 
     def encode() -> list[int]:
         # Message text is tokenized as plain text: it can never spell a control token.
         segments = render_messages(spec.messages, arch=arch, thinking=spec.gen.thinking,
                                    reasoning_effort=spec.reasoning_effort, tools=spec.tools,
                                    response_format=spec.response_format, add_generation_prompt=True)
+        text = "".join(piece for piece, _ in segments)
+        limits.check_chars(len(text), st.context_len, longest, "messages")
+        limits.check_tokens(st.engine.tokenizer.encode, text, st.context_len, lim.piece_chars, "messages")
         return st.engine.tokenizer.encode_segments(segments)
 
     try:
-        ids = await asyncio.to_thread(encode)
+        ids = await limits.tokenize(lim, encode)
     except (ValueError, TypeError, KeyError) as e:
         raise bad(f"cannot encode the conversation: {e}", "messages") from None
     spec.gen.prompts = [ids]
@@ -393,6 +402,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
     _check_model(st, gen)
     tok = st.engine.tokenizer
     vocab = int(st.engine.config.vocab_size)
+    lim = limits.of(request.app)
+    longest = limits.longest_token_chars(tok)
+    for p in prompts:  # cheap bounds first: nothing that cannot fit is tokenized or decoded
+        if isinstance(p, str):
+            limits.check_chars(len(p), st.context_len, longest, "prompt")
+        elif len(p) >= st.context_len:
+            raise limits.too_long(str(len(p)), st.context_len, "prompt")
 
     def encode() -> tuple[list[list[int]], list[str]]:
         ids_out, texts = [], []
@@ -400,7 +416,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
             if isinstance(p, str):
                 # A raw prompt is the client's own context (no other party's turn in it):
                 # control tokens spelled in it are matched, as vLLM does.
-                ids = tok.encode(p)
+                ids = limits.encode_bounded(tok.encode, p, st.context_len, lim.piece_chars, "prompt")
                 texts.append(p)
             else:
                 if any(t < 0 or t >= vocab for t in p):
@@ -414,8 +430,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
         return ids_out, texts
 
     try:
-        gen.prompts, gen.prompt_texts = await asyncio.to_thread(encode)
-    except ValueError as e:
+        gen.prompts, gen.prompt_texts = await limits.tokenize(lim, encode)
+    except (ValueError, TypeError) as e:  # TypeError: text the tokenizer cannot take (lone surrogates)
         raise bad(str(e), "prompt") from None
     return await _generate(request, st, gen)
 
@@ -463,6 +479,7 @@ def build_app(engine: Any = None, **opts: Any) -> web.Application:
     app = web.Application(middlewares=[access_middleware, _middleware], client_max_size=o.max_body)
     st = ServerState(opts=o, engine=engine)
     app[STATE] = st
+    app[limits.LIMITS] = o.limits
     for prefix in ("/v1", ""):  # clients such as DeepSeek's dsh post to /chat/completions
         app.router.add_post(f"{prefix}/chat/completions", chat_completions)
         app.router.add_post(f"{prefix}/completions", completions)

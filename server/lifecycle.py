@@ -21,7 +21,9 @@ from aiohttp import web
 
 from kvcache import serving as kv_serving
 
+from . import limits
 from .app import STATE, _attach_engine, build_app
+from .http_guard import GuardedRunner
 
 log = logging.getLogger("dsuf.server")
 load_log = logging.getLogger("dsuf.load")
@@ -130,8 +132,11 @@ def bind_sockets(host: str, port: int) -> list[socket.socket]:
 async def start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, web.BaseSite, int]:
     """Listen (port 0 = any free one), then start loading the model if the app has none.
     Returns the runner, the first site and the bound port; OSError if the port cannot be had."""
-    # handler_cancellation: a client disconnect cancels its handler, which frees the slot
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+    # handler_cancellation: a client disconnect cancels its handler, which frees the slot;
+    # GuardedRunner: error JSON from the HTTP parser, idle / slow-header timeout, connection cap
+    lim = limits.of(app)
+    runner = GuardedRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0,
+                           keepalive_timeout=lim.idle_timeout_s, max_connections=lim.max_connections)
     await runner.setup()
     try:
         socks = bind_sockets(host, port)

@@ -22,7 +22,13 @@ from engine.runtime.sampling import SamplingParams
 
 MAX_N = 16
 MAX_STOP = 16
+MAX_STOP_CHARS = 1024  # a stop string is held back while it might start: keep that bounded
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024  # entries; OpenAI documents 300
+MAX_INT_FIELD = 1 << 31  # max_tokens, top_k: far above any context, far below what numpy chokes on
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # int64 or uint64, as clients send them; folded to uint64
+MAX_ERROR_VALUE = 64  # characters of a client's value quoted back in an error message
+MAX_ERROR_MESSAGE = 1024
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _TOOL_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 REASONING_EFFORTS = ("minimal", "low", "medium", "high", "max")
@@ -35,20 +41,43 @@ class APIError(Exception):
     """An OpenAI-style error response."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None,
+                 close: bool = False):
+        # whatever a message quotes, its size stays bounded
+        message = short(message, MAX_ERROR_MESSAGE)
+        param = None if param is None else short(param, MAX_ERROR_VALUE)
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers or {}
+        self.close = close  # answer, then close the connection (e.g. a body left unread)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status, headers=self.headers)
+        resp = web.json_response(self.body(), status=self.status, headers=self.headers)
+        if self.close:
+            resp.force_close()
+        return resp
 
 
 def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+def short(value: Any, limit: int = MAX_ERROR_VALUE) -> str:
+    """A client's value as an error message may quote it: at most limit characters."""
+    text = value if isinstance(value, str) else _safe_repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _safe_repr(value: Any) -> str:
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 200:
+        return f"<an integer of {value.bit_length()} bits>"  # str() of a huge int is slow, even refused
+    try:
+        return repr(value)
+    except ValueError:
+        return f"<{type(value).__name__}>"
 
 
 # ---------------------------------------------------------------- typed field readers
@@ -96,6 +125,8 @@ def parse_body(raw: bytes) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as e:
         raise bad(f"invalid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except ValueError:  # an integer past Python's digit limit for int parsing
+        raise bad("invalid JSON: a number has too many digits") from None
     except RecursionError:
         raise bad("invalid JSON: nested too deeply") from None
 
@@ -115,7 +146,7 @@ def _number(body: dict, name: str, default: float, lo: float, hi: float, *, lo_o
     if not _is_num(v):
         raise bad(f"'{name}' must be a number", name)
     if v < lo or v > hi or (lo_open and v == lo):
-        raise bad(f"'{name}' must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}", name)
+        raise bad(f"'{name}' must be in {'(' if lo_open else '['}{lo}, {hi}], got {short(v)}", name)
     return float(v)
 
 
@@ -127,7 +158,7 @@ def _int(body: dict, name: str, default: int | None, lo: int | None = None, hi: 
         raise bad(f"'{name}' must be an integer", name)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         rng = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
-        raise bad(f"'{name}' must be in {rng}, got {v}", name)
+        raise bad(f"'{name}' must be in {rng}, got {short(v)}", name)
     return v
 
 
@@ -161,6 +192,8 @@ def _stop(body: dict) -> list[str]:
         raise bad(f"'stop' may hold at most {MAX_STOP} strings", "stop")
     if any(s == "" for s in v):
         raise bad("'stop' strings must not be empty", "stop")
+    if any(len(s) > MAX_STOP_CHARS for s in v):
+        raise bad(f"'stop' strings may be at most {MAX_STOP_CHARS} characters", "stop")
     return v
 
 
@@ -170,12 +203,14 @@ def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
         return ()
     if not isinstance(v, dict):
         raise bad("'logit_bias' must be an object mapping token ids to biases", "logit_bias")
+    if len(v) > MAX_LOGIT_BIAS:
+        raise bad(f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} entries", "logit_bias")
     out = []
     for k, b in v.items():
-        try:
-            tid = int(k)
-        except ValueError:
-            raise bad(f"'logit_bias' key {k!r} is not a token id", "logit_bias") from None
+        # plain ASCII digits only: int() also takes signs, '_', spaces and other scripts' digits
+        if not (k.isascii() and k.isdigit() and len(k) <= 10):
+            raise bad(f"'logit_bias' key {short(k)!r} is not a token id", "logit_bias")
+        tid = int(k)  # the vocabulary bound is checked once the model is known (check_vocab)
         if not _is_num(b) or not -100 <= b <= 100:
             raise bad("'logit_bias' values must be numbers in [-100, 100]", "logit_bias")
         out.append((tid, float(b)))
@@ -254,17 +289,19 @@ def _common(body: dict, kind: str, default_model: str) -> GenRequest:
     else:
         mt = _int(body, "max_tokens", None, 1)
         default_max = 16  # the completions API's documented default
+    if mt is not None:  # any larger value means "up to the context", as it is clamped to it
+        mt = min(mt, MAX_INT_FIELD)
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
-    top_k = _int(body, "top_k", 0, -1)
+    top_k = _int(body, "top_k", 0, -1, MAX_INT_FIELD)
     min_p = _number(body, "min_p", 0.0, 0.0, 1.0)
-    seed = _int(body, "seed", None)
+    seed = _int(body, "seed", None, *SEED_RANGE)
     presence = _number(body, "presence_penalty", 0.0, -2.0, 2.0)
     frequency = _number(body, "frequency_penalty", 0.0, -2.0, 2.0)
     cache_salt = body.get("cache_salt")
     if cache_salt is not None and (not isinstance(cache_salt, str) or not 0 < len(cache_salt) <= 256):
         raise bad("'cache_salt' must be a non-empty string of at most 256 characters", "cache_salt")
-    best_of = _int(body, "best_of", None, 1)
+    best_of = _int(body, "best_of", None, 1, MAX_N)
     if best_of is not None and best_of != n:
         raise bad("'best_of' other than n is not supported", "best_of")
     gen = GenRequest(
@@ -294,7 +331,7 @@ def _content_text(content: Any, where: str, *, allow_none: bool) -> str | None:
             if not isinstance(part, dict) or not isinstance(part.get("type"), str):
                 raise bad(f"{where}.content[{j}] must be an object with a 'type'", where)
             if part["type"] not in ("text", "input_text"):
-                raise bad(f"{where}.content[{j}]: content type {part['type']!r} is not supported "
+                raise bad(f"{where}.content[{j}]: content type {short(part['type'])!r} is not supported "
                           "(text only)", where)
             if not isinstance(part.get("text"), str):
                 raise bad(f"{where}.content[{j}].text must be a string", where)
@@ -337,7 +374,7 @@ def _messages(body: dict) -> list[dict]:
             raise bad(f"{w} must be an object", "messages")
         role = m.get("role")
         if role not in ROLES:
-            raise bad(f"{w}.role must be one of {', '.join(ROLES)}; got {role!r}", "messages")
+            raise bad(f"{w}.role must be one of {', '.join(ROLES)}; got {short(role)!r}", "messages")
         has_calls = role == "assistant" and m.get("tool_calls") not in (None, [])
         text = _content_text(m.get("content"), w, allow_none=role == "assistant")
         msg: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": text or ""}

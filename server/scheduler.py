@@ -25,7 +25,7 @@ from kvcache import serving as kv_serving
 
 from . import guided
 from .metrics import Metrics
-from .protocol import APIError, GenRequest
+from .protocol import MAX_TOP_LOGPROBS, APIError, GenRequest, bad, short
 from .streaming import Delta, OutputProcessor
 
 log = logging.getLogger("dsuf.scheduler")
@@ -172,7 +172,12 @@ class Scheduler:
         return seqs
 
     def submit(self, seqs: list[Sequence]) -> None:
-        """Queue a request's sequences, all or none. Raises 503 when draining, 429 when full."""
+        """Queue a request's sequences, all or none. Raises 400 for sampling parameters the engine
+        cannot take, 503 when draining, 429 when full."""
+        for s in seqs:
+            problem = self.params_problem(s.params)
+            if problem is not None:
+                raise bad(f"invalid sampling parameters: {problem}")
         if not self.accepting:
             raise APIError(503, "server is shutting down", type="service_unavailable", code="shutting_down")
         room = self.max_queue + max(0, self.max_batch - len(self.running)) - len(self.waiting)
@@ -185,6 +190,28 @@ class Scheduler:
             self.metrics.admitted(seqs[0].gen.n, sum(s.leader is None for s in seqs))
         self._idle.clear()
         self._wake.set()
+
+    def params_problem(self, p: SamplingParams) -> str | None:
+        """Why the engine's sampler would raise on p (None: it will not). Checked at admission, so
+        one sequence's parameters never reach the shared step; the protocol's checks are stricter."""
+        vocab = int(self.engine.config.vocab_size)
+        finite = (p.temperature, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty)
+        if not all(isinstance(v, int | float) and np.isfinite(v) for v in finite):
+            return "non-finite or non-numeric value"
+        if p.temperature < 0 or not 0 < p.top_p <= 1 or not 0 <= p.min_p <= 1:
+            return "temperature, top_p or min_p out of range"
+        if not isinstance(p.top_k, int) or not -(1 << 31) <= p.top_k < 1 << 31:
+            return "top_k out of range"
+        if p.seed is not None and (not isinstance(p.seed, int) or not 0 <= p.seed < 1 << 64):
+            return "seed out of range"
+        if not isinstance(p.top_logprobs, int) or not 0 <= p.top_logprobs <= MAX_TOP_LOGPROBS:
+            return "top_logprobs out of range"
+        for tid, b in p.logit_bias:
+            if not isinstance(tid, int) or not 0 <= tid < vocab:
+                return f"logit_bias id {short(tid)} outside [0, {vocab})"
+            if not isinstance(b, int | float) or not np.isfinite(b) or abs(b) > 100:
+                return "logit_bias value not in [-100, 100]"
+        return None
 
     def cancel(self, seqs: list[Sequence]) -> None:
         """Client went away: drop the sequences now. A step in flight finishes, its result is ignored."""
@@ -218,21 +245,19 @@ class Scheduler:
                 self.running[-1].t_scheduled = time.monotonic()
             batch, chunks, do_sample = self._plan()
             try:
-                results = await loop.run_in_executor(self.executor, self._execute, batch, chunks, do_sample)
+                batch, chunks, results, failed = await loop.run_in_executor(
+                    self.executor, self._execute_isolated, batch, chunks, do_sample)
             except asyncio.CancelledError:
                 raise
-            except Exception as e:  # an engine failure fails its batch, not the server
+            except Exception as e:  # the isolation itself broke: fail the batch, not the server
                 log.exception("engine step failed")
                 for s in batch:
-                    self._fail(s, f"engine error: {type(e).__name__}: {e}")
+                    self._fail(s, f"engine error: {type(e).__name__}: {short(str(e))}")
                 continue
+            for s, message in failed:
+                self._fail(s, message)
             self.metrics.step(sum(map(len, chunks)))
-            try:
-                self._apply(batch, chunks, results)
-            except Exception as e:  # a bug in output handling must not hang every request
-                log.exception("processing step results failed")
-                for s in batch:
-                    self._fail(s, f"internal error: {type(e).__name__}: {e}")
+            self._apply(batch, chunks, results)
             # let handlers run between steps even if the executor answered instantly
             await asyncio.sleep(0)
 
@@ -279,47 +304,100 @@ class Scheduler:
             results.append(next(drawn))
         return results
 
+    def _execute_isolated(self, batch: list[Sequence], chunks: list[list[int]], do_sample: list[bool]
+                          ) -> tuple[list[Sequence], list[list[int]], list, list[tuple[Sequence, str]]]:
+        """_execute, and if the step raises, each of its sequences again on its own, so only the
+        ones that fail alone get the error. Returns (batch, chunks, results, [(failed, why)]).
+
+        A step that raised may have moved some states on: the runner's forward advances every
+        state of the batch (positions, cache rows) before sampling, and states have no undo. So
+        every sequence of the failed step is rebuilt from its own tokens (a prefill of what it had
+        consumed) before it is retried; a rebuilt state may differ from the original in rounding."""
+        b, c = list(batch), list(chunks)
+        try:
+            return b, c, self._execute(b, c, list(do_sample)), []
+        except Exception:
+            log.exception("engine step failed; retrying its %d sequences one by one", len(batch))
+        out_b: list[Sequence] = []
+        out_c: list[list[int]] = []
+        out_r: list = []
+        failed: list[tuple[Sequence, str]] = []
+        for s, chunk, sample in zip(batch, chunks, do_sample, strict=True):
+            if s.finished:
+                continue
+            b, c = [s], [chunk]
+            try:
+                self._rebuild(s)
+                r = self._execute(b, c, [sample])
+            except Exception as e:
+                log.warning("sequence %s failed alone: %s: %s", s.gen.request_id, type(e).__name__, e)
+                s.state = None
+                failed.append((s, f"engine error: {type(e).__name__}: {short(str(e))}"))
+                continue
+            out_b += b
+            out_c += c
+            out_r += r
+        return out_b, out_c, out_r, failed
+
+    def _rebuild(self, s: Sequence) -> None:
+        """A fresh state for s holding exactly the tokens it had consumed before this step."""
+        consumed = s.prompt[:s.n_prefilled] if s.prefilling else s.prompt + s.generated[:-1]
+        s.state = None
+        if not consumed:
+            return
+        st = self.engine.new_state()
+        for i in range(0, len(consumed), self.prefill_chunk):
+            self.engine.step_sample([st], [consumed[i:i + self.prefill_chunk]], [])
+        s.state = st
+
     def _apply(self, batch: list[Sequence], chunks: list[list[int]], results: list) -> None:
         now = time.monotonic()
         for s, chunk, res in zip(batch, chunks, results, strict=True):
             if s.finished:  # cancelled while the step ran
                 continue
-            if s.prefilling:
-                # an empty chunk: a forked choice, its leader prefilled the prompt for it
-                s.n_prefilled = s.n_prefilled + len(chunk) if chunk else len(s.prompt)
-                self.metrics.prefill_tokens.inc(len(chunk))
-                if not s.prefilling and s.leader is None:  # once per prompt, as usage counts it
-                    self.metrics.prompt_tokens.inc(len(s.prompt))
-            if res is None:
-                continue
-            tok, lp, top = res
-            if s.gen.grammar is not None and (err := guided.advance(s, tok)) is not None:
-                self._fail(s, err)
-                continue
-            s.generated.append(tok)
-            self.metrics.token(s, now)
-            if s.t_first is None:
-                s.t_first = now
-            s.t_last = now
-            ev = Event(index=s.index, token_ids=[tok])
-            if lp is not None:
-                ev.logprobs.append((tok, lp, top or []))
-            finish, by_stop_string = None, False
-            if tok in self.eos_ids and not s.gen.ignore_eos:
+            try:
+                self._apply_one(s, chunk, res, now)
+            except Exception as e:  # a bug in one sequence's output handling fails that sequence only
+                log.exception("processing the step's result for %s failed", s.gen.request_id)
+                self._fail(s, f"internal error: {type(e).__name__}: {short(str(e))}")
+
+    def _apply_one(self, s: Sequence, chunk: list[int], res: Any, now: float) -> None:
+        if s.prefilling:
+            # an empty chunk: a forked choice, its leader prefilled the prompt for it
+            s.n_prefilled = s.n_prefilled + len(chunk) if chunk else len(s.prompt)
+            self.metrics.prefill_tokens.inc(len(chunk))
+            if not s.prefilling and s.leader is None:  # once per prompt, as usage counts it
+                self.metrics.prompt_tokens.inc(len(s.prompt))
+        if res is None:
+            return
+        tok, lp, top = res
+        if s.gen.grammar is not None and (err := guided.advance(s, tok)) is not None:
+            self._fail(s, err)
+            return
+        s.generated.append(tok)
+        self.metrics.token(s, now)
+        if s.t_first is None:
+            s.t_first = now
+        s.t_last = now
+        ev = Event(index=s.index, token_ids=[tok])
+        if lp is not None:
+            ev.logprobs.append((tok, lp, top or []))
+        finish, by_stop_string = None, False
+        if tok in self.eos_ids and not s.gen.ignore_eos:
+            finish = "stop"
+        else:
+            ev.delta, by_stop_string = s.proc.push(tok)
+            if by_stop_string:
                 finish = "stop"
-            else:
-                ev.delta, by_stop_string = s.proc.push(tok)
-                if by_stop_string:
-                    finish = "stop"
-                elif len(s.generated) >= s.max_tokens:
-                    finish = "length"
-            if finish is None:
-                s.sink.put_nowait(ev)
-                continue
-            ev.delta.extend(s.proc.finish(stopped=by_stop_string))
-            if finish == "stop" and s.proc.has_tool_calls:
-                finish = "tool_calls"
-            self._finish(s, finish, ev)
+            elif len(s.generated) >= s.max_tokens:
+                finish = "length"
+        if finish is None:
+            s.sink.put_nowait(ev)
+            return
+        ev.delta.extend(s.proc.finish(stopped=by_stop_string))
+        if finish == "stop" and s.proc.has_tool_calls:
+            finish = "tool_calls"
+        self._finish(s, finish, ev)
 
     def _finish(self, s: Sequence, reason: str, ev: Event) -> None:
         s.finished = True

@@ -9,7 +9,10 @@ reasoning / content / tool calls. Three stages, each holding back only what it m
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import socket
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -196,10 +199,17 @@ class OutputProcessor:
 
 
 class SSEWriter:
-    """`text/event-stream` response: `data: {json}` frames, `: keep-alive` comments, `[DONE]`."""
+    """`text/event-stream` response: `data: {json}` frames, `: keep-alive` comments, `[DONE]`.
 
-    def __init__(self, request: web.Request):
+    A client that stops reading must not make the server hold its output without bound: a write
+    that cannot drain within the write deadline, or unsent bytes past the buffer cap, cut the
+    connection and raise ConnectionResetError (the handler then cancels the sequences)."""
+
+    def __init__(self, request: web.Request, limits: Any = None):
         self.request = request
+        self.write_timeout_s = getattr(limits, "stream_write_timeout_s", 30.0)
+        self.max_buffer = getattr(limits, "stream_buffer_bytes", 4 << 20)
+        self.sndbuf = getattr(limits, "stream_sndbuf", 0)
         self.resp = web.StreamResponse(
             status=200,
             headers={
@@ -213,13 +223,36 @@ class SSEWriter:
     async def start(self) -> None:
         await self.resp.prepare(self.request)
         self.started = True
+        sock = self.request.transport.get_extra_info("socket") if self.request.transport else None
+        if sock is not None and self.sndbuf:  # the kernel's autotuned buffer would hold megabytes unsent
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.sndbuf)
+
+    def _cut(self, why: str) -> ConnectionResetError:
+        transport = self.request.transport
+        if transport is not None:
+            transport.abort()
+        return ConnectionResetError(f"stream cut: {why}")
+
+    async def _write(self, data: bytes) -> None:
+        transport = self.request.transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError("client went away")
+        if transport.get_write_buffer_size() + len(data) > self.max_buffer:
+            raise self._cut("the client is not reading")
+        try:  # asyncio.timeout: a timer per write, not a task as wait_for makes
+            async with asyncio.timeout(self.write_timeout_s):
+                await self.resp.write(data)
+        except TimeoutError:
+            raise self._cut(f"no progress writing for {self.write_timeout_s:g} s") from None
 
     async def send(self, obj: dict) -> None:
-        await self.resp.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
+        await self._write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
 
     async def keepalive(self) -> None:
-        await self.resp.write(b": keep-alive\n\n")
+        await self._write(b": keep-alive\n\n")
 
     async def done(self) -> None:
-        await self.resp.write(b"data: [DONE]\n\n")
-        await self.resp.write_eof()
+        await self._write(b"data: [DONE]\n\n")
+        async with asyncio.timeout(self.write_timeout_s):
+            await self.resp.write_eof()

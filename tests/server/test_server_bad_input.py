@@ -97,6 +97,19 @@ CASES = [
      json.dumps({"model": MODEL, "prompt": [1, 2, 99999999]}).encode(), 400, "prompt"),
     ("completion-empty-prompt-list", "/v1/completions", json.dumps({"model": MODEL, "prompt": []}).encode(), 400,
      "prompt"),
+    # ranges the engine cannot take, refused before admission (one request must not fail a batch)
+    ("logit-bias-past-int64", "/v1/chat/completions", _chat(logit_bias={str(1 << 70): 5}), 400, "logit_bias"),
+    ("logit-bias-past-vocab", "/v1/chat/completions", _chat(logit_bias={"8192": 5}), 400, "logit_bias"),
+    ("logit-bias-signed-key", "/v1/chat/completions", _chat(logit_bias={"-1": 5}), 400, "logit_bias"),
+    ("logit-bias-arabic-digit", "/v1/chat/completions", _chat(logit_bias={"\u0663": 5}), 400, "logit_bias"),
+    ("logit-bias-too-many", "/v1/chat/completions", _chat(logit_bias={str(i): 1 for i in range(2000)}), 400,
+     "logit_bias"),
+    ("seed-past-uint64", "/v1/chat/completions", _chat(seed=1 << 64), 400, "seed"),
+    ("seed-below-int64", "/v1/chat/completions", _chat(seed=-(1 << 63) - 1), 400, "seed"),
+    ("top-k-huge", "/v1/chat/completions", _chat(top_k=1 << 40), 400, "top_k"),
+    ("stop-string-too-long", "/v1/chat/completions", _chat(stop=["x" * 5000]), 400, "stop"),
+    ("best-of-huge", "/v1/chat/completions", _chat(best_of=10**9), 400, "best_of"),
+    ("int-5000-digits", "/v1/chat/completions", _chat()[:-1] + b', "seed": ' + b"9" * 5000 + b"}", 400, None),
 ]
 
 
@@ -145,6 +158,36 @@ def test_unknown_route_and_method(server):
     assert got == 404 and "error" in json.loads(raw)
     got, headers, raw = _raw(server, "GET", "/v1/chat/completions")
     assert got == 405 and "error" in json.loads(raw)
+
+
+def test_corrupt_gzip_and_non_utf8_authorization(server, make_server):
+    got, _, raw = _raw(server, "POST", "/v1/chat/completions", b"\x1f\x8b\x08\x00garbage" * 4,
+                       {"Content-Encoding": "gzip"})
+    assert got == 400 and json.loads(raw)["error"]["type"] == "invalid_request_error"
+    s = make_server(api_key="k")
+    conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=60)
+    conn.putrequest("POST", "/v1/chat/completions")
+    conn.putheader("Authorization", b"Bearer \xff\xfe")
+    conn.putheader("Content-Length", str(len(_chat())))
+    conn.endheaders(_chat())
+    r = conn.getresponse()
+    assert r.status == 401 and json.loads(r.read())["error"]["code"] == "invalid_api_key"
+    conn.close()
+
+
+def test_parser_errors_are_openai_json(server):
+    import socket
+
+    for raw in (b"GE(T / HTTP/1.1\r\nHost: x\r\n\r\n", b"GET / HTTP/1.1\r\nX: " + b"a" * 20000 + b"\r\n\r\n",
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"):
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+            sock.sendall(raw)
+            data = b""
+            while chunk := sock.recv(65536):
+                data += chunk
+        head, body = data.split(b"\r\n\r\n", 1)
+        assert head.split()[1].startswith(b"4") and b"application/json" in head, head
+        assert set(json.loads(body)["error"]) == {"message", "type", "param", "code"}
 
 
 def test_server_still_serves_after_abuse(server):
