@@ -31,8 +31,15 @@ def _gen(params: SamplingParams, n: int = 1) -> GenRequest:
                       stream=False, ignore_eos=True)
 
 
+def _scheduler(engine, cls=Scheduler, **kw) -> Scheduler:
+    metrics = Metrics()
+    sched = cls(engine, metrics, **kw)
+    metrics.bind("m", sched, engine, context_len=engine.context_length)  # as the server does on attach
+    return sched
+
+
 async def _run(engine, sched_cls, bad_at: int | None, bad_from_step: int = 0):
-    sched = sched_cls(engine, Metrics(), max_batch=8, max_queue=8, prefill_chunk=64)
+    sched = _scheduler(engine, sched_cls, max_batch=8, max_queue=8, prefill_chunk=64)
     sched.start()
     sinks, seqs, firsts = [], [], []
     for i, prompt in enumerate(PROMPTS):
@@ -67,7 +74,7 @@ def _reference(engine) -> list[list[int]]:
 
 def test_admission_refuses_parameters_the_engine_cannot_take(engine):
     async def go():
-        sched = Scheduler(engine, Metrics())
+        sched = _scheduler(engine)
         seqs = sched.new_sequences(_gen(BAD), PROMPTS[0], MAX_TOKENS, asyncio.Queue())
         with pytest.raises(APIError) as e:
             sched.submit(seqs)
