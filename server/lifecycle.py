@@ -228,6 +228,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="cap the context length")
     p.add_argument("--keepalive", type=float, default=5.0, help="seconds between SSE keep-alives")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish work on SIGTERM")
+    lim = limits.Limits.__dataclass_fields__
+    p.add_argument("--idle-timeout", type=float, default=lim["idle_timeout_s"].default,
+                   help="seconds a connection may stay open without a complete request (idle, slow headers)")
+    p.add_argument("--body-timeout", type=float, default=lim["body_timeout_s"].default,
+                   help="seconds a request body may take to arrive")
+    p.add_argument("--stream-write-timeout", type=float, default=lim["stream_write_timeout_s"].default,
+                   help="seconds a streaming client may stop reading before it is cut off")
+    p.add_argument("--max-connections", type=int, default=0,
+                   help="open connections at most (0: from the descriptor limit); the oldest idle close first")
     # stands for slow storage in tests of signals and probes during a load
     p.add_argument("--load-delay-per-tensor", type=float, default=0.0, help=argparse.SUPPRESS)
     from kvcache.cache import add_cache_args
@@ -254,6 +263,10 @@ def serve_main(args: argparse.Namespace) -> int:
         drain_timeout_s=getattr(args, "drain_timeout", 30.0), kv=_kv_config(args),
         served_model_names=tuple(getattr(args, "served_model_name", None) or ()),
         load_delay_s=getattr(args, "load_delay_per_tensor", 0.0),
+        limits=limits.Limits(**{k: getattr(args, a) for k, a in (
+            ("idle_timeout_s", "idle_timeout"), ("body_timeout_s", "body_timeout"),
+            ("stream_write_timeout_s", "stream_write_timeout"), ("max_connections", "max_connections"))
+            if getattr(args, a, None) is not None}),
     )
     t0 = time.monotonic()
     rc = asyncio.run(_serve(app, getattr(args, "host", DEFAULT_HOST), getattr(args, "port", 8000)))
