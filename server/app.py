@@ -374,7 +374,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     arch = st.engine.config.arch
     lim = limits.of(request.app)
     longest = limits.longest_token_chars(st.engine.tokenizer)
-    limits.check_chars(sum(len(m["content"]) for m in spec.messages), st.context_len, longest, "messages")
+    n_chars = sum(len(m["content"]) for m in spec.messages)
+    limits.check_chars(n_chars, st.context_len, longest, "messages")
 
     def encode() -> list[int]:
         # Message text is tokenized as plain text: it can never spell a control token.
@@ -387,7 +388,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         return st.engine.tokenizer.encode_segments(segments)
 
     try:
-        ids = await limits.tokenize(lim, encode)
+        ids = await limits.tokenize(lim, encode, chars=n_chars + len(json.dumps(spec.tools or "")))
     except (ValueError, TypeError, KeyError) as e:
         raise bad(f"cannot encode the conversation: {e}", "messages") from None
     spec.gen.prompts = [ids]
@@ -430,7 +431,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         return ids_out, texts
 
     try:
-        gen.prompts, gen.prompt_texts = await limits.tokenize(lim, encode)
+        gen.prompts, gen.prompt_texts = await limits.tokenize(lim, encode, chars=sum(map(len, prompts)))
     except (ValueError, TypeError) as e:  # TypeError: text the tokenizer cannot take (lone surrogates)
         raise bad(str(e), "prompt") from None
     return await _generate(request, st, gen)

@@ -40,7 +40,7 @@ class Limits:
     body_timeout_s: float = 30.0  # a request body must arrive within this
     max_connections: int = 0  # 0: from the descriptor limit; at the cap the oldest idle ones close
     tokenize_threads: int = 4  # tokenizations at once (each may hold a prompt's ids)
-    tokenize_waiting: int = 64  # past this many waiting, 429
+    tokenize_waiting: int = 64  # past this many large prompts (> piece_chars) waiting, 429
     big_body_bytes: int = 1 << 20  # bodies larger (or of unknown length) are read a few at a time
     big_body_reads: int = 16
     big_body_waiting: int = 256  # past this many waiting, 429
@@ -106,7 +106,9 @@ async def _read(request: web.Request, lim: Limits) -> bytes:
 
 
 class _Gate:
-    """At most `slots` holders at once on this event loop; past `waiting` waiting, 429."""
+    """At most `slots` holders at once on this event loop; past `waiting` waiting, 429 (for
+    holders that count: small requests wait without a cap, their memory is bounded by the
+    connection cap)."""
 
     def __init__(self, slots: int, waiting: int, what: str):
         self.sem = asyncio.Semaphore(max(1, slots))
@@ -115,8 +117,8 @@ class _Gate:
         self.what = what
 
     @contextlib.asynccontextmanager
-    async def slot(self) -> AsyncIterator[None]:
-        if self.sem.locked() and self.waiting >= self.max_waiting:
+    async def slot(self, capped: bool = True) -> AsyncIterator[None]:
+        if capped and self.sem.locked() and self.waiting >= self.max_waiting:
             raise APIError(429, f"too many {self.what} in progress; retry later", type="rate_limit_error",
                            code="rate_limit_exceeded", headers={"Retry-After": "1"})
         self.waiting += 1
@@ -141,9 +143,12 @@ def _gate(name: str, slots: int, waiting: int, what: str) -> _Gate:
     return gates[name]
 
 
-async def tokenize(lim: Limits, fn: Callable[..., T], *args: Any) -> T:
-    """fn(*args) in a worker thread, bounded in concurrency per event loop."""
-    async with _gate("tokenize", lim.tokenize_threads, lim.tokenize_waiting, "tokenizations").slot():
+async def tokenize(lim: Limits, fn: Callable[..., T], *args: Any, chars: int = 0) -> T:
+    """fn(*args) in a worker thread, bounded in concurrency per event loop. Only large prompts
+    (over piece_chars characters) count against the waiting cap: a burst of ordinary requests
+    queues here as it would in the scheduler."""
+    gate = _gate("tokenize", lim.tokenize_threads, lim.tokenize_waiting, "tokenizations")
+    async with gate.slot(capped=chars > lim.piece_chars):
         return await asyncio.to_thread(fn, *args)
 
 

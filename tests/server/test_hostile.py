@@ -109,7 +109,8 @@ def test_error_messages_never_echo_unbounded_input(hardened, engine):
 
 
 def test_tokenization_is_bounded_in_concurrency():
-    """At most tokenize_threads tokenizations run at once; past tokenize_waiting waiting, 429."""
+    """At most tokenize_threads tokenizations run at once; past tokenize_waiting large prompts
+    waiting, 429; small prompts wait without that cap."""
     from server.limits import tokenize
 
     lim = Limits(tokenize_threads=2, tokenize_waiting=3)
@@ -122,18 +123,20 @@ def test_tokenization_is_bounded_in_concurrency():
         running[0] -= 1
         return 1
 
-    async def go():
+    async def go(chars: int):
         async def one():
             try:
-                return await tokenize(lim, work)
+                return await tokenize(lim, work, chars=chars)
             except APIError as e:
                 return e.status
 
         return await asyncio.gather(*(one() for _ in range(10)))
 
-    got = asyncio.run(go())
+    got = asyncio.run(go(lim.piece_chars + 1))
     assert most[0] == 2
     assert sorted(got) == [1] * 5 + [429] * 5  # 2 running + 3 waiting served, the rest refused
+    most[0] = 0
+    assert asyncio.run(go(lim.piece_chars)) == [1] * 10 and most[0] == 2
 
 
 def test_large_bodies_are_read_a_few_at_a_time(make_server, engine):
