@@ -210,19 +210,24 @@ def stream_body(t: Target, max_tokens: int = 12) -> dict:
             "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
 
 
-def stream_text(t: Target, body: dict, timeout: float = 60.0) -> str | None:
-    """A streamed chat answer's content, or None if the stream failed or was not complete."""
+def stream_text(t: Target, body: dict, timeout: float = 60.0, why: list[str] | None = None) -> str | None:
+    """A streamed chat answer's content, or None if the stream failed or was not complete (the
+    reason appended to `why`)."""
+    why = [] if why is None else why
     try:
         r = exchange(t, request_bytes(t, "POST", "/v1/chat/completions", json.dumps(body).encode()), timeout)
-    except Exception:
+    except Exception as e:
+        why.append(f"{type(e).__name__}: {e}")
         return None
     if r.status != 200 or b"data: [DONE]" not in r.body:
+        why.append(f"status {r.status}: {r.body[-200:]!r}")
         return None
     text = ""
     for line in r.body.split(b"\n"):
         if line.startswith(b"data: {"):
             obj = json.loads(line[6:])
             if "error" in obj:
+                why.append(f"error event: {obj['error']}")
                 return None
             for c in obj.get("choices", []):
                 text += c.get("delta", {}).get("content") or ""
@@ -235,15 +240,19 @@ class Alongside:
     def __init__(self, t: Target, reference: str):
         self.t, self.reference = t, reference
         self.ok = self.bad = 0
+        self.why: list[str] = []  # what went wrong with the streams that were not identical
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, daemon=True)
 
     def _loop(self) -> None:
         while not self.stop.is_set():
-            if stream_text(self.t, stream_body(self.t)) == self.reference:
+            why: list[str] = []
+            text = stream_text(self.t, stream_body(self.t), why=why)
+            if text == self.reference:
                 self.ok += 1
             else:
                 self.bad += 1
+                self.why.append(why[0] if why else f"different text: {text!r}")
 
     def __enter__(self) -> Alongside:
         self.thread.start()
@@ -294,11 +303,13 @@ def run_suite(t: Target, cases: list, workers: int = 8, verbose: bool = False) -
         outcomes += [run_case(t, c, probe_ref) for c in cases if c.alone]
         time.sleep(0.5)
     counts = {k: sum(o.result == k for o in outcomes) for k in ("right", "wrong", "crash", "hang")}
-    counts.update(tried=len(outcomes), streams_ok=along.ok, streams_bad=along.bad,
+    counts.update(tried=len(outcomes), streams_ok=along.ok, streams_bad=along.bad, streams_why=along.why,
                   failures=[o for o in outcomes if o.result != "right"])
     if verbose:
         for o in outcomes:
             print(f"{o.result:6} {o.group:8} {o.name}: {o.detail[:200]}", flush=True)
+    for why in along.why:
+        print(f"stream alongside not identical: {why[:300]}", flush=True)
     return counts
 
 
