@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -39,62 +40,63 @@ def gpu_server():
     s.shutdown()
 
 
-def _client(server):
-    import openai
+def _chat(server, body: dict) -> list[dict]:
+    """POST a chat request (plain urllib: the GPU machine has no openai package); returns the
+    response object, or the stream's chunks."""
+    req = urllib.request.Request(server.base + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        if not body.get("stream"):
+            return [json.load(r)]
+        return [json.loads(line[6:]) for line in (raw.decode().strip() for raw in r)
+                if line.startswith("data: {")]
 
-    return openai.OpenAI(base_url=server.base + "/v1", api_key="none", max_retries=0, timeout=300)
 
-
-def _json_schema(client, stream: bool, seed: int | None) -> str:
+def _json_schema(server, stream: bool, seed: int | None) -> str:
     kw = {"temperature": 0.0} if seed is None else {"temperature": 1.0, "seed": seed}
     rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
-    msgs = [{"role": "user", "content": "Describe a person as JSON."}]
+    body = {"model": "deepseek-v4.1-flash", "messages": [{"role": "user", "content": "Describe a person as JSON."}],
+            "max_tokens": 96, "response_format": rf, "stream": stream, **kw}
+    out = _chat(server, body)
     if not stream:
-        r = client.chat.completions.create(model="deepseek-v4.1-flash", messages=msgs, max_tokens=96,
-                                           response_format=rf, **kw)
-        assert r.choices[0].finish_reason == "stop", r
-        return r.choices[0].message.content
-    parts = []
-    for ch in client.chat.completions.create(model="deepseek-v4.1-flash", messages=msgs, max_tokens=96,
-                                             response_format=rf, stream=True, **kw):
-        for c in ch.choices:
-            parts.append(c.delta.content or "")
-    return "".join(parts)
+        assert out[0]["choices"][0]["finish_reason"] == "stop", out
+        return out[0]["choices"][0]["message"]["content"]
+    assert [c["finish_reason"] for ch in out for c in ch["choices"] if c["finish_reason"]] == ["stop"], out
+    return "".join(c["delta"].get("content") or "" for ch in out for c in ch["choices"])
 
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("seed", [None, 7])
 def test_json_schema_on_the_gpu(gpu_server, stream, seed):
-    text = _json_schema(_client(gpu_server), stream, seed)
+    text = _json_schema(gpu_server, stream, seed)
     assert errors(json.loads(text), PERSON) == [], text
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_tool_choice_required_on_the_gpu_beside_a_free_request(gpu_server, stream):
-    client = _client(gpu_server)
     msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    body = {"model": "deepseek-v4.1-flash", "messages": msgs, "tools": TOOLS, "tool_choice": "required",
+            "max_tokens": 96, "temperature": 0.0, "stream": stream}
 
     def constrained():
+        out = _chat(gpu_server, body)
         if not stream:
-            r = client.chat.completions.create(model="deepseek-v4.1-flash", messages=msgs, tools=TOOLS,
-                                               tool_choice="required", max_tokens=96, temperature=0.0)
-            assert r.choices[0].finish_reason == "tool_calls", r
-            return [(c.function.name, c.function.arguments) for c in r.choices[0].message.tool_calls]
+            choice = out[0]["choices"][0]
+            assert choice["finish_reason"] == "tool_calls", out
+            return [(c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"]]
         calls: dict[int, list[str]] = {}
-        for ch in client.chat.completions.create(model="deepseek-v4.1-flash", messages=msgs, tools=TOOLS,
-                                                 tool_choice="required", max_tokens=96, temperature=0.0,
-                                                 stream=True):
-            for c in ch.choices:
-                for tc in c.delta.tool_calls or []:
-                    cur = calls.setdefault(tc.index, ["", ""])
-                    cur[0] += tc.function.name or ""
-                    cur[1] += tc.function.arguments or ""
+        for ch in out:
+            for c in ch["choices"]:
+                for tc in c["delta"].get("tool_calls") or []:
+                    cur = calls.setdefault(tc["index"], ["", ""])
+                    cur[0] += tc["function"].get("name") or ""
+                    cur[1] += tc["function"].get("arguments") or ""
         return [tuple(v) for v in calls.values()]
 
     def free():
-        r = client.chat.completions.create(model="deepseek-v4.1-flash", messages=msgs, max_tokens=24,
-                                           temperature=0.0)
-        return r.choices[0].message.content
+        out = _chat(gpu_server, {"model": "deepseek-v4.1-flash", "messages": msgs, "max_tokens": 24,
+                                 "temperature": 0.0})
+        return out[0]["choices"][0]["message"]["content"]
 
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         got, other = pool.submit(constrained), pool.submit(free)
