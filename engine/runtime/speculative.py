@@ -59,7 +59,8 @@ def verify(main_logits: np.ndarray, draft_tokens: Sequence[int], draft_probs: np
     draft_tokens [k]; draft_probs [k, vocab]: the distribution each draft token was drawn from,
     or None for a greedy draft (a point mass on each draft token); generated: the sequence's
     tokens so far (penalties); masks: see Masks. Returns (tokens, n): tokens are draft_tokens[:n]
-    followed by one token of the main model's, 1 <= len(tokens) = n + 1 <= k + 1.
+    followed by one token of the main model's, 1 <= len(tokens) = n + 1 <= k + 1; tokens[j] is
+    emitted at row j of main_logits (its logprobs are that row's).
     """
     k = _check(main_logits, draft_tokens, draft_probs)
     if params.greedy:
