@@ -135,6 +135,27 @@ def token_mask(mask: np.ndarray, vocab: int) -> np.ndarray:
     return out
 
 
+def adjusted_logits(logits: np.ndarray, params: SamplingParams, generated_ids: Sequence[int],
+                    mask: np.ndarray | None = None) -> np.ndarray:
+    """float64 logits [vocab] after the packed token mask (-inf), penalties and logit_bias: greedy
+    takes their argmax, truncation and temperature act on them (sample, speculative.target_probs)."""
+    x = np.array(logits, dtype=np.float64)
+    if mask is not None:
+        x[~token_mask(mask, x.shape[-1])] = -np.inf
+    ids, vals = logit_deltas(generated_ids, params.presence_penalty, params.frequency_penalty,
+                             params.logit_bias, x.shape[-1])
+    x[ids] += vals
+    return x
+
+
+def allowed_weights(x: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+    """The distribution a non-greedy draw takes from adjusted logits x: (allowed ids in id order,
+    their unnormalised probabilities exp((x - max) / temperature))."""
+    ids = np.flatnonzero(allowed_mask(x, params))
+    scaled = x[ids] / params.temperature
+    return ids, np.exp(scaled - np.max(scaled))
+
+
 def sample(
     logits: np.ndarray,
     params: SamplingParams,
@@ -153,21 +174,15 @@ def sample(
     top_logprobs is [(token_id, logprob)] in descending order (ties by id), length
     params.top_logprobs.
     """
-    x = np.array(logits, dtype=np.float64)
-    if mask is not None:
-        x[~token_mask(mask, x.shape[-1])] = -np.inf
-    ids, vals = logit_deltas(generated_ids, params.presence_penalty, params.frequency_penalty,
-                             params.logit_bias, x.shape[-1])
-    x[ids] += vals
+    x = adjusted_logits(logits, params, generated_ids, mask)
     if params.greedy:
         token = int(np.argmax(x))
     else:
         # inverse-CDF draw over the allowed ids in id order: one uniform per token keeps seeded
         # streams reproducible. (The CDF over the whole vocabulary only adds exact zeros between
         # allowed ids, so these prefix sums, and the id drawn, are the same.)
-        ids = np.flatnonzero(allowed_mask(x, params))
-        scaled = x[ids] / params.temperature
-        cum = np.cumsum(np.exp(scaled - np.max(scaled)))
+        ids, weights = allowed_weights(x, params)
+        cum = np.cumsum(weights)
         j = int(np.searchsorted(cum, rng.random() * cum[-1], side="right"))
         token = int(ids[min(j, ids.size - 1)])  # (float edge at the top: the last allowed id)
     if not params.logprobs:
