@@ -18,6 +18,10 @@ where the schema's `place` says. The structure is named after DeepSeek's inferen
         ffn: gate, gate_bias, tid2eid (hash layers), experts ((w1, w2, w3) or None where another
              rank owns it), shared_experts ((w1, w2, w3) or None)
         engram: None or (table, wkv, qk)
+    w.dspark                   None without DSpark draft layers, else (engine/checkpoint/dspark_schema.py)
+        main_proj, main_norm, norm, markov_head.embed, markov_head.head (vocab rows),
+        confidence_head.proj, layers[j]: as w.layers[i] (sliding-window attention, no
+        compressor / indexer / engram / tid2eid; experts over the draft pool)
 
 A checkpoint object carrying a `progress` attribute (an engine.checkpoint.progress.LoadProgress,
 set by engine.runtime.engine.Engine.load) is told of this rank's bytes and of every tensor read.
@@ -29,6 +33,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from engine.checkpoint.dspark_schema import check_draft
 from engine.checkpoint.reader import scale_name
 from engine.checkpoint.schema import (
     IDS,
@@ -60,6 +65,7 @@ def load_weights(cfg: ModelConfig, ckpt, ops, plan: ShardPlan) -> SimpleNamespac
     """Every tensor the forward reads (this rank's slices of the split ones, see
     engine/parallel/shard.py), in the backend's compute form (ops.prepare / prepare_rows /
     prepare_table / asarray)."""
+    check_draft(cfg, ckpt, warn=True)
     w = _skeleton(cfg, plan)
     parts: dict[str, dict[str, object]] = {}  # combined values' parts, by place
     progress = getattr(ckpt, "progress", None)
@@ -130,18 +136,25 @@ def _skeleton(cfg: ModelConfig, plan: ShardPlan) -> SimpleNamespace:
     """The structure with every field the schema may fill at its default (None / empty);
     wo_groups: the output groups this rank's heads touch (0 without heads)."""
     groups = len(plan.head_groups(cfg))
-    layers = [
-        SimpleNamespace(
+
+    def layer(n_experts: int) -> SimpleNamespace:
+        return SimpleNamespace(
             attn_norm=None, ffn_norm=None, hc_attn=None, hc_ffn=None,
             attn=SimpleNamespace(q_norm=None, kv_norm=None, wq_b=None, sinks=None, wo_a=None, wo_b=None,
                                  wo_groups=groups, qkv=[], x_proj=[], compressor=None, indexer=None),
-            ffn=SimpleNamespace(gate=None, gate_bias=None, tid2eid=None, experts=[None] * cfg.n_routed_experts,
+            ffn=SimpleNamespace(gate=None, gate_bias=None, tid2eid=None, experts=[None] * n_experts,
                                 shared_experts=None),
             engram=None,
         )
-        for _ in range(cfg.num_layers)
-    ]
-    return SimpleNamespace(embed=None, head=None, norm=None, hc_head=None, layers=layers)
+
+    dspark = None
+    if cfg.has_draft:
+        dspark = SimpleNamespace(
+            main_proj=None, main_norm=None, norm=None,
+            markov_head=SimpleNamespace(embed=None, head=None), confidence_head=SimpleNamespace(proj=None),
+            layers=[layer(cfg.dspark_n_routed_experts) for _ in range(cfg.dspark_layers)])
+    return SimpleNamespace(embed=None, head=None, norm=None, hc_head=None,
+                           layers=[layer(cfg.n_routed_experts) for _ in range(cfg.num_layers)], dspark=dspark)
 
 
 def _put(root: SimpleNamespace, place: str, value) -> None:
@@ -177,7 +190,7 @@ def _put(root: SimpleNamespace, place: str, value) -> None:
 def _finish(w: SimpleNamespace) -> SimpleNamespace:
     """Fixed-arity slots as tuples."""
     w.hc_head = _tuple(w.hc_head)
-    for L in w.layers:
+    for L in w.layers + (w.dspark.layers if w.dspark is not None else []):
         L.hc_attn, L.hc_ffn = _tuple(L.hc_attn), _tuple(L.hc_ffn)
         L.ffn.experts = [_tuple(x) for x in L.ffn.experts]
         L.ffn.shared_experts = _tuple(L.ffn.shared_experts)

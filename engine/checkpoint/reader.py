@@ -6,8 +6,8 @@ package's numpy loader refuses them. Tensors keep their stored format; `formats`
 
 Names are normalised to DeepSeek's upstream ("canonical") naming: HF V4.1 checkpoints are
 `model.` + upstream, HF V4 uses transformers module names (`self_attn.q_a_proj`, merged
-`mlp.experts.gate_up_proj`, `weight_scale_inv`...). Vision-tower and `mtp.*` (DSpark draft)
-tensors are skipped with one log line.
+`mlp.experts.gate_up_proj`, `weight_scale_inv`...). Vision-tower tensors are skipped with one
+log line; `mtp.*` (DSpark draft) tensors keep their upstream names (`model.mtp.*` -> `mtp.*`).
 """
 
 from __future__ import annotations
@@ -76,7 +76,6 @@ _VISION_RE = re.compile(
     r"(vision|visual|vision_tower|vision_model|multi_modal_projector|mm_projector|aligner|"
     r"image_start|image_end|image_newline|view_seperator|view_separator)(\.|_|$)"
 )
-_MTP_RE = re.compile(r"^(model\.)?(language_model\.)?mtp\.")
 
 # Prefixes wrapping the text model (HF CausalLM / multimodal containers).
 _PREFIX_RULES: list[tuple[re.Pattern[str], str]] = [
@@ -135,9 +134,7 @@ MERGED_EXPERTS_RE = re.compile(r"^(layers\.\d+)\.ffn\.experts\.(gate_up_proj|dow
 
 
 def skip_kind(name: str) -> str | None:
-    """'vision' / 'mtp' for tensors the text engine skips, else None."""
-    if _MTP_RE.match(name):
-        return "mtp"
+    """'vision' for tensors the text engine skips, else None."""
     if _VISION_RE.match(name):
         return "vision"
     return None
@@ -283,7 +280,7 @@ class Checkpoint:
         self.path = Path(path)
         self._maps: dict[Path, np.memmap] = {}
         self._entries: dict[str, _Entry] = {}
-        self.skipped: dict[str, int] = {"vision": 0, "mtp": 0}
+        self.skipped: dict[str, int] = {"vision": 0}
         files, index_map = self._discover()
         self.block_size = tuple(block_size) if block_size is not None else self._config_block_size()
         stored: dict[str, _Entry] = {}
@@ -316,10 +313,7 @@ class Checkpoint:
                 continue
             self._add(canon, e)
         if any(self.skipped.values()):
-            log.info(
-                "%s: skipped %d vision-tower and %d mtp (DSpark draft) tensors",
-                self.path, self.skipped["vision"], self.skipped["mtp"],
-            )
+            log.info("%s: skipped %d vision-tower tensors", self.path, self.skipped["vision"])
 
     # -- discovery ------------------------------------------------------------------------
     def _discover(self) -> tuple[list[Path], dict[str, str] | None]:

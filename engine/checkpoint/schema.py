@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from engine.checkpoint.reader import CheckpointError, RawTensor, Weight, scale_name
 from engine.model.config import ModelConfig
-from engine.parallel.shard import ShardingError, ShardPlan
+from engine.parallel.shard import ShardingError, ShardPlan, even_range
 
 __all__ = [
     "FORMATS",
@@ -113,6 +113,7 @@ class Shard:
     row_unit: int = 1
     col_unit: int = 1
     expert: int | None = None
+    draft: bool = False  # `expert` indexes the DSpark draft layers' own expert pool
 
     @property
     def replicated(self) -> bool:
@@ -121,7 +122,7 @@ class Shard:
     def window(self, cfg: ModelConfig, plan: ShardPlan) -> tuple | None:
         """(rows, cols) this rank holds, each (lo, hi) or None for all of them; None when the
         rank holds nothing of the tensor."""
-        if self.expert is not None and not plan.owns_expert(self.expert):
+        if self.expert is not None and not _owns(self, cfg, plan):
             return None
         out = []
         for name, unit in ((self.rows, self.row_unit), (self.cols, self.col_unit)):
@@ -133,6 +134,17 @@ class Shard:
 
 
 REPLICATED = Shard()
+
+
+def _owns(shard: Shard, cfg: ModelConfig, plan: ShardPlan) -> bool:
+    """Whether `plan`'s rank holds routed expert `shard.expert`: the draft layers' pool splits
+    by expert id like the main one (contiguous even ranges), or by width over every expert."""
+    if not shard.draft:
+        return plan.owns_expert(shard.expert)
+    if plan.expert_split == "width":
+        return plan.expert_cols[1] > plan.expert_cols[0]
+    lo, hi = even_range(cfg.dspark_n_routed_experts, plan.rank, plan.size)
+    return lo <= shard.expert < hi
 
 
 def _range(name: str, cfg: ModelConfig, plan: ShardPlan) -> tuple[int, int] | None:
@@ -206,6 +218,10 @@ def tensor_schema(cfg: ModelConfig) -> list[Entry]:
     t.linear("head.weight", (v, h), "bf16", "head", Shard(rows=VOCAB))
     if not v41:  # V4.1 collapses with the last site's pre-mix instead
         _hc(t, "hc_head_", "hc_head", (hc, hc * h), hc, 1)
+    if cfg.has_draft:
+        from engine.checkpoint.dspark_schema import draft_schema  # (it builds on this module)
+
+        draft_schema(t, cfg, norm_fmt)
     return t.out
 
 
@@ -219,8 +235,7 @@ def _hc(t: _Table, prefix: str, place: str, fn: tuple[int, int], base: int, scal
 def _layer(t: _Table, cfg: ModelConfig, i: int, norm_fmt: str) -> None:
     v41 = cfg.arch == "v41"
     h, hc = cfg.hidden_size, cfg.hc_mult
-    nh, hd, ql = cfg.num_heads, cfg.head_dim, cfg.q_lora_rank
-    og, ol = cfg.o_groups, cfg.o_lora_rank
+    hd, ql = cfg.head_dim, cfg.q_lora_rank
     ih, ihd = cfg.index_n_heads, cfg.index_head_dim
     p = f"layers.{i}."  # (names and places share the layer prefix)
     if v41 and i in cfg.engram_layer_ids:
@@ -233,16 +248,7 @@ def _layer(t: _Table, cfg: ModelConfig, i: int, norm_fmt: str) -> None:
         t.vector(p + "engram.k_weight", (hc, h), "bf16", "norm", p + "engram.qk", part="k")
     t.vector(p + "attn_norm.weight", (h,), norm_fmt, "norm", p + "attn_norm")
     a = p + "attn."
-    t.linear(a + "wq_a.weight", (ql, h), "fp8", a + "qkv", part="q_lat")
-    t.vector(a + "q_norm.weight", (ql,), norm_fmt, "norm", a + "q_norm")
-    t.linear(a + "wq_b.weight", (nh * hd, ql), "fp8", a + "wq_b", Shard(rows=HEADS, row_unit=hd))
-    t.linear(a + "wkv.weight", (hd, h), "fp8", a + "qkv", part="kv_lat")
-    t.vector(a + "kv_norm.weight", (hd,), norm_fmt, "norm", a + "kv_norm")
-    # the wo_a blocks of this rank's heads, and the wo_b columns of their groups
-    t.linear(a + "wo_a.weight", (og * ol, nh * hd // og), "fp8", a + "wo_a",
-             Shard(rows=OUT_GROUPS, row_unit=ol, cols=GROUP_HEADS, col_unit=hd))
-    t.linear(a + "wo_b.weight", (h, og * ol), "fp8", a + "wo_b", Shard(cols=OUT_GROUPS, col_unit=ol))
-    t.vector(a + "attn_sink", (nh,), "f32", "sink", a + "sinks", Shard(rows=HEADS))
+    _attention(t, cfg, a, norm_fmt)
     if v41:
         _v41_attention(t, cfg, i, a, norm_fmt)
     elif cfg.layer_kinds[i] == "csa":  # overlapping windows: two series (2x width), own indexer
@@ -255,9 +261,32 @@ def _layer(t: _Table, cfg: ModelConfig, i: int, norm_fmt: str) -> None:
         _v4_compressor(t, a + "compressor.", a + "compressor", h, hd, cfg.compress_ratios[i], False, norm_fmt)
     t.vector(p + "ffn_norm.weight", (h,), norm_fmt, "norm", p + "ffn_norm")
     _ffn(t, cfg, i, p + "ffn.")
+    _hc_sites(t, cfg, p)
+
+
+def _hc_sites(t: _Table, cfg: ModelConfig, p: str) -> None:
+    """A block's two mHC sites (attention, FFN)."""
+    h, hc = cfg.hidden_size, cfg.hc_mult
     mix = (2 + hc) * hc
     for site in ("attn", "ffn"):
         _hc(t, f"{p}hc_{site}_", f"{p}hc_{site}", (mix, hc * h), mix, 3)
+
+
+def _attention(t: _Table, cfg: ModelConfig, a: str, norm_fmt: str) -> None:
+    """The sliding-window attention every block has (main and draft layers): the q / K=V latents
+    stacked into qkv, the grouped low-rank output, the sinks."""
+    h, nh, hd, ql = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.q_lora_rank
+    og, ol = cfg.o_groups, cfg.o_lora_rank
+    t.linear(a + "wq_a.weight", (ql, h), "fp8", a + "qkv", part="q_lat")
+    t.vector(a + "q_norm.weight", (ql,), norm_fmt, "norm", a + "q_norm")
+    t.linear(a + "wq_b.weight", (nh * hd, ql), "fp8", a + "wq_b", Shard(rows=HEADS, row_unit=hd))
+    t.linear(a + "wkv.weight", (hd, h), "fp8", a + "qkv", part="kv_lat")
+    t.vector(a + "kv_norm.weight", (hd,), norm_fmt, "norm", a + "kv_norm")
+    # the wo_a blocks of this rank's heads, and the wo_b columns of their groups
+    t.linear(a + "wo_a.weight", (og * ol, nh * hd // og), "fp8", a + "wo_a",
+             Shard(rows=OUT_GROUPS, row_unit=ol, cols=GROUP_HEADS, col_unit=hd))
+    t.linear(a + "wo_b.weight", (h, og * ol), "fp8", a + "wo_b", Shard(cols=OUT_GROUPS, col_unit=ol))
+    t.vector(a + "attn_sink", (nh,), "f32", "sink", a + "sinks", Shard(rows=HEADS))
 
 
 def _v41_attention(t: _Table, cfg: ModelConfig, i: int, a: str, norm_fmt: str) -> None:
@@ -375,6 +404,9 @@ def check_stored(e: Entry, ckpt, name: str | None = None) -> Weight | RawTensor:
 def validate(cfg: ModelConfig, ckpt) -> list[tuple[Entry, Weight | RawTensor]]:
     """Check every tensor the forward reads against `ckpt` (headers only); SchemaError listing
     the disagreements. Returns each entry the checkpoint holds with what check_stored found."""
+    from engine.checkpoint.dspark_schema import check_draft  # (it builds on this module)
+
+    check_draft(cfg, ckpt)  # the draft layers' own, clearer errors first
     held, errors = [], []
     for e in tensor_schema(cfg):
         if e.place is None:

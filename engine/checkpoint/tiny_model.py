@@ -1,8 +1,10 @@
 """Random DeepSeek-V4 / V4.1 checkpoints in upstream naming and the released formats.
 
-`dsuf.py tiny-model OUT_DIR --arch v41|v4 [--seed N] [size options] [--preset NAME]` writes
-config.json (field names of the released checkpoints), sharded safetensors + index, and a
-byte-level BPE tokenizer with DeepSeek's special tokens. Formats follow the released
+`dsuf.py tiny-model OUT_DIR --arch v41|v4 [--seed N] [size options] [--preset NAME] [--no-draft]`
+writes config.json (field names of the released checkpoints), sharded safetensors + index, and a
+byte-level BPE tokenizer with DeepSeek's special tokens. V4.1 checkpoints carry DSpark draft
+layers (`mtp.*`, engine/checkpoint/dspark_schema.py) unless --no-draft; the Python entry
+`write_tiny_model` writes them only with draft=True. Formats follow the released
 checkpoints: FP8 e4m3 block-scaled linears with UE8M0 scales (32x32 V4.1, 128x128 V4), FP4
 e2m1 routed experts with UE8M0 per 32, BF16 compressor / indexer wkv / wgate / weights_proj,
 F32 mHC / sinks / ape / gate biases, FP8 Engram rows with UE8M0 per 32.
@@ -61,6 +63,8 @@ _TINY = dict(
     index_topk=64, window=64, engram_heads=2, engram_head_dim=64, engram_ngram=3, engram_vocab=1000,
     hash_layers=1, candidate_blocks=16,
 )
+# DSpark draft layers (V4.1, written with draft=True / without --no-draft)
+_DRAFT = dict(draft_layers=3, draft_experts=4, draft_topk=2, block_size=5, markov_rank=64, noise_token=None)
 PRESETS: dict[str, dict] = {
     # V4.1-Flash widths (configuration_deepseek_v41.py defaults) with few layers, small Engram.
     "v41-flash-shaped": dict(
@@ -68,6 +72,7 @@ PRESETS: dict[str, dict] = {
         o_lora=1024, experts=384, topk=6, moe_inter=2304, shared_experts=1, vocab=129280, index_heads=32,
         index_head_dim=128, index_topk=512, window=128, engram_heads=8, engram_head_dim=256,
         engram_ngram=4, engram_vocab=4096, candidate_blocks=2048,
+        draft_layers=3, draft_experts=128, draft_topk=3, block_size=5, markov_rank=256,
     ),
     # V4-Flash widths (configuration_deepseek_v4.py defaults) with few layers.
     "v4-flash-shaped": dict(
@@ -79,7 +84,7 @@ PRESETS: dict[str, dict] = {
 
 
 def default_sizes(arch: str) -> dict:
-    sizes = dict(_TINY)
+    sizes = dict(_TINY, **_DRAFT)
     if arch == "v4":
         sizes["index_topk"] = 32
     return sizes
@@ -108,8 +113,9 @@ def _v41_schedule(n: int) -> tuple[list[int], list[int], list[int], int]:
     return ratios, kv, idx, cand
 
 
-def make_config(arch: str, **sizes: int) -> dict:
-    """config.json as the released checkpoints spell it (flat text config for V4.1)."""
+def make_config(arch: str, draft: bool = False, **sizes: int) -> dict:
+    """config.json as the released checkpoints spell it (flat text config for V4.1); with
+    `draft`, DSpark draft layers (V4.1 only) whose target layers are the last three."""
     s = default_sizes(arch)
     s.update({k: v for k, v in sizes.items() if v is not None})
     n, h = s["layers"], s["hidden"]
@@ -156,6 +162,8 @@ def make_config(arch: str, **sizes: int) -> dict:
         }
         if s["engram_head_dim"] % 32:
             raise ValueError("--engram-head-dim must be a multiple of 32 (UE8M0 row scales)")
+        if draft:
+            _add_draft(cfg, s)
     elif arch == "v4":
         kinds = ["sliding_attention"] + [
             "compressed_sparse_attention" if i % 2 == 0 else "heavily_compressed_attention" for i in range(n - 1)
@@ -174,7 +182,24 @@ def make_config(arch: str, **sizes: int) -> dict:
         }
     else:
         raise ValueError(f"unknown arch {arch!r} (v41 or v4)")
+    if draft and arch != "v41":
+        raise ValueError("DSpark draft layers are V4.1's: write a v4 checkpoint without them")
     return cfg
+
+
+def _add_draft(cfg: dict, s: dict) -> None:
+    """The DSpark fields as the released text_config spells them; the draft layers' compress
+    ratios (0: sliding window only) follow the backbone's, as in the release."""
+    n, k, v = s["layers"], s["draft_layers"], s["vocab"]
+    if k < 1 or s["block_size"] < 2:
+        raise ValueError("--draft-layers must be >= 1 and --block-size >= 2")
+    noise = s["noise_token"] if s["noise_token"] is not None else (128799 if v > 128799 else v - 1)
+    cfg.update({
+        "num_nextn_predict_layers": k, "dspark_block_size": s["block_size"], "dspark_noise_token_id": noise,
+        "dspark_target_layer_ids": list(range(max(0, n - 3), n)), "dspark_markov_rank": s["markov_rank"],
+        "dspark_n_routed_experts": s["draft_experts"], "dspark_num_experts_per_tok": s["draft_topk"],
+        "compress_ratios": cfg["compress_ratios"] + [0] * k,
+    })
 
 
 # ---------------------------------------------------------------------------------------------
@@ -372,12 +397,13 @@ def _write_tokenizer(out_dir: Path, vocab: int) -> None:
 
 
 def write_tiny_model(
-    out_dir: str | Path, arch: str = "v41", seed: int = 0, shard_bytes: int = 4 << 30, **sizes: int
+    out_dir: str | Path, arch: str = "v41", seed: int = 0, shard_bytes: int = 4 << 30, draft: bool = False,
+    **sizes: int,
 ) -> Path:
-    """Write a random checkpoint; returns the directory."""
+    """Write a random checkpoint (with DSpark draft layers where `draft`); returns the directory."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = make_config(arch, **sizes)
+    cfg = make_config(arch, draft, **sizes)
     _write_tokenizer(out, cfg["vocab_size"])
     if arch == "v41":
         cfg["engram_compressed_vocab_size"] = compressed_vocab_size(out / "tokenizer.json")
@@ -434,7 +460,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--preset", choices=sorted(PRESETS), default=None)
     ap.add_argument("--shard-gb", type=float, default=4.0, help="max shard size in GiB")
-    for key in _TINY:
+    ap.add_argument("--no-draft", action="store_true", help="write a V4.1 checkpoint without DSpark draft layers")
+    for key in (*_TINY, *_DRAFT):
         ap.add_argument("--" + key.replace("_", "-"), type=int, default=None, dest=key)
     return ap.parse_args(argv)
 
@@ -452,9 +479,10 @@ def tiny_model_main(argv: list[str] | None = None) -> int:
         arch = parch
         sizes.update(preset)
     arch = arch or "v41"
-    sizes.update({k: getattr(a, k) for k in _TINY if getattr(a, k) is not None})
-    out = write_tiny_model(a.out_dir, arch, a.seed, int(a.shard_gb * (1 << 30)), **sizes)
-    print(f"wrote {arch} checkpoint to {out}")
+    sizes.update({k: getattr(a, k) for k in (*_TINY, *_DRAFT) if getattr(a, k) is not None})
+    draft = arch == "v41" and not a.no_draft
+    out = write_tiny_model(a.out_dir, arch, a.seed, int(a.shard_gb * (1 << 30)), draft, **sizes)
+    print(f"wrote {arch} checkpoint{' with DSpark draft layers' if draft else ''} to {out}")
     return 0
 
 

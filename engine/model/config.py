@@ -33,6 +33,7 @@ _UPSTREAM_ALIASES = {
     "n_hash_layers": "num_hash_layers",
     "max_seq_len": "max_position_embeddings",
     "n_mtp_layers": "num_nextn_predict_layers",
+    "dspark_n_activated_experts": "dspark_num_experts_per_tok",
 }
 
 _V4_LAYER_RATIO_KEY = {"compressed_sparse_attention": "csa", "heavily_compressed_attention": "hca"}
@@ -116,6 +117,14 @@ class ModelConfig:
     scale_fmt: str | None = None
     expert_dtype: str | None = None
     num_nextn_predict_layers: int = 0
+    # V4.1 DSpark draft layers (mtp.* tensors); dspark_layers 0 = none, the other fields unset
+    dspark_layers: int = 0
+    dspark_block_size: int = 0
+    dspark_noise_token_id: int = 0
+    dspark_target_layer_ids: tuple[int, ...] = ()
+    dspark_markov_rank: int = 0
+    dspark_n_routed_experts: int = 0
+    dspark_num_experts_per_tok: int = 0
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     # ---- derived views -------------------------------------------------------------
@@ -123,6 +132,11 @@ class ModelConfig:
         """V4.1: the KV-source layer whose compressed cache `layer` reads (-1: none)."""
         sources = [s for s in self.kv_source_layer_ids if s <= layer]
         return sources[-1] if sources and self.compress_ratios[layer] > 0 else -1
+
+    @property
+    def has_draft(self) -> bool:
+        """Whether the checkpoint carries DSpark draft layers the engine loads."""
+        return self.dspark_layers > 0
 
     @property
     def model_type(self) -> str:
@@ -266,6 +280,7 @@ def parse_config(raw: dict) -> ModelConfig:
             ratios = [0] * n_slide + [2] * n_enc + [1] * max(0, n - n_slide - n_enc)
         if len(ratios) < n:
             raise ConfigError(f"config.json: compress_ratios has {len(ratios)} entries for {n} layers")
+        raw_ratios = list(ratios)
         ratios = [int(r) for r in ratios[:n]]
         kv_src = cfg.get("kv_source_layer_ids")
         if kv_src is None:
@@ -369,7 +384,44 @@ def parse_config(raw: dict) -> ModelConfig:
         num_nextn_predict_layers=int(cfg.get("num_nextn_predict_layers") or 0),
         extra=extra,
         **v41,
+        **(_dspark(cfg, n, int(cfg["vocab_size"]), raw_ratios) if arch == "v41" else {}),
     )
+
+
+def _dspark(cfg: dict, n: int, vocab: int, ratios: list) -> dict:
+    """The DSpark draft fields, validated; {} when the config declares no draft layers
+    (num_nextn_predict_layers / n_mtp_layers absent or 0: the other dspark_* fields are then
+    ignored, as the reference builds no draft without them)."""
+    k = int(cfg.get("num_nextn_predict_layers") or 0)
+    if k <= 0:
+        return {}
+    where = "DSpark draft layers (num_nextn_predict_layers > 0)"
+    block = int(_need(cfg, "dspark_block_size", where))
+    noise = int(_need(cfg, "dspark_noise_token_id", where))
+    targets = [int(i) for i in _need(cfg, "dspark_target_layer_ids", where)]
+    rank = int(cfg.get("dspark_markov_rank") or 256)
+    experts = int(cfg.get("dspark_n_routed_experts") or cfg["n_routed_experts"])
+    topk = int(cfg.get("dspark_num_experts_per_tok") or cfg["num_experts_per_tok"])
+    if block < 2:
+        raise ConfigError(f"config.json: dspark_block_size {block} must be >= 2 (the last token plus drafts)")
+    if not 0 <= noise < vocab:
+        raise ConfigError(f"config.json: dspark_noise_token_id {noise} is outside the vocabulary [0, {vocab})")
+    if not targets or len(set(targets)) != len(targets) or any(not 0 <= i < n for i in targets):
+        raise ConfigError(f"config.json: dspark_target_layer_ids {targets} must be distinct layers in [0, {n})")
+    if rank <= 0:
+        raise ConfigError(f"config.json: dspark_markov_rank {rank} must be positive")
+    if experts <= 0 or not 0 < topk <= experts:
+        raise ConfigError(f"config.json: dspark_num_experts_per_tok {topk} must lie in [1, "
+                          f"dspark_n_routed_experts {experts}]")
+    draft_ratios = [int(r) for r in ratios[n:n + k]]
+    if any(draft_ratios):
+        raise ConfigError(f"config.json: compress_ratios {draft_ratios} of the draft layers must be 0 "
+                          "(DSpark layers attend over a sliding window only)")
+    if len(ratios) > n + k:
+        raise ConfigError(f"config.json: compress_ratios has {len(ratios)} entries for {n} layers + {k} draft layers")
+    return dict(dspark_layers=k, dspark_block_size=block, dspark_noise_token_id=noise,
+                dspark_target_layer_ids=tuple(targets), dspark_markov_rank=rank,
+                dspark_n_routed_experts=experts, dspark_num_experts_per_tok=topk)
 
 
 def load_config(ckpt_dir: str | Path) -> ModelConfig:
