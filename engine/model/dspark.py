@@ -15,15 +15,15 @@ position's logits; the Markov head adds a low-rank bias from the previous token 
 tokens are drawn one after another, and the confidence head scores each position from the collapsed
 stream and that Markov embedding.
 
-Weights (one namespace per draft layer, the main layers' fields plus): main_proj, main_norm (the
-first layer), norm, markov_embed [vocab, rank], markov_head [vocab, rank], confidence [1, hidden +
-rank] (the last); None elsewhere. Embedding and head are the main model's.
+Weights: the loader's `w.dspark` (engine/checkpoint/dspark_schema.py): main_proj, main_norm,
+layers[j] (as a main layer's), norm, markov_head.embed / .head [vocab, rank],
+confidence_head.proj [1, hidden + rank]. Embedding and head are the main model's. The config's
+dspark_* fields (engine/model/config.py) give its shape.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -33,44 +33,6 @@ from engine.model.layers import Attention, Block, project
 from engine.model.rope import rope_tables
 from engine.state.draft import DraftState
 from engine.state.sequence import F32 as NO_CODEC
-
-
-@dataclass(frozen=True)
-class DSparkSpec:
-    """The draft's shape: n_layers draft layers proposing blocks of block_size tokens."""
-
-    n_layers: int
-    block_size: int
-    noise_token_id: int
-    target_layer_ids: tuple[int, ...]
-    markov_rank: int
-    n_routed_experts: int
-    num_experts_per_tok: int
-
-    @classmethod
-    def from_config(cls, cfg, raw: dict | None = None) -> DSparkSpec:
-        """From the ModelConfig's fields, else a config.json dict (HF or upstream names)."""
-        raw = raw or {}
-
-        def get(*names, default=None):
-            for n in names:
-                v = getattr(cfg, n, None)
-                if v is None:
-                    v = raw.get(n)
-                if v is not None:
-                    return v
-            return default
-
-        return cls(
-            n_layers=int(get("num_nextn_predict_layers", "n_mtp_layers", default=0)),
-            block_size=int(get("dspark_block_size", default=0)),
-            noise_token_id=int(get("dspark_noise_token_id", default=0)),
-            target_layer_ids=tuple(int(i) for i in get("dspark_target_layer_ids", default=())),
-            markov_rank=int(get("dspark_markov_rank", default=0)),
-            n_routed_experts=int(get("dspark_n_routed_experts", default=0) or cfg.n_routed_experts),
-            num_experts_per_tok=int(get("dspark_num_experts_per_tok", "dspark_n_activated_experts", default=0)
-                                    or cfg.num_experts_per_tok),
-        )
 
 
 class Draft(NamedTuple):
@@ -144,25 +106,26 @@ class ConfidenceHead:
 class DSpark:
     """The draft over the main Transformer (engine/model/base.py), sharing its embedding and head."""
 
-    def __init__(self, model, spec: DSparkSpec, layers: list) -> None:
+    def __init__(self, model, w) -> None:
         cfg, ops = model.cfg, model.ops
-        if len(layers) != spec.n_layers or not spec.n_layers:
-            raise ValueError(f"DSpark: {len(layers)} draft layers loaded, the config has {spec.n_layers}")
-        self.model, self.spec, self.ops, self.w = model, spec, ops, layers
+        if len(w.layers) != cfg.dspark_layers or not cfg.dspark_layers:
+            raise ValueError(f"DSpark: {len(w.layers)} draft layers loaded, the config has {cfg.dspark_layers}")
+        self.model, self.ops, self.w = model, ops, w
+        self.block_size, self.noise_token_id = cfg.dspark_block_size, cfg.dspark_noise_token_id
+        self.target_layer_ids = tuple(cfg.dspark_target_layer_ids)
         # the draft's MoE: its own expert count and top-k
-        self.cfg = dataclasses.replace(cfg, n_routed_experts=spec.n_routed_experts,
-                                       num_experts_per_tok=spec.num_experts_per_tok)
+        self.cfg = dataclasses.replace(cfg, n_routed_experts=cfg.dspark_n_routed_experts,
+                                       num_experts_per_tok=cfg.dspark_num_experts_per_tok)
         self.layers = [DSparkBlock(self.cfg, -1, L, ops, DSparkAttention(self.cfg, L.attn, ops, model.codecs))
-                       for L in layers]
-        first, last = layers[0], layers[-1]
-        self.main_proj, self.main_norm, self.norm = first.main_proj, first.main_norm, last.norm
-        self.markov_head = MarkovHead(last.markov_embed, last.markov_head, ops)
-        self.confidence_head = ConfidenceHead(last.confidence, ops)
+                       for L in w.layers]
+        self.main_proj, self.main_norm, self.norm = w.main_proj, w.main_norm, w.norm
+        self.markov_head = MarkovHead(w.markov_head.embed, w.markov_head.head, ops)
+        self.confidence_head = ConfidenceHead(w.confidence_head.proj, ops)
 
     @property
     def targets(self) -> dict:
         """What to ask the main forward for (ModelRunner.forward(targets=...))."""
-        return dict.fromkeys(self.spec.target_layer_ids)
+        return dict.fromkeys(self.target_layer_ids)
 
     def rope(self, positions: np.ndarray) -> tuple:
         """cos / sin of the draft layers (no compressed branch: the main table) on the backend."""
@@ -170,22 +133,28 @@ class DSpark:
         cos, sin = rope_tables(self.model.rope.freq_main, positions, cfg.rope_main.attention_factor)
         return self.ops.asarray(cos), self.ops.asarray(sin)
 
-    def main_x(self, targets: dict):
-        """main_norm(main_proj(the target layers' inputs, concatenated in layer order))."""
+    def main_x(self, targets: dict, rows: int | None = None):
+        """main_norm(main_proj(the target layers' inputs, concatenated in layer order)); rows:
+        only each input's last `rows` rows."""
         ops = self.ops
-        x = ops.cat([targets[i] for i in self.spec.target_layer_ids], axis=1)
+        x = ops.cat([targets[i][-rows:] if rows else targets[i] for i in self.target_layer_ids], axis=1)
         return ops.rmsnorm(ops.linear(x, self.main_proj), self.main_norm, self.cfg.rms_norm_eps)
 
     def new_state(self) -> DraftState:
         d = self.cfg.head_dim
         return DraftState(position=0, windows=[self.ops.xp.zeros((0, d), np.float32) for _ in self.layers])
 
-    def absorb(self, state: DraftState, targets: dict) -> None:
-        """Append the K=V rows of the main positions a forward just ran (their target inputs:
-        the trailing rows of the step's chunk, which must continue state.position)."""
-        main_x = self.main_x(targets)
-        n, win = main_x.shape[0], self.cfg.sliding_window
-        cos, sin = self.rope(np.arange(state.position, state.position + n))
+    def absorb(self, state: DraftState, targets: dict, n: int) -> None:
+        """Append the K=V rows of the n main positions one sequence's forward just ran (a chunk
+        continuing state.position), from their target inputs. Bounded replay may have run the
+        target layers on only the chunk's trailing rows (at least a window of them): the rows
+        every target layer has are used, the last of the chunk."""
+        win = self.cfg.sliding_window
+        m = min(targets[i].shape[0] for i in self.target_layer_ids)
+        if m > n or m < min(n, win):
+            raise ValueError(f"DSpark: {m} target rows for a chunk of {n} (window {win})")
+        main_x = self.main_x(targets, m)
+        cos, sin = self.rope(np.arange(state.position + n - m, state.position + n))
         for i, layer in enumerate(self.layers):
             rows = self.ops.cat([state.windows[i], layer.attn.window_rows(main_x, cos, sin)], axis=0)
             state.windows[i] = rows[max(rows.shape[0] - win, 0):]
@@ -194,11 +163,11 @@ class DSpark:
     def forward(self, state: DraftState, last_token: int):
         """The block [last token, noise ...] at positions state.position.. through every draft
         layer: the collapsed stream of each position (before the final norm) [block, hidden]."""
-        spec, ops, xp, model = self.spec, self.ops, self.ops.xp, self.model
-        ids = np.full(spec.block_size, spec.noise_token_id, np.int64)
+        ops, xp, model, n = self.ops, self.ops.xp, self.model, self.block_size
+        ids = np.full(n, self.noise_token_id, np.int64)
         ids[0] = last_token
         ids = ops.asarray(ids, dtype=np.int64)
-        cos, sin = self.rope(np.arange(state.position, state.position + spec.block_size))
+        cos, sin = self.rope(np.arange(state.position, state.position + n))
         h, pre_mix = model.embed(Batch(ids=ids, hash_ids=None, rope={}, chunks=[]))
         for i, layer in enumerate(self.layers):
             h, pre_mix = layer(h, pre_mix, state.windows[i], cos, sin, ids)
@@ -211,7 +180,7 @@ class DSpark:
         x = self.forward(state, last_token)
         logits = ops.linear(ops.rmsnorm(x, self.norm, self.cfg.rms_norm_eps), self.model.head.w.head)
         prev, tokens, embeds = int(last_token), [], []
-        for i in range(self.spec.block_size):
+        for i in range(self.block_size):
             bias, e = self.markov_head(ops.asarray(np.array([prev], np.int64), dtype=np.int64))
             logits[i] = logits[i] + bias[0]
             embeds.append(e)
