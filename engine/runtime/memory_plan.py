@@ -88,6 +88,8 @@ class MemoryPlanError(RuntimeError):
 
 
 def _category(name: str) -> str:
+    if name.startswith("mtp."):
+        return "DSpark draft layers"
     if ".engram.embed." in name:
         return "engram tables (host)"
     if ".ffn.experts." in name:
@@ -223,7 +225,8 @@ def weight_bytes(cfg: ModelConfig | dict, source=None, n_gpus: int = 1, expert_s
                     products.add(e.place)
                 rows = window[0] or (0, e.shape[0])
                 n = (rows[1] - rows[0]) * math.prod(e.shape[1:])
-                rw._book("other", n * (8 if e.kind == IDS else 4))
+                rw._book("DSpark draft layers" if e.name.startswith("mtp.") else "other",
+                         n * (8 if e.kind == IDS else 4))
         out.append(rw)
     return out
 
