@@ -16,7 +16,8 @@ serve:
 	$(PY) dsuf.py serve
 
 # On a GPU machine: the GPU tests, the same under compute-sanitizer, and the benchmark on a
-# full-width V4.1-Flash-shaped 2-layer checkpoint (written once to BENCH_CKPT, 15 GB).
+# full-width V4.1-Flash-shaped 2-layer checkpoint with its DSpark draft layers (written once to
+# BENCH_CKPT, ~23 GB).
 GPU_TESTS = tests/gpu
 
 gpu-test:
