@@ -22,7 +22,7 @@ from engine.runtime.runner import ModelRunner
 
 FIX = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "dspark"
 CASES = sorted(p.name for p in FIX.iterdir() if (p / "expected.npz").is_file()) if FIX.is_dir() else []
-MODE = "statequant_f32"
+MODES = ("statequant_f32", "statequant_f32_fix")  # the _fix one where main layers have an indexer
 RTOL = 1e-4  # relative to the largest magnitude, as tests/reference/test_reference_logits.py
 
 
@@ -35,20 +35,26 @@ def case(request):
     d = FIX / request.param
     cfg = load_config(d)
     ops = NumpyOps()
-    runner = ModelRunner(cfg, Checkpoint(d, block_size=cfg.weight_block_size), ops)
+    tok = d / "tokenizer.json"  # Engram layers hash n-grams with it
+    runner = ModelRunner(cfg, Checkpoint(d, block_size=cfg.weight_block_size), ops,
+                         tokenizer_json=tok if tok.is_file() else None)
     dsp = runner.model.dspark
     assert dsp is not None
     z = np.load(d / "expected.npz")
-    return request.param, runner, dsp, {k.split(".", 1)[1]: z[k] for k in z.files if k.startswith(MODE + ".")}, z
+    mode = next(m for m in MODES if m + ".draft_ids" in z.files)
+    return request.param, runner, dsp, {k.split(".", 1)[1]: z[k] for k in z.files if k.startswith(mode + ".")}, z
 
 
 def test_target_inputs_and_main_x_match_reference(case) -> None:
     name, runner, dsp, ref, z = case
     targets = dsp.targets
     runner.forward([runner.new_state()], [z["input_ids"].tolist()], targets=targets)
-    got = np.concatenate([targets[i] for i in dsp.target_layer_ids], axis=1)
-    assert got.shape == ref["main_hidden"].shape
-    assert _rel(got, ref["main_hidden"]) < RTOL, name
+    want = np.split(ref["main_hidden"], len(dsp.target_layer_ids), axis=1)
+    for i, w in zip(dsp.target_layer_ids, want, strict=True):
+        # bounded replay runs a later layer on the prompt's trailing rows only (at least a window)
+        got = targets[i]
+        assert min(z["input_ids"].size, dsp.cfg.sliding_window) <= got.shape[0] <= w.shape[0], (name, i)
+        assert _rel(got, w[-got.shape[0]:]) < RTOL, (name, i)
 
 
 def test_draft_after_prefill_and_after_a_decode_step_match_reference(case) -> None:

@@ -18,7 +18,8 @@ Modes: `faithful` (bf16, FP8 window K=V and bf16 sparse attention as the referen
 `statequant_f32` (float32 everywhere, the reference's FP8 window rounding kept: what the numpy
 engine computes). Temperature 0: the reference's own greedy draw.
 
-    REFPY tools/dev/gen_dspark_fixtures.py --ref-pkg /path/to/refpkg --out tests/fixtures/dspark
+    REFPY tools/dev/gen_dspark_fixtures.py --ref-pkg /path/to/refpkg --out tests/fixtures/dspark \
+        [--driver ../shared/tools/dsref_golden.py]  # also the TINY_CASES (make each with tiny-model first)
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -81,6 +83,7 @@ def model_args(ref, cfg: dict, max_seq: int):
         q_lora_rank=cfg["q_lora_rank"], head_dim=cfg["head_dim"], rope_head_dim=cfg["qk_rope_head_dim"],
         norm_eps=cfg["rms_norm_eps"], o_groups=cfg["o_groups"], o_lora_rank=cfg["o_lora_rank"],
         window_size=cfg["sliding_window"], compress_ratios=tuple([0] * (n + cfg["num_nextn_predict_layers"])),
+        kv_source_layers=tuple(cfg["kv_source_layer_ids"]), index_source_layers=tuple(cfg["index_source_layer_ids"]),
         rope_theta=cfg["rope_theta"], hc_mult=cfg["hc_mult"], hc_sinkhorn_iters=cfg["hc_sinkhorn_iters"],
         hc_eps=cfg["hc_eps"], dspark_block_size=cfg["dspark_block_size"],
         dspark_noise_token_id=cfg["dspark_noise_token_id"],
@@ -172,10 +175,75 @@ def run_mode(ref, kc, cfg: dict, sd: dict, prompt: list[int], mode: str) -> dict
                 draft_logits=np.stack([f(dl1), f(dl2)]), confidence=np.stack([f(c1), f(c2)]))
 
 
+# Cases in the released formats: a `dsuf.py tiny-model` checkpoint (FP8 linears with UE8M0 32x32
+# scales, FP4 routed experts, compressor / indexer / candidate main layers, an Engram layer, and
+# sliding-window-only draft layers), loaded into the reference with the dtype bridges of
+# ../shared/tools/dsref_golden.py (`--driver`). Modes from that driver, with its index-key fix.
+TINY_CASES = {
+    "dspark_v41": dict(args=["--layers", "4", "--hidden", "64", "--vocab", "256", "--window", "8", "--q-lora", "64",
+                             "--o-lora", "64", "--moe-inter", "64", "--index-topk", "4", "--draft-layers", "2",
+                             "--draft-experts", "8", "--draft-topk", "3", "--block-size", "5", "--seed", "3"],
+                       prompt=21, seed=3),
+}
+TINY_MODES = ("faithful_fix", "statequant_f32_fix")
+
+
+class _Tokenizer:
+    """What the reference's Engram token map reads of a tokenizer (transformers not needed)."""
+
+    def __init__(self, path: Path):
+        from tokenizers import Tokenizer
+
+        self.backend_tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+
+    def __len__(self) -> int:
+        return self.backend_tokenizer.get_vocab_size(with_added_tokens=True)
+
+
+def run_tiny_mode(ref, kc, drv, d: Path, prompt: list[int], mode: str) -> dict:
+    import dataclasses
+
+    cfg = json.loads((d / "config.json").read_text())
+    base, fix = (mode[:-4], True) if mode.endswith("_fix") else (mode, False)
+    f32 = base.endswith("_f32")
+    args, _ = drv.model_args_from_config(ref, cfg, len(prompt) + 16)
+    args = dataclasses.replace(
+        args, dspark_block_size=cfg["dspark_block_size"], dspark_noise_token_id=cfg["dspark_noise_token_id"],
+        dspark_target_layer_ids=tuple(cfg["dspark_target_layer_ids"]), dspark_markov_rank=cfg["dspark_markov_rank"],
+        dspark_n_routed_experts=cfg["dspark_n_routed_experts"],
+        dspark_n_activated_experts=cfg["dspark_num_experts_per_tok"],
+        compress_ratios=tuple(cfg["compress_ratios"]) + (0,) * (args.n_mtp_layers + args.n_layers
+                                                               - len(cfg["compress_ratios"])))
+    block = int(cfg["quantization_config"]["weight_block_size"][0])
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32 if f32 else torch.bfloat16)
+    try:
+        model = ref.Transformer(args, _Tokenizer(d))
+        drv.load_into(model, drv.load_checkpoint_tensors(d), block, widen_bf16=f32)
+        model.eval()
+        n = len(prompt)
+        with drv.kernel_mode(ref, kc, base), drv.index_key_fix(ref, fix):
+            tok, logits, mh = model(torch.tensor([prompt]), 0)
+            model.forward_spec(tok, mh, 0)
+            ids1, dl1, c1 = model.forward_spec(tok, mh[:, -1:], n - 1)
+            tok2, logits2, mh2 = model(tok[:, None], n)
+            ids2, dl2, c2 = model.forward_spec(tok2, mh2, n)
+    finally:
+        torch.set_default_dtype(prev)
+
+    def f(t):
+        return t.float().numpy()[0]
+
+    return dict(main_token=np.array([int(tok), int(tok2)]), main_logits=np.stack([f(logits), f(logits2)]),
+                main_hidden=f(mh), main_hidden_next=f(mh2)[0], draft_ids=np.stack([f(ids1), f(ids2)]).astype(np.int64),
+                draft_logits=np.stack([f(dl1), f(dl2)]), confidence=np.stack([f(c1), f(c2)]))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ref-pkg", required=True)
     ap.add_argument("--out", default="tests/fixtures/dspark")
+    ap.add_argument("--driver", help="../shared/tools/dsref_golden.py: also make the TINY_CASES")
     a = ap.parse_args()
     torch.set_num_threads(2)
     pkg = Path(a.ref_pkg).resolve()
@@ -198,6 +266,22 @@ def main() -> int:
         np.savez_compressed(d / "expected.npz", **out)
         fa, f32 = out["faithful.draft_ids"], out["statequant_f32.draft_ids"]
         print(name, "draft ids f32", f32.tolist(), "faithful", fa.tolist())
+    if a.driver:
+        spec = importlib.util.spec_from_file_location("dsref_driver", a.driver)
+        drv = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(drv)
+        for name, c in TINY_CASES.items():
+            d = Path(a.out) / name
+            if not (d / "config.json").is_file():
+                raise SystemExit(f"make it first: python dsuf.py tiny-model {d} {' '.join(c['args'])}")
+            vocab = json.loads((d / "config.json").read_text())["vocab_size"]
+            prompt = np.random.default_rng([c["seed"], c["prompt"]]).integers(4, vocab - 1, size=c["prompt"]).tolist()
+            out = {"input_ids": np.array(prompt, np.int64)}
+            for mode in TINY_MODES:
+                for k, v in run_tiny_mode(ref, kc, drv, d, prompt, mode).items():
+                    out[f"{mode}.{k}"] = v
+            np.savez_compressed(d / "expected.npz", **out)
+            print(name, {m: out[f"{m}.draft_ids"].tolist() for m in TINY_MODES})
     return 0
 
 
