@@ -16,6 +16,7 @@ import numpy as np
 
 from engine.model.batch import Batch, Seq
 from engine.model.config import ModelConfig
+from engine.model.dspark import DSpark
 from engine.model.engram import NgramHasher
 from engine.model.layers import Embedding, Head
 from engine.model.rope import Rope
@@ -38,6 +39,8 @@ class Transformer:
         self.layers = [block_cls(cfg, li, L, ops, attn_cls(cfg, li, L.attn, ops, plan, self.codecs, self.rope))
                        for li, L in enumerate(weights.layers)]
         self.head = Head(cfg, weights, ops)
+        # the DSpark draft (engine/model/dspark.py), where the checkpoint has draft layers
+        self.dspark = DSpark(self, weights.dspark) if getattr(weights, "dspark", None) is not None else None
         self.hasher = None
         if cfg.engram_layer_ids:
             if tokenizer_json is None:

@@ -40,6 +40,10 @@ class Batch:
     plans: list | None = None
     dec_rows: Any = None
     published: dict = field(default_factory=dict)  # what decode rows' index sources publish to later layers
+    # The DSpark draft's inputs (engine/model/dspark.py), collected only when asked: layer index ->
+    # the mean of the streams entering that layer (after its Engram), per row of the step. None:
+    # nothing is collected and the forward is unchanged.
+    targets: dict | None = None
 
     def take(self, idx) -> None:
         """Keep only rows idx (a backend int64 array)."""

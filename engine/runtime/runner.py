@@ -112,14 +112,16 @@ class ModelRunner:
 
     # ---- steps ------------------------------------------------------------------------------
     def forward(self, states: list[SequenceState], chunks: list, all_logits: bool = False,
-                on_device: bool = False) -> list[np.ndarray]:
+                on_device: bool = False, targets: dict | None = None) -> list[np.ndarray]:
         """Feed chunks[i] (>= 1 token ids) to states[i]; advance the states. Returns, per sequence,
         logits [vocab] of its last token (or [len(chunk), vocab] with all_logits); on_device: the
-        last tokens' logits as one backend array [len(states), vocab], left on the device."""
+        last tokens' logits as one backend array [len(states), vocab], left on the device.
+        targets: {layer index: None} to collect the DSpark draft's inputs of those layers (filled
+        with the mean of the streams entering each, per row the layer ran; see Batch.targets)."""
         ops = self.ops
         if self.plan.size > 1 and ops.comm is None:
             raise RuntimeError("a sharded rank runs under the lockstep driver (engine/parallel/lockstep.py)")
-        local, seqs = self._forward(states, chunks, all_logits)
+        local, seqs = self._forward(states, chunks, all_logits, targets)
         if on_device and not all_logits:
             return ops.all_gather(local)
         logits = ops.all_gather(ops.to_host(local))
@@ -139,7 +141,7 @@ class ModelRunner:
                 self.prepare_next(states)
         return self.ops.sample_rows(logits, jobs, ahead=ahead)
 
-    def _forward(self, states: list[SequenceState], chunks: list, all_logits: bool):
+    def _forward(self, states: list[SequenceState], chunks: list, all_logits: bool, targets: dict | None = None):
         """This rank's logits of the step (its vocabulary slice), and the step's sequences."""
         cfg, ops, model = self.cfg, self.ops, self.model
         if len(states) != len(chunks) or not states:
@@ -188,7 +190,7 @@ class ModelRunner:
             key = ("decode", id(self.w))
 
             def run(staged):
-                return self._run(staged, seqs, all_logits)
+                return self._run(staged, seqs, all_logits, targets)
 
             if ops.comm is None:
                 staged = {"pre": ahead.pre} if ahead is not None else {}  # (its tables packed ahead)
@@ -196,12 +198,12 @@ class ModelRunner:
             else:  # every rank's step at once, as the driver runs them
                 local = ops.comm.step(StepRegion(key, inputs, run, ops, len(seqs)))
         else:
-            local = self._run(ops.stage(inputs), seqs, all_logits)
+            local = self._run(ops.stage(inputs), seqs, all_logits, targets)
         for s, ch in zip(seqs, ids, strict=True):
             s.state.position += ch.size
         return local, seqs
 
-    def _run(self, st: StepInputs, seqs: list[Seq], all_logits: bool):
+    def _run(self, st: StepInputs, seqs: list[Seq], all_logits: bool, targets: dict | None = None):
         """The step's device work over staged inputs (ops.stage): the embedding, every layer, the
         head; returns this rank's logits (of each sequence's last row, or of every row)."""
         cfg, ops, model = self.cfg, self.ops, self.model
@@ -209,7 +211,7 @@ class ModelRunner:
         decoding = [s for s in seqs if s.pos.size == 1] if st.layers is not None else []
         batch = Batch(ids=st.ids, hash_ids=st.hash_ids, rope={"main": (st.rope[0], st.rope[1]),
                                                                "compress": (st.rope[2], st.rope[3])},
-                      chunks=chunks, plans=st.layers, dec_rows=st.dec_rows)
+                      chunks=chunks, plans=st.layers, dec_rows=st.dec_rows, targets=targets)
         h, pre_mix = model.embed(batch)
         replay_from = self._replay_start() if not all_logits else cfg.num_layers
         for li, layer in enumerate(model.layers):

@@ -1,0 +1,192 @@
+"""DeepSeek-V4.1's DSpark draft layers: the draft forward, named as DeepSeek's reference
+inference/model.py names its parts (DSparkAttention, DSparkBlock, MarkovHead, ConfidenceHead).
+
+What the main model hands the draft: the inputs of its target layers (`dspark_target_layer_ids`),
+the mean of the hc streams entering each (collected by the V4.1 blocks when a step asks for them:
+Batch.targets, ModelRunner.forward(targets=...)). Their concatenation goes through the first draft
+layer's main_proj and main_norm: main_x, one row per main position.
+
+Each draft layer keeps a window of K=V rows projected from main_x at the sequence's past
+positions (engine/state/draft.py, DSpark.absorb). A draft block is [last token, noise x
+(block_size - 1)] at the positions that follow; every draft layer is a sliding-window-only V4.1
+layer (mHC, MoE with its own expert count and top-k) whose queries see the whole window and the
+whole block, non-causally. After the last layer's collapse and norm, the shared head gives each
+position's logits; the Markov head adds a low-rank bias from the previous token while the block's
+tokens are drawn one after another, and the confidence head scores each position from the collapsed
+stream and that Markov embedding.
+
+Weights: the loader's `w.dspark` (engine/checkpoint/dspark_schema.py): main_proj, main_norm,
+layers[j] (as a main layer's), norm, markov_head.embed / .head [vocab, rank],
+confidence_head.proj [1, hidden + rank]. Embedding and head are the main model's. The config's
+dspark_* fields (engine/model/config.py) give its shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from engine.model.batch import Batch
+from engine.model.layers import Attention, Block, project
+from engine.model.rope import rope_tables
+from engine.state.draft import DraftState
+from engine.state.sequence import F32 as NO_CODEC
+
+
+class Draft(NamedTuple):
+    """A drafted block: tokens [block_size] (the i-th drawn from position i), each position's
+    logits [block_size, vocab] with the Markov bias added, their softmax (what rejection sampling
+    weighs) and the confidence head's scores [block_size]."""
+
+    tokens: Any
+    logits: Any
+    probs: Any
+    confidence: Any
+
+
+class DSparkAttention(Attention):
+    """A sliding-window-only layer: the block's queries over the window of K=V rows projected
+    from main_x and the block's own K=V rows, all of them, non-causally."""
+
+    def __init__(self, cfg, w, ops, codecs: dict) -> None:
+        self.cfg, self.li, self.w, self.ops, self.codecs, self.rope = cfg, -1, w, ops, codecs, None
+        self.heads, self.ratio, self.kind, self.rope_name = cfg.num_heads, 0, "sliding", "main"
+
+    def window_rows(self, main_x, cos, sin):
+        """K=V rows of main_x at its positions (on the window's grid)."""
+        kv = project(self.ops, main_x, self.w.qkv)["kv_lat"]
+        return self.ops.norm_rope_quant(kv, cos, sin, (self.w.kv_norm, self.cfg.rms_norm_eps), self.codec("window"))
+
+    def __call__(self, x, window, cos, sin):
+        ops, d = self.ops, self.cfg.head_dim
+        _, q, kv = self.latents(x, cos, sin)
+        keys = ops.cat([window, kv], axis=0)
+        t, n = q.shape[0], keys.shape[0]
+        return ops.attention_ranges(q, keys, np.zeros(t, np.int64), np.full(t, n, np.int64), None, None,
+                                    self.w.sinks, d**-0.5, exact=self.codec("window") != NO_CODEC)
+
+
+class DSparkBlock(Block):
+    """A draft layer: V4.1's single-pass mHC around DSparkAttention and the draft's MoE."""
+
+    def __call__(self, h, pre_mix, window, cos, sin, ids):
+        w, attn = self.w, self.attn
+        mixes = self.hc_mixes(h, w.hc_attn)
+        out = attn(self.hc_pre(h, pre_mix, w.attn_norm), window, cos, sin)
+        h = self.hc_post(attn.output(out, cos, sin, h.shape[0]), h, *mixes[1:])
+        pre_a = mixes[0]
+        mixes = self.hc_mixes(h, w.hc_ffn)
+        y = self.ffn(self.hc_pre(h, pre_a, w.ffn_norm), ids)
+        return self.hc_post(y, h, *mixes[1:]), mixes[0]
+
+
+class MarkovHead:
+    """A rank-r bigram bias: the previous token's embedding [r] through its own head -> [vocab]."""
+
+    def __init__(self, embed, head, ops) -> None:
+        self.embed, self.head, self.ops = embed, head, ops
+
+    def __call__(self, ids):
+        e = self.ops.embed(self.embed, ids)
+        return self.ops.linear(e, self.head), e
+
+
+class ConfidenceHead:
+    """One score per position from the collapsed stream and the Markov embedding."""
+
+    def __init__(self, proj, ops) -> None:
+        self.proj, self.ops = proj, ops
+
+    def __call__(self, x, markov_embed):
+        return self.ops.linear(self.ops.cat([x, markov_embed], axis=1), self.proj)[:, 0]
+
+
+class DSpark:
+    """The draft over the main Transformer (engine/model/base.py), sharing its embedding and head."""
+
+    def __init__(self, model, w) -> None:
+        cfg, ops = model.cfg, model.ops
+        if len(w.layers) != cfg.dspark_layers or not cfg.dspark_layers:
+            raise ValueError(f"DSpark: {len(w.layers)} draft layers loaded, the config has {cfg.dspark_layers}")
+        self.model, self.ops, self.w = model, ops, w
+        self.block_size, self.noise_token_id = cfg.dspark_block_size, cfg.dspark_noise_token_id
+        self.target_layer_ids = tuple(cfg.dspark_target_layer_ids)
+        # the draft's MoE: its own expert count and top-k
+        self.cfg = dataclasses.replace(cfg, n_routed_experts=cfg.dspark_n_routed_experts,
+                                       num_experts_per_tok=cfg.dspark_num_experts_per_tok)
+        self.layers = [DSparkBlock(self.cfg, -1, L, ops, DSparkAttention(self.cfg, L.attn, ops, model.codecs))
+                       for L in w.layers]
+        self.main_proj, self.main_norm, self.norm = w.main_proj, w.main_norm, w.norm
+        self.markov_head = MarkovHead(w.markov_head.embed, w.markov_head.head, ops)
+        self.confidence_head = ConfidenceHead(w.confidence_head.proj, ops)
+
+    @property
+    def targets(self) -> dict:
+        """What to ask the main forward for (ModelRunner.forward(targets=...))."""
+        return dict.fromkeys(self.target_layer_ids)
+
+    def rope(self, positions: np.ndarray) -> tuple:
+        """cos / sin of the draft layers (no compressed branch: the main table) on the backend."""
+        cfg = self.cfg
+        cos, sin = rope_tables(self.model.rope.freq_main, positions, cfg.rope_main.attention_factor)
+        return self.ops.asarray(cos), self.ops.asarray(sin)
+
+    def main_x(self, targets: dict, rows: int | None = None):
+        """main_norm(main_proj(the target layers' inputs, concatenated in layer order)); rows:
+        only each input's last `rows` rows."""
+        ops = self.ops
+        x = ops.cat([targets[i][-rows:] if rows else targets[i] for i in self.target_layer_ids], axis=1)
+        return ops.rmsnorm(ops.linear(x, self.main_proj), self.main_norm, self.cfg.rms_norm_eps)
+
+    def new_state(self) -> DraftState:
+        d = self.cfg.head_dim
+        return DraftState(position=0, windows=[self.ops.xp.zeros((0, d), np.float32) for _ in self.layers])
+
+    def absorb(self, state: DraftState, targets: dict, n: int) -> None:
+        """Append the K=V rows of the n main positions one sequence's forward just ran (a chunk
+        continuing state.position), from their target inputs. Bounded replay may have run the
+        target layers on only the chunk's trailing rows (at least a window of them): the rows
+        every target layer has are used, the last of the chunk."""
+        win = self.cfg.sliding_window
+        m = min(targets[i].shape[0] for i in self.target_layer_ids)
+        if m > n or m < min(n, win):
+            raise ValueError(f"DSpark: {m} target rows for a chunk of {n} (window {win})")
+        main_x = self.main_x(targets, m)
+        cos, sin = self.rope(np.arange(state.position + n - m, state.position + n))
+        for i, layer in enumerate(self.layers):
+            rows = self.ops.cat([state.windows[i], layer.attn.window_rows(main_x, cos, sin)], axis=0)
+            state.windows[i] = rows[max(rows.shape[0] - win, 0):]
+        state.position += n
+
+    def forward(self, state: DraftState, last_token: int):
+        """The block [last token, noise ...] at positions state.position.. through every draft
+        layer: the collapsed stream of each position (before the final norm) [block, hidden]."""
+        ops, xp, model, n = self.ops, self.ops.xp, self.model, self.block_size
+        ids = np.full(n, self.noise_token_id, np.int64)
+        ids[0] = last_token
+        ids = ops.asarray(ids, dtype=np.int64)
+        cos, sin = self.rope(np.arange(state.position, state.position + n))
+        h, pre_mix = model.embed(Batch(ids=ids, hash_ids=None, rope={}, chunks=[]))
+        for i, layer in enumerate(self.layers):
+            h, pre_mix = layer(h, pre_mix, state.windows[i], cos, sin, ids)
+        return xp.einsum("th,thd->td", pre_mix, h).astype(np.float32)
+
+    def draft(self, state: DraftState, last_token: int) -> Draft:
+        """Draft a block greedily: position i's logits plus the Markov bias of the token before it
+        (the last token, then the drafted ones), argmax. Reads the state, never changes it."""
+        ops, xp = self.ops, self.ops.xp
+        x = self.forward(state, last_token)
+        logits = ops.linear(ops.rmsnorm(x, self.norm, self.cfg.rms_norm_eps), self.model.head.w.head)
+        prev, tokens, embeds = int(last_token), [], []
+        for i in range(self.block_size):
+            bias, e = self.markov_head(ops.asarray(np.array([prev], np.int64), dtype=np.int64))
+            logits[i] = logits[i] + bias[0]
+            embeds.append(e)
+            prev = int(ops.to_host(xp.argmax(logits[i])))
+            tokens.append(prev)
+        confidence = self.confidence_head(x, ops.cat(embeds, axis=0))
+        z = logits - logits.max(axis=1, keepdims=True)
+        p = xp.exp(z)
+        return Draft(np.array(tokens, np.int64), logits, p / p.sum(axis=1, keepdims=True), confidence)

@@ -1,0 +1,80 @@
+"""The numpy DSpark draft on a `tiny-model` checkpoint (FP8 / FP4 weights, KV sources, Engram,
+three draft layers): its window state is the same whether the prompt came at once, in chunks or
+token by token (bounded replay included); drafting leaves that state untouched; collecting the
+target inputs leaves the main forward unchanged. (Equality with DeepSeek's reference draft:
+tests/reference/test_dspark_reference.py.)"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.checkpoint.reader import Checkpoint
+from engine.checkpoint.tiny_model import tiny_model_main
+from engine.model.config import load_config
+from engine.ops.numpy_ops import NumpyOps
+from engine.runtime.runner import ModelRunner
+
+PROMPT = [int(t) for t in np.random.default_rng(7).integers(4, 8000, size=21)]
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory):
+    d = tmp_path_factory.mktemp("dspark") / "tiny"
+    assert not tiny_model_main([str(d), "--window", "8"])
+    cfg = load_config(d)
+    return ModelRunner(cfg, Checkpoint(d, block_size=cfg.weight_block_size), NumpyOps(), d / "tokenizer.json")
+
+
+def _feed(runner, chunks):
+    """Feed the chunks to a fresh sequence, the draft absorbing each; (state, draft state, last logits)."""
+    dsp = runner.model.dspark
+    st, ds = runner.new_state(), dsp.new_state()
+    for ch in chunks:
+        targets = dsp.targets
+        logits = runner.forward([st], [ch], targets=targets)[0]
+        dsp.absorb(ds, targets, len(ch))
+    return st, ds, logits
+
+
+def test_draft_is_the_same_after_prefill_chunks_and_token_by_token(runner) -> None:
+    dsp = runner.model.dspark
+    assert dsp is not None and dsp.block_size == 5
+    drafts = []
+    for chunks in ([PROMPT], [PROMPT[:5], PROMPT[5:]], [[t] for t in PROMPT]):
+        _, ds, logits = _feed(runner, chunks)
+        assert ds.position == len(PROMPT)
+        assert all(w.shape[0] == runner.cfg.sliding_window for w in ds.windows)
+        drafts.append(dsp.draft(ds, int(np.argmax(logits))))
+    ref = drafts[0]
+    assert ref.tokens.shape == (5,) and ref.logits.shape == (5, runner.cfg.vocab_size)
+    assert ref.confidence.shape == (5,)
+    for d in drafts[1:]:
+        scale = np.abs(ref.logits).max()
+        assert np.abs(d.logits - ref.logits).max() < 1e-4 * scale
+        assert np.abs(d.confidence - ref.confidence).max() < 1e-4 * max(np.abs(ref.confidence).max(), 1.0)
+        assert d.tokens.tolist() == ref.tokens.tolist()
+
+
+def test_drafting_reads_the_state_and_greedy_follows_the_markov_bias(runner) -> None:
+    dsp = runner.model.dspark
+    _, ds, logits = _feed(runner, [PROMPT])
+    before = [w.copy() for w in ds.windows]
+    last = int(np.argmax(logits))
+    a, b = dsp.draft(ds, last), dsp.draft(ds, last)
+    assert ds.position == len(PROMPT) and all(np.array_equal(x, y) for x, y in zip(before, ds.windows, strict=True))
+    assert np.array_equal(a.logits, b.logits) and a.tokens.tolist() == b.tokens.tolist()
+    assert a.tokens.tolist() == a.logits.argmax(axis=1).tolist()
+    np.testing.assert_allclose(a.probs.sum(axis=1), 1.0, rtol=1e-5)
+    # the block starts with the last token: another one changes what is drafted from position 0
+    c = dsp.draft(ds, (last + 1) % runner.cfg.vocab_size)
+    assert not np.allclose(c.logits[0], a.logits[0])
+
+
+def test_collecting_targets_leaves_the_main_forward_unchanged(runner) -> None:
+    st1, st2 = runner.new_state(), runner.new_state()
+    plain = runner.forward([st1], [PROMPT], all_logits=True)[0]
+    targets = runner.model.dspark.targets
+    asked = runner.forward([st2], [PROMPT], all_logits=True, targets=targets)[0]
+    assert np.array_equal(plain, asked)
+    assert all(targets[i].shape == (len(PROMPT), runner.cfg.hidden_size) for i in targets)
