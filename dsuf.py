@@ -38,7 +38,12 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     params = SamplingParams(temperature=max(args.temperature, 0.0), seed=args.seed)
     t0 = time.perf_counter()
-    out = eng.generate(ids, args.max_tokens, params)
+    spec = None if args.speculative is None else args.speculative == "dspark"
+    try:
+        out = eng.generate(ids, args.max_tokens, params, speculative=spec)
+    except ValueError as e:  # --speculative dspark on a checkpoint without draft layers
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     dt = time.perf_counter() - t0
     if args.print_ids:
         print(",".join(str(t) for t in out))
@@ -48,6 +53,10 @@ def _run(args: argparse.Namespace) -> int:
     print(f"{len(ids)} prompt + {len(out)} generated tokens in {dt:.2f} s: "
           f"{len(out) / dt if dt > 0 else 0.0:.1f} tokens/s; sequence state {per_token:.0f} B/token "
           f"+ {fixed / 1024:.0f} KiB of window rings", file=sys.stderr)
+    if eng.last_acceptance is not None:
+        acc = eng.last_acceptance
+        print(f"acceptance {acc.tokens_per_step:.2f} tokens/step ({acc.accepted} of {acc.drafted} drafts kept "
+              f"over {acc.steps} verify steps)", file=sys.stderr)
     return 0
 
 
@@ -90,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--thinking", action="store_true", help="chat template in thinking mode")
     r.add_argument("--prompt-ids", default=None, help="comma-separated prompt token ids")
     r.add_argument("--print-ids", action="store_true", help="print generated ids, comma-separated")
+    r.add_argument("--speculative", choices=("dspark", "off"), default=None,
+                   help="decode with the checkpoint's DSpark draft layers (default: dspark when it has them)")
 
     from server.lifecycle import add_serve_args
 

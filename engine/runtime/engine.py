@@ -18,6 +18,7 @@ from engine.checkpoint.reader import Checkpoint
 from engine.model.config import ModelConfig, load_config
 from engine.runtime.runner import ModelRunner as Model
 from engine.runtime.sampling import SampleJob, SamplingParams, make_rngs
+from engine.runtime.spec_decode import SpecStats, draft_of, speculative_generate
 from engine.settings import Settings
 from engine.state.sequence import SequenceState
 from engine.text.tokenizer import Tokenizer
@@ -62,6 +63,7 @@ class Engine:
         self.model_id, self.ckpt_dir = model_id, ckpt_dir
         self.device = device  # CUDA device id (cupy backend with --gpus), else None
         self.memory_plan = None  # engine.runtime.memory_plan.MemoryPlan when loaded with gpus
+        self.last_acceptance: SpecStats | None = None  # the last speculative generate()'s figures
 
     @classmethod
     def load(cls, ckpt_dir: str | Path | None = None, backend: str = "numpy",
@@ -146,11 +148,24 @@ class Engine:
 
     # ---- convenience for the CLI and tests ------------------------------------------------
     def generate(self, prompt_ids: list[int], max_tokens: int, params: SamplingParams | None = None,
-                 stop_at_eos: bool = True, state: SequenceState | None = None) -> list[int]:
-        """Prefill the prompt, then decode up to max_tokens tokens (one sequence)."""
+                 stop_at_eos: bool = True, state: SequenceState | None = None,
+                 speculative: bool | None = None) -> list[int]:
+        """Prefill the prompt, then decode up to max_tokens tokens (one sequence). speculative:
+        decode with the checkpoint's DSpark draft (engine/runtime/spec_decode.py; None: where the
+        checkpoint has draft layers); its figures are left in last_acceptance (else None)."""
         params = params or SamplingParams(temperature=0.0)
         rng = make_rngs(params.seed)[0]
         st = state or self.new_state()
+        self.last_acceptance = None
+        if speculative is None:
+            speculative = draft_of(self.model) is not None
+        if speculative:
+            stats = SpecStats()
+            with self._on_device():
+                out = speculative_generate(self.model, prompt_ids, max_tokens, params,
+                                           self.eos_ids if stop_at_eos else (), st, stats, rng)
+            self.last_acceptance = stats
+            return out
         out: list[int] = []
         chunk = list(prompt_ids)
         while len(out) < max_tokens:
@@ -160,7 +175,6 @@ class Engine:
                 break
             chunk = [tok]
         return out
-
 
 def _plan_gpus(cfg: ModelConfig, ckpt: Checkpoint, gpus, max_seqs: int, max_context: int, prefill_chunk: int,
                expert_split: str = "ep"):

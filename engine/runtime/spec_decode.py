@@ -1,0 +1,120 @@
+"""Speculative decoding of one sequence with the checkpoint's DSpark draft (engine/model/dspark.py),
+exact: the same tokens as plain decoding for greedy requests, the same distribution for sampled
+ones (the verify rule: engine/runtime/speculative.py).
+
+A step, with the sequence's state holding every emitted token but the last, t:
+- the draft proposes k = block_size tokens d_0 .. d_{k-1} after t (it reads its window state only);
+- the main model runs [t, d_0 .. d_{k-1}] as one chunk of k + 1 rows on a copy of the state, its
+  logits at every row and its target layers' inputs collected;
+- verify keeps d_0 .. d_{n-1} and appends the main model's own token (n + 1 tokens);
+- when every row is kept (n = k), the copy becomes the state and the draft absorbs its k + 1 rows;
+  otherwise the state, never touched, is fed [t, d_0 .. d_{n-1}] and the draft absorbs those.
+So rejected rows leave no trace by construction (window rings, compressor groups, indexer keys,
+Engram look-back, the draft's windows), and the state always equals plain decoding's at the same
+position: plain decoding feeds each token at the step after it is drawn, so after its last token
+its state holds the prompt and every emitted token but the last, as here. A step that ends inside
+its block (EOS) re-feeds only the rows up to the last emitted token, for the same reason; max_tokens
+never ends inside one (the block is shortened to what may still be emitted).
+
+The draft draws its tokens greedily (argmax), so verify weighs them as point masses
+(draft_probs=None), which is exact for any sampling parameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from engine.runtime.sampling import SamplingParams, make_rngs, sample
+from engine.runtime.speculative import verify
+from engine.state.sequence import SequenceState
+
+
+@dataclass
+class SpecStats:
+    """What a speculative generation did: tokens emitted at each verify step (1 .. k + 1; the
+    prompt's step, which emits one token with no draft, is not counted), drafts proposed and kept."""
+
+    lengths: list[int] = field(default_factory=list)
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def steps(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Mean tokens emitted per verify step (plain decoding: 1.0)."""
+        return sum(self.lengths) / len(self.lengths) if self.lengths else 0.0
+
+
+def draft_of(model):
+    """The runner's DSpark draft, or None (no draft layers, or a runner without one)."""
+    return getattr(getattr(model, "model", None), "dspark", None)
+
+
+def _adopt(dst: SequenceState, src: SequenceState) -> None:
+    """dst takes src's contents (the caller's state object stays the one that holds them)."""
+    for f in dataclasses.fields(SequenceState):
+        setattr(dst, f.name, getattr(src, f.name))
+
+
+def _feed(model, dsp, st: SequenceState, ds, chunk: list[int], all_logits: bool):
+    """Feed a chunk to the main model and let the draft absorb its rows; the logits."""
+    targets = dsp.targets
+    logits = model.forward([st], [chunk], all_logits=all_logits, targets=targets)[0]
+    dsp.absorb(ds, targets, len(chunk))
+    return logits
+
+
+def _first_stop(tokens: list[int], stops: Iterable[int]) -> int:
+    """How many of tokens to emit: up to and including the first stop id."""
+    stops = set(stops)
+    for j, t in enumerate(tokens):
+        if t in stops:
+            return j + 1
+    return len(tokens)
+
+
+def speculative_generate(model, prompt_ids: list[int], max_tokens: int, params: SamplingParams,
+                         eos_ids: Iterable[int], state: SequenceState, stats: SpecStats | None = None,
+                         rng: np.random.Generator | None = None) -> list[int]:
+    """Prefill the prompt into `state`, then decode up to max_tokens tokens speculatively,
+    stopping after an id of eos_ids (empty: never). `model`: a ModelRunner with a draft."""
+    dsp = draft_of(model)
+    if dsp is None:
+        raise ValueError("speculative decoding needs a checkpoint with DSpark draft layers")
+    stats = stats if stats is not None else SpecStats()
+    rng = rng if rng is not None else make_rngs(params.seed)[0]
+    eos = tuple(eos_ids)
+    out: list[int] = []
+    if max_tokens <= 0:
+        return out
+    ds = dsp.new_state()
+    ds.position = state.position  # (a state passed in with history: the draft's windows start here)
+    logits = _feed(model, dsp, state, ds, list(prompt_ids), all_logits=False)
+    out.append(sample(logits, params, out, rng)[0])
+    while len(out) < max_tokens and out[-1] not in eos:
+        last = out[-1]
+        k = min(dsp.block_size, max_tokens - len(out) - 1)
+        drafts = [int(x) for x in dsp.draft(ds, last).tokens[:k]] if k > 0 else []
+        chunk = [last, *drafts]
+        trial, targets = state.clone(), dsp.targets
+        main_logits = model.forward([trial], [chunk], all_logits=True, targets=targets)[0]
+        tokens, n = verify(np.asarray(main_logits).reshape(len(chunk), -1), drafts, None, params, out, rng)
+        keep = _first_stop(tokens, eos)
+        tokens = tokens[:keep]
+        if keep == len(chunk):  # every row kept: the copy holds exactly the emitted tokens but the last
+            _adopt(state, trial)
+            dsp.absorb(ds, targets, len(chunk))
+        else:  # the untouched state takes the kept rows only
+            _feed(model, dsp, state, ds, chunk[:keep], all_logits=False)
+        out.extend(tokens)
+        stats.lengths.append(len(tokens))
+        stats.drafted += k
+        stats.accepted += min(n, keep)
+    return out
