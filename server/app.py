@@ -50,6 +50,7 @@ class Options:
     served_model_names: tuple[str, ...] = ()  # --served-model-name (default: the checkpoint's canonical id)
     load_delay_s: float = 0.0  # test hook: wait after each tensor read, as slow storage would
     limits: limits.Limits = field(default_factory=limits.Limits)  # timeouts, connection and size caps
+    speculative: str | None = None  # dspark | off (None: dspark where the checkpoint has draft layers)
 
 
 @dataclass
@@ -85,7 +86,7 @@ def _attach_engine(st: ServerState, engine: Any) -> None:
     st.model_ids = st.names.served
     mid = st.model_ids[0]
     st.scheduler = Scheduler(engine, st.metrics, max_batch=st.opts.max_batch, max_queue=st.opts.max_queue,
-                             prefill_chunk=st.opts.prefill_chunk, kv=st.kv)
+                             prefill_chunk=st.opts.prefill_chunk, kv=st.kv, speculative=st.opts.speculative)
     st.metrics.bind(st.model_ids[0], st.scheduler, engine, context_len=st.context_len, kv=st.kv)
     st.scheduler.start()
     st.phase = "ready"

@@ -226,6 +226,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue", type=int, default=256, help="waiting sequences before 429")
     p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens prefilled per step")
     p.add_argument("--max-model-len", type=int, default=None, help="cap the context length")
+    p.add_argument("--speculative", choices=("dspark", "off"), default=None,
+                   help="speculative decoding with the checkpoint's draft layers (default: dspark when it has them)")
     p.add_argument("--keepalive", type=float, default=5.0, help="seconds between SSE keep-alives")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish work on SIGTERM")
     lim = limits.Limits.__dataclass_fields__
@@ -263,6 +265,7 @@ def serve_main(args: argparse.Namespace) -> int:
         drain_timeout_s=getattr(args, "drain_timeout", 30.0), kv=_kv_config(args),
         served_model_names=tuple(getattr(args, "served_model_name", None) or ()),
         load_delay_s=getattr(args, "load_delay_per_tensor", 0.0),
+        speculative=getattr(args, "speculative", None),
         limits=limits.Limits(**{k: getattr(args, a) for k, a in (
             ("idle_timeout_s", "idle_timeout"), ("body_timeout_s", "body_timeout"),
             ("stream_write_timeout_s", "stream_write_timeout"), ("max_connections", "max_connections"))

@@ -29,6 +29,7 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
                            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 N_BUCKETS = (1, 2, 5, 10, 20)
+SPEC_LENGTH_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
 
 # our finish reasons -> vLLM's FinishReason values (tool calls end on a stop token for the engine)
 VLLM_REASON = {"stop": "stop", "tool_calls": "stop", "length": "length", "cancelled": "abort", "error": "error"}
@@ -195,13 +196,37 @@ class Metrics:
         self.requests = ours_counter("dsuf_requests", "Finished sequences by our finish reason.", "finish_reason")
         self.rejected = ours_counter("dsuf_requests_rejected", "Requests refused with 429: the queue was full.")
         self.steps = ours_counter("dsuf_engine_steps", "Batched engine steps.")
+        self._bind_spec(counter, ours_counter, ours)
         for status, n in self._early_errors.items():
             self._http.labels(model_name, status).inc(n)
         self._early_errors.clear()
         if kv is not None:
             r.register(kv.stats.collector(model_name))
 
+    def _bind_spec(self, counter: Callable[..., Any], ours_counter: Callable[..., Any], ours: tuple[str]) -> None:
+        """Speculative decoding (server/speculate.py): vLLM's counters and ours, and the
+        distribution of tokens emitted per verify step (1 .. block size + 1)."""
+        self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Verify steps of speculative decoding.")
+        self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.")
+        self.spec_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.spec_drafted = ours_counter("dsuf_spec_drafted_tokens", "Draft tokens proposed to the verify step.")
+        self.spec_accepted = ours_counter("dsuf_spec_accepted_tokens", "Draft tokens the verify step kept.")
+        self.spec_length = Histogram("dsuf_spec_acceptance_length", "Tokens emitted per verify step of a "
+                                     "speculating sequence (accepted drafts plus the main model's own token).",
+                                     ("model_name",), buckets=SPEC_LENGTH_BUCKETS,
+                                     registry=self.registry).labels(*ours)
+
     # ------------------------------------------------------------ call sites
+
+    def spec(self, stats: Any) -> None:
+        """One sequence's verify steps (engine.runtime.spec_decode.SpecStats)."""
+        self.spec_drafts.inc(len(stats.lengths))
+        self.spec_draft_tokens.inc(stats.drafted)
+        self.spec_accepted_tokens.inc(stats.accepted)
+        self.spec_drafted.inc(stats.drafted)
+        self.spec_accepted.inc(stats.accepted)
+        for n in stats.lengths:
+            self.spec_length.observe(n)
 
     def _http_error(self, amount: float = 1.0, *, status: str) -> None:
         if self.model_name is None:

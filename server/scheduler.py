@@ -23,7 +23,7 @@ import numpy as np
 from engine.runtime.sampling import SampleJob, SamplingParams, make_rngs
 from kvcache import serving as kv_serving
 
-from . import guided
+from . import guided, speculate
 from .metrics import Metrics
 from .protocol import MAX_TOP_LOGPROBS, APIError, GenRequest, bad, short
 from .streaming import Delta, OutputProcessor
@@ -83,6 +83,11 @@ class Sequence:
     # constrained decoding (server/guided.py): the matcher, or why it failed
     constraint: Any = None
     guide_error: str | None = None
+    # speculative decoding (server/speculate.py): whether s speculates, its draft's state, and
+    # whether its state ran ahead of plain decoding's (it finished inside a block)
+    speculate: bool = False
+    draft: Any = None
+    state_ahead: bool = False
 
     @property
     def waits_for_leader(self) -> bool:
@@ -96,7 +101,7 @@ class Sequence:
 
 class Scheduler:
     def __init__(self, engine: Any, metrics: Metrics, *, max_batch: int = 32, max_queue: int = 256,
-                 prefill_chunk: int = 512, kv: Any = None):
+                 prefill_chunk: int = 512, kv: Any = None, speculative: str | None = None):
         self.engine = engine
         self.kv = kv  # kvcache.cache.StateCache or None
         self.metrics = metrics
@@ -106,6 +111,7 @@ class Scheduler:
         self.executor = engine_executor(engine)
         self.eos_ids = {int(t) for t in getattr(engine, "eos_ids", (engine.tokenizer.eos_id,))}
         self.guide = guided.Guide(engine)
+        self.spec = speculate.Speculator(engine, speculative)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.accepting = True
@@ -169,6 +175,8 @@ class Scheduler:
         ]
         for s in seqs[1:]:  # the prompt is prefilled once, by choice 0
             s.leader = seqs[0]
+        for s in seqs:
+            s.speculate = self.spec.eligible(s)
         return seqs
 
     def submit(self, seqs: list[Sequence]) -> None:
@@ -279,6 +287,24 @@ class Scheduler:
         return batch, chunks, do_sample
 
     def _execute(self, batch: list[Sequence], chunks: list[list[int]], do_sample: list[bool]) -> list:
+        """Runs in the engine thread: speculating sequences one by one (server/speculate.py), then
+        the others in one batched step. batch / chunks are reordered in place to match the results."""
+        mine = [i for i, s in enumerate(batch) if s.speculate]
+        if not mine:
+            return self._execute_batched(batch, chunks, do_sample)
+        results = [self.spec.run(batch[i], chunks[i], do_sample[i], self._eos(batch[i]), self.kv) for i in mine]
+        rest = [i for i in range(len(batch)) if not batch[i].speculate]
+        b, c = [batch[i] for i in rest], [chunks[i] for i in rest]
+        if b:
+            results += self._execute_batched(b, c, [do_sample[i] for i in rest])
+        batch[:] = [batch[i] for i in mine] + b
+        chunks[:] = [chunks[i] for i in mine] + c
+        return results
+
+    def _eos(self, s: Sequence) -> tuple[int, ...]:
+        return () if s.gen.ignore_eos else tuple(sorted(self.eos_ids))
+
+    def _execute_batched(self, batch: list[Sequence], chunks: list[list[int]], do_sample: list[bool]) -> list:
         """Runs in the engine thread. A leader that finishes its prompt forks its state to the
         choices waiting on it, which sample their first token from the same logits; they are
         appended to batch / chunks (with an empty chunk) so _apply handles them alike."""
@@ -343,6 +369,7 @@ class Scheduler:
         """A fresh state for s holding exactly the tokens it had consumed before this step."""
         consumed = s.prompt[:s.n_prefilled] if s.prefilling else s.prompt + s.generated[:-1]
         s.state = None
+        s.speculate, s.draft = False, None  # its draft state is lost with it: plain decoding from here
         if not consumed:
             return
         st = self.engine.new_state()
@@ -370,10 +397,23 @@ class Scheduler:
                 self.metrics.prompt_tokens.inc(len(s.prompt))
         if res is None:
             return
-        tok, lp, top = res
+        if isinstance(res, speculate.Emitted):
+            if res.stats is not None:
+                self.metrics.spec(res.stats)
+            for j, tok in enumerate(res.tokens):
+                # the state holds the step's tokens but the last: one that ends earlier (a stop
+                # string) leaves it ahead of plain decoding's, so it gives no answer snapshot
+                s.state_ahead = j + 1 < len(res.tokens)
+                if not self._emit(s, tok, None, None, now):
+                    break
+            return
+        self._emit(s, *res, now)
+
+    def _emit(self, s: Sequence, tok: int, lp: float | None, top: Any, now: float) -> bool:
+        """One generated token of s; whether s goes on."""
         if s.gen.grammar is not None and (err := guided.advance(s, tok)) is not None:
             self._fail(s, err)
-            return
+            return False
         s.generated.append(tok)
         self.metrics.token(s, now)
         if s.t_first is None:
@@ -393,11 +433,12 @@ class Scheduler:
                 finish = "length"
         if finish is None:
             s.sink.put_nowait(ev)
-            return
+            return True
         ev.delta.extend(s.proc.finish(stopped=by_stop_string))
         if finish == "stop" and s.proc.has_tool_calls:
             finish = "tool_calls"
         self._finish(s, finish, ev)
+        return False
 
     def _finish(self, s: Sequence, reason: str, ev: Event) -> None:
         s.finished = True
@@ -407,7 +448,8 @@ class Scheduler:
         ev.prompt_tokens, ev.completion_tokens = len(s.prompt), len(s.generated)
         ev.cached_tokens = s.n_cached
         s.sink.put_nowait(ev)
-        if self.kv is not None:  # the answer's state, serialized in the engine thread (in step order)
+        # the answer's state, serialized in the engine thread (in step order)
+        if self.kv is not None and not s.state_ahead:
             self.executor.submit(kv_serving.snapshot_answer, self.kv, s)
         self.metrics.finished(s, reason)
         self._check_idle()

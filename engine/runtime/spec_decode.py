@@ -63,8 +63,9 @@ def _adopt(dst: SequenceState, src: SequenceState) -> None:
         setattr(dst, f.name, getattr(src, f.name))
 
 
-def _feed(model, dsp, st: SequenceState, ds, chunk: list[int], all_logits: bool):
-    """Feed a chunk to the main model and let the draft absorb its rows; the logits."""
+def feed(model, dsp, st: SequenceState, ds, chunk: list[int], all_logits: bool):
+    """Feed a chunk (a prompt chunk, or re-fed kept rows) to the main model and let the draft
+    absorb its rows; the logits."""
     targets = dsp.targets
     logits = model.forward([st], [chunk], all_logits=all_logits, targets=targets)[0]
     dsp.absorb(ds, targets, len(chunk))
@@ -78,6 +79,32 @@ def _first_stop(tokens: list[int], stops: Iterable[int]) -> int:
         if t in stops:
             return j + 1
     return len(tokens)
+
+
+def speculative_step(model, dsp, state: SequenceState, ds, generated: list[int], room: int,
+                     params: SamplingParams, eos: Iterable[int], rng: np.random.Generator,
+                     stats: SpecStats) -> list[int]:
+    """One step after generated[-1] (the state holds every token before it): draft, verify on a
+    copy, keep the copy or re-feed the kept rows. Returns the 1 .. min(block + 1, room) tokens
+    emitted, ending at the first id of eos if one is drawn; `generated` is not changed."""
+    last = generated[-1]
+    k = min(dsp.block_size, room - 1)
+    drafts = [int(x) for x in dsp.draft(ds, last).tokens[:k]] if k > 0 else []
+    chunk = [last, *drafts]
+    trial, targets = state.clone(), dsp.targets
+    main_logits = model.forward([trial], [chunk], all_logits=True, targets=targets)[0]
+    tokens, n = verify(np.asarray(main_logits).reshape(len(chunk), -1), drafts, None, params, generated, rng)
+    keep = _first_stop(tokens, eos)
+    tokens = tokens[:keep]
+    if keep == len(chunk):  # every row kept: the copy holds exactly the emitted tokens but the last
+        _adopt(state, trial)
+        dsp.absorb(ds, targets, len(chunk))
+    else:  # the untouched state takes the kept rows only
+        feed(model, dsp, state, ds, chunk[:keep], all_logits=False)
+    stats.lengths.append(len(tokens))
+    stats.drafted += k
+    stats.accepted += min(n, keep)
+    return tokens
 
 
 def speculative_generate(model, prompt_ids: list[int], max_tokens: int, params: SamplingParams,
@@ -96,25 +123,8 @@ def speculative_generate(model, prompt_ids: list[int], max_tokens: int, params: 
         return out
     ds = dsp.new_state()
     ds.position = state.position  # (a state passed in with history: the draft's windows start here)
-    logits = _feed(model, dsp, state, ds, list(prompt_ids), all_logits=False)
+    logits = feed(model, dsp, state, ds, list(prompt_ids), all_logits=False)
     out.append(sample(logits, params, out, rng)[0])
     while len(out) < max_tokens and out[-1] not in eos:
-        last = out[-1]
-        k = min(dsp.block_size, max_tokens - len(out) - 1)
-        drafts = [int(x) for x in dsp.draft(ds, last).tokens[:k]] if k > 0 else []
-        chunk = [last, *drafts]
-        trial, targets = state.clone(), dsp.targets
-        main_logits = model.forward([trial], [chunk], all_logits=True, targets=targets)[0]
-        tokens, n = verify(np.asarray(main_logits).reshape(len(chunk), -1), drafts, None, params, out, rng)
-        keep = _first_stop(tokens, eos)
-        tokens = tokens[:keep]
-        if keep == len(chunk):  # every row kept: the copy holds exactly the emitted tokens but the last
-            _adopt(state, trial)
-            dsp.absorb(ds, targets, len(chunk))
-        else:  # the untouched state takes the kept rows only
-            _feed(model, dsp, state, ds, chunk[:keep], all_logits=False)
-        out.extend(tokens)
-        stats.lengths.append(len(tokens))
-        stats.drafted += k
-        stats.accepted += min(n, keep)
+        out.extend(speculative_step(model, dsp, state, ds, out, max_tokens - len(out), params, eos, rng, stats))
     return out

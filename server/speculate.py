@@ -1,0 +1,82 @@
+"""The scheduler's side of speculative decoding with the checkpoint's DSpark draft
+(engine/runtime/spec_decode.py), exact: the same tokens as plain decoding for greedy requests, the
+same distribution for sampled ones.
+
+A speculating sequence runs on its own inside the engine thread, outside the batched step: each of
+its prompt chunks is fed with the draft absorbing the main model's target-layer inputs (the batched
+step does not collect them per sequence), and each decode step is spec_decode's speculative_step
+(draft, verify [last, drafts] on a copy of the state, keep the copy or re-feed the kept rows), so
+its state always equals plain decoding's at the same position. Batching the verify forwards of
+several sequences is later work.
+
+Requests stay on the plain path when speculation would need more than this: constrained decoding
+(the grammar's masks must follow every drafted token), logprobs (the verify step reports none) and
+n > 1 (choices fork their leader's state at the prompt's end, and the draft's state with it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from engine.runtime.sampling import sample
+from engine.runtime.spec_decode import SpecStats, draft_of, feed, speculative_step
+from kvcache import serving as kv_serving
+
+MODES = ("dspark", "off")
+
+
+@dataclass
+class Emitted:
+    """A speculating sequence's tokens of one step (stats: None for the prompt's first token)."""
+
+    tokens: list[int]
+    stats: SpecStats | None = None
+
+
+class Speculator:
+    """Per scheduler: the engine's draft, or none (mode "off", or a checkpoint without draft layers)."""
+
+    def __init__(self, engine: Any, mode: str | None = None):
+        if mode not in (None, *MODES):
+            raise ValueError(f"speculative mode must be one of {MODES}, not {mode!r}")
+        self.engine = engine
+        self.dsp = None if mode == "off" else draft_of(getattr(engine, "model", None))
+        if mode == "dspark" and self.dsp is None:
+            raise ValueError("--speculative dspark needs a checkpoint with DSpark draft layers "
+                             "(on the numpy backend)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.dsp is not None
+
+    @property
+    def block_size(self) -> int:
+        return int(self.dsp.block_size) if self.dsp is not None else 0
+
+    def eligible(self, s: Any) -> bool:
+        """Whether sequence s speculates (decided at admission, before its first step)."""
+        return (self.dsp is not None and s.gen.n == 1 and s.leader is None and s.gen.grammar is None
+                and not s.params.logprobs)
+
+    def run(self, s: Any, chunk: list[int], do_sample: bool, eos: tuple[int, ...], kv: Any) -> Emitted | None:
+        """Engine thread: one step of speculating sequence s (a prompt chunk, or a decode step
+        after s.generated[-1], which `chunk` then holds)."""
+        model, dsp = self.engine.model, self.dsp
+        if s.state is None:
+            s.state = self.engine.new_state()
+        if s.draft is None:  # a state restored from the cache: the draft's windows start here
+            s.draft = dsp.new_state()
+            s.draft.position = s.state.position
+        if s.prefilling:
+            logits = feed(model, dsp, s.state, s.draft, list(chunk), all_logits=False)
+            kv_serving.snapshot_prompt(kv, s, s.n_prefilled + len(chunk))
+            if not do_sample:
+                return None
+            return Emitted([int(sample(np.asarray(logits), s.params, s.generated, s.rng)[0])])
+        stats = SpecStats()
+        room = s.max_tokens - len(s.generated)
+        tokens = speculative_step(model, dsp, s.state, s.draft, s.generated, room, s.params, eos, s.rng, stats)
+        return Emitted(tokens, stats)

@@ -1,0 +1,218 @@
+"""Speculative decoding through the server (server/speculate.py): a random tiny V4.1 checkpoint
+with draft layers, served with `speculative` dspark and off. Greedy outputs are identical to each
+other and to Engine.generate's plain decoding under concurrent streams, max_tokens and stop
+strings that end inside a block give the plain path's tokens, the metrics counters move, and a
+streamed request carries the same text.
+
+A random draft rarely agrees with a random main model, so the tests that need multi-token steps
+use a second engine whose draft always proposes one token X (its Markov head edited in memory, as
+in tests/unit/test_speculative_decode.py) and steer the main model to X with logit_bias.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.request
+
+import numpy as np
+import pytest
+
+from engine.checkpoint.tiny_model import write_tiny_model
+from engine.runtime.engine import Engine
+from engine.runtime.sampling import SamplingParams
+from server.metrics import parse_prometheus
+from tests.conftest import ServerThread
+
+SIZES = dict(layers=4, hidden=128, heads=2, head_dim=64, q_lora=64, o_lora=64, moe_inter=64, experts=4,
+             vocab=1024, window=8, index_topk=4, index_heads=4, index_head_dim=32, candidate_blocks=2,
+             engram_vocab=200, markov_rank=16, draft_layers=2, draft_experts=4)
+X = 777  # the token the agreeing draft proposes
+BIAS = {str(X): 100}
+
+
+def _prompt(n: int, seed: int = 0) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed + n).integers(10, 1000, size=n)]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("spec_srv"), "v41", seed=21, draft=True, **SIZES)
+
+
+@pytest.fixture(scope="module")
+def tiny(ckpt) -> Engine:
+    return Engine.load(ckpt)
+
+
+@pytest.fixture(scope="module")
+def agreeing(ckpt) -> Engine:
+    eng = Engine.load(ckpt)
+    mh = eng.model.model.dspark.markov_head
+    mh.embed = np.ones_like(mh.embed)
+    head = np.zeros_like(mh.head)
+    head[X] = 1e4 / head.shape[1]
+    mh.head = head
+    return eng
+
+
+def _servers(eng: Engine):
+    on, off = ServerThread(eng, speculative="dspark"), ServerThread(eng, speculative="off")
+    return on, off
+
+
+@pytest.fixture(scope="module")
+def tiny_servers(tiny):
+    on, off = _servers(tiny)
+    yield on, off
+    on.shutdown()
+    off.shutdown()
+
+
+@pytest.fixture(scope="module")
+def agreeing_servers(agreeing):
+    on, off = _servers(agreeing)
+    yield on, off
+    on.shutdown()
+    off.shutdown()
+
+
+def _post(srv, body: dict) -> dict:
+    req = urllib.request.Request(srv.base + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.load(r)
+
+
+def _model(srv) -> str:
+    with urllib.request.urlopen(srv.base + "/v1/models", timeout=30) as r:
+        return json.load(r)["data"][0]["id"]
+
+
+def _complete(srv, prompt: list[int], max_tokens: int, **kw) -> dict:
+    body = {"model": _model(srv), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "return_token_ids": True, **kw}
+    return _post(srv, body)["choices"][0]
+
+
+def _metrics(srv) -> dict[str, float]:
+    with urllib.request.urlopen(srv.base + "/metrics", timeout=30) as r:
+        return parse_prometheus(r.read().decode())
+
+
+def _stream_text(srv, prompt: list[int], max_tokens: int, **kw) -> tuple[str, str | None]:
+    body = {"model": _model(srv), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, **kw}
+    req = urllib.request.Request(srv.base + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    text, finish = "", None
+    with urllib.request.urlopen(req, timeout=120) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for c in json.loads(line[6:]).get("choices", []):
+                text += c.get("text") or ""
+                finish = c.get("finish_reason") or finish
+    return text, finish
+
+
+def test_speculative_mode_checks(tiny) -> None:
+    from server.metrics import Metrics
+    from server.scheduler import Scheduler
+
+    assert Scheduler(tiny, Metrics()).spec.enabled  # default: dspark where the checkpoint has draft layers
+    assert not Scheduler(tiny, Metrics(), speculative="off").spec.enabled
+    demo = Engine.load(None)
+    assert not Scheduler(demo, Metrics()).spec.enabled
+    with pytest.raises(ValueError, match="draft layers"):
+        Scheduler(demo, Metrics(), speculative="dspark")
+
+
+def test_greedy_equal_under_concurrent_streams(tiny, tiny_servers) -> None:
+    on, off = tiny_servers
+    prompts = [_prompt(n, seed) for seed in (0, 1) for n in (3, 9, 17, 30, 45, 60)]  # 12 streams
+    max_tokens = 20
+    before = _metrics(on)
+    outs = []
+    for srv in (on, off):
+        got: list = [None] * len(prompts)
+
+        def one(i: int, srv=srv, got=got) -> None:
+            # odd ones ask for logprobs: the plain path, batched beside the speculating sequences
+            c = _complete(srv, prompts[i], max_tokens, **({"logprobs": 1} if i % 2 else {}))
+            got[i] = (c["prompt_token_ids"], c["token_ids"])
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        outs.append(got)
+    # the server's prompt (its BOS first) decoded alone by the engine, plainly
+    plain = [(p, tiny.generate(p, max_tokens, SamplingParams(temperature=0.0), speculative=False))
+             for p, _ in outs[1]]
+    assert outs[0] == outs[1] == plain
+    assert any(len(t) == max_tokens for _, t in plain)
+    after = _metrics(on)
+    assert after["dsuf_spec_drafted_tokens_total"] > before.get("dsuf_spec_drafted_tokens_total", 0)
+    assert after["vllm:spec_decode_num_drafts_total"] > before.get("vllm:spec_decode_num_drafts_total", 0)
+    assert after["dsuf_spec_acceptance_length_count"] > before.get("dsuf_spec_acceptance_length_count", 0)
+    assert _metrics(off).get("dsuf_spec_drafted_tokens_total", 0) == 0
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 8, 13])
+def test_multi_token_steps_and_max_tokens_inside_a_block(agreeing, agreeing_servers, max_tokens) -> None:
+    on, off = agreeing_servers
+    prompt = _prompt(11)
+    before = _metrics(on)
+    a = _complete(on, prompt, max_tokens, logit_bias=BIAS)
+    b = _complete(off, prompt, max_tokens, logit_bias=BIAS)
+    plain = agreeing.generate(b["prompt_token_ids"], max_tokens,
+                              SamplingParams(temperature=0.0, logit_bias=((X, 100.0),)), speculative=False)
+    assert a["token_ids"] == b["token_ids"] == plain
+    assert a["finish_reason"] == b["finish_reason"] == ("length" if len(plain) == max_tokens else "stop")
+    after = _metrics(on)
+    if max_tokens > 2:  # a verify step kept drafts
+        assert after["dsuf_spec_accepted_tokens_total"] - before.get("dsuf_spec_accepted_tokens_total", 0) \
+            == max_tokens - 2 - (max_tokens - 2) // 6
+        assert after["vllm:spec_decode_num_accepted_tokens_total"] == after["dsuf_spec_accepted_tokens_total"]
+
+
+def test_stop_string_inside_a_block_and_streaming(agreeing, agreeing_servers) -> None:
+    on, off = agreeing_servers
+    prompt = _prompt(7)
+    piece = agreeing.tokenizer.decode([X])
+    assert piece
+    stop = piece * 3
+    a = _complete(on, prompt, 20, logit_bias=BIAS, stop=[stop])
+    b = _complete(off, prompt, 20, logit_bias=BIAS, stop=[stop])
+    assert a["token_ids"] == b["token_ids"] and a["text"] == b["text"]
+    assert a["finish_reason"] == b["finish_reason"] == "stop"
+    assert 3 <= len(a["token_ids"]) < 7  # ended inside the first verify step's block
+    text_on, fin_on = _stream_text(on, prompt, 16, logit_bias=BIAS)
+    text_off, fin_off = _stream_text(off, prompt, 16, logit_bias=BIAS)
+    assert text_on == text_off == _complete(off, prompt, 16, logit_bias=BIAS)["text"]
+    assert fin_on == fin_off == "length"
+
+
+def test_agreeing_draft_under_concurrent_streams(agreeing_servers) -> None:
+    """Sequences keeping whole blocks, ending at different places inside them, side by side."""
+    on, off = agreeing_servers
+    cases = [(_prompt(n, 5), m) for n, m in zip((2, 6, 10, 14, 19, 23, 31, 40), (3, 7, 8, 9, 12, 14, 15, 20),
+                                               strict=True)]
+    outs = []
+    for srv in (on, off):
+        got: list = [None] * len(cases)
+
+        def one(i: int, srv=srv, got=got) -> None:
+            got[i] = _complete(srv, cases[i][0], cases[i][1], logit_bias=BIAS)["token_ids"]
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(cases))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        outs.append(got)
+    assert outs[0] == outs[1]
+    assert [len(t) for t in outs[0]] == [m for _, m in cases]
