@@ -63,9 +63,9 @@ class Server:
             env["DSUF_KV_SECRET"] = self.secret
         self.log = open(self.tmp / f"{self.name}.log", "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "dsuf.py", "serve", "--port", str(self.port), "--kv-node-id", self.name,
-             "--host-cache-gb", str(self.cache_gb), "--kv-fetch-timeout", "2", "--kv-ttl", "20",
-             "--drain-timeout", "5"],
+            [sys.executable, "dsuf.py", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+             "--kv-node-id", self.name, "--host-cache-gb", str(self.cache_gb), "--kv-fetch-timeout", "2",
+             "--kv-ttl", "20", "--drain-timeout", "5"],
             cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float = 90.0) -> None:

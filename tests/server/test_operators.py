@@ -5,6 +5,7 @@ drain that keeps the listener open."""
 from __future__ import annotations
 
 import ast
+import errno
 import http.client
 import json
 import re
@@ -23,9 +24,19 @@ SEED = Path(__file__).parent / "clients" / "seed_stream.py"
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free on 127.0.0.1 and, where the machine has it, on ::1 (the default host `localhost`
+    binds both)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+            try:
+                with socket.socket(socket.AF_INET6) as s6:
+                    s6.bind(("::1", port))
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    continue
+            return port
 
 
 class Serve:

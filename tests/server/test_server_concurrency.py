@@ -257,7 +257,7 @@ def test_serve_cli_stream_demo_and_sigterm():
     streaming script against it, then SIGTERM with a request in flight: it finishes, the process exits 0."""
     port = _free_port()
     cmd = [sys.executable, "dsuf.py", "serve"] if (ROOT / "dsuf.py").exists() else [sys.executable, "-m", "server"]
-    proc = subprocess.Popen(cmd + ["--port", str(port)], cwd=ROOT, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(cmd + ["--host", "127.0.0.1", "--port", str(port)], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         base = f"http://127.0.0.1:{port}"
