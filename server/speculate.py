@@ -45,8 +45,8 @@ class Speculator:
         self.engine = engine
         self.dsp = None if mode == "off" else draft_of(getattr(engine, "model", None))
         if mode == "dspark" and self.dsp is None:
-            raise ValueError("--speculative dspark needs a checkpoint with DSpark draft layers "
-                             "(on the numpy backend)")
+            raise ValueError("--speculative dspark needs a checkpoint with DSpark draft layers, on the numpy "
+                             "backend (not yet on the GPU)")
 
     @property
     def enabled(self) -> bool:

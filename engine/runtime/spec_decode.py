@@ -53,7 +53,13 @@ class SpecStats:
 
 
 def draft_of(model):
-    """The runner's DSpark draft, or None (no draft layers, or a runner without one)."""
+    """The runner's DSpark draft, or None (no draft layers, a runner without one, or a backend the
+    speculative step has not been built and measured on: it runs on the numpy backend only, the
+    GPU's draft and verify graphs are not written yet)."""
+    from engine.ops.numpy_ops import NumpyOps
+
+    if not isinstance(getattr(model, "ops", None), NumpyOps):
+        return None
     return getattr(getattr(model, "model", None), "dspark", None)
 
 
@@ -114,7 +120,8 @@ def speculative_generate(model, prompt_ids: list[int], max_tokens: int, params: 
     stopping after an id of eos_ids (empty: never). `model`: a ModelRunner with a draft."""
     dsp = draft_of(model)
     if dsp is None:
-        raise ValueError("speculative decoding needs a checkpoint with DSpark draft layers")
+        raise ValueError("speculative decoding needs a checkpoint with DSpark draft layers, on the numpy "
+                         "backend (not yet on the GPU)")
     stats = stats if stats is not None else SpecStats()
     rng = rng if rng is not None else make_rngs(params.seed)[0]
     eos = tuple(eos_ids)
