@@ -9,18 +9,17 @@ import hashlib
 import json
 import logging
 import math
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
+from checkpoint_edits import fails, open_ckpt, rewritten
 
 from engine.checkpoint import formats as F
 from engine.checkpoint import loader, schema
 from engine.checkpoint import tiny_model as T
 from engine.checkpoint.dspark_schema import draft_layer_of
 from engine.checkpoint.reader import SAFETENSORS_DTYPES, Checkpoint
-from engine.checkpoint.writer import write_safetensors
 from engine.model.config import ConfigError, load_config, parse_config
 from engine.ops.numpy_ops import NumpyOps
 from engine.parallel.shard import ShardPlan, even_range
@@ -43,13 +42,8 @@ def ckpts(tmp_path_factory) -> dict[str, Path]:
             "plain": T.write_tiny_model(root / "plain", "v41", seed=SEED, **SIZES)}
 
 
-def _open(d: Path):
-    cfg = load_config(d)
-    return cfg, Checkpoint(d, block_size=cfg.weight_block_size)
-
-
 def _load(d: Path, plan: ShardPlan | None = None):
-    cfg, ck = _open(d)
+    cfg, ck = open_ckpt(d)
     return cfg, loader.load_weights(cfg, ck, NumpyOps(), plan or ShardPlan.make(cfg))
 
 
@@ -115,7 +109,7 @@ def test_config_validation(over, needle):
 
 
 def test_every_draft_tensor_has_the_schema_shape_and_format(ckpts):
-    cfg, ck = _open(ckpts["draft"])
+    cfg, ck = open_ckpt(ckpts["draft"])
     entries = _draft_entries(cfg)
     block = cfg.weight_block_size
     assert {n for e in entries for n, _, _ in schema.stored_tensors(e.name, e.fmt, e.shape, block)} == \
@@ -218,8 +212,8 @@ def test_loaded_values_equal_what_the_writer_wrote(ckpts):
 def test_hf_naming_loads_the_same(ckpts, tmp_path):
     """The HF V4.1 export names every tensor `model.` + upstream (the transformers port has no
     modules of its own for the draft layers and keeps their names): the same weights load."""
-    d = _rewritten(ckpts["draft"], tmp_path / "hf", lambda t: {"model." + n: x for n, x in t.items()})
-    cfg, ck = _open(d)
+    d = rewritten(ckpts["draft"], tmp_path / "hf", lambda t: {"model." + n: x for n, x in t.items()})
+    cfg, ck = open_ckpt(d)
     assert any(n.startswith("mtp.") for n in ck.names())
     _, a = _load(ckpts["draft"])
     _, b = _load(d)
@@ -261,7 +255,7 @@ def test_tp_slices_of_the_draft_tensors(ckpts, n, split):
 
 
 def test_shard_windows_cover_each_draft_tensor(ckpts):
-    cfg, _ = _open(ckpts["draft"])
+    cfg, _ = open_ckpt(ckpts["draft"])
     for n, split in [(2, "ep"), (4, "width"), (8, "ep")]:
         plans = [ShardPlan.make(cfg, r, n, split) for r in range(n)]
         for e in _draft_entries(cfg):
@@ -299,8 +293,8 @@ def _device_bytes(e, block) -> int:
 
 
 def test_memory_plan_counts_the_draft_bytes(ckpts):
-    cfg_d, ck_d = _open(ckpts["draft"])
-    cfg_p, ck_p = _open(ckpts["plain"])
+    cfg_d, ck_d = open_ckpt(ckpts["draft"])
+    cfg_p, ck_p = open_ckpt(ckpts["plain"])
     want = sum(_device_bytes(e, cfg_d.weight_block_size) for e in _draft_entries(cfg_d) if e.place is not None)
     for n in (1, 2, 4):
         d, p = mp.weight_bytes(cfg_d, ck_d, n), mp.weight_bytes(cfg_p, ck_p, n)
@@ -339,32 +333,11 @@ def test_v41_flash_draft_layers_are_about_7_4_gib():
 # Partial or malformed draft layers
 
 
-def _rewritten(src: Path, dst: Path, edit, config_edit=None) -> Path:
-    ck = Checkpoint(src)
-    tensors = edit({n: (ck.raw(n).dtype, np.asarray(ck.raw(n).array)) for n in ck.names()})
-    dst.mkdir()
-    write_safetensors(dst / "model.safetensors", tensors)
-    cfg = json.loads((src / "config.json").read_text())
-    (dst / "config.json").write_text(json.dumps(config_edit(cfg) if config_edit else cfg))
-    shutil.copy(src / "tokenizer.json", dst / "tokenizer.json")
-    return dst
-
-
-def _fails(d: Path, *needles: str) -> None:
-    cfg, ck = _open(d)
-    for call in (lambda: loader.load_weights(cfg, ck, NumpyOps(), ShardPlan.make(cfg)),
-                 lambda: schema.validate(cfg, ck), lambda: mp.weight_bytes(cfg, ck, 2)):
-        with pytest.raises(schema.SchemaError) as e:
-            call()
-        for s in needles:
-            assert s in str(e.value), (s, str(e.value))
-
-
 def test_missing_draft_tensor_is_named(ckpts, tmp_path):
     gone = "mtp.1.ffn.experts.3.w3.weight"
-    d = _rewritten(ckpts["draft"], tmp_path / "m",
+    d = rewritten(ckpts["draft"], tmp_path / "m",
                    lambda t: {n: x for n, x in t.items() if not n.startswith(gone[:-len("weight")])})
-    _fails(d, "draft layers (mtp.*) disagree", repr(gone), "lacks", "fp4 [64, 128]")
+    fails(d, "draft layers (mtp.*) disagree", repr(gone), "lacks", "fp4 [64, 128]")
 
 
 def test_wrong_draft_shape_is_named(ckpts, tmp_path):
@@ -372,7 +345,7 @@ def test_wrong_draft_shape_is_named(ckpts, tmp_path):
         t["mtp.0.main_proj.weight"] = ("F8_E4M3", np.zeros((128, 256), np.uint8))
         t["mtp.0.main_proj.scale"] = ("F8_E8M0", np.full((4, 8), 127, np.uint8))
         return t
-    _fails(_rewritten(ckpts["draft"], tmp_path / "m", edit), "'mtp.0.main_proj.weight'", "[128, 256]",
+    fails(rewritten(ckpts["draft"], tmp_path / "m", edit), "'mtp.0.main_proj.weight'", "[128, 256]",
            "fp8 [128, 384]")
 
 
@@ -380,12 +353,12 @@ def test_wrong_draft_format_is_named(ckpts, tmp_path):
     def edit(t):
         t["mtp.2.norm.weight"] = ("I32", np.zeros(128, np.int32))
         return t
-    _fails(_rewritten(ckpts["draft"], tmp_path / "m", edit), "'mtp.2.norm.weight'", "I32")
+    fails(rewritten(ckpts["draft"], tmp_path / "m", edit), "'mtp.2.norm.weight'", "I32")
 
 
 def test_declared_but_not_stored(ckpts, tmp_path):
-    d = _rewritten(ckpts["draft"], tmp_path / "m", lambda t: {n: x for n, x in t.items() if not n.startswith("mtp.")})
-    _fails(d, "declares 3 DSpark draft layers", "no mtp.* tensor", "'mtp.0.attn_norm.weight'",
+    d = rewritten(ckpts["draft"], tmp_path / "m", lambda t: {n: x for n, x in t.items() if not n.startswith("mtp.")})
+    fails(d, "declares 3 DSpark draft layers", "no mtp.* tensor", "'mtp.0.attn_norm.weight'",
            "num_nextn_predict_layers to 0")
 
 
@@ -394,15 +367,15 @@ def test_more_draft_layers_stored_than_declared(ckpts, tmp_path):
         c["num_nextn_predict_layers"] = 2
         c["compress_ratios"] = c["compress_ratios"][:-1]
         return c
-    d = _rewritten(ckpts["draft"], tmp_path / "m", lambda t: t, fewer)
-    _fails(d, "draft layer(s) [2]", "'mtp.2.", "declares 2")
+    d = rewritten(ckpts["draft"], tmp_path / "m", lambda t: t, fewer)
+    fails(d, "draft layer(s) [2]", "'mtp.2.", "declares 2")
 
 
 def test_stored_but_not_declared_loads_with_a_warning(ckpts, tmp_path, caplog):
     def none(c):
         c["num_nextn_predict_layers"] = 0
         return c
-    d = _rewritten(ckpts["draft"], tmp_path / "m", lambda t: t, none)
+    d = rewritten(ckpts["draft"], tmp_path / "m", lambda t: t, none)
     with caplog.at_level(logging.WARNING):
         cfg, w = _load(d)
     assert w.dspark is None and len(w.layers) == cfg.num_layers

@@ -6,17 +6,14 @@ with the schema. (The loaded values feed every logits test: tests/reference, tes
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
+from checkpoint_edits import fails, open_ckpt, rewritten
 
 from engine.checkpoint import loader, schema
 from engine.checkpoint import tiny_model as T
-from engine.checkpoint.reader import Checkpoint
-from engine.checkpoint.writer import write_safetensors
-from engine.model.config import load_config
 from engine.ops.numpy_ops import NumpyOps
 from engine.parallel.shard import ShardPlan
 from engine.runtime import memory_plan as mp
@@ -41,11 +38,6 @@ def ckpts(tmp_path_factory) -> dict[str, Path]:
             "tiny-v4": T.write_tiny_model(root / "v4", "v4", seed=2, **V4)}
 
 
-def _open(d: Path):
-    cfg = load_config(d)
-    return cfg, Checkpoint(d, block_size=cfg.weight_block_size)
-
-
 # ---------------------------------------------------------------------------------------------
 # What each rank holds
 
@@ -53,12 +45,12 @@ def _open(d: Path):
 def test_headless_and_expertless_ranks(ckpts):
     """A rank without heads holds no wo_a / wo_b and empty head slices; one without any of the
     experts' or the shared expert's width holds None for them."""
-    cfg, ck = _open(ckpts["tiny-v41"])
+    cfg, ck = open_ckpt(ckpts["tiny-v41"])
     w = loader.load_weights(cfg, ck, NumpyOps(), ShardPlan.make(cfg, 7, 8))
     a = w.layers[0].attn
     assert (a.wo_a, a.wo_b, a.wo_groups) == (None, None, 0)
     assert a.wq_b.shape[0] == 0 and a.sinks.shape == (0,)
-    cfg, ck = _open(ckpts["tiny-v4"])
+    cfg, ck = open_ckpt(ckpts["tiny-v4"])
     w = loader.load_weights(cfg, ck, NumpyOps(), ShardPlan.make(cfg, 3, 4, "width"))
     f = w.layers[1].ffn
     assert f.shared_experts is None and f.experts == [None] * cfg.n_routed_experts
@@ -71,7 +63,7 @@ def test_headless_and_expertless_ranks(ckpts):
 
 def test_tiny_model_writes_the_schema(ckpts):
     for name in ("tiny-v41", "tiny-v4"):
-        cfg, ck = _open(ckpts[name])
+        cfg, ck = open_ckpt(ckpts[name])
         entries = schema.tensor_schema(cfg)
         raw = json.loads((ckpts[name] / "config.json").read_text())
         assert [(s.name, s.fmt, s.shape, s.init) for s in T.tensor_specs(raw)] == \
@@ -85,7 +77,7 @@ def test_planner_counts_the_schema(ckpts):
     """Per-rank bytes from the written checkpoint's headers, from its tensor specs and from the
     config alone (the schema's formats) agree."""
     for name in ("tiny-v41", "tiny-v4"):
-        cfg, ck = _open(ckpts[name])
+        cfg, ck = open_ckpt(ckpts[name])
         specs = T.tensor_specs(json.loads((ckpts[name] / "config.json").read_text()))
         for n in (1, 2):
             got = [[(r.device, r.host, r.tensors) for r in mp.weight_bytes(cfg, src, n)] for src in (ck, specs, None)]
@@ -94,7 +86,7 @@ def test_planner_counts_the_schema(ckpts):
 
 def test_every_place_is_filled(ckpts):
     """Each place of the schema exists in the loaded structure (a wrong place raises in _put)."""
-    cfg, ck = _open(ckpts["tiny-v4"])
+    cfg, ck = open_ckpt(ckpts["tiny-v4"])
     w = loader.load_weights(cfg, ck, NumpyOps(), ShardPlan.make(cfg))
     for e in schema.tensor_schema(cfg):
         if e.place is None or e.part is not None:
@@ -108,7 +100,7 @@ def test_every_place_is_filled(ckpts):
 def test_shard_windows_cover_each_tensor():
     """Over the ranks of a plan, a split tensor's slices add up to it (out groups: shared by the
     ranks inside one), a replicated one is whole everywhere."""
-    cfg, _ = _open(DEMO_V41)
+    cfg, _ = open_ckpt(DEMO_V41)
     for n, split in [(2, "ep"), (4, "width"), (8, "ep")]:
         plans = [ShardPlan.make(cfg, r, n, split) for r in range(n)]
         for e in schema.tensor_schema(cfg):
@@ -136,23 +128,8 @@ def test_shard_windows_cover_each_tensor():
 
 
 def _edited(src: Path, dst: Path, edit) -> Path:
-    ck = Checkpoint(src)
-    tensors = {n: (ck.raw(n).dtype, np.asarray(ck.raw(n).array)) for n in ck.names()}
-    edit(tensors)
-    dst.mkdir()
-    write_safetensors(dst / "model.safetensors", tensors)
-    shutil.copy(src / "config.json", dst / "config.json")
-    return dst
-
-
-def _fails(d: Path, *needles: str) -> None:
-    cfg, ck = _open(d)
-    for call in (lambda: loader.load_weights(cfg, ck, NumpyOps(), ShardPlan.make(cfg)),
-                 lambda: schema.validate(cfg, ck), lambda: mp.weight_bytes(cfg, ck, 2)):
-        with pytest.raises(schema.SchemaError) as e:
-            call()
-        for s in needles:
-            assert s in str(e.value), (s, str(e.value))
+    """src with its tensors edited in place by edit (which returns nothing)."""
+    return rewritten(src, dst, lambda t: (edit(t), t)[1])
 
 
 def test_missing_tensor_is_named(ckpts, tmp_path):
@@ -161,7 +138,7 @@ def test_missing_tensor_is_named(ckpts, tmp_path):
     def drop(t):
         del t[name], t["layers.1.attn.wq_b.scale"]
 
-    _fails(_edited(ckpts["tiny-v41"], tmp_path / "m", drop), name, "lacks", "fp8 [256, 64]")
+    fails(_edited(ckpts["tiny-v41"], tmp_path / "m", drop), name, "lacks", "fp8 [256, 64]")
 
 
 def test_wrong_shape_is_named(ckpts, tmp_path):
@@ -170,7 +147,7 @@ def test_wrong_shape_is_named(ckpts, tmp_path):
     def narrow(t):
         t[name] = (t[name][0], t[name][1][:, :96])
 
-    _fails(_edited(ckpts["tiny-v41"], tmp_path / "s", narrow), name, "shape [4, 96]", "[4, 128]")
+    fails(_edited(ckpts["tiny-v41"], tmp_path / "s", narrow), name, "shape [4, 96]", "[4, 128]")
 
 
 def test_wrong_format_is_named(ckpts, tmp_path):
@@ -179,18 +156,18 @@ def test_wrong_format_is_named(ckpts, tmp_path):
     def fp8(t):
         t[name] = ("F8_E4M3", np.zeros(t[name][1].shape, np.uint8))
 
-    _fails(_edited(ckpts["tiny-v41"], tmp_path / "f", fp8), name, "stored as F8_E4M3", "BF16/F16/F32/F64")
+    fails(_edited(ckpts["tiny-v41"], tmp_path / "f", fp8), name, "stored as F8_E4M3", "BF16/F16/F32/F64")
     ids = "layers.0.ffn.gate.tid2eid"
 
     def floats(t):
         t[ids] = ("F32", t[ids][1].astype(np.float32))
 
-    _fails(_edited(ckpts["tiny-v4"], tmp_path / "i", floats), ids, "stored as F32", "I64")
+    fails(_edited(ckpts["tiny-v4"], tmp_path / "i", floats), ids, "stored as F32", "I64")
 
 
 def test_optional_gate_bias_may_be_absent(ckpts, tmp_path):
     name = "layers.0.ffn.gate.bias"
     d = _edited(ckpts["tiny-v41"], tmp_path / "b", lambda t: t.pop(name))
-    cfg, ck = _open(d)
+    cfg, ck = open_ckpt(d)
     w = loader.load_weights(cfg, ck, NumpyOps(), ShardPlan.make(cfg))
     assert w.layers[0].ffn.gate_bias is None and w.layers[1].ffn.gate_bias is not None
