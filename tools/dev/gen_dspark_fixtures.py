@@ -157,15 +157,21 @@ def run_mode(ref, kc, cfg: dict, sd: dict, prompt: list[int], mode: str) -> dict
         for name, p in model.named_parameters():
             p.data = sd[name].to(torch.float32 if f32 else p.dtype).contiguous()
         model.eval()
-        n = len(prompt)
         with kernel_mode(ref, kc, mode):
-            tok, logits, mh = model(torch.tensor([prompt]), 0)
-            model.forward_spec(tok, mh, 0)
-            ids1, dl1, c1 = model.forward_spec(tok, mh[:, -1:], n - 1)
-            tok2, logits2, mh2 = model(tok[:, None], n)
-            ids2, dl2, c2 = model.forward_spec(tok2, mh2, n)
+            return _draft_twice(model, prompt)
     finally:
         torch.set_default_dtype(prev)
+
+
+def _draft_twice(model, prompt: list[int]) -> dict:
+    """The reference's prefill, the draft block after it, one main decode step and the block after
+    that, as the fixture's arrays."""
+    n = len(prompt)
+    tok, logits, mh = model(torch.tensor([prompt]), 0)
+    model.forward_spec(tok, mh, 0)
+    ids1, dl1, c1 = model.forward_spec(tok, mh[:, -1:], n - 1)
+    tok2, logits2, mh2 = model(tok[:, None], n)
+    ids2, dl2, c2 = model.forward_spec(tok2, mh2, n)
 
     def f(t):
         return t.float().numpy()[0]
@@ -221,22 +227,10 @@ def run_tiny_mode(ref, kc, drv, d: Path, prompt: list[int], mode: str) -> dict:
         model = ref.Transformer(args, _Tokenizer(d))
         drv.load_into(model, drv.load_checkpoint_tensors(d), block, widen_bf16=f32)
         model.eval()
-        n = len(prompt)
         with drv.kernel_mode(ref, kc, base), drv.index_key_fix(ref, fix):
-            tok, logits, mh = model(torch.tensor([prompt]), 0)
-            model.forward_spec(tok, mh, 0)
-            ids1, dl1, c1 = model.forward_spec(tok, mh[:, -1:], n - 1)
-            tok2, logits2, mh2 = model(tok[:, None], n)
-            ids2, dl2, c2 = model.forward_spec(tok2, mh2, n)
+            return _draft_twice(model, prompt)
     finally:
         torch.set_default_dtype(prev)
-
-    def f(t):
-        return t.float().numpy()[0]
-
-    return dict(main_token=np.array([int(tok), int(tok2)]), main_logits=np.stack([f(logits), f(logits2)]),
-                main_hidden=f(mh), main_hidden_next=f(mh2)[0], draft_ids=np.stack([f(ids1), f(ids2)]).astype(np.int64),
-                draft_logits=np.stack([f(dl1), f(dl2)]), confidence=np.stack([f(c1), f(c2)]))
 
 
 def main() -> int:
