@@ -72,6 +72,7 @@ class ServerState:
 
 
 STATE = web.AppKey("dsuf_state", ServerState)
+BODY_BYTES = web.RequestKey("dsuf_body_bytes", int)  # the size of the body read, in bytes
 
 
 # ---------------------------------------------------------------- engine lifecycle
@@ -171,6 +172,7 @@ def _require_ready(st: ServerState) -> Scheduler:
 
 async def _read_json(request: web.Request) -> Any:
     raw = await limits.read_body(request, limits.of(request.app))
+    request[BODY_BYTES] = len(raw)  # bounds the text it carries: sizes the tokenization gate
     if len(raw) < (256 << 10):
         return protocol.parse_body(raw)
     # a big body takes tens of ms to check and parse: off the loop, so streams keep flowing
@@ -389,7 +391,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         return st.engine.tokenizer.encode_segments(segments)
 
     try:
-        ids = await limits.tokenize(lim, encode, chars=n_chars + len(json.dumps(spec.tools or "")))
+        ids = await limits.tokenize(lim, encode, chars=request[BODY_BYTES])
     except (ValueError, TypeError, KeyError) as e:
         raise bad(f"cannot encode the conversation: {e}", "messages") from None
     spec.gen.prompts = [ids]
