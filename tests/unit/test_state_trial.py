@@ -103,3 +103,41 @@ def test_restore_after_a_failed_forward_and_misuse(runner) -> None:
     runner.forward([st], [[3, 4, 5]], all_logits=True)
     with pytest.raises(ValueError):
         trials.cut(st, trial, 4)  # more rows than the trial fed
+
+
+def test_speculative_step_is_one_forward(runner) -> None:
+    """A speculative step runs the main model once (the verify chunk, cut back in place), and
+    leaves the draft's windows as feeding the kept rows plainly does."""
+    from engine.runtime.sampling import SamplingParams
+    from engine.runtime.spec_decode import SpecStats, feed, speculative_step
+
+    dsp = runner.model.dspark
+    if dsp is None:
+        pytest.skip("DSpark draft layers are V4.1's")
+    calls = []
+    forward = runner.forward
+
+    def counted(*a, **kw):
+        calls.append(len(a[1][0]))
+        return forward(*a, **kw)
+
+    prompt, params, rng, stats = _ids(13, 5), SamplingParams(temperature=0.0), np.random.default_rng(0), SpecStats()
+    st, ds = runner.new_state(), dsp.new_state()
+    out = [int(np.argmax(feed(runner, dsp, st, ds, prompt, all_logits=False)))]
+    runner.forward = counted
+    try:
+        while len(out) < 40:
+            calls.clear()
+            out += speculative_step(runner, dsp, st, ds, out, 40 - len(out) + 1, params, (), rng, stats)
+            assert len(calls) == 1
+    finally:
+        runner.forward = forward
+    assert stats.steps and stats.drafted > stats.accepted  # (random drafts: some rows were cut)
+    plain, pds = runner.new_state(), dsp.new_state()
+    feed(runner, dsp, plain, pds, prompt, all_logits=False)
+    for t in out[:-1]:
+        feed(runner, dsp, plain, pds, [t], all_logits=False)
+    assert st.to_bytes() == plain.to_bytes()
+    assert ds.position == pds.position == st.position
+    for a, b in zip(ds.windows, pds.windows, strict=True):
+        np.testing.assert_array_equal(a, b)
