@@ -5,8 +5,8 @@ same distribution for sampled ones.
 A speculating sequence runs on its own inside the engine thread, outside the batched step: each of
 its prompt chunks is fed with the draft absorbing the main model's target-layer inputs (the batched
 step does not collect them per sequence), and each decode step is spec_decode's speculative_step
-(draft, verify [last, drafts] on a copy of the state, keep the copy or re-feed the kept rows), so
-its state always equals plain decoding's at the same position. Batching the verify forwards of
+(draft, verify [last, drafts] in place as a trial, cut the state back to the kept rows: one main
+forward a step), so its state always equals plain decoding's at the same position. Batching the verify forwards of
 several sequences is later work.
 
 Requests stay on the plain path when speculation would need more than this: constrained decoding
