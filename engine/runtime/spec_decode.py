@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -83,31 +84,59 @@ def _first_stop(tokens: list[int], stops: Iterable[int]) -> int:
     return len(tokens)
 
 
+class SpecJob(NamedTuple):
+    """One sequence's speculative step: its state (holding every token before generated[-1]), its
+    draft state, its tokens so far, how many it may still emit (>= 1), its sampling parameters,
+    stop ids and generator, and the figures to add to."""
+
+    state: SequenceState
+    ds: Any
+    generated: list[int]
+    room: int
+    params: SamplingParams
+    eos: tuple[int, ...]
+    rng: np.random.Generator
+    stats: SpecStats
+
+
+def speculative_steps(model, dsp, jobs: list[SpecJob]) -> list[list[int]]:
+    """One step of each job's sequence: draft, then every sequence's [last, drafts] verified in
+    one main forward on the states themselves as trials, each cut back to its kept rows. Returns
+    each sequence's 1 .. min(block + 1, room) tokens, ending at the first id of its eos if one is
+    drawn; `generated` is not changed."""
+    chunks, drafts = [], []
+    for j in jobs:
+        k = min(dsp.block_size, j.room - 1)
+        drafts.append([int(x) for x in dsp.draft(j.ds, j.generated[-1]).tokens[:k]] if k > 0 else [])
+        chunks.append([j.generated[-1], *drafts[-1]])
+    targets, marks = dsp.targets, []
+    try:
+        marks += [trials.begin(j.state) for j in jobs]
+        logits = model.forward([j.state for j in jobs], chunks, all_logits=True, targets=targets)
+        verdicts = [verify(np.asarray(x).reshape(len(c), -1), d, None, j.params, j.generated, j.rng)
+                    for x, c, d, j in zip(logits, chunks, drafts, jobs, strict=True)]
+    except BaseException:
+        for j, tr in zip(jobs, marks, strict=False):
+            trials.restore(j.state, tr)
+        raise
+    out, row = [], 0  # (the target inputs' rows: every chunk's, in order; all_logits trims none)
+    for j, tr, c, d, (tokens, n) in zip(jobs, marks, chunks, drafts, verdicts, strict=True):
+        keep = _first_stop(tokens, j.eos)
+        trials.cut(j.state, tr, keep)  # the state holds exactly the emitted tokens but the last
+        dsp.absorb(j.ds, {i: x[row : row + keep] for i, x in targets.items()}, keep)
+        row += len(c)
+        j.stats.lengths.append(keep)
+        j.stats.drafted += len(d)
+        j.stats.accepted += min(n, keep)
+        out.append(tokens[:keep])
+    return out
+
+
 def speculative_step(model, dsp, state: SequenceState, ds, generated: list[int], room: int,
                      params: SamplingParams, eos: Iterable[int], rng: np.random.Generator,
                      stats: SpecStats) -> list[int]:
-    """One step after generated[-1] (the state holds every token before it): draft, verify in
-    place as a trial, cut the state back to the kept rows. Returns the 1 .. min(block + 1, room) tokens
-    emitted, ending at the first id of eos if one is drawn; `generated` is not changed."""
-    last = generated[-1]
-    k = min(dsp.block_size, room - 1)
-    drafts = [int(x) for x in dsp.draft(ds, last).tokens[:k]] if k > 0 else []
-    chunk = [last, *drafts]
-    targets, trial = dsp.targets, trials.begin(state)
-    try:
-        main_logits = model.forward([state], [chunk], all_logits=True, targets=targets)[0]
-        tokens, n = verify(np.asarray(main_logits).reshape(len(chunk), -1), drafts, None, params, generated, rng)
-    except BaseException:
-        trials.restore(state, trial)
-        raise
-    keep = _first_stop(tokens, eos)
-    tokens = tokens[:keep]
-    trials.cut(state, trial, keep)  # the state holds exactly the emitted tokens but the last
-    dsp.absorb(ds, {i: x[:keep] for i, x in targets.items()}, keep)
-    stats.lengths.append(len(tokens))
-    stats.drafted += k
-    stats.accepted += min(n, keep)
-    return tokens
+    """One step of one sequence (speculative_steps)."""
+    return speculative_steps(model, dsp, [SpecJob(state, ds, generated, room, params, tuple(eos), rng, stats)])[0]
 
 
 def speculative_generate(model, prompt_ids: list[int], max_tokens: int, params: SamplingParams,

@@ -141,3 +141,44 @@ def test_speculative_step_is_one_forward(runner) -> None:
     assert ds.position == pds.position == st.position
     for a, b in zip(ds.windows, pds.windows, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_batched_steps_equal_steps_alone(runner) -> None:
+    """speculative_steps over several sequences (one verify forward for all, at different
+    positions, with a one-row chunk among them when a sequence has room for one token) emits,
+    leaves and counts exactly what each sequence's steps alone do."""
+    from engine.runtime.sampling import SamplingParams
+    from engine.runtime.spec_decode import SpecJob, SpecStats, feed, speculative_steps
+
+    dsp = runner.model.dspark
+    if dsp is None:
+        pytest.skip("DSpark draft layers are V4.1's")
+    prompts = [_ids(3, 31), _ids(17, 32), _ids(40, 33)]
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_k=50),
+              SamplingParams(temperature=0.0, presence_penalty=0.5)]
+    limits = [30, 13, 22]
+
+    def start(i):
+        st, ds = runner.new_state(), dsp.new_state()
+        out = [int(np.argmax(feed(runner, dsp, st, ds, prompts[i], all_logits=False)))]
+        return [st, ds, out, np.random.default_rng(i), SpecStats()]
+
+    def job(s, i):
+        return SpecJob(s[0], s[1], s[2], limits[i] - len(s[2]), params[i], (), s[3], s[4])
+
+    together = [start(i) for i in range(3)]
+    calls = 0
+    while live := [i for i in range(3) if len(together[i][2]) < limits[i]]:
+        for i, toks in zip(live, speculative_steps(runner, dsp, [job(together[i], i) for i in live]), strict=True):
+            together[i][2] += toks
+        calls += 1
+    for i in range(3):
+        alone = start(i)
+        while len(alone[2]) < limits[i]:
+            alone[2] += speculative_steps(runner, dsp, [job(alone, i)])[0]
+        assert together[i][2] == alone[2]
+        assert together[i][0].to_bytes() == alone[0].to_bytes()
+        for a, b in zip(together[i][1].windows, alone[1].windows, strict=True):
+            np.testing.assert_array_equal(a, b)
+        assert together[i][4] == alone[4]
+    assert calls < sum(len(s[4].lengths) for s in together)  # (steps did share forwards)
