@@ -287,12 +287,12 @@ class Scheduler:
         return batch, chunks, do_sample
 
     def _execute(self, batch: list[Sequence], chunks: list[list[int]], do_sample: list[bool]) -> list:
-        """Runs in the engine thread: speculating sequences one by one (server/speculate.py), then
+        """Runs in the engine thread: speculating sequences (server/speculate.py), then
         the others in one batched step. batch / chunks are reordered in place to match the results."""
         mine = [i for i, s in enumerate(batch) if s.speculate]
         if not mine:
             return self._execute_batched(batch, chunks, do_sample)
-        results = [self.spec.run(batch[i], chunks[i], do_sample[i], self._eos(batch[i]), self.kv) for i in mine]
+        results = self.spec.run_all([(batch[i], chunks[i], do_sample[i], self._eos(batch[i])) for i in mine], self.kv)
         rest = [i for i in range(len(batch)) if not batch[i].speculate]
         b, c = [batch[i] for i in rest], [chunks[i] for i in rest]
         if b:

@@ -5,9 +5,9 @@ same distribution for sampled ones.
 A speculating sequence runs on its own inside the engine thread, outside the batched step: each of
 its prompt chunks is fed with the draft absorbing the main model's target-layer inputs (the batched
 step does not collect them per sequence), and each decode step is spec_decode's speculative_step
-(draft, verify [last, drafts] on a copy of the state, keep the copy or re-feed the kept rows), so
-its state always equals plain decoding's at the same position. Batching the verify forwards of
-several sequences is later work.
+(draft, verify [last, drafts] in place as a trial, cut the state back to the kept rows: one main
+forward a step), so its state always equals plain decoding's at the same position. The decode steps
+of every speculating sequence in a step share that one verify forward (run_all).
 
 Requests stay on the plain path when speculation would need more than this: constrained decoding
 (the grammar's masks must follow every drafted token), logprobs (the verify step reports none) and
@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from engine.runtime.sampling import sample
-from engine.runtime.spec_decode import SpecStats, draft_of, feed, speculative_step
+from engine.runtime.spec_decode import SpecJob, SpecStats, draft_of, feed, speculative_steps
 from kvcache import serving as kv_serving
 
 MODES = ("dspark", "off")
@@ -61,6 +61,23 @@ class Speculator:
         return (self.dsp is not None and s.gen.n == 1 and s.leader is None and s.gen.grammar is None
                 and not s.params.logprobs)
 
+    def run_all(self, steps: list[tuple[Any, list[int], bool, tuple[int, ...]]], kv: Any) -> list[Emitted | None]:
+        """Engine thread: one step of each speculating sequence of (s, chunk, do_sample, eos): the
+        prompt chunks one by one, the decode steps' verify chunks in one forward."""
+        out: list[Emitted | None] = [None] * len(steps)
+        decoding = []
+        for i, (s, chunk, do_sample, eos) in enumerate(steps):
+            if s.prefilling or s.state is None or s.draft is None:
+                out[i] = self.run(s, chunk, do_sample, eos, kv)
+            else:
+                decoding.append(i)
+        jobs = [SpecJob(s.state, s.draft, s.generated, s.max_tokens - len(s.generated), s.params, eos, s.rng,
+                        SpecStats()) for s, _, _, eos in (steps[i] for i in decoding)]
+        emitted = speculative_steps(self.engine.model, self.dsp, jobs) if jobs else []
+        for i, job, tokens in zip(decoding, jobs, emitted, strict=True):
+            out[i] = Emitted(tokens, job.stats)
+        return out
+
     def run(self, s: Any, chunk: list[int], do_sample: bool, eos: tuple[int, ...], kv: Any) -> Emitted | None:
         """Engine thread: one step of speculating sequence s (a prompt chunk, or a decode step
         after s.generated[-1], which `chunk` then holds)."""
@@ -76,7 +93,5 @@ class Speculator:
             if not do_sample:
                 return None
             return Emitted([int(sample(np.asarray(logits), s.params, s.generated, s.rng)[0])])
-        stats = SpecStats()
-        room = s.max_tokens - len(s.generated)
-        tokens = speculative_step(model, dsp, s.state, s.draft, s.generated, room, s.params, eos, s.rng, stats)
-        return Emitted(tokens, stats)
+        job = SpecJob(s.state, s.draft, s.generated, s.max_tokens - len(s.generated), s.params, eos, s.rng, SpecStats())
+        return Emitted(speculative_steps(model, dsp, [job])[0], job.stats)

@@ -88,6 +88,8 @@ class Transformer:
                               for s, ch in zip(seqs, ids, strict=True)], axis=0)
         for s, ch in zip(seqs, ids, strict=True):
             s.state.recent_tokens = (list(s.state.recent_tokens) + [int(t) for t in ch])[-keep:] if keep else []
+            if s.state.trial is not None:  # the look-back a speculative verify may cut (engine/state/trial.py)
+                s.state.trial.chunk, s.state.trial.keep_recent = [int(t) for t in ch], keep
         return out
 
     # ---- state ------------------------------------------------------------------------------

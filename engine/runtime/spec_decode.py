@@ -4,17 +4,19 @@ ones (the verify rule: engine/runtime/speculative.py).
 
 A step, with the sequence's state holding every emitted token but the last, t:
 - the draft proposes k = block_size tokens d_0 .. d_{k-1} after t (it reads its window state only);
-- the main model runs [t, d_0 .. d_{k-1}] as one chunk of k + 1 rows on a copy of the state, its
-  logits at every row and its target layers' inputs collected;
+- the main model runs [t, d_0 .. d_{k-1}] as one chunk of k + 1 rows on the state itself, marked
+  first and journaling the rows it appends (engine/state/trial.py), its logits at every row and its
+  target layers' inputs collected;
 - verify keeps d_0 .. d_{n-1} and appends the main model's own token (n + 1 tokens);
-- when every row is kept (n = k), the copy becomes the state and the draft absorbs its k + 1 rows;
-  otherwise the state, never touched, is fed [t, d_0 .. d_{n-1}] and the draft absorbs those.
-So rejected rows leave no trace by construction (window rings, compressor groups, indexer keys,
-Engram look-back, the draft's windows), and the state always equals plain decoding's at the same
-position: plain decoding feeds each token at the step after it is drawn, so after its last token
-its state holds the prompt and every emitted token but the last, as here. A step that ends inside
-its block (EOS) re-feeds only the rows up to the last emitted token, for the same reason; max_tokens
-never ends inside one (the block is shortened to what may still be emitted).
+- the state is cut back to the rows [t, d_0 .. d_{n-1}] (trial.cut: the mark put back, the kept
+  rows' window rows, compressor rows and closed groups re-appended; no second forward), and the
+  draft absorbs those rows' target inputs, which the verify forward already computed.
+So rejected rows leave no trace (window rings, compressor groups, indexer keys, Engram look-back,
+the draft's windows), and the state always equals plain decoding's at the same position: plain
+decoding feeds each token at the step after it is drawn, so after its last token its state holds
+the prompt and every emitted token but the last, as here. A step that ends inside its block (EOS)
+keeps only the rows up to the last emitted token, for the same reason; max_tokens never ends
+inside one (the block is shortened to what may still be emitted).
 
 The draft draws its tokens greedily (argmax), so verify weighs them as point masses
 (draft_probs=None), which is exact for any sampling parameters.
@@ -22,14 +24,15 @@ The draft draws its tokens greedily (argmax), so verify weighs them as point mas
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from engine.runtime.sampling import SamplingParams, make_rngs, sample
 from engine.runtime.speculative import verify
+from engine.state import trial as trials
 from engine.state.sequence import SequenceState
 
 
@@ -63,12 +66,6 @@ def draft_of(model):
     return getattr(getattr(model, "model", None), "dspark", None)
 
 
-def _adopt(dst: SequenceState, src: SequenceState) -> None:
-    """dst takes src's contents (the caller's state object stays the one that holds them)."""
-    for f in dataclasses.fields(SequenceState):
-        setattr(dst, f.name, getattr(src, f.name))
-
-
 def feed(model, dsp, st: SequenceState, ds, chunk: list[int], all_logits: bool):
     """Feed a chunk (a prompt chunk, or re-fed kept rows) to the main model and let the draft
     absorb its rows; the logits."""
@@ -87,30 +84,59 @@ def _first_stop(tokens: list[int], stops: Iterable[int]) -> int:
     return len(tokens)
 
 
+class SpecJob(NamedTuple):
+    """One sequence's speculative step: its state (holding every token before generated[-1]), its
+    draft state, its tokens so far, how many it may still emit (>= 1), its sampling parameters,
+    stop ids and generator, and the figures to add to."""
+
+    state: SequenceState
+    ds: Any
+    generated: list[int]
+    room: int
+    params: SamplingParams
+    eos: tuple[int, ...]
+    rng: np.random.Generator
+    stats: SpecStats
+
+
+def speculative_steps(model, dsp, jobs: list[SpecJob]) -> list[list[int]]:
+    """One step of each job's sequence: draft, then every sequence's [last, drafts] verified in
+    one main forward on the states themselves as trials, each cut back to its kept rows. Returns
+    each sequence's 1 .. min(block + 1, room) tokens, ending at the first id of its eos if one is
+    drawn; `generated` is not changed."""
+    chunks, drafts = [], []
+    for j in jobs:
+        k = min(dsp.block_size, j.room - 1)
+        drafts.append([int(x) for x in dsp.draft(j.ds, j.generated[-1]).tokens[:k]] if k > 0 else [])
+        chunks.append([j.generated[-1], *drafts[-1]])
+    targets, marks = dsp.targets, []
+    try:
+        marks += [trials.begin(j.state) for j in jobs]
+        logits = model.forward([j.state for j in jobs], chunks, all_logits=True, targets=targets)
+        verdicts = [verify(np.asarray(x).reshape(len(c), -1), d, None, j.params, j.generated, j.rng)
+                    for x, c, d, j in zip(logits, chunks, drafts, jobs, strict=True)]
+    except BaseException:
+        for j, tr in zip(jobs, marks, strict=False):
+            trials.restore(j.state, tr)
+        raise
+    out, row = [], 0  # (the target inputs' rows: every chunk's, in order; all_logits trims none)
+    for j, tr, c, d, (tokens, n) in zip(jobs, marks, chunks, drafts, verdicts, strict=True):
+        keep = _first_stop(tokens, j.eos)
+        trials.cut(j.state, tr, keep)  # the state holds exactly the emitted tokens but the last
+        dsp.absorb(j.ds, {i: x[row : row + keep] for i, x in targets.items()}, keep)
+        row += len(c)
+        j.stats.lengths.append(keep)
+        j.stats.drafted += len(d)
+        j.stats.accepted += min(n, keep)
+        out.append(tokens[:keep])
+    return out
+
+
 def speculative_step(model, dsp, state: SequenceState, ds, generated: list[int], room: int,
                      params: SamplingParams, eos: Iterable[int], rng: np.random.Generator,
                      stats: SpecStats) -> list[int]:
-    """One step after generated[-1] (the state holds every token before it): draft, verify on a
-    copy, keep the copy or re-feed the kept rows. Returns the 1 .. min(block + 1, room) tokens
-    emitted, ending at the first id of eos if one is drawn; `generated` is not changed."""
-    last = generated[-1]
-    k = min(dsp.block_size, room - 1)
-    drafts = [int(x) for x in dsp.draft(ds, last).tokens[:k]] if k > 0 else []
-    chunk = [last, *drafts]
-    trial, targets = state.clone(), dsp.targets
-    main_logits = model.forward([trial], [chunk], all_logits=True, targets=targets)[0]
-    tokens, n = verify(np.asarray(main_logits).reshape(len(chunk), -1), drafts, None, params, generated, rng)
-    keep = _first_stop(tokens, eos)
-    tokens = tokens[:keep]
-    if keep == len(chunk):  # every row kept: the copy holds exactly the emitted tokens but the last
-        _adopt(state, trial)
-        dsp.absorb(ds, targets, len(chunk))
-    else:  # the untouched state takes the kept rows only
-        feed(model, dsp, state, ds, chunk[:keep], all_logits=False)
-    stats.lengths.append(len(tokens))
-    stats.drafted += k
-    stats.accepted += min(n, keep)
-    return tokens
+    """One step of one sequence (speculative_steps)."""
+    return speculative_steps(model, dsp, [SpecJob(state, ds, generated, room, params, tuple(eos), rng, stats)])[0]
 
 
 def speculative_generate(model, prompt_ids: list[int], max_tokens: int, params: SamplingParams,

@@ -202,6 +202,7 @@ class SequenceState:
     codecs: dict = field(default_factory=dict)  # field name -> storage codec (V4.1: V41_CODECS)
     placed: str = field(default="", compare=False)  # backend its arrays live on ("": host numpy)
     replicas: list = field(default_factory=list, compare=False, repr=False)  # other TP ranks' copies
+    trial: object = field(default=None, compare=False, repr=False)  # a trial chunk's journal (state/trial.py)
 
     def _mapped(self, fn) -> SequenceState:
         """A state with every array replaced by fn(array) (position, tokens, codecs copied)."""
