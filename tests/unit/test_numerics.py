@@ -116,3 +116,44 @@ def test_round_bf16_is_the_bf16_round_trip() -> None:
     x = np.random.default_rng(1).standard_normal(10_000).astype(np.float32) * np.float32(1e3)
     x[:3] = [np.inf, -np.inf, 0.0]
     np.testing.assert_array_equal(formats.round_bf16(x), formats.bf16_to_f32(formats.f32_to_bf16(x)))
+
+
+def test_serve_computes_in_the_numerics_it_is_given(tmp_path) -> None:
+    """A real `dsuf.py serve --numerics deepseek` (demo model, numpy) completes a prompt with the
+    tokens DeepseekOps gives, which differ from exact numerics' on this prompt."""
+    import socket
+    import time
+    import urllib.request
+
+    from openai import OpenAI
+
+    prompt, n = "class Stack:\n    def", 20
+    want = {}
+    for numerics in ("exact", "deepseek"):
+        eng = Engine.load(DEMO, settings=Settings(numerics=numerics))
+        ids = [eng.tokenizer.bos_id] + eng.tokenizer.encode(prompt)  # (the server starts a plain prompt so)
+        want[numerics] = eng.tokenizer.decode(eng.generate(ids, n, stop_at_eos=False, speculative=False))
+    assert want["exact"] != want["deepseek"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    err = open(tmp_path / "serve.err", "w")  # noqa: SIM115 (closed below)
+    proc = subprocess.Popen([sys.executable, "dsuf.py", "serve", "--host", "127.0.0.1", "--port", str(port),
+                             "--numerics", "deepseek", "--speculative", "off"], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.err").read_text()[-2000:]
+            try:
+                if urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2).status == 200:
+                    break
+            except OSError:
+                time.sleep(0.1)
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
+        r = client.completions.create(model="deepseek-v4.1-flash", prompt=prompt, max_tokens=n, temperature=0)
+        assert r.choices[0].text == want["deepseek"]
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        err.close()
