@@ -13,10 +13,15 @@ def _run(args: argparse.Namespace) -> int:
     from engine.checkpoint.progress import LoadProgress
     from engine.runtime.engine import Engine
     from engine.runtime.sampling import SamplingParams
+    from engine.settings import Settings
     from engine.text.chat_encoding import render_messages
 
-    eng = Engine.load(args.ckpt, backend=args.backend,
-                      progress=LoadProgress(lambda line: print(line, file=sys.stderr, flush=True)))
+    try:
+        eng = Engine.load(args.ckpt, backend=args.backend, settings=Settings.from_env(numerics=args.numerics),
+                          progress=LoadProgress(lambda line: print(line, file=sys.stderr, flush=True)))
+    except NotImplementedError as e:  # --numerics deepseek on a backend without it
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.prompt_ids:
         try:
             ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
@@ -85,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         return _tiny(argv[1:])
     if argv and argv[0] == "bench":  # its options live with the benchmark
         return _bench(argv[1:])
+    from engine.settings import DEFAULT_NUMERICS, NUMERICS
+
     p = argparse.ArgumentParser(prog="dsuf", description="DeepSeek-V4 / V4.1 inference engine and server")
     sub = p.add_subparsers(dest="cmd", required=True)
 
@@ -92,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("prompt", nargs="?")
     r.add_argument("--ckpt", default=None, help="checkpoint directory (default: embedded demo-v41)")
     r.add_argument("--backend", default="numpy")
+    r.add_argument("--numerics", choices=NUMERICS, default=DEFAULT_NUMERICS,
+                   help="float32 (exact) or as DeepSeek's reference computes (deepseek: bf16, FP8 activations; "
+                        "numpy backend only for now)")
     r.add_argument("--max-tokens", type=int, default=64)
     r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     r.add_argument("--seed", type=int, default=None)

@@ -313,6 +313,7 @@ def bench_main(argv: list[str] | None = None) -> int:
     """CLI entry: `bench [--ckpt DIR] [--batches 1,8,32] [--prefill 4096,65536] [--chunk N] [--no-linears]
     [--gpus 0,1,2,3 [--compare-tp1]]`."""
     from engine.parallel.shard import EXPERT_SPLITS
+    from engine.settings import DEFAULT_NUMERICS, NUMERICS, check_numerics
 
     ap = argparse.ArgumentParser(prog="dsuf bench", description=__doc__.splitlines()[0])
     ap.add_argument("--ckpt", default=None, help="checkpoint to time whole-model decode / prefill on")
@@ -326,7 +327,14 @@ def bench_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compare-tp1", action="store_true", help="with --gpus: logits vs the model on one GPU")
     ap.add_argument("--expert-split", choices=EXPERT_SPLITS, default="ep",
                     help="with --gpus: routed experts by expert id or by width")
+    ap.add_argument("--numerics", choices=NUMERICS, default=DEFAULT_NUMERICS,
+                    help="the GEMMs' numerics (the GPU computes exact only, for now)")
     a = ap.parse_args(argv)
+    try:
+        check_numerics(a.numerics, "cupy")
+    except NotImplementedError as e:
+        print(f"error: {e}")
+        return 2
     gpus = [int(g) for g in a.gpus.split(",")] if a.gpus else None
     bw = copy_bandwidth()
     print(f"copy bandwidth: {bw / 1e12:.2f} TB/s (read + write)")

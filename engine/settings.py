@@ -10,6 +10,13 @@ here and nowhere else (Settings.from_env), once, when a backend or engine is bui
 | DSUF_DIRECT_ALLOC=1 | direct_alloc   | every device array its own cudaMalloc, so compute-sanitizer sees its   |
 |                     |                | bounds (`make gpu-memcheck`); slow, for checking only                  |
 
+`numerics` (no variable: `--numerics` of run, serve and bench) is how the forward computes:
+`exact` float32 (the bridge to the transformers references), or `deepseek` as DeepSeek's reference
+inference does (bf16 activations, FP8 block-32 activation quantization before FP8 / FP4 linears;
+engine/ops/deepseek_ops.py). Only the numpy backend implements `deepseek` so far; the default is
+`exact` on every backend until the GPU's FP8 kernels land, so that both backends give the same
+tokens for the same checkpoint and flags.
+
 Deployment settings of the server (DSUF_REDIS_URL, DSUF_API_KEY) are read by its command line
 (server/app.py) and documented in README.md.
 """
@@ -20,14 +27,20 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
+NUMERICS = ("exact", "deepseek")
+DEFAULT_NUMERICS = "exact"
+
 
 @dataclass(frozen=True)
 class Settings:
     cuda_graphs: bool = True
     graph_buckets: int = 8
     direct_alloc: bool = False
+    numerics: str = DEFAULT_NUMERICS
 
     def __post_init__(self) -> None:
+        if self.numerics not in NUMERICS:
+            raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}, not {self.numerics!r}")
         if self.graph_buckets < 1:
             raise ValueError(f"graph_buckets must be >= 1, not {self.graph_buckets}")
 
@@ -38,6 +51,13 @@ class Settings:
         s = cls(cuda_graphs=_flag(env, "DSUF_GRAPHS", True), graph_buckets=int(env.get("DSUF_GRAPH_BUCKETS", "8")),
                 direct_alloc=_flag(env, "DSUF_DIRECT_ALLOC", False))
         return replace(s, **overrides)
+
+
+def check_numerics(numerics: str, backend: str) -> None:
+    """NotImplementedError where `backend` does not compute in `numerics` (the GPU: exact only, for now)."""
+    if backend != "numpy" and numerics != "exact":
+        raise NotImplementedError(f"--numerics {numerics} is not implemented on the {backend} backend yet (its "
+                                  "FP8 kernels are to come); use --numerics exact there")
 
 
 def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:

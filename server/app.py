@@ -51,6 +51,7 @@ class Options:
     load_delay_s: float = 0.0  # test hook: wait after each tensor read, as slow storage would
     limits: limits.Limits = field(default_factory=limits.Limits)  # timeouts, connection and size caps
     speculative: str | None = None  # dspark | off (None: dspark where the checkpoint has draft layers)
+    numerics: str = "exact"  # exact | deepseek (engine/settings.py)
 
 
 @dataclass

@@ -37,8 +37,10 @@ DEFAULT_HOST = "localhost"  # every address localhost resolves to (127.0.0.1 and
 def _load_engine(opts: Any) -> Any:
     from engine.checkpoint.progress import LoadProgress
     from engine.runtime.engine import Engine  # heavy import, off the loop
+    from engine.settings import Settings
 
-    kwargs: dict[str, Any] = {"progress": LoadProgress(load_log.info, delay_s=opts.load_delay_s)}
+    kwargs: dict[str, Any] = {"progress": LoadProgress(load_log.info, delay_s=opts.load_delay_s),
+                              "settings": Settings.from_env(numerics=opts.numerics)}
     if opts.gpus and "gpus" in inspect.signature(Engine.load).parameters:
         kwargs["gpus"] = opts.gpus  # multi-GPU selection, once the engine takes it
         # the memory plan (engine/runtime/memory_plan.py) checks --max-batch sequences of --max-model-len
@@ -214,6 +216,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "checkpoint's canonical name, e.g. deepseek-v4.1-flash)")
     p.add_argument("--gpus", default=None, help="GPUs to use, e.g. 0,1,2,3 (default: numpy on the CPU)")
     from engine.parallel.shard import EXPERT_SPLITS
+    from engine.settings import DEFAULT_NUMERICS, NUMERICS
+
+    p.add_argument("--numerics", choices=NUMERICS, default=DEFAULT_NUMERICS,
+                   help="float32 (exact) or as DeepSeek's reference computes (deepseek: bf16, FP8 activations; "
+                        "numpy backend only for now)")
 
     p.add_argument("--expert-split", choices=EXPERT_SPLITS, default="ep",
                    help="with several GPUs: routed experts split by expert id or by width")
@@ -256,7 +263,15 @@ def serve_main(args: argparse.Namespace) -> int:
     """`dsuf.py serve`: blocks until SIGTERM/SIGINT, returns the exit status."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     gpus = getattr(args, "gpus", None)
-    app = build_app(
+    from engine.settings import check_numerics
+
+    numerics = getattr(args, "numerics", "exact")
+    try:
+        check_numerics(numerics, "cupy" if gpus else "numpy")
+    except NotImplementedError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    app = build_app(numerics=numerics,
         ckpt=getattr(args, "ckpt", None), backend="cupy" if gpus else "numpy", gpus=gpus,
         expert_split=getattr(args, "expert_split", "ep"),
         api_key=getattr(args, "api_key", None), max_batch=getattr(args, "max_batch", 32),

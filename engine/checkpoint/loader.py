@@ -29,6 +29,7 @@ set by engine.runtime.engine.Engine.load) is told of this rank's bytes and of ev
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -47,6 +48,7 @@ from engine.checkpoint.schema import (
     tensor_schema,
 )
 from engine.model.config import ModelConfig
+from engine.model.numerics import linear_use
 from engine.parallel.shard import ShardPlan, rows_stackable, slice_weight
 
 __all__ = ["load_weights"]
@@ -75,6 +77,8 @@ def load_weights(cfg: ModelConfig, ckpt, ops, plan: ShardPlan) -> SimpleNamespac
     for e in _entries(cfg, ckpt):
         name = resolve(ckpt, e.name)
         got = check_stored(e, ckpt, name)  # (every rank checks the whole checkpoint: headers only)
+        if e.kind == LINEAR:
+            got = replace(got, use=linear_use(cfg, e.name, got.fmt))
         window = e.shard.window(cfg, plan)
         if window is None:  # another rank's
             continue

@@ -188,6 +188,8 @@ class Weight:
     scale_fmt: str | None = None  # 'ue8m0' | 'fp32' | None
     block: tuple[int, int] | None = None
     shape: tuple[int, ...] = field(default_factory=tuple)
+    # how `--numerics deepseek` computes with it (engine/model/numerics.py; set by the loader)
+    use: str | None = None
 
     def dequant(self) -> np.ndarray:
         """Decode to float32 (the numpy reference path)."""

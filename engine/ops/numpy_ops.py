@@ -126,6 +126,11 @@ class NumpyOps:
                 sp.buf[sp.start] = src[b]
 
     # ---- dense math ------------------------------------------------------------------
+    def act(self, x: np.ndarray) -> np.ndarray:
+        """An activation as stored between ops: float32 here (exact numerics); DeepseekOps rounds
+        it to bf16 (engine/ops/deepseek_ops.py)."""
+        return x
+
     def linear(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         """y = x @ w.T with w [out, in]. einsum's own loops, not BLAS: each row's result is then
         independent of how many rows share the call, so the reference backend is batch- and
@@ -135,8 +140,8 @@ class NumpyOps:
 
     def grouped_linear(self, x: np.ndarray, w: np.ndarray, groups: int) -> np.ndarray:
         """Block-diagonal projection: x [T, G, in_g], w [G*out_g, in_g] -> [T, G, out_g]."""
-        wg = w.reshape(groups, -1, w.shape[-1])
-        return np.einsum("tgi,goi->tgo", x, wg, dtype=F32)
+        wg = np.asarray(w).reshape(groups, -1, w.shape[-1])
+        return self.act(np.einsum("tgi,goi->tgo", x, wg, dtype=F32))
 
     def engram_mix(self, h: np.ndarray, key: np.ndarray, value: np.ndarray, qk: np.ndarray, eps: float) -> np.ndarray:
         """Gate the Engram value into each stream by the normalised stream-key match.
@@ -146,15 +151,13 @@ class NumpyOps:
             F32(1.0) / np.sqrt(np.mean(key * key, axis=-1) + F32(eps)))
         dot = np.sum(h * qk * key, axis=-1, dtype=F32) * rstd * F32(d**-0.5)
         gate = _sigmoid(np.copysign(np.sqrt(np.maximum(np.abs(dot), F32(1e-6))), dot))
-        return (h + gate[..., None] * value[:, None, :]).astype(F32)
+        return self.act((h + gate[..., None] * value[:, None, :]).astype(F32))
 
     def embed(self, table: np.ndarray, ids: np.ndarray) -> np.ndarray:
         return table[ids]
 
     def rmsnorm(self, x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
-        var = np.mean(np.square(x, dtype=F32), axis=-1, keepdims=True, dtype=F32)
-        y = x * (F32(1.0) / np.sqrt(var + F32(eps)))
-        return y if weight is None else y * weight
+        return self.act(_rms(x, weight, eps))
 
     def rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, inverse: bool = False) -> np.ndarray:
         """Interleaved-pair RoPE on the trailing 2*cos.shape[-1] channels of x.
@@ -170,7 +173,7 @@ class NumpyOps:
         odd = x[..., -rd + 1 :: 2]
         out[..., -rd::2] = even * c - odd * s
         out[..., -rd + 1 :: 2] = even * s + odd * c
-        return out
+        return self.act(out)
 
     def norm_rope_quant(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, norm: tuple | None = None,
                         quant: int = codecs.F32, keep_normed: bool = False):
@@ -183,8 +186,7 @@ class NumpyOps:
                  norm_eps: float, hc_eps: float, iters: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """streams [T, hc, D] -> pre [T, hc], post [T, hc], comb [T, hc, hc] (Sinkhorn-projected)."""
         t, hc, _ = streams.shape
-        flat = self.rmsnorm(streams.reshape(t, -1), None, norm_eps)
-        mixes = self.linear(flat, fn)
+        mixes = self.hc_mix_logits(streams.reshape(t, -1), fn, norm_eps)
         eps = F32(hc_eps)
         pre = _sigmoid(mixes[:, :hc] * scale[0] + base[:hc]) + eps
         post = F32(2.0) * _sigmoid(mixes[:, hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
@@ -196,17 +198,21 @@ class NumpyOps:
             comb = comb / (comb.sum(axis=-2, keepdims=True) + eps)
         return pre, post, comb
 
+    def hc_mix_logits(self, flat: np.ndarray, fn: np.ndarray, norm_eps: float) -> np.ndarray:
+        """The mHC projection of the flattened streams [T, hc*D], RMS-normalised first."""
+        return self.linear(_rms(flat, None, norm_eps), fn)
+
     def hc_head_pre(self, streams: np.ndarray, fn: np.ndarray, scale: np.ndarray, base: np.ndarray,
                     norm_eps: float, hc_eps: float) -> np.ndarray:
         """V4's final hc_head mix: pre weights only."""
         t = streams.shape[0]
-        flat = self.rmsnorm(streams.reshape(t, -1), None, norm_eps)
+        flat = _rms(streams.reshape(t, -1), None, norm_eps)
         return _sigmoid(self.linear(flat, fn) * scale[0] + base) + F32(hc_eps)
 
     def hc_collapse_norm(self, streams: np.ndarray, pre: np.ndarray, weight: np.ndarray | None,
                          eps: float) -> np.ndarray:
         """A sub-layer's input: the streams collapsed by `pre`, RMS-normalised."""
-        return self.rmsnorm(self.hc_collapse(streams, pre), weight, eps)
+        return self.rmsnorm(self.act(self.hc_collapse(streams, pre)), weight, eps)
 
     def hc_collapse(self, streams: np.ndarray, pre: np.ndarray) -> np.ndarray:
         return np.sum(pre[:, :, None] * streams, axis=1, dtype=F32)
@@ -214,7 +220,7 @@ class NumpyOps:
     def hc_expand(self, out: np.ndarray, residual: np.ndarray, post: np.ndarray, comb: np.ndarray) -> np.ndarray:
         """new_k = post_k * out + sum_j comb[j, k] * residual_j."""
         mixed = np.einsum("tjk,tjd->tkd", comb, residual, dtype=F32)
-        return post[:, :, None] * out[:, None, :] + mixed
+        return self.act(post[:, :, None] * out[:, None, :] + mixed)
 
     # ---- MoE -------------------------------------------------------------------------
     def route(self, x: np.ndarray, gate_w: np.ndarray, bias: np.ndarray | None, top_k: int, scoring: str,
@@ -345,7 +351,7 @@ class NumpyOps:
 
     def gated_pool(self, kv: np.ndarray, gate: np.ndarray) -> np.ndarray:
         """kv, gate [G, R, D] -> sum_r softmax_r(gate) * kv  [G, D] (softmax over the window)."""
-        return np.sum(kv * _softmax(gate, axis=1), axis=1, dtype=F32)
+        return self.act(np.sum(kv * _softmax(gate, axis=1), axis=1, dtype=F32))
 
     def gated_pool_rows(self, kv: list, gate: list, ratio: int, width: int) -> np.ndarray:
         """Decode: row b pools the `ratio` pending rows of sequence b's closing group (kv[b],
@@ -412,6 +418,12 @@ def dequantize_table(table, scale=None) -> np.ndarray:
         s = np.asarray(scale.array, dtype=F32)
     vals = formats.fp8_e4m3_to_f32(table.data)
     return (vals.reshape(vals.shape[0], -1, 32) * s[:, :, None]).reshape(vals.shape)
+
+
+def _rms(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
+    var = np.mean(np.square(x, dtype=F32), axis=-1, keepdims=True, dtype=F32)
+    y = x * (F32(1.0) / np.sqrt(var + F32(eps)))
+    return y if weight is None else y * weight
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:

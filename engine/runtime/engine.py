@@ -19,7 +19,7 @@ from engine.model.config import ModelConfig, load_config
 from engine.runtime.runner import ModelRunner as Model
 from engine.runtime.sampling import SampleJob, SamplingParams, make_rngs
 from engine.runtime.spec_decode import SpecStats, draft_of, speculative_generate
-from engine.settings import Settings
+from engine.settings import Settings, check_numerics
 from engine.state.sequence import SequenceState
 from engine.text.tokenizer import Tokenizer
 
@@ -45,11 +45,18 @@ def canonical_model_id(cfg: ModelConfig, ckpt_dir: Path) -> str:
 
 
 def make_ops(backend: str, settings: Settings | None = None):
+    """The backend's ops in the numerics settings.numerics names (the GPU backend refuses
+    `deepseek` until its FP8 kernels land)."""
     if backend == "numpy":
+        if settings is not None and settings.numerics == "deepseek":
+            from engine.ops.deepseek_ops import DeepseekOps
+
+            return DeepseekOps()
         from engine.ops.numpy_ops import NumpyOps
 
         return NumpyOps()
     if backend == "cupy":
+        check_numerics((settings or Settings()).numerics, backend)
         from engine.ops.gpu.ops import CupyOps
 
         return CupyOps(settings)
@@ -75,7 +82,8 @@ class Engine:
         max_context tokens (default: the model's context) against each GPU's free memory
         (raises engine.runtime.memory_plan.MemoryPlanError when it does not fit); several GPUs split the
         routed experts by expert id or by width (`expert_split`, engine/parallel/shard.py).
-        settings: the GPU backend's knobs (engine/settings.py; default: Settings.from_env()).
+        settings: the backends' knobs (engine/settings.py; default: Settings.from_env()), numerics
+        among them.
         progress: told of every tensor read (engine/checkpoint/progress.py); the caller prints it."""
         path = Path(ckpt_dir) if ckpt_dir is not None else DEFAULT_CKPT
         cfg = load_config(path)

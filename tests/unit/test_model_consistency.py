@@ -9,6 +9,7 @@ import pytest
 
 from engine.checkpoint.reader import Checkpoint
 from engine.model.config import load_config
+from engine.ops.deepseek_ops import DeepseekOps
 from engine.ops.numpy_ops import NumpyOps
 from engine.runtime.runner import ModelRunner as Model
 from engine.state.sequence import _ARRAY_FIELDS, SequenceState, StateError
@@ -21,25 +22,29 @@ DEMO_V4 = REPO.parent / "shared" / "models" / "demo-v4"
 # the same elements in the same order whatever else shares the call (see NumpyOps.linear/attention).
 
 
-def _model(path: Path) -> Model:
+def _model(path: Path, ops=None) -> Model:
     if not path.is_dir():
         pytest.skip(f"{path} not present")
     cfg = load_config(path)
-    return Model(cfg, Checkpoint(path, block_size=cfg.weight_block_size), NumpyOps(), path / "tokenizer.json")
+    return Model(cfg, Checkpoint(path, block_size=cfg.weight_block_size), ops or NumpyOps(), path / "tokenizer.json")
 
 
-@pytest.fixture(scope="module", params=["v41", "v4", "tiny-fp8-v41", "tiny-fp8-v4", "tiny-8layers-v41"])
+@pytest.fixture(scope="module", params=["v41", "v4", "tiny-fp8-v41", "tiny-fp8-v4", "tiny-8layers-v41",
+                                        "v41+deepseek", "tiny-fp8-v41+deepseek"])
 def model(request, tmp_path_factory) -> Model:
     """The trained demo models (bf16), and random checkpoints in DeepSeek's shipped formats
     (FP8 block-scaled linears, FP4 experts, FP8 Engram rows) from `dsuf.py tiny-model`; with 8
-    layers, each KV group has two layers that only read it (a decode step's plans shared)."""
-    if request.param.startswith("tiny"):
+    layers, each KV group has two layers that only read it (a decode step's plans shared).
+    +deepseek: in DeepSeek's numerics (engine/ops/deepseek_ops.py), invariant in the same way."""
+    param, _, numerics = request.param.partition("+")
+    ops = DeepseekOps() if numerics == "deepseek" else None
+    if param.startswith("tiny"):
         from engine.checkpoint.tiny_model import write_tiny_model
 
-        arch = request.param.split("-")[-1]
-        layers = {"layers": 8} if "8layers" in request.param else {}
-        return _model(write_tiny_model(tmp_path_factory.mktemp(request.param), arch=arch, seed=3, **layers))
-    return _model(DEMO_V41 if request.param == "v41" else DEMO_V4)
+        arch = param.split("-")[-1]
+        layers = {"layers": 8} if "8layers" in param else {}
+        return _model(write_tiny_model(tmp_path_factory.mktemp(param), arch=arch, seed=3, **layers), ops)
+    return _model(DEMO_V41 if param == "v41" else DEMO_V4, ops)
 
 
 def _ids(m: Model, n: int, seed: int = 0) -> list[int]:
@@ -297,8 +302,9 @@ def test_state_codecs_are_lossless_over_a_wide_range() -> None:
 
 
 
-class _ForkOps(NumpyOps):
-    """NumpyOps recording what the runner forks (ops.fork: a side stream on the GPU)."""
+class _ForkOps:
+    """Mixed into a numpy backend's ops: records what the runner forks (ops.fork: a side stream
+    on the GPU)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -314,7 +320,7 @@ def test_forked_parts_change_nothing(model: Model) -> None:
     queries, each mHC site's mixes, the shared expert) go through ops.fork, for a prompt chunk and
     for decode steps alike, and the logits are those of the plain calls, bit for bit."""
     ids = _ids(model, 43)
-    ops = _ForkOps()
+    ops = type("ForkOps", (_ForkOps, type(model.ops)), {})()
     forked = Model(model.cfg, model.ckpt, ops, model.tokenizer_json, model.store_quantized)
 
     def run(m: Model) -> list:

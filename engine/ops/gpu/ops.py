@@ -29,7 +29,7 @@ from engine.ops.gpu.moe import MoeOps
 from engine.ops.gpu.norms import HC_COUNTERS, NormOps
 from engine.ops.gpu.pinned import PinnedUploader
 from engine.ops.gpu.weights import GpuWeight, WeightOps
-from engine.settings import Settings
+from engine.settings import Settings, check_numerics
 
 __all__ = ["CupyOps", "GpuWeight", "use_direct_alloc"]
 
@@ -55,6 +55,7 @@ class CupyOps(Forks, WeightOps, LinearOps, NormOps, MoeOps, AttentionOps):
     def __init__(self, settings: Settings | None = None) -> None:
         """settings: the run-time knobs (default: Settings.from_env(), read from the environment)."""
         settings = Settings.from_env() if settings is None else settings
+        check_numerics(settings.numerics, self.name)
         if settings.direct_alloc:
             use_direct_alloc()
         self._init_forks()
