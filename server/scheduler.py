@@ -404,7 +404,7 @@ class Scheduler:
                 # the state holds the step's tokens but the last: one that ends earlier (a stop
                 # string) leaves it ahead of plain decoding's, so it gives no answer snapshot
                 s.state_ahead = j + 1 < len(res.tokens)
-                if not self._emit(s, tok, None, None, now):
+                if not self._emit(s, tok, *res.entry(j), now):
                     break
             return
         self._emit(s, *res, now)

@@ -9,9 +9,12 @@ step does not collect them per sequence), and each decode step is spec_decode's 
 forward a step), so its state always equals plain decoding's at the same position. The decode steps
 of every speculating sequence in a step share that one verify forward (run_all).
 
+Each emitted token's logprobs come from its own verify row (the main model's logits there), as
+plain decoding reports them from the row that drew it.
+
 Requests stay on the plain path when speculation would need more than this: constrained decoding
-(the grammar's masks must follow every drafted token), logprobs (the verify step reports none) and
-n > 1 (choices fork their leader's state at the prompt's end, and the draft's state with it).
+(the grammar's masks must follow every drafted token) and n > 1 (choices fork their leader's state
+at the prompt's end, and the draft's state with it).
 """
 
 from __future__ import annotations
@@ -30,10 +33,16 @@ MODES = ("dspark", "off")
 
 @dataclass
 class Emitted:
-    """A speculating sequence's tokens of one step (stats: None for the prompt's first token)."""
+    """A speculating sequence's tokens of one step (stats: None for the prompt's first token), and
+    each one's (logprob, top_logprobs) when the request asks for them."""
 
     tokens: list[int]
     stats: SpecStats | None = None
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+
+    def entry(self, j: int) -> tuple[float | None, list[tuple[int, float]] | None]:
+        """Token j's (logprob, top_logprobs), or (None, None)."""
+        return self.logprobs[j] if self.logprobs else (None, None)
 
 
 class Speculator:
@@ -58,8 +67,7 @@ class Speculator:
 
     def eligible(self, s: Any) -> bool:
         """Whether sequence s speculates (decided at admission, before its first step)."""
-        return (self.dsp is not None and s.gen.n == 1 and s.leader is None and s.gen.grammar is None
-                and not s.params.logprobs)
+        return self.dsp is not None and s.gen.n == 1 and s.leader is None and s.gen.grammar is None
 
     def run_all(self, steps: list[tuple[Any, list[int], bool, tuple[int, ...]]], kv: Any) -> list[Emitted | None]:
         """Engine thread: one step of each speculating sequence of (s, chunk, do_sample, eos): the
@@ -71,11 +79,10 @@ class Speculator:
                 out[i] = self.run(s, chunk, do_sample, eos, kv)
             else:
                 decoding.append(i)
-        jobs = [SpecJob(s.state, s.draft, s.generated, s.max_tokens - len(s.generated), s.params, eos, s.rng,
-                        SpecStats()) for s, _, _, eos in (steps[i] for i in decoding)]
+        jobs = [_job(s, eos) for s, _, _, eos in (steps[i] for i in decoding)]
         emitted = speculative_steps(self.engine.model, self.dsp, jobs) if jobs else []
         for i, job, tokens in zip(decoding, jobs, emitted, strict=True):
-            out[i] = Emitted(tokens, job.stats)
+            out[i] = Emitted(tokens, job.stats, job.logprobs)
         return out
 
     def run(self, s: Any, chunk: list[int], do_sample: bool, eos: tuple[int, ...], kv: Any) -> Emitted | None:
@@ -92,6 +99,13 @@ class Speculator:
             kv_serving.snapshot_prompt(kv, s, s.n_prefilled + len(chunk))
             if not do_sample:
                 return None
-            return Emitted([int(sample(np.asarray(logits), s.params, s.generated, s.rng)[0])])
-        job = SpecJob(s.state, s.draft, s.generated, s.max_tokens - len(s.generated), s.params, eos, s.rng, SpecStats())
-        return Emitted(speculative_steps(model, dsp, [job])[0], job.stats)
+            tok, lp, top = sample(np.asarray(logits), s.params, s.generated, s.rng)
+            return Emitted([int(tok)], logprobs=[(lp, top)] if lp is not None else None)
+        job = _job(s, eos)
+        return Emitted(speculative_steps(model, dsp, [job])[0], job.stats, job.logprobs)
+
+
+def _job(s: Any, eos: tuple[int, ...]) -> SpecJob:
+    """Sequence s's decode step as a SpecJob."""
+    return SpecJob(s.state, s.draft, s.generated, s.max_tokens - len(s.generated), s.params, eos, s.rng,
+                   SpecStats(), [] if s.params.logprobs else None)

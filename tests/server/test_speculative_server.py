@@ -139,7 +139,7 @@ def test_greedy_equal_under_concurrent_streams(tiny, tiny_servers) -> None:
         got: list = [None] * len(prompts)
 
         def one(i: int, srv=srv, got=got) -> None:
-            # odd ones ask for logprobs: the plain path, batched beside the speculating sequences
+            # odd ones ask for logprobs (reported from their verify rows)
             c = _complete(srv, prompts[i], max_tokens, **({"logprobs": 1} if i % 2 else {}))
             got[i] = (c["prompt_token_ids"], c["token_ids"])
 
@@ -216,3 +216,63 @@ def test_agreeing_draft_under_concurrent_streams(agreeing_servers) -> None:
         outs.append(got)
     assert outs[0] == outs[1]
     assert [len(t) for t in outs[0]] == [m for _, m in cases]
+
+
+def _post_to(srv, path: str, body: dict) -> dict:
+    req = urllib.request.Request(srv.base + path, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.load(r)
+
+
+def _stream_chunks(srv, path: str, body: dict) -> list[dict]:
+    req = urllib.request.Request(srv.base + path, data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    out = []
+    with urllib.request.urlopen(req, timeout=120) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                out.append(json.loads(line[6:]))
+    return out
+
+
+def _streamed_logprobs(chunks: list[dict]) -> dict[int, dict[str, list]]:
+    """Per choice index: completions' logprobs lists, concatenated over the stream's chunks."""
+    got: dict[int, dict[str, list]] = {}
+    for ch in chunks:
+        for c in ch.get("choices", []):
+            lp = c.get("logprobs")
+            if lp:
+                acc = got.setdefault(c["index"], {"tokens": [], "token_logprobs": [], "top_logprobs": []})
+                for k in acc:
+                    acc[k] += lp[k]
+    return got
+
+
+@pytest.mark.parametrize("which", ["tiny", "agreeing"])
+def test_logprobs_equal_to_plain(which, request) -> None:
+    """Each emitted token's logprob and top_logprobs, streamed or not, equal plain decoding's bit for
+    bit (the numpy backend's rows do not depend on the chunk they run in); usage counts too."""
+    on, off = request.getfixturevalue(f"{which}_servers")
+    bias = BIAS if which == "agreeing" else {}
+    before = _metrics(on)
+    for n, max_tokens in ((5, 14), (23, 9)):
+        body = {"model": _model(on), "prompt": _prompt(n, 3), "max_tokens": max_tokens, "temperature": 0,
+                "logprobs": 5, "logit_bias": bias, "return_token_ids": True}
+        a, b = (_post_to(srv, "/v1/completions", body) for srv in (on, off))
+        assert a["choices"][0]["token_ids"] == b["choices"][0]["token_ids"]
+        assert a["choices"][0]["logprobs"] == b["choices"][0]["logprobs"]
+        assert len(a["choices"][0]["logprobs"]["token_logprobs"]) == len(a["choices"][0]["token_ids"])
+        assert a["usage"] == b["usage"]
+        sa, sb = (_streamed_logprobs(_stream_chunks(srv, "/v1/completions", body)) for srv in (on, off))
+        assert sa == sb == {0: {k: a["choices"][0]["logprobs"][k] for k in sa[0]}}
+    chat = {"model": _model(on), "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 10,
+            "temperature": 0, "logprobs": True, "top_logprobs": 3, "logit_bias": bias}
+    a, b = (_post_to(srv, "/v1/chat/completions", chat) for srv in (on, off))
+    assert a["choices"][0]["logprobs"] == b["choices"][0]["logprobs"] and a["usage"] == b["usage"]
+    assert all(len(e["top_logprobs"]) == 3 for e in a["choices"][0]["logprobs"]["content"])
+    after = _metrics(on)
+    assert after["dsuf_spec_drafted_tokens_total"] > before.get("dsuf_spec_drafted_tokens_total", 0)
+    if which == "agreeing":  # multi-token steps reported their logprobs
+        assert after["dsuf_spec_accepted_tokens_total"] > before.get("dsuf_spec_accepted_tokens_total", 0)
