@@ -12,9 +12,12 @@ of every speculating sequence in a step share that one verify forward (run_all).
 Each emitted token's logprobs come from its own verify row (the main model's logits there), as
 plain decoding reports them from the row that drew it.
 
+The n choices of a request all speculate: choice 0 prefills the prompt, and when it completes the
+others fork its state and its draft's state (DraftState.clone) and draw their first tokens from the
+same logits, as on the plain path.
+
 Requests stay on the plain path when speculation would need more than this: constrained decoding
-(the grammar's masks must follow every drafted token) and n > 1 (choices fork their leader's state
-at the prompt's end, and the draft's state with it).
+(the grammar's masks must follow every drafted token).
 """
 
 from __future__ import annotations
@@ -67,42 +70,58 @@ class Speculator:
 
     def eligible(self, s: Any) -> bool:
         """Whether sequence s speculates (decided at admission, before its first step)."""
-        return self.dsp is not None and s.gen.n == 1 and s.leader is None and s.gen.grammar is None
+        return self.dsp is not None and s.gen.grammar is None
 
-    def run_all(self, steps: list[tuple[Any, list[int], bool, tuple[int, ...]]], kv: Any) -> list[Emitted | None]:
+    def run_all(self, steps: list[tuple[Any, list[int], bool, tuple[int, ...]]], kv: Any,
+                forks: list[tuple[int, Any]] = ()) -> list[Emitted | None]:
         """Engine thread: one step of each speculating sequence of (s, chunk, do_sample, eos): the
-        prompt chunks one by one, the decode steps' verify chunks in one forward."""
+        prompt chunks one by one, the decode steps' verify chunks in one forward. forks: (i, f),
+        choice f forks steps[i]'s state and draft state when its prompt completes here, and draws
+        its first token from the same logits; their results follow the steps' in order."""
         out: list[Emitted | None] = [None] * len(steps)
+        firsts: dict[int, Emitted] = {}
         decoding = []
-        for i, (s, chunk, do_sample, eos) in enumerate(steps):
-            if s.prefilling or s.state is None or s.draft is None:
-                out[i] = self.run(s, chunk, do_sample, eos, kv)
+        for i, (s, chunk, do_sample, _) in enumerate(steps):
+            if s.state is None:
+                s.state = self.engine.new_state()
+            if s.draft is None:  # a state restored from the cache, or forked from a plain leader:
+                s.draft = self.dsp.new_state()  # the draft's windows start here
+                s.draft.position = s.state.position
+            if s.prefilling:
+                followers = [f for k, f in forks if k == i]
+                out[i], drawn = self._prefill(s, chunk, do_sample, kv, followers)
+                firsts.update(zip((id(f) for f in followers), drawn, strict=True))
             else:
                 decoding.append(i)
         jobs = [_job(s, eos) for s, _, _, eos in (steps[i] for i in decoding)]
         emitted = speculative_steps(self.engine.model, self.dsp, jobs) if jobs else []
         for i, job, tokens in zip(decoding, jobs, emitted, strict=True):
             out[i] = Emitted(tokens, job.stats, job.logprobs)
-        return out
+        return out + [firsts[id(f)] for _, f in forks]
 
     def run(self, s: Any, chunk: list[int], do_sample: bool, eos: tuple[int, ...], kv: Any) -> Emitted | None:
         """Engine thread: one step of speculating sequence s (a prompt chunk, or a decode step
         after s.generated[-1], which `chunk` then holds)."""
-        model, dsp = self.engine.model, self.dsp
-        if s.state is None:
-            s.state = self.engine.new_state()
-        if s.draft is None:  # a state restored from the cache: the draft's windows start here
-            s.draft = dsp.new_state()
-            s.draft.position = s.state.position
-        if s.prefilling:
-            logits = feed(model, dsp, s.state, s.draft, list(chunk), all_logits=False)
-            kv_serving.snapshot_prompt(kv, s, s.n_prefilled + len(chunk))
-            if not do_sample:
-                return None
-            tok, lp, top = sample(np.asarray(logits), s.params, s.generated, s.rng)
-            return Emitted([int(tok)], logprobs=[(lp, top)] if lp is not None else None)
-        job = _job(s, eos)
-        return Emitted(speculative_steps(model, dsp, [job])[0], job.stats, job.logprobs)
+        return self.run_all([(s, chunk, do_sample, eos)], kv)[0]
+
+    def _prefill(self, s: Any, chunk: list[int], do_sample: bool, kv: Any, followers: list[Any]
+                 ) -> tuple[Emitted | None, list[Emitted]]:
+        """A prompt chunk of s with the draft absorbing it, the first token when the prompt
+        completes, and each follower's, which forks s's state and draft state."""
+        logits = np.asarray(feed(self.engine.model, self.dsp, s.state, s.draft, list(chunk), all_logits=False))
+        kv_serving.snapshot_prompt(kv, s, s.n_prefilled + len(chunk))
+        first = _first(s, logits) if do_sample else None
+        drawn = []
+        for f in followers:
+            f.state, f.draft = s.state.clone(), s.draft.clone()
+            drawn.append(_first(f, logits))
+        return first, drawn
+
+
+def _first(s: Any, logits: np.ndarray) -> Emitted:
+    """The first token of s after its prompt, drawn as plain decoding draws it."""
+    tok, lp, top = sample(logits, s.params, s.generated, s.rng)
+    return Emitted([int(tok)], logprobs=[(lp, top)] if lp is not None else None)
 
 
 def _job(s: Any, eos: tuple[int, ...]) -> SpecJob:

@@ -276,3 +276,54 @@ def test_logprobs_equal_to_plain(which, request) -> None:
     assert after["dsuf_spec_drafted_tokens_total"] > before.get("dsuf_spec_drafted_tokens_total", 0)
     if which == "agreeing":  # multi-token steps reported their logprobs
         assert after["dsuf_spec_accepted_tokens_total"] > before.get("dsuf_spec_accepted_tokens_total", 0)
+
+
+def _choices(resp: dict) -> list[dict]:
+    return sorted(resp["choices"], key=lambda c: c["index"])
+
+
+@pytest.mark.parametrize("which", ["tiny", "agreeing"])
+def test_n_choices_greedy_equal_to_plain(which, request) -> None:
+    """n = 3 greedy: every choice speculates (forking choice 0's state and draft state at the
+    prompt's end) and equals plain decoding's, logprobs included; usage counts equal."""
+    on, off = request.getfixturevalue(f"{which}_servers")
+    bias = BIAS if which == "agreeing" else {}
+    before = _metrics(on)
+    body = {"model": _model(on), "prompt": _prompt(13, 4), "max_tokens": 11, "temperature": 0, "n": 3,
+            "logprobs": 2, "logit_bias": bias, "return_token_ids": True}
+    a, b = (_post_to(srv, "/v1/completions", body) for srv in (on, off))
+    ca, cb = _choices(a), _choices(b)
+    assert [c["token_ids"] for c in ca] == [c["token_ids"] for c in cb] == [cb[0]["token_ids"]] * 3
+    assert [c["logprobs"] for c in ca] == [c["logprobs"] for c in cb]
+    assert a["usage"] == b["usage"]
+    assert a["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in ca)
+    after = _metrics(on)
+    # every choice ran verify steps (each emits at least one token per step past its first)
+    steps = after["dsuf_spec_acceptance_length_count"] - before.get("dsuf_spec_acceptance_length_count", 0)
+    assert steps >= 3
+    if which == "agreeing":
+        assert after["dsuf_spec_accepted_tokens_total"] - before.get("dsuf_spec_accepted_tokens_total", 0) \
+            >= 3 * (11 - 2 - 9 // 6)
+
+
+def test_n_choices_seeded_sampling_reproducible(tiny_servers) -> None:
+    """n = 3 seeded sampling with speculation: two identical requests give the same choices, choice 0
+    is the same seeded n = 1 request's tokens (each choice's generator depends on (seed, index)
+    only), and the usage counts the tokens."""
+    on, _ = tiny_servers
+    body = {"model": _model(on), "prompt": _prompt(9, 6), "max_tokens": 12, "temperature": 0.9, "top_p": 0.95,
+            "seed": 1234, "return_token_ids": True}
+    first, again = (_post_to(on, "/v1/completions", {**body, "n": 3}) for _ in range(2))
+    one = _post_to(on, "/v1/completions", body)
+    toks = [c["token_ids"] for c in _choices(first)]
+    assert toks == [c["token_ids"] for c in _choices(again)]
+    assert toks[0] == one["choices"][0]["token_ids"]
+    assert len({tuple(t) for t in toks}) > 1  # the choices draw their own tokens
+    assert first["usage"]["completion_tokens"] == sum(map(len, toks))
+    assert first["usage"]["prompt_tokens"] == one["usage"]["prompt_tokens"]
+    streamed = _stream_chunks(on, "/v1/completions", {**body, "n": 3})
+    text = {}
+    for ch in streamed:
+        for c in ch.get("choices", []):
+            text[c["index"]] = text.get(c["index"], "") + (c.get("text") or "")
+    assert [text[i] for i in range(3)] == [c["text"] for c in _choices(first)]
