@@ -111,7 +111,7 @@ class Scheduler:
         self.executor = engine_executor(engine)
         self.eos_ids = {int(t) for t in getattr(engine, "eos_ids", (engine.tokenizer.eos_id,))}
         self.guide = guided.Guide(engine)
-        self.spec = speculate.Speculator(engine, speculative)
+        self.spec = speculate.Speculator(engine, speculative, self.guide)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.accepting = True

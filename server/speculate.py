@@ -16,8 +16,9 @@ The n choices of a request all speculate: choice 0 prefills the prompt, and when
 others fork its state and its draft's state (DraftState.clone) and draw their first tokens from the
 same logits, as on the plain path.
 
-Requests stay on the plain path when speculation would need more than this: constrained decoding
-(the grammar's masks must follow every drafted token).
+Constrained requests speculate too: the draft proposes what the grammar allows and verify applies
+the grammar's mask at every position (engine/runtime/spec_guided.py), on a copy of the matcher; the
+scheduler feeds the sequence's own matcher each emitted token, as on the plain path.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import numpy as np
 
 from engine.runtime.sampling import sample
 from engine.runtime.spec_decode import SpecJob, SpecStats, draft_of, feed, speculative_steps
+from engine.runtime.spec_guided import guided_drafter
 from kvcache import serving as kv_serving
 
 MODES = ("dspark", "off")
@@ -51,10 +53,11 @@ class Emitted:
 class Speculator:
     """Per scheduler: the engine's draft, or none (mode "off", or a checkpoint without draft layers)."""
 
-    def __init__(self, engine: Any, mode: str | None = None):
+    def __init__(self, engine: Any, mode: str | None = None, guide: Any = None):
         if mode not in (None, *MODES):
             raise ValueError(f"speculative mode must be one of {MODES}, not {mode!r}")
         self.engine = engine
+        self.guide = guide  # server/guided.Guide: constrained requests speculate where there is one
         self.dsp = None if mode == "off" else draft_of(getattr(engine, "model", None))
         if mode == "dspark" and self.dsp is None:
             raise ValueError("--speculative dspark needs a checkpoint with DSpark draft layers, on the numpy "
@@ -70,7 +73,7 @@ class Speculator:
 
     def eligible(self, s: Any) -> bool:
         """Whether sequence s speculates (decided at admission, before its first step)."""
-        return self.dsp is not None and s.gen.grammar is None
+        return self.dsp is not None and (s.gen.grammar is None or self.guide is not None)
 
     def run_all(self, steps: list[tuple[Any, list[int], bool, tuple[int, ...]]], kv: Any,
                 forks: list[tuple[int, Any]] = ()) -> list[Emitted | None]:
@@ -93,7 +96,7 @@ class Speculator:
                 firsts.update(zip((id(f) for f in followers), drawn, strict=True))
             else:
                 decoding.append(i)
-        jobs = [_job(s, eos) for s, _, _, eos in (steps[i] for i in decoding)]
+        jobs = [self._job(s, eos) for s, _, _, eos in (steps[i] for i in decoding)]
         emitted = speculative_steps(self.engine.model, self.dsp, jobs) if jobs else []
         for i, job, tokens in zip(decoding, jobs, emitted, strict=True):
             out[i] = Emitted(tokens, job.stats, job.logprobs)
@@ -110,21 +113,28 @@ class Speculator:
         completes, and each follower's, which forks s's state and draft state."""
         logits = np.asarray(feed(self.engine.model, self.dsp, s.state, s.draft, list(chunk), all_logits=False))
         kv_serving.snapshot_prompt(kv, s, s.n_prefilled + len(chunk))
-        first = _first(s, logits) if do_sample else None
+        first = self._first(s, logits) if do_sample else None
         drawn = []
         for f in followers:
             f.state, f.draft = s.state.clone(), s.draft.clone()
-            drawn.append(_first(f, logits))
+            drawn.append(self._first(f, logits))
         return first, drawn
 
+    def _mask(self, s: Any) -> Any:
+        """s's next-token mask (None: unconstrained), its matcher started if it has none yet."""
+        return self.guide.masks([s])[0] if s.gen.grammar is not None else None
 
-def _first(s: Any, logits: np.ndarray) -> Emitted:
-    """The first token of s after its prompt, drawn as plain decoding draws it."""
-    tok, lp, top = sample(logits, s.params, s.generated, s.rng)
-    return Emitted([int(tok)], logprobs=[(lp, top)] if lp is not None else None)
+    def _first(self, s: Any, logits: np.ndarray) -> Emitted:
+        """The first token of s after its prompt, drawn as plain decoding draws it."""
+        tok, lp, top = sample(logits, s.params, s.generated, s.rng, self._mask(s))
+        return Emitted([int(tok)], logprobs=[(lp, top)] if lp is not None else None)
 
-
-def _job(s: Any, eos: tuple[int, ...]) -> SpecJob:
-    """Sequence s's decode step as a SpecJob."""
-    return SpecJob(s.state, s.draft, s.generated, s.max_tokens - len(s.generated), s.params, eos, s.rng,
-                   SpecStats(), [] if s.params.logprobs else None)
+    def _job(self, s: Any, eos: tuple[int, ...]) -> SpecJob:
+        """Sequence s's decode step as a SpecJob (a constrained one drafts what its grammar allows)."""
+        guide = None
+        if s.gen.grammar is not None:
+            if s.constraint is None:
+                self._mask(s)
+            guide = guided_drafter(s.constraint, self.guide.constrainer, eos)
+        return SpecJob(s.state, s.draft, s.generated, s.max_tokens - len(s.generated), s.params, eos, s.rng,
+                       SpecStats(), [] if s.params.logprobs else None, guide)

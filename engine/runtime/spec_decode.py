@@ -89,7 +89,8 @@ class SpecJob(NamedTuple):
     draft state, its tokens so far, how many it may still emit (>= 1), its sampling parameters,
     stop ids and generator, and the figures to add to. logprobs: where each emitted token's
     (logprob, top_logprobs) is appended when params.logprobs (from its own verify row, as plain
-    decoding reports it from the row that drew it)."""
+    decoding reports it from the row that drew it). guide: a constrained sequence's drafter
+    (engine/runtime/spec_guided.py), None for a free one."""
 
     state: SequenceState
     ds: Any
@@ -100,6 +101,7 @@ class SpecJob(NamedTuple):
     rng: np.random.Generator
     stats: SpecStats
     logprobs: list | None = None
+    guide: Any = None  # constrained decoding: spec_guided.Drafter, the drafts and verify's masks
 
 
 def speculative_steps(model, dsp, jobs: list[SpecJob]) -> list[list[int]]:
@@ -107,18 +109,23 @@ def speculative_steps(model, dsp, jobs: list[SpecJob]) -> list[list[int]]:
     one main forward on the states themselves as trials, each cut back to its kept rows. Returns
     each sequence's 1 .. min(block + 1, room) tokens, ending at the first id of its eos if one is
     drawn; `generated` is not changed."""
-    chunks, drafts = [], []
+    chunks, drafts, masks = [], [], []
     for j in jobs:
         k = min(dsp.block_size, j.room - 1)
-        drafts.append([int(x) for x in dsp.draft(j.ds, j.generated[-1]).tokens[:k]] if k > 0 else [])
-        chunks.append([j.generated[-1], *drafts[-1]])
+        if j.guide is not None:
+            d, m = j.guide(dsp, j.ds, j.generated[-1], k)
+        else:
+            d, m = [int(x) for x in dsp.draft(j.ds, j.generated[-1]).tokens[:k]] if k > 0 else [], None
+        drafts.append(d)
+        masks.append(m)
+        chunks.append([j.generated[-1], *d])
     targets, marks = dsp.targets, []
     try:
         marks += [trials.begin(j.state) for j in jobs]
         logits = model.forward([j.state for j in jobs], chunks, all_logits=True, targets=targets)
         rows = [np.asarray(x).reshape(len(c), -1) for x, c in zip(logits, chunks, strict=True)]
-        verdicts = [verify(x, d, None, j.params, j.generated, j.rng)
-                    for x, d, j in zip(rows, drafts, jobs, strict=True)]
+        verdicts = [verify(x, d, None, j.params, j.generated, j.rng, m)
+                    for x, d, m, j in zip(rows, drafts, masks, jobs, strict=True)]
     except BaseException:
         for j, tr in zip(jobs, marks, strict=False):
             trials.restore(j.state, tr)

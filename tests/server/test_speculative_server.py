@@ -327,3 +327,95 @@ def test_n_choices_seeded_sampling_reproducible(tiny_servers) -> None:
         for c in ch.get("choices", []):
             text[c["index"]] = text.get(c["index"], "") + (c.get("text") or "")
     assert [text[i] for i in range(3)] == [c["text"] for c in _choices(first)]
+
+
+# Constrained decoding: literal stretches of a grammar (keys, an enum's value, DSML markup) leave one
+# allowed token a position, so the masked draft proposes it and verify keeps it.
+STATION = {"type": "object", "properties": {
+    "weather_station_identifier": {"enum": ["north-ridge-observatory", "south"]},
+    "temperature_celsius": {"type": "integer", "minimum": -50, "maximum": 60}, "ok": {"type": "boolean"}},
+    "required": ["weather_station_identifier", "temperature_celsius", "ok"], "additionalProperties": False}
+WEATHER_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
+                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"]}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}]
+GUIDED = {
+    "json_schema": {"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": STATION}}},
+    "json_object": {"response_format": {"type": "json_object"}},
+    "required": {"tools": WEATHER_TOOLS, "tool_choice": "required"},
+    "named": {"tools": WEATHER_TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+}
+
+
+def _chat(srv, **kw) -> dict:
+    body = {"model": _model(srv), "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40,
+            "temperature": 0, "logprobs": True, **kw}
+    return _post_to(srv, "/v1/chat/completions", body)
+
+
+def _answer(resp: dict) -> list:
+    """What a choice says, tool call ids (random per response) left out."""
+    out = []
+    for c in _choices(resp):
+        msg = dict(c["message"])
+        msg["tool_calls"] = [t["function"] for t in msg.get("tool_calls") or []]
+        out.append((msg, c["finish_reason"], c["logprobs"]))
+    return out
+
+
+@pytest.mark.parametrize("kind", sorted(GUIDED))
+def test_guided_greedy_equal_to_plain(tiny_servers, kind) -> None:
+    """Greedy constrained requests speculate (the draft masked by the grammar, verify's masks per
+    position) and give plain decoding's tokens, logprobs and usage, streamed and not, n = 2 too."""
+    on, off = tiny_servers
+    before = _metrics(on)
+    a, b = (_chat(srv, **GUIDED[kind]) for srv in (on, off))
+    assert _answer(a) == _answer(b) and a["usage"] == b["usage"]
+    content = [e["token"] for e in a["choices"][0]["logprobs"]["content"]]
+    assert len(content) == a["usage"]["completion_tokens"]
+    after = _metrics(on)
+    assert after["dsuf_spec_drafted_tokens_total"] > before.get("dsuf_spec_drafted_tokens_total", 0)
+    if kind != "json_object":  # the grammar's literal stretches were drafted and kept
+        assert after["dsuf_spec_accepted_tokens_total"] - before.get("dsuf_spec_accepted_tokens_total", 0) >= 5
+    if kind == "json_schema":
+        assert a["choices"][0]["message"]["content"].startswith('{"weather_station_identifier": "')
+    if kind in ("required", "named"):
+        assert a["choices"][0]["message"]["tool_calls"] or a["choices"][0]["finish_reason"] == "length"
+    two = {**GUIDED[kind], "n": 2}
+    a2, b2 = (_chat(srv, **two) for srv in (on, off))
+    assert _answer(a2) == _answer(b2) == _answer(b) * 2 and a2["usage"] == b2["usage"]
+    sa, sb = (_stream_chunks(srv, "/v1/chat/completions", {
+        "model": _model(srv), "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40,
+        "temperature": 0, "logprobs": True, **GUIDED[kind]}) for srv in (on, off))
+    def strip(chunks: list[dict]) -> list:  # noqa: E306 - ids and timestamps differ per response
+        return [[{k: v for k, v in c.items() if k != "delta"} | {"delta": _no_ids(c.get("delta"))}
+                 for c in ch.get("choices", [])] for ch in chunks]
+    assert strip(sa) == strip(sb)
+
+
+def _no_ids(delta: dict | None) -> dict | None:
+    if not delta or not delta.get("tool_calls"):
+        return delta
+    return {**delta, "tool_calls": [{k: v for k, v in t.items() if k != "id"} for t in delta["tool_calls"]]}
+
+
+def test_guided_thinking_and_sampling(agreeing_servers, tiny_servers) -> None:
+    """Reasoning runs free before the grammar starts (the agreeing draft's blocks are kept there);
+    seeded sampled constrained requests reproduce, and their answers follow the grammar."""
+    on, off = agreeing_servers
+    before = _metrics(on)
+    kw = {**GUIDED["json_schema"], "thinking": {"type": "enabled"}, "logit_bias": BIAS, "max_tokens": 14}
+    a, b = _chat(on, **kw), _chat(off, **kw)
+    assert _answer(a) == _answer(b) and a["usage"] == b["usage"]
+    assert _metrics(on)["dsuf_spec_accepted_tokens_total"] - before.get("dsuf_spec_accepted_tokens_total", 0) >= 8
+    on, _ = tiny_servers
+    kw = {**GUIDED["json_schema"], "temperature": 1.0, "seed": 5, "max_tokens": 60, "n": 2}
+    a, again = _chat(on, **kw), _chat(on, **kw)
+    assert _answer(a) == _answer(again)
+    for c in _choices(a):
+        text = c["message"]["content"]
+        assert text.startswith('{"weather_station_identifier": "')
+        if c["finish_reason"] == "stop":
+            assert json.loads(text).keys() == STATION["properties"].keys()
