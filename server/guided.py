@@ -26,6 +26,10 @@ class Guide:
         self.engine = engine
         self._constrainer: Constrainer | None = None
 
+    @property
+    def constrainer(self) -> Constrainer:
+        return self._get()
+
     def _get(self) -> Constrainer:
         if self._constrainer is None:
             e = self.engine

@@ -111,7 +111,7 @@ class Scheduler:
         self.executor = engine_executor(engine)
         self.eos_ids = {int(t) for t in getattr(engine, "eos_ids", (engine.tokenizer.eos_id,))}
         self.guide = guided.Guide(engine)
-        self.spec = speculate.Speculator(engine, speculative)
+        self.spec = speculate.Speculator(engine, speculative, self.guide)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.accepting = True
@@ -292,14 +292,22 @@ class Scheduler:
         mine = [i for i, s in enumerate(batch) if s.speculate]
         if not mine:
             return self._execute_batched(batch, chunks, do_sample)
-        results = self.spec.run_all([(batch[i], chunks[i], do_sample[i], self._eos(batch[i])) for i in mine], self.kv)
+        forks = self._forks([batch[i] for i in mine], [chunks[i] for i in mine])
+        results = self.spec.run_all([(batch[i], chunks[i], do_sample[i], self._eos(batch[i])) for i in mine],
+                                    self.kv, forks)
         rest = [i for i in range(len(batch)) if not batch[i].speculate]
         b, c = [batch[i] for i in rest], [chunks[i] for i in rest]
         if b:
             results += self._execute_batched(b, c, [do_sample[i] for i in rest])
-        batch[:] = [batch[i] for i in mine] + b
-        chunks[:] = [chunks[i] for i in mine] + c
+        batch[:] = [batch[i] for i in mine] + [f for _, f in forks] + b
+        chunks[:] = [chunks[i] for i in mine] + [[] for _ in forks] + c
         return results
+
+    def _forks(self, batch: list[Sequence], chunks: list[list[int]]) -> list[tuple[int, Sequence]]:
+        """(i, f): choice f waits on batch[i], whose prompt completes in this step."""
+        return [(i, f) for i, (s, chunk) in enumerate(zip(batch, chunks, strict=True))
+                if s.prefilling and s.n_prefilled + len(chunk) == len(s.prompt)
+                for f in self.running if f.leader is s and f.prefilling and not f.finished]
 
     def _eos(self, s: Sequence) -> tuple[int, ...]:
         return () if s.gen.ignore_eos else tuple(sorted(self.eos_ids))
@@ -312,9 +320,7 @@ class Scheduler:
             if s.state is None:
                 s.state = self.engine.new_state()
         # choices waiting on a leader whose prompt completes now draw from the leader's row
-        forks = [(i, f) for i, (s, chunk) in enumerate(zip(batch, chunks, strict=True))
-                 if s.prefilling and s.n_prefilled + len(chunk) == len(s.prompt)
-                 for f in self.running if f.leader is s and f.prefilling and not f.finished]
+        forks = self._forks(batch, chunks)
         draws = [(i, s) for i, s in enumerate(batch) if do_sample[i]] + forks
         masks = self.guide.masks([s for _, s in draws])  # after the last step's tokens reached the matchers
         jobs = [SampleJob(i, s.params, s.generated, s.rng, m) for (i, s), m in zip(draws, masks, strict=True)]
@@ -404,7 +410,7 @@ class Scheduler:
                 # the state holds the step's tokens but the last: one that ends earlier (a stop
                 # string) leaves it ahead of plain decoding's, so it gives no answer snapshot
                 s.state_ahead = j + 1 < len(res.tokens)
-                if not self._emit(s, tok, None, None, now):
+                if not self._emit(s, tok, *res.entry(j), now):
                     break
             return
         self._emit(s, *res, now)

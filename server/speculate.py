@@ -9,9 +9,16 @@ step does not collect them per sequence), and each decode step is spec_decode's 
 forward a step), so its state always equals plain decoding's at the same position. The decode steps
 of every speculating sequence in a step share that one verify forward (run_all).
 
-Requests stay on the plain path when speculation would need more than this: constrained decoding
-(the grammar's masks must follow every drafted token), logprobs (the verify step reports none) and
-n > 1 (choices fork their leader's state at the prompt's end, and the draft's state with it).
+Each emitted token's logprobs come from its own verify row (the main model's logits there), as
+plain decoding reports them from the row that drew it.
+
+The n choices of a request all speculate: choice 0 prefills the prompt, and when it completes the
+others fork its state and its draft's state (DraftState.clone) and draw their first tokens from the
+same logits, as on the plain path.
+
+Constrained requests speculate too: the draft proposes what the grammar allows and verify applies
+the grammar's mask at every position (engine/runtime/spec_guided.py), on a copy of the matcher; the
+scheduler feeds the sequence's own matcher each emitted token, as on the plain path.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import numpy as np
 
 from engine.runtime.sampling import sample
 from engine.runtime.spec_decode import SpecJob, SpecStats, draft_of, feed, speculative_steps
+from engine.runtime.spec_guided import guided_drafter
 from kvcache import serving as kv_serving
 
 MODES = ("dspark", "off")
@@ -30,19 +38,26 @@ MODES = ("dspark", "off")
 
 @dataclass
 class Emitted:
-    """A speculating sequence's tokens of one step (stats: None for the prompt's first token)."""
+    """A speculating sequence's tokens of one step (stats: None for the prompt's first token), and
+    each one's (logprob, top_logprobs) when the request asks for them."""
 
     tokens: list[int]
     stats: SpecStats | None = None
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+
+    def entry(self, j: int) -> tuple[float | None, list[tuple[int, float]] | None]:
+        """Token j's (logprob, top_logprobs), or (None, None)."""
+        return self.logprobs[j] if self.logprobs else (None, None)
 
 
 class Speculator:
     """Per scheduler: the engine's draft, or none (mode "off", or a checkpoint without draft layers)."""
 
-    def __init__(self, engine: Any, mode: str | None = None):
+    def __init__(self, engine: Any, mode: str | None = None, guide: Any = None):
         if mode not in (None, *MODES):
             raise ValueError(f"speculative mode must be one of {MODES}, not {mode!r}")
         self.engine = engine
+        self.guide = guide  # server/guided.Guide: constrained requests speculate where there is one
         self.dsp = None if mode == "off" else draft_of(getattr(engine, "model", None))
         if mode == "dspark" and self.dsp is None:
             raise ValueError("--speculative dspark needs a checkpoint with DSpark draft layers, on the numpy "
@@ -58,40 +73,68 @@ class Speculator:
 
     def eligible(self, s: Any) -> bool:
         """Whether sequence s speculates (decided at admission, before its first step)."""
-        return (self.dsp is not None and s.gen.n == 1 and s.leader is None and s.gen.grammar is None
-                and not s.params.logprobs)
+        return self.dsp is not None and (s.gen.grammar is None or self.guide is not None)
 
-    def run_all(self, steps: list[tuple[Any, list[int], bool, tuple[int, ...]]], kv: Any) -> list[Emitted | None]:
+    def run_all(self, steps: list[tuple[Any, list[int], bool, tuple[int, ...]]], kv: Any,
+                forks: list[tuple[int, Any]] = ()) -> list[Emitted | None]:
         """Engine thread: one step of each speculating sequence of (s, chunk, do_sample, eos): the
-        prompt chunks one by one, the decode steps' verify chunks in one forward."""
+        prompt chunks one by one, the decode steps' verify chunks in one forward. forks: (i, f),
+        choice f forks steps[i]'s state and draft state when its prompt completes here, and draws
+        its first token from the same logits; their results follow the steps' in order."""
         out: list[Emitted | None] = [None] * len(steps)
+        firsts: dict[int, Emitted] = {}
         decoding = []
-        for i, (s, chunk, do_sample, eos) in enumerate(steps):
-            if s.prefilling or s.state is None or s.draft is None:
-                out[i] = self.run(s, chunk, do_sample, eos, kv)
+        for i, (s, chunk, do_sample, _) in enumerate(steps):
+            if s.state is None:
+                s.state = self.engine.new_state()
+            if s.draft is None:  # a state restored from the cache, or forked from a plain leader:
+                s.draft = self.dsp.new_state()  # the draft's windows start here
+                s.draft.position = s.state.position
+            if s.prefilling:
+                followers = [f for k, f in forks if k == i]
+                out[i], drawn = self._prefill(s, chunk, do_sample, kv, followers)
+                firsts.update(zip((id(f) for f in followers), drawn, strict=True))
             else:
                 decoding.append(i)
-        jobs = [SpecJob(s.state, s.draft, s.generated, s.max_tokens - len(s.generated), s.params, eos, s.rng,
-                        SpecStats()) for s, _, _, eos in (steps[i] for i in decoding)]
+        jobs = [self._job(s, eos) for s, _, _, eos in (steps[i] for i in decoding)]
         emitted = speculative_steps(self.engine.model, self.dsp, jobs) if jobs else []
         for i, job, tokens in zip(decoding, jobs, emitted, strict=True):
-            out[i] = Emitted(tokens, job.stats)
-        return out
+            out[i] = Emitted(tokens, job.stats, job.logprobs)
+        return out + [firsts[id(f)] for _, f in forks]
 
     def run(self, s: Any, chunk: list[int], do_sample: bool, eos: tuple[int, ...], kv: Any) -> Emitted | None:
         """Engine thread: one step of speculating sequence s (a prompt chunk, or a decode step
         after s.generated[-1], which `chunk` then holds)."""
-        model, dsp = self.engine.model, self.dsp
-        if s.state is None:
-            s.state = self.engine.new_state()
-        if s.draft is None:  # a state restored from the cache: the draft's windows start here
-            s.draft = dsp.new_state()
-            s.draft.position = s.state.position
-        if s.prefilling:
-            logits = feed(model, dsp, s.state, s.draft, list(chunk), all_logits=False)
-            kv_serving.snapshot_prompt(kv, s, s.n_prefilled + len(chunk))
-            if not do_sample:
-                return None
-            return Emitted([int(sample(np.asarray(logits), s.params, s.generated, s.rng)[0])])
-        job = SpecJob(s.state, s.draft, s.generated, s.max_tokens - len(s.generated), s.params, eos, s.rng, SpecStats())
-        return Emitted(speculative_steps(model, dsp, [job])[0], job.stats)
+        return self.run_all([(s, chunk, do_sample, eos)], kv)[0]
+
+    def _prefill(self, s: Any, chunk: list[int], do_sample: bool, kv: Any, followers: list[Any]
+                 ) -> tuple[Emitted | None, list[Emitted]]:
+        """A prompt chunk of s with the draft absorbing it, the first token when the prompt
+        completes, and each follower's, which forks s's state and draft state."""
+        logits = np.asarray(feed(self.engine.model, self.dsp, s.state, s.draft, list(chunk), all_logits=False))
+        kv_serving.snapshot_prompt(kv, s, s.n_prefilled + len(chunk))
+        first = self._first(s, logits) if do_sample else None
+        drawn = []
+        for f in followers:
+            f.state, f.draft = s.state.clone(), s.draft.clone()
+            drawn.append(self._first(f, logits))
+        return first, drawn
+
+    def _mask(self, s: Any) -> Any:
+        """s's next-token mask (None: unconstrained), its matcher started if it has none yet."""
+        return self.guide.masks([s])[0] if s.gen.grammar is not None else None
+
+    def _first(self, s: Any, logits: np.ndarray) -> Emitted:
+        """The first token of s after its prompt, drawn as plain decoding draws it."""
+        tok, lp, top = sample(logits, s.params, s.generated, s.rng, self._mask(s))
+        return Emitted([int(tok)], logprobs=[(lp, top)] if lp is not None else None)
+
+    def _job(self, s: Any, eos: tuple[int, ...]) -> SpecJob:
+        """Sequence s's decode step as a SpecJob (a constrained one drafts what its grammar allows)."""
+        guide = None
+        if s.gen.grammar is not None:
+            if s.constraint is None:
+                self._mask(s)
+            guide = guided_drafter(s.constraint, self.guide.constrainer, eos)
+        return SpecJob(s.state, s.draft, s.generated, s.max_tokens - len(s.generated), s.params, eos, s.rng,
+                       SpecStats(), [] if s.params.logprobs else None, guide)

@@ -187,15 +187,22 @@ def sample(
         token = int(ids[min(j, ids.size - 1)])  # (float edge at the top: the last allowed id)
     if not params.logprobs:
         return token, None, None
+    return (token, *token_logprobs(logits, token, params.top_logprobs))
+
+
+def token_logprobs(logits: np.ndarray, token: int, top_logprobs: int) -> tuple[float, list[tuple[int, float]]]:
+    """(logprob of token, top_logprobs [(id, logprob)] in descending order, ties by id) under the
+    model's own distribution at these logits [vocab] (sample's logprobs; speculative decoding
+    reports each emitted token's from its own verify row)."""
     lp = _log_softmax(np.asarray(logits, dtype=np.float64))
     top: list[tuple[int, float]] = []
-    k = min(int(params.top_logprobs), lp.shape[-1])
+    k = min(int(top_logprobs), lp.shape[-1])
     if k > 0:
         vocab = lp.shape[-1]
         idx = np.flatnonzero(lp >= np.partition(lp, vocab - k)[vocab - k])  # the k largest and ties
         idx = idx[np.argsort(-lp[idx], kind="stable")][:k]
         top = [(int(i), float(lp[i])) for i in idx]
-    return token, float(lp[token]), top
+    return float(lp[token]), top
 
 
 @dataclass

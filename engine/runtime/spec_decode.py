@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from engine.runtime.sampling import SamplingParams, make_rngs, sample
+from engine.runtime.sampling import SamplingParams, make_rngs, sample, token_logprobs
 from engine.runtime.speculative import verify
 from engine.state import trial as trials
 from engine.state.sequence import SequenceState
@@ -87,7 +87,10 @@ def _first_stop(tokens: list[int], stops: Iterable[int]) -> int:
 class SpecJob(NamedTuple):
     """One sequence's speculative step: its state (holding every token before generated[-1]), its
     draft state, its tokens so far, how many it may still emit (>= 1), its sampling parameters,
-    stop ids and generator, and the figures to add to."""
+    stop ids and generator, and the figures to add to. logprobs: where each emitted token's
+    (logprob, top_logprobs) is appended when params.logprobs (from its own verify row, as plain
+    decoding reports it from the row that drew it). guide: a constrained sequence's drafter
+    (engine/runtime/spec_guided.py), None for a free one."""
 
     state: SequenceState
     ds: Any
@@ -97,6 +100,8 @@ class SpecJob(NamedTuple):
     eos: tuple[int, ...]
     rng: np.random.Generator
     stats: SpecStats
+    logprobs: list | None = None
+    guide: Any = None  # constrained decoding: spec_guided.Drafter, the drafts and verify's masks
 
 
 def speculative_steps(model, dsp, jobs: list[SpecJob]) -> list[list[int]]:
@@ -104,24 +109,32 @@ def speculative_steps(model, dsp, jobs: list[SpecJob]) -> list[list[int]]:
     one main forward on the states themselves as trials, each cut back to its kept rows. Returns
     each sequence's 1 .. min(block + 1, room) tokens, ending at the first id of its eos if one is
     drawn; `generated` is not changed."""
-    chunks, drafts = [], []
+    chunks, drafts, masks = [], [], []
     for j in jobs:
         k = min(dsp.block_size, j.room - 1)
-        drafts.append([int(x) for x in dsp.draft(j.ds, j.generated[-1]).tokens[:k]] if k > 0 else [])
-        chunks.append([j.generated[-1], *drafts[-1]])
+        if j.guide is not None:
+            d, m = j.guide(dsp, j.ds, j.generated[-1], k)
+        else:
+            d, m = [int(x) for x in dsp.draft(j.ds, j.generated[-1]).tokens[:k]] if k > 0 else [], None
+        drafts.append(d)
+        masks.append(m)
+        chunks.append([j.generated[-1], *d])
     targets, marks = dsp.targets, []
     try:
         marks += [trials.begin(j.state) for j in jobs]
         logits = model.forward([j.state for j in jobs], chunks, all_logits=True, targets=targets)
-        verdicts = [verify(np.asarray(x).reshape(len(c), -1), d, None, j.params, j.generated, j.rng)
-                    for x, c, d, j in zip(logits, chunks, drafts, jobs, strict=True)]
+        rows = [np.asarray(x).reshape(len(c), -1) for x, c in zip(logits, chunks, strict=True)]
+        verdicts = [verify(x, d, None, j.params, j.generated, j.rng, m)
+                    for x, d, m, j in zip(rows, drafts, masks, jobs, strict=True)]
     except BaseException:
         for j, tr in zip(jobs, marks, strict=False):
             trials.restore(j.state, tr)
         raise
     out, row = [], 0  # (the target inputs' rows: every chunk's, in order; all_logits trims none)
-    for j, tr, c, d, (tokens, n) in zip(jobs, marks, chunks, drafts, verdicts, strict=True):
+    for j, tr, c, d, x, (tokens, n) in zip(jobs, marks, chunks, drafts, rows, verdicts, strict=True):
         keep = _first_stop(tokens, j.eos)
+        if j.params.logprobs and j.logprobs is not None:
+            j.logprobs.extend(token_logprobs(x[r], t, j.params.top_logprobs) for r, t in enumerate(tokens[:keep]))
         trials.cut(j.state, tr, keep)  # the state holds exactly the emitted tokens but the last
         dsp.absorb(j.ds, {i: x[row : row + keep] for i, x in targets.items()}, keep)
         row += len(c)

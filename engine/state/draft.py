@@ -23,3 +23,7 @@ class DraftState:
 
     position: int = 0
     windows: list[Any] = field(default_factory=list)
+
+    def clone(self) -> DraftState:
+        """An independent copy (the n choices of one prompt fork it with their SequenceState)."""
+        return DraftState(self.position, [w.copy() for w in self.windows])

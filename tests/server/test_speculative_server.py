@@ -139,7 +139,7 @@ def test_greedy_equal_under_concurrent_streams(tiny, tiny_servers) -> None:
         got: list = [None] * len(prompts)
 
         def one(i: int, srv=srv, got=got) -> None:
-            # odd ones ask for logprobs: the plain path, batched beside the speculating sequences
+            # odd ones ask for logprobs (reported from their verify rows)
             c = _complete(srv, prompts[i], max_tokens, **({"logprobs": 1} if i % 2 else {}))
             got[i] = (c["prompt_token_ids"], c["token_ids"])
 
@@ -216,3 +216,206 @@ def test_agreeing_draft_under_concurrent_streams(agreeing_servers) -> None:
         outs.append(got)
     assert outs[0] == outs[1]
     assert [len(t) for t in outs[0]] == [m for _, m in cases]
+
+
+def _post_to(srv, path: str, body: dict) -> dict:
+    req = urllib.request.Request(srv.base + path, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.load(r)
+
+
+def _stream_chunks(srv, path: str, body: dict) -> list[dict]:
+    req = urllib.request.Request(srv.base + path, data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    out = []
+    with urllib.request.urlopen(req, timeout=120) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                out.append(json.loads(line[6:]))
+    return out
+
+
+def _streamed_logprobs(chunks: list[dict]) -> dict[int, dict[str, list]]:
+    """Per choice index: completions' logprobs lists, concatenated over the stream's chunks."""
+    got: dict[int, dict[str, list]] = {}
+    for ch in chunks:
+        for c in ch.get("choices", []):
+            lp = c.get("logprobs")
+            if lp:
+                acc = got.setdefault(c["index"], {"tokens": [], "token_logprobs": [], "top_logprobs": []})
+                for k in acc:
+                    acc[k] += lp[k]
+    return got
+
+
+@pytest.mark.parametrize("which", ["tiny", "agreeing"])
+def test_logprobs_equal_to_plain(which, request) -> None:
+    """Each emitted token's logprob and top_logprobs, streamed or not, equal plain decoding's bit for
+    bit (the numpy backend's rows do not depend on the chunk they run in); usage counts too."""
+    on, off = request.getfixturevalue(f"{which}_servers")
+    bias = BIAS if which == "agreeing" else {}
+    before = _metrics(on)
+    for n, max_tokens in ((5, 14), (23, 9)):
+        body = {"model": _model(on), "prompt": _prompt(n, 3), "max_tokens": max_tokens, "temperature": 0,
+                "logprobs": 5, "logit_bias": bias, "return_token_ids": True}
+        a, b = (_post_to(srv, "/v1/completions", body) for srv in (on, off))
+        assert a["choices"][0]["token_ids"] == b["choices"][0]["token_ids"]
+        assert a["choices"][0]["logprobs"] == b["choices"][0]["logprobs"]
+        assert len(a["choices"][0]["logprobs"]["token_logprobs"]) == len(a["choices"][0]["token_ids"])
+        assert a["usage"] == b["usage"]
+        sa, sb = (_streamed_logprobs(_stream_chunks(srv, "/v1/completions", body)) for srv in (on, off))
+        assert sa == sb == {0: {k: a["choices"][0]["logprobs"][k] for k in sa[0]}}
+    chat = {"model": _model(on), "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 10,
+            "temperature": 0, "logprobs": True, "top_logprobs": 3, "logit_bias": bias}
+    a, b = (_post_to(srv, "/v1/chat/completions", chat) for srv in (on, off))
+    assert a["choices"][0]["logprobs"] == b["choices"][0]["logprobs"] and a["usage"] == b["usage"]
+    assert all(len(e["top_logprobs"]) == 3 for e in a["choices"][0]["logprobs"]["content"])
+    after = _metrics(on)
+    assert after["dsuf_spec_drafted_tokens_total"] > before.get("dsuf_spec_drafted_tokens_total", 0)
+    if which == "agreeing":  # multi-token steps reported their logprobs
+        assert after["dsuf_spec_accepted_tokens_total"] > before.get("dsuf_spec_accepted_tokens_total", 0)
+
+
+def _choices(resp: dict) -> list[dict]:
+    return sorted(resp["choices"], key=lambda c: c["index"])
+
+
+@pytest.mark.parametrize("which", ["tiny", "agreeing"])
+def test_n_choices_greedy_equal_to_plain(which, request) -> None:
+    """n = 3 greedy: every choice speculates (forking choice 0's state and draft state at the
+    prompt's end) and equals plain decoding's, logprobs included; usage counts equal."""
+    on, off = request.getfixturevalue(f"{which}_servers")
+    bias = BIAS if which == "agreeing" else {}
+    before = _metrics(on)
+    body = {"model": _model(on), "prompt": _prompt(13, 4), "max_tokens": 11, "temperature": 0, "n": 3,
+            "logprobs": 2, "logit_bias": bias, "return_token_ids": True}
+    a, b = (_post_to(srv, "/v1/completions", body) for srv in (on, off))
+    ca, cb = _choices(a), _choices(b)
+    assert [c["token_ids"] for c in ca] == [c["token_ids"] for c in cb] == [cb[0]["token_ids"]] * 3
+    assert [c["logprobs"] for c in ca] == [c["logprobs"] for c in cb]
+    assert a["usage"] == b["usage"]
+    assert a["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in ca)
+    after = _metrics(on)
+    # every choice ran verify steps (each emits at least one token per step past its first)
+    steps = after["dsuf_spec_acceptance_length_count"] - before.get("dsuf_spec_acceptance_length_count", 0)
+    assert steps >= 3
+    if which == "agreeing":
+        assert after["dsuf_spec_accepted_tokens_total"] - before.get("dsuf_spec_accepted_tokens_total", 0) \
+            >= 3 * (11 - 2 - 9 // 6)
+
+
+def test_n_choices_seeded_sampling_reproducible(tiny_servers) -> None:
+    """n = 3 seeded sampling with speculation: two identical requests give the same choices, choice 0
+    is the same seeded n = 1 request's tokens (each choice's generator depends on (seed, index)
+    only), and the usage counts the tokens."""
+    on, _ = tiny_servers
+    body = {"model": _model(on), "prompt": _prompt(9, 6), "max_tokens": 12, "temperature": 0.9, "top_p": 0.95,
+            "seed": 1234, "return_token_ids": True}
+    first, again = (_post_to(on, "/v1/completions", {**body, "n": 3}) for _ in range(2))
+    one = _post_to(on, "/v1/completions", body)
+    toks = [c["token_ids"] for c in _choices(first)]
+    assert toks == [c["token_ids"] for c in _choices(again)]
+    assert toks[0] == one["choices"][0]["token_ids"]
+    assert len({tuple(t) for t in toks}) > 1  # the choices draw their own tokens
+    assert first["usage"]["completion_tokens"] == sum(map(len, toks))
+    assert first["usage"]["prompt_tokens"] == one["usage"]["prompt_tokens"]
+    streamed = _stream_chunks(on, "/v1/completions", {**body, "n": 3})
+    text = {}
+    for ch in streamed:
+        for c in ch.get("choices", []):
+            text[c["index"]] = text.get(c["index"], "") + (c.get("text") or "")
+    assert [text[i] for i in range(3)] == [c["text"] for c in _choices(first)]
+
+
+# Constrained decoding: literal stretches of a grammar (keys, an enum's value, DSML markup) leave one
+# allowed token a position, so the masked draft proposes it and verify keeps it.
+STATION = {"type": "object", "properties": {
+    "weather_station_identifier": {"enum": ["north-ridge-observatory", "south"]},
+    "temperature_celsius": {"type": "integer", "minimum": -50, "maximum": 60}, "ok": {"type": "boolean"}},
+    "required": ["weather_station_identifier", "temperature_celsius", "ok"], "additionalProperties": False}
+WEATHER_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
+                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"]}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}]
+GUIDED = {
+    "json_schema": {"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": STATION}}},
+    "json_object": {"response_format": {"type": "json_object"}},
+    "required": {"tools": WEATHER_TOOLS, "tool_choice": "required"},
+    "named": {"tools": WEATHER_TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+}
+
+
+def _chat(srv, **kw) -> dict:
+    body = {"model": _model(srv), "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40,
+            "temperature": 0, "logprobs": True, **kw}
+    return _post_to(srv, "/v1/chat/completions", body)
+
+
+def _answer(resp: dict) -> list:
+    """What a choice says, tool call ids (random per response) left out."""
+    out = []
+    for c in _choices(resp):
+        msg = dict(c["message"])
+        msg["tool_calls"] = [t["function"] for t in msg.get("tool_calls") or []]
+        out.append((msg, c["finish_reason"], c["logprobs"]))
+    return out
+
+
+@pytest.mark.parametrize("kind", sorted(GUIDED))
+def test_guided_greedy_equal_to_plain(tiny_servers, kind) -> None:
+    """Greedy constrained requests speculate (the draft masked by the grammar, verify's masks per
+    position) and give plain decoding's tokens, logprobs and usage, streamed and not, n = 2 too."""
+    on, off = tiny_servers
+    before = _metrics(on)
+    a, b = (_chat(srv, **GUIDED[kind]) for srv in (on, off))
+    assert _answer(a) == _answer(b) and a["usage"] == b["usage"]
+    content = [e["token"] for e in a["choices"][0]["logprobs"]["content"]]
+    assert len(content) == a["usage"]["completion_tokens"]
+    after = _metrics(on)
+    assert after["dsuf_spec_drafted_tokens_total"] > before.get("dsuf_spec_drafted_tokens_total", 0)
+    if kind != "json_object":  # the grammar's literal stretches were drafted and kept
+        assert after["dsuf_spec_accepted_tokens_total"] - before.get("dsuf_spec_accepted_tokens_total", 0) >= 5
+    if kind == "json_schema":
+        assert a["choices"][0]["message"]["content"].startswith('{"weather_station_identifier": "')
+    if kind in ("required", "named"):
+        assert a["choices"][0]["message"]["tool_calls"] or a["choices"][0]["finish_reason"] == "length"
+    two = {**GUIDED[kind], "n": 2}
+    a2, b2 = (_chat(srv, **two) for srv in (on, off))
+    assert _answer(a2) == _answer(b2) == _answer(b) * 2 and a2["usage"] == b2["usage"]
+    sa, sb = (_stream_chunks(srv, "/v1/chat/completions", {
+        "model": _model(srv), "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40,
+        "temperature": 0, "logprobs": True, **GUIDED[kind]}) for srv in (on, off))
+    def strip(chunks: list[dict]) -> list:  # noqa: E306 - ids and timestamps differ per response
+        return [[{k: v for k, v in c.items() if k != "delta"} | {"delta": _no_ids(c.get("delta"))}
+                 for c in ch.get("choices", [])] for ch in chunks]
+    assert strip(sa) == strip(sb)
+
+
+def _no_ids(delta: dict | None) -> dict | None:
+    if not delta or not delta.get("tool_calls"):
+        return delta
+    return {**delta, "tool_calls": [{k: v for k, v in t.items() if k != "id"} for t in delta["tool_calls"]]}
+
+
+def test_guided_thinking_and_sampling(agreeing_servers, tiny_servers) -> None:
+    """Reasoning runs free before the grammar starts (the agreeing draft's blocks are kept there);
+    seeded sampled constrained requests reproduce, and their answers follow the grammar."""
+    on, off = agreeing_servers
+    before = _metrics(on)
+    kw = {**GUIDED["json_schema"], "thinking": {"type": "enabled"}, "logit_bias": BIAS, "max_tokens": 14}
+    a, b = _chat(on, **kw), _chat(off, **kw)
+    assert _answer(a) == _answer(b) and a["usage"] == b["usage"]
+    assert _metrics(on)["dsuf_spec_accepted_tokens_total"] - before.get("dsuf_spec_accepted_tokens_total", 0) >= 8
+    on, _ = tiny_servers
+    kw = {**GUIDED["json_schema"], "temperature": 1.0, "seed": 5, "max_tokens": 60, "n": 2}
+    a, again = _chat(on, **kw), _chat(on, **kw)
+    assert _answer(a) == _answer(again)
+    for c in _choices(a):
+        text = c["message"]["content"]
+        assert text.startswith('{"weather_station_identifier": "')
+        if c["finish_reason"] == "stop":
+            assert json.loads(text).keys() == STATION["properties"].keys()
