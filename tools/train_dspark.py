@@ -83,8 +83,14 @@ def cmd_train(a) -> None:
 
     torch.manual_seed(0)
     torch.set_num_threads(a.threads) if a.threads else None
-    raw = draft_config(_raw(a.ckpt), a.layers, a.experts, a.topk, a.rank, a.block, a.noise)
-    model = _model(a.ckpt, raw, initial(a.ckpt, raw), a.device)
+    if a.init:  # continue from a draft written before (its config's DSpark fields too)
+        raw = dict(_raw(a.ckpt), **{k: v for k, v in _raw(a.init).items() if k.startswith(("dspark_", "num_nextn",
+                                                                                           "compress_ratios"))})
+        params = _stored_draft(a.init, raw)
+    else:
+        raw = draft_config(_raw(a.ckpt), a.layers, a.experts, a.topk, a.rank, a.block, a.noise)
+        params = initial(a.ckpt, raw)
+    model = _model(a.ckpt, raw, params, a.device)
     print(f"draft: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters", flush=True)
     result = train(model, a.work, a.minutes, a.device, a.seqs, a.anchors)
     write(a.ckpt, a.out, raw, {k: v.cpu() for k, v in model.state().items()})
@@ -92,20 +98,36 @@ def cmd_train(a) -> None:
     print(f"wrote the draft into {a.out}", flush=True)
 
 
+def _stored_draft(ckpt: Path, raw: dict) -> dict:
+    """The draft tensors `ckpt` stores, float32 torch tensors by canonical name."""
+    import torch
+
+    from engine.checkpoint.reader import Checkpoint
+    from tools.dspark_train.weights import draft_entries
+
+    cfg = parse_config(raw)
+    ck = Checkpoint(ckpt, block_size=cfg.weight_block_size)
+    out = {}
+    for e in draft_entries(cfg):
+        try:
+            out[e.name] = torch.from_numpy(ck.f32(_name(ck, e.name)))
+        except KeyError:
+            if e.place is not None:  # (one the forward reads)
+                raise
+            out[e.name] = torch.zeros(e.shape)
+    return out
+
+
 def cmd_check(a) -> None:
     """The written draft through this tool's forward and through the engine's, on a training chunk."""
     import torch
 
-    from engine.checkpoint.reader import Checkpoint
     from engine.runtime.engine import Engine
     from engine.runtime.spec_decode import draft_of, feed
-    from tools.dspark_train.weights import draft_entries
 
     raw = _raw(a.ckpt)
     cfg = parse_config(raw)
-    ck = Checkpoint(a.ckpt, block_size=cfg.weight_block_size)
-    params = {e.name: torch.from_numpy(ck.f32(_name(ck, e.name))) for e in draft_entries(cfg)}
-    model = _model(a.ckpt, raw, params, "cpu").eval()
+    model = _model(a.ckpt, raw, _stored_draft(a.ckpt, raw), "cpu").eval()
     tokens = np.load(a.work / "tokens.npy")[0].astype(np.int64)
     eng = Engine.load(a.ckpt)
     dsp = draft_of(eng.model)
@@ -179,6 +201,7 @@ def main() -> None:
     d.add_argument("--length", type=int, default=256)
     d.add_argument("--workers", type=int, default=2)
     t.add_argument("--out", type=Path, required=True)
+    t.add_argument("--init", type=Path, help="continue from the draft this checkpoint directory holds")
     t.add_argument("--minutes", type=float, default=10.0)
     t.add_argument("--device", default="cpu")
     t.add_argument("--threads", type=int, default=0)

@@ -34,8 +34,9 @@ def draft_config(raw: dict, layers: int, experts: int, topk: int, rank: int, blo
 
 
 def draft_entries(cfg) -> list:
-    """The schema entries of the draft tensors the forward reads (canonical `mtp.*` names)."""
-    return [e for e in tensor_schema(cfg) if e.name.startswith("mtp.") and e.place is not None]
+    """The schema entries of the draft tensors (canonical `mtp.*` names), those stored but unread
+    (the gate's vision bias) included."""
+    return [e for e in tensor_schema(cfg) if e.name.startswith("mtp.")]
 
 
 def initial(ckpt_dir: Path, raw_cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -77,7 +78,7 @@ def initial(ckpt_dir: Path, raw_cfg: dict, seed: int = 0) -> dict[str, torch.Ten
             t = main(src)
             if t is not None and rest.startswith("ffn.gate."):
                 t = t[: e.shape[0]]
-            if rest == "ffn.gate.bias":
+            if rest in ("ffn.gate.bias", "ffn.gate.bias_vl"):
                 t = torch.zeros(e.shape)
         else:
             t = main(src)
@@ -106,7 +107,13 @@ def write(src_dir: Path, out_dir: Path, raw_cfg: dict, params: dict[str, torch.T
     save_file(tensors, str(out_dir / DRAFT_FILE), metadata={"format": "pt"})
     wm.update(dict.fromkeys(tensors, DRAFT_FILE))
     index["weight_map"] = dict(sorted(wm.items()))
-    index.setdefault("metadata", {})["total_size"] = sum(
-        (out_dir / f).stat().st_size for f in set(wm.values()))
+    index.setdefault("metadata", {})["total_size"] = sum(_data_bytes(out_dir / f) for f in set(wm.values()))
     index_path.write_text(json.dumps(index, indent=2) + "\n")
     (out_dir / "config.json").write_text(json.dumps(raw_cfg, indent=2) + "\n")
+
+
+def _data_bytes(path: Path) -> int:
+    """The tensor bytes of a safetensors file (what an index's total_size counts)."""
+    with open(path, "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    return sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__")
