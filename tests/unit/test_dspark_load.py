@@ -78,9 +78,11 @@ def test_config_fields_in_both_namings():
     up["n_mtp_layers"] = up.pop("num_nextn_predict_layers")
     up["dspark_n_activated_experts"] = up.pop("dspark_num_experts_per_tok")
     assert parse_config(up) == hf
-    # absent (or 0) = no draft layers, whatever dspark_* fields say (demo-v41 ships such a config)
+    # absent (or 0) = no draft layers, whatever dspark_* fields say
     assert not parse_config(_raw(num_nextn_predict_layers=0)).has_draft
-    assert not load_config(REPO / "models" / "demo-v41").has_draft
+    demo = json.loads((REPO / "models" / "demo-v41" / "config.json").read_text())
+    assert not parse_config({**demo, "num_nextn_predict_layers": 0}).has_draft
+    assert load_config(REPO / "models" / "demo-v41").has_draft  # (its trained draft: tests/unit/test_demo_draft.py)
     flash = parse_config({**T.make_config("v41", draft=True, **{k: v for k, v in T.PRESETS["v41-flash-shaped"].items()
                                                                 if k != "arch"}), "engram_compressed_vocab_size": 1})
     assert (flash.dspark_block_size, flash.dspark_noise_token_id, flash.dspark_markov_rank,
