@@ -154,7 +154,8 @@ class Metrics:
         self.req_gen = hist("vllm:request_generation_tokens", "Generated tokens per finished sequence.",
                             build_1_2_5_buckets(max_len))
         self.iteration = hist("vllm:iteration_tokens_total", "Tokens fed to the model per engine step "
-                              "(prompt chunks plus one per decoding sequence).", ITERATION_TOKEN_BUCKETS)
+                              "(prompt chunks, one per decoding sequence, and a speculating sequence's drafted rows).",
+                              ITERATION_TOKEN_BUCKETS)
         self.params_n = hist("vllm:request_params_n", "The n request parameter, per admitted prompt.", N_BUCKETS)
         self.params_max_tokens = hist("vllm:request_params_max_tokens", "The max_tokens request parameter "
                                       "(when given), per finished sequence.", build_1_2_5_buckets(max_len))

@@ -264,7 +264,7 @@ class Scheduler:
                 continue
             for s, message in failed:
                 self._fail(s, message)
-            self.metrics.step(sum(map(len, chunks)))
+            self.metrics.step(sum(map(len, chunks)) + speculate.drafted_rows(results))
             self._apply(batch, chunks, results)
             # let handlers run between steps even if the executor answered instantly
             await asyncio.sleep(0)

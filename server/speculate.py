@@ -138,3 +138,8 @@ class Speculator:
             guide = guided_drafter(s.constraint, self.guide.constrainer, eos)
         return SpecJob(s.state, s.draft, s.generated, s.max_tokens - len(s.generated), s.params, eos, s.rng,
                        SpecStats(), [] if s.params.logprobs else None, guide)
+
+
+def drafted_rows(results: list) -> int:
+    """The rows a step's verify forwards ran beyond each sequence's one fed token: its drafts."""
+    return sum(r.stats.drafted for r in results if isinstance(r, Emitted) and r.stats is not None)

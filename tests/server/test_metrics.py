@@ -9,6 +9,7 @@ import time
 import urllib.request
 
 import openai
+import pytest
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -43,6 +44,8 @@ def _families(server) -> dict:
 def _value(fams: dict, family: str, sample: str | None = None, **labels: str) -> float:
     """Sum of a family's samples named `sample` (default: the family's own) whose labels include `labels`."""
     name = sample or family
+    if family not in fams:  # (a family with no sample yet)
+        return 0.0
     return sum(s.value for s in fams[family].samples
                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
@@ -65,8 +68,9 @@ def _client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.base + "/v1", api_key="x", max_retries=0, timeout=120)
 
 
-def test_vllm_families_count_what_the_requests_got(make_server):
-    s = make_server()
+@pytest.mark.parametrize("speculative", ["off", "dspark"])
+def test_vllm_families_count_what_the_requests_got(make_server, speculative):
+    s = make_server(speculative=speculative)
     model = _model_id(s)
     c = _client(s)
     usage_p = usage_c = 0
@@ -119,11 +123,19 @@ def test_vllm_families_count_what_the_requests_got(make_server):
     assert v("vllm:time_per_output_token_seconds", "vllm:time_per_output_token_seconds_count") == usage_c - n_seqs
     assert v("vllm:request_params_n", "vllm:request_params_n_count") == n_prompts
     assert v("vllm:request_params_n", "vllm:request_params_n_sum") == 1 + 1 + 1 + 2
-    # tokens fed to the model: the prompts' computed tokens plus every generated token but each sequence's last
+    # tokens fed to the model: the prompts' computed tokens plus every generated token but each
+    # sequence's last; speculating, each verify step's rows instead: the fed token and its drafts
     it = "vllm:iteration_tokens_total"
     prefill = v("dsuf_prefill_tokens", "dsuf_prefill_tokens_total", model_name=model)
     assert prefill == usage_p  # no state cache here: every prompt token computed, once per prompt
-    assert v(it, it + "_sum") == prefill + usage_c - n_seqs
+    verify_steps = v("dsuf_spec_acceptance_length", "dsuf_spec_acceptance_length_count", model_name=model)
+    drafted = v("dsuf_spec_drafted_tokens", "dsuf_spec_drafted_tokens_total", model_name=model)
+    if speculative == "off":
+        assert verify_steps == drafted == 0
+        assert v(it, it + "_sum") == prefill + usage_c - n_seqs
+    else:
+        assert verify_steps > 0 and drafted > 0
+        assert v(it, it + "_sum") == prefill + verify_steps + drafted
     assert v(it, it + "_count") == v("dsuf_engine_steps", "dsuf_engine_steps_total", model_name=model)
     assert v("vllm:num_preemptions", "vllm:num_preemptions_total") == 0
     ttft_bounds = sorted(float(s.labels["le"]) for s in fams["vllm:time_to_first_token_seconds"].samples

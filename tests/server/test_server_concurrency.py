@@ -308,7 +308,8 @@ def test_planning_ahead_serves_the_same_completions(make_server, engine):
     """A server whose model plans each next decode step ahead (Model.prepare_next; here through the
     hint on numpy) streams the same greedy completions as the plain
     engine, under concurrent requests that join and finish at different steps (the batch changes:
-    plans made ahead are dropped), and does take plans made ahead."""
+    plans made ahead are dropped), and does take plans made ahead. (Plain decode steps plan ahead,
+    so speculation is off here.)"""
     from engine.runtime.engine import Engine
 
     ahead = Engine.load(None)
@@ -316,7 +317,7 @@ def test_planning_ahead_serves_the_same_completions(make_server, engine):
     prompts = [f"Request {k}: list {k + 2} colours." for k in range(6)]
     outs = {}
     for name, eng in (("plain", engine), ("ahead", ahead)):
-        s = make_server(eng)
+        s = make_server(eng, speculative="off")
         results: dict[int, str] = {}
         errors: list[BaseException] = []
 

@@ -117,16 +117,17 @@ def _stream_text(srv, prompt: list[int], max_tokens: int, **kw) -> tuple[str, st
     return text, finish
 
 
-def test_speculative_mode_checks(tiny) -> None:
+def test_speculative_mode_checks(tiny, tmp_path) -> None:
     from server.metrics import Metrics
     from server.scheduler import Scheduler
 
     assert Scheduler(tiny, Metrics()).spec.enabled  # default: dspark where the checkpoint has draft layers
     assert not Scheduler(tiny, Metrics(), speculative="off").spec.enabled
-    demo = Engine.load(None)
-    assert not Scheduler(demo, Metrics()).spec.enabled
+    assert Scheduler(Engine.load(None), Metrics()).spec.enabled  # the demo ships a trained draft
+    plain = Engine.load(write_tiny_model(tmp_path / "plain", "v41", seed=3))
+    assert not Scheduler(plain, Metrics()).spec.enabled
     with pytest.raises(ValueError, match="draft layers"):
-        Scheduler(demo, Metrics(), speculative="dspark")
+        Scheduler(plain, Metrics(), speculative="dspark")
 
 
 def test_greedy_equal_under_concurrent_streams(tiny, tiny_servers) -> None:
