@@ -5,7 +5,9 @@
 Sends the same greedy chat request on every stream at once (each with its own prompt variant), then
 the same requests one at a time, and prints: errors, whether every concurrent answer equals its
 single-request answer token for token, aggregate tokens/s, time to first token and per-token
-latency percentiles. Exits non-zero on any error or mismatch.
+latency percentiles. Exits non-zero on any error or mismatch. --save FILE writes every stream's
+text as JSON and --expect FILE compares them with such a file (another server's, say one started
+with `--speculative off`): a difference counts as a mismatch.
 """
 
 from __future__ import annotations
@@ -71,6 +73,16 @@ async def main_async(args: argparse.Namespace) -> int:
     mismatch = sum(1 for p, r in zip(prompts, res, strict=True)
                    if not r.get("error") and r["text"] != singles[p].get("text"))
     ok = [r for r in res if not r.get("error")]
+    texts = [r.get("text") for r in res]
+    if args.save:
+        with open(args.save, "w") as f:
+            json.dump(texts, f)
+    differ = 0
+    if args.expect:
+        with open(args.expect) as f:
+            want = json.load(f)
+        differ = len(want) != len(texts) or sum(a != b for a, b in zip(want, texts, strict=True))
+        print(f"streams whose text differs from {args.expect}: {differ}")
     tokens = sum(r["tokens"] for r in ok)
     print(f"{args.streams} concurrent streams, {args.max_tokens} max tokens, model {model}")
     print(f"errors {len(errors)}  mismatches vs single requests {mismatch}")
@@ -81,7 +93,7 @@ async def main_async(args: argparse.Namespace) -> int:
               f"p99 {pct([r['tpot'] for r in ok], .99) * 1e3:.1f} ms")
     for e in errors[:5]:
         print("error:", e, file=sys.stderr)
-    return 1 if errors or mismatch else 0
+    return 1 if errors or mismatch or differ else 0
 
 
 def main() -> int:
@@ -93,6 +105,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--prompt", default="Write a Python function that adds two numbers.")
     ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--save", help="write every stream's text to this JSON file")
+    ap.add_argument("--expect", help="compare every stream's text with this JSON file (from --save)")
     return asyncio.run(main_async(ap.parse_args()))
 
 
