@@ -102,7 +102,7 @@ def _stored_draft(ckpt: Path, raw: dict) -> dict:
     """The draft tensors `ckpt` stores, float32 torch tensors by canonical name."""
     import torch
 
-    from engine.checkpoint.reader import Checkpoint
+    from engine.checkpoint.reader import Checkpoint, CheckpointError
     from tools.dspark_train.weights import draft_entries
 
     cfg = parse_config(raw)
@@ -110,7 +110,12 @@ def _stored_draft(ckpt: Path, raw: dict) -> dict:
     out = {}
     for e in draft_entries(cfg):
         try:
-            out[e.name] = torch.from_numpy(ck.f32(_name(ck, e.name)))
+            name = _name(ck, e.name)
+            try:
+                arr = ck.f32(name)
+            except CheckpointError:  # stored FP8 / FP4
+                arr = ck.weight(name).dequant()
+            out[e.name] = torch.from_numpy(np.array(arr, np.float32))
         except KeyError:
             if e.place is not None:  # (one the forward reads)
                 raise

@@ -10,12 +10,15 @@ the Markov bias), the confidence scores and the greedy draft tokens.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from engine.checkpoint.reader import Checkpoint
+from engine.checkpoint.tiny_model import tiny_model_main
 from engine.model.config import load_config
 from engine.ops.numpy_ops import NumpyOps
 from engine.runtime.runner import ModelRunner
@@ -30,9 +33,24 @@ def _rel(a, b) -> float:
     return float(np.abs(np.asarray(a) - b).max() / np.abs(b).max())
 
 
+def _checkpoint(name: str, tmp_path_factory) -> Path:
+    """The case's checkpoint: committed beside its fixture, or (a `dsuf.py tiny-model` one) rebuilt
+    from its recipe, every file checked against the sha256 the generator recorded."""
+    d = FIX / name
+    recipe = d / "tiny_model.json"
+    if not recipe.is_file():
+        return d
+    r = json.loads(recipe.read_text())
+    out = tmp_path_factory.mktemp(name) / "ckpt"
+    assert tiny_model_main([str(out), "--arch", "v41", *r["tiny_model_args"]]) == 0
+    for f, digest in r["sha256"].items():
+        assert hashlib.sha256((out / f).read_bytes()).hexdigest() == digest, f"{name}: rebuilt {f} differs"
+    return out
+
+
 @pytest.fixture(scope="module", params=CASES)
-def case(request):
-    d = FIX / request.param
+def case(request, tmp_path_factory):
+    d = _checkpoint(request.param, tmp_path_factory)
     cfg = load_config(d)
     ops = NumpyOps()
     tok = d / "tokenizer.json"  # Engram layers hash n-grams with it
@@ -40,7 +58,7 @@ def case(request):
                          tokenizer_json=tok if tok.is_file() else None)
     dsp = runner.model.dspark
     assert dsp is not None
-    z = np.load(d / "expected.npz")
+    z = np.load(FIX / request.param / "expected.npz")
     mode = next(m for m in MODES if m + ".draft_ids" in z.files)
     return request.param, runner, dsp, {k.split(".", 1)[1]: z[k] for k in z.files if k.startswith(mode + ".")}, z
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.checkpoint.reader import Checkpoint
 from engine.runtime.engine import Engine
 from engine.runtime.sampling import SamplingParams
 from engine.text.chat_encoding import render_messages
@@ -25,10 +26,14 @@ def engine() -> Engine:
     return Engine.load(DEMO)
 
 
-def test_the_demo_ships_draft_layers(engine):
+def test_the_demo_ships_draft_layers_in_the_release_formats(engine):
     cfg = engine.config
     assert cfg.has_draft and cfg.dspark_layers == 3 and cfg.dspark_block_size == 5
     assert engine.model.model.dspark is not None
+    ck = Checkpoint(DEMO)
+    assert ck.raw("mtp.0.attn.wq_a.weight").dtype == "F8_E4M3" and ck.has("mtp.0.attn.wq_a.scale")
+    assert ck.raw("mtp.1.ffn.experts.3.w2.weight").dtype == "I8"  # FP4, two per byte
+    assert ck.raw("mtp.2.markov_head.embed.weight").dtype == "BF16"
 
 
 def test_speculation_equals_plain_greedy_and_keeps_drafts(engine):

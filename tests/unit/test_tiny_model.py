@@ -131,14 +131,17 @@ def test_cli(tmp_path):
 # ----------------------------------------------------------------------------- against real checkpoints
 @pytest.mark.parametrize("path", [DEMO_V41, DEMO_V4], ids=["demo-v41", "demo-v4"])
 def test_shape_table_matches_trained_checkpoints(path):
-    """The demo models were saved by the transformers reference: same names, same shapes."""
+    """The demo models were saved by the transformers reference: same names, same shapes. (demo-v41's
+    DSpark draft layers, trained later, are stored as the release stores them: FP8 / FP4 with
+    scales; tests/unit/test_demo_draft.py checks them.)"""
     if not path.exists():
         pytest.skip(f"{path} absent")
     cfg = json.loads((path / "config.json").read_text())
     ck = Checkpoint(path)
-    want = {sp.name: tuple(sp.shape) for sp in T.tensor_specs(cfg)}
+    want = {sp.name: tuple(sp.shape) for sp in T.tensor_specs(cfg) if not sp.name.startswith("mtp.")}
     # bf16 exports keep the (then unused) engram row scales as a float tensor
-    assert set(ck.names()) - set(want) <= {n for n in ck.names() if n.endswith("engram.embed.scale")}
+    assert (set(n for n in ck.names() if not n.startswith("mtp.")) - set(want)
+            <= {n for n in ck.names() if n.endswith("engram.embed.scale")})
     assert set(want) <= set(ck.names())
     for n, shape in want.items():
         assert ck.raw(n).shape == shape, n

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import importlib
 import importlib.util
 import json
@@ -192,6 +193,7 @@ TINY_CASES = {
                        prompt=21, seed=3),
 }
 TINY_MODES = ("faithful_fix", "statequant_f32_fix")
+RECIPE = "tiny_model.json"  # how to rebuild a tiny case's checkpoint, and its files' sha256
 
 
 class _Tokenizer:
@@ -275,6 +277,11 @@ def main() -> int:
                 for k, v in run_tiny_mode(ref, kc, drv, d, prompt, mode).items():
                     out[f"{mode}.{k}"] = v
             np.savez_compressed(d / "expected.npz", **out)
+            # the checkpoint is not committed: the test rebuilds it with tiny-model and checks these
+            files = sorted(f.name for f in d.iterdir() if f.is_file() and f.name not in ("expected.npz", RECIPE))
+            recipe = {"tiny_model_args": c["args"], "sha256": {f: hashlib.sha256((d / f).read_bytes()).hexdigest()
+                                                                for f in files}}
+            (d / RECIPE).write_text(json.dumps(recipe, indent=2) + "\n")
             print(name, {m: out[f"{m}.draft_ids"].tolist() for m in TINY_MODES})
     return 0
 

@@ -16,6 +16,7 @@ from engine.model.config import parse_config
 from engine.ops.numpy_ops import dequantize
 
 DRAFT_FILE = "model-dspark.safetensors"
+RELEASE_BLOCK = (32, 32)  # V4.1's weight_block_size
 
 
 def draft_config(raw: dict, layers: int, experts: int, topk: int, rank: int, block: int, noise: int) -> dict:
@@ -89,10 +90,16 @@ def initial(ckpt_dir: Path, raw_cfg: dict, seed: int = 0) -> dict[str, torch.Ten
     return out
 
 
-def write(src_dir: Path, out_dir: Path, raw_cfg: dict, params: dict[str, torch.Tensor]) -> None:
+def write(src_dir: Path, out_dir: Path, raw_cfg: dict, params: dict[str, torch.Tensor],
+          release: bool = True) -> None:
     """out_dir = src_dir's files (copied unless the same directory) with config.json's draft
-    fields and the draft tensors in their own shard (bf16, under the main tensors' prefix)."""
-    from safetensors.torch import save_file
+    fields and the draft tensors in their own shard, under the main tensors' prefix: stored as
+    the release stores its draft layers (FP8 linears with UE8M0 scales per 32 x 32 block, FP4
+    routed experts with a UE8M0 scale per row per 32, the rest BF16 / F32: the schema's format of
+    each tensor) or, release=False, all in bf16."""
+    from engine.checkpoint.schema import stored_tensors
+    from engine.checkpoint.writer import write_safetensors
+    from tools.dev.quantize_demo import encode
 
     out_dir.mkdir(parents=True, exist_ok=True)
     if out_dir.resolve() != src_dir.resolve():
@@ -103,8 +110,15 @@ def write(src_dir: Path, out_dir: Path, raw_cfg: dict, params: dict[str, torch.T
     index = json.loads(index_path.read_text())
     wm = {k: v for k, v in index["weight_map"].items() if v != DRAFT_FILE}
     prefix = "model." if any(k.startswith("model.layers.") for k in wm) else ""
-    tensors = {prefix + n: t.detach().to(torch.bfloat16).contiguous() for n, t in params.items()}
-    save_file(tensors, str(out_dir / DRAFT_FILE), metadata={"format": "pt"})
+    fmts = {e.name: e.fmt for e in draft_entries(parse_config(raw_cfg))}
+    tensors: dict[str, tuple[str, np.ndarray]] = {}
+    for n, t in params.items():
+        fmt = fmts[n] if release else ("f32" if fmts[n] == "f32" else "bf16")
+        x = t.detach().float().cpu().numpy()
+        for (sname, dtype, _), arr in zip(stored_tensors(n, fmt, tuple(x.shape), RELEASE_BLOCK),
+                                          encode(fmt, x, RELEASE_BLOCK), strict=True):
+            tensors[prefix + sname] = (dtype, arr)
+    write_safetensors(out_dir / DRAFT_FILE, tensors, {"format": "pt"})
     wm.update(dict.fromkeys(tensors, DRAFT_FILE))
     index["weight_map"] = dict(sorted(wm.items()))
     index.setdefault("metadata", {})["total_size"] = sum(_data_bytes(out_dir / f) for f in set(wm.values()))
