@@ -26,8 +26,8 @@ class Unchecked(Scheduler):
         return None
 
 
-def _gen(params: SamplingParams, n: int = 1) -> GenRequest:
-    return GenRequest(kind="completion", model="m", n=n, max_tokens=MAX_TOKENS, sampling=params, stop=[],
+def _gen(params: SamplingParams, n: int = 1, max_tokens: int = MAX_TOKENS) -> GenRequest:
+    return GenRequest(kind="completion", model="m", n=n, max_tokens=max_tokens, sampling=params, stop=[],
                       stream=False, ignore_eos=True)
 
 
@@ -38,15 +38,17 @@ def _scheduler(engine, cls=Scheduler, **kw) -> Scheduler:
     return sched
 
 
-async def _run(engine, sched_cls, bad_at: int | None, bad_from_step: int = 0):
-    sched = _scheduler(engine, sched_cls, max_batch=8, max_queue=8, prefill_chunk=64)
+async def _run(engine, sched_cls, bad_at: int | None, bad_from_step: int = 0, speculative: str = "off",
+               max_tokens: int = MAX_TOKENS):
+    sched = _scheduler(engine, sched_cls, max_batch=8, max_queue=8, prefill_chunk=64, speculative=speculative)
     sched.start()
     sinks, seqs, firsts = [], [], []
     for i, prompt in enumerate(PROMPTS):
         sink: asyncio.Queue = asyncio.Queue()
-        gen = _gen(BAD if i == bad_at and not bad_from_step else SamplingParams(temperature=0.0), n=N[i])
+        gen = _gen(BAD if i == bad_at and not bad_from_step else SamplingParams(temperature=0.0), n=N[i],
+                   max_tokens=max_tokens)
         firsts.append(len(seqs))
-        seqs += sched.new_sequences(gen, prompt, MAX_TOKENS, sink)
+        seqs += sched.new_sequences(gen, prompt, max_tokens, sink)
         sinks.append(sink)
     sched.submit(seqs)  # one submit: they all share every step
     if bad_from_step:  # the culprit turns bad mid-decode, so the others' states have moved on
@@ -68,8 +70,9 @@ async def _run(engine, sched_cls, bad_at: int | None, bad_from_step: int = 0):
     return out
 
 
-def _reference(engine) -> list[list[int]]:
-    return [engine.generate(p, MAX_TOKENS, SamplingParams(temperature=0.0), stop_at_eos=False) for p in PROMPTS]
+def _reference(engine, max_tokens: int = MAX_TOKENS) -> list[list[int]]:
+    return [engine.generate(p, max_tokens, SamplingParams(temperature=0.0), stop_at_eos=False, speculative=False)
+            for p in PROMPTS]
 
 
 def test_admission_refuses_parameters_the_engine_cannot_take(engine):
@@ -96,4 +99,23 @@ def test_a_raising_sequence_fails_alone(engine, bad_at, bad_from_step):
                 assert err is None and toks == ref[i], (i, toks, ref[i])
     # and the scheduler keeps serving: a clean run afterwards matches too
     again = asyncio.run(_run(engine, Unchecked, bad_at=None))
+    assert again == [[(ref[i], None)] * N[i] for i in range(len(PROMPTS))]
+
+
+@pytest.mark.parametrize("bad_at,bad_from_step", [(1, 0), (1, 1), (2, 1)],
+                         ids=["from-prefill", "mid-decode", "one-choice-of-two-mid-decode"])
+def test_a_raising_speculating_sequence_fails_alone(engine, bad_at, bad_from_step):
+    """The same with the demo's draft speculating: a failed verify step is retried sequence by
+    sequence; the others keep plain decoding's tokens. (A verify step emits several tokens, so
+    the culprit turns bad after its first and has many more to go.)"""
+    ref = _reference(engine, 48)
+    got = asyncio.run(_run(engine, Unchecked, bad_at=bad_at, bad_from_step=bad_from_step, speculative="dspark",
+                           max_tokens=48))
+    for i, choices in enumerate(got):
+        for c, (toks, err) in enumerate(choices):
+            if i == bad_at and (c == 0 or not bad_from_step):
+                assert err is not None and "engine error" in err, got
+            else:
+                assert err is None and toks == ref[i], (i, toks, ref[i])
+    again = asyncio.run(_run(engine, Unchecked, bad_at=None, speculative="dspark", max_tokens=48))
     assert again == [[(ref[i], None)] * N[i] for i in range(len(PROMPTS))]
