@@ -173,20 +173,36 @@ class DSpark:
             h, pre_mix = layer(h, pre_mix, state.windows[i], cos, sin, ids)
         return xp.einsum("th,thd->td", pre_mix, h).astype(np.float32)
 
-    def draft(self, state: DraftState, last_token: int) -> Draft:
-        """Draft a block greedily: position i's logits plus the Markov bias of the token before it
-        (the last token, then the drafted ones), argmax. Reads the state, never changes it."""
+    def draft(self, state: DraftState, last_token: int, rng: np.random.Generator | None = None,
+              temperature: float = 1.0) -> Draft:
+        """Draft a block: position i's logits plus the Markov bias of the token before it (the
+        last token, then the drafted ones); each token their argmax (rng None), or drawn with rng
+        from softmax(logits / temperature), the distributions `probs` then holds exactly (what
+        rejection sampling weighs). Reads the state, never changes it."""
         ops, xp = self.ops, self.ops.xp
         x = self.forward(state, last_token)
         logits = ops.linear(ops.rmsnorm(x, self.norm, self.cfg.rms_norm_eps), self.model.head.w.head)
-        prev, tokens, embeds = int(last_token), [], []
+        prev, tokens, embeds, drawn_from = int(last_token), [], [], []
         for i in range(self.block_size):
             bias, e = self.markov_head(ops.asarray(np.array([prev], np.int64), dtype=np.int64))
             logits[i] = logits[i] + bias[0]
             embeds.append(e)
-            prev = int(ops.to_host(xp.argmax(logits[i])))
+            if rng is None:
+                prev = int(ops.to_host(xp.argmax(logits[i])))
+            else:
+                q = _softmax64(np.asarray(ops.to_host(logits[i]), np.float64) / temperature)
+                c = np.cumsum(q)
+                prev = int(min(np.searchsorted(c, rng.random() * c[-1], side="right"), q.size - 1))
+                drawn_from.append(q)
             tokens.append(prev)
         confidence = self.confidence_head(x, ops.cat(embeds, axis=0))
+        if rng is not None:
+            return Draft(np.array(tokens, np.int64), logits, np.stack(drawn_from), confidence)
         z = logits - logits.max(axis=1, keepdims=True)
         p = xp.exp(z)
         return Draft(np.array(tokens, np.int64), logits, p / p.sum(axis=1, keepdims=True), confidence)
+
+
+def _softmax64(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max())
+    return e / e.sum()

@@ -18,8 +18,12 @@ the prompt and every emitted token but the last, as here. A step that ends insid
 keeps only the rows up to the last emitted token, for the same reason; max_tokens never ends
 inside one (the block is shortened to what may still be emitted).
 
-The draft draws its tokens greedily (argmax), so verify weighs them as point masses
-(draft_probs=None), which is exact for any sampling parameters.
+For a greedy request the draft takes its argmax tokens and verify weighs them as point masses
+(draft_probs=None); for a sampled one it draws them with the sequence's generator from its own
+distribution at the request's temperature, and verify weighs them by it (speculative sampling:
+exact for any draft distribution, and a draft that samples is kept more often than its argmax
+when the main model's distribution is spread out). A constrained request drafts greedily within
+its grammar (engine/runtime/spec_guided.py).
 """
 
 from __future__ import annotations
@@ -109,23 +113,28 @@ def speculative_steps(model, dsp, jobs: list[SpecJob]) -> list[list[int]]:
     one main forward on the states themselves as trials, each cut back to its kept rows. Returns
     each sequence's 1 .. min(block + 1, room) tokens, ending at the first id of its eos if one is
     drawn; `generated` is not changed."""
-    chunks, drafts, masks = [], [], []
+    chunks, drafts, masks, qs = [], [], [], []
     for j in jobs:
         k = min(dsp.block_size, j.room - 1)
+        q = None
         if j.guide is not None:
             d, m = j.guide(dsp, j.ds, j.generated[-1], k)
+        elif k > 0 and not j.params.greedy:  # drawn from the draft's distribution, weighed by it
+            dr = dsp.draft(j.ds, j.generated[-1], j.rng, j.params.temperature)
+            d, m, q = [int(x) for x in dr.tokens[:k]], None, np.asarray(dr.probs[:k], np.float64)
         else:
             d, m = [int(x) for x in dsp.draft(j.ds, j.generated[-1]).tokens[:k]] if k > 0 else [], None
         drafts.append(d)
         masks.append(m)
+        qs.append(q)
         chunks.append([j.generated[-1], *d])
     targets, marks = dsp.targets, []
     try:
         marks += [trials.begin(j.state) for j in jobs]
         logits = model.forward([j.state for j in jobs], chunks, all_logits=True, targets=targets)
         rows = [np.asarray(x).reshape(len(c), -1) for x, c in zip(logits, chunks, strict=True)]
-        verdicts = [verify(x, d, None, j.params, j.generated, j.rng, m)
-                    for x, d, m, j in zip(rows, drafts, masks, jobs, strict=True)]
+        verdicts = [verify(x, d, q, j.params, j.generated, j.rng, m)
+                    for x, d, q, m, j in zip(rows, drafts, qs, masks, jobs, strict=True)]
     except BaseException:
         for j, tr in zip(jobs, marks, strict=False):
             trials.restore(j.state, tr)

@@ -78,3 +78,33 @@ def test_collecting_targets_leaves_the_main_forward_unchanged(runner) -> None:
     asked = runner.forward([st2], [PROMPT], all_logits=True, targets=targets)[0]
     assert np.array_equal(plain, asked)
     assert all(targets[i].shape == (len(PROMPT), runner.cfg.hidden_size) for i in targets)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_sampled_draft_draws_each_token_from_the_distribution_it_returns(runner, temperature) -> None:
+    """With a generator the draft draws token i from probs[i] = softmax((logits_i + Markov bias of
+    token i - 1) / temperature) by the inverse CDF of one uniform per position, in order; the
+    logits differ from the greedy draft's only through the Markov bias of the drawn tokens."""
+    dsp = runner.model.dspark
+    _, ds, logits = _feed(runner, [PROMPT])
+    last = int(np.argmax(logits))
+    seen = set()
+    for seed in range(6):
+        d = dsp.draft(ds, last, np.random.default_rng(seed), temperature)
+        u = np.random.default_rng(seed).random(dsp.block_size)
+        base = dsp.draft(ds, last)  # (no generator: argmax)
+        prev = last
+        for i in range(dsp.block_size):
+            bias, _ = dsp.markov_head(np.array([prev], np.int64))
+            want_logits = base.logits[i] - dsp.markov_head(np.array([int(([last, *base.tokens])[i])], np.int64))[0][0] \
+                + bias[0]
+            np.testing.assert_allclose(d.logits[i], want_logits, rtol=0, atol=1e-5)
+            z = np.asarray(d.logits[i], np.float64) / temperature
+            q = np.exp(z - z.max())
+            q /= q.sum()
+            np.testing.assert_allclose(d.probs[i], q, rtol=1e-12, atol=0)
+            c = np.cumsum(d.probs[i])
+            assert d.tokens[i] == min(np.searchsorted(c, u[i] * c[-1], side="right"), c.size - 1)
+            prev = int(d.tokens[i])
+        seen.add(tuple(d.tokens.tolist()))
+    assert len(seen) > 1  # different generators, different blocks (the draft is not a point mass)
