@@ -32,13 +32,12 @@ from dataclasses import replace
 
 from engine.checkpoint.reader import CheckpointError
 from engine.checkpoint.schema import (
-    EXPERT_WIDTH,
-    SHARED,
     VOCAB,
     SchemaError,
     Shard,
     _attention,
     _describe,
+    _experts,
     _hc_sites,
     _Table,
     check_stored,
@@ -88,21 +87,11 @@ def draft_schema(t: _Table, cfg: ModelConfig, norm_fmt: str) -> None:
 
 def _draft_ffn(t: _Table, cfg: ModelConfig, f: str) -> None:
     """The draft MoE: its own routed experts (dspark_n_routed_experts), the main width."""
-    h, e, inter = cfg.hidden_size, cfg.dspark_n_routed_experts, cfg.moe_intermediate_size
-    shared_inter = inter * cfg.n_shared_experts
+    h, e = cfg.hidden_size, cfg.dspark_n_routed_experts
     t.linear(f + "gate.weight", (e, h), "bf16", f + "gate")
     t.vector(f + "gate.bias", (e,), "f32", "bias", f + "gate_bias", optional=True)
     t.vector(f + "gate.bias_vl", (e,), "f32", "bias", None)  # (stored, unread: drafts are text)
-    for x in range(e):
-        rows = Shard(rows=EXPERT_WIDTH, expert=x, draft=True)
-        cols = Shard(cols=EXPERT_WIDTH, expert=x, draft=True)
-        t.linear(f"{f}experts.{x}.w1.weight", (inter, h), "fp4", f"{f}experts.{x}.0", rows)
-        t.linear(f"{f}experts.{x}.w2.weight", (h, inter), "fp4", f"{f}experts.{x}.1", cols)
-        t.linear(f"{f}experts.{x}.w3.weight", (inter, h), "fp4", f"{f}experts.{x}.2", rows)
-    rows, cols = Shard(rows=SHARED), Shard(cols=SHARED)
-    t.linear(f + "shared_experts.w1.weight", (shared_inter, h), "fp8", f + "shared_experts.0", rows)
-    t.linear(f + "shared_experts.w2.weight", (h, shared_inter), "fp8", f + "shared_experts.1", cols)
-    t.linear(f + "shared_experts.w3.weight", (shared_inter, h), "fp8", f + "shared_experts.2", rows)
+    _experts(t, cfg, e, f, draft=True)
 
 
 def _heads(t: _Table, cfg: ModelConfig, name: str, norm_fmt: str) -> None:

@@ -318,8 +318,7 @@ def _v4_compressor(t: _Table, p: str, place: str, h: int, dim: int, rate: int, o
 
 
 def _ffn(t: _Table, cfg: ModelConfig, i: int, f: str) -> None:
-    h, e, inter = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
-    shared_inter = inter * cfg.n_shared_experts
+    h, e = cfg.hidden_size, cfg.n_routed_experts
     t.linear(f + "gate.weight", (e, h), "bf16", f + "gate")
     if cfg.hash_layers[i]:
         t.out.append(Entry(f + "gate.tid2eid", (cfg.vocab_size, cfg.num_experts_per_tok), "i64", IDS, "tid2eid",
@@ -328,9 +327,17 @@ def _ffn(t: _Table, cfg: ModelConfig, i: int, f: str) -> None:
         t.vector(f + "gate.bias", (e,), "f32", "bias", f + "gate_bias", optional=True)
         if cfg.arch == "v41":  # (stored, unread)
             t.vector(f + "gate.bias_vl", (e,), "f32", "bias", None)
-    # w1 / w3 rows and w2 columns: the width a rank holds of each expert it owns
+    _experts(t, cfg, e, f)
+
+
+def _experts(t: _Table, cfg: ModelConfig, e: int, f: str, draft: bool = False) -> None:
+    """A MoE's e routed experts (FP4) and its shared expert (FP8), w1 / w3 rows and w2 columns
+    sharded by the width a rank holds of each expert it owns (draft: the DSpark layers' pool)."""
+    h, inter = cfg.hidden_size, cfg.moe_intermediate_size
+    shared_inter = inter * cfg.n_shared_experts
     for x in range(e):
-        rows, cols = Shard(rows=EXPERT_WIDTH, expert=x), Shard(cols=EXPERT_WIDTH, expert=x)
+        rows = Shard(rows=EXPERT_WIDTH, expert=x, draft=draft)
+        cols = Shard(cols=EXPERT_WIDTH, expert=x, draft=draft)
         t.linear(f"{f}experts.{x}.w1.weight", (inter, h), "fp4", f"{f}experts.{x}.0", rows)
         t.linear(f"{f}experts.{x}.w2.weight", (h, inter), "fp4", f"{f}experts.{x}.1", cols)
         t.linear(f"{f}experts.{x}.w3.weight", (inter, h), "fp4", f"{f}experts.{x}.2", rows)
