@@ -23,6 +23,7 @@ from engine.runtime.engine import Engine
 from engine.runtime.sampling import SamplingParams
 from server.metrics import parse_prometheus
 from tests.conftest import ServerThread
+from tests.unit.spec_drafts import proposing
 
 SIZES = dict(layers=4, hidden=128, heads=2, head_dim=64, q_lora=64, o_lora=64, moe_inter=64, experts=4,
              vocab=1024, window=8, index_topk=4, index_heads=4, index_head_dim=32, candidate_blocks=2,
@@ -47,34 +48,25 @@ def tiny(ckpt) -> Engine:
 
 @pytest.fixture(scope="module")
 def agreeing(ckpt) -> Engine:
-    eng = Engine.load(ckpt)
-    mh = eng.model.model.dspark.markov_head
-    mh.embed = np.ones_like(mh.embed)
-    head = np.zeros_like(mh.head)
-    head[X] = 1e4 / head.shape[1]
-    mh.head = head
-    return eng
+    return proposing(ckpt, X)
 
 
 def _servers(eng: Engine):
+    """A speculating server and a plain one on the same engine, shut down after the module."""
     on, off = ServerThread(eng, speculative="dspark"), ServerThread(eng, speculative="off")
-    return on, off
+    yield on, off
+    on.shutdown()
+    off.shutdown()
 
 
 @pytest.fixture(scope="module")
 def tiny_servers(tiny):
-    on, off = _servers(tiny)
-    yield on, off
-    on.shutdown()
-    off.shutdown()
+    yield from _servers(tiny)
 
 
 @pytest.fixture(scope="module")
 def agreeing_servers(agreeing):
-    on, off = _servers(agreeing)
-    yield on, off
-    on.shutdown()
-    off.shutdown()
+    yield from _servers(agreeing)
 
 
 def _post(srv, body: dict) -> dict:

@@ -17,7 +17,8 @@ from engine.runtime.engine import Engine
 from engine.runtime.sampling import SampleJob, SamplingParams, sample, token_mask
 from engine.runtime.spec_decode import SpecJob, SpecStats, draft_of, feed, speculative_steps
 from engine.runtime.spec_guided import guided_drafter
-from tests.unit.test_speculative_decode import SIZES, X, _prompt, _proposing
+from tests.unit.spec_drafts import proposing
+from tests.unit.test_speculative_decode import SIZES, X, _prompt
 
 SCHEMA = {"type": "object", "properties": {"a_rather_long_key_name": {"enum": ["some-fixed-value", "b"]},
                                            "n": {"type": "integer"}},
@@ -36,7 +37,7 @@ def _constrainer(eng: Engine) -> Constrainer:
 
 
 def test_drafts_follow_the_grammar_and_leave_the_matcher(ckpt) -> None:
-    eng = _proposing(ckpt, X)  # its own pick is always X, which the grammar refuses
+    eng = proposing(ckpt, X)  # its own pick is always X, which the grammar refuses
     dsp, c = draft_of(eng.model), _constrainer(eng)
     tc = c.start(GrammarSpec("json", json.dumps(SCHEMA)), False)
     st, ds = eng.new_state(), dsp.new_state()

@@ -20,6 +20,7 @@ import pytest
 from engine.checkpoint.tiny_model import write_tiny_model
 from engine.runtime.engine import Engine
 from engine.runtime.sampling import SamplingParams
+from tests.unit.spec_drafts import proposing
 
 REPO = Path(__file__).resolve().parents[2]
 # small enough to run hundreds of steps in seconds; window 8 and ratio-2 / ratio-1 KV groups, top-4
@@ -48,20 +49,9 @@ def engine(ckpt) -> Engine:
     return eng
 
 
-def _proposing(ckpt: Path, token: int) -> Engine:
-    """An engine whose draft proposes `token` at every position (its Markov bias dwarfs its logits)."""
-    eng = Engine.load(ckpt)
-    mh = eng.model.model.dspark.markov_head
-    mh.embed = np.ones_like(mh.embed)
-    head = np.zeros_like(mh.head)
-    head[token] = 1e4 / head.shape[1]
-    mh.head = head
-    return eng
-
-
 @pytest.fixture()
 def agreeing(ckpt) -> Engine:
-    return _proposing(ckpt, X)
+    return proposing(ckpt, X)
 
 
 def _run(eng: Engine, prompt: list[int], n: int, params: SamplingParams | None = None,
@@ -123,7 +113,7 @@ def test_a_kept_draft_eos_ends_the_block(ckpt) -> None:
     """The draft proposes EOS everywhere; the main model says X first (steered), then EOS, kept as
     the block's first draft with the main model's X after it: the output stops at that EOS and the
     state holds nothing of the rows after it."""
-    eng = _proposing(ckpt, eos := Engine.load(ckpt).eos_ids[0])
+    eng = proposing(ckpt, eos := Engine.load(ckpt).eos_ids[0])
     params = SamplingParams(temperature=0.0, frequency_penalty=4.0, logit_bias=((X, 60.0), (eos, 58.0)))
     prompt = _prompt(21)
     plain, plain_state = _run(eng, prompt, 40, params)
