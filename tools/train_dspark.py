@@ -9,9 +9,10 @@ torch here, never in the runtime). Made for the embedded demo model, models/demo
 `data` builds the demo's corpus (tools/dspark_train/corpus.py, ../shared/training/'s recipe) and
 runs the main model over it with the numpy engine; `train` warm-starts the draft from the main
 model's last layers and writes it into --out (config.json's DSpark fields and one more shard,
-bf16); `check` compares this tool's forward with engine/model/dspark.py on the written
-checkpoint; `accept` decodes held-out chat prompts greedily with speculation and prints the
-acceptance (tokens per verify step) and whether the ids equal plain decoding's.
+in the release's formats: FP8 linears, FP4 experts); `check` compares this tool's forward with
+engine/model/dspark.py on the written checkpoint; `accept` decodes held-out chat prompts greedily
+with speculation and prints the acceptance (tokens per verify step) and whether the ids equal
+plain decoding's.
 """
 
 from __future__ import annotations
@@ -54,25 +55,13 @@ def cmd_data(a) -> None:
 
 
 def _model(ckpt: Path, raw: dict, params: dict, device: str):
-    import torch
-
     from engine.checkpoint.reader import Checkpoint
     from tools.dspark_train.draft_torch import DraftTorch
+    from tools.dspark_train.weights import read_f32
 
     cfg = parse_config(raw)
     ck = Checkpoint(ckpt, block_size=cfg.weight_block_size)
-    emb = torch.from_numpy(ck.f32(_name(ck, "embed.weight")))
-    head = torch.from_numpy(ck.f32(_name(ck, "head.weight")))
-    return DraftTorch(cfg, params, emb, head).to(device)
-
-
-def _name(ck, canonical: str) -> str:
-    from engine.checkpoint.schema import resolve
-
-    for n in (canonical, "model." + canonical, "lm_head.weight" if canonical == "head.weight" else canonical):
-        if ck.has(resolve(ck, n)):
-            return resolve(ck, n)
-    raise KeyError(canonical)
+    return DraftTorch(cfg, params, read_f32(ck, "embed.weight"), read_f32(ck, "head.weight")).to(device)
 
 
 def cmd_train(a) -> None:
@@ -82,7 +71,8 @@ def cmd_train(a) -> None:
     from tools.dspark_train.weights import draft_config, initial, write
 
     torch.manual_seed(0)
-    torch.set_num_threads(a.threads) if a.threads else None
+    if a.threads:
+        torch.set_num_threads(a.threads)
     if a.init:  # continue from a draft written before (its config's DSpark fields too)
         raw = dict(_raw(a.ckpt), **{k: v for k, v in _raw(a.init).items() if k.startswith(("dspark_", "num_nextn",
                                                                                            "compress_ratios"))})
@@ -102,24 +92,20 @@ def _stored_draft(ckpt: Path, raw: dict) -> dict:
     """The draft tensors `ckpt` stores, float32 torch tensors by canonical name."""
     import torch
 
-    from engine.checkpoint.reader import Checkpoint, CheckpointError
-    from tools.dspark_train.weights import draft_entries
+    from engine.checkpoint.reader import Checkpoint
+    from engine.checkpoint.schema import resolve
+    from tools.dspark_train.weights import draft_entries, read_f32
 
     cfg = parse_config(raw)
     ck = Checkpoint(ckpt, block_size=cfg.weight_block_size)
     out = {}
     for e in draft_entries(cfg):
-        try:
-            name = _name(ck, e.name)
-            try:
-                arr = ck.f32(name)
-            except CheckpointError:  # stored FP8 / FP4
-                arr = ck.weight(name).dequant()
-            out[e.name] = torch.from_numpy(np.array(arr, np.float32))
-        except KeyError:
-            if e.place is not None:  # (one the forward reads)
-                raise
+        if ck.has(resolve(ck, e.name)):
+            out[e.name] = read_f32(ck, e.name)
+        elif e.place is None:  # stored but unread (written as zeros)
             out[e.name] = torch.zeros(e.shape)
+        else:
+            raise KeyError(f"{ckpt}: no draft tensor {e.name}")
     return out
 
 

@@ -40,6 +40,16 @@ def draft_entries(cfg) -> list:
     return [e for e in tensor_schema(cfg) if e.name.startswith("mtp.")]
 
 
+def read_f32(ck: Checkpoint, name: str) -> torch.Tensor:
+    """A tensor of `ck` as float32, whatever its stored format (BF16 / F32, or FP8 / FP4 decoded)."""
+    real = resolve(ck, name)
+    try:
+        arr = ck.f32(real)
+    except CheckpointError:  # FP8 / FP4 stored
+        arr = dequantize(ck.weight(real))
+    return torch.from_numpy(np.array(arr, np.float32))
+
+
 def initial(ckpt_dir: Path, raw_cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     """Draft layer j starts as main layer n - layers + j (its attention, norms, mHC, shared expert,
     gate rows and first experts); main_proj picks the last target layer's input; the final norm
@@ -51,14 +61,7 @@ def initial(ckpt_dir: Path, raw_cfg: dict, seed: int = 0) -> dict[str, torch.Ten
     out: dict[str, torch.Tensor] = {}
 
     def main(name: str) -> torch.Tensor | None:
-        real = resolve(ck, name)
-        if not ck.has(real):
-            return None
-        try:
-            arr = ck.f32(real)
-        except CheckpointError:  # FP8 / FP4 stored
-            arr = dequantize(ck.weight(real))
-        return torch.from_numpy(np.array(arr, np.float32))
+        return read_f32(ck, name) if ck.has(resolve(ck, name)) else None
 
     for e in draft_entries(cfg):
         j, rest = e.name[len("mtp."):].split(".", 1)
