@@ -149,8 +149,6 @@ class Attention:
             st = s.state.layers[li]
             r = s.rows
             keys = ops.cat([st.window, kv[r]], axis=0)
-            if s.state.trial is not None:  # rows a speculative verify may drop (engine/state/trial.py)
-                s.state.trial.note(li, "window", (kv[r], win - 1))
             st.window = keys[max(keys.shape[0] - (win - 1), 0):] if win > 1 else keys[:0]
             srcs = [(keys, None)]  # a decode query sees its whole window
             comp = cvis = None

@@ -28,12 +28,10 @@ class V4Attention(Attention):
         q_res, q, kv = self.latents(x, cos, sin)
         return self.chunks(x, q_res, q, kv, batch.chunks, Projected())
 
-    def pool(self, kv, gate, c, st: LayerState, prefix: str, overlap: bool, trial=None):
+    def pool(self, kv, gate, c, st: LayerState, prefix: str, overlap: bool):
         """The compressor c (CSA with two overlapping series, or HCA): entries closing in this
-        chunk, RoPE'd, or None. Its state fields are `<prefix>buf_kv` etc. trial: the state's
-        journal (engine/state/trial.py), which gets the new rows and each closed group's overlap."""
+        chunk, RoPE'd, or None. Its state fields are `<prefix>buf_kv` etc."""
         cfg, ops, xp = self.cfg, self.ops, self.ops.xp
-        new = (kv, gate, self.ratio)
         ratio = self.ratio
         keys = "entries" if prefix == "" else "idx_keys"
         n_before = 0 if getattr(st, keys) is None else getattr(st, keys).shape[0]
@@ -44,8 +42,6 @@ class V4Attention(Attention):
         setattr(st, prefix + "buf_kv", kv[usable:])
         setattr(st, prefix + "buf_gate", gate[usable:])
         if usable == 0:
-            if trial is not None:
-                trial.note(self.li, prefix + "pool", (*new, None))
             return None
         g = usable // ratio
         ck = kv[:usable].reshape(g, ratio, -1)
@@ -62,11 +58,7 @@ class V4Attention(Attention):
                 nkv[0, :ratio], ngate[0, :ratio] = okv, getattr(st, prefix + "ovl_gate")
             setattr(st, prefix + "ovl_kv", ck[-1, :, :d].copy())
             setattr(st, prefix + "ovl_gate", cg[-1, :, :d].copy())
-            if trial is not None:
-                trial.note(self.li, prefix + "pool", (*new, (ck[:, :, :d], cg[:, :, :d])))
             ck, cg = nkv, ngate
-        elif trial is not None:
-            trial.note(self.li, prefix + "pool", (*new, None))
         pooled = ops.rmsnorm(ops.gated_pool(ck, cg), c.norm, cfg.rms_norm_eps)
         first = n_before * ratio
         return ops.rope(pooled, *self.comp_tables(first + ratio * np.arange(pooled.shape[0])))
@@ -76,7 +68,7 @@ class V4Attention(Attention):
         st = s.state.layers[self.li]
         c = self.w.compressor
         csa = self.kind == "csa"
-        new = self.pool(ops.linear(x, c.wkv), ops.linear(x, c.wgate), c, st, "", csa, s.state.trial)
+        new = self.pool(ops.linear(x, c.wkv), ops.linear(x, c.wgate), c, st, "", csa)
         if new is not None:
             st.entries = new if st.entries is None else ops.cat([st.entries, new], axis=0)
         lens = (s.pos + 1) // self.ratio
@@ -85,7 +77,7 @@ class V4Attention(Attention):
         if csa:
             idx = self.w.indexer
             ic = idx.compressor
-            newk = self.pool(ops.linear(x, ic.wkv), ops.linear(x, ic.wgate), ic, st, "idx_", True, s.state.trial)
+            newk = self.pool(ops.linear(x, ic.wkv), ops.linear(x, ic.wgate), ic, st, "idx_", True)
             if newk is not None:
                 st.idx_keys = newk if st.idx_keys is None else ops.cat([st.idx_keys, newk], axis=0)
             if n:

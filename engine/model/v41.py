@@ -159,8 +159,6 @@ class V41Attention(Attention):
         cfg, ops, xp = self.cfg, self.ops, self.ops.xp
         st = s.state.layers[self.li]
         rotated = keys_new = None
-        if self.source and s.state.trial is not None:  # rows a speculative verify may drop (state/trial.py)
-            s.state.trial.note(self.li, "comp", ((p.comp_kv, p.comp_gate) if self.ratio > 1 else None, self.ratio))
         if self.source:
             if self.ratio == 1:
                 rotated, keys_new = p.entry, p.idx_key

@@ -112,16 +112,20 @@ class ModelRunner:
 
     # ---- steps ------------------------------------------------------------------------------
     def forward(self, states: list[SequenceState], chunks: list, all_logits: bool = False,
-                on_device: bool = False, targets: dict | None = None) -> list[np.ndarray]:
+                on_device: bool = False, targets: dict | None = None, verify: bool = False) -> list[np.ndarray]:
         """Feed chunks[i] (>= 1 token ids) to states[i]; advance the states. Returns, per sequence,
         logits [vocab] of its last token (or [len(chunk), vocab] with all_logits); on_device: the
         last tokens' logits as one backend array [len(states), vocab], left on the device.
         targets: {layer index: None} to collect the DSpark draft's inputs of those layers (filled
-        with the mean of the streams entering each, per row the layer ran; see Batch.targets)."""
+        with the mean of the streams entering each, per row the layer ran; see Batch.targets).
+        verify: a speculative verify step (engine/runtime/spec_decode.py): each chunk, [last token,
+        drafts], runs as that many decode rows of a V4.1 decode step (planned row by row:
+        decode_plan.plan_decode's counts), not as a prompt chunk; a state with a trial in progress
+        (engine/state/trial.py) gets the bookkeeping after each of its rows, to keep the first m."""
         ops = self.ops
         if self.plan.size > 1 and ops.comm is None:
             raise RuntimeError("a sharded rank runs under the lockstep driver (engine/parallel/lockstep.py)")
-        local, seqs = self._forward(states, chunks, all_logits, targets)
+        local, seqs = self._forward(states, chunks, all_logits, targets, verify)
         if on_device and not all_logits:
             return ops.all_gather(local)
         logits = ops.all_gather(ops.to_host(local))
@@ -141,7 +145,8 @@ class ModelRunner:
                 self.prepare_next(states)
         return self.ops.sample_rows(logits, jobs, ahead=ahead)
 
-    def _forward(self, states: list[SequenceState], chunks: list, all_logits: bool, targets: dict | None = None):
+    def _forward(self, states: list[SequenceState], chunks: list, all_logits: bool, targets: dict | None = None,
+                 verify: bool = False):
         """This rank's logits of the step (its vocabulary slice), and the step's sequences."""
         cfg, ops, model = self.cfg, self.ops, self.model
         if len(states) != len(chunks) or not states:
@@ -169,16 +174,26 @@ class ModelRunner:
         # planned on the host first, so its device half has the same launches whatever the
         # positions; a step of only such sequences is one graph. Prompt chunks sharing the step
         # take the chunk path beside them.
-        dec = [i for i, ch in enumerate(ids) if ch.size == 1] if cfg.arch == "v41" else []
+        verify = verify and cfg.arch == "v41"
+        if verify:
+            dec = list(range(len(ids)))
+        else:
+            dec = [i for i, ch in enumerate(ids) if ch.size == 1] if cfg.arch == "v41" else []
         window = layers = dec_rows = None
-        ahead = self._take_next(states, pos_all) if self._next is not None and len(dec) == len(seqs) else None
+        ahead = (self._take_next(states, pos_all) if self._next is not None and len(dec) == len(seqs) and not verify
+                 else None)
         self._next = None
         if ahead is not None:
             window, layers = ahead.inputs.window, ahead.inputs.layers
         elif dec:
             growth: list = []
+            marks: list | None = [] if verify else None
             window, layers = plan_decode(cfg, [states[i] for i in dec], ops.xp, growth, model.rope.compressed,
-                                         self.plan.heads[1] > self.plan.heads[0])
+                                         self.plan.heads[1] > self.plan.heads[0], sizes.tolist() if verify else None,
+                                         marks)
+            for st, mk in zip(states, marks or (), strict=False):
+                if st.trial is not None:
+                    st.trial.rows = mk
             ops.copy_rows(growth)
             if len(dec) < len(seqs):
                 dec_rows = np.array([seqs[i].rows.start for i in dec], np.int64)
@@ -194,9 +209,9 @@ class ModelRunner:
 
             if ops.comm is None:
                 staged = {"pre": ahead.pre} if ahead is not None else {}  # (its tables packed ahead)
-                local = ops.graphed_step(key, inputs, run, rows=len(seqs), **staged)
+                local = ops.graphed_step(key, inputs, run, rows=int(ids_all.size), **staged)
             else:  # every rank's step at once, as the driver runs them
-                local = ops.comm.step(StepRegion(key, inputs, run, ops, len(seqs)))
+                local = ops.comm.step(StepRegion(key, inputs, run, ops, int(ids_all.size)))
         else:
             local = self._run(ops.stage(inputs), seqs, all_logits, targets)
         for s, ch in zip(seqs, ids, strict=True):
@@ -207,8 +222,12 @@ class ModelRunner:
         """The step's device work over staged inputs (ops.stage): the embedding, every layer, the
         head; returns this rank's logits (of each sequence's last row, or of every row)."""
         cfg, ops, model = self.cfg, self.ops, self.model
-        chunks = [s for s in seqs if s.pos.size > 1] if st.layers is not None else seqs
-        decoding = [s for s in seqs if s.pos.size == 1] if st.layers is not None else []
+        if st.layers is None:  # prompt chunks only
+            chunks, decoding = seqs, []
+        elif st.dec_rows is None:  # decode rows only (a decode step, a verify step)
+            chunks, decoding = [], seqs
+        else:  # one-token sequences beside prompt chunks
+            chunks, decoding = [s for s in seqs if s.pos.size > 1], [s for s in seqs if s.pos.size == 1]
         batch = Batch(ids=st.ids, hash_ids=st.hash_ids, rope={"main": (st.rope[0], st.rope[1]),
                                                                "compress": (st.rope[2], st.rope[3])},
                       chunks=chunks, plans=st.layers, dec_rows=st.dec_rows, targets=targets)

@@ -4,13 +4,13 @@ ones (the verify rule: engine/runtime/speculative.py).
 
 A step, with the sequence's state holding every emitted token but the last, t:
 - the draft proposes k = block_size tokens d_0 .. d_{k-1} after t (it reads its window state only);
-- the main model runs [t, d_0 .. d_{k-1}] as one chunk of k + 1 rows on the state itself, marked
-  first and journaling the rows it appends (engine/state/trial.py), its logits at every row and its
-  target layers' inputs collected;
+- the main model runs [t, d_0 .. d_{k-1}] as k + 1 decode rows of one step on the state itself
+  (ModelRunner.forward(verify=True): planned row by row, as many one-row steps would be), marked
+  first (engine/state/trial.py), its logits at every row and its target layers' inputs collected;
 - verify keeps d_0 .. d_{n-1} and appends the main model's own token (n + 1 tokens);
-- the state is cut back to the rows [t, d_0 .. d_{n-1}] (trial.cut: the mark put back, the kept
-  rows' window rows, compressor rows and closed groups re-appended; no second forward), and the
-  draft absorbs those rows' target inputs, which the verify forward already computed.
+- the state is cut back to the rows [t, d_0 .. d_{n-1}] (trial.cut: the bookkeeping after its
+  last kept row put back; no second forward), and the draft absorbs those rows' target inputs,
+  which the verify forward already computed.
 So rejected rows leave no trace (window rings, compressor groups, indexer keys, Engram look-back,
 the draft's windows), and the state always equals plain decoding's at the same position: plain
 decoding feeds each token at the step after it is drawn, so after its last token its state holds
@@ -131,7 +131,7 @@ def speculative_steps(model, dsp, jobs: list[SpecJob]) -> list[list[int]]:
     targets, marks = dsp.targets, []
     try:
         marks += [trials.begin(j.state) for j in jobs]
-        logits = model.forward([j.state for j in jobs], chunks, all_logits=True, targets=targets)
+        logits = model.forward([j.state for j in jobs], chunks, all_logits=True, targets=targets, verify=True)
         rows = [np.asarray(x).reshape(len(c), -1) for x, c in zip(logits, chunks, strict=True)]
         verdicts = [verify(x, d, q, j.params, j.generated, j.rng, m)
                     for x, d, q, m, j in zip(rows, drafts, qs, masks, jobs, strict=True)]

@@ -25,6 +25,7 @@ import numpy as np
 
 from engine.state import rows
 from engine.state.rows import Span
+from engine.state.sequence import grown_mark
 
 MIN_CAPACITY = 64
 
@@ -125,26 +126,42 @@ class StepInputs:
         return shapes + (tuple(sigs[id(lp)] for lp in self.layers),)
 
 
-def plan_decode(cfg, states: list, xp, growth: list, rope_comp, heads: bool) -> tuple[WindowPlan, list[LayerPlan]]:
-    """The windows and every layer's LayerPlan for one new token per state, committing the grown
+def plan_decode(cfg, states: list, xp, growth: list, rope_comp, heads: bool, counts: list | None = None,
+                marks: list | None = None) -> tuple[WindowPlan, list[LayerPlan]]:
+    """The windows and every layer's LayerPlan for new tokens of the states, committing the grown
     state. Copies of rows into a grown buffer are appended to `growth` (ops.copy_rows jobs, to run
     before the step); rope_comp(positions) -> (cos, sin) of the compressed RoPE; heads: whether
-    this rank attends (a tensor-parallel rank may hold no query heads)."""
-    keep = cfg.sliding_window - 1
-    blocks, start, dst = [], np.zeros(len(states), np.int64), np.zeros(len(states), np.int64)
-    for b, s in enumerate(states):  # every layer's window grows by one row, in one block per sequence
-        blk = rows.window_block(xp, s.layers, cfg.head_dim, keep, growth)
-        blocks.append(blk.buf)
-        start[b], dst[b] = blk.start, blk.end
-        blk.end += 1
-        blk.start = max(blk.start, blk.end - keep)
+    this rank attends (a tensor-parallel rank may hold no query heads).
+
+    counts: the rows each state takes (default one: a decode step). A speculative verify feeds a
+    sequence [last token, drafts] as several decode rows, consecutive in the batch: row j is planned
+    as the j-th of as many one-row steps (its window ends at its own row, it pools the groups it
+    closes, it scores the keys and attends the entries that exist after it), and every buffer a
+    sequence appends to has room for all of its rows before the step, so no row is moved while a
+    later one reads it. marks: if given, filled with each state's bookkeeping after each of its
+    rows (state.plan_marks' form), which puts it back to its first m rows (engine/state/trial.py)."""
+    counts = [1] * len(states) if counts is None else [int(c) for c in counts]
+    keep, n_rows = cfg.sliding_window - 1, sum(counts)
+    blocks, start, dst = [], np.zeros(n_rows, np.int64), np.zeros(n_rows, np.int64)
+    row_marks = [[([], []) for _ in range(c)] for c in counts] if marks is not None else None
+    r = 0
+    for b, s in enumerate(states):  # every layer's window grows by a row, in one block per sequence
+        blk = rows.window_block(xp, s.layers, cfg.head_dim, keep, growth, counts[b])
+        for j in range(counts[b]):
+            blocks.append(blk.buf)
+            start[r], dst[r] = blk.start, blk.end
+            blk.end += 1
+            blk.start = max(blk.start, blk.end - keep)
+            if row_marks is not None:
+                row_marks[b][j][1].append((s.layers[0].__dict__, blk, blk.start, blk.end, blk.attached, None))
+            r += 1
     win = WindowPlan(blocks, start, dst)
     layers: list[LayerPlan] = []
     published: dict = {}  # index sources' key counts and keys, for the later layers
     reads: dict = {}  # (ents_from, mask_from) -> the plan of layers that only read (shared: no tables)
     for li, (grp, busy) in enumerate(_schedule(cfg)):
         if busy:
-            layers.append(_plan_layer(cfg, li, grp, states, xp, growth, rope_comp, published))
+            layers.append(_plan_layer(cfg, li, grp, states, counts, xp, growth, rope_comp, published, row_marks))
             continue
         key = (grp, published["topk"]) if grp >= 0 and "topk" in published else (-1, -1)
         lp = reads.get(key)
@@ -153,6 +170,8 @@ def plan_decode(cfg, states: list, xp, growth: list, rope_comp, heads: bool) -> 
         layers.append(lp)
     if heads:
         plan_attention(layers, win)
+    if marks is not None:
+        marks.extend(row_marks)
     return win, layers
 
 
@@ -165,50 +184,28 @@ def _schedule(cfg) -> tuple:
                  for li in range(cfg.num_layers))
 
 
-def _plan_layer(cfg, li: int, grp: int, states: list, xp, growth: list, rope_comp, published: dict) -> LayerPlan:
+def _plan_layer(cfg, li: int, grp: int, states: list, counts: list, xp, growth: list, rope_comp, published: dict,
+                row_marks: list | None) -> LayerPlan:
     kind, indexed = cfg.layer_kinds[li], li in cfg.index_source_layer_ids
     p = LayerPlan()
     if grp >= 0 and "topk" in published:  # (grp >= 0: a compressed layer with a KV source)
         p.ents_from, p.mask_from = grp, published["topk"]
     if kind != "source" and not indexed:
         return p
-    ratio, d = cfg.compress_ratios[li], cfg.head_dim
     if kind == "source":
-        lss = [s.layers[li] for s in states]
-        if ratio > 1:  # the new row joins its group's pending rows; full groups are pooled
-            p.pend_kv, p.pend_gate, p.pool_kv, p.pool_gate = [], [], [], []
-            first = np.zeros(len(lss), np.int64)
-            appends = []
-            for b, ls in enumerate(lss):
-                pend = []
-                for name, dst in (("buf_kv", p.pend_kv), ("buf_gate", p.pend_gate)):
-                    # (a group's rows are pooled, then the buffer is reused from its start)
-                    buf, start, end = rows.reserve(xp, ls, name, d, 1, growth, room=ratio)
-                    dst.append(Span(buf, end, 1))
-                    pend.append(Span(buf, start, end + 1 - start))
-                    rows.commit(ls, name, *((buf, 0, 0) if end + 1 - start == ratio else (buf, start, end + 1)))
-                appends.append(pend[0].n == ratio)
-                p.pool_kv.append(pend[0] if appends[b] else None)
-                p.pool_gate.append(pend[1] if appends[b] else None)
-                first[b] = ls.n_entries * ratio
-            p.pool_rope = np.stack(rope_comp(first))
-        else:  # ratio 1: each token is its own group, projected already
-            appends = [True] * len(lss)
-        p.entry_dst = _append(xp, lss, "entries", d, appends, growth)
-        if indexed:
-            p.key_dst = _append(xp, lss, "idx_keys", cfg.index_head_dim, appends, growth)
-        p.entries = [rows.span(ls, "entries") for ls in lss]
+        _plan_source(cfg, li, p, states, counts, xp, growth, rope_comp, published, row_marks)
     if indexed:
         # (the index layers after a group's source read the keys it left: the same Spans)
         if ("keys", grp) not in published:
-            keys = [rows.span(s.layers[grp], "idx_keys") for s in states]
+            keys = [rows.span(s.layers[grp], "idx_keys") for s, c in zip(states, counts, strict=True)
+                    for _ in range(c)]
             published["keys", grp] = keys, [k.n for k in keys]
-        p.keys, counts = published["keys", grp]
-        most = max(counts)
+        p.keys, n_keys = published["keys", grp]
+        most = max(n_keys)
         if most == 0:  # nothing to score yet: earlier publications stand
             p.keys = None
         else:
-            ns = np.array(counts, np.int64)
+            ns = np.array(n_keys, np.int64)
             p.keys_cap, p.pub_ns = capacity(most), ns
             cand = cfg.candidate_source_layer_id
             if li == cand:
@@ -221,6 +218,52 @@ def _plan_layer(cfg, li: int, grp: int, states: list, xp, growth: list, rope_com
     if grp >= 0 and "topk" in published:  # (this layer's own publication, if it made one)
         p.ents_from, p.mask_from = grp, published["topk"]
     return p
+
+
+def _plan_source(cfg, li: int, p: LayerPlan, states: list, counts: list, xp, growth: list, rope_comp,
+                 published: dict, row_marks: list | None) -> None:
+    """A KV source's rows: each joins its group's pending rows, a full group is pooled into an
+    entry (and an indexer key), row by row in each sequence's order."""
+    ratio, d, indexed = cfg.compress_ratios[li], cfg.head_dim, li in cfg.index_source_layer_ids
+    if ratio > 1:
+        p.pend_kv, p.pend_gate, p.pool_kv, p.pool_gate = [], [], [], []
+        first = np.zeros(sum(counts), np.int64)
+    p.entry_dst, p.entries = [], []
+    keys: list = []
+    if indexed:
+        p.key_dst = []
+    r = 0
+    for b, s in enumerate(states):
+        ls, c = s.layers[li], counts[b]
+        for j in range(c):
+            rest, closes = c - j, True  # (ratio 1: each token is its own group, projected already)
+            if ratio > 1:
+                pend = []
+                for name, dst in (("buf_kv", p.pend_kv), ("buf_gate", p.pend_gate)):
+                    buf, start, end = rows.reserve(xp, ls, name, d, rest, growth, room=ratio)
+                    dst.append(Span(buf, end, 1))
+                    pend.append(Span(buf, start, end + 1 - start))
+                    # a pooled group's rows free the buffer from its start, but not before the
+                    # step's last row: a later row would overwrite the rows the pool reads
+                    full = end + 1 - start == ratio
+                    rows.commit(ls, name, *((buf, start, end + 1) if not full else (buf, 0, 0) if j == c - 1
+                                            else (buf, end + 1, end + 1)))
+                closes = pend[0].n == ratio
+                p.pool_kv.append(pend[0] if closes else None)
+                p.pool_gate.append(pend[1] if closes else None)
+                first[r] = ls.n_entries * ratio
+            p.entry_dst.append(_append(xp, ls, "entries", d, closes, rest, growth))
+            if indexed:
+                p.key_dst.append(_append(xp, ls, "idx_keys", cfg.index_head_dim, closes, rest, growth))
+                keys.append(rows.span(ls, "idx_keys"))
+            p.entries.append(rows.span(ls, "entries"))
+            if row_marks is not None:
+                row_marks[b][j][0].append(grown_mark(ls))
+            r += 1
+    if ratio > 1:
+        p.pool_rope = np.stack(rope_comp(first))
+    if indexed:
+        published["keys", li] = keys, [k.n for k in keys]
 
 
 def with_spans(inputs: StepInputs) -> StepInputs:
@@ -257,14 +300,11 @@ def plan_attention(layers: list[LayerPlan], win: WindowPlan) -> None:
         lp.attended, lp.mask_cap, lp.attend_cap = done[key]
 
 
-def _append(xp, lss: list, name: str, width: int, which: list, growth: list) -> list:
-    """A new row of ls.<name> for each state where `which` says so (committed); its destinations."""
-    out = []
-    for ls, yes in zip(lss, which, strict=True):
-        if not yes:
-            out.append(None)
-            continue
-        buf, start, end = rows.reserve(xp, ls, name, width, 1, growth)
-        out.append(Span(buf, end, 1))
-        rows.commit(ls, name, buf, start, end + 1)
-    return out
+def _append(xp, ls, name: str, width: int, yes: bool, rest: int, growth: list):
+    """A new row of ls.<name> if `yes` (committed, with room for the rest of the step's rows of the
+    sequence); its destination (None: none)."""
+    if not yes:
+        return None
+    buf, start, end = rows.reserve(xp, ls, name, width, rest, growth)
+    rows.commit(ls, name, buf, start, end + 1)
+    return Span(buf, end, 1)

@@ -84,26 +84,27 @@ class WindowBlock:
         return self.buf[layer, self.start : self.end]
 
 
-def block_has_room(layers: list) -> bool:
-    """Whether a sequence's layers share one WindowBlock with room for another row (window_block
-    then appends to it, touching no layer)."""
+def block_has_room(layers: list, n_new: int = 1) -> bool:
+    """Whether a sequence's layers share one WindowBlock with room for n_new more rows
+    (window_block then appends to it, touching no layer)."""
     blk = layers[0]._block
-    return blk is not None and blk.attached == len(layers) and blk.end < blk.buf.shape[1]
+    return blk is not None and blk.attached == len(layers) and blk.end + n_new <= blk.buf.shape[1]
 
 
-def window_block(xp, layers: list, width: int, keep: int, jobs: list) -> WindowBlock:
-    """The WindowBlock of a sequence's layer states with room for one more row in every layer:
-    theirs, or a new one (keep + 1 + MIN_ROWS rows, so one every MIN_ROWS + 1 steps) that gets
+def window_block(xp, layers: list, width: int, keep: int, jobs: list, n_new: int = 1) -> WindowBlock:
+    """The WindowBlock of a sequence's layer states with room for n_new more rows in every layer:
+    theirs, or a new one (keep + n_new + MIN_ROWS rows, so one every MIN_ROWS + 1 steps) that gets
     every layer's live rows through copy jobs added to `jobs`. keep: the rows a window holds
-    between steps (sliding_window - 1)."""
+    between steps (sliding_window - 1). All n_new rows go into one block: a step's later rows
+    attend its earlier ones, which the copy jobs (run before the step) could not move."""
     blk = layers[0]._block
-    if block_has_room(layers):
+    if block_has_room(layers, n_new):
         return blk
     wins = [ls.window for ls in layers]
     n = int(wins[0].shape[0])
     if any(int(w.shape[0]) != n for w in wins):
         raise ValueError("a sequence's layers must hold windows of one length")
-    new = WindowBlock(xp.empty((len(layers), keep + 1 + MIN_ROWS, width), dtype=np.float32), 0, n, len(layers))
+    new = WindowBlock(xp.empty((len(layers), keep + n_new + MIN_ROWS, width), dtype=np.float32), 0, n, len(layers))
     for li, (ls, w) in enumerate(zip(layers, wins, strict=True)):
         if n:
             jobs.append((xp.ascontiguousarray(w), 0, new.buf[li], 0, n))

@@ -136,6 +136,12 @@ _OWN = tuple("_own_" + name for name in GROWN_FIELDS)
 _own_of = operator.itemgetter(*_OWN)  # (a layer state's __dict__ -> its grown fields' own arrays)
 
 
+def grown_mark(ls: LayerState) -> tuple:
+    """One layer's growth-buffer records and grown fields' own arrays, as plan_marks records them."""
+    d = ls.__dict__
+    return d, dict(d["spare"]), _own_of(d)
+
+
 def plan_marks(states: list, grown_layers: list[int], like: tuple | None = None) -> tuple:
     """The host bookkeeping a decode step's plan changes (engine/state/decode_plan.py plan_decode): the
     growth buffers' records and own arrays of the layers whose grown fields it appends to

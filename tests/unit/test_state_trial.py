@@ -1,11 +1,13 @@
-"""Trial rows of a sequence state (engine/state/trial.py): a chunk of k rows fed in trial mode and
-cut back to its first m rows leaves exactly the state that feeding those m rows plainly (one token
-a step, as plain decoding does) leaves, byte for byte, for every m in 0..k; and the cut state
-decodes on exactly like the plain one.
+"""Trial rows of a sequence state (engine/state/trial.py): a verify step of k decode rows
+(ModelRunner.forward(verify=True)) cut back to its first m rows leaves exactly the state that
+feeding those m rows plainly (one token a step, as plain decoding does) leaves, byte for byte, for
+every m in 0..k; the cut state decodes on exactly like the plain one; and every verify row's
+logits are bit for bit those of the plain decode step at its position.
 
 The states before the trial went through a prompt chunk and some decode steps (window blocks and
 growth buffers in use), at positions chosen so that window edges (window 8: 7 rows kept) and
-compressor group edges (V4.1: ratio 2 and 1; V4: CSA ratio 4, HCA ratio 128) fall inside the block.
+compressor group edges (ratio 2 and 1) fall inside the block, and so that the window block and
+the entries' and keys' buffers are full and must grow for the verify step.
 """
 
 from __future__ import annotations
@@ -23,20 +25,18 @@ DRAFT = dict(markov_rank=16, draft_layers=2, draft_experts=4)
 K = 6  # a verify chunk: the last token and five drafts
 # (prompt length, decode steps before the trial): the block starts before the window is full and
 # ends past it, starts at odd and even positions (ratio-2 groups close at its first or second row),
-# and covers a CSA group edge (multiple of 4) and V4's first HCA group (position 127)
-CASES = ((1, 0), (2, 1), (3, 2), (5, 0), (9, 2), (14, 3), (30, 1), (121, 3))
+# and, after 63 decode steps, needs more rows than the window block and growth buffers hold
+CASES = ((1, 0), (2, 1), (3, 2), (5, 0), (9, 2), (14, 3), (30, 1), (121, 3), (9, 63), (10, 63))
 
 
 def _ids(n: int, seed: int) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(10, 1000, size=n)]
 
 
-@pytest.fixture(scope="module", params=[("v41", 21), ("v41", 22), ("v4", 23)], ids=lambda p: f"{p[0]}-{p[1]}")
+@pytest.fixture(scope="module", params=[21, 22], ids=lambda p: f"v41-{p}")
 def runner(request, tmp_path_factory):
-    arch, seed = request.param
-    extra = DRAFT if arch == "v41" else dict(o_lora=128)  # (V4's 128x128 FP8 blocks)
-    ckpt = write_tiny_model(tmp_path_factory.mktemp(f"trial-{arch}-{seed}"), arch, seed=seed,
-                            draft=arch == "v41", **SIZES, **extra)
+    ckpt = write_tiny_model(tmp_path_factory.mktemp(f"trial-{request.param}"), "v41", seed=request.param,
+                            draft=True, **SIZES, **DRAFT)
     return Engine.load(ckpt).model
 
 
@@ -56,11 +56,13 @@ def _decode_on(runner, st, tokens: list[int]) -> list[np.ndarray]:
 def test_cut_equals_plain_feed(runner, case) -> None:
     plen, dsteps = case
     prompt, steps, block, after = _ids(plen, plen), _ids(dsteps, 100 + plen), _ids(K, 200 + plen), _ids(3, 7)
+    plain_logits = _decode_on(runner, _before(runner, prompt, steps), block)
     for m in range(K + 1):
         st = _before(runner, prompt, steps)
         trial = trials.begin(st)
-        runner.forward([st], [block], all_logits=True)
-        assert st.trial is None or st.trial is trial
+        rows = runner.forward([st], [block], all_logits=True, verify=True)[0]
+        np.testing.assert_array_equal(rows, np.stack(plain_logits))
+        assert st.trial is trial and len(trial.rows) == K
         trials.cut(st, trial, m)
         assert st.trial is None
         plain = _before(runner, prompt, steps)
@@ -74,13 +76,12 @@ def test_cut_equals_plain_feed(runner, case) -> None:
 
 
 def test_one_row_trial_kept_or_dropped(runner) -> None:
-    """A one-row trial (V4.1: the batched decode path, which journals nothing) keeps its row or
-    drops it whole, the state then as it was."""
+    """A one-row trial keeps its row or drops it whole, the state then as it was."""
     prompt, steps = _ids(11, 1), _ids(2, 2)
     ref = _before(runner, prompt, steps).to_bytes()
     st = _before(runner, prompt, steps)
     trial = trials.begin(st)
-    runner.forward([st], [[55]], all_logits=True)
+    runner.forward([st], [[55]], all_logits=True, verify=True)
     trials.cut(st, trial, 0)
     assert st.to_bytes() == ref
     plain = _before(runner, prompt, steps)
@@ -96,13 +97,18 @@ def test_restore_after_a_failed_forward_and_misuse(runner) -> None:
     with pytest.raises(ValueError):
         trials.begin(st)  # one trial at a time
     with pytest.raises(ValueError):
-        runner.forward([st], [[1, 2, 10**7]], all_logits=True)  # an id outside the vocabulary
+        runner.forward([st], [[1, 2, 10**7]], all_logits=True, verify=True)  # an id outside the vocabulary
     trials.restore(st, trial)
     assert st.trial is None and st.to_bytes() == ref
     trial = trials.begin(st)
-    runner.forward([st], [[3, 4, 5]], all_logits=True)
+    runner.forward([st], [[3, 4, 5]], all_logits=True, verify=True)
     with pytest.raises(ValueError):
         trials.cut(st, trial, 4)  # more rows than the trial fed
+    trials.restore(st, trial)
+    trial = trials.begin(st)
+    runner.forward([st], [[3, 4, 5]], all_logits=True)  # a prompt chunk: no rows to cut back to
+    with pytest.raises(ValueError):
+        trials.cut(st, trial, 2)
 
 
 def test_speculative_step_is_one_forward(runner) -> None:
@@ -112,8 +118,6 @@ def test_speculative_step_is_one_forward(runner) -> None:
     from engine.runtime.spec_decode import SpecStats, feed, speculative_step
 
     dsp = runner.model.dspark
-    if dsp is None:
-        pytest.skip("DSpark draft layers are V4.1's")
     calls = []
     forward = runner.forward
 
@@ -151,8 +155,6 @@ def test_batched_steps_equal_steps_alone(runner) -> None:
     from engine.runtime.spec_decode import SpecJob, SpecStats, feed, speculative_steps
 
     dsp = runner.model.dspark
-    if dsp is None:
-        pytest.skip("DSpark draft layers are V4.1's")
     prompts = [_ids(3, 31), _ids(17, 32), _ids(40, 33)]
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_k=50),
               SamplingParams(temperature=0.0, presence_penalty=0.5)]
@@ -182,3 +184,20 @@ def test_batched_steps_equal_steps_alone(runner) -> None:
             np.testing.assert_array_equal(a, b)
         assert together[i][4] == alone[4]
     assert calls < sum(len(s[4].lengths) for s in together)  # (steps did share forwards)
+
+
+def test_verify_rows_of_several_sequences_equal_plain_steps(runner) -> None:
+    """One verify step over sequences at different positions, of 6, 1 and 4 rows: every row's
+    logits and every state's bytes are those of plain decode steps."""
+    starts = [(_ids(9, 41), _ids(2, 42)), (_ids(30, 43), []), (_ids(2, 44), _ids(63, 45))]
+    blocks = [_ids(6, 46), _ids(1, 47), _ids(4, 48)]
+    states = [_before(runner, p, s) for p, s in starts]
+    marks = [trials.begin(st) for st in states]
+    rows = runner.forward(states, blocks, all_logits=True, verify=True)
+    for (p, s), blk, st, tr, got, m in zip(starts, blocks, states, marks, rows, (3, 1, 4), strict=True):
+        plain = _before(runner, p, s)
+        np.testing.assert_array_equal(got, np.stack(_decode_on(runner, plain, blk)))
+        trials.cut(st, tr, m)
+        plain = _before(runner, p, s)
+        _decode_on(runner, plain, blk[:m])
+        assert st.to_bytes() == plain.to_bytes()
