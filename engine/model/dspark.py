@@ -171,7 +171,9 @@ class DSpark:
         h, pre_mix = model.embed(Batch(ids=ids, hash_ids=None, rope={}, chunks=[]))
         for i, layer in enumerate(self.layers):
             h, pre_mix = layer(h, pre_mix, state.windows[i], cos, sin, ids)
-        return xp.einsum("th,thd->td", pre_mix, h).astype(np.float32)
+        # the reference's hc_pre: an fp32 sum stored as an activation (bf16 under deepseek numerics),
+        # what both the final norm and the confidence head read
+        return ops.act(xp.einsum("th,thd->td", pre_mix, h).astype(np.float32))
 
     def draft(self, state: DraftState, last_token: int, rng: np.random.Generator | None = None,
               temperature: float = 1.0) -> Draft:

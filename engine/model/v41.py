@@ -222,7 +222,7 @@ class V41Block(Block):
         if self.engram is not None:
             h = self.engram(h, batch.hash_ids)
         if batch.targets is not None and self.li in batch.targets:  # the draft reads what enters a target layer
-            batch.targets[self.li] = h.mean(axis=1)
+            batch.targets[self.li] = self.ops.act(h.mean(axis=1))
         mixes = self.hc_mixes(h, w.hc_attn)  # needed only at this site's expand
         out = attn(self.hc_pre(h, pre_mix, w.attn_norm), batch)
         h = self.hc_post(attn.output(out, *batch.rope[attn.rope_name], h.shape[0]), h, *mixes[1:])

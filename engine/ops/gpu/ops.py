@@ -104,6 +104,10 @@ class CupyOps(Forks, WeightOps, LinearOps, NormOps, MoeOps, AttentionOps):
             off += a.nbytes
         return out
 
+    def act(self, x: cp.ndarray) -> cp.ndarray:
+        """An activation as stored between ops: float32 (the GPU computes exact numerics only)."""
+        return x
+
     def to_host(self, x) -> np.ndarray:
         return cp.asnumpy(x) if isinstance(x, cp.ndarray) else np.asarray(x)
 
