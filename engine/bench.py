@@ -18,6 +18,7 @@ import time
 
 import numpy as np
 
+from engine.bench_spec import bench_speculative, gpu_weights, nbytes
 from engine.runtime.sampling import SampleJob, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -93,8 +94,7 @@ def _weight(fmt: str, n: int, k: int):
     return GpuWeight(FMT_FP4, data, scale, (n, k), (1, 32))
 
 
-def _nbytes(w) -> int:
-    return int(w.data.nbytes + (0 if w.scale is None else w.scale.nbytes))
+_nbytes = nbytes
 
 
 def _copies(w, nbytes: int = 256 << 20) -> list:
@@ -146,17 +146,7 @@ def _weight_stats(model) -> dict:
     """Bytes and multiply-adds of the weights a token touches on this model (or tensor-parallel
     rank): dense (attention, router, shared expert, summed over layers), one routed expert and
     how many this rank holds per layer, the head."""
-    from engine.ops.gpu.ops import GpuWeight
-
-    def weights(v) -> list:  # every GpuWeight in a part (stacked projections and sub-parts included)
-        if isinstance(v, GpuWeight):
-            return [v]
-        if isinstance(v, (list, tuple)):
-            return [w for x in v for w in weights(x)]
-        if hasattr(v, "__dict__"):
-            return [w for x in vars(v).values() for w in weights(x)]
-        return []
-
+    weights = gpu_weights
     dense = dense_macs = expert = expert_macs = owned = 0
     for L in model.w.layers:
         ws = weights(L.attn) + weights(L.ffn.gate) + weights(L.ffn.shared_experts) + weights(L.engram)
@@ -193,12 +183,14 @@ def _load(ckpt: str, gpus: list[int] | None, expert_split: str = "ep"):
     return cfg, model, [model], [dev]
 
 
-def _decode_graph_seconds(graphs, rows: int) -> float:
-    """Device seconds of the last decode-step graph captured at `rows` rows, replayed back to back
-    (its state writes repeat the same rows: harmless for timing); nan where none was captured."""
+def _decode_graph_seconds(graphs, rows: int, verify: bool = False) -> float:
+    """Device seconds of the last decode-step graph captured at `rows` rows (verify: a speculative
+    verify step's, which also returns the draft's target inputs), replayed back to back (its state
+    writes repeat the same rows: harmless for timing); nan where none was captured."""
     import cupy as cp
 
-    steps = [g for key, g in graphs.captured(rows) if isinstance(key[0], tuple) and key[0][0] == "decode"]
+    steps = [g for key, g in graphs.captured(rows)
+             if isinstance(key[0], tuple) and key[0][0] == "decode" and bool(key[0][3]) == verify]
     if not steps:
         return float("nan")
     stream = cp.cuda.get_current_stream()
@@ -215,7 +207,7 @@ def _sync(devices: list[int]) -> None:
 
 def bench_model(ckpt: str, bw: float, batches=(1, 8, 32), prefills=(4096, 65536), steps: int = 10,
                 chunk: int = 4096, gpus: list[int] | None = None, compare_tp1: bool = False,
-                expert_split: str = "ep") -> None:
+                expert_split: str = "ep", speculative: str | None = None) -> None:
     cfg, model, ranks, devices = _load(ckpt, gpus, expert_split)
     stats = [_weight_stats(r) for r in ranks]
     e, k, nl = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.num_layers
@@ -227,6 +219,13 @@ def bench_model(ckpt: str, bw: float, batches=(1, 8, 32), prefills=(4096, 65536)
     if prefills:
         print(f"tensor-core rate (fp16 cuBLAS GEMM): {tc / 1e12:.0f} TFLOP/s per GPU")
     _bench_decode(model, cfg, ranks, devices, stats, batches, steps, bw, rng)
+    dsp = getattr(getattr(model, "model", None), "dspark", None)
+    if speculative == "dspark" and dsp is None:
+        print("--speculative dspark: this checkpoint has no draft layers (or runs tensor parallel)")
+    elif dsp is not None and speculative != "off":
+        bench_speculative(model, cfg, batches, bw, rng, lambda fn: _timeit(fn, iters=5, warmup=1),
+                          lambda rows, verify: _decode_graph_seconds(ranks[0].ops.graphs, rows, verify),
+                          lambda: _sync(devices))
     if prefills:
         _bench_prefill(model, cfg, ranks, devices, stats, prefills, chunk, tc, rng)
     if compare_tp1 and len(ranks) > 1:
@@ -329,6 +328,8 @@ def bench_main(argv: list[str] | None = None) -> int:
                     help="with --gpus: routed experts by expert id or by width")
     ap.add_argument("--numerics", choices=NUMERICS, default=DEFAULT_NUMERICS,
                     help="the GEMMs' numerics (the GPU computes exact only, for now)")
+    ap.add_argument("--speculative", choices=("dspark", "off"), default=None,
+                    help="time DSpark's draft and verify steps (default: dspark when the checkpoint has draft layers)")
     a = ap.parse_args(argv)
     try:
         check_numerics(a.numerics, "cupy")
@@ -343,5 +344,5 @@ def bench_main(argv: list[str] | None = None) -> int:
     if a.ckpt:
         prefills = tuple(n for n in (int(v) for v in a.prefill.split(",")) if n > 0)
         bench_model(a.ckpt, bw, tuple(int(b) for b in a.batches.split(",")), prefills, a.steps, a.chunk, gpus,
-                    a.compare_tp1, a.expert_split)
+                    a.compare_tp1, a.expert_split, a.speculative)
     return 0

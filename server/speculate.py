@@ -60,8 +60,8 @@ class Speculator:
         self.guide = guide  # server/guided.Guide: constrained requests speculate where there is one
         self.dsp = None if mode == "off" else draft_of(getattr(engine, "model", None))
         if mode == "dspark" and self.dsp is None:
-            raise ValueError("--speculative dspark needs a checkpoint with DSpark draft layers, on the numpy "
-                             "backend (not yet on the GPU)")
+            raise ValueError("--speculative dspark needs a checkpoint with DSpark draft layers (and, on GPUs, "
+                             "one GPU: tensor parallelism does not speculate yet)")
 
     @property
     def enabled(self) -> bool:

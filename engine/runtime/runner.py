@@ -114,8 +114,8 @@ class ModelRunner:
     def forward(self, states: list[SequenceState], chunks: list, all_logits: bool = False,
                 on_device: bool = False, targets: dict | None = None, verify: bool = False) -> list[np.ndarray]:
         """Feed chunks[i] (>= 1 token ids) to states[i]; advance the states. Returns, per sequence,
-        logits [vocab] of its last token (or [len(chunk), vocab] with all_logits); on_device: the
-        last tokens' logits as one backend array [len(states), vocab], left on the device.
+        logits [vocab] of its last token (or [len(chunk), vocab] with all_logits); on_device: those
+        rows as one backend array [len(states) or every chunk's rows, vocab], left on the device.
         targets: {layer index: None} to collect the DSpark draft's inputs of those layers (filled
         with the mean of the streams entering each, per row the layer ran; see Batch.targets).
         verify: a speculative verify step (engine/runtime/spec_decode.py): each chunk, [last token,
@@ -126,7 +126,7 @@ class ModelRunner:
         if self.plan.size > 1 and ops.comm is None:
             raise RuntimeError("a sharded rank runs under the lockstep driver (engine/parallel/lockstep.py)")
         local, seqs = self._forward(states, chunks, all_logits, targets, verify)
-        if on_device and not all_logits:
+        if on_device:  # [rows, vocab]: each sequence's last row, or every row with all_logits
             return ops.all_gather(local)
         logits = ops.all_gather(ops.to_host(local))
         if not all_logits:
@@ -202,14 +202,23 @@ class ModelRunner:
             rope=ahead.inputs.rope if ahead is not None else model.rope.rows(pos_all), window=window,
             dec_rows=dec_rows)
         if layers is not None and dec_rows is None:  # a decode step alone: one graph per rank
-            key = ("decode", id(self.w))
+            names = tuple(targets) if targets else ()
+            key = ("decode", id(self.w), all_logits, names)
 
             def run(staged):
                 return self._run(staged, seqs, all_logits, targets)
 
             if ops.comm is None:
+                def graphed(staged):  # (the target inputs are the graph's outputs too: a replay rewrites them)
+                    got = dict.fromkeys(names)
+                    local = self._run(staged, seqs, all_logits, got if names else None)
+                    return (local, *(got[i] for i in names)) if names else local
+
                 staged = {"pre": ahead.pre} if ahead is not None else {}  # (its tables packed ahead)
-                local = ops.graphed_step(key, inputs, run, rows=int(ids_all.size), **staged)
+                local = ops.graphed_step(key, inputs, graphed, rows=int(ids_all.size), **staged)
+                if names:
+                    local, *got = local
+                    targets.update(zip(names, got, strict=True))
             else:  # every rank's step at once, as the driver runs them
                 local = ops.comm.step(StepRegion(key, inputs, run, ops, int(ids_all.size)))
         else:

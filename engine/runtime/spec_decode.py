@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from engine.runtime.sampling import SamplingParams, make_rngs, sample, token_logprobs
+from engine.runtime.sampling import SampleJob, SamplingParams, make_rngs, sample, token_logprobs
 from engine.runtime.speculative import verify
 from engine.state import trial as trials
 from engine.state.sequence import SequenceState
@@ -60,13 +60,8 @@ class SpecStats:
 
 
 def draft_of(model):
-    """The runner's DSpark draft, or None (no draft layers, a runner without one, or a backend the
-    speculative step has not been built and measured on: it runs on the numpy backend only, the
-    GPU's draft and verify graphs are not written yet)."""
-    from engine.ops.numpy_ops import NumpyOps
-
-    if not isinstance(getattr(model, "ops", None), NumpyOps):
-        return None
+    """The runner's DSpark draft, or None (no draft layers, or no ModelRunner: a tensor-parallel
+    GPU driver does not speculate yet)."""
     return getattr(getattr(model, "model", None), "dspark", None)
 
 
@@ -108,6 +103,11 @@ class SpecJob(NamedTuple):
     guide: Any = None  # constrained decoding: spec_guided.Drafter, the drafts and verify's masks
 
 
+def _drawn_on_device(j: SpecJob) -> bool:
+    """Whether a sequence's verify rows are drawn by the backend's sampler (speculative_steps)."""
+    return j.params.greedy and j.guide is None
+
+
 def speculative_steps(model, dsp, jobs: list[SpecJob]) -> list[list[int]]:
     """One step of each job's sequence: draft, then every sequence's [last, drafts] verified in
     one main forward on the states themselves as trials, each cut back to its kept rows. Returns
@@ -128,13 +128,30 @@ def speculative_steps(model, dsp, jobs: list[SpecJob]) -> list[list[int]]:
         masks.append(m)
         qs.append(q)
         chunks.append([j.generated[-1], *d])
-    targets, marks = dsp.targets, []
+    targets, marks, ops = dsp.targets, [], model.ops
     try:
         marks += [trials.begin(j.state) for j in jobs]
-        logits = model.forward([j.state for j in jobs], chunks, all_logits=True, targets=targets, verify=True)
-        rows = [np.asarray(x).reshape(len(c), -1) for x, c in zip(logits, chunks, strict=True)]
-        verdicts = [verify(x, d, q, j.params, j.generated, j.rng, m)
-                    for x, d, q, m, j in zip(rows, drafts, qs, masks, jobs, strict=True)]
+        logits = model.forward([j.state for j in jobs], chunks, all_logits=True, on_device=True, targets=targets,
+                               verify=True)
+        starts = np.cumsum([0, *map(len, chunks)])
+        # A free greedy sequence's rows are drawn by the backend's sampler, row i counting drafts
+        # 0 .. i-1 as generated (it is reached only if they are kept), so only tokens (and logprobs)
+        # leave the device; the other sequences' rows come to the host for the verify rule.
+        draws = [SampleJob(int(starts[b]) + i, j.params, [*j.generated, *d[:i]], j.rng)
+                 for b, (j, d) in enumerate(zip(jobs, drafts, strict=True)) if _drawn_on_device(j)
+                 for i in range(len(d) + 1)]
+        drawn = iter(ops.sample_rows(logits, draws) if draws else ())
+        verdicts, rows = [], []
+        for b, (j, d, q, m) in enumerate(zip(jobs, drafts, qs, masks, strict=True)):
+            if _drawn_on_device(j):
+                got = [next(drawn) for _ in range(len(d) + 1)]
+                n = next((i for i, g in enumerate(got[:-1]) if g[0] != d[i]), len(d))
+                verdicts.append(([int(g[0]) for g in got[: n + 1]], n))
+                rows.append(got)
+            else:
+                x = np.asarray(ops.to_host(logits[int(starts[b]) : int(starts[b + 1])]), np.float32)
+                verdicts.append(verify(x, d, q, j.params, j.generated, j.rng, m))
+                rows.append(x)
     except BaseException:
         for j, tr in zip(jobs, marks, strict=False):
             trials.restore(j.state, tr)
@@ -143,7 +160,10 @@ def speculative_steps(model, dsp, jobs: list[SpecJob]) -> list[list[int]]:
     for j, tr, c, d, x, (tokens, n) in zip(jobs, marks, chunks, drafts, rows, verdicts, strict=True):
         keep = _first_stop(tokens, j.eos)
         if j.params.logprobs and j.logprobs is not None:
-            j.logprobs.extend(token_logprobs(x[r], t, j.params.top_logprobs) for r, t in enumerate(tokens[:keep]))
+            if isinstance(x, list):  # drawn on the device: each row's draw reports its own
+                j.logprobs.extend((g[1], g[2]) for g in x[:keep])
+            else:
+                j.logprobs.extend(token_logprobs(x[r], t, j.params.top_logprobs) for r, t in enumerate(tokens[:keep]))
         trials.cut(j.state, tr, keep)  # the state holds exactly the emitted tokens but the last
         dsp.absorb(j.ds, {i: x[row : row + keep] for i, x in targets.items()}, keep)
         row += len(c)
@@ -168,8 +188,8 @@ def speculative_generate(model, prompt_ids: list[int], max_tokens: int, params: 
     stopping after an id of eos_ids (empty: never). `model`: a ModelRunner with a draft."""
     dsp = draft_of(model)
     if dsp is None:
-        raise ValueError("speculative decoding needs a checkpoint with DSpark draft layers, on the numpy "
-                         "backend (not yet on the GPU)")
+        raise ValueError("speculative decoding needs a checkpoint with DSpark draft layers (and one GPU, "
+                         "not tensor parallelism, on the GPU)")
     stats = stats if stats is not None else SpecStats()
     rng = rng if rng is not None else make_rngs(params.seed)[0]
     eos = tuple(eos_ids)

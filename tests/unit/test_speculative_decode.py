@@ -160,15 +160,14 @@ def test_cli_run_speculative_prints_acceptance(ckpt) -> None:
     assert "acceptance" not in off.stderr
 
 
-def test_speculation_only_on_the_numpy_backend():
-    """The draft and verify step are built and measured on the numpy backend only: a runner on any
-    other ops gets no draft, so a GPU engine with a draft checkpoint decodes plainly."""
+def test_draft_of_a_runner():
+    """A runner's draft is its model's, on any backend; a driver without a model (the GPU's
+    tensor-parallel one) or a checkpoint without draft layers gets none."""
     from types import SimpleNamespace
 
-    from engine.ops.numpy_ops import NumpyOps
     from engine.runtime.spec_decode import draft_of
 
     draft = object()
-    assert draft_of(SimpleNamespace(ops=NumpyOps(), model=SimpleNamespace(dspark=draft))) is draft
-    assert draft_of(SimpleNamespace(ops=object(), model=SimpleNamespace(dspark=draft))) is None
-    assert draft_of(SimpleNamespace(ops=NumpyOps(), model=SimpleNamespace(dspark=None))) is None
+    assert draft_of(SimpleNamespace(ops=object(), model=SimpleNamespace(dspark=draft))) is draft
+    assert draft_of(SimpleNamespace(ops=object(), model=SimpleNamespace(dspark=None))) is None
+    assert draft_of(SimpleNamespace(ranks=[])) is None

@@ -1,0 +1,121 @@
+"""`bench --speculative dspark`: DSpark's two steps on the GPU against their HBM floors, beside
+the 1-token decode step, and the tokens/s they imply at acceptance 3.5 and 5.6 tokens per step.
+
+- verify step: every sequence's [last token, block_size drafts] as decode rows of one decode step
+  (ModelRunner.forward(verify=True)), replayed as its CUDA graph; floor: the main model's weights
+  it reads (dense, the routed experts its rows touch, the head) and the windows, once;
+- draft step: every sequence's draft block (DSpark.draft: the draft layers, the head at every
+  block position, the Markov head once a position), as served today: eagerly, one sequence at a
+  time; floor: the draft layers' weights (dense, the experts the batch's block rows touch),
+  main_proj, the head and the Markov head once a position;
+- 1-token step: the plain decode step's graph at the same batch size.
+A speculative step is one draft step and one verify step, so at acceptance a it emits a tokens
+per sequence in (draft + verify) time.
+"""
+
+from __future__ import annotations
+
+import time
+
+ACCEPTANCE = (3.5, 5.6)  # a realistic agent workload; the seed engine's benchmark
+
+
+def gpu_weights(v) -> list:
+    """Every GpuWeight in a part (stacked projections and sub-parts included)."""
+    from engine.ops.gpu.ops import GpuWeight
+
+    if isinstance(v, GpuWeight):
+        return [v]
+    if isinstance(v, (list, tuple)):
+        return [w for x in v for w in gpu_weights(x)]
+    if hasattr(v, "__dict__"):
+        return [w for x in vars(v).values() for w in gpu_weights(x)]
+    return []
+
+
+def nbytes(w) -> int:
+    return int(w.data.nbytes + (0 if w.scale is None else w.scale.nbytes))
+
+
+def _touched(experts: int, top_k: int, rows: int) -> float:
+    """Expected distinct experts `rows` rows route to (uniform routing)."""
+    return experts * (1 - (1 - top_k / experts) ** rows)
+
+
+def _layer_bytes(layers) -> tuple[int, int]:
+    """(dense bytes summed over layers, one routed expert's bytes)."""
+    dense = expert = 0
+    for L in layers:
+        dense += sum(nbytes(w) for w in gpu_weights([L.attn, L.ffn.gate, L.ffn.shared_experts,
+                                                     getattr(L, "engram", None)]))
+        mine = [ex for ex in L.ffn.experts if ex is not None]
+        if mine:
+            expert = sum(nbytes(w) for w in mine[0])
+    return dense, expert
+
+
+def floors(model, cfg, b: int, bw: float) -> dict:
+    """Seconds each step takes at copy bandwidth bw for b sequences: "step" (1 token), "verify",
+    "draft" (see the module's docstring)."""
+    dsp, w = model.model.dspark, model.w
+    k, nl, d = dsp.block_size, cfg.num_layers, cfg.head_dim
+    dense, expert = _layer_bytes(w.layers)
+    head = nbytes(w.head)
+    window = nl * (cfg.sliding_window - 1) * d * 4
+    main = {rows: dense + nl * _touched(cfg.n_routed_experts, cfg.num_experts_per_tok, rows) * expert + head
+            for rows in (b, b * (k + 1))}
+    dw = w.dspark
+    ddense, dexpert = _layer_bytes(dw.layers)
+    dcfg = dsp.cfg
+    draft = (ddense + len(dw.layers) * _touched(dcfg.n_routed_experts, dcfg.num_experts_per_tok, b * k) * dexpert
+             + nbytes(dw.main_proj) + head + k * nbytes(dw.markov_head.head)
+             + b * len(dw.layers) * cfg.sliding_window * d * 4)
+    return {"step": (main[b] + b * window) / bw, "verify": (main[b * (k + 1)] + b * (window + k * nl * d * 4)) / bw,
+            "draft": draft / bw}
+
+
+def bench_speculative(model, cfg, batches, bw: float, rng, timeit, graph_seconds, sync) -> None:
+    """The speculative table (see the module's docstring); timeit(fn) -> median seconds,
+    graph_seconds(rows, verify) -> a captured decode graph's replay seconds, sync() waits for the GPU."""
+    from engine.runtime.spec_decode import feed
+    from engine.state import trial as trials
+
+    dsp = model.model.dspark
+    k = dsp.block_size
+    print(f"\nDSpark: {len(model.w.dspark.layers)} draft layers, {dsp.cfg.n_routed_experts} experts "
+          f"top-{dsp.cfg.num_experts_per_tok}, block {k}")
+    print(f"{'batch':>6s} {'step ms':>8s} {'floor':>7s} {'verify ms':>9s} {'floor':>7s} {'% floor':>8s} "
+          f"{'draft ms':>9s} {'floor':>7s} {'% floor':>8s} " + " ".join(f"{f'tok/s@{a}':>10s}" for a in ACCEPTANCE))
+    for b in batches:
+        states, drafts = [model.new_state() for _ in range(b)], [dsp.new_state() for _ in range(b)]
+        for st, ds in zip(states, drafts, strict=True):
+            feed(model, dsp, st, ds, [int(t) for t in rng.integers(0, cfg.vocab_size, 16)], all_logits=False)
+        last = [int(t) for t in rng.integers(0, cfg.vocab_size, b)]
+        blocks = [[t, *(int(x) for x in dsp.draft(ds, t).tokens)] for ds, t in zip(drafts, last, strict=True)]
+        for _ in range(3):  # eager, captured, replayed: the verify step's graph
+            marks = [trials.begin(st) for st in states]
+            model.forward(states, blocks, all_logits=True, on_device=True, targets=dsp.targets, verify=True)
+            for st, tr in zip(states, marks, strict=True):
+                trials.restore(st, tr)
+        for _ in range(2):  # the 1-token step, eager then captured
+            model.forward(states, [[t] for t in last])
+        sync()
+        verify_s, step_s = graph_seconds(b * (k + 1), True), graph_seconds(b, False)
+
+        def draft_all(drafts=drafts, last=last):
+            for ds, t in zip(drafts, last, strict=True):
+                dsp.draft(ds, t)
+
+        t0 = time.perf_counter()
+        draft_all()
+        sync()
+        draft_s = timeit(draft_all) if b <= 8 else time.perf_counter() - t0
+        f = floors(model, cfg, b, bw)
+        rates = " ".join(f"{b * a / (draft_s + verify_s):10.1f}" for a in ACCEPTANCE)
+        print(f"{b:6d} {step_s * 1e3:8.3f} {f['step'] * 1e3:7.3f} {verify_s * 1e3:9.3f} {f['verify'] * 1e3:7.3f} "
+              f"{100 * f['verify'] / verify_s:7.1f}% {draft_s * 1e3:9.3f} {f['draft'] * 1e3:7.3f} "
+              f"{100 * f['draft'] / draft_s:7.1f}% {rates}")
+    print("(step / verify ms: the 1-token and the verify decode step's graphs replayed back to back (nan: not "
+          "captured, e.g. more rows than a graph takes); draft ms: every sequence's draft block, eager, one "
+          "sequence at a time (no graph yet); floors: bytes each step reads / copy bandwidth; tok/s@a: batch x a / "
+          "(draft + verify))")

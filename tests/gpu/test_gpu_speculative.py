@@ -1,0 +1,104 @@
+"""DSpark speculative decoding on CupyOps, models/demo-v41 (its trained draft layers).
+
+- A verify step (ModelRunner.forward(verify=True): [last token, drafts] as decode rows of one
+  decode step) gives each row the logits of the plain decode step at its position, and after
+  the cut the state of plain decoding, byte for byte. Its rows run in the same kernels as one-row
+  steps, and those compute each row alone, so equality is exact (checked, not assumed: a kernel
+  whose rows depended on the batch would fail here).
+- The verify step replays as a CUDA graph, its target inputs among the graph's outputs.
+- The draft on the GPU equals the numpy draft (logits within LOGIT_TOL, tokens equal).
+- Greedy output with and without speculation is identical, token for token.
+Skipped where CuPy or a GPU is absent (CI).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from gpu_required import require_gpu
+
+cp = require_gpu()
+
+from engine.runtime.engine import Engine  # noqa: E402
+from engine.runtime.sampling import SamplingParams  # noqa: E402
+from engine.runtime.spec_decode import SpecStats, feed  # noqa: E402
+from engine.state import trial as trials  # noqa: E402
+
+DEMO = Path(__file__).resolve().parents[2] / "models" / "demo-v41"
+LOGIT_TOL = 1e-3  # GPU vs numpy draft logits (relative to the largest): summation order only
+PROMPTS = ("def mean(xs):\n", "The capital of France is", "import numpy as np\n\nclass Stack:\n    def push(self, x):")
+
+
+def _engine(gpu: bool) -> Engine:
+    return Engine.load(DEMO, gpus=[0] if gpu else None)
+
+
+def _ids(eng: Engine, text: str) -> list[int]:
+    return eng.tokenizer.encode(text)
+
+
+def test_verify_rows_are_plain_decode_steps_and_graphed():
+    eng = _engine(True)
+    model = eng.model
+    prompt = _ids(eng, PROMPTS[2])
+    block = [int(t) for t in np.random.default_rng(0).integers(100, 1000, 6)]
+
+    def before():
+        st = model.new_state()
+        model.forward([st], [prompt])
+        return st
+
+    plain = before()
+    want = np.stack([model.forward([plain], [[t]])[0] for t in block])
+    for m in (1, 3, 6):
+        for _ in range(3):  # eager, captured, replayed
+            st, targets = before(), model.model.dspark.targets
+            tr = trials.begin(st)
+            rows = model.forward([st], [block], all_logits=True, verify=True, targets=targets)[0]
+            assert all(v is not None and v.shape[0] == 6 for v in targets.values())
+            np.testing.assert_array_equal(rows, want)
+            trials.cut(st, tr, m)
+        ref = before()
+        for t in block[:m]:
+            model.forward([ref], [[t]])
+        assert st.to_bytes() == ref.to_bytes(), f"m={m}"
+    graphs = model.ops.graphs
+    assert any(isinstance(k[0], tuple) and k[0][0] == "decode" and k[0][3] for k, _ in graphs.captured(6)), \
+        "the verify step was not captured"
+
+
+def test_gpu_draft_matches_numpy():
+    ref, gpu = _engine(False), _engine(True)
+    worst = 0.0
+    for text in PROMPTS:
+        drafts = []
+        for eng in (ref, gpu):
+            dsp, st = eng.model.model.dspark, eng.model.new_state()
+            ds = dsp.new_state()
+            logits = feed(eng.model, dsp, st, ds, _ids(ref, text), all_logits=False)
+            d = dsp.draft(ds, int(np.argmax(np.asarray(logits))))
+            drafts.append((np.asarray(d.tokens), np.asarray(eng.model.ops.to_host(d.logits)),
+                           np.asarray(eng.model.ops.to_host(d.confidence))))
+        (rt, rl, rc), (gt, gl, gc) = drafts
+        err = float(np.abs(gl - rl).max() / np.abs(rl).max())
+        worst = max(worst, err)
+        assert err < LOGIT_TOL, f"{text!r}: draft logits differ by {err:.2e}"
+        np.testing.assert_allclose(gc, rc, rtol=0, atol=LOGIT_TOL * np.abs(rc).max())
+        np.testing.assert_array_equal(gt, rt)
+    print(f"GPU vs numpy draft: worst logit difference {worst:.2e}")
+
+
+def test_speculative_greedy_equals_plain_on_gpu():
+    eng = _engine(True)
+    greedy = SamplingParams(temperature=0.0)
+    total = SpecStats()
+    for text in PROMPTS:
+        ids = _ids(eng, text)
+        plain = eng.generate(ids, 96, greedy, speculative=False)
+        spec = eng.generate(ids, 96, greedy, speculative=True)
+        assert spec == plain, text
+        total.lengths += eng.last_acceptance.lengths
+    print(f"GPU speculative greedy: {sum(total.lengths)} tokens in {total.steps} verify steps, "
+          f"acceptance {total.tokens_per_step:.2f} tokens/step")
+    assert total.tokens_per_step > 1.5
