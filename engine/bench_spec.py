@@ -4,10 +4,11 @@ the 1-token decode step, and the tokens/s they imply at acceptance 3.5 and 5.6 t
 - verify step: every sequence's [last token, block_size drafts] as decode rows of one decode step
   (ModelRunner.forward(verify=True)), replayed as its CUDA graph; floor: the main model's weights
   it reads (dense, the routed experts its rows touch, the head) and the windows, once;
-- draft step: every sequence's draft block (DSpark.draft: the draft layers, the head at every
-  block position, the Markov head once a position), as served today: eagerly, one sequence at a
-  time; floor: the draft layers' weights (dense, the experts the batch's block rows touch),
-  main_proj, the head and the Markov head once a position;
+- draft step: every sequence's draft block in one draft forward (DSpark.draft_many: the draft
+  layers, the head at every block position, the Markov head once a position), as served today:
+  eagerly (its ops launched from the host, not yet a graph); floor: the draft layers' weights
+  (dense, the experts the batch's block rows touch), main_proj, the head and the Markov head once
+  a position;
 - 1-token step: the plain decode step's graph at the same batch size.
 A speculative step is one draft step and one verify step, so at acceptance a it emits a tokens
 per sequence in (draft + verify) time.
@@ -91,7 +92,7 @@ def bench_speculative(model, cfg, batches, bw: float, rng, timeit, graph_seconds
         for st, ds in zip(states, drafts, strict=True):
             feed(model, dsp, st, ds, [int(t) for t in rng.integers(0, cfg.vocab_size, 16)], all_logits=False)
         last = [int(t) for t in rng.integers(0, cfg.vocab_size, b)]
-        blocks = [[t, *(int(x) for x in dsp.draft(ds, t).tokens)] for ds, t in zip(drafts, last, strict=True)]
+        blocks = [[t, *(int(x) for x in dr.tokens)] for dr, t in zip(dsp.draft_many(drafts, last), last, strict=True)]
         for _ in range(3):  # eager, captured, replayed: the verify step's graph
             marks = [trials.begin(st) for st in states]
             model.forward(states, blocks, all_logits=True, on_device=True, targets=dsp.targets, verify=True)
@@ -103,8 +104,7 @@ def bench_speculative(model, cfg, batches, bw: float, rng, timeit, graph_seconds
         verify_s, step_s = graph_seconds(b * (k + 1), True), graph_seconds(b, False)
 
         def draft_all(drafts=drafts, last=last):
-            for ds, t in zip(drafts, last, strict=True):
-                dsp.draft(ds, t)
+            dsp.draft_many(drafts, last)
 
         t0 = time.perf_counter()
         draft_all()
@@ -116,6 +116,6 @@ def bench_speculative(model, cfg, batches, bw: float, rng, timeit, graph_seconds
               f"{100 * f['verify'] / verify_s:7.1f}% {draft_s * 1e3:9.3f} {f['draft'] * 1e3:7.3f} "
               f"{100 * f['draft'] / draft_s:7.1f}% {rates}")
     print("(step / verify ms: the 1-token and the verify decode step's graphs replayed back to back (nan: not "
-          "captured, e.g. more rows than a graph takes); draft ms: every sequence's draft block, eager, one "
-          "sequence at a time (no graph yet); floors: bytes each step reads / copy bandwidth; tok/s@a: batch x a / "
+          "captured, e.g. more rows than a graph takes); draft ms: every sequence's draft block in one eager "
+          "draft forward (no graph yet); floors: bytes each step reads / copy bandwidth; tok/s@a: batch x a / "
           "(draft + verify))")

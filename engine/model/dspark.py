@@ -59,22 +59,30 @@ class DSparkAttention(Attention):
         kv = project(self.ops, main_x, self.w.qkv)["kv_lat"]
         return self.ops.norm_rope_quant(kv, cos, sin, (self.w.kv_norm, self.cfg.rms_norm_eps), self.codec("window"))
 
-    def __call__(self, x, window, cos, sin):
+    def __call__(self, x, windows: list, cos, sin):
+        """x: every sequence's block rows, sequence after sequence (block_size each); windows:
+        each sequence's window of this layer. Each row attends its sequence's window and block."""
         ops, d = self.ops, self.cfg.head_dim
         _, q, kv = self.latents(x, cos, sin)
-        keys = ops.cat([window, kv], axis=0)
-        t, n = q.shape[0], keys.shape[0]
-        return ops.attention_ranges(q, keys, np.zeros(t, np.int64), np.full(t, n, np.int64), None, None,
-                                    self.w.sinks, d**-0.5, exact=self.codec("window") != NO_CODEC)
+        n = x.shape[0] // len(windows)
+        keys, lo, hi, at = [], [], [], 0
+        for b, w in enumerate(windows):  # keys: [window, block] of each sequence in turn
+            keys += [w, kv[b * n : (b + 1) * n]]
+            span = int(w.shape[0]) + n
+            lo += [at] * n
+            hi += [at + span] * n
+            at += span
+        return ops.attention_ranges(q, ops.cat(keys, axis=0), np.array(lo, np.int64), np.array(hi, np.int64), None,
+                                    None, self.w.sinks, d**-0.5, exact=self.codec("window") != NO_CODEC)
 
 
 class DSparkBlock(Block):
     """A draft layer: V4.1's single-pass mHC around DSparkAttention and the draft's MoE."""
 
-    def __call__(self, h, pre_mix, window, cos, sin, ids):
+    def __call__(self, h, pre_mix, windows: list, cos, sin, ids):
         w, attn = self.w, self.attn
         mixes = self.hc_mixes(h, w.hc_attn)
-        out = attn(self.hc_pre(h, pre_mix, w.attn_norm), window, cos, sin)
+        out = attn(self.hc_pre(h, pre_mix, w.attn_norm), windows, cos, sin)
         h = self.hc_post(attn.output(out, cos, sin, h.shape[0]), h, *mixes[1:])
         pre_a = mixes[0]
         mixes = self.hc_mixes(h, w.hc_ffn)
@@ -160,49 +168,69 @@ class DSpark:
             state.windows[i] = rows[max(rows.shape[0] - win, 0):]
         state.position += n
 
-    def forward(self, state: DraftState, last_token: int):
-        """The block [last token, noise ...] at positions state.position.. through every draft
-        layer: the collapsed stream of each position (before the final norm) [block, hidden]."""
-        ops, xp, model, n = self.ops, self.ops.xp, self.model, self.block_size
-        ids = np.full(n, self.noise_token_id, np.int64)
-        ids[0] = last_token
-        ids = ops.asarray(ids, dtype=np.int64)
-        cos, sin = self.rope(np.arange(state.position, state.position + n))
+    def forward(self, states: list[DraftState], last_tokens: list[int]):
+        """Every sequence's block [last token, noise ...] at positions state.position.. through
+        every draft layer, the sequences side by side: the collapsed stream of each position
+        (before the final norm) [len(states) * block, hidden], sequence after sequence."""
+        ops, model, n = self.ops, self.model, self.block_size
+        ids = np.full((len(states), n), self.noise_token_id, np.int64)
+        ids[:, 0] = last_tokens
+        ids = ops.asarray(ids.reshape(-1), dtype=np.int64)
+        cos, sin = self.rope(np.concatenate([np.arange(st.position, st.position + n) for st in states]))
         h, pre_mix = model.embed(Batch(ids=ids, hash_ids=None, rope={}, chunks=[]))
         for i, layer in enumerate(self.layers):
-            h, pre_mix = layer(h, pre_mix, state.windows[i], cos, sin, ids)
-        # the reference's hc_pre: an fp32 sum stored as an activation (bf16 under deepseek numerics),
-        # what both the final norm and the confidence head read
-        return ops.act(xp.einsum("th,thd->td", pre_mix, h).astype(np.float32))
+            h, pre_mix = layer(h, pre_mix, [st.windows[i] for st in states], cos, sin, ids)
+        # (the collapse is stored as an activation: bf16 under deepseek numerics, as the reference's hc_pre)
+        return ops.act(ops.xp.einsum("th,thd->td", pre_mix, h).astype(np.float32))
 
     def draft(self, state: DraftState, last_token: int, rng: np.random.Generator | None = None,
               temperature: float = 1.0) -> Draft:
-        """Draft a block: position i's logits plus the Markov bias of the token before it (the
-        last token, then the drafted ones); each token their argmax (rng None), or drawn with rng
-        from softmax(logits / temperature), the distributions `probs` then holds exactly (what
-        rejection sampling weighs). Reads the state, never changes it."""
-        ops, xp = self.ops, self.ops.xp
-        x = self.forward(state, last_token)
+        """One sequence's block (draft_many)."""
+        return self.draft_many([state], [last_token], [rng], [temperature])[0]
+
+    def draft_many(self, states: list[DraftState], last_tokens: list[int], rngs: list | None = None,
+                   temperatures: list[float] | None = None) -> list[Draft]:
+        """Draft a block for each sequence, all in one forward: position i's logits plus the
+        Markov bias of the token before it (the last token, then the drafted ones); each token
+        their argmax (rng None), or drawn with the sequence's rng from softmax(logits / its
+        temperature), the distributions `probs` then holds exactly (what rejection sampling
+        weighs). Argmax tokens stay on the device until the block is drawn; a drawing sequence's
+        rows come to the host at each position. Reads the states, never changes them."""
+        ops, xp, n, bsz = self.ops, self.ops.xp, self.block_size, len(states)
+        rngs = rngs or [None] * bsz
+        temperatures = temperatures or [1.0] * bsz
+        drawing = [b for b in range(bsz) if rngs[b] is not None]
+        x = self.forward(states, last_tokens)
         logits = ops.linear(ops.rmsnorm(x, self.norm, self.cfg.rms_norm_eps), self.model.head.w.head)
-        prev, tokens, embeds, drawn_from = int(last_token), [], [], []
-        for i in range(self.block_size):
-            bias, e = self.markov_head(ops.asarray(np.array([prev], np.int64), dtype=np.int64))
-            logits[i] = logits[i] + bias[0]
+        logits = logits.reshape(bsz, n, logits.shape[-1])
+        prev = ops.asarray(np.asarray(last_tokens, np.int64), dtype=np.int64)
+        tokens, embeds, drawn_from = [], [], [[] for _ in range(bsz)]
+        for i in range(n):
+            bias, e = self.markov_head(prev)
+            logits[:, i] = logits[:, i] + bias
             embeds.append(e)
-            if rng is None:
-                prev = int(ops.to_host(xp.argmax(logits[i])))
-            else:
-                q = _softmax64(np.asarray(ops.to_host(logits[i]), np.float64) / temperature)
-                c = np.cumsum(q)
-                prev = int(min(np.searchsorted(c, rng.random() * c[-1], side="right"), q.size - 1))
-                drawn_from.append(q)
+            prev = xp.argmax(logits[:, i], axis=1).astype(np.int64)
+            if drawing:
+                rows = np.asarray(ops.to_host(logits[drawing, i]), np.float64)
+                picks = ops.to_host(prev).copy()
+                for r, b in zip(rows, drawing, strict=True):
+                    q = _softmax64(r / temperatures[b])
+                    c = np.cumsum(q)
+                    picks[b] = min(np.searchsorted(c, rngs[b].random() * c[-1], side="right"), q.size - 1)
+                    drawn_from[b].append(q)
+                prev = ops.asarray(picks, dtype=np.int64)
             tokens.append(prev)
-        confidence = self.confidence_head(x, ops.cat(embeds, axis=0))
-        if rng is not None:
-            return Draft(np.array(tokens, np.int64), logits, np.stack(drawn_from), confidence)
-        z = logits - logits.max(axis=1, keepdims=True)
-        p = xp.exp(z)
-        return Draft(np.array(tokens, np.int64), logits, p / p.sum(axis=1, keepdims=True), confidence)
+        tokens = np.asarray(ops.to_host(xp.stack(tokens, axis=1)), np.int64)  # [bsz, n]
+        confidence = self.confidence_head(x, xp.stack(embeds, axis=1).reshape(bsz * n, -1)).reshape(bsz, n)
+        out = []
+        for b in range(bsz):
+            if rngs[b] is not None:
+                out.append(Draft(tokens[b], logits[b], np.stack(drawn_from[b]), confidence[b]))
+                continue
+            z = logits[b] - logits[b].max(axis=1, keepdims=True)
+            p = xp.exp(z)
+            out.append(Draft(tokens[b], logits[b], p / p.sum(axis=1, keepdims=True), confidence[b]))
+        return out
 
 
 def _softmax64(x: np.ndarray) -> np.ndarray:

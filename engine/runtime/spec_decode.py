@@ -113,17 +113,24 @@ def speculative_steps(model, dsp, jobs: list[SpecJob]) -> list[list[int]]:
     one main forward on the states themselves as trials, each cut back to its kept rows. Returns
     each sequence's 1 .. min(block + 1, room) tokens, ending at the first id of its eos if one is
     drawn; `generated` is not changed."""
+    ks = [min(dsp.block_size, j.room - 1) for j in jobs]
+    # the free sequences draft together, in one draft forward; a sampled one draws from the
+    # draft's distribution and verify weighs it by that; a constrained one drafts within its grammar
+    free = [b for b, j in enumerate(jobs) if j.guide is None and ks[b] > 0]
+    blocks = dict(zip(free, dsp.draft_many(
+        [jobs[b].ds for b in free], [jobs[b].generated[-1] for b in free],
+        [None if jobs[b].params.greedy else jobs[b].rng for b in free],
+        [jobs[b].params.temperature for b in free]), strict=True)) if free else {}
     chunks, drafts, masks, qs = [], [], [], []
-    for j in jobs:
-        k = min(dsp.block_size, j.room - 1)
-        q = None
+    for b, (j, k) in enumerate(zip(jobs, ks, strict=True)):
+        q = m = None
         if j.guide is not None:
             d, m = j.guide(dsp, j.ds, j.generated[-1], k)
-        elif k > 0 and not j.params.greedy:  # drawn from the draft's distribution, weighed by it
-            dr = dsp.draft(j.ds, j.generated[-1], j.rng, j.params.temperature)
-            d, m, q = [int(x) for x in dr.tokens[:k]], None, np.asarray(dr.probs[:k], np.float64)
+        elif k > 0:
+            d = [int(x) for x in blocks[b].tokens[:k]]
+            q = None if j.params.greedy else np.asarray(blocks[b].probs[:k], np.float64)
         else:
-            d, m = [int(x) for x in dsp.draft(j.ds, j.generated[-1]).tokens[:k]] if k > 0 else [], None
+            d = []
         drafts.append(d)
         masks.append(m)
         qs.append(q)

@@ -102,3 +102,26 @@ def test_speculative_greedy_equals_plain_on_gpu():
     print(f"GPU speculative greedy: {sum(total.lengths)} tokens in {total.steps} verify steps, "
           f"acceptance {total.tokens_per_step:.2f} tokens/step")
     assert total.tokens_per_step > 1.5
+
+
+def test_batched_speculative_steps_equal_plain_greedy_on_gpu():
+    """Three sequences speculating together (one draft forward, one graphed verify step a step)
+    emit plain greedy decoding's tokens."""
+    from engine.runtime.spec_decode import SpecJob, speculative_steps
+
+    eng = _engine(True)
+    model, dsp = eng.model, eng.model.model.dspark
+    greedy, limit = SamplingParams(temperature=0.0), 64
+    seqs = []
+    for text in PROMPTS:
+        st, ds = model.new_state(), dsp.new_state()
+        first = int(np.argmax(feed(model, dsp, st, ds, _ids(eng, text), all_logits=False)))
+        seqs.append((st, ds, [first], SpecStats()))
+    while live := [s for s in seqs if len(s[2]) < limit]:
+        jobs = [SpecJob(st, ds, out, limit - len(out), greedy, (), np.random.default_rng(0), stats)
+                for st, ds, out, stats in live]
+        for s, toks in zip(live, speculative_steps(model, dsp, jobs), strict=True):
+            s[2].extend(toks)
+    for text, (_, _, out, stats) in zip(PROMPTS, seqs, strict=True):
+        assert out == eng.generate(_ids(eng, text), limit, greedy, stop_at_eos=False, speculative=False), text
+        assert stats.tokens_per_step > 1.0

@@ -108,3 +108,28 @@ def test_sampled_draft_draws_each_token_from_the_distribution_it_returns(runner,
             prev = int(d.tokens[i])
         seen.add(tuple(d.tokens.tolist()))
     assert len(seen) > 1  # different generators, different blocks (the draft is not a point mass)
+
+
+def test_draft_many_equals_drafts_alone():
+    """Several sequences drafted in one forward (greedy and sampled side by side, windows of
+    different lengths) get exactly the blocks each gets alone: tokens, logits, distributions,
+    confidence, and the same uniforms taken from each generator."""
+    from engine.runtime.engine import Engine
+    from engine.runtime.spec_decode import feed
+
+    eng = Engine.load()
+    model, dsp = eng.model, eng.model.model.dspark
+    prompts = [[5, 6, 7], list(range(20, 60)), list(range(300, 310))]
+    states = []
+    for p in prompts:
+        st, ds = model.new_state(), dsp.new_state()
+        feed(model, dsp, st, ds, p, all_logits=False)
+        states.append(ds)
+    last, temps = [11, 12, 13], [1.0, 0.7, 1.0]
+    seeds = [None, 3, 4]
+    many = dsp.draft_many(states, last, [None if s is None else np.random.default_rng(s) for s in seeds], temps)
+    for b, ds in enumerate(states):
+        rng = None if seeds[b] is None else np.random.default_rng(seeds[b])
+        alone = dsp.draft(ds, last[b], rng, temps[b])
+        for got, want in zip(many[b], alone, strict=True):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
