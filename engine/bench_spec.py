@@ -4,9 +4,9 @@ the 1-token decode step, and the tokens/s they imply at acceptance 3.5 and 5.6 t
 - verify step: every sequence's [last token, block_size drafts] as decode rows of one decode step
   (ModelRunner.forward(verify=True)), replayed as its CUDA graph; floor: the main model's weights
   it reads (dense, the routed experts its rows touch, the head) and the windows, once;
-- draft step: every sequence's draft block in one draft forward (DSpark.draft_many: the draft
-  layers, the head at every block position, the Markov head once a position), as served today:
-  eagerly (its ops launched from the host, not yet a graph); floor: the draft layers' weights
+- draft step: every sequence's draft block in one draft forward (DSpark.draft_many), as served:
+  the draft layers and the head as one CUDA graph (DSpark.region), then the Markov head's
+  position-by-position loop and the confidence head eagerly; floor: the draft layers' weights
   (dense, the experts the batch's block rows touch), main_proj, the head and the Markov head once
   a position;
 - 1-token step: the plain decode step's graph at the same batch size.
@@ -90,7 +90,9 @@ def bench_speculative(model, cfg, batches, bw: float, rng, timeit, graph_seconds
     for b in batches:
         states, drafts = [model.new_state() for _ in range(b)], [dsp.new_state() for _ in range(b)]
         for st, ds in zip(states, drafts, strict=True):
-            feed(model, dsp, st, ds, [int(t) for t in rng.integers(0, cfg.vocab_size, 16)], all_logits=False)
+            # (a window's worth of context: the draft's windows are full, as in a conversation)
+            feed(model, dsp, st, ds, [int(t) for t in rng.integers(0, cfg.vocab_size, cfg.sliding_window + 1)],
+                 all_logits=False)
         last = [int(t) for t in rng.integers(0, cfg.vocab_size, b)]
         blocks = [[t, *(int(x) for x in dr.tokens)] for dr, t in zip(dsp.draft_many(drafts, last), last, strict=True)]
         for _ in range(3):  # eager, captured, replayed: the verify step's graph
@@ -116,6 +118,6 @@ def bench_speculative(model, cfg, batches, bw: float, rng, timeit, graph_seconds
               f"{100 * f['verify'] / verify_s:7.1f}% {draft_s * 1e3:9.3f} {f['draft'] * 1e3:7.3f} "
               f"{100 * f['draft'] / draft_s:7.1f}% {rates}")
     print("(step / verify ms: the 1-token and the verify decode step's graphs replayed back to back (nan: not "
-          "captured, e.g. more rows than a graph takes); draft ms: every sequence's draft block in one eager "
-          "draft forward (no graph yet); floors: bytes each step reads / copy bandwidth; tok/s@a: batch x a / "
-          "(draft + verify))")
+          "captured, e.g. more rows than a graph takes); draft ms: every sequence's draft block as served (its "
+          "layers one graph, the Markov loop eager); floors: bytes each step reads / copy bandwidth; "
+          "tok/s@a: batch x a / (draft + verify))")

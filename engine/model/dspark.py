@@ -59,30 +59,27 @@ class DSparkAttention(Attention):
         kv = project(self.ops, main_x, self.w.qkv)["kv_lat"]
         return self.ops.norm_rope_quant(kv, cos, sin, (self.w.kv_norm, self.cfg.rms_norm_eps), self.codec("window"))
 
-    def __call__(self, x, windows: list, cos, sin):
+    def __call__(self, x, windows: list, cos, sin, ranges: tuple):
         """x: every sequence's block rows, sequence after sequence (block_size each); windows:
-        each sequence's window of this layer. Each row attends its sequence's window and block."""
+        each sequence's window of this layer; ranges: (lo, hi, span) of each row's keys in the
+        sequences' [window, block] side by side (DSpark.ranges). Each row attends its sequence's
+        window and block."""
         ops, d = self.ops, self.cfg.head_dim
         _, q, kv = self.latents(x, cos, sin)
         n = x.shape[0] // len(windows)
-        keys, lo, hi, at = [], [], [], 0
-        for b, w in enumerate(windows):  # keys: [window, block] of each sequence in turn
-            keys += [w, kv[b * n : (b + 1) * n]]
-            span = int(w.shape[0]) + n
-            lo += [at] * n
-            hi += [at + span] * n
-            at += span
-        return ops.attention_ranges(q, ops.cat(keys, axis=0), np.array(lo, np.int64), np.array(hi, np.int64), None,
-                                    None, self.w.sinks, d**-0.5, exact=self.codec("window") != NO_CODEC)
+        keys = ops.cat([part for b, w in enumerate(windows) for part in (w, kv[b * n : (b + 1) * n])], axis=0)
+        lo, hi, span = ranges
+        return ops.attention_ranges(q, keys, lo, hi, None, None, self.w.sinks, d**-0.5,
+                                    exact=self.codec("window") != NO_CODEC, span=span)
 
 
 class DSparkBlock(Block):
     """A draft layer: V4.1's single-pass mHC around DSparkAttention and the draft's MoE."""
 
-    def __call__(self, h, pre_mix, windows: list, cos, sin, ids):
+    def __call__(self, h, pre_mix, windows: list, cos, sin, ids, ranges: tuple):
         w, attn = self.w, self.attn
         mixes = self.hc_mixes(h, w.hc_attn)
-        out = attn(self.hc_pre(h, pre_mix, w.attn_norm), windows, cos, sin)
+        out = attn(self.hc_pre(h, pre_mix, w.attn_norm), windows, cos, sin, ranges)
         h = self.hc_post(attn.output(out, cos, sin, h.shape[0]), h, *mixes[1:])
         pre_a = mixes[0]
         mixes = self.hc_mixes(h, w.hc_ffn)
@@ -129,6 +126,9 @@ class DSpark:
         self.main_proj, self.main_norm, self.norm = w.main_proj, w.main_norm, w.norm
         self.markov_head = MarkovHead(w.markov_head.embed, w.markov_head.head, ops)
         self.confidence_head = ConfidenceHead(w.confidence_head.proj, ops)
+        # how forward() runs its draft layers where the shapes repeat: region(key, fn, *arrays,
+        # rows=...) -> fn(*arrays); the runner sets its backend's (CUDA graphs), None: eagerly
+        self.region = None
 
     @property
     def targets(self) -> dict:
@@ -168,20 +168,41 @@ class DSpark:
             state.windows[i] = rows[max(rows.shape[0] - win, 0):]
         state.position += n
 
+    @staticmethod
+    def ranges(lengths: list[int], n: int) -> tuple[np.ndarray, np.ndarray, int]:
+        """Each block row's keys [lo, hi) when every sequence's window (of lengths[b] rows) and
+        block (n rows) lie side by side, and the longest span."""
+        spans = np.asarray(lengths, np.int64) + n
+        starts = np.cumsum(spans) - spans
+        return np.repeat(starts, n), np.repeat(starts + spans, n), int(spans.max())
+
     def forward(self, states: list[DraftState], last_tokens: list[int]):
         """Every sequence's block [last token, noise ...] at positions state.position.. through
         every draft layer, the sequences side by side: the collapsed stream of each position
-        (before the final norm) [len(states) * block, hidden], sequence after sequence."""
-        ops, model, n = self.ops, self.model, self.block_size
-        ids = np.full((len(states), n), self.noise_token_id, np.int64)
+        (before the final norm) [len(states) * block, hidden], sequence after sequence, and the
+        head's logits of each (without the Markov bias). Where every window is full (the shapes
+        then repeat step after step) it runs as one region of the runner's (`region`: a CUDA graph
+        on the GPU; its outputs are rewritten by its next run)."""
+        ops, model, n, bsz = self.ops, self.model, self.block_size, len(states)
+        ids = np.full((bsz, n), self.noise_token_id, np.int64)
         ids[:, 0] = last_tokens
-        ids = ops.asarray(ids.reshape(-1), dtype=np.int64)
         cos, sin = self.rope(np.concatenate([np.arange(st.position, st.position + n) for st in states]))
-        h, pre_mix = model.embed(Batch(ids=ids, hash_ids=None, rope={}, chunks=[]))
-        for i, layer in enumerate(self.layers):
-            h, pre_mix = layer(h, pre_mix, [st.windows[i] for st in states], cos, sin, ids)
-        # (the collapse is stored as an activation: bf16 under deepseek numerics, as the reference's hc_pre)
-        return ops.act(ops.xp.einsum("th,thd->td", pre_mix, h).astype(np.float32))
+        lengths = [int(st.windows[0].shape[0]) for st in states]
+        lo, hi, span = self.ranges(lengths, n)
+        inputs = (ops.asarray(ids.reshape(-1), dtype=np.int64), cos, sin, ops.asarray(lo, dtype=np.int64),
+                  ops.asarray(hi, dtype=np.int64), *(st.windows[i] for i in range(len(self.layers)) for st in states))
+
+        def stream(ids, cos, sin, lo, hi, *windows):
+            h, pre_mix = model.embed(Batch(ids=ids, hash_ids=None, rope={}, chunks=[]))
+            for i, layer in enumerate(self.layers):
+                h, pre_mix = layer(h, pre_mix, windows[i * bsz : (i + 1) * bsz], cos, sin, ids, (lo, hi, span))
+            # (the collapse is stored as an activation: bf16 under deepseek numerics, as the reference's hc_pre)
+            x = ops.act(ops.xp.einsum("th,thd->td", pre_mix, h).astype(np.float32))
+            return x, ops.linear(ops.rmsnorm(x, self.norm, self.cfg.rms_norm_eps), model.head.w.head)
+
+        if self.region is not None and min(lengths) == self.cfg.sliding_window:
+            return self.region(("draft", id(self), bsz, span), stream, *inputs, rows=bsz * n)
+        return stream(*inputs)
 
     def draft(self, state: DraftState, last_token: int, rng: np.random.Generator | None = None,
               temperature: float = 1.0) -> Draft:
@@ -200,9 +221,8 @@ class DSpark:
         rngs = rngs or [None] * bsz
         temperatures = temperatures or [1.0] * bsz
         drawing = [b for b in range(bsz) if rngs[b] is not None]
-        x = self.forward(states, last_tokens)
-        logits = ops.linear(ops.rmsnorm(x, self.norm, self.cfg.rms_norm_eps), self.model.head.w.head)
-        logits = logits.reshape(bsz, n, logits.shape[-1])
+        x, logits = self.forward(states, last_tokens)
+        logits = logits.reshape(bsz, n, logits.shape[-1]).copy()  # (a region's output: its next run rewrites it)
         prev = ops.asarray(np.asarray(last_tokens, np.int64), dtype=np.int64)
         tokens, embeds, drawn_from = [], [], [[] for _ in range(bsz)]
         for i in range(n):

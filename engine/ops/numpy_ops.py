@@ -288,11 +288,12 @@ class NumpyOps:
 
     def attention_ranges(self, q: np.ndarray, keys: np.ndarray, lo: np.ndarray, hi: np.ndarray,
                          entries: np.ndarray | None, emask: np.ndarray | None, sinks: np.ndarray, scale: float,
-                         selected: int = 0, exact: bool = False) -> np.ndarray:
+                         selected: int = 0, exact: bool = False, span: int = 0) -> np.ndarray:
         """A prompt chunk's attention: query s over keys rows lo[s] .. hi[s] - 1 (its window) and,
         given entries, the rows j of entries where emask[s, j]. (selected, an upper bound on each
-        mask row's true values or 0, sizes the GPU kernel's work, and exact says keys and entries
-        sit on state codecs' grids, which bf16 holds exactly; the result depends on neither.)"""
+        mask row's true values or 0, sizes the GPU kernel's work, exact says keys and entries sit
+        on state codecs' grids, which bf16 holds exactly, and span, max(hi - lo), lets the GPU take
+        lo / hi as device arrays; the result depends on none of them.)"""
         return self.attention_decode(q, [[(keys[lo[s]:hi[s]], None)] + ([] if entries is None else
                                                                           [(entries, emask[s])])
                                          for s in range(q.shape[0])], sinks, scale)

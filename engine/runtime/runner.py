@@ -6,7 +6,9 @@ A forward call takes several sequences, each with its own state and a chunk of >
   planned on the host first (engine/state/decode_plan.py); prompt chunks take the chunk path,
   one sequence at a time; a step may mix both;
 - runs a decode step alone as one CUDA graph per batch size (ops.graphed_step), or under tensor
-  parallelism offers it to the driver, which captures every rank's step with its collectives;
+  parallelism offers it to the driver, which captures every rank's step with its collectives; a
+  speculative verify step is such a decode step, and the DSpark draft's layers run as one graph
+  per batch size too (DSpark.region);
 - plans the next decode step on the host while the device runs this one (prepare_next);
 - trims rows no later layer needs (bounded replay);
 - runs some model parts on a side stream while a graph is captured (FORKED: ops.fork), so that
@@ -86,6 +88,8 @@ class ModelRunner:
         self.bounded_replay = True
         self._next: _Ahead | None = None  # the next decode step's plan, made ahead (prepare_next)
         self.ahead_used = 0  # decode steps that took a plan made ahead (for tests and profiles)
+        if self.model.dspark is not None and getattr(ops, "graphs", None) is not None:
+            self.model.dspark.region = ops.graphs  # the draft's layers as one CUDA graph per batch size
         for layer in self.model.layers:
             for path, name in FORKED:
                 part = functools.reduce(lambda o, a: getattr(o, a, None), path.split(".") if path else [], layer)

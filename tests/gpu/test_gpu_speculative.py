@@ -125,3 +125,27 @@ def test_batched_speculative_steps_equal_plain_greedy_on_gpu():
     for text, (_, _, out, stats) in zip(PROMPTS, seqs, strict=True):
         assert out == eng.generate(_ids(eng, text), limit, greedy, stop_at_eos=False, speculative=False), text
         assert stats.tokens_per_step > 1.0
+
+
+def test_draft_layers_replay_as_a_graph():
+    """Once every window is full, the draft's layers run as a CUDA graph (eager, captured, then
+    replayed), and its blocks equal the eager draft's bit for bit."""
+    eng = _engine(True)
+    model, dsp = eng.model, eng.model.model.dspark
+    win = dsp.cfg.sliding_window
+    drafts = []
+    for n in (win + 3, win + 40):
+        st, ds = model.new_state(), dsp.new_state()
+        feed(model, dsp, st, ds, [10 + i % 500 for i in range(n)], all_logits=False)
+        drafts.append(ds)
+    region, dsp.region = dsp.region, None
+    want = dsp.draft_many(drafts, [5, 6])
+    dsp.region = region
+    for _ in range(3):
+        got = dsp.draft_many(drafts, [5, 6])
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(g.tokens, w.tokens)
+            np.testing.assert_array_equal(cp.asnumpy(g.logits), cp.asnumpy(w.logits))
+            np.testing.assert_array_equal(cp.asnumpy(g.confidence), cp.asnumpy(w.confidence))
+    keys = [k for k, _ in model.ops.graphs.captured(2 * dsp.block_size)]
+    assert any(k[0] == "draft" for k in keys), keys

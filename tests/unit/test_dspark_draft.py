@@ -133,3 +133,36 @@ def test_draft_many_equals_drafts_alone():
         alone = dsp.draft(ds, last[b], rng, temps[b])
         for got, want in zip(many[b], alone, strict=True):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_draft_layers_run_as_the_runners_region_once_windows_are_full():
+    """DSpark.forward hands its draft layers to the runner's region (a CUDA graph on the GPU) only
+    where every window is full, so the shapes repeat; the blocks are the same either way."""
+    from engine.runtime.engine import Engine
+    from engine.runtime.spec_decode import feed
+
+    eng = Engine.load()
+    model, dsp = eng.model, eng.model.model.dspark
+    win = dsp.cfg.sliding_window
+    calls = []
+
+    def region(key, fn, *arrays, rows=None):
+        calls.append((key, rows))
+        return fn(*arrays)
+
+    states = []
+    for n in (win + 3, 7):
+        st, ds = model.new_state(), dsp.new_state()
+        feed(model, dsp, st, ds, [10 + i % 500 for i in range(n)], all_logits=False)
+        states.append(ds)
+    plain = [dsp.draft_many(states[:1], [5]), dsp.draft_many(states, [5, 6])]
+    dsp.region = region
+    try:
+        full, partial = dsp.draft_many(states[:1], [5]), dsp.draft_many(states, [5, 6])
+    finally:
+        dsp.region = None
+    assert len(calls) == 1 and calls[0][1] == dsp.block_size and calls[0][0][0] == "draft"
+    for got, want in zip((full, partial), plain, strict=True):
+        for g, w in zip(got, want, strict=True):
+            for a, b in zip(g, w, strict=True):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

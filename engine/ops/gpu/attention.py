@@ -50,15 +50,19 @@ def _indexer_smem(h: int, dh: int) -> int:
 class AttentionOps:
     """CupyOps' attention, indexer, top-k, pooling and state-row ops."""
 
-    def attention_ranges(self, q: cp.ndarray, keys: cp.ndarray, lo: np.ndarray, hi: np.ndarray,
+    def attention_ranges(self, q: cp.ndarray, keys: cp.ndarray, lo, hi,
                          entries: cp.ndarray | None, emask: cp.ndarray | None, sinks: cp.ndarray, scale: float,
-                         selected: int = 0, exact: bool = False) -> cp.ndarray:
+                         selected: int = 0, exact: bool = False, span: int = 0) -> cp.ndarray:
         """NumpyOps.attention_ranges, each query over its own keys only: its window read as a range
         of `keys`, then its entries under its mask row (through the row's list of selected rows
         where `selected` bounds them far below the entries' count). On tensor cores where heads and
         head_dim are multiples of 64 (_attention_ranges_tc; exact: keys and entries on state codecs'
-        grids), else one attention_decode query per row."""
+        grids), else one attention_decode query per row. lo / hi may be device arrays (a captured
+        region's inputs: nothing is uploaded), with span = max(hi - lo) given."""
         s, h, d = q.shape
+        dev = isinstance(lo, cp.ndarray)
+        if dev and span <= 0:
+            raise ValueError("attention_ranges: device lo / hi need their span")
         if s == 0:
             return cp.empty((0, h, d), F32)
         keys = _c32(keys)
@@ -67,21 +71,29 @@ class AttentionOps:
         masks = None if entries is None else cp.ascontiguousarray(emask, dtype=cp.bool_)
         lists = self._mask_rows(masks, selected) if n_e and 0 < selected and 2 * selected <= n_e else None
         if h % 64 == 0 and d % 64 == 0:  # (attn_tc_* take heads and head_dim in 64-wide tiles)
-            return self._attention_ranges_tc(q, keys, lo, hi, entries, masks, lists, sinks, scale, exact)
+            return self._attention_ranges_tc(q, keys, lo, hi, entries, masks, lists, sinks, scale, exact, span)
         if d % 32 or d > 512:
             raise ValueError(f"attention kernel needs head_dim % 32 == 0 and <= 512 (got {d})")
+        out = cp.empty((s, h, d), F32)
+        if dev:  # the table built on the device
+            tab = cp.zeros((s, 6), cp.int64)
+            tab[:, 0] = lo * (d * 4) + _ptr(keys)
+            tab[:, 1] = hi - lo
+            if entries is not None:
+                tab[:, 3], tab[:, 4], tab[:, 5] = _ptr(entries), n_e, 1
+            longest = span + (selected if lists is not None else n_e)
+            return self._attention_decode(q, tab, masks, sinks, scale, longest, out, lists)
         tab = np.zeros((s, 6), np.int64)
         tab[:, 0] = _ptr(keys) + np.asarray(lo, np.int64) * d * 4
         tab[:, 1] = np.asarray(hi, np.int64) - np.asarray(lo, np.int64)
         if entries is not None:
             tab[:, 3], tab[:, 4], tab[:, 5] = _ptr(entries), n_e, 1
         longest = int(tab[:, 1].max()) + (selected if lists is not None else n_e)
-        out = cp.empty((s, h, d), F32)
         # (keys / entries stay referenced here until the launch below is enqueued)
         return self._attention_decode(q, self.asarray(tab, dtype=np.int64), masks, sinks, scale, longest, out, lists)
 
-    def _attention_ranges_tc(self, q, keys: cp.ndarray, lo: np.ndarray, hi: np.ndarray, entries, masks, lists,
-                             sinks, scale: float, exact: bool) -> cp.ndarray:
+    def _attention_ranges_tc(self, q, keys: cp.ndarray, lo, hi, entries, masks, lists,
+                             sinks, scale: float, exact: bool, span: int = 0) -> cp.ndarray:
         """attention_ranges on tensor cores (kernels/attention.cu attn_tc_*): per block of up to
         ATC_QUERIES queries, their [n, H, L] scores over each one's keys (window, then its listed
         entries, or without lists those its mask row allows), softmax with the sinks in place,
@@ -92,9 +104,10 @@ class AttentionOps:
         ents = entries if entries is not None else _NULL
         masks = masks if lists is None else None  # (the lists stand for the mask)
         width = lists[0].shape[1] if lists is not None else n_e
-        span = int((np.asarray(hi) - np.asarray(lo)).max()) + width
+        span = (span or int((np.asarray(hi) - np.asarray(lo)).max())) + width
         L = max(64, -(-span // 64) * 64)
-        lo_d, hi_d = (self.asarray(np.asarray(a, np.int64), dtype=np.int64) for a in (lo, hi))
+        lo_d, hi_d = (a.astype(cp.int64, copy=False) if isinstance(a, cp.ndarray)
+                      else self.asarray(np.asarray(a, np.int64), dtype=np.int64) for a in (lo, hi))
         terms = 1 if exact else 3
         out = cp.empty((s, h, d), F32)
         for s0 in range(0, s, ATC_QUERIES):
