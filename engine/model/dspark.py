@@ -196,8 +196,9 @@ class DSpark:
             h, pre_mix = model.embed(Batch(ids=ids, hash_ids=None, rope={}, chunks=[]))
             for i, layer in enumerate(self.layers):
                 h, pre_mix = layer(h, pre_mix, windows[i * bsz : (i + 1) * bsz], cos, sin, ids, (lo, hi, span))
-            # (the collapse is stored as an activation: bf16 under deepseek numerics, as the reference's hc_pre)
-            x = ops.act(ops.xp.einsum("th,thd->td", pre_mix, h).astype(np.float32))
+            # the collapse, stored as an activation (bf16 under deepseek numerics, as the reference's
+            # hc_pre); a product and a sum, not einsum, which CuPy hands to cuBLAS (not capturable)
+            x = ops.act((pre_mix[:, :, None] * h).sum(axis=1, dtype=np.float32))
             return x, ops.linear(ops.rmsnorm(x, self.norm, self.cfg.rms_norm_eps), model.head.w.head)
 
         if self.region is not None and min(lengths) == self.cfg.sliding_window:
