@@ -73,6 +73,21 @@ def test_greedy_speculative_equals_plain(engine, length) -> None:
     assert acc.tokens_per_step == (n - 1) / acc.steps
 
 
+@pytest.mark.parametrize("length", (3, 45))
+def test_greedy_speculative_equals_plain_under_deepseek_numerics(ckpt, length) -> None:
+    """The same under --numerics deepseek (bf16 activations, FP8 activation quantization per row:
+    a verify row still computes exactly what the plain decode step at its position does)."""
+    from engine.settings import Settings
+
+    eng = Engine.load(ckpt, settings=Settings(numerics="deepseek"))
+    prompt = _prompt(length, seed=5)
+    plain, plain_state = _run(eng, prompt, 64, stop_at_eos=False)
+    spec, spec_state = _run(eng, prompt, 64, speculative=True, stop_at_eos=False)
+    assert spec == plain
+    assert spec_state == plain_state
+    assert eng.last_acceptance.drafted > 0
+
+
 def test_default_is_speculative_where_the_checkpoint_has_a_draft(engine) -> None:
     prompt = _prompt(5)
     out = engine.generate(prompt, 12, stop_at_eos=False)
