@@ -1,6 +1,7 @@
 """The HTTP layer below the routes, hardened: OpenAI error JSON for what aiohttp's parser refuses
 (bad framing, oversized headers, invalid methods answer text/plain otherwise), and a cap on open
-connections that closes the oldest idle ones first.
+connections that closes the oldest idle ones first (idle: waiting for a request, with no bytes of
+one received and unread).
 
 aiohttp has no hook for either: its RequestHandler.handle_error writes the parser's error page
 (and finish_response writes what is raised before the middleware, e.g. an unknown Expect),
@@ -12,8 +13,11 @@ moment a connection opens until its first complete request (Limits.idle_timeout_
 
 from __future__ import annotations
 
+import array
 import asyncio
+import fcntl
 import logging
+import termios
 from http import HTTPStatus
 from typing import Any
 
@@ -61,10 +65,28 @@ class GuardedHandler(RequestHandler):
         return await super().finish_response(request, resp, start_time)
 
 
+def pending_bytes(sock: Any) -> int:
+    """Bytes a socket has received that nobody has read yet (0 if it cannot say)."""
+    if sock is None:
+        return 0
+    buf = array.array("i", [0])
+    try:
+        fcntl.ioctl(sock.fileno(), termios.FIONREAD, buf, True)
+    except (OSError, ValueError):  # (closed, or no FIONREAD here)
+        return 0
+    return int(buf[0])
+
+
 def _idle(h: RequestHandler) -> bool:
-    """No request being handled: waiting for the first or the next one."""
+    """No request being handled: waiting for the first or the next one, with nothing received
+    that the event loop has not read yet. (A flood of new connections keeps the loop busy in
+    connection_made, and a client that sent its request the moment it connected must not look
+    idle meanwhile: it would be closed before a byte of its answer.)"""
     waiter = getattr(h, "_waiter", None)
-    return waiter is not None and not waiter.done()
+    if waiter is None or waiter.done():
+        return False
+    transport = getattr(h, "transport", None)
+    return pending_bytes(transport.get_extra_info("socket") if transport is not None else None) == 0
 
 
 class GuardedServer(web.Server):
