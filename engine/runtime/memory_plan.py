@@ -18,8 +18,9 @@ Per tensor-parallel rank (engine.parallel.shard.ShardPlan decides what each rank
   arrays, growth-buffer headroom), not its stored size (`state_bytes_per_token`: V4.1's
   FP8 window rings, FP4 compressed KV and MXFP4 indexer keys, 4-7x smaller), which is what the
   host keeps between turns. Every rank keeps the whole (replicated) state of its sequences.
-- workspace (per rank; override with workspace_bytes), with T = prefill_chunk + max_seqs tokens
-  in one step (a prefill budget plus one decode token per running sequence):
+- workspace (per rank; override with workspace_bytes), with T = prefill_chunk + decode_rows
+  tokens in one step (a prefill budget plus the running sequences' decode rows: one a sequence,
+  block_size + 1 with draft layers):
       activations  T * hidden * hc_mult * 4 * ACT_FACTOR        (mHC streams in / out, mixes, norms)
       attention    T * local_heads * head_dim * 4 * 3           (q, attention output, un-roped output)
       moe          T * top_k * moe_inter * 4 * 3                (gathered rows, gate / up, SwiGLU)
@@ -33,7 +34,7 @@ Per tensor-parallel rank (engine.parallel.shard.ShardPlan decides what each rank
       attend_tc    min(prefill_chunk, ATTEND_TC_QUERIES) * local_heads * (window + min(max_entries,
                    2 * index_topk) + 64) * 4     (a prompt chunk's tensor-core attention scores: each
                                                   query's window, then its listed or unmasked entries)
-      logits       max_seqs * vocab * 4
+      logits       decode_rows * vocab * 4
       graphs       what the captured decode-step graphs keep (engine/ops/gpu/graphs.py):
                    graph_bytes_per_row * the rows of the Settings.graph_buckets largest row
                    counts up to MAX_GRAPH_ROWS, an estimate: a step's graph keeps its logits,
@@ -251,7 +252,7 @@ def state_bytes(cfg: ModelConfig, context: int) -> int:
 def workspace_bytes(cfg: ModelConfig, plan: ShardPlan, max_seqs: int, max_context: int,
                     prefill_chunk: int = 512) -> dict[str, int]:
     """The documented workspace estimate of one rank (see the module docstring), by term."""
-    t = prefill_chunk + max_seqs
+    t = prefill_chunk + decode_rows(cfg, max_seqs)
     ratios = [r for i, r in enumerate(cfg.compress_ratios) if r > 0 and
               (cfg.arch != "v41" or i in cfg.kv_source_layer_ids)]
     max_entries = max_context // min(ratios) if ratios else 0
@@ -269,8 +270,14 @@ def workspace_bytes(cfg: ModelConfig, plan: ShardPlan, max_seqs: int, max_contex
         "split": t * cfg.num_experts_per_tok * (cfg.hidden_size + -(-cfg.hidden_size // 128)) * 4,
         "attend_tc": min(prefill_chunk, ATTEND_TC_QUERIES) * local_heads
         * (cfg.sliding_window + min(max_entries, 2 * cfg.index_topk) + 64) * 4,
-        "logits": max_seqs * cfg.vocab_size * 4,
+        "logits": decode_rows(cfg, max_seqs) * cfg.vocab_size * 4,
     }
+
+
+def decode_rows(cfg: ModelConfig, max_seqs: int) -> int:
+    """The most rows a decode step runs: one a sequence, or with DSpark draft layers (which serve
+    speculates with by default) a verify step's block_size + 1 a sequence."""
+    return max_seqs * (cfg.dspark_block_size + 1 if cfg.has_draft else 1)
 
 
 def graph_bytes_per_row(cfg: ModelConfig, plan: ShardPlan) -> int:

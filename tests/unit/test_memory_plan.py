@@ -234,3 +234,16 @@ def test_width_split_experts_counted(tiny, n):
     ep = [r.device.get("routed experts", 0) for r in mp.weight_bytes(cfg, ckpt, n)]
     assert sum(ranks) == whole == sum(ep)
     assert max(ranks) <= whole * (-(-cfg.moe_intermediate_size // (32 * n)) * 32) / cfg.moe_intermediate_size
+
+
+def test_draft_layers_plan_a_verify_steps_rows(tiny, tmp_path):
+    """With DSpark draft layers, serve speculates by default: a decode step is a verify step of
+    block_size + 1 rows a sequence, and the workspace's per-row terms count them."""
+    with_draft = T.write_tiny_model(tmp_path / "draft", "v41", seed=1, draft=True, **SMALL)
+    plain_cfg, draft_cfg = load_config(tiny["v41"]), load_config(with_draft)
+    rows = mp.decode_rows(draft_cfg, 8)
+    assert mp.decode_rows(plain_cfg, 8) == 8 and rows == 8 * (draft_cfg.dspark_block_size + 1)
+    plain = mp.workspace_bytes(plain_cfg, ShardPlan.make(plain_cfg), 8, 4096)
+    draft = mp.workspace_bytes(draft_cfg, ShardPlan.make(draft_cfg), 8, 4096)
+    assert draft["logits"] == rows * draft_cfg.vocab_size * 4 == plain["logits"] * (rows // 8)
+    assert draft["activations"] > plain["activations"]
