@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from engine.bench_spec import bench_speculative, gpu_weights, nbytes
+from engine.bench_spec import bench_speculative, dense_weights, weight_bytes
 from engine.runtime.sampling import SampleJob, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -94,15 +94,13 @@ def _weight(fmt: str, n: int, k: int):
     return GpuWeight(FMT_FP4, data, scale, (n, k), (1, 32))
 
 
-_nbytes = nbytes
-
 
 def _copies(w, nbytes: int = 256 << 20) -> list:
     """w and copies of it, about nbytes in all (2 to 40): a graph that reads each once streams
     them from HBM, where repeating one weight that fits the 50 MB L2 would time the cache."""
     from engine.ops.gpu.ops import GpuWeight
 
-    c = max(2, min(40, -(-nbytes // _nbytes(w))))
+    c = max(2, min(40, -(-nbytes // weight_bytes(w))))
     return [w] + [GpuWeight(w.fmt, w.data.copy(), None if w.scale is None else w.scale.copy(), w.shape, w.block)
                   for _ in range(c - 1)]
 
@@ -124,7 +122,7 @@ def bench_linears(bw: float, rows=(1, 8, 32, 4096)) -> None:
                 t = _timeit_graph(lambda a, ws=ws: tuple(ops.linear(a, v) for v in ws), x, reps=1) / len(ws)
             else:
                 t = _timeit_graph(lambda a, w=w: ops.linear(a, w), x)
-            floor = (_nbytes(w) + x.nbytes + m * n * 4) / bw
+            floor = (weight_bytes(w) + x.nbytes + m * n * 4) / bw
             flops = 2 * m * n * k / t
             cells.append(f"{t * 1e6:7.1f}us/{floor * 1e6:5.1f}" + (f" {flops / 1e12:4.0f}TF" if m > 32 else ""))
         print(f"{name:12s} {n:>6d}x{k:<6d} {fmt:>4s} " + " ".join(f"{c:>18s}" for c in cells))
@@ -146,19 +144,18 @@ def _weight_stats(model) -> dict:
     """Bytes and multiply-adds of the weights a token touches on this model (or tensor-parallel
     rank): dense (attention, router, shared expert, summed over layers), one routed expert and
     how many this rank holds per layer, the head."""
-    weights = gpu_weights
     dense = dense_macs = expert = expert_macs = owned = 0
     for L in model.w.layers:
-        ws = weights(L.attn) + weights(L.ffn.gate) + weights(L.ffn.shared_experts) + weights(L.engram)
-        dense += sum(_nbytes(w) for w in ws)
+        ws = dense_weights(L)
+        dense += sum(weight_bytes(w) for w in ws)
         dense_macs += sum(w.shape[0] * w.shape[1] for w in ws)
         mine = [ex for ex in L.ffn.experts if ex is not None]
         owned = len(mine)
         if mine:
-            expert = sum(_nbytes(w) for w in mine[0])
+            expert = sum(weight_bytes(w) for w in mine[0])
             expert_macs = sum(w.shape[0] * w.shape[1] for w in mine[0])
     return dict(dense=dense, dense_macs=dense_macs, expert=expert, expert_macs=expert_macs, owned=owned,
-                head=_nbytes(model.w.head))
+                head=weight_bytes(model.w.head))
 
 
 def _load(ckpt: str, gpus: list[int] | None, expert_split: str = "ep"):

@@ -34,8 +34,14 @@ def gpu_weights(v) -> list:
     return []
 
 
-def nbytes(w) -> int:
+def weight_bytes(w) -> int:
+    """A GpuWeight's bytes on the device: its data and its scales."""
     return int(w.data.nbytes + (0 if w.scale is None else w.scale.nbytes))
+
+
+def dense_weights(layer) -> list:
+    """A layer's weights every token reads: attention, router, shared expert, Engram."""
+    return gpu_weights([layer.attn, layer.ffn.gate, layer.ffn.shared_experts, getattr(layer, "engram", None)])
 
 
 def _touched(experts: int, top_k: int, rows: int) -> float:
@@ -47,11 +53,10 @@ def _layer_bytes(layers) -> tuple[int, int]:
     """(dense bytes summed over layers, one routed expert's bytes)."""
     dense = expert = 0
     for L in layers:
-        dense += sum(nbytes(w) for w in gpu_weights([L.attn, L.ffn.gate, L.ffn.shared_experts,
-                                                     getattr(L, "engram", None)]))
+        dense += sum(weight_bytes(w) for w in dense_weights(L))
         mine = [ex for ex in L.ffn.experts if ex is not None]
         if mine:
-            expert = sum(nbytes(w) for w in mine[0])
+            expert = sum(weight_bytes(w) for w in mine[0])
     return dense, expert
 
 
@@ -61,7 +66,7 @@ def floors(model, cfg, b: int, bw: float) -> dict:
     dsp, w = model.model.dspark, model.w
     k, nl, d = dsp.block_size, cfg.num_layers, cfg.head_dim
     dense, expert = _layer_bytes(w.layers)
-    head = nbytes(w.head)
+    head = weight_bytes(w.head)
     window = nl * (cfg.sliding_window - 1) * d * 4
     main = {rows: dense + nl * _touched(cfg.n_routed_experts, cfg.num_experts_per_tok, rows) * expert + head
             for rows in (b, b * (k + 1))}
@@ -69,7 +74,7 @@ def floors(model, cfg, b: int, bw: float) -> dict:
     ddense, dexpert = _layer_bytes(dw.layers)
     dcfg = dsp.cfg
     draft = (ddense + len(dw.layers) * _touched(dcfg.n_routed_experts, dcfg.num_experts_per_tok, b * k) * dexpert
-             + nbytes(dw.main_proj) + head + k * nbytes(dw.markov_head.head)
+             + weight_bytes(dw.main_proj) + head + k * weight_bytes(dw.markov_head.head)
              + b * len(dw.layers) * cfg.sliding_window * d * 4)
     return {"step": (main[b] + b * window) / bw, "verify": (main[b * (k + 1)] + b * (window + k * nl * d * 4)) / bw,
             "draft": draft / bw}

@@ -208,10 +208,6 @@ class ModelRunner:
         if layers is not None and dec_rows is None:  # a decode step alone: one graph per rank
             names = tuple(targets) if targets else ()
             key = ("decode", id(self.w), all_logits, names)
-
-            def run(staged):
-                return self._run(staged, seqs, all_logits, targets)
-
             if ops.comm is None:
                 def graphed(staged):  # (the target inputs are the graph's outputs too: a replay rewrites them)
                     got = dict.fromkeys(names)
@@ -224,6 +220,9 @@ class ModelRunner:
                     local, *got = local
                     targets.update(zip(names, got, strict=True))
             else:  # every rank's step at once, as the driver runs them
+                def run(staged):
+                    return self._run(staged, seqs, all_logits, targets)
+
                 local = ops.comm.step(StepRegion(key, inputs, run, ops, int(ids_all.size)))
         else:
             local = self._run(ops.stage(inputs), seqs, all_logits, targets)
