@@ -6,7 +6,9 @@
 // 1e-4) / 448)), codes = e4m3(x / scale) (round to nearest even, saturating), bit-exact with
 // engine/ops/numpy_ops.py fake_quant_fp8.
 //
-// gemm_e4m3: Y[M, N] = sum over K of (A codes * A scales) (W codes * W scales). A block of 128
+// gemm_e4m3_fp8 / _fp4: Y[M, N] = sum over K of (A codes * A scales) (W values * W scales), W e4m3
+// with an f32 scale per (bn x bk) block, or e2m1 (FP4 experts) with a UE8M0 scale per row and 32
+// along K, decoded exactly into e4m3 in shared memory (Hopper has no FP4 MMA). A block of 128
 // threads computes a 64 x 64 tile (2 x 2 warps of 32 x 32) in K stages of 64; each 32-wide step
 // is one mma.sync m16n8k32 e4m3 per 16 x 8 sub-tile into a fresh accumulator, which is then
 // scaled by its row's and column's scales and added to the f32 total ("promotion"): the scales
@@ -44,12 +46,19 @@ __device__ __forceinline__ void mma_e4m3(float* c, const u32* a, const u32* b) {
         "f"(0.f));
 }
 
-// A: codes [M, K] (row stride K), SA [M, K / 32]; W: codes [N, K], SW [ceil(N / bn), gk] (the
-// scale of rows n and columns k: SW[n / bn, k / bk]); Y [M, N] (row stride ldy).
-extern "C" __global__ void __launch_bounds__(128) gemm_e4m3(const u8* __restrict__ A, const float* __restrict__ SA,
-                                                            const u8* __restrict__ W, const float* __restrict__ SW,
-                                                            float* __restrict__ Y, int ldy, int M, int N, int K,
-                                                            int bn, int bk, int gk) {
+// e2m1 nibble -> e4m3 byte of the same value (0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives).
+__device__ __forceinline__ u32 e2m1_to_e4m3(u32 c) {
+  return (__byte_perm(0x3C383000u, 0x4C484440u, c & 7u) & 0xFFu) | ((c & 8u) << 4);
+}
+
+// A: codes [M, K] (row stride K), SA [M, K / 32]. FP8 W: codes [N, K], SW f32 [ceil(N / bn), gk]
+// (the scale of rows n and columns k: SW[n / bn, k / bk]); FP4 W: nibbles [N, K / 2] (element i
+// of a word in bits 4i..4i+3), SW UE8M0 bytes [N, gk = K / 32]. Y [M, N] (row stride ldy).
+template <int FMT>
+__device__ __forceinline__ void gemm_e4m3_body(const u8* __restrict__ A, const float* __restrict__ SA,
+                                               const u8* __restrict__ W, const void* __restrict__ SW,
+                                               float* __restrict__ Y, int ldy, int M, int N, int K, int bn, int bk,
+                                               int gk) {
   __shared__ __align__(16) u8 As[FG_BM][FG_LDS];
   __shared__ __align__(16) u8 Ws[FG_BN][FG_LDS];
   __shared__ float sa[FG_BM][2], sw[FG_BN][2];
@@ -65,20 +74,47 @@ extern "C" __global__ void __launch_bounds__(128) gemm_e4m3(const u8* __restrict
       for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
 
   for (int k0 = 0; k0 < K; k0 += FG_BK) {
-    // 64 rows x 64 bytes of each operand: 256 16-byte loads, 2 per thread each
+    // 64 rows x 64 bytes of activations: 256 16-byte loads, 2 per thread
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int idx = tid + 128 * i, r = idx >> 2, c = idx & 3;
-      uint4 va = make_uint4(0, 0, 0, 0), vw = make_uint4(0, 0, 0, 0);
+      uint4 va = make_uint4(0, 0, 0, 0);
       if (m0 + r < M) va = ldg16(A + (size_t)(m0 + r) * K + k0 + 16 * c);
-      if (n0 + r < N) vw = ldg16(W + (size_t)(n0 + r) * K + k0 + 16 * c);
       *(uint4*)&As[r][16 * c] = va;
-      *(uint4*)&Ws[r][16 * c] = vw;
+    }
+    if (FMT == FMT_FP8) {  // 64 rows x 64 e4m3 bytes
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int idx = tid + 128 * i, r = idx >> 2, c = idx & 3;
+        uint4 vw = make_uint4(0, 0, 0, 0);
+        if (n0 + r < N) vw = ldg16(W + (size_t)(n0 + r) * K + k0 + 16 * c);
+        *(uint4*)&Ws[r][16 * c] = vw;
+      }
+    } else {  // 64 rows x 32 bytes of nibbles: one 16-byte load a thread, 32 e4m3 bytes out
+      const int r = tid >> 1, h = tid & 1;
+      uint4 vw = make_uint4(0, 0, 0, 0);
+      if (n0 + r < N) vw = ldg16(W + (size_t)(n0 + r) * (K / 2) + k0 / 2 + 16 * h);
+      u32 out[8];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const u32 w = word(vw, q);  // elements 8q .. 8q + 7 of this half
+        out[2 * q] = e2m1_to_e4m3(w) | (e2m1_to_e4m3(w >> 4) << 8) | (e2m1_to_e4m3(w >> 8) << 16) |
+                     (e2m1_to_e4m3(w >> 12) << 24);
+        out[2 * q + 1] = e2m1_to_e4m3(w >> 16) | (e2m1_to_e4m3(w >> 20) << 8) | (e2m1_to_e4m3(w >> 24) << 16) |
+                         (e2m1_to_e4m3(w >> 28) << 24);
+      }
+      *(uint4*)&Ws[r][32 * h] = make_uint4(out[0], out[1], out[2], out[3]);
+      *(uint4*)&Ws[r][32 * h + 16] = make_uint4(out[4], out[5], out[6], out[7]);
     }
     {  // the stage's scales: 64 rows x 2 blocks of 32, of each operand
       const int r = tid >> 1, kb = tid & 1, k = k0 + 32 * kb;
       sa[r][kb] = m0 + r < M ? SA[(size_t)(m0 + r) * nbk + k / 32] : 0.f;
-      sw[r][kb] = n0 + r < N ? SW[(size_t)((n0 + r) / bn) * gk + k / bk] : 0.f;
+      float s = 0.f;
+      if (n0 + r < N) {
+        if (FMT == FMT_FP8) s = ((const float*)SW)[(size_t)((n0 + r) / bn) * gk + k / bk];
+        else s = e8m0_scaled(((const u8*)SW)[(size_t)(n0 + r) * gk + k / 32], 0);
+      }
+      sw[r][kb] = s;
     }
     __syncthreads();
 #pragma unroll
@@ -132,4 +168,15 @@ extern "C" __global__ void __launch_bounds__(128) gemm_e4m3(const u8* __restrict
         }
       }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(128) gemm_e4m3_fp8(const u8* A, const float* SA, const u8* W, const void* SW,
+                                                                float* Y, int ldy, int M, int N, int K, int bn, int bk,
+                                                                int gk) {
+  gemm_e4m3_body<FMT_FP8>(A, SA, W, SW, Y, ldy, M, N, K, bn, bk, gk);
+}
+extern "C" __global__ void __launch_bounds__(128) gemm_e4m3_fp4(const u8* A, const float* SA, const u8* W, const void* SW,
+                                                                float* Y, int ldy, int M, int N, int K, int bn, int bk,
+                                                                int gk) {
+  gemm_e4m3_body<FMT_FP4>(A, SA, W, SW, Y, ldy, M, N, K, bn, bk, gk);
 }

@@ -1,5 +1,5 @@
 """kernels/fp8_gemm.cu against the numpy backend in DeepSeek's numerics: act_quant_fp8 bit for
-bit with NumpyOps.fake_quant_fp8 (codes times scales), and the FP8 GEMM within float32 summation
+bit with NumpyOps.fake_quant_fp8 (codes times scales), and the GEMM (FP8 and FP4 weights) within float32 summation
 order of the product of the fake-quantized activations and the dequantized weight (the products
 are exact; the tensor core sums each 32-wide block, the kernel adds the scaled blocks in f32).
 Prints the GEMM's TFLOP/s on 4096-row chunks of V4.1-Flash's largest FP8 linears.
@@ -41,10 +41,11 @@ def test_act_quant_matches_fake_quant(m, k):
     np.testing.assert_array_equal(got.reshape(m, k), want)
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
 @pytest.mark.parametrize("m,n,k", [(1, 64, 64), (77, 200, 1280), (130, 520, 2304), (64, 5120, 8192)])
-def test_fp8_gemm_matches_numpy(m, n, k):
+def test_fp8_gemm_matches_numpy(m, n, k, fmt):
     x = _x(m, k, seed=n)
-    w = _weight("fp8", n, k)
+    w = _weight(fmt, n, k)
     y = cp.asnumpy(fp8_linear(cp.asarray(x), w))
     xq = NumpyOps().fake_quant_fp8(x, 32).astype(np.float64)
     want = xq @ _host_dequant(w).astype(np.float64).T
@@ -55,10 +56,12 @@ def test_fp8_gemm_matches_numpy(m, n, k):
 def test_fp8_gemm_rate_on_flash_linears():
     """Not a timed assertion: the figures, for docs/performance.md and bench."""
     x = cp.asarray(_x(4096, 8192, seed=1))
-    for name, (n, k) in (("wq_b", (32768, 1280)), ("wo_b", (5120, 8192)), ("expert w1", (2304, 5120))):
-        w = _weight("fp8", n, k)
+    for name, (n, k), fmt in (("wq_b", (32768, 1280), "fp8"), ("wo_b", (5120, 8192), "fp8"),
+                              ("expert w1", (2304, 5120), "fp4"), ("expert w2", (5120, 2304), "fp4")):
+        w = _weight(fmt, n, k)
         codes = act_quant_fp8(x[:, :k])
         t = _timeit(lambda w=w, codes=codes: fp8_linear(None, w, codes), iters=10)
         tq = _timeit(lambda k=k: act_quant_fp8(x[:, :k]), iters=10)
-        print(f"{name} [{n} x {k}] x 4096 rows: GEMM {t * 1e3:.3f} ms = {2 * 4096 * n * k / t / 1e12:.0f} TFLOP/s, "
+        rate = 2 * 4096 * n * k / t / 1e12
+        print(f"{name} ({fmt}) [{n} x {k}] x 4096 rows: GEMM {t * 1e3:.3f} ms = {rate:.0f} TFLOP/s, "
               f"act_quant {tq * 1e3:.3f} ms")

@@ -1,4 +1,4 @@
-"""DeepSeek's FP8 linear on the tensor cores (kernels/fp8_gemm.cu), for --numerics deepseek: the
+"""DeepSeek's FP8 / FP4 linear on the tensor cores (kernels/fp8_gemm.cu), for --numerics deepseek: the
 activations quantized to e4m3 per 32 along K with UE8M0 scales (the reference's act_quant), then
 one e4m3 x e4m3 MMA per 32-wide step, scaled by both operands' scales into an f32 total.
 
@@ -14,7 +14,7 @@ import numpy as np
 from engine.ops import kernels as K
 from engine.ops.gpu.common import _c32
 from engine.ops.gpu.weights import GpuWeight
-from engine.ops.kernels import FMT_FP8
+from engine.ops.kernels import FMT_FP4, FMT_FP8
 
 TILE = 64  # gemm_e4m3's tile (rows and columns) and K stage
 ACT_BLOCK = 32
@@ -36,10 +36,12 @@ def act_quant_fp8(x: cp.ndarray) -> tuple[cp.ndarray, cp.ndarray]:
 
 
 def fp8_linear(x: cp.ndarray, w: GpuWeight, codes: tuple | None = None) -> cp.ndarray:
-    """x [M, K] times an FP8 weight [N, K] in DeepSeek's numerics: f32 [M, N]. codes: x already
-    quantized (act_quant_fp8), when several weights read the same activations."""
-    if w.fmt != FMT_FP8:
-        raise ValueError("fp8_linear takes FP8 weights")
+    """x [M, K] times an FP8 or FP4 weight [N, K] in DeepSeek's numerics: f32 [M, N] (FP4 values
+    decoded exactly into e4m3 in the kernel). codes: x already quantized (act_quant_fp8), when
+    several weights read the same activations."""
+    kernel = {FMT_FP8: "gemm_e4m3_fp8", FMT_FP4: "gemm_e4m3_fp4"}.get(w.fmt)
+    if kernel is None:
+        raise ValueError("fp8_linear takes FP8 or FP4 weights")
     n, k = w.shape
     if k % TILE:
         raise ValueError(f"fp8_linear: K = {k} is not a multiple of {TILE}")
@@ -48,7 +50,7 @@ def fp8_linear(x: cp.ndarray, w: GpuWeight, codes: tuple | None = None) -> cp.nd
     y = cp.empty((m, n), cp.float32)
     if m:
         bn, bk = w.block
-        K.function("fp8_gemm", "gemm_e4m3")((-(-n // TILE), -(-m // TILE)), (128,), (
+        K.function("fp8_gemm", kernel)((-(-n // TILE), -(-m // TILE)), (128,), (
             a, sa, w.data, w.scale, y, np.int32(n), np.int32(m), np.int32(n), np.int32(k), np.int32(bn),
             np.int32(bk), np.int32(w.gk)))
     return y
