@@ -65,6 +65,22 @@ __device__ __forceinline__ u32 word(const uint4& v, int i) {
 }
 __device__ __forceinline__ uint4 ldg16(const void* p) { return __ldg((const uint4*)p); }
 
+// 2**ceil(log2 t) from the exponent bits (positive normal t), as DeepSeek's kernel does.
+__device__ __forceinline__ float pow2_ceil(float t) {
+  const u32 b = __float_as_uint(t);
+  int k = (int)((b >> 23) & 0xFF) - 127 + ((b & 0x7FFFFF) != 0);
+  k = k < -126 ? -126 : (k > 127 ? 127 : k);
+  return __uint_as_float((u32)(k + 127) << 23);
+}
+
+// |value| (sign handled by the caller) -> e4m3 code 0..0x7e, round to nearest even, saturating.
+__device__ __forceinline__ u32 e4m3_code(float mag) {
+  if (mag < 0.015625f) return (u32)rintf(mag * 512.f);
+  const u32 mb = __float_as_uint(mag);
+  int code = (int)((mb + 0x7FFFFu + ((mb >> 20) & 1u)) >> 20) - (120 << 3);
+  return (u32)(code > 0x7E ? 0x7E : code);
+}
+
 __device__ __forceinline__ float bf16_lo(u32 w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf16_hi(u32 w) { return __uint_as_float(w & 0xffff0000u); }
 

@@ -4,21 +4,6 @@
 // norm_rope_quant, the RMSNorm -> RoPE -> fake-quant chain of a state row in one launch.
 #include "dsuf_common.cuh"
 
-// 2**ceil(log2 t) from the exponent bits (positive normal t), as DeepSeek's kernel does.
-__device__ __forceinline__ float pow2_ceil(float t) {
-  const u32 b = __float_as_uint(t);
-  int k = (int)((b >> 23) & 0xFF) - 127 + ((b & 0x7FFFFF) != 0);
-  k = k < -126 ? -126 : (k > 127 ? 127 : k);
-  return __uint_as_float((u32)(k + 127) << 23);
-}
-
-// |value| (sign handled by the caller) -> e4m3 code 0..0x7e, round to nearest even, saturating.
-__device__ __forceinline__ u32 e4m3_code(float mag) {
-  if (mag < 0.015625f) return (u32)rintf(mag * 512.f);
-  const u32 mb = __float_as_uint(mag);
-  int code = (int)((mb + 0x7FFFFu + ((mb >> 20) & 1u)) >> 20) - (120 << 3);
-  return (u32)(code > 0x7E ? 0x7E : code);
-}
 __device__ __forceinline__ float e4m3_round(float x) {  // x -> nearest e4m3 value (as float)
   const float v = e4m3_raw(e4m3_code(fabsf(x))) * 256.f;
   return (__float_as_uint(x) >> 31) ? -v : v;

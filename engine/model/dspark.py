@@ -180,9 +180,13 @@ class DSpark:
         """Every sequence's block [last token, noise ...] at positions state.position.. through
         every draft layer, the sequences side by side: the collapsed stream of each position
         (before the final norm) [len(states) * block, hidden], sequence after sequence, and the
-        head's logits of each (without the Markov bias). Where every window is full (the shapes
-        then repeat step after step) it runs as one region of the runner's (`region`: a CUDA graph
-        on the GPU; its outputs are rewritten by its next run)."""
+        head's logits of each (without the Markov bias)."""
+        return self._run(states, last_tokens, greedy=False)
+
+    def _run(self, states: list[DraftState], last_tokens: list[int], greedy: bool):
+        """forward(), or with greedy the whole greedy block (_greedy_block). Where every window is
+        full (the shapes then repeat step after step) it runs as one region of the runner's
+        (`region`: a CUDA graph on the GPU; its outputs are rewritten by its next run)."""
         ops, model, n, bsz = self.ops, self.model, self.block_size, len(states)
         ids = np.full((bsz, n), self.noise_token_id, np.int64)
         ids[:, 0] = last_tokens
@@ -201,9 +205,35 @@ class DSpark:
             x = ops.act((pre_mix[:, :, None] * h).sum(axis=1, dtype=np.float32))
             return x, ops.linear(ops.rmsnorm(x, self.norm, self.cfg.rms_norm_eps), model.head.w.head)
 
+        def block(ids, cos, sin, lo, hi, *windows):
+            return self._greedy_block(*stream(ids, cos, sin, lo, hi, *windows), ids[::n], bsz)
+
+        fn = block if greedy else stream
         if self.region is not None and min(lengths) == self.cfg.sliding_window:
-            return self.region(("draft", id(self), bsz, span), stream, *inputs, rows=bsz * n)
-        return stream(*inputs)
+            return self.region(("draft", id(self), bsz, span, greedy), fn, *inputs, rows=bsz * n)
+        return fn(*inputs)
+
+    def _markov(self, logits, i: int, prev):
+        """Position i's Markov bias after tokens prev [bsz] added to logits [bsz, n, vocab] in
+        place; the Markov embedding of prev (what the confidence head reads)."""
+        bias, e = self.markov_head(prev)
+        logits[:, i] = logits[:, i] + bias
+        return e
+
+    def _greedy_block(self, x, logits, last, bsz: int) -> tuple:
+        """Argmax drafting of every sequence on the backend, with no host work: tokens [bsz, n]
+        (backend int64), logits [bsz, n, vocab] with the Markov bias, their softmax, confidence."""
+        xp, n = self.ops.xp, self.block_size
+        logits = logits.reshape(bsz, n, logits.shape[-1])
+        prev, tokens, embeds = last, [], []
+        for i in range(n):
+            embeds.append(self._markov(logits, i, prev))
+            prev = xp.argmax(logits[:, i], axis=1).astype(np.int64)
+            tokens.append(prev)
+        confidence = self.confidence_head(x, xp.stack(embeds, axis=1).reshape(bsz * n, -1)).reshape(bsz, n)
+        z = logits - logits.max(axis=2, keepdims=True)
+        p = xp.exp(z)
+        return xp.stack(tokens, axis=1), logits, p / p.sum(axis=2, keepdims=True), confidence
 
     def draft(self, state: DraftState, last_token: int, rng: np.random.Generator | None = None,
               temperature: float = 1.0) -> Draft:
@@ -216,30 +246,33 @@ class DSpark:
         Markov bias of the token before it (the last token, then the drafted ones); each token
         their argmax (rng None), or drawn with the sequence's rng from softmax(logits / its
         temperature), the distributions `probs` then holds exactly (what rejection sampling
-        weighs). Argmax tokens stay on the device until the block is drawn; a drawing sequence's
-        rows come to the host at each position. Reads the states, never changes them."""
+        weighs). A batch that only takes argmaxes drafts on the backend with no host work (one
+        graph on the GPU); one with drawing sequences brings their rows to the host at each
+        position. Reads the states, never changes them."""
         ops, xp, n, bsz = self.ops, self.ops.xp, self.block_size, len(states)
         rngs = rngs or [None] * bsz
         temperatures = temperatures or [1.0] * bsz
         drawing = [b for b in range(bsz) if rngs[b] is not None]
+        if not drawing:
+            tokens, logits, probs, confidence = self._run(states, last_tokens, greedy=True)
+            tokens = np.asarray(ops.to_host(tokens), np.int64)
+            # (copies: a region's outputs are rewritten by its next run)
+            return [Draft(tokens[b], logits[b].copy(), probs[b].copy(), confidence[b].copy()) for b in range(bsz)]
         x, logits = self.forward(states, last_tokens)
         logits = logits.reshape(bsz, n, logits.shape[-1]).copy()  # (a region's output: its next run rewrites it)
         prev = ops.asarray(np.asarray(last_tokens, np.int64), dtype=np.int64)
         tokens, embeds, drawn_from = [], [], [[] for _ in range(bsz)]
         for i in range(n):
-            bias, e = self.markov_head(prev)
-            logits[:, i] = logits[:, i] + bias
-            embeds.append(e)
+            embeds.append(self._markov(logits, i, prev))
             prev = xp.argmax(logits[:, i], axis=1).astype(np.int64)
-            if drawing:
-                rows = np.asarray(ops.to_host(logits[drawing, i]), np.float64)
-                picks = ops.to_host(prev).copy()
-                for r, b in zip(rows, drawing, strict=True):
-                    q = _softmax64(r / temperatures[b])
-                    c = np.cumsum(q)
-                    picks[b] = min(np.searchsorted(c, rngs[b].random() * c[-1], side="right"), q.size - 1)
-                    drawn_from[b].append(q)
-                prev = ops.asarray(picks, dtype=np.int64)
+            rows = np.asarray(ops.to_host(logits[drawing, i]), np.float64)
+            picks = ops.to_host(prev).copy()
+            for r, b in zip(rows, drawing, strict=True):
+                q = _softmax64(r / temperatures[b])
+                c = np.cumsum(q)
+                picks[b] = min(np.searchsorted(c, rngs[b].random() * c[-1], side="right"), q.size - 1)
+                drawn_from[b].append(q)
+            prev = ops.asarray(picks, dtype=np.int64)
             tokens.append(prev)
         tokens = np.asarray(ops.to_host(xp.stack(tokens, axis=1)), np.int64)  # [bsz, n]
         confidence = self.confidence_head(x, xp.stack(embeds, axis=1).reshape(bsz * n, -1)).reshape(bsz, n)

@@ -1,0 +1,56 @@
+"""DeepSeek's FP8 / FP4 linear on the tensor cores (kernels/fp8_gemm.cu), for --numerics deepseek: the
+activations quantized to e4m3 per 32 along K with UE8M0 scales (the reference's act_quant), then
+one e4m3 x e4m3 MMA per 32-wide step, scaled by both operands' scales into an f32 total.
+
+Not yet wired into CupyOps.linear: the GPU computes exact numerics only until deepseek numerics
+land there whole (bf16 activations between ops, the quantization points of
+engine/ops/deepseek_ops.py)."""
+
+from __future__ import annotations
+
+import cupy as cp
+import numpy as np
+
+from engine.ops import kernels as K
+from engine.ops.gpu.common import _c32
+from engine.ops.gpu.weights import GpuWeight
+from engine.ops.kernels import FMT_FP4, FMT_FP8
+
+TILE = 64  # gemm_e4m3's tile (rows and columns) and K stage
+ACT_BLOCK = 32
+
+
+def act_quant_fp8(x: cp.ndarray) -> tuple[cp.ndarray, cp.ndarray]:
+    """x [M, K] f32 -> (e4m3 codes uint8 [M, K], f32 power-of-two scales [M, K / 32])."""
+    x = _c32(x)
+    m, k = x.shape
+    if k % ACT_BLOCK:
+        raise ValueError(f"act_quant_fp8: K = {k} is not a multiple of {ACT_BLOCK}")
+    codes = cp.empty((m, k), cp.uint8)
+    scales = cp.empty((m, k // ACT_BLOCK), cp.float32)
+    blocks = m * (k // ACT_BLOCK)
+    if blocks:
+        K.function("fp8_gemm", "act_quant_fp8")((-(-blocks // 8),), (256,), (
+            x, np.int32(k), codes, scales, np.int32(m), np.int32(k)))
+    return codes, scales
+
+
+def fp8_linear(x: cp.ndarray, w: GpuWeight, codes: tuple | None = None) -> cp.ndarray:
+    """x [M, K] times an FP8 or FP4 weight [N, K] in DeepSeek's numerics: f32 [M, N] (FP4 values
+    decoded exactly into e4m3 in the kernel). codes: x already quantized (act_quant_fp8), when
+    several weights read the same activations."""
+    kernel = {FMT_FP8: "gemm_e4m3_fp8", FMT_FP4: "gemm_e4m3_fp4"}.get(w.fmt)
+    if kernel is None:
+        raise ValueError("fp8_linear takes FP8 or FP4 weights")
+    n, k = w.shape
+    if k % TILE:
+        raise ValueError(f"fp8_linear: K = {k} is not a multiple of {TILE}")
+    a, sa = codes if codes is not None else act_quant_fp8(x)
+    m = a.shape[0]
+    y = cp.empty((m, n), cp.float32)
+    if m:
+        bn, bk = w.block
+        K.function("fp8_gemm", kernel)((-(-n // TILE), -(-m // TILE)), (128,), (
+            a, sa, w.data, w.scale, y, np.int32(n), np.int32(m), np.int32(n), np.int32(k), np.int32(bn),
+            np.int32(bk), np.int32(w.gk)))
+    return y
