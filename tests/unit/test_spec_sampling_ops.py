@@ -83,7 +83,7 @@ def test_draw_drafts_is_the_inline_rule() -> None:
 def _jobs(g: np.random.Generator, logits: np.ndarray, k_max: int = 4) -> list[tuple]:
     """Random verify jobs over logits: (row, drafts, q or None, params, generated). Each draft is
     drawn from a q near the target (so that runs of drafts are kept and penalties count them)."""
-    out, row = [], 0
+    out, row, vocab = [], 0, logits.shape[-1]
     for b, p in enumerate(PARAMS * 2):
         k = int(g.integers(0, k_max + 1))
         generated = [int(t) for t in g.integers(0, 12, size=int(g.integers(0, 6)))]
@@ -91,11 +91,11 @@ def _jobs(g: np.random.Generator, logits: np.ndarray, k_max: int = 4) -> list[tu
         for i in range(k):
             if p.greedy:  # mostly the argmax, so greedy rows agree for a while
                 x = target_probs(logits[row + i], p, [*generated, *drafts])
-                d = int(np.argmax(x)) if g.random() < 0.8 else int(g.integers(VOCAB))
+                d = int(np.argmax(x)) if g.random() < 0.8 else int(g.integers(vocab))
             else:
                 t = target_probs(logits[row + i], p, [*generated, *drafts])
-                q = 0.7 * t + 0.3 * g.dirichlet(np.full(VOCAB, 0.5))
-                d = int(g.choice(VOCAB, p=q / q.sum()))
+                q = 0.7 * t + 0.3 * g.dirichlet(np.full(vocab, 0.5))
+                d = int(g.choice(vocab, p=q / q.sum()))
                 qs.append(q)
             drafts.append(d)
         out.append((row, drafts, np.stack(qs) if qs else None, p, generated, b))
