@@ -124,5 +124,6 @@ def bench_speculative(model, cfg, batches, bw: float, rng, timeit, graph_seconds
               f"{100 * f['draft'] / draft_s:7.1f}% {rates}")
     print("(step / verify ms: the 1-token and the verify decode step's graphs replayed back to back (nan: not "
           "captured, e.g. more rows than a graph takes); draft ms: every sequence's draft block as served (its "
-          "block one graph for an argmax-only batch, its layers one graph otherwise); floors: bytes each step reads / copy bandwidth; "
+          "block one graph for an argmax-only batch, its layers one graph otherwise); floors: bytes each "
+          "step reads / copy bandwidth; "
           "tok/s@a: batch x a / (draft + verify))")

@@ -488,3 +488,26 @@ extern "C" __global__ void scatter_rows(const float* __restrict__ src, const lon
     for (int i = threadIdx.x; i < W; i += blockDim.x) d[i] = s[i];
   }
 }
+
+// --numerics deepseek: y = x rounded to bf16 (round_bf16f), rows of `cols` floats, ldx / ldy floats
+// apart (a column slice of a stacked projection is rounded in place).
+extern "C" __global__ void round_bf16_rows(const float* __restrict__ x, float* __restrict__ y, long long total,
+                                           int cols, long long ldx, long long ldy) {
+  dsuf_launch_dependents();
+  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= total) return;
+  const long long r = i / cols;
+  const int c = (int)(i - r * cols);
+  y[r * ldy + c] = round_bf16f(x[r * ldx + c]);
+}
+
+// --numerics deepseek, the experts' hidden rows in expert order: h[r, c] = bf16(h[r, c] * w[order[r]])
+// (the routing weight of pair order[r] scales the hidden state before w2, as the reference's
+// Expert.forward does).
+extern "C" __global__ void moe_weight_rows(float* __restrict__ h, const float* __restrict__ w,
+                                           const int* __restrict__ order, long long total, int inter) {
+  dsuf_launch_dependents();
+  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= total) return;
+  h[i] = round_bf16f(h[i] * w[order[i / inter]]);
+}
