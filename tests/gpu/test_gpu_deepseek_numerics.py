@@ -62,10 +62,10 @@ def test_linear_by_use(fmt, use, m):
 
 
 def test_stacked_rows_of_mixed_uses_round_only_the_bf16_rows():
-    """A projection stacked from a bf16 and an fp32 weight (wkv of a ratio-1 and a ratio > 1
-    compressor, say): the bf16 part's columns come out in bf16, the fp32 part's do not."""
+    """A projection stacked from two bf16-stored weights of different uses (wkv of a ratio-1 and of
+    a ratio > 1 compressor, say): the BF16 part's columns come out in bf16, the F32 part's do not."""
     k = 256
-    a, b = _w("bf16", 96, k, BF16), _w("f32", 64, k, F32)
+    a, b = _w("bf16", 96, k, BF16), _w("bf16", 64, k, F32)
     x = rnd(7, k)
     ref = REF.linear(x, REF.prepare_rows([a, b]))
     got = cp.asnumpy(GPU.linear(cp.asarray(x), GPU.prepare_rows([a, b])))
