@@ -29,6 +29,9 @@ from engine.ops.gpu.deepseek import DeepseekCupyOps
 
 REF, GPU = DeepseekOps(), DeepseekCupyOps()
 OP_TOL, CHAIN_TOL = 2e-3, 1e-2
+# decode attention's online softmax rounds each probability relative to the running maximum, the
+# reference relative to the final one: bf16 noise of its own on the probabilities
+DECODE_ATTN_TOL = 5e-3
 MODEL_RATIO = 0.25  # ||gpu - deepseek|| <= MODEL_RATIO * ||exact - deepseek||, per step's logits
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "models" / "demo-v41"
@@ -137,7 +140,7 @@ def test_attention_decode_bf16():
         src_gpu.append([(cp.asarray(win), None)] + ([(cp.asarray(ent), cp.asarray(mask))] if i else []))
     ref = REF.attention_decode(q, src_ref, sinks, d**-0.5)
     got = GPU.attention_decode(cp.asarray(q), src_gpu, cp.asarray(sinks), d**-0.5)
-    assert rel(got, ref) < OP_TOL
+    assert rel(got, ref) < DECODE_ATTN_TOL
 
 
 @pytest.mark.parametrize("s,n,h,dh", [(3, 500, 16, 32), (40, 333, 64, 128)])
@@ -200,5 +203,6 @@ def test_whole_model_matches_deepseek_ops(which, tmp_path):
     g_err, x_err, flips, near = _teacher_forced(ckpt, prompt, 24)
     print(f"\n{which}: GPU deepseek vs numpy deepseek: median {np.median(g_err):.2e}, worst {max(g_err):.2e}; "
           f"numpy exact vs numpy deepseek: median {np.median(x_err):.2e}; argmax flips {flips} ({near} at near-ties)")
+    print("per step (gpu, exact):", " ".join(f"{g:.1e}/{x:.1e}" for g, x in zip(g_err, x_err, strict=True)))
     assert all(g <= MODEL_RATIO * x for g, x in zip(g_err, x_err, strict=True)), (g_err, x_err)
     assert flips == near

@@ -89,17 +89,13 @@ class DeepseekCupyOps(CupyOps):
             w = self.prepare(w)
         if w.use is None:
             return super().linear(x, w)
-        x = self.act(x)
-        if w.use == QUANT:
-            n, k = w.shape
-            a = x.reshape(-1, k)
-            if a.shape[0] > TC_MAX_ROWS and _fp8_gemm_takes(w):
-                y = fp8_linear(a, w)
-            else:
-                y = super().linear(self._fake_quant_fp8(a, ACT_BLOCK), w)
-            y = y.reshape(*x.shape[:-1], n)
+        n, k = w.shape
+        a = x.reshape(-1, k)
+        if w.use == QUANT and a.shape[0] > TC_MAX_ROWS and _fp8_gemm_takes(w):
+            y = fp8_linear(self.act(a), w)  # (it quantizes the rows itself)
         else:
-            y = super().linear(x, w)
+            y = super().linear(self._linear_in(a, w), w)
+        y = y.reshape(*x.shape[:-1], n)
         if w.use == USE_F32:
             return y
         if w.bf16_cols is None:
@@ -168,17 +164,23 @@ class DeepseekCupyOps(CupyOps):
             y[r] += self._expert_mlp(x[r], w1, w2, w3, limit, wts[r, cp.asarray(slot)])
         return self.act(self._plus_shared(y, shared))
 
-    def _experts_in(self, x: cp.ndarray) -> cp.ndarray:
-        """The tokens' rows quantized once, before the gather (the quantization is per row)."""
-        return self._fake_quant_fp8(self.act(x), ACT_BLOCK)
+    def _linear_in(self, x: cp.ndarray, w: GpuWeight) -> cp.ndarray:
+        """x as the reference's linear() hands it to w's GEMM: bf16, then e4m3 per 32 for FP8 / FP4."""
+        x = self.act(x)
+        return self._fake_quant_fp8(x, ACT_BLOCK) if w.use == QUANT else x
 
-    def _experts_hidden(self, hidden: cp.ndarray, weights: cp.ndarray, order) -> tuple[cp.ndarray, cp.ndarray]:
-        """bf16(hidden * routing weight), quantized for w2; the combine then adds the experts'
+    def _experts_in(self, x: cp.ndarray, w1: GpuWeight) -> cp.ndarray:
+        """The tokens' rows prepared once, before the gather (the quantization is per row)."""
+        return self._linear_in(x, w1)
+
+    def _experts_hidden(self, hidden: cp.ndarray, weights: cp.ndarray, order,
+                        w2: GpuWeight) -> tuple[cp.ndarray, cp.ndarray]:
+        """bf16(hidden * routing weight), prepared for w2; the combine then adds the experts'
         outputs with weight 1."""
         if hidden.size:
             K.function("elementwise", "moe_weight_rows")(_grid(hidden.size), (_ELT_BLOCK,), (
                 hidden, weights, order, np.int64(hidden.size), np.int32(hidden.shape[1])))
-        return self._fake_quant_fp8(hidden, ACT_BLOCK), cp.ones(weights.shape, F32)
+        return self._linear_in(hidden, w2), cp.ones(weights.shape, F32)
 
     # ---- attention and the indexer: bf16 q, K=V and probabilities ---------------------------
     def attention_ranges(self, q: cp.ndarray, keys: cp.ndarray, lo, hi, entries: cp.ndarray | None,

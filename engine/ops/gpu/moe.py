@@ -175,9 +175,9 @@ class MoeOps:
         # one token (decode at batch 1): every pair reads row 0, so x itself with a zero row stride
         # stands in for the gathered rows (one-row segments only: the GEMV kernels)
         shared_row = x.shape[0] == 1 and max_rows == 1
-        xin = self._experts_in(x)
-        xp_rows, lda = (xin, 0) if shared_row else (xin[gather], None)
         (w1, p1, s1), (w2, p2, s2), (w3, p3, s3) = tabs[:3]
+        xin = self._experts_in(x, w1)
+        xp_rows, lda = (xin, 0) if shared_row else (xin[gather], None)
         inter = w1.shape[0]
         if doubled:
             segs_gu, segs = segs, segs[: segs.size // 2]
@@ -200,18 +200,19 @@ class MoeOps:
             self._run_linear(xp_rows, gate, inter, d, segs, p1, s1, w1, max_rows, lda)
             self._run_linear(xp_rows, up, inter, d, segs, p3, s3, w3, max_rows, lda)
             hidden = self._swiglu(self.act(gate), self.act(up), limit)
-        hidden, weights = self._experts_hidden(hidden, _c32(weights), order)
+        hidden, weights = self._experts_hidden(hidden, _c32(weights), order, w2)
         self._run_linear(hidden, out, d, inter, segs, p2, s2, w2, max_rows)
         y = cp.empty_like(x)
         K.function("elementwise", "moe_combine")(_grid(y.size), (_ELT_BLOCK,), (
             self.act(out), weights, inv, y, np.int64(y.size), np.int32(k), np.int32(d)))
         return self.act(self._plus_shared(y, shared))
 
-    def _experts_in(self, x: cp.ndarray) -> cp.ndarray:
+    def _experts_in(self, x: cp.ndarray, w1: GpuWeight) -> cp.ndarray:
         """The experts' input rows as their w1 / w3 kernels read them (DeepseekCupyOps: quantized)."""
         return x
 
-    def _experts_hidden(self, hidden: cp.ndarray, weights: cp.ndarray, order) -> tuple[cp.ndarray, cp.ndarray]:
+    def _experts_hidden(self, hidden: cp.ndarray, weights: cp.ndarray, order,
+                        w2: GpuWeight) -> tuple[cp.ndarray, cp.ndarray]:
         """(w2's input rows, the combine's weights [T, k]): here the swiglu rows and the routing
         weights; DeepseekCupyOps weights the rows before w2 and combines with ones."""
         return hidden, weights
