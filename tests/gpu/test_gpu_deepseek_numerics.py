@@ -206,3 +206,14 @@ def test_whole_model_matches_deepseek_ops(which, tmp_path):
     print("per step (gpu, exact):", " ".join(f"{g:.1e}/{x:.1e}" for g, x in zip(g_err, x_err, strict=True)))
     assert all(g <= MODEL_RATIO * x for g, x in zip(g_err, x_err, strict=True)), (g_err, x_err)
     assert flips == near
+
+
+def test_every_op_joins_a_pending_fork_first():
+    """An op reading a fork's output (the shared expert's, run on a second stream) must join the
+    fork first; the overrides of DeepseekCupyOps too (a race otherwise, seen only under graphs)."""
+    import inspect
+
+    for name in dir(DeepseekCupyOps):
+        raw = inspect.getattr_static(DeepseekCupyOps, name)
+        if not name.startswith("_") and inspect.isfunction(raw):
+            assert getattr(raw, "_joins", False), name

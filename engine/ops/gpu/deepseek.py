@@ -22,6 +22,7 @@ from engine.model.numerics import BF16, QUANT
 from engine.model.numerics import F32 as USE_F32
 from engine.ops import kernels as K
 from engine.ops.gpu.common import _ELT_BLOCK, F32, _c32, _grid
+from engine.ops.gpu.fork import joins_inputs, joins_late
 from engine.ops.gpu.fp8_linear import ACT_BLOCK, TILE, fp8_linear
 from engine.ops.gpu.linear import TC_MAX_ROWS
 from engine.ops.gpu.ops import CupyOps
@@ -37,6 +38,7 @@ def _fp8_gemm_takes(w: GpuWeight) -> bool:
     return w.fmt == FMT_FP4 or (w.fmt == FMT_FP8 and w.block[1] % ACT_BLOCK == 0)
 
 
+@joins_inputs  # (its own methods too must join a pending fork's output before reading it)
 class DeepseekCupyOps(CupyOps):
     """CupyOps in DeepSeek's reference numerics (bf16 activations, FP8 block-32 activation quantization)."""
 
@@ -147,6 +149,7 @@ class DeepseekCupyOps(CupyOps):
         return self._expert_mlp(_c32(x).reshape(-1, w1.shape[1]), w1, w2, w3, limit,
                                 None).reshape(*x.shape[:-1], w2.shape[0])
 
+    @joins_late("shared")
     def moe(self, x: cp.ndarray, experts: list, weights: cp.ndarray, ids: cp.ndarray, limit: float,
             shared: cp.ndarray | None = None) -> cp.ndarray:
         if x.shape[0] == 0 or self._expert_tables(experts) is not None:
