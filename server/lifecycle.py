@@ -233,7 +233,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens prefilled per step")
     p.add_argument("--max-model-len", type=int, default=None, help="cap the context length")
     p.add_argument("--speculative", choices=("dspark", "off"), default=None,
-                   help="speculative decoding with the checkpoint's draft layers (default: dspark when it has them)")
+                   help="speculative decoding with the checkpoint's draft layers (default: when it has them, each "
+                        "sequence while its acceptance pays for the draft and verify steps on this backend; dspark: "
+                        "always)")
     p.add_argument("--keepalive", type=float, default=5.0, help="seconds between SSE keep-alives")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish work on SIGTERM")
     lim = limits.Limits.__dataclass_fields__

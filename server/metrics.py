@@ -212,6 +212,8 @@ class Metrics:
         self.spec_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.")
         self.spec_drafted = ours_counter("dsuf_spec_drafted_tokens", "Draft tokens proposed to the verify step.")
         self.spec_accepted = ours_counter("dsuf_spec_accepted_tokens", "Draft tokens the verify step kept.")
+        self.spec_stopped = ours_counter("dsuf_spec_stopped_sequences", "Sequences that went back to plain "
+                                         "decoding: their acceptance did not pay for the draft and verify steps.")
         self.spec_length = Histogram("dsuf_spec_acceptance_length", "Tokens emitted per verify step of a "
                                      "speculating sequence (accepted drafts plus the main model's own token).",
                                      ("model_name",), buckets=SPEC_LENGTH_BUCKETS,

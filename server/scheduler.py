@@ -87,6 +87,8 @@ class Sequence:
     # whether its state ran ahead of plain decoding's (it finished inside a block)
     speculate: bool = False
     draft: Any = None
+    spec_steps: int = 0  # its verify steps so far, and the tokens they emitted (server/speculate.py)
+    spec_tokens: int = 0
     state_ahead: bool = False
 
     @property
@@ -292,10 +294,10 @@ class Scheduler:
         mine = [i for i, s in enumerate(batch) if s.speculate]
         if not mine:
             return self._execute_batched(batch, chunks, do_sample)
+        rest = [i for i in range(len(batch)) if not batch[i].speculate]  # (before run_all: it may stop one)
         forks = self._forks([batch[i] for i in mine], [chunks[i] for i in mine])
         results = self.spec.run_all([(batch[i], chunks[i], do_sample[i], self._eos(batch[i])) for i in mine],
                                     self.kv, forks)
-        rest = [i for i in range(len(batch)) if not batch[i].speculate]
         b, c = [batch[i] for i in rest], [chunks[i] for i in rest]
         if b:
             results += self._execute_batched(b, c, [do_sample[i] for i in rest])
@@ -406,6 +408,8 @@ class Scheduler:
         if isinstance(res, speculate.Emitted):
             if res.stats is not None:
                 self.metrics.spec(res.stats)
+            if res.stopped:
+                self.metrics.spec_stopped.inc()
             for j, tok in enumerate(res.tokens):
                 # the state holds the step's tokens but the last: one that ends earlier (a stop
                 # string) leaves it ahead of plain decoding's, so it gives no answer snapshot

@@ -19,21 +19,29 @@ same logits, as on the plain path.
 Constrained requests speculate too: the draft proposes what the grammar allows and verify applies
 the grammar's mask at every position (engine/runtime/spec_guided.py), on a copy of the matcher; the
 scheduler feeds the sequence's own matcher each emitted token, as on the plain path.
+
+By default (no --speculative) a sequence speculates while it pays: after its first verify steps,
+once its acceptance is at or below the backend's breakeven (engine/runtime/spec_cost.py, measured
+once, at the first such judgement), it goes back to plain decoding, its state being plain
+decoding's at every step. `--speculative dspark` speculates whatever the acceptance.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from engine.runtime import spec_cost
 from engine.runtime.sampling import sample
 from engine.runtime.spec_decode import SpecJob, SpecStats, draft_of, feed, speculative_steps
 from engine.runtime.spec_guided import guided_drafter
 from kvcache import serving as kv_serving
 
 MODES = ("dspark", "off")
+log = logging.getLogger("dsuf.speculate")
 
 
 @dataclass
@@ -44,6 +52,7 @@ class Emitted:
     tokens: list[int]
     stats: SpecStats | None = None
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    stopped: bool = False  # the sequence decodes plainly from its next step (its acceptance did not pay)
 
     def entry(self, j: int) -> tuple[float | None, list[tuple[int, float]] | None]:
         """Token j's (logprob, top_logprobs), or (None, None)."""
@@ -58,6 +67,8 @@ class Speculator:
             raise ValueError(f"speculative mode must be one of {MODES}, not {mode!r}")
         self.engine = engine
         self.guide = guide  # server/guided.Guide: constrained requests speculate where there is one
+        self.always = mode == "dspark"  # the default: each sequence while its acceptance pays
+        self._breakeven: float | None = None
         self.dsp = None if mode == "off" else draft_of(getattr(engine, "model", None))
         if mode == "dspark" and self.dsp is None:
             raise ValueError("--speculative dspark needs a checkpoint with DSpark draft layers (and, on GPUs, "
@@ -99,8 +110,26 @@ class Speculator:
         jobs = [self._job(s, eos) for s, _, _, eos in (steps[i] for i in decoding)]
         emitted = speculative_steps(self.engine.model, self.dsp, jobs) if jobs else []
         for i, job, tokens in zip(decoding, jobs, emitted, strict=True):
-            out[i] = Emitted(tokens, job.stats, job.logprobs)
+            out[i] = Emitted(tokens, job.stats, job.logprobs, stopped=self._judge(steps[i][0], len(tokens)))
         return out + [firsts[id(f)] for _, f in forks]
+
+    def breakeven(self) -> float:
+        """The acceptance above which speculating beats plain decoding here, measured once."""
+        if self._breakeven is None:
+            cost = spec_cost.measure(self.engine.model, self.dsp)
+            self._breakeven = cost.breakeven
+            log.info("speculation breakeven %.2f tokens per verify step (1-token step %.2f ms, verify %.2f ms, "
+                     "draft %.2f ms)", cost.breakeven, 1e3 * cost.step, 1e3 * cost.verify, 1e3 * cost.draft)
+        return self._breakeven
+
+    def _judge(self, s: Any, emitted: int) -> bool:
+        """Count s's verify step; whether it now stops speculating (it decodes plainly from here)."""
+        s.spec_steps += 1
+        s.spec_tokens += emitted
+        if self.always or spec_cost.pays(s.spec_tokens, s.spec_steps, self.breakeven):
+            return False
+        s.speculate, s.draft = False, None
+        return True
 
     def run(self, s: Any, chunk: list[int], do_sample: bool, eos: tuple[int, ...], kv: Any) -> Emitted | None:
         """Engine thread: one step of speculating sequence s (a prompt chunk, or a decode step

@@ -412,3 +412,37 @@ def test_guided_thinking_and_sampling(agreeing_servers, tiny_servers) -> None:
         assert text.startswith('{"weather_station_identifier": "')
         if c["finish_reason"] == "stop":
             assert json.loads(text).keys() == STATION["properties"].keys()
+
+
+def test_default_mode_stops_speculating_where_it_does_not_pay(tiny, tiny_servers) -> None:
+    """With no --speculative, a sequence whose acceptance after its first WARMUP_STEPS verify steps
+    is at or below the backend's breakeven (measured: spec_cost.measure) decodes plainly from its
+    next step, and its tokens stay plain decoding's. The random draft rarely agrees with the random
+    main model, so its acceptance stays near 1, below the breakeven of any backend whose verify
+    step costs more than a 1-token step. Forced with --speculative dspark, it never stops."""
+    from engine.runtime.spec_cost import WARMUP_STEPS
+    from server.app import STATE
+
+    srv = ServerThread(tiny)
+    try:
+        prompt, n = _prompt(9, 3), 3 * WARMUP_STEPS
+        before = _metrics(srv)
+        c = _complete(srv, prompt, n, ignore_eos=True)
+        after = _metrics(srv)
+        breakeven = srv.app[STATE].scheduler.spec.breakeven()
+    finally:
+        srv.shutdown()
+    # (the server's prompt, its BOS first, decoded alone by the engine, plainly)
+    assert c["token_ids"] == tiny.generate(c["prompt_token_ids"], n, SamplingParams(temperature=0.0),
+                                           stop_at_eos=False, speculative=False)
+    steps = after["vllm:spec_decode_num_drafts_total"] - before.get("vllm:spec_decode_num_drafts_total", 0)
+    emitted = after["dsuf_spec_acceptance_length_sum"] - before.get("dsuf_spec_acceptance_length_sum", 0)
+    assert breakeven > 1.0 and emitted <= breakeven * steps
+    assert steps == WARMUP_STEPS, "it went on speculating after its acceptance was judged"
+    assert after["dsuf_spec_stopped_sequences_total"] - before.get("dsuf_spec_stopped_sequences_total", 0) == 1
+    on, _ = tiny_servers
+    b0 = _metrics(on)
+    _complete(on, prompt, n, ignore_eos=True)
+    b1 = _metrics(on)
+    assert b1["vllm:spec_decode_num_drafts_total"] - b0["vllm:spec_decode_num_drafts_total"] > WARMUP_STEPS
+    assert b1.get("dsuf_spec_stopped_sequences_total", 0) == b0.get("dsuf_spec_stopped_sequences_total", 0)
