@@ -90,16 +90,17 @@ __device__ __forceinline__ void load_query(const float* __restrict__ qh, bool ac
   }
 }
 
-// Final normalisation with the head's sink in the denominator: out = o / (l + e^(sink - m)).
+// Final normalisation with the head's sink in the denominator: out = o / (l + e^(sink - m)), in
+// bf16 with bf (--numerics deepseek).
 __device__ __forceinline__ void write_with_sink(float* __restrict__ oh, const float (&o)[ATT_DPL], float m, float l,
-                                                float sk, int nd) {
+                                                float sk, int nd, bool bf) {
   const int lane = threadIdx.x & 31;
   const float mm = fmaxf(m, sk);
   const float em = expf(m - mm);
   const float f = em / (l * em + expf(sk - mm));
 #pragma unroll
   for (int i = 0; i < ATT_DPL; ++i)
-    if (i < nd) oh[lane + 32 * i] = o[i] * f;
+    if (i < nd) oh[lane + 32 * i] = bf ? round_bf16f(o[i] * f) : o[i] * f;
 }
 
 // Decode attention of B sequences (one query each) in one launch, split over the keys.
@@ -149,7 +150,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_decode(
   if (!active) return;
   const size_t bh = (size_t)b * H + h;
   if (nsplit == 1) {
-    write_with_sink(out + bh * D, o, m, l, sinks[h], nd);
+    write_with_sink(out + bh * D, o, m, l, sinks[h], nd, bf != 0);
     return;
   }
   const int lane = threadIdx.x & 31;
@@ -262,7 +263,7 @@ extern "C" __global__ void __launch_bounds__(256) attn_tc_softmax(float* __restr
 // heads x 64 dims); K steps of 32 keys. V's tile goes in transposed ([dim][key]): B's rows are C's
 // columns.
 template <int TV>
-__device__ __forceinline__ void attn_tc_pv_body(ATTN_TC_ARGS, float* __restrict__ out) {
+__device__ __forceinline__ void attn_tc_pv_body(ATTN_TC_ARGS, float* __restrict__ out, bool bf) {
   __shared__ __align__(16) u16 as[3 * 64 * ATC_LD];
   __shared__ __align__(16) u16 bs[TV * 64 * ATC_LD];
   __shared__ const float* kp[32];
@@ -293,15 +294,17 @@ __device__ __forceinline__ void attn_tc_pv_body(ATTN_TC_ARGS, float* __restrict_
     __syncthreads();
     mma_warp_32x32<3, TV>(acc, as, 64 * ATC_LD, bs, 64 * ATC_LD, ATC_LD, 32, wm, wn);
   }
-  mma_warp_32x32_each(acc, wm, wn, [&](int hh, int dd, float v) { out[((size_t)s * H + h0 + hh) * D + d0 + dd] = v; });
+  mma_warp_32x32_each(acc, wm, wn, [&](int hh, int dd, float v) {
+    out[((size_t)s * H + h0 + hh) * D + d0 + dd] = bf ? round_bf16f(v) : v;
+  });
 }
 
 #define DEF_ATTN_TC(T)                                                                                     \
   extern "C" __global__ void __launch_bounds__(128) attn_tc_scores##T(ATTN_TC_ARGS) {                    \
     attn_tc_scores_body<T>(q, keys, lo, hi, entries, rows, cnt, rows_ld, emask, n_e, sc, H, D, L);        \
   }                                                                                                      \
-  extern "C" __global__ void __launch_bounds__(128) attn_tc_pv##T(ATTN_TC_ARGS, float* __restrict__ out) { \
-    attn_tc_pv_body<T>(q, keys, lo, hi, entries, rows, cnt, rows_ld, emask, n_e, sc, H, D, L, out);       \
+  extern "C" __global__ void __launch_bounds__(128) attn_tc_pv##T(ATTN_TC_ARGS, float* __restrict__ out, int bf) { \
+    attn_tc_pv_body<T>(q, keys, lo, hi, entries, rows, cnt, rows_ld, emask, n_e, sc, H, D, L, out, bf != 0); \
   }
 DEF_ATTN_TC(1)
 DEF_ATTN_TC(3)
@@ -339,7 +342,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_combine(const float*
                                                                    const float* __restrict__ part_ml,
                                                                    const float* __restrict__ sinks,
                                                                    float* __restrict__ out, int BH, int H, int D,
-                                                                   int nsplit) {
+                                                                   int nsplit, int bf) {
   const int bh = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31, nd = D / 32;
   if (bh >= BH) return;
   const float* ml = part_ml + (size_t)bh * nsplit * 2;
@@ -360,7 +363,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_combine(const float*
   const float inv = 1.f / den;
 #pragma unroll
   for (int i = 0; i < ATT_DPL; ++i)
-    if (i < nd) out[(size_t)bh * D + lane + 32 * i] = o[i] * inv;
+    if (i < nd) out[(size_t)bh * D + lane + 32 * i] = bf ? round_bf16f(o[i] * inv) : o[i] * inv;
 }
 
 // out[s, n] = sum_h w[s, h] * H^-0.5 * relu(q[s, h] . k[n]) * Dh^-0.5
@@ -407,7 +410,7 @@ __device__ __forceinline__ void indexer_row(const float* __restrict__ q, const f
     if (n >= ldo) break;
     float acc = __int_as_float(0xff800000);
     if (n < N) acc = key_score(k + (size_t)n * Dh, qs, ws, ws + H + warp * Dh, H, Dh, dscale, bf);
-    if (lane == 0) out[(size_t)s * ldo + n] = acc;
+    if (lane == 0) out[(size_t)s * ldo + n] = bf ? round_bf16f(acc) : acc;
   }
 }
 
@@ -500,7 +503,7 @@ __device__ __forceinline__ void indexer_tc_body(const float* __restrict__ q, con
       if (s0 + qi < S && n < N) {
         float sum = 0.f;
         for (int rg = qi * wpq; rg < (qi + 1) * wpq; ++rg) sum += red[(2 * rg + kk / 32) * 32 + kk % 32];
-        out[(size_t)(s0 + qi) * N + n] = sum;
+        out[(size_t)(s0 + qi) * N + n] = bf ? round_bf16f(sum) : sum;
       }
     }
   }

@@ -2,15 +2,16 @@
 the quantization points of the numpy backend's DeepseekOps (engine/ops/deepseek_ops.py), which the
 GPU tests hold it to.
 
-- act(): an activation rounded to bf16 (kept in a float32 array) wherever the reference stores bf16:
-  the outputs of the norms, RoPE, bf16 / FP8 linears, mHC's expand, the experts, attention.
+- bf16 activations (kept in float32 arrays) wherever the reference stores bf16: the kernels of the
+  norms, RoPE, mHC, Engram, pooling, attention and the indexer round what they store (CupyOps.bf16);
+  act() rounds the rest (a linear's input and output, the experts').
 - linear(), by the weight's use (engine/model/numerics.py): an FP8 / FP4 weight takes the bf16
   activation quantized to e4m3 per 32 along K (UE8M0 scales) and returns bf16. Prompt chunks run
   the e4m3 tensor-core GEMM (fp8_linear.py); up to TC_MAX_ROWS rows the GEMVs read the
   fake-quantized activation, whose products they sum exactly in float32 (the same numbers up to
   summation order). A bf16 weight takes and returns bf16; an fp32 one computes in fp32.
 - the experts: the routing weight scales the hidden state before w2 (the reference's Expert.forward).
-- attention and the indexer: the kernels' bf16 rounding points (AttentionOps.bf16_attention).
+- attention and the indexer: the kernels' bf16 rounding points (CupyOps.bf16).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class DeepseekCupyOps(CupyOps):
     """CupyOps in DeepSeek's reference numerics (bf16 activations, FP8 block-32 activation quantization)."""
 
     numerics = "deepseek"
-    bf16_attention = True
+    bf16 = True
 
     # ---- bf16 activations ------------------------------------------------------------
     def act(self, x: cp.ndarray) -> cp.ndarray:
@@ -110,35 +111,6 @@ class DeepseekCupyOps(CupyOps):
     def grouped_linear(self, x: cp.ndarray, w, groups: int) -> cp.ndarray:
         return self.act(super().grouped_linear(x, w, groups))
 
-    # ---- row-wise ops: bf16 out ----------------------------------------------------------
-    def rmsnorm(self, x: cp.ndarray, weight: cp.ndarray | None, eps: float) -> cp.ndarray:
-        return self.act(super().rmsnorm(x, weight, eps))
-
-    def rope(self, x: cp.ndarray, cos: cp.ndarray, sin: cp.ndarray, inverse: bool = False) -> cp.ndarray:
-        return self.act(super().rope(x, cos, sin, inverse))
-
-    def norm_rope_quant(self, x: cp.ndarray, cos: cp.ndarray, sin: cp.ndarray, norm: tuple | None = None,
-                        quant: int = 0, keep_normed: bool = False):
-        """The chain of launches (bf16 after the norm and after RoPE, then the state codec)."""
-        return self._norm_rope_quant_chain(x, cos, sin, norm, quant, keep_normed)
-
-    def engram_mix(self, h: cp.ndarray, key: cp.ndarray, value: cp.ndarray, qk: cp.ndarray, eps: float) -> cp.ndarray:
-        return self.act(super().engram_mix(h, key, value, qk, eps))
-
-    def hc_collapse_norm(self, streams: cp.ndarray, pre: cp.ndarray, weight: cp.ndarray | None,
-                         eps: float) -> cp.ndarray:
-        """rmsnorm of the bf16 collapse (the reference stores it in bf16 between the two)."""
-        return self.rmsnorm(self.act(self._hc_collapse(streams, pre)), weight, eps)
-
-    def hc_expand(self, out: cp.ndarray, residual: cp.ndarray, post: cp.ndarray, comb: cp.ndarray) -> cp.ndarray:
-        return self.act(super().hc_expand(out, residual, post, comb))
-
-    def gated_pool(self, kv: cp.ndarray, gate: cp.ndarray) -> cp.ndarray:
-        return self.act(super().gated_pool(kv, gate))
-
-    def gated_pool_rows(self, kv: cp.ndarray, gate: cp.ndarray, ratio: int, width: int) -> cp.ndarray:
-        return self.act(super().gated_pool_rows(kv, gate, ratio, width))
-
     # ---- MoE: the routing weight before w2 -------------------------------------------------
     def _expert_mlp(self, x: cp.ndarray, w1, w2, w3, limit: float, wts: cp.ndarray | None) -> cp.ndarray:
         h = self._swiglu(self.linear(x, w1), self.linear(x, w3), limit)
@@ -168,9 +140,11 @@ class DeepseekCupyOps(CupyOps):
         return self.act(self._plus_shared(y, shared))
 
     def _linear_in(self, x: cp.ndarray, w: GpuWeight) -> cp.ndarray:
-        """x as the reference's linear() hands it to w's GEMM: bf16, then e4m3 per 32 for FP8 / FP4."""
-        x = self.act(x)
-        return self._fake_quant_fp8(x, ACT_BLOCK) if w.use == QUANT else x
+        """x as the reference's linear() hands it to w's GEMM: bf16, then e4m3 per 32 for FP8 / FP4
+        (one pass where K is whole blocks)."""
+        if w.use == QUANT and x.shape[-1] % ACT_BLOCK == 0:
+            return self._fake_quant_fp8(x, ACT_BLOCK, bf16_first=True)
+        return self.act(x)
 
     def _experts_in(self, x: cp.ndarray, w1: GpuWeight) -> cp.ndarray:
         """The tokens' rows prepared once, before the gather (the quantization is per row)."""
@@ -192,23 +166,15 @@ class DeepseekCupyOps(CupyOps):
         if not exact:  # (rounded here: the tensor-core kernels then take them as one bf16 term)
             keys = self.act(keys)
             entries = None if entries is None else self.act(entries)
-        return self.act(super().attention_ranges(self.act(q), keys, lo, hi, entries, emask, sinks, scale,
-                                                 selected, True, span))
+        return super().attention_ranges(self.act(q), keys, lo, hi, entries, emask, sinks, scale, selected, True,
+                                        span)
 
     def attention_decode(self, q: cp.ndarray, sources: list, sinks: cp.ndarray, scale: float) -> cp.ndarray:
-        return self.act(super().attention_decode(self.act(q), sources, sinks, scale))
+        return super().attention_decode(self.act(q), sources, sinks, scale)
 
     def attend_decode(self, q: cp.ndarray, attend, mask: cp.ndarray | None, sinks: cp.ndarray, scale: float,
                       longest: int, window: int = 0, selected: int = 0) -> cp.ndarray:
-        return self.act(super().attend_decode(self.act(q), attend, mask, sinks, scale, longest, window, selected))
-
-    def indexer_scores(self, q: cp.ndarray, k: cp.ndarray, w: cp.ndarray, n_heads: int, head_dim: int,
-                       exact: bool = False) -> cp.ndarray:
-        return self.act(super().indexer_scores(q, k, w, n_heads, head_dim, exact))
-
-    def indexer_scores_spans(self, q: cp.ndarray, keys, w: cp.ndarray, n_heads: int, head_dim: int,
-                             width: int | None = None) -> cp.ndarray:
-        return self.act(super().indexer_scores_spans(q, keys, w, n_heads, head_dim, width))
+        return super().attend_decode(self.act(q), attend, mask, sinks, scale, longest, window, selected)
 
     def _indexer_weights(self, w: cp.ndarray, n_heads: int, head_dim: int) -> tuple:
         """The reference's head weights: bf16(bf16(w) * head_dim^-0.5 * n_heads^-0.5), scales folded in."""

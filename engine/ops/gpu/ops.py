@@ -51,6 +51,9 @@ class CupyOps(Forks, WeightOps, LinearOps, NormOps, MoeOps, AttentionOps):
 
     name = "cupy"
     numerics = "exact"  # (engine/ops/gpu/deepseek.py: DeepseekCupyOps)
+    # the kernels round what they store to bf16 where DeepSeek's reference stores bf16 (its norms,
+    # RoPE, mHC, pooling, attention and indexer outputs, sparse_attn's rounding points): DeepseekCupyOps
+    bf16 = False
     xp = cp
     comm = None  # the tensor-parallel ranks' collectives (engine/parallel/); None: one rank
 
