@@ -20,7 +20,6 @@ import cupy as cp
 import numpy as np
 
 from engine.model.numerics import BF16, QUANT
-from engine.model.numerics import F32 as USE_F32
 from engine.ops import kernels as K
 from engine.ops.gpu.common import _ELT_BLOCK, F32, _c32, _grid
 from engine.ops.gpu.fork import joins_inputs, joins_late
@@ -95,21 +94,18 @@ class DeepseekCupyOps(CupyOps):
         n, k = w.shape
         a = x.reshape(-1, k)
         if w.use == QUANT and a.shape[0] > TC_MAX_ROWS and _fp8_gemm_takes(w):
-            y = fp8_linear(self.act(a), w)  # (it quantizes the rows itself)
+            y = self.act(fp8_linear(self.act(a), w))  # (it quantizes the rows itself)
         else:
-            y = super().linear(self._linear_in(a, w), w)
-        y = y.reshape(*x.shape[:-1], n)
-        if w.use == USE_F32:
-            return y
-        if w.bf16_cols is None:
-            return self.act(y)
-        flat = y.reshape(-1, y.shape[-1])
-        for c0, c1 in w.bf16_cols:
-            self._round_cols(flat, c0, c1)
-        return y
+            y = super().linear(self._linear_in(a, w), w)  # (bf16 out where _rounds_out says so)
+        if w.bf16_cols is not None:
+            for c0, c1 in w.bf16_cols:
+                self._round_cols(y, c0, c1)
+        return y.reshape(*x.shape[:-1], n)
 
-    def grouped_linear(self, x: cp.ndarray, w, groups: int) -> cp.ndarray:
-        return self.act(super().grouped_linear(x, w, groups))
+    def _rounds_out(self, w: GpuWeight) -> bool:
+        """FP8 / FP4 and bf16 weights return bf16 (the kernels round as they store); fp32 ones do not,
+        nor do rows stacked from weights of both uses (their bf16 columns are rounded after)."""
+        return w.use in (QUANT, BF16) and w.bf16_cols is None
 
     # ---- MoE: the routing weight before w2 -------------------------------------------------
     def _expert_mlp(self, x: cp.ndarray, w1, w2, w3, limit: float, wts: cp.ndarray | None) -> cp.ndarray:

@@ -192,19 +192,19 @@ class MoeOps:
         if len(tabs) > 3:  # gate and up in one launch: w3's segments index the second half of the
             # table and write columns inter.. of one [P, 2 * inter] output (x split once, twice the blocks)
             gu = cp.empty((p, 2 * inter), F32)
-            self._run_linear(xp_rows, gu, inter, d, segs_gu, tabs[3][1], tabs[3][2], w1, max_rows, lda)
-            hidden = self._swiglu_pairs(self.act(gu), inter, limit)
+            self._run_linear(xp_rows, gu, inter, d, segs_gu, tabs[3][1], tabs[3][2], w1, max_rows, lda, bf=self.bf16)
+            hidden = self._swiglu_pairs(gu, inter, limit)
         else:
             gate = cp.empty((p, inter), F32)
             up = cp.empty((p, inter), F32)
-            self._run_linear(xp_rows, gate, inter, d, segs, p1, s1, w1, max_rows, lda)
-            self._run_linear(xp_rows, up, inter, d, segs, p3, s3, w3, max_rows, lda)
-            hidden = self._swiglu(self.act(gate), self.act(up), limit)
+            self._run_linear(xp_rows, gate, inter, d, segs, p1, s1, w1, max_rows, lda, bf=self.bf16)
+            self._run_linear(xp_rows, up, inter, d, segs, p3, s3, w3, max_rows, lda, bf=self.bf16)
+            hidden = self._swiglu(gate, up, limit)
         hidden, weights = self._experts_hidden(hidden, _c32(weights), order, w2)
-        self._run_linear(hidden, out, d, inter, segs, p2, s2, w2, max_rows)
+        self._run_linear(hidden, out, d, inter, segs, p2, s2, w2, max_rows, bf=self.bf16)  # (the experts' bf16 out)
         y = cp.empty_like(x)
         K.function("elementwise", "moe_combine")(_grid(y.size), (_ELT_BLOCK,), (
-            self.act(out), weights, inv, y, np.int64(y.size), np.int32(k), np.int32(d)))
+            out, weights, inv, y, np.int64(y.size), np.int32(k), np.int32(d)))
         return self.act(self._plus_shared(y, shared))
 
     def _experts_in(self, x: cp.ndarray, w1: GpuWeight) -> cp.ndarray:
