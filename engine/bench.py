@@ -18,10 +18,12 @@ import time
 
 import numpy as np
 
+from engine.bench_parts import by_part, report
 from engine.bench_spec import bench_speculative, dense_weights, weight_bytes
 from engine.runtime.sampling import SampleJob, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
+PARTS_MAX_TOKENS = 65536  # prefills up to this long run twice: timed, then by part (engine/bench_parts.py)
 
 # V4.1-Flash per-layer linears: name, (N, K), format, how many per token.
 FLASH_LINEARS = [
@@ -290,6 +292,11 @@ def _bench_prefill(model, cfg, ranks, devices, stats, prefills, chunk: int, tc: 
         print(f"prefill {prefill} tokens in chunks of {min(chunk, prefill)}: {dt:.3f} s, {prefill / dt:.0f} tok/s, "
               f"{dt / nl * 1e3:.2f} ms/layer, {prefill / dt * nl:.0f} tok/s per layer; tensor-core floor "
               f"{floor:.3f} s ({100 * floor / dt:.1f}% of it)")
+        if prefill <= PARTS_MAX_TOKENS:  # the same prefill again, its ops timed by part
+            st = model.new_state()
+            parts = by_part([r.ops for r in ranks], lambda st=st, ids=ids, n=prefill: [
+                model.forward([st], [ids[c0:c0 + chunk]]) for c0 in range(0, n, chunk)])
+            print(f"  by part (device time of each op, summed over the ranks): {report(parts, dt)}")
 
 
 def _compare_tp1(ckpt: str, cfg, model, device: int, rng, numerics: str = "exact") -> None:

@@ -2,12 +2,11 @@
 (engine/runtime/spec_decode.py), exact: the same tokens as plain decoding for greedy requests, the
 same distribution for sampled ones.
 
-A speculating sequence runs on its own inside the engine thread, outside the batched step: each of
-its prompt chunks is fed with the draft absorbing the main model's target-layer inputs (the batched
-step does not collect them per sequence), and each decode step is spec_decode's speculative_step
-(draft, verify [last, drafts] in place as a trial, cut the state back to the kept rows: one main
-forward a step), so its state always equals plain decoding's at the same position. The decode steps
-of every speculating sequence in a step share that one verify forward (run_all).
+Speculating sequences run inside the engine thread beside the batched step of the others: their
+prompt chunks of a step share one forward whose target-layer inputs each sequence's draft absorbs
+(DSpark.absorb_many), and their decode steps share one verify forward (spec_decode's
+speculative_steps: draft, verify [last, drafts] in place as a trial, cut each state back to its kept
+rows), so each state always equals plain decoding's at the same position.
 
 Each emitted token's logprobs come from its own verify row (the main model's logits there), as
 plain decoding reports them from the row that drew it.
@@ -36,7 +35,7 @@ import numpy as np
 
 from engine.runtime import spec_cost
 from engine.runtime.sampling import sample
-from engine.runtime.spec_decode import SpecJob, SpecStats, draft_of, feed, speculative_steps
+from engine.runtime.spec_decode import SpecJob, SpecStats, draft_of, speculative_steps
 from engine.runtime.spec_guided import guided_drafter
 from kvcache import serving as kv_serving
 
@@ -89,24 +88,25 @@ class Speculator:
     def run_all(self, steps: list[tuple[Any, list[int], bool, tuple[int, ...]]], kv: Any,
                 forks: list[tuple[int, Any]] = ()) -> list[Emitted | None]:
         """Engine thread: one step of each speculating sequence of (s, chunk, do_sample, eos): the
-        prompt chunks one by one, the decode steps' verify chunks in one forward. forks: (i, f),
+        prompt chunks in one forward, the decode steps' verify chunks in one forward. forks: (i, f),
         choice f forks steps[i]'s state and draft state when its prompt completes here, and draws
         its first token from the same logits; their results follow the steps' in order."""
         out: list[Emitted | None] = [None] * len(steps)
         firsts: dict[int, Emitted] = {}
-        decoding = []
-        for i, (s, chunk, do_sample, _) in enumerate(steps):
+        decoding, prefilling = [], []
+        for i, (s, _, _, _) in enumerate(steps):
             if s.state is None:
                 s.state = self.engine.new_state()
             if s.draft is None:  # a state restored from the cache, or forked from a plain leader:
                 s.draft = self.dsp.new_state()  # the draft's windows start here
                 s.draft.position = s.state.position
-            if s.prefilling:
-                followers = [f for k, f in forks if k == i]
-                out[i], drawn = self._prefill(s, chunk, do_sample, kv, followers)
+            (prefilling if s.prefilling else decoding).append(i)
+        if prefilling:
+            done = self._prefill([steps[i][:3] for i in prefilling], kv,
+                                 [[f for k, f in forks if k == i] for i in prefilling])
+            for i, (first, followers, drawn) in zip(prefilling, done, strict=True):
+                out[i] = first
                 firsts.update(zip((id(f) for f in followers), drawn, strict=True))
-            else:
-                decoding.append(i)
         jobs = [self._job(s, eos) for s, _, _, eos in (steps[i] for i in decoding)]
         emitted = speculative_steps(self.engine.model, self.dsp, jobs) if jobs else []
         for i, job, tokens in zip(decoding, jobs, emitted, strict=True):
@@ -136,18 +136,26 @@ class Speculator:
         after s.generated[-1], which `chunk` then holds)."""
         return self.run_all([(s, chunk, do_sample, eos)], kv)[0]
 
-    def _prefill(self, s: Any, chunk: list[int], do_sample: bool, kv: Any, followers: list[Any]
-                 ) -> tuple[Emitted | None, list[Emitted]]:
-        """A prompt chunk of s with the draft absorbing it, the first token when the prompt
-        completes, and each follower's, which forks s's state and draft state."""
-        logits = np.asarray(feed(self.engine.model, self.dsp, s.state, s.draft, list(chunk), all_logits=False))
-        kv_serving.snapshot_prompt(kv, s, s.n_prefilled + len(chunk))
-        first = self._first(s, logits) if do_sample else None
-        drawn = []
-        for f in followers:
-            f.state, f.draft = s.state.clone(), s.draft.clone()
-            drawn.append(self._first(f, logits))
-        return first, drawn
+    def _prefill(self, items: list[tuple[Any, list[int], bool]], kv: Any, followers: list[list[Any]]
+                 ) -> list[tuple[Emitted | None, list[Any], list[Emitted]]]:
+        """Prompt chunks (s, chunk, do_sample) in one forward, each draft absorbing its sequence's
+        rows; per item its first token when the prompt completes (else None), its followers, which
+        fork its state and draft state, and their first tokens."""
+        seqs, chunks = [s for s, _, _ in items], [list(c) for _, c, _ in items]
+        targets = self.dsp.targets
+        logits = self.engine.model.forward([s.state for s in seqs], chunks, all_logits=False, targets=targets)
+        self.dsp.absorb_many([s.draft for s in seqs], targets, [len(c) for c in chunks])
+        out = []
+        for (s, chunk, do_sample), fs, row in zip(items, followers, logits, strict=True):
+            row = np.asarray(row)
+            kv_serving.snapshot_prompt(kv, s, s.n_prefilled + len(chunk))
+            first = self._first(s, row) if do_sample else None
+            drawn = []
+            for f in fs:
+                f.state, f.draft = s.state.clone(), s.draft.clone()
+                drawn.append(self._first(f, row))
+            out.append((first, fs, drawn))
+        return out
 
     def _mask(self, s: Any) -> Any:
         """s's next-token mask (None: unconstrained), its matcher started if it has none yet."""

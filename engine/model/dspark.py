@@ -168,6 +168,17 @@ class DSpark:
             state.windows[i] = rows[max(rows.shape[0] - win, 0):]
         state.position += n
 
+    def absorb_many(self, states: list[DraftState], targets: dict, ns: list[int]) -> None:
+        """absorb for every sequence of one forward over chunks of ns rows: each target layer's
+        rows are the sequences' in order, all of a chunk's or, under bounded replay, its trailing
+        min(n, k) for the layer's k, which the row count determines."""
+        offsets = {}
+        for i in self.target_layer_ids:
+            counts = _rows_per_chunk(ns, int(targets[i].shape[0]))
+            offsets[i] = (np.cumsum([0, *counts]), counts)
+        for b, (state, n) in enumerate(zip(states, ns, strict=True)):
+            self.absorb(state, {i: targets[i][int(o[b]):int(o[b]) + c[b]] for i, (o, c) in offsets.items()}, n)
+
     @staticmethod
     def ranges(lengths: list[int], n: int) -> tuple[np.ndarray, np.ndarray, int]:
         """Each block row's keys [lo, hi) when every sequence's window (of lengths[b] rows) and
@@ -290,3 +301,18 @@ class DSpark:
 def _softmax64(x: np.ndarray) -> np.ndarray:
     e = np.exp(x - x.max())
     return e / e.sum()
+
+
+def _rows_per_chunk(ns: list[int], total: int) -> list[int]:
+    """min(n, k) for each chunk length n, for the k (a trailing-row bound) that makes them add up to
+    `total`; ns themselves where they do."""
+    if total == sum(ns):
+        return list(ns)
+    lo, hi = 0, max(ns, default=0)
+    while lo < hi:  # the least k with sum(min(n, k)) >= total
+        k = (lo + hi) // 2
+        lo, hi = (k + 1, hi) if sum(min(n, k) for n in ns) < total else (lo, k)
+    counts = [min(n, lo) for n in ns]
+    if sum(counts) != total:
+        raise ValueError(f"DSpark: {total} target rows fit no trailing bound of chunks {ns}")
+    return counts

@@ -166,3 +166,36 @@ def test_draft_layers_run_as_the_runners_region_once_windows_are_full():
         for g, w in zip(got, want, strict=True):
             for a, b in zip(g, w, strict=True):
                 np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_prompt_chunks_of_several_sequences_in_one_forward(runner) -> None:
+    """Chunks of several sequences in one forward (the server's speculating prefills), each draft
+    absorbing its own rows (absorb_many), leave every draft state as feeding each alone does: long
+    chunks, whose target layers bounded replay trims to their trailing rows, beside short ones, and
+    sequences with history."""
+    from engine.model.dspark import _rows_per_chunk
+
+    dsp = runner.model.dspark
+    rng = np.random.default_rng(3)
+    prompts = [[int(t) for t in rng.integers(4, 8000, size=n)] for n in (40, 3, 25, 1)]
+    alone = [_feed(runner, [p[:2], p[2:]] if len(p) > 2 else [p]) for p in prompts]
+    sts, dss = [], []
+    for p in prompts:  # the first two rows alone, then every sequence's rest in one forward
+        st, ds, _ = _feed(runner, [p[:2]]) if len(p) > 2 else (runner.new_state(), dsp.new_state(), None)
+        sts.append(st)
+        dss.append(ds)
+    rests = [p[2:] if len(p) > 2 else p for p in prompts]
+    targets = dsp.targets
+    logits = runner.forward(sts, rests, targets=targets)
+    trimmed = any(targets[i].shape[0] < sum(map(len, rests)) for i in dsp.target_layer_ids)
+    assert trimmed, "bounded replay trimmed no target layer: the case is not covered"
+    dsp.absorb_many(dss, targets, [len(r) for r in rests])
+    for (st, ds, lg), st2, ds2, lg2 in zip(alone, sts, dss, logits, strict=True):
+        assert ds2.position == ds.position and st2.to_bytes() == st.to_bytes()
+        for w, w2 in zip(ds.windows, ds2.windows, strict=True):
+            np.testing.assert_array_equal(w2, w)
+        np.testing.assert_array_equal(lg2, lg)
+    assert _rows_per_chunk([40, 3, 25, 1], 69) == [40, 3, 25, 1]
+    assert _rows_per_chunk([40, 3, 25, 1], 4 + 3 + 4 + 1) == [4, 3, 4, 1]
+    with pytest.raises(ValueError):
+        _rows_per_chunk([2, 2], 3)  # min(2, k) + min(2, k) is even

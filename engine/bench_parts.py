@@ -1,0 +1,104 @@
+"""A forward by part: the time of each top-level op, summed by the part of the model it belongs to
+(GEMMs, MoE, indexer, attention, the rest), for `bench`'s prefill breakdown.
+
+Each op call is timed where it runs: on the GPU by a pair of CUDA events around it on the current
+stream (so a fork's ops, on their own stream, overlap the main stream's and the parts may add up to
+more than the wall time), on the numpy backend by the host clock. Ops called inside another op (a
+MoE's own linears on the numpy backend) count as part of the outer one. Not for CUDA-graph captures:
+an event recorded inside a capture belongs to the graph.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+PARTS = {
+    "linear": "GEMMs", "grouped_linear": "GEMMs",
+    "route": "MoE", "moe": "MoE", "swiglu_mlp": "MoE",  # (the shared expert's MLP too)
+    "indexer_scores": "indexer", "indexer_scores_spans": "indexer", "topk_mask": "indexer",
+    "attention_ranges": "attention", "attention_decode": "attention", "attend_decode": "attention",
+}
+OTHER = "the rest"
+# every op of engine/ops/protocol.py that computes (the rest: norms, RoPE, mHC, Engram, pooling)
+TIMED = (*PARTS, "embed", "rmsnorm", "rope", "norm_rope_quant", "engram_mix", "hc_mixes", "hc_head_pre",
+         "hc_collapse_norm", "hc_expand", "gated_pool", "gated_pool_rows", "scatter_rows", "copy_rows")
+
+
+class _HostClock:
+    def start(self) -> float:
+        return time.perf_counter()
+
+    def stop(self, t0: float) -> float:
+        return time.perf_counter() - t0
+
+    def seconds(self, mark) -> float:
+        return mark
+
+
+class _EventClock:
+    """CUDA events on the current stream; read once the work is done (seconds())."""
+
+    def __init__(self) -> None:
+        import cupy as cp
+
+        self.cp = cp
+
+    def start(self):
+        ev = self.cp.cuda.Event()
+        ev.record()
+        return ev
+
+    def stop(self, ev0):
+        ev1 = self.cp.cuda.Event()
+        ev1.record()
+        return ev0, ev1
+
+    def seconds(self, mark) -> float:
+        mark[1].synchronize()
+        return self.cp.cuda.get_elapsed_time(*mark) / 1e3
+
+
+def by_part(ops_list: list, run: Callable[[], object]) -> dict[str, float]:
+    """run() with every op of the backends in ops_list (one per tensor-parallel rank) timed;
+    seconds by part (PARTS, OTHER), summed over the ranks."""
+    marks: list[tuple[str, object, object]] = []
+    patched: list[tuple[object, str]] = []
+    for ops in ops_list:
+        clock = _EventClock() if getattr(ops, "name", "") == "cupy" else _HostClock()
+        depth = [0]
+        for name in TIMED:
+            fn = getattr(ops, name, None)
+            if fn is None:
+                continue
+
+            def timed(*a, _fn=fn, _name=name, _clock=clock, _depth=depth, **k):
+                if _depth[0]:
+                    return _fn(*a, **k)
+                _depth[0] += 1
+                t0 = _clock.start()
+                try:
+                    return _fn(*a, **k)
+                finally:
+                    _depth[0] -= 1
+                    marks.append((PARTS.get(_name, OTHER), _clock, _clock.stop(t0)))
+
+            setattr(ops, name, timed)
+            patched.append((ops, name))
+    try:
+        run()
+    finally:
+        for ops, name in patched:
+            delattr(ops, name)  # (the class's method shows through again)
+    out: dict[str, float] = defaultdict(float)
+    for part, clock, mark in marks:
+        out[part] += clock.seconds(mark)
+    return dict(out)
+
+
+def report(parts: dict[str, float], wall: float) -> str:
+    """One line: each part's seconds and share of the wall time, largest first."""
+    items = sorted(parts.items(), key=lambda kv: -kv[1])
+    body = ", ".join(f"{p} {s:.3f} s ({100 * s / wall:.0f}%)" for p, s in items)
+    return f"{body}; ops {sum(parts.values()):.3f} s of {wall:.3f} s wall"
