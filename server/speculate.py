@@ -114,9 +114,15 @@ class Speculator:
         return out + [firsts[id(f)] for _, f in forks]
 
     def breakeven(self) -> float:
-        """The acceptance above which speculating beats plain decoding here, measured once."""
+        """The acceptance above which speculating beats plain decoding here, measured once. If the
+        measurement fails, 0: every sequence speculates, as with --speculative dspark."""
         if self._breakeven is None:
-            cost = spec_cost.measure(self.engine.model, self.dsp)
+            try:
+                cost = spec_cost.measure(self.engine.model, self.dsp)
+            except Exception:
+                log.exception("measuring the speculation breakeven failed: every sequence speculates")
+                self._breakeven = 0.0
+                return self._breakeven
             self._breakeven = cost.breakeven
             log.info("speculation breakeven %.2f tokens per verify step (1-token step %.2f ms, verify %.2f ms, "
                      "draft %.2f ms)", cost.breakeven, 1e3 * cost.step, 1e3 * cost.verify, 1e3 * cost.draft)

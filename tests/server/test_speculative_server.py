@@ -446,3 +446,26 @@ def test_default_mode_stops_speculating_where_it_does_not_pay(tiny, tiny_servers
     b1 = _metrics(on)
     assert b1["vllm:spec_decode_num_drafts_total"] - b0["vllm:spec_decode_num_drafts_total"] > WARMUP_STEPS
     assert b1.get("dsuf_spec_stopped_sequences_total", 0) == b0.get("dsuf_spec_stopped_sequences_total", 0)
+
+
+def test_default_mode_speculates_on_if_the_breakeven_cannot_be_measured(tiny, monkeypatch, caplog) -> None:
+    """A failed measurement is logged and leaves every sequence speculating (as --speculative
+    dspark), never a failed request."""
+    import server.speculate as spec_mod
+
+    def broken(*_a, **_k):
+        raise RuntimeError("no timer")
+
+    monkeypatch.setattr(spec_mod.spec_cost, "measure", broken)
+    srv = ServerThread(tiny)
+    try:
+        with caplog.at_level("ERROR", logger="dsuf.speculate"):
+            before = _metrics(srv)
+            c = _complete(srv, _prompt(9, 3), 24, ignore_eos=True)
+            after = _metrics(srv)
+    finally:
+        srv.shutdown()
+    assert c["token_ids"] == tiny.generate(c["prompt_token_ids"], 24, SamplingParams(temperature=0.0),
+                                           stop_at_eos=False, speculative=False)
+    assert after.get("dsuf_spec_stopped_sequences_total", 0) == before.get("dsuf_spec_stopped_sequences_total", 0)
+    assert any("breakeven failed" in r.getMessage() for r in caplog.records)
