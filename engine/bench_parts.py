@@ -10,9 +10,10 @@ an event recorded inside a capture belongs to the graph.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 PARTS = {
     "linear": "GEMMs", "grouped_linear": "GEMMs",
@@ -60,37 +61,54 @@ class _EventClock:
         return self.cp.cuda.get_elapsed_time(*mark) / 1e3
 
 
-def by_part(ops_list: list, run: Callable[[], object]) -> dict[str, float]:
-    """run() with every op of the backends in ops_list (one per tensor-parallel rank) timed;
-    seconds by part (PARTS, OTHER), summed over the ranks."""
-    marks: list[tuple[str, object, object]] = []
+@contextlib.contextmanager
+def watching(ops_list: list, around: Callable[[object, str, Callable[[], object]], object],
+             names: tuple[str, ...] = TIMED) -> Iterator[None]:
+    """Within the block, each top-level call of the ops `names` of the backends in ops_list goes
+    through around(ops, name, call), call() running the op (an op called inside another runs
+    plainly); the backends' own methods show through again after."""
     patched: list[tuple[object, str]] = []
     for ops in ops_list:
-        clock = _EventClock() if getattr(ops, "name", "") == "cupy" else _HostClock()
         depth = [0]
-        for name in TIMED:
+        for name in names:
             fn = getattr(ops, name, None)
             if fn is None:
                 continue
 
-            def timed(*a, _fn=fn, _name=name, _clock=clock, _depth=depth, **k):
+            def hooked(*a, _fn=fn, _name=name, _ops=ops, _depth=depth, **k):
                 if _depth[0]:
                     return _fn(*a, **k)
                 _depth[0] += 1
-                t0 = _clock.start()
                 try:
-                    return _fn(*a, **k)
+                    return around(_ops, _name, lambda: _fn(*a, **k))
                 finally:
                     _depth[0] -= 1
-                    marks.append((PARTS.get(_name, OTHER), _clock, _clock.stop(t0)))
 
-            setattr(ops, name, timed)
+            setattr(ops, name, hooked)
             patched.append((ops, name))
     try:
-        run()
+        yield
     finally:
         for ops, name in patched:
             delattr(ops, name)  # (the class's method shows through again)
+
+
+def by_part(ops_list: list, run: Callable[[], object]) -> dict[str, float]:
+    """run() with every op of the backends in ops_list (one per tensor-parallel rank) timed;
+    seconds by part (PARTS, OTHER), summed over the ranks."""
+    marks: list[tuple[str, object, object]] = []
+    clocks = {id(ops): _EventClock() if getattr(ops, "name", "") == "cupy" else _HostClock() for ops in ops_list}
+
+    def timed(ops, name: str, call: Callable[[], object]):
+        clock = clocks[id(ops)]
+        t0 = clock.start()
+        try:
+            return call()
+        finally:
+            marks.append((PARTS.get(name, OTHER), clock, clock.stop(t0)))
+
+    with watching(ops_list, timed):
+        run()
     out: dict[str, float] = defaultdict(float)
     for part, clock, mark in marks:
         out[part] += clock.seconds(mark)

@@ -65,13 +65,7 @@ __device__ __forceinline__ void gemm_e4m3_body(const u8* __restrict__ A, const f
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int m0 = blockIdx.y * FG_BM, n0 = blockIdx.x * FG_BN;
   const int wm = (warp >> 1) * 32, wn = (warp & 1) * 32, nbk = K / 32;
-  float acc[2][4][4];
-#pragma unroll
-  for (int i = 0; i < 2; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+  float acc[2][4][4] = {};
 
   for (int k0 = 0; k0 < K; k0 += FG_BK) {
     // 64 rows x 64 bytes of activations: 256 16-byte loads, 2 per thread

@@ -272,13 +272,7 @@ __device__ __forceinline__ void gemm_body(GEMV_ARGS) {
   const int wm = (warp >> 1) * 32, wn = (warp & 1) * 32;
   const int g = lane >> 2, t = lane & 3;
   const size_t row_bytes = (size_t)K * Fmt<FMT>::NUM / Fmt<FMT>::DEN;
-  float acc[2][4][4];
-#pragma unroll
-  for (int i = 0; i < 2; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+  float acc[2][4][4] = {};
 
   for (int k0 = 0; k0 < K; k0 += BK) {
     // activations: 64 rows x 32 f32 = 512 float4, 4 per thread

@@ -242,9 +242,7 @@ class DSpark:
             prev = xp.argmax(logits[:, i], axis=1).astype(np.int64)
             tokens.append(prev)
         confidence = self.confidence_head(x, xp.stack(embeds, axis=1).reshape(bsz * n, -1)).reshape(bsz, n)
-        z = logits - logits.max(axis=2, keepdims=True)
-        p = xp.exp(z)
-        return xp.stack(tokens, axis=1), logits, p / p.sum(axis=2, keepdims=True), confidence
+        return xp.stack(tokens, axis=1), logits, _softmax_last(xp, logits), confidence
 
     def draft(self, state: DraftState, last_token: int, rng: np.random.Generator | None = None,
               temperature: float = 1.0) -> Draft:
@@ -292,10 +290,14 @@ class DSpark:
             if rngs[b] is not None:
                 out.append(Draft(tokens[b], logits[b], np.stack(drawn_from[b]), confidence[b]))
                 continue
-            z = logits[b] - logits[b].max(axis=1, keepdims=True)
-            p = xp.exp(z)
-            out.append(Draft(tokens[b], logits[b], p / p.sum(axis=1, keepdims=True), confidence[b]))
+            out.append(Draft(tokens[b], logits[b], _softmax_last(xp, logits[b]), confidence[b]))
         return out
+
+
+def _softmax_last(xp, logits):
+    """Softmax over the last axis, on the backend (what a greedy draft's probs hold)."""
+    p = xp.exp(logits - logits.max(axis=-1, keepdims=True))
+    return p / p.sum(axis=-1, keepdims=True)
 
 
 def _softmax64(x: np.ndarray) -> np.ndarray:

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from engine.bench_parts import watching  # noqa: E402
 
 OPS = ("linear", "grouped_linear", "embed", "rmsnorm", "rope", "norm_rope_quant", "engram_mix", "hc_mixes",
        "hc_head_pre", "hc_collapse_norm", "hc_expand", "route", "swiglu_mlp", "moe", "attention_ranges",
@@ -22,26 +23,14 @@ OPS = ("linear", "grouped_linear", "embed", "rmsnorm", "rope", "norm_rope_quant"
        "gated_pool_rows")
 
 
-def _record(ops, log: dict) -> None:
-    """Patch ops' methods so that each top-level call's outputs land in log[name] (host arrays)."""
-    depth = [0]
-    for name in OPS:
-        fn = getattr(ops, name, None)
-        if fn is None:
-            continue
-
-        def wrapped(*a, _fn=fn, _name=name, **k):
-            depth[0] += 1
-            try:
-                out = _fn(*a, **k)
-            finally:
-                depth[0] -= 1
-            if depth[0] == 0:
-                outs = out if isinstance(out, tuple) else (out,)
-                log[_name].append([np.asarray(ops.to_host(o), np.float64) for o in outs])
-            return out
-
-        setattr(ops, name, wrapped)
+def _record(log: dict):
+    """A watching() callback: each top-level call's outputs land in log[name] (host arrays)."""
+    def around(ops, name: str, call):
+        out = call()
+        outs = out if isinstance(out, tuple) else (out,)
+        log[name].append([np.asarray(ops.to_host(o), np.float64) for o in outs])
+        return out
+    return around
 
 
 def _run(ckpt: str, spec: str, prompt: list[int], decode: int) -> dict:
@@ -53,11 +42,11 @@ def _run(ckpt: str, spec: str, prompt: list[int], decode: int) -> dict:
                       settings=Settings.from_env(numerics=numerics, cuda_graphs=False))
     model = eng.model
     log: dict = defaultdict(list)
-    _record(model.ops, log)
-    st = model.new_state()
-    logits = model.forward([st], [prompt])[0]
-    for _ in range(decode):
-        model.forward([st], [[int(np.argmax(np.asarray(model.ops.to_host(logits))))]])
+    with watching([model.ops], _record(log), OPS):
+        st = model.new_state()
+        logits = model.forward([st], [prompt])[0]
+        for _ in range(decode):
+            model.forward([st], [[int(np.argmax(np.asarray(model.ops.to_host(logits))))]])
     return log
 
 
@@ -72,7 +61,6 @@ def main() -> int:
     a = ap.parse_args()
     prompt = [int(t) for t in np.random.default_rng(5).integers(3, 4000, a.prompt)]
     la, lb = _run(a.ckpt, a.a, prompt, a.decode), _run(a.ckpt, a.b, prompt, a.decode)
-    shown = 0
     for name in OPS:
         calls = list(zip(la.get(name, []), lb.get(name, []), strict=False))
         errs = []
@@ -90,7 +78,6 @@ def main() -> int:
             bad = [i for i, e in enumerate(errs) if e > a.tol]
             print(f"{name:22s} calls {len(la.get(name, []))}/{len(lb.get(name, []))}  worst {max(errs):.2e}  "
                   f"first over tol: {bad[:6]}  errs {[f'{e:.1e}' for e in errs[:8]]}")
-            shown += 1
     return 0
 
 

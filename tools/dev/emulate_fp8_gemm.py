@@ -45,6 +45,15 @@ def u32(buf, off):
     return int.from_bytes(bytes(buf[off : off + 4]), "little")
 
 
+def stage_bytes(dst, src, tid, row0, rows, k0):
+    # thread tid's two 16-byte loads of a 64 x 64-byte tile (rows row0.., bytes k0..), zero past rows
+    for i in range(2):
+        idx = tid + 128 * i
+        r, c = idx >> 2, idx & 3
+        if row0 + r < rows:
+            dst[r, 16 * c : 16 * c + 16] = src[row0 + r, k0 + 16 * c : k0 + 16 * c + 16]
+
+
 def run(Acodes, SA, W, SW, M, N, K, fmt, bn, bk, gk):
     Y = np.zeros((M, N))
     for by in range(-(-M // 64)):
@@ -57,19 +66,9 @@ def run(Acodes, SA, W, SW, M, N, K, fmt, bn, bk, gk):
                 sa = np.zeros((64, 2))
                 sw = np.zeros((64, 2))
                 for tid in range(128):
-                    for i in range(2):
-                        idx = tid + 128 * i
-                        r = idx >> 2
-                        c = idx & 3
-                        if m0 + r < M:
-                            As[r, 16 * c : 16 * c + 16] = Acodes[m0 + r, k0 + 16 * c : k0 + 16 * c + 16]
+                    stage_bytes(As, Acodes, tid, m0, M, k0)
                     if fmt == "fp8":
-                        for i in range(2):
-                            idx = tid + 128 * i
-                            r = idx >> 2
-                            c = idx & 3
-                            if n0 + r < N:
-                                Ws[r, 16 * c : 16 * c + 16] = W[n0 + r, k0 + 16 * c : k0 + 16 * c + 16]
+                        stage_bytes(Ws, W, tid, n0, N, k0)
                     else:
                         r = tid >> 1
                         h = tid & 1
