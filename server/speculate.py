@@ -35,7 +35,7 @@ import numpy as np
 
 from engine.runtime import spec_cost
 from engine.runtime.sampling import sample
-from engine.runtime.spec_decode import SpecJob, SpecStats, draft_of, speculative_steps
+from engine.runtime.spec_decode import SpecJob, SpecStats, draft_of, feed_many, speculative_steps
 from engine.runtime.spec_guided import guided_drafter
 from kvcache import serving as kv_serving
 
@@ -148,9 +148,8 @@ class Speculator:
         rows; per item its first token when the prompt completes (else None), its followers, which
         fork its state and draft state, and their first tokens."""
         seqs, chunks = [s for s, _, _ in items], [list(c) for _, c, _ in items]
-        targets = self.dsp.targets
-        logits = self.engine.model.forward([s.state for s in seqs], chunks, all_logits=False, targets=targets)
-        self.dsp.absorb_many([s.draft for s in seqs], targets, [len(c) for c in chunks])
+        logits = feed_many(self.engine.model, self.dsp, [s.state for s in seqs], [s.draft for s in seqs], chunks,
+                           all_logits=False)
         out = []
         for (s, chunk, do_sample), fs, row in zip(items, followers, logits, strict=True):
             row = np.asarray(row)

@@ -68,9 +68,15 @@ def draft_of(model):
 def feed(model, dsp, st: SequenceState, ds, chunk: list[int], all_logits: bool):
     """Feed a chunk (a prompt chunk, or re-fed kept rows) to the main model and let the draft
     absorb its rows; the logits."""
+    return feed_many(model, dsp, [st], [ds], [chunk], all_logits)[0]
+
+
+def feed_many(model, dsp, states: list[SequenceState], drafts: list, chunks: list[list[int]], all_logits: bool):
+    """feed for several sequences in one main forward, each draft absorbing its own rows
+    (DSpark.absorb_many); each sequence's logits."""
     targets = dsp.targets
-    logits = model.forward([st], [chunk], all_logits=all_logits, targets=targets)[0]
-    dsp.absorb(ds, targets, len(chunk))
+    logits = model.forward(states, chunks, all_logits=all_logits, targets=targets)
+    dsp.absorb_many(drafts, targets, [len(c) for c in chunks])
     return logits
 
 
