@@ -95,7 +95,10 @@ def run_ranks(fns: list[Callable], reduce=None, contexts=None) -> list:
     ctx = contexts or [contextlib.nullcontext] * len(lets)
     if reduce is None:
         def reduce(msgs: list) -> list:
-            return run_steps(msgs, None, contexts) if msgs[0].op == "step" else [combine(msgs)] * len(msgs)
+            if msgs[0].op == "step":
+                return run_steps(msgs, None, contexts)
+            out = combine(msgs)  # (each rank its own copy, as each GPU has its own buffer)
+            return [out] + [out.copy() for _ in msgs[1:]]
 
     def resume(r: int, value=None, first: bool = False):
         with ctx[r]():
