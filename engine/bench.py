@@ -160,25 +160,28 @@ def _weight_stats(model) -> dict:
                 head=weight_bytes(model.w.head))
 
 
-def _load(ckpt: str, gpus: list[int] | None, expert_split: str = "ep"):
+def _load(ckpt: str, gpus: list[int] | None, expert_split: str = "ep", numerics: str = "exact"):
     """(model, its per-rank Models, their CUDA devices): one GPU, or one rank per GPU."""
     import cupy as cp
 
     from engine.checkpoint.reader import Checkpoint
     from engine.model.config import load_config
-    from engine.ops.gpu.ops import CupyOps
+    from engine.runtime.engine import make_ops
     from engine.runtime.runner import ModelRunner as Model
+    from engine.settings import Settings
+
+    settings = Settings.from_env(numerics=numerics)
 
     cfg = load_config(ckpt)
     ck, tok = Checkpoint(ckpt, block_size=cfg.weight_block_size), f"{ckpt}/tokenizer.json"
     if gpus and len(gpus) > 1:
         from engine.parallel.gpu import GpuTP
 
-        model = GpuTP(cfg, ck, gpus, tok, expert_split=expert_split)
+        model = GpuTP(cfg, ck, gpus, tok, make_ops=lambda: make_ops("cupy", settings), expert_split=expert_split)
         return cfg, model, model.ranks, list(gpus)
     dev = gpus[0] if gpus else cp.cuda.Device().id
     with cp.cuda.Device(dev):
-        model = Model(cfg, ck, CupyOps(), tok)
+        model = Model(cfg, ck, make_ops("cupy", settings), tok)
     return cfg, model, [model], [dev]
 
 
@@ -206,14 +209,14 @@ def _sync(devices: list[int]) -> None:
 
 def bench_model(ckpt: str, bw: float, batches=(1, 8, 32), prefills=(4096, 65536), steps: int = 10,
                 chunk: int = 4096, gpus: list[int] | None = None, compare_tp1: bool = False,
-                expert_split: str = "ep", speculative: str | None = None) -> None:
-    cfg, model, ranks, devices = _load(ckpt, gpus, expert_split)
+                expert_split: str = "ep", speculative: str | None = None, numerics: str = "exact") -> None:
+    cfg, model, ranks, devices = _load(ckpt, gpus, expert_split, numerics)
     stats = [_weight_stats(r) for r in ranks]
     e, k, nl = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.num_layers
     rng = np.random.default_rng(0)
     tp = f", tensor parallel over GPUs {devices}, experts split by {expert_split}" if len(ranks) > 1 else ""
     print(f"\nmodel {ckpt}: {nl} layers, hidden {cfg.hidden_size}, {e} experts top-{k}; "
-          f"CUDA graphs {'on' if ranks[0].ops.graphs.enabled else 'off'}{tp}")
+          f"CUDA graphs {'on' if ranks[0].ops.graphs.enabled else 'off'}, --numerics {numerics}{tp}")
     tc = tensor_core_rate() if prefills else 0.0
     if prefills:
         print(f"tensor-core rate (fp16 cuBLAS GEMM): {tc / 1e12:.0f} TFLOP/s per GPU")
@@ -228,7 +231,7 @@ def bench_model(ckpt: str, bw: float, batches=(1, 8, 32), prefills=(4096, 65536)
     if prefills:
         _bench_prefill(model, cfg, ranks, devices, stats, prefills, chunk, tc, rng)
     if compare_tp1 and len(ranks) > 1:
-        _compare_tp1(ckpt, cfg, model, devices[0], rng)
+        _compare_tp1(ckpt, cfg, model, devices[0], rng, numerics)
 
 
 def _bench_decode(model, cfg, ranks, devices, stats, batches, steps: int, bw: float, rng) -> None:
@@ -296,9 +299,9 @@ def _bench_prefill(model, cfg, ranks, devices, stats, prefills, chunk: int, tc: 
             print(f"  by part (device time of each op, summed over the ranks): {report(parts, dt)}")
 
 
-def _compare_tp1(ckpt: str, cfg, model, device: int, rng) -> None:
+def _compare_tp1(ckpt: str, cfg, model, device: int, rng, numerics: str = "exact") -> None:
     """Logits of the sharded model vs one GPU holding it whole: a 64-token prompt, 8 greedy steps."""
-    _, plain, _, _ = _load(ckpt, [device])
+    _, plain, _, _ = _load(ckpt, [device], numerics=numerics)
     ids = [int(t) for t in rng.integers(0, cfg.vocab_size, 64)]
     a, b = model.new_state(), plain.new_state()
     la, lb = model.forward([a], [ids])[0], plain.forward([b], [ids])[0]
@@ -316,7 +319,7 @@ def bench_main(argv: list[str] | None = None) -> int:
     """CLI entry: `bench [--ckpt DIR] [--batches 1,8,32] [--prefill 4096,65536] [--chunk N] [--no-linears]
     [--gpus 0,1,2,3 [--compare-tp1]]`."""
     from engine.parallel.shard import EXPERT_SPLITS
-    from engine.settings import DEFAULT_NUMERICS, NUMERICS, check_numerics
+    from engine.settings import DEFAULT_NUMERICS, NUMERICS
 
     ap = argparse.ArgumentParser(prog="dsuf bench", description=__doc__.splitlines()[0])
     ap.add_argument("--ckpt", default=None, help="checkpoint to time whole-model decode / prefill on")
@@ -331,15 +334,10 @@ def bench_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--expert-split", choices=EXPERT_SPLITS, default="ep",
                     help="with --gpus: routed experts by expert id or by width")
     ap.add_argument("--numerics", choices=NUMERICS, default=DEFAULT_NUMERICS,
-                    help="the GEMMs' numerics (the GPU computes exact only, for now)")
+                    help="deepseek: as DeepSeek's reference (bf16 activations, FP8 GEMMs); exact: float32")
     ap.add_argument("--speculative", choices=("dspark", "off"), default=None,
                     help="time DSpark's draft and verify steps (default: dspark when the checkpoint has draft layers)")
     a = ap.parse_args(argv)
-    try:
-        check_numerics(a.numerics, "cupy")
-    except NotImplementedError as e:
-        print(f"error: {e}")
-        return 2
     gpus = [int(g) for g in a.gpus.split(",")] if a.gpus else None
     bw = copy_bandwidth()
     print(f"copy bandwidth: {bw / 1e12:.2f} TB/s (read + write)")
@@ -348,5 +346,5 @@ def bench_main(argv: list[str] | None = None) -> int:
     if a.ckpt:
         prefills = tuple(n for n in (int(v) for v in a.prefill.split(",")) if n > 0)
         bench_model(a.ckpt, bw, tuple(int(b) for b in a.batches.split(",")), prefills, a.steps, a.chunk, gpus,
-                    a.compare_tp1, a.expert_split, a.speculative)
+                    a.compare_tp1, a.expert_split, a.speculative, a.numerics)
     return 0
