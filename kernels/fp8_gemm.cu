@@ -6,14 +6,19 @@
 // 1e-4) / 448)), codes = e4m3(x / scale) (round to nearest even, saturating), bit-exact with
 // engine/ops/numpy_ops.py fake_quant_fp8.
 //
-// gemm_e4m3_fp8 / _fp4: Y[M, N] = sum over K of (A codes * A scales) (W values * W scales), W e4m3
-// with an f32 scale per (bn x bk) block, or e2m1 (FP4 experts) with a UE8M0 scale per row and 32
-// along K, decoded exactly into e4m3 in shared memory (Hopper has no FP4 MMA). A block of 128
-// threads computes a 64 x 64 tile (2 x 2 warps of 32 x 32) in K stages of 64; each 32-wide step
-// is one mma.sync m16n8k32 e4m3 per 16 x 8 sub-tile into a fresh accumulator, which is then
-// scaled by its row's and column's scales and added to the f32 total ("promotion"): the scales
-// change every 32 along K, and the tensor core's FP8 sums are kept to one block. Shared-memory
-// rows are 80 bytes so a warp's fragment loads hit 32 distinct banks. Requires K % 64 == 0.
+// Y[M, N] = sum over K of (A codes * A scales) (W values * W scales), W e4m3 with an f32 scale per
+// (bn x bk) block, or e2m1 (FP4 experts) with a UE8M0 scale per row and 32 along K, decoded exactly
+// into e4m3 in shared memory (Hopper has no FP4 MMA). Two kernels of the same arguments, one per
+// architecture (engine/ops/gpu/fp8_linear.py picks): gemm_e4m3_{fp8,fp4}_sm90 on sm_90a (wgmma,
+// warp-specialized, 128 x 128 tiles; described at its section below), gemm_e4m3_{fp8,fp4} on the
+// others (mma.sync):
+//
+// gemm_e4m3_fp8 / _fp4: a block of 128 threads computes a 64 x 64 tile (2 x 2 warps of 32 x 32) in
+// K stages of 64; each 32-wide step is one mma.sync m16n8k32 e4m3 per 16 x 8 sub-tile into a fresh
+// accumulator, which is then scaled by its row's and column's scales and added to the f32 total
+// ("promotion"): the scales change every 32 along K, and the tensor core's FP8 sums are kept to
+// one block. Shared-memory rows are 80 bytes so a warp's fragment loads hit 32 distinct banks.
+// Both kernels require K % 64 == 0.
 #include "dsuf_common.cuh"
 
 extern "C" __global__ void act_quant_fp8(const float* __restrict__ x, int ldx, u8* __restrict__ codes,
