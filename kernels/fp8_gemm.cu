@@ -201,13 +201,16 @@ extern "C" __global__ void __launch_bounds__(128) gemm_e4m3_fp4(const u8* A, con
 // (scale-d = 0) and the thread adds acc * (sa[row] * sw[col]) to its f32 total. Two accumulator
 // sets alternate: wgmma.wait_group 1 leaves step g in flight on the tensor core while step g - 1
 // is promoted. FP8 weights whose (bn x bk) block covers the tile's 128 columns (real checkpoints:
-// 128 x 128) take one weight scale per step (one FFMA per element); otherwise, and for FP4, a
+// 128 x 128) take one weight scale per step (one FFMA per element); FP4 stages too where the
+// producer could fold the weight exponents into the e4m3 codes (see wg_expand_fp4); otherwise a
 // scale per column (FMUL + FFMA).
 //
 // FP4: the producer copies the stage's nibbles (and an aligned 8-byte window around each row's
 // four UE8M0 scale bytes) to a staging area with cp.async, and WG_LAG stages later, once its own
 // copies have landed (cp.async.wait_group), expands them into e4m3 bytes at their swizzled place
-// in the B tile and the scales into f32, then fences (fence.proxy.async) and arrives.
+// in the B tile and the scales into f32, then fences (fence.proxy.async) and arrives. The
+// producer warpgroup meets at named barrier 1 (bar.sync 1, 128) to share each stage's exponent
+// ranges.
 //
 // Learned from (read, not copied): DeepGEMM's sm90 FP8 GEMMs (deepseek-ai/DeepGEMM,
 // impls/sm90_fp8_gemm_1d2d.cuh, sm90_fp8_fp4_gemm_1d2d.cuh: producer and math warpgroups with a
@@ -226,6 +229,7 @@ extern "C" __global__ void __launch_bounds__(128) gemm_e4m3_fp4(const u8* A, con
 #define WG_TILE_BYTES 16384      // WG_BM (= WG_BN) rows x WG_BK bytes
 #define WG_SCALE_BYTES 2048      // [4 k32 steps][128 rows] f32
 #define WG_STG_BYTES 9216        // FP4 staging: 128 rows x 64 nibble bytes, 128 x 8 scale bytes
+#define WG_SCRATCH_BYTES 144     // FP4: 4 warps x 4 steps of exponent max and min, the fold flag
 #define WG_SWIZZLE_MODE 1        // descriptor bits 62-63: 128-byte swizzle
 #define WG_LBO 16                // leading byte offset: unused by swizzled K-major layouts
 #define WG_SBO 1024              // stride byte offset: 8 rows x 128 bytes between core-matrix groups
@@ -240,7 +244,8 @@ struct WgCfg {
   static constexpr int ST = FMT == FMT_FP8 ? WG_STAGES_FP8 : WG_STAGES_FP4;
   static constexpr u32 A = 0, B = ST * WG_TILE_BYTES, SA = 2 * ST * WG_TILE_BYTES, SW = SA + ST * WG_SCALE_BYTES,
                        STG = SW + ST * WG_SCALE_BYTES,
-                       BAR = STG + (FMT == FMT_FP8 ? 0 : ST * WG_STG_BYTES);  // full[ST], then empty[ST]
+                       BAR = STG + (FMT == FMT_FP8 ? 0 : ST * WG_STG_BYTES),  // full[ST], then empty[ST]
+                       SCR = BAR + 16 * ST;  // FP4: per stage, the exponent ranges and the fold flag
   static constexpr u32 FULL_COUNT = FMT == FMT_FP8 ? 128 : 256;  // FP4: + one plain arrive per producer thread
 };
 
@@ -319,9 +324,37 @@ __device__ __forceinline__ void wgmma_wait() {
 __device__ __forceinline__ void wg_expand_fp4(u8* smem, u32 base, int kt, int K, int N, int n0, int gk) {
   using C = WgCfg<FMT_FP4>;
   const int t = threadIdx.x - 256, s = kt % C::ST, k0 = kt * WG_BK, nkk = min(4, (K - k0) / 32);
+  const int lane = t & 31, warp = t >> 5;
   const u8* stg = smem + C::STG + s * WG_STG_BYTES;
   u8* bt = smem + C::B + s * WG_TILE_BYTES;
+  int* scr = (int*)(smem + C::SCR + s * WG_SCRATCH_BYTES);
+  float* sw = (float*)(smem + C::SW + s * WG_SCALE_BYTES);
+  // Scale folding: when each step's UE8M0 exponents (clamped to [1, 254], as e8m0_scaled) span at
+  // most 11 over the tile's rows, every row's e2m1 values times 2^(e - eref), eref = min(emin + 5,
+  // 254), are e4m3 normals (0.5 * 2^-5 .. 6 * 2^6): the exponent moves into the codes exactly, and
+  // the consumers promote with one scale 2^(eref - 127) per step (one FFMA per element, not two).
+  const bool ok = n0 + t < N;
+  const int off = (int)(((size_t)(n0 + t) * gk + k0 / 32) & 3);  // the bytes' place in the 8-byte window
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    const u32 e = min(max((u32)stg[8192 + 8 * t + off + kk], 1u), 254u);
+    const bool in = ok && kk < nkk;
+    const u32 mx = __reduce_max_sync(0xffffffffu, in ? e : 0u), mn = __reduce_min_sync(0xffffffffu, in ? e : 255u);
+    if (lane == 0) {
+      scr[4 * warp + kk] = (int)mx;
+      scr[16 + 4 * warp + kk] = (int)mn;
+    }
+  }
+  asm volatile("bar.sync 1, 128;" ::: "memory");  // the producer warpgroup only
+  bool fold = true;
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    const int mx = max(max(scr[kk], scr[4 + kk]), max(scr[8 + kk], scr[12 + kk]));
+    const int mn = min(min(scr[16 + kk], scr[20 + kk]), min(scr[24 + kk], scr[28 + kk]));
+    if (kk < nkk) fold = fold && mx - mn <= 11;
+  }
   const int c = t & 3;  // the k32 step of the 16 nibble bytes this thread copied, of rows r
+  const int eref = min(min(min(scr[16 + c], scr[20 + c]), min(scr[24 + c], scr[28 + c])) + 5, 254);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int r = (t >> 2) + 32 * i;
@@ -336,14 +369,26 @@ __device__ __forceinline__ void wg_expand_fp4(u8* smem, u32 base, int kt, int K,
         out[2 * q + 1] = e2m1_to_e4m3(w >> 16) | (e2m1_to_e4m3(w >> 20) << 8) | (e2m1_to_e4m3(w >> 24) << 16) |
                          (e2m1_to_e4m3(w >> 28) << 24);
       }
+      if (fold) {  // add (e_r - eref) to the exponent field of each nonzero byte (no carry: it stays 1..15)
+        const int off_r = (int)(((size_t)(n0 + r) * gk + k0 / 32) & 3);
+        const int er = min(max((int)stg[8192 + 8 * r + off_r + c], 1), 254);
+        const u32 add = ((u32)((er - eref) * 8) & 0xFFu) * 0x01010101u;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const u32 nz = (((out[j] & 0x7F7F7F7Fu) + 0x7F7F7F7Fu) & 0x80808080u) >> 7;  // 1 per nonzero byte
+          out[j] = __vadd4(out[j], add & (nz * 0xFFu));
+        }
+      }
       *(uint4*)(bt + wg_swz(r, 2 * c)) = make_uint4(out[0], out[1], out[2], out[3]);
       *(uint4*)(bt + wg_swz(r, 2 * c + 1)) = make_uint4(out[4], out[5], out[6], out[7]);
     }
   }
-  const bool ok = n0 + t < N;
-  const int off = (int)(((size_t)(n0 + t) * gk + k0 / 32) & 3);  // the bytes' place in the 8-byte window
-  float* sw = (float*)(smem + C::SW + s * WG_SCALE_BYTES);
-  for (int kk = 0; kk < nkk; ++kk) sw[128 * kk + t] = ok ? e8m0_scaled(stg[8192 + 8 * t + off + kk], 0) : 0.f;
+  for (int kk = 0; kk < nkk; ++kk) {
+    const int mn = min(min(scr[16 + kk], scr[20 + kk]), min(scr[24 + kk], scr[28 + kk]));
+    sw[128 * kk + t] = fold ? __uint_as_float((u32)min(mn + 5, 254) << 23)
+                            : (ok ? e8m0_scaled(stg[8192 + 8 * t + off + kk], 0) : 0.f);
+  }
+  if (t == 0) scr[32] = fold;
   fence_proxy_async();
   mbar_arrive(base + C::BAR + 8 * s);
 }
@@ -486,6 +531,23 @@ __device__ __forceinline__ void wg_stage(float (&tot)[64], float (&d0)[64], floa
   if ((threadIdx.x & 31) == 0) mbar_arrive(base + C::BAR + 8 * (C::ST + s));
 }
 
+// FP4: whether the producer folded the stage's weight scales into its codes (one scale per step)
+// is known once the stage has landed; the choice is made before any wgmma is in flight.
+template <int FMT, bool UNI, int NKK>
+__device__ __forceinline__ void wg_stage_any(float (&tot)[64], float (&d0)[64], float (&d1)[64], const u8* smem,
+                                             u32 base, int kt, int wg, int rl, int q) {
+  using C = WgCfg<FMT>;
+  if (FMT == FMT_FP4) {
+    const int s = kt % C::ST;
+    mbar_wait(base + C::BAR + 8 * s, (kt / C::ST) & 1);
+    if (*(const int*)(smem + C::SCR + s * WG_SCRATCH_BYTES + 128)) {
+      wg_stage<FMT, true, NKK>(tot, d0, d1, smem, base, kt, wg, rl, q);
+      return;
+    }
+  }
+  wg_stage<FMT, UNI, NKK>(tot, d0, d1, smem, base, kt, wg, rl, q);
+}
+
 template <int FMT, bool UNI>
 __device__ __forceinline__ void wg_consume(const u8* smem, u32 base, float* __restrict__ Y, int ldy, int M, int N,
                                            int K, int m0, int n0) {
@@ -493,8 +555,8 @@ __device__ __forceinline__ void wg_consume(const u8* smem, u32 base, float* __re
   const int rl = 64 * wg + 16 * warp + (lane >> 2);  // this thread's first row in the block
   float tot[64] = {}, d0[64] = {}, d1[64] = {};
   const int T4 = K / WG_BK;  // whole stages; then half a stage when K % 128 == 64
-  for (int kt = 0; kt < T4; ++kt) wg_stage<FMT, UNI, 4>(tot, d0, d1, smem, base, kt, wg, rl, q);
-  if (K % WG_BK) wg_stage<FMT, UNI, 2>(tot, d0, d1, smem, base, T4, wg, rl, q);
+  for (int kt = 0; kt < T4; ++kt) wg_stage_any<FMT, UNI, 4>(tot, d0, d1, smem, base, kt, wg, rl, q);
+  if (K % WG_BK) wg_stage_any<FMT, UNI, 2>(tot, d0, d1, smem, base, T4, wg, rl, q);
 
   const bool pairs = (ldy & 1) == 0 && ((size_t)Y & 7) == 0;
 #pragma unroll

@@ -21,7 +21,7 @@ from engine.bench import _timeit, _weight  # noqa: E402
 from engine.checkpoint import formats  # noqa: E402
 from engine.ops.gpu.fp8_linear import act_quant_fp8, fp8_linear  # noqa: E402
 from engine.ops.gpu.weights import GpuWeight, _host_dequant  # noqa: E402
-from engine.ops.kernels import FMT_FP8  # noqa: E402
+from engine.ops.kernels import FMT_FP4, FMT_FP8  # noqa: E402
 from engine.ops.numpy_ops import NumpyOps  # noqa: E402
 
 RTOL = 1e-5  # of the largest |y|: float32 sums in another order
@@ -53,6 +53,14 @@ def _fp8_weight(n: int, k: int, block: tuple[int, int]) -> GpuWeight:
     return GpuWeight(FMT_FP8, cp.asarray(data), cp.asarray(scale), (n, k), block)
 
 
+def _fp4_weight(n: int, k: int, lo: int, hi: int) -> GpuWeight:
+    """Random e2m1 nibbles with UE8M0 exponents drawn from [lo, hi)."""
+    rng = np.random.default_rng(n + k)
+    data = rng.integers(0, 256, (n, k // 2)).astype(np.uint8)
+    scale = rng.integers(lo, hi, (n, k // 32)).astype(np.uint8)
+    return GpuWeight(FMT_FP4, cp.asarray(data), cp.asarray(scale), (n, k), (1, 32))
+
+
 def _check(x: np.ndarray, w) -> None:
     y = cp.asnumpy(fp8_linear(cp.asarray(x), w))
     xq = NumpyOps().fake_quant_fp8(x, 32).astype(np.float64)
@@ -78,6 +86,14 @@ def test_fp8_gemm_block_scales(m, n, k, block):
     """Checkpoint-sized blocks (one weight scale per tile and step on sm_90a) and blocks narrower
     than the tile (a scale per column)."""
     _check(_x(m, k, seed=k), _fp8_weight(n, k, block))
+
+
+@pytest.mark.parametrize("exps", [(110, 135), (118, 130)])
+@pytest.mark.parametrize("m,n,k", [(130, 520, 2304), (257, 300, 1024), (3, 130, 192)])
+def test_fp4_gemm_scale_spreads(m, n, k, exps):
+    """FP4 exponents spread over more than 12 values (a scale per column) and over at most 12 (on
+    sm_90a folded into the e4m3 codes, one scale per step); _weight's are all equal."""
+    _check(_x(m, k, seed=k), _fp4_weight(n, k, *exps))
 
 
 def test_fp8_gemm_rate_on_flash_linears():
