@@ -7,9 +7,8 @@ warpgroup feeding a shared-memory ring and two consumer warpgroups, 128 x 128 ti
 its ring in dynamic shared memory (over the 48 KB default, opted in per kernel); elsewhere
 gemm_e4m3_*, mma.sync m16n8k32 on 64 x 64 tiles.
 
-Not yet wired into CupyOps.linear: the GPU computes exact numerics only until deepseek numerics
-land there whole (bf16 activations between ops, the quantization points of
-engine/ops/deepseek_ops.py)."""
+fp8_grouped_linear: the same arithmetic over a MoE's segment table (kernels/fp8_grouped.cu), one
+launch for every expert's rows, in segments of up to GROUPED_ROWS rows."""
 
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ import cupy as cp
 import numpy as np
 
 from engine.ops import kernels as K
-from engine.ops.gpu.common import _c32
+from engine.ops.gpu.common import _NULL, _c32
 from engine.ops.gpu.weights import GpuWeight
 from engine.ops.kernels import FMT_FP4, FMT_FP8
 
@@ -29,6 +28,10 @@ ACT_BLOCK = 32
 # ranges; two mbarriers a stage; 1 KB to align the ring to the 128-byte swizzle's 1024-byte pattern.
 WG_TILE, WG_THREADS = 128, 384
 WG_STAGES = {FMT_FP8: 6, FMT_FP4: 5}
+# Rows per segment of a prompt chunk's routed experts on this path: the wgmma tile's, so a block's
+# tile is one segment's (shorter ones only for an expert's last rows) and each expert's weight tile
+# is read once per 128 of its rows rather than per 64 (GEMM_TILE, the exact-term GEMM's).
+GROUPED_ROWS = WG_TILE
 
 
 def wgmma_smem(fmt: int) -> int:
@@ -76,3 +79,36 @@ def fp8_linear(x: cp.ndarray, w: GpuWeight, codes: tuple | None = None) -> cp.nd
         else:
             K.function("fp8_gemm", kernel)((-(-n // TILE), -(-m // TILE)), (128,), args)
     return y
+
+
+def fp8_grouped_linear(codes: tuple[cp.ndarray, cp.ndarray], gather: cp.ndarray | None, segs: cp.ndarray,
+                       wptrs: cp.ndarray, sptrs: cp.ndarray, w: GpuWeight, y: cp.ndarray,
+                       step: int = GROUPED_ROWS) -> None:
+    """y[row0 + r, ycol:ycol + N] = A[gather[row0 + r]] (A[row0 + r] without gather) times expert e's
+    weight, for each segment (e, row0, rows <= step, 0, ycol) of segs [nseg * 5] int32; codes = (A
+    e4m3 codes, scales) from act_quant_fp8; wptrs / sptrs [E] uint64: the experts' data and scale
+    pointers, each weight of w's shape, format and blocks. Rows no segment covers are not written."""
+    tag = {FMT_FP8: "fp8", FMT_FP4: "fp4"}.get(w.fmt)
+    if tag is None:
+        raise ValueError("fp8_grouped_linear takes FP8 or FP4 weights")
+    n, k = w.shape
+    a, sa = codes
+    if k % TILE or a.shape[1] != k:
+        raise ValueError(f"fp8_grouped_linear: K = {k} (x has {a.shape[1]} columns) is not a multiple of {TILE}")
+    nseg = segs.size // 5
+    if nseg == 0 or a.shape[0] == 0:
+        return
+    bn, bk = w.block
+    g = cp.ascontiguousarray(gather, dtype=cp.int32) if gather is not None else None
+    sm90 = K.device_arch() == "90a"
+    tile = WG_TILE if sm90 else TILE
+    mtiles = -(-step // tile)
+    args = (a, sa, g if g is not None else _NULL, segs, wptrs, sptrs, y, np.int32(y.shape[1]), np.int32(n),
+            np.int32(k), np.int32(bn), np.int32(bk), np.int32(w.gk), np.int32(mtiles))
+    grid = (-(-n // tile), nseg * mtiles)
+    if sm90:  # (one way of reading A per kernel: the gathering ones for w1 / w3)
+        name = f"gemm_e4m3_grouped_{'gather_' if g is not None else ''}{tag}_sm90"
+        smem = wgmma_smem(w.fmt)
+        K.function_with_smem("fp8_grouped", name, smem)(grid, (WG_THREADS,), args, shared_mem=smem)
+    else:
+        K.function("fp8_grouped", f"gemm_e4m3_grouped_{tag}")(grid, (128,), args)
