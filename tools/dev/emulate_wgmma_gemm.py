@@ -1,5 +1,5 @@
-"""Emulate kernels/fp8_gemm.cu gemm_e4m3_{fp8,fp4}_sm90 (the wgmma kernel) in numpy and compare its Y
-with a plain product; no GPU needed. Exits non-zero on a mismatch.
+"""Emulate kernels/fp8_gemm.cu gemm_e4m3_{fp8,fp4}_sm90 (the wgmma kernel, kernels/fp8_wgmma.cuh) in
+numpy and compare its Y with a plain product; no GPU needed. Exits non-zero on a mismatch.
 
 What is emulated, with the kernel's constants parsed from its #defines (WG_*), and its host-side
 sizes read from engine/ops/gpu/fp8_linear.py:
@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 from engine.checkpoint import formats  # noqa: E402
 from engine.ops.kernels import FMT_FP4, FMT_FP8  # noqa: E402
 
-SRC = (ROOT / "kernels" / "fp8_gemm.cu").read_text()
+SRC = (ROOT / "kernels" / "fp8_wgmma.cuh").read_text()
 D = {k: int(v) for k, v in re.findall(r"^#define (WG_\w+) (\d+)", SRC, re.MULTILINE)}
 BM, BN, BK, LAG = D["WG_BM"], D["WG_BN"], D["WG_BK"], D["WG_LAG"]
 TILE, SCALE, STG = D["WG_TILE_BYTES"], D["WG_SCALE_BYTES"], D["WG_STG_BYTES"]
@@ -144,22 +144,17 @@ class Block:
                 self.land(grp)
 
     def produce(self, kt):
-        g, L, m0, n0, fmt = self.g, self.L, self.m0, self.n0, self.fmt
-        M, N, K, bn, bk, gk = g["M"], g["N"], g["K"], g["bn"], g["bk"], g["gk"]
+        g, L, n0, fmt = self.g, self.L, self.n0, self.fmt
+        N, K, bn, bk, gk = g["N"], g["K"], g["bn"], g["bk"], g["gk"]
         s, k0 = kt % L.st, kt * BK
-        nkk, nbk = min(4, (K - k0) // 32), K // 32
+        nkk = min(4, (K - k0) // 32)
         assert self.empty[s].done(((kt // L.st) & 1) ^ 1), "producer ran ahead of the empty barrier"
         at, bt = self.base + L.A + s * TILE, self.base + L.B + s * TILE
         sa, sw = self.base + L.SA + s * SCALE, self.base + L.SW + s * SCALE
         for t in range(128):
             r8, c8, r4, c4 = t >> 3, t & 7, t >> 2, t & 3
-            a_ok, w_ok = m0 + t < M, n0 + t < N
-            if c8 < 2 * nkk:
-                a_row = min(m0 + r8, M - 1) * K + 16 * c8 + k0
-                self.copy_rows(t, at + swz(r8, c8), "A", a_row, 16 * K, M - m0 - r8, 8, 16)
-            for kk in range(nkk):
-                self.cp(t, sa + 4 * (128 * kk + t), "SA", 4 * ((m0 + t if a_ok else 0) * nbk + k0 // 32 + kk), 4,
-                        4 if a_ok else 0)
+            w_ok = n0 + t < N
+            self.copy_a(t, at, sa, k0, nkk)
             if fmt == FMT_FP8:
                 if c8 < 2 * nkk:
                     w_row = min(n0 + r8, N - 1) * K + 16 * c8 + k0
@@ -182,6 +177,16 @@ class Block:
                 self.commit_and_wait(t, LAG if kt >= LAG else None)
         if fmt == FMT_FP4 and kt >= LAG:
             self.expand(kt - LAG)
+
+    def copy_a(self, t, at, sa, k0, nkk):  # the A tile's chunks and row t's scales of thread t
+        M, K, m0 = self.g["M"], self.g["K"], self.m0
+        r8, c8, a_ok, nbk = t >> 3, t & 7, m0 + t < M, K // 32
+        if c8 < 2 * nkk:
+            a_row = min(m0 + r8, M - 1) * K + 16 * c8 + k0
+            self.copy_rows(t, at + swz(r8, c8), "A", a_row, 16 * K, M - m0 - r8, 8, 16)
+        for kk in range(nkk):
+            self.cp(t, sa + 4 * (128 * kk + t), "SA", 4 * ((m0 + t if a_ok else 0) * nbk + k0 // 32 + kk), 4,
+                    4 if a_ok else 0)
 
     def copy_rows(self, t, dst, name, src, step, rows, ni, row_step):  # wg_copy_rows<NI, ROWS>
         for i in range(ni):
@@ -315,8 +320,8 @@ def desc(addr):  # wg_desc
         D["WG_SWIZZLE_MODE"] << 62)
 
 
-def run_block(fmt, g, m0, n0, smem_bytes, Y):
-    b = Block(fmt, g, m0, n0, smem_bytes)
+def run_block(fmt, g, m0, n0, smem_bytes, Y, cls=Block):
+    b = cls(fmt, g, m0, n0, smem_bytes)
     K, N, bn = g["K"], g["N"], g["bn"]
     T, T4 = -(-K // BK), K // BK
     uni = fmt == FMT_FP8 and n0 // bn == (min(n0 + BN, N) - 1) // bn
