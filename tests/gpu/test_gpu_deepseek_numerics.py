@@ -103,6 +103,24 @@ def test_moe_weights_before_w2(t):
     assert rel(got, round_bf16(after + shared)) > 3 * err
 
 
+@pytest.mark.parametrize("fmt", ["fp4", "fp8"])
+def test_moe_prompt_chunk_grouped_gemm(fmt):
+    """A prompt chunk's experts on the grouped e4m3 GEMM (above MOE_DEVICE_MAX_PAIRS pairs), routed
+    unevenly: an expert with no pairs, some with more than a segment's 128 rows (several segments)."""
+    e, k, t, d, inter = 24, 6, 400, 512, 384
+    block = (128, 128) if fmt == "fp8" else (32, 32)
+    ws = [tuple(_w(fmt, *s, QUANT, block=block) for s in ((inter, d), (d, inter), (inter, d))) for _ in range(e)]
+    x = rnd(t, d) * np.exp(RNG.uniform(-3, 3, (t, 1))).astype(np.float32)
+    pop = np.r_[np.geomspace(1.0, 0.02, e - 1), 0.0]
+    ids = np.stack([RNG.choice(e, k, replace=False, p=pop / pop.sum()) for _ in range(t)])
+    assert np.bincount(ids.ravel(), minlength=e).max() > 128
+    wts = (RNG.random((t, k), dtype=np.float32) * 2.5).astype(np.float32)
+    ref = REF.moe(x, [tuple(REF.prepare(w) for w in ex) for ex in ws], wts, ids, 10.0, None)
+    got = GPU.moe(cp.asarray(x), [tuple(GPU.prepare(w) for w in ex) for ex in ws], cp.asarray(wts),
+                  cp.asarray(ids), 10.0, None)
+    assert rel(got, ref) < CHAIN_TOL
+
+
 def test_shared_expert_mlp():
     d, inter = 1024, 512
     w1, w2, w3 = (_w("fp8", *s, QUANT) for s in ((inter, d), (d, inter), (inter, d)))

@@ -3,6 +3,9 @@ bit with NumpyOps.fake_quant_fp8 (codes times scales), and the GEMM (FP8 and FP4
 order of the product of the fake-quantized activations and the dequantized weight (the products
 are exact; the tensor core sums each 32-wide block, the kernel adds the scaled blocks in f32).
 Prints the GEMM's TFLOP/s on 4096-row chunks of V4.1-Flash's largest FP8 linears.
+On sm_90a this tests the wgmma kernel (128 x 128 tiles, a ring of 128-byte K stages): the shapes
+below also cover K = 64 (half a stage), K % 128 == 64 (a tail stage), rings that wrap, M and N
+between tile sizes, and FP8 weights whose 128 x 128 blocks give a tile one scale per step.
 Skipped where CuPy or a GPU is absent (CI).
 """
 
@@ -17,7 +20,8 @@ cp = require_gpu()
 from engine.bench import _timeit, _weight  # noqa: E402
 from engine.checkpoint import formats  # noqa: E402
 from engine.ops.gpu.fp8_linear import act_quant_fp8, fp8_linear  # noqa: E402
-from engine.ops.gpu.weights import _host_dequant  # noqa: E402
+from engine.ops.gpu.weights import GpuWeight, _host_dequant  # noqa: E402
+from engine.ops.kernels import FMT_FP4, FMT_FP8  # noqa: E402
 from engine.ops.numpy_ops import NumpyOps  # noqa: E402
 
 RTOL = 1e-5  # of the largest |y|: float32 sums in another order
@@ -41,16 +45,55 @@ def test_act_quant_matches_fake_quant(m, k):
     np.testing.assert_array_equal(got.reshape(m, k), want)
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
-@pytest.mark.parametrize("m,n,k", [(1, 64, 64), (77, 200, 1280), (130, 520, 2304), (64, 5120, 8192)])
-def test_fp8_gemm_matches_numpy(m, n, k, fmt):
-    x = _x(m, k, seed=n)
-    w = _weight(fmt, n, k)
+def _fp8_weight(n: int, k: int, block: tuple[int, int]) -> GpuWeight:
+    """Random e4m3 codes (NaN codes masked out) with varied f32 scales per (bn x bk) block."""
+    rng = np.random.default_rng(n + k)
+    data = (rng.integers(0, 256, (n, k)) & 0xF7).astype(np.uint8)
+    scale = (2.0 ** rng.uniform(-10, -5, (-(-n // block[0]), -(-k // block[1])))).astype(np.float32)
+    return GpuWeight(FMT_FP8, cp.asarray(data), cp.asarray(scale), (n, k), block)
+
+
+def _fp4_weight(n: int, k: int, lo: int, hi: int) -> GpuWeight:
+    """Random e2m1 nibbles with UE8M0 exponents drawn from [lo, hi)."""
+    rng = np.random.default_rng(n + k)
+    data = rng.integers(0, 256, (n, k // 2)).astype(np.uint8)
+    scale = rng.integers(lo, hi, (n, k // 32)).astype(np.uint8)
+    return GpuWeight(FMT_FP4, cp.asarray(data), cp.asarray(scale), (n, k), (1, 32))
+
+
+def _check(x: np.ndarray, w) -> None:
     y = cp.asnumpy(fp8_linear(cp.asarray(x), w))
     xq = NumpyOps().fake_quant_fp8(x, 32).astype(np.float64)
     want = xq @ _host_dequant(w).astype(np.float64).T
     err = np.abs(y - want).max(axis=1) / np.maximum(np.abs(want).max(axis=1), 1e-30)
     assert float(err.max()) < RTOL, f"worst row error {err.max():.2e}"
+
+
+SHAPES = [(1, 64, 64), (77, 200, 1280), (130, 520, 2304), (64, 5120, 8192),
+          # the sm_90a ring: half a stage, a tail stage, rings that wrap, M and N between tiles
+          (200, 128, 64), (129, 130, 192), (257, 300, 1024), (1, 1000, 896), (255, 129, 4160)]
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_fp8_gemm_matches_numpy(m, n, k, fmt):
+    _check(_x(m, k, seed=n), _weight(fmt, n, k))
+
+
+@pytest.mark.parametrize("block", [(128, 128), (64, 128)])
+@pytest.mark.parametrize("m,n,k", [(130, 520, 2304), (257, 300, 1024), (3, 130, 192)])
+def test_fp8_gemm_block_scales(m, n, k, block):
+    """Checkpoint-sized blocks (one weight scale per tile and step on sm_90a) and blocks narrower
+    than the tile (a scale per column)."""
+    _check(_x(m, k, seed=k), _fp8_weight(n, k, block))
+
+
+@pytest.mark.parametrize("exps", [(110, 135), (118, 130)])
+@pytest.mark.parametrize("m,n,k", [(130, 520, 2304), (257, 300, 1024), (3, 130, 192)])
+def test_fp4_gemm_scale_spreads(m, n, k, exps):
+    """FP4 exponents spread over more than 12 values (a scale per column) and over at most 12 (on
+    sm_90a folded into the e4m3 codes, one scale per step); _weight's are all equal."""
+    _check(_x(m, k, seed=k), _fp4_weight(n, k, *exps))
 
 
 def test_fp8_gemm_rate_on_flash_linears():

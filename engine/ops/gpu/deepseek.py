@@ -11,6 +11,9 @@ GPU tests hold it to.
   fake-quantized activation, whose products they sum exactly in float32 (the same numbers up to
   summation order). A bf16 weight takes and returns bf16; an fp32 one computes in fp32.
 - the experts: the routing weight scales the hidden state before w2 (the reference's Expert.forward).
+  A prompt chunk's FP8 / FP4 experts (above MOE_DEVICE_MAX_PAIRS pairs) run the grouped e4m3 GEMM
+  (fp8_linear.fp8_grouped_linear) on activations quantized once per token row and once per hidden
+  row; decode's GEMV segments read the fake-quantized rows, as linear() does.
 - attention and the indexer: the kernels' bf16 rounding points (CupyOps.bf16).
 """
 
@@ -23,8 +26,9 @@ from engine.model.numerics import BF16, QUANT
 from engine.ops import kernels as K
 from engine.ops.gpu.common import _ELT_BLOCK, F32, _c32, _grid
 from engine.ops.gpu.fork import joins_inputs, joins_late
-from engine.ops.gpu.fp8_linear import ACT_BLOCK, TILE, fp8_linear
+from engine.ops.gpu.fp8_linear import ACT_BLOCK, GROUPED_ROWS, TILE, act_quant_fp8, fp8_grouped_linear, fp8_linear
 from engine.ops.gpu.linear import TC_MAX_ROWS
+from engine.ops.gpu.moe import MOE_DEVICE_MAX_PAIRS
 from engine.ops.gpu.ops import CupyOps
 from engine.ops.gpu.weights import GpuWeight
 from engine.ops.kernels import FMT_FP4, FMT_FP8
@@ -36,6 +40,11 @@ def _fp8_gemm_takes(w: GpuWeight) -> bool:
     if w.shape[1] % TILE:
         return False
     return w.fmt == FMT_FP4 or (w.fmt == FMT_FP8 and w.block[1] % ACT_BLOCK == 0)
+
+
+def _fp8_experts(tabs) -> bool:
+    """Whether the grouped e4m3 GEMM reads a layer's w1, w2 and w3 (expert tables' first weights)."""
+    return all(w.use == QUANT and _fp8_gemm_takes(w) for w, _, _ in tabs[:3])
 
 
 @joins_inputs  # (its own methods too must join a pending fork's output before reading it)
@@ -133,6 +142,37 @@ class DeepseekCupyOps(CupyOps):
             r = cp.asarray(rows)
             w1, w2, w3 = experts[int(e)]
             y[r] += self._expert_mlp(x[r], w1, w2, w3, limit, wts[r, cp.asarray(slot)])
+        return self.act(self._plus_shared(y, shared))
+
+    def _moe_device(self, x: cp.ndarray, tabs, n_experts: int, weights, ids, limit: float,
+                    shared=None) -> cp.ndarray:
+        """A prompt chunk's FP8 / FP4 experts: the pairs in segments of GROUPED_ROWS, each projection
+        one grouped e4m3 GEMM; otherwise (decode, other weights) CupyOps' grouping and kernels."""
+        if ids.size <= MOE_DEVICE_MAX_PAIRS or not _fp8_experts(tabs):
+            return super()._moe_device(x, tabs, n_experts, weights, ids, limit, shared)
+        dup = tabs[0][0].shape[0] if len(tabs) > 3 else 0
+        segs, gather, inv, order = self._moe_group(ids, n_experts, GROUPED_ROWS, dup)
+        (w1, p1, s1), (w2, p2, s2), (w3, p3, s3) = tabs[:3]
+        p, inter, d = gather.size, w1.shape[0], x.shape[1]
+        xq = act_quant_fp8(self.act(x))  # per token row: the gather reads the rows' codes and scales
+        if dup:  # gate and up in one launch: w3's segments (second half) write columns inter..
+            gu = cp.empty((p, 2 * inter), F32)
+            fp8_grouped_linear(xq, gather, segs, tabs[3][1], tabs[3][2], w1, gu)
+            segs = segs[: segs.size // 2]
+            hidden = self._swiglu_pairs(self.act(gu), inter, limit)
+        else:
+            gate, up = cp.empty((p, inter), F32), cp.empty((p, inter), F32)
+            fp8_grouped_linear(xq, gather, segs, p1, s1, w1, gate)
+            fp8_grouped_linear(xq, gather, segs, p3, s3, w3, up)
+            hidden = self._swiglu(self.act(gate), self.act(up), limit)
+        if hidden.size:  # bf16(hidden * routing weight), in place
+            K.function("elementwise", "moe_weight_rows")(_grid(hidden.size), (_ELT_BLOCK,), (
+                hidden, _c32(weights), order, np.int64(hidden.size), np.int32(inter)))
+        out = cp.empty((p, d), F32)
+        fp8_grouped_linear(act_quant_fp8(hidden), None, segs, p2, s2, w2, out)
+        y = cp.empty_like(x)
+        K.function("elementwise", "moe_combine")(_grid(y.size), (_ELT_BLOCK,), (
+            self.act(out), cp.ones(ids.shape, F32), inv, y, np.int64(y.size), np.int32(ids.shape[1]), np.int32(d)))
         return self.act(self._plus_shared(y, shared))
 
     def _linear_in(self, x: cp.ndarray, w: GpuWeight) -> cp.ndarray:
