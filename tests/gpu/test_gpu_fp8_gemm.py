@@ -108,3 +108,18 @@ def test_fp8_gemm_rate_on_flash_linears():
         rate = 2 * 4096 * n * k / t / 1e12
         print(f"{name} ({fmt}) [{n} x {k}] x 4096 rows: GEMM {t * 1e3:.3f} ms = {rate:.0f} TFLOP/s, "
               f"act_quant {tq * 1e3:.3f} ms")
+
+
+def test_fp8_peak_rate_bounds_the_gemm():
+    """bench's FP8 rate (kernels/peak.cu) is at least what the GEMM achieves on the largest FP8
+    linear, and not above the vendor's dense FP8 figure for Hopper (about 1,979 TFLOP/s on an
+    H100 SXM): a kernel that skipped its work would read far above it."""
+    from engine.bench import fp8_rate
+
+    rate, how = fp8_rate()
+    x = cp.asarray(_x(4096, 8192, seed=1))
+    w = _weight("fp8", 5120, 8192)
+    codes = act_quant_fp8(x)
+    gemm = 2 * 4096 * 5120 * 8192 / _timeit(lambda: fp8_linear(None, w, codes), iters=10)
+    print(f"FP8 MMA rate ({how}): {rate / 1e12:.0f} TFLOP/s; wo_b GEMM at 4096 rows {gemm / 1e12:.0f} TFLOP/s")
+    assert gemm <= rate <= 2.0e15
