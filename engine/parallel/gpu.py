@@ -29,6 +29,7 @@ import logging
 
 import numpy as np
 
+from engine.parallel.draft import ShardedDraft, rank_targets
 from engine.parallel.lockstep import Collective, RankComm, combine, run_ranks, run_steps
 from engine.parallel.shard import ShardPlan
 from engine.state.sequence import SequenceState, place
@@ -66,6 +67,8 @@ class GpuTP:
             self.nccl = nccl
             self.comms = nccl.NcclCommunicator.initAll(self.devices)
             log.info("NCCL %s communicators over GPUs %s", nccl.get_version(), self.devices)
+        # the DSpark draft, each rank's on its device (engine/parallel/draft.py)
+        self.draft = ShardedDraft(self) if self.ranks[0].model.dspark is not None else None
 
     # ---- the Model interface the Engine uses -------------------------------------------------
     @property
@@ -84,11 +87,18 @@ class GpuTP:
         return states[0]
 
     def forward(self, states: list[SequenceState], chunks: list, all_logits: bool = False,
-                on_device: bool = False) -> list[np.ndarray]:
-        per_rank = self._per_rank(states)
-        outs = run_ranks([lambda r=r, m=m: m.forward(per_rank[r], chunks, all_logits, on_device)
-                          for r, m in enumerate(self.ranks)], reduce=self._reduce, contexts=self._ctx)
+                on_device: bool = False, targets: dict | None = None, verify: bool = False) -> list[np.ndarray]:
+        """ModelRunner.forward over every rank (targets: a RankTargets from `draft.targets`, each
+        rank filling its own on its device)."""
+        per_rank, tg = self._per_rank(states), rank_targets(targets, self.size)
+        outs = self.lockstep([lambda r=r, m=m: m.forward(per_rank[r], chunks, all_logits, on_device, tg[r], verify)
+                              for r, m in enumerate(self.ranks)])
         return outs[0]
+
+    def lockstep(self, fns: list) -> list:
+        """One function per rank run to its end under its device, the collectives through NCCL
+        (or device sums); each one's result."""
+        return run_ranks(fns, reduce=self._reduce, contexts=self._ctx)
 
     def step_sample(self, states: list[SequenceState], chunks: list, jobs: list) -> list:
         """ModelRunner.step_sample: the vocabulary slices are gathered on rank 0's device and drawn there."""
@@ -115,6 +125,22 @@ class GpuTP:
         with cp.cuda.Device(first):
             return cp.concatenate(parts, axis=-1)
 
+    def _gather_everywhere(self, msgs: list[Collective]) -> list:
+        """The joined slices on the first GPU for the first rank, and a copy on its own device for
+        each other rank: the DSpark draft's Markov loop goes on from the gathered logits on every
+        rank, and may write them in place."""
+        cp, whole = self.cp, self._gather_on_first(msgs)
+        out = [whole]
+        for dev in self.devices[1:]:
+            if dev == self.devices[0]:
+                out.append(whole.copy())
+                continue
+            cp.cuda.Device(self.devices[0]).synchronize()
+            with cp.cuda.Device(dev):
+                out.append(cp.empty(whole.shape, dtype=whole.dtype))
+                out[-1].data.copy_from_device_async(whole.data, whole.nbytes)
+        return out
+
     def _device(self, dev: int):
         return lambda: self.cp.cuda.Device(dev)
 
@@ -140,7 +166,7 @@ class GpuTP:
         if op == "step":
             return self._steps(msgs)
         if op == "gather" and isinstance(msgs[0].value, cp.ndarray):
-            return [self._gather_on_first(msgs)] * self.size
+            return self._gather_everywhere(msgs)
         if op != "sum":
             return [combine(msgs)] * self.size  # the logits gather: host arrays
         parts = []

@@ -128,3 +128,40 @@ def test_simulated_tp_speculates_on_the_gpu(size: int) -> None:
     assert got == want
     assert sp.to_bytes() == st.to_bytes()
     assert all(r.to_bytes() == sp.to_bytes() for r in sp.replicas)
+
+
+def _speculating_tp(devices: list[int]) -> None:
+    """GpuTP speculates (engine/parallel/draft.py): greedy speculative output equals the same
+    ranks' plain greedy decoding, every rank keeps the same sequence state, and a seeded sampled
+    run repeats."""
+    from engine.parallel.gpu import GpuTP
+    from engine.runtime.sampling import SamplingParams
+    from engine.runtime.spec_decode import SpecStats, speculative_generate
+
+    cfg = load_config(DEMO)
+    tp = GpuTP(cfg, Checkpoint(DEMO), devices, DEMO / "tokenizer.json")
+    ids = np.random.default_rng(3).integers(3, cfg.vocab_size, size=30).tolist()
+    greedy = SamplingParams(temperature=0.0)
+    st = tp.new_state()
+    want = [int(np.argmax(tp.forward([st], [ids])[0]))]
+    while len(want) < 64:
+        want.append(int(np.argmax(tp.forward([st], [[want[-1]]])[0])))
+    sp, stats = tp.new_state(), SpecStats()
+    got = speculative_generate(tp, ids, 64, greedy, [], sp, stats)
+    print(f"GpuTP {devices} speculative: acceptance {stats.tokens_per_step:.2f} tokens/step over {stats.steps} steps")
+    assert got == want
+    assert sp.to_bytes() == st.to_bytes()
+    assert all(r.host_copy().to_bytes() == sp.to_bytes() for r in sp.replicas)
+    sampled = SamplingParams(temperature=0.9, top_p=0.95, seed=7)
+    runs = [speculative_generate(tp, ids, 32, sampled, [], tp.new_state(), rng=np.random.default_rng(7))
+            for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+def test_gpu_tp_speculates_on_one_gpu() -> None:
+    _speculating_tp([0, 0])
+
+
+@pytest.mark.skipif(cp.cuda.runtime.getDeviceCount() < 2, reason="needs 2 GPUs")
+def test_gpu_tp_speculates_over_two_gpus() -> None:
+    _speculating_tp([0, 1])
