@@ -33,13 +33,22 @@
 #define J_MASK 9   // -1: unconstrained; else offset in masks of this row's packed token mask
                    // (bit i of word w allows id 32w+i; needs J_WORK >= 0)
 #define J_U 10     // f64 uniform in [0, 1) (words 10-11: 8-byte aligned)
-#define J_WORDS 12
+#define J_MODE 12  // SMP_DRAW, SMP_VERIFY or SMP_KEEP
+#define J_DRAFT 13 // SMP_VERIFY: the draft token to test, -1 for the bonus row (a plain draw)
+#define J_Q 14     // u64 device address (words 14-15) of a float32 row [V]: the draft's q (read by
+                   // SMP_VERIFY, written by SMP_KEEP); 0: none
+#define J_UA 16    // f64 (words 16-17): SMP_VERIFY's uniform testing the draft
+#define J_WORDS 18
+#define SMP_DRAW 0
+#define SMP_VERIFY 1
+#define SMP_KEEP 2
 // output: int32 words per job
 #define O_TOKEN 0
 #define O_LP 1                 // f32
 #define O_IDS 2                // SMP_TOPN ids
 #define O_LPS (2 + SMP_TOPN)  // SMP_TOPN f32
-#define O_WORDS (2 + 2 * SMP_TOPN)
+#define O_ACCEPT (2 + 2 * SMP_TOPN)  // SMP_VERIFY: 1 if the draft is kept (O_TOKEN is then the draft)
+#define O_WORDS (3 + 2 * SMP_TOPN)
 
 // max key with the smallest index: (key << 32) | ~index, maximized over the block
 __device__ __forceinline__ u64 block_max_u64(u64 v, u64* red) {
@@ -118,6 +127,7 @@ extern "C" __global__ void __launch_bounds__(SMP_THREADS) sample_rows(
   __shared__ int top_ids[SMP_TOPN];
   __shared__ float top_val[SMP_TOPN];
   __shared__ int s_ntop;
+  __shared__ u64 s_wd;  // SMP_VERIFY: the draft token's weight
 
   const int* jb = jobs + (size_t)blockIdx.x * J_WORDS;
   int* o = out + (size_t)blockIdx.x * O_WORDS;
@@ -146,6 +156,10 @@ extern "C" __global__ void __launch_bounds__(SMP_THREADS) sample_rows(
   const int amax = block_argmax(x, V, red64);
   const float temp = __int_as_float(jb[J_TEMP]);
   int token = amax;
+
+  const int mode = jb[J_MODE], draft = jb[J_DRAFT];
+  float* q = (float*)(*(const unsigned long long*)(jb + J_Q));
+  bool accept = false;
 
   if (temp > 0.f && order_key(__float_as_uint(x[amax])) != 0u) {  // (not a row of -inf / NaN only)
     const float m = x[amax], inv_t = 1.f / temp;
@@ -211,60 +225,107 @@ extern "C" __global__ void __launch_bounds__(SMP_THREADS) sample_rows(
       ties += __popc(bal);
       return w;
     };
-    // CDF over the allowed ids in id order: the warps' sums (each group's sum and tie count kept
-    // in shared memory, in the radix histograms' space), their offsets, then the warp whose
-    // segment holds floor(u * W) finds its group and scans only that (integer sums: exact)
+    // CDF over the allowed ids in id order of weights tf(i, weight): the warps' sums (each group's
+    // sum and tie count kept in shared memory, in the radix histograms' space), their offsets, then
+    // the warp whose segment holds floor(u * W) finds its group and scans only that (integer sums:
+    // exact). tf: the weight itself, or a verify row's residual.
     const int G = S / 32;  // groups of 32 ids per warp
     const bool keep = G <= SMP_GROUPS;
     u64* gsum = hist + warp * SMP_GROUPS;
     u64* gtie = hist + (nw + warp) * SMP_GROUPS;
-    u64 part = 0ull, ties = tie0;
-    for (int base = s0, g = 0; base < s1; base += 32, ++g) {
-      const u64 t0 = ties;
-      const u64 gs = warp_sum_u64(group(base, ties));
-      if (keep && lane == 0) {
-        gsum[g] = gs;
-        gtie[g] = t0;
+    u64 part = 0ull, before = 0ull, total = 0ull;
+    auto sums = [&](auto tf) {  // part, before, total (and gsum / gtie) of tf's weights
+      u64 ties = tie0;
+      part = 0ull;
+      for (int base = s0, g = 0; base < s1; base += 32, ++g) {
+        const u64 t0 = ties;
+        const u64 gs = warp_sum_u64(tf(base + lane, group(base, ties)));
+        if (keep && lane == 0) {
+          gsum[g] = gs;
+          gtie[g] = t0;
+        }
+        part += gs;
       }
-      part += gs;
-    }
-    u64 total;
-    const u64 before = warp_offsets(part, red64, &total);  // (syncs gsum / gtie too)
-    const double u = fmin(fmax(*(const double*)(jb + J_U), 0.0), 0.9999999);
-    const u64 target = (u64)(u * (double)total);  // < total (the argmax alone weighs 2^40)
-    if (tid == 0) s_tok = amax;
-    __syncthreads();
-    if (before <= target && target < before + part) {  // warp-uniform
-      u64 acc = before;
-      int from = s0;  // the first group that may hold the target
-      ties = tie0;
-      if (keep) {
-        const int gw = (s1 - s0 + 31) / 32;  // this warp's groups (the last segments are shorter)
-        for (int c = 0; c < gw; c += 32) {
-          const u64 v = c + lane < gw ? gsum[c + lane] : 0ull, inc = warp_inclusive_scan(v);
+      before = warp_offsets(part, red64, &total);  // (syncs gsum / gtie too)
+    };
+    auto draw = [&](auto tf, double u) {  // the id whose CDF step holds u * total, into s_tok
+      u = fmin(fmax(u, 0.0), 0.9999999);
+      const u64 target = (u64)(u * (double)total);  // < total
+      if (before <= target && target < before + part) {  // warp-uniform
+        u64 acc = before, ties = tie0;
+        int from = s0;  // the first group that may hold the target
+        if (keep) {
+          const int gw = (s1 - s0 + 31) / 32;  // this warp's groups (the last segments are shorter)
+          for (int c = 0; c < gw; c += 32) {
+            const u64 v = c + lane < gw ? gsum[c + lane] : 0ull, inc = warp_inclusive_scan(v);
+            const u32 hit = __ballot_sync(0xffffffffu, acc + inc > target);
+            if (hit) {
+              const int l = __ffs(hit) - 1, g = c + l;
+              acc += __shfl_sync(0xffffffffu, inc - v, l);
+              from = s0 + 32 * g;
+              ties = gtie[g];
+              break;
+            }
+            acc += __shfl_sync(0xffffffffu, inc, 31);
+          }
+        }
+        for (int base = from; base < s1; base += 32) {
+          const u64 inc = warp_inclusive_scan(tf(base + lane, group(base, ties)));
           const u32 hit = __ballot_sync(0xffffffffu, acc + inc > target);
           if (hit) {
-            const int l = __ffs(hit) - 1, g = c + l;
-            acc += __shfl_sync(0xffffffffu, inc - v, l);
-            from = s0 + 32 * g;
-            ties = gtie[g];
+            if (lane == 0) s_tok = base + __ffs(hit) - 1;
             break;
           }
           acc += __shfl_sync(0xffffffffu, inc, 31);
         }
       }
-      for (int base = from; base < s1; base += 32) {
-        const u64 inc = warp_inclusive_scan(group(base, ties));
-        const u32 hit = __ballot_sync(0xffffffffu, acc + inc > target);
-        if (hit) {
-          if (lane == 0) s_tok = base + __ffs(hit) - 1;
-          break;
-        }
-        acc += __shfl_sync(0xffffffffu, inc, 31);
-      }
+      __syncthreads();
+    };
+    const bool test = mode == SMP_VERIFY && draft >= 0;
+    auto plain = [&](int i, u64 w) {
+      if (test && i == draft) s_wd = w;
+      return w;
+    };
+    if (tid == 0) {
+      s_tok = amax;  // (the argmax alone weighs 2^40: a total is never 0)
+      s_wd = 0ull;
     }
     __syncthreads();
+    sums(plain);
+    const double u = *(const double*)(jb + J_U);
+    if (!test) {
+      draw(plain, u);
+    } else {
+      // keep d with probability min(1, p(d) / q(d)): u_a * q(d) < w(d) / W
+      const double qd = q ? (double)q[draft] : 0.0, big_w = (double)total;
+      accept = qd > 0.0 && *(const double*)(jb + J_UA) * qd * big_w < (double)s_wd;
+      if (accept) {
+        if (tid == 0) s_tok = draft;
+        __syncthreads();
+      } else {
+        bool residual = qd > 0.0;
+        if (residual) {  // norm(max(p - q, 0)), p = w / W
+          auto minus_q = [&](int i, u64 w) {
+            const double r = i < s1 ? (double)w / big_w - (double)q[i] : 0.0;
+            return r > 0.0 ? (u64)(r * (double)RADIX_ONE + 0.5) : 0ull;
+          };
+          sums(minus_q);
+          residual = total > 0ull;
+          if (residual) draw(minus_q, u);
+        }
+        if (!residual) {  // p itself (the sums again: the residual's overwrote them)
+          sums(plain);
+          draw(plain, u);
+        }
+      }
+    }
     token = s_tok;
+    if (mode == SMP_KEEP && q) {  // the draw's distribution, for verify (no truncation: ranks unused)
+      const double inv = 1.0 / (double)total;
+      for (int i = tid; i < V; i += nt) q[i] = (float)((double)weight(i, key_k(i), 0ull) * inv);
+    }
+  } else if (mode == SMP_VERIFY && draft >= 0) {  // greedy: kept where the argmax is the draft
+    accept = token == draft;
   }
 
   // ---- logprobs of the raw logits ----
@@ -337,5 +398,8 @@ extern "C" __global__ void __launch_bounds__(SMP_THREADS) sample_rows(
     }
     if (tid == 0) o[O_LP] = __float_as_int(raw[token] - lse);
   }
-  if (tid == 0) o[O_TOKEN] = token;
+  if (tid == 0) {
+    o[O_TOKEN] = token;
+    o[O_ACCEPT] = accept ? 1 : 0;
+  }
 }

@@ -271,10 +271,11 @@ class DSpark:
         """Draft a block for each sequence, all in one forward: position i's logits plus the
         Markov bias of the token before it (the last token, then the drafted ones); each token
         their argmax (rng None), or drawn with the sequence's rng from softmax(logits / its
-        temperature), the distributions `probs` then holds exactly (what rejection sampling
-        weighs). A batch that only takes argmaxes drafts on the backend with no host work (one
-        graph on the GPU); one with drawing sequences brings their rows to the host at each
-        position. Reads the states, never changes them."""
+        temperature), the distributions `probs` then holds (what rejection sampling weighs; a
+        backend array, ops.draw_drafts). A batch that only takes argmaxes drafts as one region
+        (one graph on the GPU); one with drawing sequences draws each position with
+        ops.draw_drafts, on the device on the GPU: only the tokens come to the host, at the end.
+        Reads the states, never changes them."""
         ops, xp, n, bsz = self.ops, self.ops.xp, self.block_size, len(states)
         rngs = rngs or [None] * bsz
         temperatures = temperatures or [1.0] * bsz
@@ -285,41 +286,35 @@ class DSpark:
             # (copies: a region's outputs are rewritten by its next run)
             return [Draft(tokens[b], logits[b].copy(), probs[b].copy(), confidence[b].copy()) for b in range(bsz)]
         x, logits = self.forward(states, last_tokens)
-        logits = logits.reshape(bsz, n, logits.shape[-1]).copy()  # (a region's output: its next run rewrites it)
+        vocab = logits.shape[-1]
+        logits = logits.reshape(bsz, n, vocab).copy()  # (a region's output: its next run rewrites it)
+        flat = logits.reshape(bsz * n, vocab)  # (a view: the Markov bias added to logits shows in it)
+        # each drawing sequence's uniforms, one per position, taken as the draws go (position by
+        # position, sequence by sequence), so that a generator shared by two sequences still
+        # gives each the uniforms it always did
+        uniforms = np.zeros((n, bsz))
+        for i in range(n):
+            for b in drawing:
+                uniforms[i, b] = rngs[b].random()
+        temps = [float(temperatures[b]) if rngs[b] is not None else 0.0 for b in range(bsz)]
         prev = ops.asarray(np.asarray(last_tokens, np.int64), dtype=np.int64)
-        tokens, embeds, drawn_from = [], [], [[] for _ in range(bsz)]
+        tokens, embeds, drawn_from = [], [], []
         for i in range(n):
             embeds.append(self._markov(logits, i, prev))
-            prev = xp.argmax(logits[:, i], axis=1).astype(np.int64)
-            rows = np.asarray(ops.to_host(logits[drawing, i]), np.float64)
-            picks = ops.to_host(prev).copy()
-            for r, b in zip(rows, drawing, strict=True):
-                q = _softmax64(r / temperatures[b])
-                c = np.cumsum(q)
-                picks[b] = min(np.searchsorted(c, rngs[b].random() * c[-1], side="right"), q.size - 1)
-                drawn_from[b].append(q)
-            prev = ops.asarray(picks, dtype=np.int64)
+            prev, q = ops.draw_drafts(flat, [b * n + i for b in range(bsz)], temps, uniforms[i])
             tokens.append(prev)
+            drawn_from.append(q)
         tokens = np.asarray(ops.to_host(xp.stack(tokens, axis=1)), np.int64)  # [bsz, n]
         confidence = self.confidence_head(x, xp.stack(embeds, axis=1).reshape(bsz * n, -1)).reshape(bsz, n)
-        out = []
-        for b in range(bsz):
-            if rngs[b] is not None:
-                out.append(Draft(tokens[b], logits[b], np.stack(drawn_from[b]), confidence[b]))
-                continue
-            out.append(Draft(tokens[b], logits[b], _softmax_last(xp, logits[b]), confidence[b]))
-        return out
+        probs = xp.stack(drawn_from, axis=1)  # [bsz, n, vocab]
+        return [Draft(tokens[b], logits[b], probs[b] if rngs[b] is not None else _softmax_last(xp, logits[b]),
+                      confidence[b]) for b in range(bsz)]
 
 
 def _softmax_last(xp, logits):
     """Softmax over the last axis, on the backend (what a greedy draft's probs hold)."""
     p = xp.exp(logits - logits.max(axis=-1, keepdims=True))
     return p / p.sum(axis=-1, keepdims=True)
-
-
-def _softmax64(x: np.ndarray) -> np.ndarray:
-    e = np.exp(x - x.max())
-    return e / e.sum()
 
 
 def _rows_per_chunk(ns: list[int], total: int) -> list[int]:

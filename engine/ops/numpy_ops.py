@@ -12,6 +12,7 @@ import numpy as np
 
 from engine.checkpoint import formats
 from engine.parallel.shard import stack_rows
+from engine.runtime import spec_sampling
 from engine.runtime.sampling import sample_batch
 from engine.state import sequence as codecs
 from engine.state.decode_plan import with_spans
@@ -85,6 +86,14 @@ class NumpyOps:
         if ahead is not None:
             ahead()
         return out
+
+    def draw_drafts(self, logits: np.ndarray, rows, temperatures, uniforms) -> tuple[np.ndarray, np.ndarray]:
+        """One position of a draft block, by the host rule (engine/runtime/spec_sampling.py)."""
+        return spec_sampling.draw_drafts(logits, rows, temperatures, uniforms)
+
+    def verify_rows(self, logits: np.ndarray, jobs: list) -> list:
+        """Speculative verify of free sequences, by the host rule (engine/runtime/spec_sampling.py)."""
+        return spec_sampling.verify_batch(np.asarray(logits), jobs)
 
     def copy_rows(self, jobs: list) -> None:
         """Row copies (src, src_row, dst, dst_row, rows) between 2-D arrays of one width, in order."""

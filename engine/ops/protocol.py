@@ -9,12 +9,13 @@ Three groups:
 - collectives (all_reduce, all_gather): identities on one rank; under tensor parallelism the
   parallel driver (engine/parallel/) gives each rank's ops a `comm` that combines the ranks' parts;
 - what the runner uses to run a step (stage, prestage, graphed_step, fork, join_all, sample_rows,
-  copy_rows): the model files never call these.
+  copy_rows) and speculative sampling's draws (draw_drafts, which the draft calls, and
+  verify_rows): the model files call only draw_drafts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 Array = Any  # an xp array of this backend (numpy.ndarray, cupy.ndarray)
@@ -97,3 +98,19 @@ class Ops(Protocol):
     def join_all(self) -> None: ...
     def sample_rows(self, logits: Array, jobs: list, ahead: Callable | None = None) -> list: ...
     def copy_rows(self, jobs: list) -> None: ...
+
+    def draw_drafts(self, logits: Array, rows: Sequence[int], temperatures: Sequence[float],
+                    uniforms: Sequence[float]) -> tuple[Array, Array]:
+        """One position of a draft block (engine/runtime/spec_sampling.py draw_drafts): from rows
+        `rows` of logits [*, vocab], each sequence's token, drawn at its host uniform from
+        softmax(logits / temperature) or the argmax where temperature <= 0, as backend int64
+        [len(rows)], and the distributions drawn from, q [len(rows), vocab] (numpy: float64; GPU:
+        float32), kept on the backend for verify_rows."""
+        ...
+
+    def verify_rows(self, logits: Array, jobs: list) -> list:
+        """The verify rule for free sequences (spec_sampling.VerifyJob: greedy, or sampled with the
+        draft's q rows) over a verify step's logits [rows, vocab]: one spec_sampling.Verdict per job
+        (tokens, drafts kept, logprobs), the uniforms drawn from each job's generator in the order
+        engine/runtime/speculative.py documents. Only the verdicts leave the device."""
+        ...

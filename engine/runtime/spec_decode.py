@@ -34,7 +34,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from engine.runtime.sampling import SampleJob, SamplingParams, make_rngs, sample, token_logprobs
+from engine.runtime.sampling import SamplingParams, make_rngs, sample, token_logprobs
+from engine.runtime.spec_sampling import VerifyJob
 from engine.runtime.speculative import verify
 from engine.state import trial as trials
 from engine.state.sequence import SequenceState
@@ -110,9 +111,10 @@ class SpecJob(NamedTuple):
     guide: Any = None  # constrained decoding: spec_guided.Drafter, the drafts and verify's masks
 
 
-def _drawn_on_device(j: SpecJob) -> bool:
-    """Whether a sequence's verify rows are drawn by the backend's sampler (speculative_steps)."""
-    return j.params.greedy and j.guide is None
+def _on_device(j: SpecJob) -> bool:
+    """Whether a sequence's verify runs on the backend (ops.verify_rows): every free one, greedy or
+    sampled; a constrained one's rows come to the host for its grammar's masks."""
+    return j.guide is None
 
 
 def speculative_steps(model, dsp, jobs: list[SpecJob]) -> list[list[int]]:
@@ -135,7 +137,7 @@ def speculative_steps(model, dsp, jobs: list[SpecJob]) -> list[list[int]]:
             d, m = j.guide(dsp, j.ds, j.generated[-1], k)
         elif k > 0:
             d = [int(x) for x in blocks[b].tokens[:k]]
-            q = None if j.params.greedy else np.asarray(blocks[b].probs[:k], np.float64)
+            q = None if j.params.greedy else blocks[b].probs  # (q rows on the backend)
         else:
             d = []
         drafts.append(d)
@@ -148,20 +150,19 @@ def speculative_steps(model, dsp, jobs: list[SpecJob]) -> list[list[int]]:
         logits = model.forward([j.state for j in jobs], chunks, all_logits=True, on_device=True, targets=targets,
                                verify=True)
         starts = np.cumsum([0, *map(len, chunks)])
-        # A free greedy sequence's rows are drawn by the backend's sampler, row i counting drafts
-        # 0 .. i-1 as generated (it is reached only if they are kept), so only tokens (and logprobs)
-        # leave the device; the other sequences' rows come to the host for the verify rule.
-        draws = [SampleJob(int(starts[b]) + i, j.params, [*j.generated, *d[:i]], j.rng)
-                 for b, (j, d) in enumerate(zip(jobs, drafts, strict=True)) if _drawn_on_device(j)
-                 for i in range(len(d) + 1)]
-        drawn = iter(ops.sample_rows(logits, draws) if draws else ())
+        # A free sequence's rows are verified by the backend (ops.verify_rows: drawn on the device
+        # on the GPU, row i counting drafts 0 .. i-1 as generated, as it is reached only if they are
+        # kept), so only tokens and logprobs leave the device; a constrained sequence's rows come to
+        # the host for the verify rule under its grammar's masks.
+        free_jobs = [b for b, j in enumerate(jobs) if _on_device(j)]
+        judged = dict(zip(free_jobs, ops.verify_rows(logits, [
+            VerifyJob(int(starts[b]), drafts[b], qs[b], jobs[b].params, jobs[b].generated, jobs[b].rng)
+            for b in free_jobs]), strict=True)) if free_jobs else {}
         verdicts, rows = [], []
         for b, (j, d, q, m) in enumerate(zip(jobs, drafts, qs, masks, strict=True)):
-            if _drawn_on_device(j):
-                got = [next(drawn) for _ in range(len(d) + 1)]
-                n = next((i for i, g in enumerate(got[:-1]) if g[0] != d[i]), len(d))
-                verdicts.append(([int(g[0]) for g in got[: n + 1]], n))
-                rows.append(got)
+            if b in judged:
+                verdicts.append((judged[b].tokens, judged[b].kept))
+                rows.append(judged[b].logprobs)
             else:
                 x = np.asarray(ops.to_host(logits[int(starts[b]) : int(starts[b + 1])]), np.float32)
                 verdicts.append(verify(x, d, q, j.params, j.generated, j.rng, m))
@@ -174,8 +175,8 @@ def speculative_steps(model, dsp, jobs: list[SpecJob]) -> list[list[int]]:
     for j, tr, d, x, (tokens, n) in zip(jobs, marks, drafts, rows, verdicts, strict=True):
         keep = _first_stop(tokens, j.eos)
         if j.params.logprobs and j.logprobs is not None:
-            if isinstance(x, list):  # drawn on the device: each row's draw reports its own
-                j.logprobs.extend((g[1], g[2]) for g in x[:keep])
+            if isinstance(x, list):  # verified by the backend: each row's logprobs, reported with it
+                j.logprobs.extend(x[:keep])
             else:
                 j.logprobs.extend(token_logprobs(x[r], t, j.params.top_logprobs) for r, t in enumerate(tokens[:keep]))
         trials.cut(j.state, tr, keep)  # the state holds exactly the emitted tokens but the last

@@ -1,5 +1,6 @@
 """Speculative decoding's verify rule on the host: which of a draft's k tokens a sequence keeps,
-given the main model's logits at the k + 1 positions [last token, draft 0 .. draft k-1].
+given the main model's logits at the k + 1 positions [last token, draft 0 .. draft k-1]. It is the
+numpy backend's ops.verify_rows and the reference of the GPU's (engine/runtime/spec_sampling.py).
 
 Greedy requests keep the longest prefix of drafts that equal the main model's argmax (after the
 mask, penalties and logit_bias, exactly as plain greedy decoding picks), then the main model's own

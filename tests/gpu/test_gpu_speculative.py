@@ -153,8 +153,9 @@ def test_draft_layers_replay_as_a_graph():
 
 def test_sampled_and_constrained_speculation_on_gpu():
     """Sampled requests draw their drafts from the draft's distribution and verify them against
-    the main model's on the host: seeded runs repeat exactly. A constrained request drafts within
-    its grammar on the GPU and emits what plain constrained decoding emits."""
+    the main model's on the device (ops.draw_drafts, ops.verify_rows): seeded runs repeat exactly.
+    A constrained request drafts within its grammar on the GPU and emits what plain constrained
+    decoding emits."""
     eng = _engine(True)
     ids = _ids(eng, PROMPTS[0])
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=7)

@@ -20,6 +20,7 @@ import numpy as np
 
 from engine.ops import kernels as K
 from engine.ops.gpu import sampling as cupy_sampling
+from engine.ops.gpu import spec_sampling as cupy_spec
 from engine.ops.gpu import staging as cupy_staging
 from engine.ops.gpu.attention import AttentionOps
 from engine.ops.gpu.common import F32, _ptr
@@ -121,6 +122,17 @@ class CupyOps(Forks, WeightOps, LinearOps, NormOps, MoeOps, AttentionOps):
         host work done while the device finishes, before the tokens are read back."""
         return cupy_sampling.sample_rows(self.asarray(logits), jobs,
                                          upload=lambda table: self.asarray(table, dtype=np.int32), ahead=ahead)
+
+    def draw_drafts(self, logits: cp.ndarray, rows, temperatures, uniforms) -> tuple[cp.ndarray, cp.ndarray]:
+        """One position of a draft block, drawn on the device (spec_sampling.py)."""
+        return cupy_spec.draw_drafts(logits, rows, temperatures, uniforms, upload=self._upload32)
+
+    def verify_rows(self, logits: cp.ndarray, jobs: list) -> list:
+        """Speculative verify of free sequences on the device (spec_sampling.py): verdicts only come back."""
+        return cupy_spec.verify_rows(self.asarray(logits), jobs, upload=self._upload32)
+
+    def _upload32(self, table: np.ndarray) -> cp.ndarray:
+        return self.asarray(table, dtype=np.int32)
 
     def copy_rows(self, jobs: list) -> None:
         """Row copies (src, src_row, dst, dst_row, rows) between C-contiguous 2-D arrays of one width,

@@ -5,8 +5,9 @@ temperature, top-p, min-p and the uniform its own generator draws (exactly where
 it, so seeded streams stay those of the numpy backend; passed as float64), followed by the penalty / logit_bias
 deltas (engine.runtime.sampling.logit_deltas) and the packed token masks of constrained rows (applied
 as the row is copied to scratch: cleared ids become -inf). One upload, one launch (a block per job), one download of
-[jobs, 42] words: the token, its logprob and the top logprobs. The [batch, vocab] logits stay on
-the device.
+[jobs, 43] words: the token, its logprob, the top logprobs (and a verify row's verdict). The
+[batch, vocab] logits stay on the device. Speculative sampling's draws run on the same kernel
+(engine/ops/gpu/spec_sampling.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 from engine.ops import kernels as K
 from engine.ops.gpu.sample_table import (  # (the table's layout, shared with the kernel)
     JOB_WORDS,
+    OUT_ACCEPT,
     OUT_IDS,
     OUT_LP,
     OUT_LPS,
@@ -26,6 +28,7 @@ from engine.ops.gpu.sample_table import (  # (the table's layout, shared with th
     OUT_WORDS,
     SMEM,
     THREADS,
+    SpecRow,
     job_table,
 )
 from engine.runtime.sampling import SampleJob
@@ -38,8 +41,19 @@ def sample_rows(logits: cp.ndarray, jobs: Sequence[SampleJob], upload=cp.asarray
     if not jobs:
         return []
     logits = cp.ascontiguousarray(logits, dtype=cp.float32)
+    out = launch(logits, jobs, upload)
+    if ahead is not None:
+        ahead()
+    return results(cp.asnumpy(out), jobs, logits.shape[-1])
+
+
+def launch(logits: cp.ndarray, jobs: Sequence[SampleJob], upload=cp.asarray,
+           spec: Sequence[SpecRow] | None = None) -> cp.ndarray:
+    """The kernel over C-contiguous float32 logits [rows, vocab] for these jobs (and their
+    speculative words, sample_table.SpecRow); its output [jobs, OUT_WORDS] int32 on the device, not
+    read back."""
     vocab = logits.shape[-1]
-    table, ndelta, nwork = job_table(jobs, vocab)
+    table, ndelta, nwork = job_table(jobs, vocab, spec)
     dev = upload(table)
     if dev.dtype != cp.int32:
         raise TypeError(f"the job table must reach the device as int32, not {dev.dtype}")
@@ -49,17 +63,25 @@ def sample_rows(logits: cp.ndarray, jobs: Sequence[SampleJob], upload=cp.asarray
     K.function_with_smem("sampling", "sample_rows", SMEM)((len(jobs),), (THREADS,), (
         logits, np.int32(vocab), dev, dev[nh:nh + ndelta], dev[nh + ndelta:], dev[nh + 2 * ndelta:], work, out),
         shared_mem=SMEM)
-    if ahead is not None:
-        ahead()
-    host = cp.asnumpy(out)
+    return out
+
+
+def results(host: np.ndarray, jobs: Sequence[SampleJob], vocab: int) -> list:
+    """Each job's (token, logprob, top_logprobs) from the kernel's output read back [jobs, OUT_WORDS]
+    (logprob and top_logprobs None unless its params ask for logprobs)."""
     hf = host.view(np.float32)
-    results = []
+    out = []
     for j, job in enumerate(jobs):
         tok = int(host[j, OUT_TOKEN])
         if not job.params.logprobs:
-            results.append((tok, None, None))
+            out.append((tok, None, None))
             continue
         k = min(job.params.top_logprobs, vocab)
         top = [(int(host[j, OUT_IDS + a]), float(hf[j, OUT_LPS + a])) for a in range(k)]
-        results.append((tok, float(hf[j, OUT_LP]), top))
-    return results
+        out.append((tok, float(hf[j, OUT_LP]), top))
+    return out
+
+
+def accepted(host: np.ndarray) -> np.ndarray:
+    """Which verify rows kept their draft, from the kernel's output read back [jobs, OUT_WORDS]."""
+    return host[:, OUT_ACCEPT] != 0
