@@ -9,7 +9,11 @@ the 1-token decode step, and the tokens/s they imply at acceptance 3.5 and 5.6 t
   position-by-position loop and the confidence head eagerly; floor: the draft layers' weights
   (dense, the experts the batch's block rows touch), main_proj, the head and the Markov head once
   a position;
-- 1-token step: the plain decode step's graph at the same batch size.
+- 1-token step: the plain decode step's graph at the same batch size;
+- served step: spec_decode.speculative_steps end to end, as the server runs it (draft, verify, the
+  host work between them, the trials cut to the drafts the random checkpoint keeps), with the
+  verify step planned while the device drafts (ModelRunner.prepare_verify) and planned inline
+  after it (prepare_verify hidden): their difference is the overlap.
 A speculative step is one draft step and one verify step, so at acceptance a it emits a tokens
 per sequence in (draft + verify) time.
 """
@@ -80,6 +84,42 @@ def floors(model, cfg, b: int, bw: float) -> dict:
             "draft": draft / bw}
 
 
+def served_step(model, dsp, cfg, b: int, rng, ahead: bool, steps: int = 8) -> tuple[float, float]:
+    """Mean seconds of one speculative_steps call over b fresh greedy sequences (after two warm-up
+    calls), and the tokens a sequence kept per step; ahead False: the verify planned inline."""
+    from engine.runtime.sampling import SamplingParams
+    from engine.runtime.spec_decode import SpecJob, SpecStats, feed, speculative_steps
+
+    greedy = SamplingParams(temperature=0.0)
+    seqs = []
+    for _ in range(b):
+        st, ds = model.new_state(), dsp.new_state()
+        prompt = [int(t) for t in rng.integers(0, cfg.vocab_size, cfg.sliding_window + 1)]
+        feed(model, dsp, st, ds, prompt, all_logits=False)
+        seqs.append((st, ds, [prompt[-1]], SpecStats()))
+
+    def step() -> None:
+        jobs = [SpecJob(st, ds, out, 1 << 20, greedy, (), None, stats) for st, ds, out, stats in seqs]
+        for (_, _, out, _), toks in zip(seqs, speculative_steps(model, dsp, jobs), strict=True):
+            out.extend(toks)
+
+    if not ahead:
+        model.prepare_verify = None  # (hidden: speculative_steps plans the verify inline)
+    try:
+        step()
+        step()
+        kept = sum(len(s[3].lengths) for s in seqs), sum(sum(s[3].lengths) for s in seqs)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        seconds = (time.perf_counter() - t0) / steps
+    finally:
+        if not ahead:
+            del model.prepare_verify
+    n = sum(len(s[3].lengths) for s in seqs) - kept[0]
+    return seconds, (sum(sum(s[3].lengths) for s in seqs) - kept[1]) / max(n, 1)
+
+
 def bench_speculative(model, cfg, batches, bw: float, rng, timeit, graph_seconds, sync) -> None:
     """The speculative table (see the module's docstring); timeit(fn) -> median seconds,
     graph_seconds(rows, verify) -> a captured decode graph's replay seconds, sync() waits for the GPU."""
@@ -91,7 +131,8 @@ def bench_speculative(model, cfg, batches, bw: float, rng, timeit, graph_seconds
     print(f"\nDSpark: {len(model.w.dspark.layers)} draft layers, {dsp.cfg.n_routed_experts} experts "
           f"top-{dsp.cfg.num_experts_per_tok}, block {k}")
     print(f"{'batch':>6s} {'step ms':>8s} {'floor':>7s} {'verify ms':>9s} {'floor':>7s} {'% floor':>8s} "
-          f"{'draft ms':>9s} {'floor':>7s} {'% floor':>8s} " + " ".join(f"{f'tok/s@{a}':>10s}" for a in ACCEPTANCE))
+          f"{'draft ms':>9s} {'floor':>7s} {'% floor':>8s} " + " ".join(f"{f'tok/s@{a}':>10s}" for a in ACCEPTANCE)
+          + f" {'served ms':>9s} {'inline':>7s} {'tok/step':>8s}")
     for b in batches:
         states, drafts = [model.new_state() for _ in range(b)], [dsp.new_state() for _ in range(b)]
         for st, ds in zip(states, drafts, strict=True):
@@ -119,11 +160,15 @@ def bench_speculative(model, cfg, batches, bw: float, rng, timeit, graph_seconds
         draft_s = timeit(draft_all) if b <= 8 else time.perf_counter() - t0
         f = floors(model, cfg, b, bw)
         rates = " ".join(f"{b * a / (draft_s + verify_s):10.1f}" for a in ACCEPTANCE)
+        served_s, per_step = served_step(model, dsp, cfg, b, rng, ahead=True)
+        inline_s, _ = served_step(model, dsp, cfg, b, rng, ahead=False)
         print(f"{b:6d} {step_s * 1e3:8.3f} {f['step'] * 1e3:7.3f} {verify_s * 1e3:9.3f} {f['verify'] * 1e3:7.3f} "
               f"{100 * f['verify'] / verify_s:7.1f}% {draft_s * 1e3:9.3f} {f['draft'] * 1e3:7.3f} "
-              f"{100 * f['draft'] / draft_s:7.1f}% {rates}")
+              f"{100 * f['draft'] / draft_s:7.1f}% {rates} {served_s * 1e3:9.3f} {inline_s * 1e3:7.3f} "
+              f"{per_step:8.2f}")
     print("(step / verify ms: the 1-token and the verify decode step's graphs replayed back to back (nan: not "
           "captured, e.g. more rows than a graph takes); draft ms: every sequence's draft block as served (its "
           "block one graph for an argmax-only batch, its layers one graph otherwise); floors: bytes each "
           "step reads / copy bandwidth; "
-          "tok/s@a: batch x a / (draft + verify))")
+          "tok/s@a: batch x a / (draft + verify); served / inline ms: one speculative_steps call as served, the "
+          "verify step planned while the device drafts / planned after it; tok/step: tokens a sequence kept a step)")

@@ -24,6 +24,7 @@ dspark_* fields (engine/model/config.py) give its shape.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -267,7 +268,7 @@ class DSpark:
         return self.draft_many([state], [last_token], [rng], [temperature])[0]
 
     def draft_many(self, states: list[DraftState], last_tokens: list[int], rngs: list | None = None,
-                   temperatures: list[float] | None = None) -> list[Draft]:
+                   temperatures: list[float] | None = None, ahead: Callable[[], None] | None = None) -> list[Draft]:
         """Draft a block for each sequence, all in one forward: position i's logits plus the
         Markov bias of the token before it (the last token, then the drafted ones); each token
         their argmax (rng None), or drawn with the sequence's rng from softmax(logits / its
@@ -275,13 +276,17 @@ class DSpark:
         backend array, ops.draw_drafts). A batch that only takes argmaxes drafts as one region
         (one graph on the GPU); one with drawing sequences draws each position with
         ops.draw_drafts, on the device on the GPU: only the tokens come to the host, at the end.
-        Reads the states, never changes them."""
+        ahead(): host work to do once the draft's device work is launched, before its tokens are
+        read back (the verify step's plan: ModelRunner.prepare_verify). Reads the states, never
+        changes them."""
         ops, xp, n, bsz = self.ops, self.ops.xp, self.block_size, len(states)
         rngs = rngs or [None] * bsz
         temperatures = temperatures or [1.0] * bsz
         drawing = [b for b in range(bsz) if rngs[b] is not None]
         if not drawing:
             tokens, logits, probs, confidence = self._run(states, last_tokens, greedy=True)
+            if ahead is not None:
+                ahead()
             tokens = np.asarray(ops.to_host(tokens), np.int64)
             # (copies: a region's outputs are rewritten by its next run)
             return [Draft(tokens[b], logits[b].copy(), probs[b].copy(), confidence[b].copy()) for b in range(bsz)]
@@ -304,9 +309,11 @@ class DSpark:
             prev, q = ops.draw_drafts(flat, [b * n + i for b in range(bsz)], temps, uniforms[i])
             tokens.append(prev)
             drawn_from.append(q)
-        tokens = np.asarray(ops.to_host(xp.stack(tokens, axis=1)), np.int64)  # [bsz, n]
         confidence = self.confidence_head(x, xp.stack(embeds, axis=1).reshape(bsz * n, -1)).reshape(bsz, n)
         probs = xp.stack(drawn_from, axis=1)  # [bsz, n, vocab]
+        if ahead is not None:
+            ahead()
+        tokens = np.asarray(ops.to_host(xp.stack(tokens, axis=1)), np.int64)  # [bsz, n]
         return [Draft(tokens[b], logits[b], probs[b] if rngs[b] is not None else _softmax_last(xp, logits[b]),
                       confidence[b]) for b in range(bsz)]
 

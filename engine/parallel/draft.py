@@ -79,7 +79,7 @@ class ShardedDraft:
         return states[0]
 
     def draft_many(self, states: list[DraftState], last_tokens: list[int], rngs: list | None = None,
-                   temperatures: list[float] | None = None) -> list:
+                   temperatures: list[float] | None = None, ahead: Callable[[], None] | None = None) -> list:
         rngs = list(rngs or [None] * len(states))
         per_rank = [rngs] + [[copy.deepcopy(g) for g in rngs] for _ in self.drafts[1:]]
         outs = self._each(lambda r, d: d.draft_many([replica(s, r) for s in states], last_tokens, per_rank[r],
@@ -87,6 +87,8 @@ class ShardedDraft:
         for other in outs[1:]:
             if any(not np.array_equal(a.tokens, b.tokens) for a, b in zip(outs[0], other, strict=True)):
                 raise RuntimeError("tensor-parallel ranks drafted different tokens")
+        if ahead is not None:  # (the ranks ran synchronously: the host work follows them)
+            ahead()
         return outs[0]
 
     def draft(self, state: DraftState, last_token: int, rng=None, temperature: float = 1.0):

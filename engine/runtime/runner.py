@@ -9,7 +9,8 @@ A forward call takes several sequences, each with its own state and a chunk of >
   parallelism offers it to the driver, which captures every rank's step with its collectives; a
   speculative verify step is such a decode step, and the DSpark draft's layers run as one graph
   per batch size too (DSpark.region);
-- plans the next decode step on the host while the device runs this one (prepare_next);
+- plans the next decode step on the host while the device runs this one (prepare_next), and a
+  speculative verify step while the device drafts (prepare_verify);
 - trims rows no later layer needs (bounded replay);
 - runs some model parts on a side stream while a graph is captured (FORKED: ops.fork), so that
   independent chains overlap; an op that reads their outputs waits for them;
@@ -41,13 +42,17 @@ FORKED = (("attn", "query_heads"), ("attn.indexer", "queries"), ("", "hc_mixes")
 
 
 class _Ahead(NamedTuple):
-    """A decode step planned ahead (prepare_next): its sequences and positions, their bookkeeping
-    before and after the plan, its inputs (token fields placeholders) and the backend's staging."""
+    """A decode or verify step planned ahead (prepare_next, prepare_verify): its sequences, each
+    row's position, the rows of each sequence (None: a decode step, one each), their bookkeeping
+    before and after the plan, a verify step's bookkeeping after each row (trial.rows), its inputs
+    (token fields placeholders) and the backend's staging."""
 
     states: list
     pos: np.ndarray
+    counts: list | None
     before: tuple
     after: tuple
+    marks: list | None
     inputs: StepInputs
     pre: object
 
@@ -61,6 +66,12 @@ def _token_ids(chunks: list) -> tuple[np.ndarray, np.ndarray]:
             return ids, np.ones(len(chunks), np.int64)
     arrs = [np.asarray(ch, dtype=np.int64).reshape(-1) for ch in chunks]
     return np.concatenate(arrs), np.array([a.size for a in arrs], np.int64)
+
+
+def _row_positions(pos: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """Each row's position when the sequences at `pos` take sizes[i] consecutive rows each."""
+    ends = np.cumsum(sizes)
+    return np.repeat(pos - (ends - sizes), sizes) + np.arange(int(ends[-1]))
 
 
 def _keep_trailing(seqs: list[Seq], keep: int) -> np.ndarray | None:
@@ -86,8 +97,8 @@ class ModelRunner:
         self.model = Transformer(cfg, self.w, ops, self.plan, tokenizer_json, store_quantized)
         self.model_key = self.model.model_key
         self.bounded_replay = True
-        self._next: _Ahead | None = None  # the next decode step's plan, made ahead (prepare_next)
-        self.ahead_used = 0  # decode steps that took a plan made ahead (for tests and profiles)
+        self._next: _Ahead | None = None  # the next step's plan, made ahead (prepare_next, prepare_verify)
+        self.ahead_used = 0  # decode and verify steps that took a plan made ahead (for tests and profiles)
         if self.model.dspark is not None and getattr(ops, "graphs", None) is not None and self.plan.single:
             # the draft's layers as one CUDA graph per batch size (a rank's draft has collectives:
             # under tensor parallelism it runs eagerly)
@@ -177,7 +188,7 @@ class ModelRunner:
         else:
             ends = np.cumsum(sizes)
             starts = ends - sizes
-            pos_all = np.repeat(pos_all - starts, sizes) + np.arange(ends[-1])
+            pos_all = _row_positions(pos_all, sizes)
             bounds = list(zip(starts.tolist(), ends.tolist(), strict=True))
         seqs = [Seq(st, slice(a, b), pos_all[a:b]) for st, (a, b) in zip(states, bounds, strict=True)]
         ids = [ids_all[a:b] for a, b in bounds]
@@ -190,24 +201,23 @@ class ModelRunner:
             dec = list(range(len(ids)))
         else:
             dec = [i for i, ch in enumerate(ids) if ch.size == 1] if cfg.arch == "v41" else []
-        window = layers = dec_rows = None
-        ahead = (self._take_next(states, pos_all) if self._next is not None and len(dec) == len(seqs) and not verify
-                 else None)
+        window = layers = dec_rows = marks = None
+        counts = sizes.tolist() if verify else None
+        ahead = self._take_next(states, pos_all, counts) if self._next is not None and len(dec) == len(seqs) else None
         self._next = None
         if ahead is not None:
-            window, layers = ahead.inputs.window, ahead.inputs.layers
+            window, layers, marks = ahead.inputs.window, ahead.inputs.layers, ahead.marks
         elif dec:
             growth: list = []
-            marks: list | None = [] if verify else None
+            marks = [] if verify else None
             window, layers = plan_decode(cfg, [states[i] for i in dec], ops.xp, growth, model.rope.compressed,
-                                         self.plan.heads[1] > self.plan.heads[0], sizes.tolist() if verify else None,
-                                         marks)
-            for st, mk in zip(states, marks or (), strict=False):
-                if st.trial is not None:
-                    st.trial.rows = mk
+                                         self.plan.heads[1] > self.plan.heads[0], counts, marks)
             ops.copy_rows(growth)
             if len(dec) < len(seqs):
                 dec_rows = np.array([seqs[i].rows.start for i in dec], np.int64)
+        for st, mk in zip(states, marks or (), strict=False):
+            if st.trial is not None:
+                st.trial.rows = mk
         inputs = StepInputs(
             ids=ids_all, hash_ids=model.engram_hashes(seqs, ids) if model.hasher else None, layers=layers,
             rope=ahead.inputs.rope if ahead is not None else model.rope.rows(pos_all), window=window,
@@ -278,7 +288,7 @@ class ModelRunner:
         last = self.model.last_kv_source
         return self.cfg.num_layers if not self.bounded_replay or last < 0 else last + 1
 
-    # ---- planning the next decode step ahead ---------------------------------------------------
+    # ---- planning a step ahead ----------------------------------------------------------------
     def prepare_next(self, states: list[SequenceState]) -> None:
         """The token-independent host work of a decode step of `states` (one new token each), done
         ahead: its plan (decode_plan.plan_decode, whose bookkeeping of the grown state is set aside
@@ -286,31 +296,48 @@ class ModelRunner:
         out now, after the step before, and are simply unused if the plan is), its RoPE tables and
         the backend's staging of them (ops.prestage: the tables packed, token ids to come).
         forward() takes it if its next call is that step, with nothing changed in between."""
+        self._plan_ahead(states, None)
+
+    def prepare_verify(self, states: list[SequenceState], counts: list[int]) -> None:
+        """prepare_next for a speculative verify step of counts[i] rows of states[i] (planned while
+        the device drafts: the rows are known before the drafted tokens; spec_decode.py), with each
+        row's bookkeeping for the states' trials. forward(verify=True) takes it if its call is that
+        step (the same states at the same positions, chunks of those lengths, nothing changed)."""
+        self._plan_ahead(states, [int(c) for c in counts])
+
+    def _plan_ahead(self, states: list[SequenceState], counts: list[int] | None) -> None:
         cfg, ops, model = self.cfg, self.ops, self.model
         self._next = None
         sources = [li for li, kind in enumerate(cfg.layer_kinds) if kind == "source"]  # (their rows grow)
-        before = plan_marks(states, sources)
+        before = plan_marks(states, sources, counts=counts)
         growth: list = []
+        marks: list | None = [] if counts is not None else None
         try:
             window, layers = plan_decode(cfg, states, ops.xp, growth, model.rope.compressed,
-                                         self.plan.heads[1] > self.plan.heads[0])
+                                         self.plan.heads[1] > self.plan.heads[0], counts, marks)
             after = plan_marks(states, sources, like=before)
         finally:
             restore_marks(before)
         ops.copy_rows(growth)
         pos = np.array([st.position for st in states], np.int64)
+        if counts is not None:
+            pos = _row_positions(pos, np.asarray(counts, np.int64))
         hasher = model.hasher
-        inputs = StepInputs(ids=np.zeros(len(states), np.int64),
-                            hash_ids=np.zeros((len(states), *hasher.row_shape), np.int64) if hasher else None,
+        inputs = StepInputs(ids=np.zeros(pos.size, np.int64),
+                            hash_ids=np.zeros((pos.size, *hasher.row_shape), np.int64) if hasher else None,
                             layers=layers, rope=model.rope.rows(pos), window=window, dec_rows=None)
-        self._next = _Ahead(list(states), pos, before, after, inputs, ops.prestage(inputs))
+        self._next = _Ahead(list(states), pos, counts, before, after, marks, inputs, ops.prestage(inputs))
 
-    def _take_next(self, states: list[SequenceState], pos: np.ndarray) -> _Ahead | None:
-        """The plan made ahead (prepare_next) if it is this decode step's, its bookkeeping applied;
-        else None (it is dropped either way)."""
+    def drop_ahead(self) -> None:
+        """Forget a plan made ahead (its step will not come: e.g. the drafting before it failed)."""
+        self._next = None
+
+    def _take_next(self, states: list[SequenceState], pos: np.ndarray, counts: list | None = None) -> _Ahead | None:
+        """The plan made ahead (prepare_next, prepare_verify) if it is this step's, its bookkeeping
+        applied; else None (it is dropped either way)."""
         nxt, self._next = self._next, None
-        if (nxt is None or len(nxt.states) != len(states) or any(a is not b for a, b in zip(nxt.states, states,
-                                                                                         strict=True))
+        if (nxt is None or nxt.counts != counts or len(nxt.states) != len(states)
+                or any(a is not b for a, b in zip(nxt.states, states, strict=True))
                 or not np.array_equal(nxt.pos, pos) or not marks_hold(nxt.before)):
             return None
         restore_marks(nxt.after)

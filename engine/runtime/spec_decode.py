@@ -126,28 +126,35 @@ def speculative_steps(model, dsp, jobs: list[SpecJob]) -> list[list[int]]:
     # the free sequences draft together, in one draft forward; a sampled one draws from the
     # draft's distribution and verify weighs it by that; a constrained one drafts within its grammar
     free = [b for b, j in enumerate(jobs) if j.guide is None and ks[b] > 0]
-    blocks = dict(zip(free, dsp.draft_many(
-        [jobs[b].ds for b in free], [jobs[b].generated[-1] for b in free],
-        [None if jobs[b].params.greedy else jobs[b].rng for b in free],
-        [jobs[b].params.temperature for b in free]), strict=True)) if free else {}
-    chunks, drafts, masks, qs = [], [], [], []
-    for b, (j, k) in enumerate(zip(jobs, ks, strict=True)):
-        q = m = None
-        if j.guide is not None:
-            d, m = j.guide(dsp, j.ds, j.generated[-1], k)
-        elif k > 0:
-            d = [int(x) for x in blocks[b].tokens[:k]]
-            q = None if j.params.greedy else blocks[b].probs  # (q rows on the backend)
-        else:
-            d = []
-        drafts.append(d)
-        masks.append(m)
-        qs.append(q)
-        chunks.append([j.generated[-1], *d])
-    targets, marks, ops = dsp.targets, [], model.ops
+    states, targets, marks, ops = [j.state for j in jobs], dsp.targets, [], model.ops
+    # The verify step's plan depends on its rows, not on the drafted tokens: where every sequence is
+    # free (a constrained one's draft may stop early) it is planned while the device drafts.
+    prepare = getattr(model, "prepare_verify", None)
+    ahead = None
+    if prepare is not None and all(j.guide is None for j in jobs):
+        def ahead() -> None:
+            prepare(states, [k + 1 for k in ks])
     try:
-        marks += [trials.begin(j.state) for j in jobs]
-        logits = model.forward([j.state for j in jobs], chunks, all_logits=True, on_device=True, targets=targets,
+        marks += [trials.begin(j.state) for j in jobs]  # (before the plan made ahead, which they hold)
+        blocks = dict(zip(free, dsp.draft_many(
+            [jobs[b].ds for b in free], [jobs[b].generated[-1] for b in free],
+            [None if jobs[b].params.greedy else jobs[b].rng for b in free],
+            [jobs[b].params.temperature for b in free], ahead=ahead), strict=True)) if free else {}
+        chunks, drafts, masks, qs = [], [], [], []
+        for b, (j, k) in enumerate(zip(jobs, ks, strict=True)):
+            q = m = None
+            if j.guide is not None:
+                d, m = j.guide(dsp, j.ds, j.generated[-1], k)
+            elif k > 0:
+                d = [int(x) for x in blocks[b].tokens[:k]]
+                q = None if j.params.greedy else blocks[b].probs  # (q rows on the backend)
+            else:
+                d = []
+            drafts.append(d)
+            masks.append(m)
+            qs.append(q)
+            chunks.append([j.generated[-1], *d])
+        logits = model.forward(states, chunks, all_logits=True, on_device=True, targets=targets,
                                verify=True)
         starts = np.cumsum([0, *map(len, chunks)])
         # A free sequence's rows are verified by the backend (ops.verify_rows: drawn on the device
@@ -168,6 +175,8 @@ def speculative_steps(model, dsp, jobs: list[SpecJob]) -> list[list[int]]:
                 verdicts.append(verify(x, d, q, j.params, j.generated, j.rng, m))
                 rows.append(x)
     except BaseException:
+        if prepare is not None:
+            model.drop_ahead()  # (made for a step that will not come)
         for j, tr in zip(jobs, marks, strict=False):
             trials.restore(j.state, tr)
         raise

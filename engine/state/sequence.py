@@ -142,21 +142,24 @@ def grown_mark(ls: LayerState) -> tuple:
     return d, dict(d["spare"]), _own_of(d)
 
 
-def plan_marks(states: list, grown_layers: list[int], like: tuple | None = None) -> tuple:
+def plan_marks(states: list, grown_layers: list[int], like: tuple | None = None,
+               counts: list[int] | None = None) -> tuple:
     """The host bookkeeping a decode step's plan changes (engine/state/decode_plan.py plan_decode): the
     growth buffers' records and own arrays of the layers whose grown fields it appends to
     (grown_layers: the KV source layers), and each sequence's window block, its live rows and
     attached layers (and every layer's attachment, where the plan will start a new block; like:
-    the marks taken before the plan, whose sequences' attachments these record alike). The
-    arrays' contents are not part of it: a plan only appends past the live rows and copies them
-    into grown buffers."""
+    the marks taken before the plan, whose sequences' attachments these record alike). counts: the
+    rows each sequence's plan appends (default one; a verify step's several). The arrays'
+    contents are not part of it: a plan only appends past the live rows and copies them into
+    grown buffers."""
     grown, blocks = [], []
     for b, st in enumerate(states):
         for li in grown_layers:
             d = st.layers[li].__dict__
             grown.append((d, dict(d["spare"]), _own_of(d)))
         blk = st.layers[0]._block if st.layers else None
-        every = not block_has_room(st.layers) if like is None else like[1][b][5] is not None
+        every = (not block_has_room(st.layers, counts[b] if counts else 1) if like is None
+                 else like[1][b][5] is not None)
         attach = None if not every else [
             (ls.__dict__, ls.__dict__.get("_block"), ls.__dict__.get("_layer", 0), ls.__dict__.get("_window"))
             for ls in st.layers]

@@ -13,7 +13,10 @@ the two parts of planning ahead: the next step planned (ModelRunner.prepare_next
 overlaps with the step before) and that plan taken at the step (ModelRunner._take_next, serial). The GPU
 machine's own split of a served step is `tools/dev/gpu_profile.py host`. --rows R > 1: a speculative
 verify step instead, R rows a sequence ([last token, R - 1 drafts]) planned row by row under a trial
-(engine/state/trial.py), which is put back after each step; a verify step is not planned ahead.
+(engine/state/trial.py), which is put back after each step; then the same step planned ahead
+(ModelRunner.prepare_verify, which a GPU overlaps with the draft; it packs the tables there too)
+and what stays serial after the draft's tokens come back: the plan taken (_take_next), the Engram
+hashes and the token fields filled into the packed tables (staging.fill).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-PARTS = ("plan", "engram", "inputs", "pack", "key", "jobs", "ahead", "take")
+PARTS = ("plan", "engram", "inputs", "pack", "key", "jobs", "ahead", "take", "fill")
 
 
 def profile(ckpt: str, batch: int, steps: int, rounds: int, rows: int = 1) -> dict[str, float]:
@@ -35,7 +38,7 @@ def profile(ckpt: str, batch: int, steps: int, rounds: int, rows: int = 1) -> di
     from engine.bench import GREEDY
     from engine.model.batch import Seq
     from engine.ops.gpu.sample_table import job_table
-    from engine.ops.gpu.staging import pack
+    from engine.ops.gpu.staging import fill, pack
     from engine.runtime.engine import Engine
     from engine.runtime.sampling import SampleJob
     from engine.state import trial as trials
@@ -50,6 +53,11 @@ def profile(ckpt: str, batch: int, steps: int, rounds: int, rows: int = 1) -> di
     states = [runner.new_state() for _ in range(batch)]
     runner.forward(states, [rng.integers(0, cfg.vocab_size, 40 + 3 * i) for i in range(batch)])
     toks = [rng.integers(0, cfg.vocab_size, rows).astype(np.int64) for _ in range(batch)]
+    if rows > 1:  # one verify step kept whole: the window blocks in place with room, as in steady decoding
+        marks = [trials.begin(st) for st in states]
+        runner.forward(states, [list(t) for t in toks], all_logits=True, verify=True)
+        for st, tr in zip(states, marks, strict=True):
+            trials.cut(st, tr, rows)
     jobs = [SampleJob(i, GREEDY, [], rng) for i in range(batch * rows)]
     best = dict.fromkeys(PARTS, float("inf"))
     for _ in range(rounds):
@@ -69,16 +77,32 @@ def profile(ckpt: str, batch: int, steps: int, rounds: int, rows: int = 1) -> di
             inputs = StepInputs(ids=np.concatenate(toks), hash_ids=hashes, layers=layers, window=win, dec_rows=None,
                                 rope=model.rope.rows(pos))
             t3 = time.perf_counter()
-            pack(inputs)
+            i64, _, layout = pack(inputs)
             t4 = time.perf_counter()
             inputs.signature()
             t5 = time.perf_counter()
             job_table(jobs, cfg.vocab_size)
             t6 = time.perf_counter()
-            if marks is not None:  # (a verify step: the trial put back, not planned ahead)
+            if marks is not None:  # (a verify step: the trial put back)
                 for st, tr in zip(states, marks, strict=True):
                     trials.restore(st, tr)
-                for part, a, b in zip(PARTS, (t0, t1, t2, t3, t4, t5), (t1, t2, t3, t4, t5, t6), strict=False):
+                marks = [trials.begin(st) for st in states]
+                t7 = time.perf_counter()
+                runner.prepare_verify(states, [rows] * batch)
+                t8 = time.perf_counter()
+                if runner._take_next(states, pos, [rows] * batch) is None:
+                    raise RuntimeError("the plan made ahead was not taken")
+                t9 = time.perf_counter()
+                model.engram_hashes(seqs, toks) if model.hasher else None
+                t10 = time.perf_counter()
+                fill(i64, layout, "ids", inputs.ids)
+                if hashes is not None:
+                    fill(i64, layout, "hash_ids", hashes)
+                t11 = time.perf_counter()
+                for st, tr in zip(states, marks, strict=True):
+                    trials.restore(st, tr)
+                for part, a, b in zip(PARTS, (t0, t1, t2, t3, t4, t5, t7, t8, t10),
+                                      (t1, t2, t3, t4, t5, t6, t8, t9, t11), strict=True):
                     spent[part] += b - a
                 continue
             for st in states:  # (planned but not run: the next step plans the next position)
@@ -90,7 +114,7 @@ def profile(ckpt: str, batch: int, steps: int, rounds: int, rows: int = 1) -> di
             t8 = time.perf_counter()
             for st in states:
                 st.position += 1
-            for part, a, b in zip(PARTS, (t0, t1, t2, t3, t4, t5, t6, t7), (t1, t2, t3, t4, t5, t6, t7, t8),
+            for part, a, b in zip(PARTS[:8], (t0, t1, t2, t3, t4, t5, t6, t7), (t1, t2, t3, t4, t5, t6, t7, t8),
                                   strict=True):
                 spent[part] += b - a
         best = {p: min(best[p], spent[p] / steps) for p in PARTS}
@@ -107,8 +131,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     for b in (int(v) for v in args.batch.split(",")):
         got = profile(args.ckpt, b, args.steps, args.rounds, args.rows)
-        ahead = (f"; planned ahead: ahead {got['ahead'] * 1e6:.0f}, take {got['take'] * 1e6:.0f} us"
-                 if args.rows == 1 else "")
+        if args.rows == 1:
+            ahead = f"; planned ahead: ahead {got['ahead'] * 1e6:.0f}, take {got['take'] * 1e6:.0f} us"
+        else:  # (the Engram hashes of the tokens stay serial too)
+            serial = got["take"] + got["engram"] + got["fill"]
+            ahead = (f"; planned ahead: ahead {got['ahead'] * 1e6:.0f} (+ pack on a GPU), serial after the draft: "
+                     f"take {got['take'] * 1e6:.0f}, engram {got['engram'] * 1e6:.0f}, fill {got['fill'] * 1e6:.0f}"
+                     f" us (total {serial * 1e6:.0f})")
         print(f"b{b}" + (f" x {args.rows} rows" if args.rows > 1 else "") + ": "
               + ", ".join(f"{p} {got[p] * 1e6:.0f}" for p in PARTS[:6])
               + f" us (total {sum(got[p] for p in PARTS[:6]) * 1e6:.0f}){ahead}")
