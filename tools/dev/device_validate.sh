@@ -17,7 +17,7 @@ step() {
   tail -3 "$OUT/$name.log" >> "$OUT/summary.txt"
 }
 ckpt() {
-  [ -f "$CKPT/config.json" ] || python3 dsuf.py tiny-model "$CKPT" --arch v41 --preset v41-flash-shaped \
+  [ -f "$CKPT/config.json" ] || nice python3 dsuf.py tiny-model "$CKPT" --arch v41 --preset v41-flash-shaped \
     --layers 2 --vocab 8192 > /tmp/ckpt.log 2>&1
 }
 B="python3 dsuf.py bench --ckpt $CKPT --no-linears --steps 5"
@@ -28,7 +28,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/summary.t
 git log --oneline -1 >> "$OUT/summary.txt" 2>/dev/null
 case ${1:-1} in
 1)  # the new kernels first (a hang in the GEMM is a barrier bug), then deepseek numerics' bench
-    (nice bash -c "$(declare -f ckpt); CKPT=$CKPT; ckpt") &
+    ckpt &
     step t1_fp8gemm 90 python3 -m pytest -q -x -s tests/gpu/test_gpu_fp8_gemm.py
     step t2_grouped 70 python3 -m pytest -q -x tests/gpu/test_gpu_fp8_grouped.py
     step t3_dsnum 100 python3 -m pytest -q -s tests/gpu/test_gpu_deepseek_numerics.py
@@ -37,7 +37,7 @@ case ${1:-1} in
     step t4_spec 150 python3 -m pytest -q tests/gpu/test_gpu_spec_sampling.py tests/gpu/test_gpu_sampling.py \
       tests/gpu/test_gpu_speculative.py tests/gpu/test_gpu_tp.py ;;
 2)  # the rest of the GPU suite, the exact baseline on the same machine, 1M tokens
-    (nice bash -c "$(declare -f ckpt); CKPT=$CKPT; ckpt") &
+    ckpt &
     step t5_rest 250 python3 -m pytest -q tests/gpu $(for f in $FIRST; do echo --ignore "$f"; done)
     wait
     step b1_exact 200 $B --prefill 4096,65536 --batches 1,8,32 --numerics exact --speculative dspark
