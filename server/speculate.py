@@ -98,8 +98,7 @@ class Speculator:
             if s.state is None:
                 s.state = self.engine.new_state()
             if s.draft is None:  # a state restored from the cache, or forked from a plain leader:
-                s.draft = self.dsp.new_state()  # the draft's windows start here
-                s.draft.position = s.state.position
+                s.draft = self.dsp.new_state(s.state.position)  # the draft's windows start here
             (prefilling if s.prefilling else decoding).append(i)
         if prefilling:
             done = self._prefill([steps[i][:3] for i in prefilling], kv,

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from engine.model.batch import Batch
-from engine.model.layers import Attention, Block, project
+from engine.model.layers import Attention, Block, Embedding, project
 from engine.model.rope import rope_tables
 from engine.state.draft import DraftState
 from engine.state.sequence import F32 as NO_CODEC
@@ -50,9 +50,10 @@ class DSparkAttention(Attention):
     """A sliding-window-only layer: the block's queries over the window of K=V rows projected
     from main_x and the block's own K=V rows, all of them, non-causally."""
 
-    def __init__(self, cfg, w, ops, codecs: dict) -> None:
+    def __init__(self, cfg, w, ops, plan, codecs: dict) -> None:
         self.cfg, self.li, self.w, self.ops, self.codecs, self.rope = cfg, -1, w, ops, codecs, None
-        self.heads, self.ratio, self.kind, self.rope_name = cfg.num_heads, 0, "sliding", "main"
+        self.heads = plan.heads[1] - plan.heads[0]  # this rank's query heads (0: none)
+        self.ratio, self.kind, self.rope_name = 0, "sliding", "main"
 
     def window_rows(self, main_x, cos, sin):
         """K=V rows of main_x at its positions (on the window's grid)."""
@@ -63,7 +64,9 @@ class DSparkAttention(Attention):
         """x: every sequence's block rows, sequence after sequence (block_size each); windows:
         each sequence's window of this layer; ranges: (lo, hi, span) of each row's keys in the
         sequences' [window, block] side by side (DSpark.ranges). Each row attends its sequence's
-        window and block."""
+        window and block. None on a rank without heads."""
+        if not self.heads:
+            return None
         ops, d = self.ops, self.cfg.head_dim
         _, q, kv = self.latents(x, cos, sin)
         n = x.shape[0] // len(windows)
@@ -88,14 +91,16 @@ class DSparkBlock(Block):
 
 
 class MarkovHead:
-    """A rank-r bigram bias: the previous token's embedding [r] through its own head -> [vocab]."""
+    """A rank-r bigram bias: the previous token's embedding [r] through its own head -> [vocab].
+    Both are vocab-parallel (the reference's ParallelEmbedding / ParallelHead): a rank holds its
+    vocabulary slice of each, the embedding summed over ranks, the bias gathered."""
 
-    def __init__(self, embed, head, ops) -> None:
-        self.embed, self.head, self.ops = embed, head, ops
+    def __init__(self, embed, head, plan, ops) -> None:
+        self.embed, self.head, self.ops = Embedding(embed, plan, ops), head, ops
 
     def __call__(self, ids):
-        e = self.ops.embed(self.embed, ids)
-        return self.ops.linear(e, self.head), e
+        e = self.embed(ids)
+        return self.ops.all_gather(self.ops.linear(e, self.head)), e
 
 
 class ConfidenceHead:
@@ -121,10 +126,11 @@ class DSpark:
         # the draft's MoE: its own expert count and top-k
         self.cfg = dataclasses.replace(cfg, n_routed_experts=cfg.dspark_n_routed_experts,
                                        num_experts_per_tok=cfg.dspark_num_experts_per_tok)
-        self.layers = [DSparkBlock(self.cfg, -1, L, ops, DSparkAttention(self.cfg, L.attn, ops, model.codecs))
+        self.layers = [DSparkBlock(self.cfg, -1, L, ops, DSparkAttention(self.cfg, L.attn, ops, model.plan,
+                                                                         model.codecs))
                        for L in w.layers]
         self.main_proj, self.main_norm, self.norm = w.main_proj, w.main_norm, w.norm
-        self.markov_head = MarkovHead(w.markov_head.embed, w.markov_head.head, ops)
+        self.markov_head = MarkovHead(w.markov_head.embed, w.markov_head.head, model.plan, ops)
         self.confidence_head = ConfidenceHead(w.confidence_head.proj, ops)
         # how forward() runs its draft layers where the shapes repeat: region(key, fn, *arrays,
         # rows=...) -> fn(*arrays); the runner sets its backend's (CUDA graphs), None: eagerly
@@ -148,9 +154,11 @@ class DSpark:
         x = ops.cat([targets[i][-rows:] if rows else targets[i] for i in self.target_layer_ids], axis=1)
         return ops.rmsnorm(ops.linear(x, self.main_proj), self.main_norm, self.cfg.rms_norm_eps)
 
-    def new_state(self) -> DraftState:
+    def new_state(self, position: int = 0) -> DraftState:
+        """Empty windows whose next block starts at `position` (a sequence with history: the
+        windows fill from there)."""
         d = self.cfg.head_dim
-        return DraftState(position=0, windows=[self.ops.xp.zeros((0, d), np.float32) for _ in self.layers])
+        return DraftState(position=position, windows=[self.ops.xp.zeros((0, d), np.float32) for _ in self.layers])
 
     def absorb(self, state: DraftState, targets: dict, n: int) -> None:
         """Append the K=V rows of the n main positions one sequence's forward just ran (a chunk
@@ -172,12 +180,23 @@ class DSpark:
         """absorb for every sequence of one forward over chunks of ns rows: each target layer's
         rows are the sequences' in order, all of a chunk's or, under bounded replay, its trailing
         min(n, k) for the layer's k, which the row count determines."""
-        offsets = {}
+        rows = {}
         for i in self.target_layer_ids:
             counts = _rows_per_chunk(ns, int(targets[i].shape[0]))
-            offsets[i] = (np.cumsum([0, *counts]), counts)
+            rows[i] = (np.cumsum([0, *counts]), counts)
+        self._absorb_rows(states, targets, rows, ns)
+
+    def absorb_kept(self, states: list[DraftState], targets: dict, lengths: list[int], keeps: list[int]) -> None:
+        """absorb for every sequence of a verify step, whose chunks of `lengths` rows ran whole,
+        side by side: each keeps the first keeps[b] rows of its chunk."""
+        starts = np.cumsum([0, *lengths])
+        self._absorb_rows(states, targets, dict.fromkeys(targets, (starts, keeps)), keeps)
+
+    def _absorb_rows(self, states: list[DraftState], targets: dict, rows: dict, ns: list[int]) -> None:
+        """absorb n = ns[b] positions into states[b] from rows[i] = (starts, counts): target layer
+        i's rows starts[b] .. starts[b] + counts[b] of sequence b."""
         for b, (state, n) in enumerate(zip(states, ns, strict=True)):
-            self.absorb(state, {i: targets[i][int(o[b]):int(o[b]) + c[b]] for i, (o, c) in offsets.items()}, n)
+            self.absorb(state, {i: targets[i][int(o[b]):int(o[b]) + c[b]] for i, (o, c) in rows.items()}, n)
 
     @staticmethod
     def ranges(lengths: list[int], n: int) -> tuple[np.ndarray, np.ndarray, int]:
@@ -214,7 +233,8 @@ class DSpark:
             # the collapse, stored as an activation (bf16 under deepseek numerics, as the reference's
             # hc_pre); a product and a sum, not einsum, which CuPy hands to cuBLAS (not capturable)
             x = ops.act((pre_mix[:, :, None] * h).sum(axis=1, dtype=np.float32))
-            return x, ops.linear(ops.rmsnorm(x, self.norm, self.cfg.rms_norm_eps), model.head.w.head)
+            # (the main head's vocabulary slice on this rank, gathered)
+            return x, ops.all_gather(ops.linear(ops.rmsnorm(x, self.norm, self.cfg.rms_norm_eps), model.head.w.head))
 
         def block(ids, cos, sin, lo, hi, *windows):
             return self._greedy_block(*stream(ids, cos, sin, lo, hi, *windows), ids[::n], bsz)

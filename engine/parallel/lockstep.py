@@ -68,6 +68,10 @@ def combine(msgs: list[Collective]) -> object:
             total = total + v
         return total
     if op == "gather":
+        if type(vals[0]).__module__.partition(".")[0] == "cupy":  # (simulated ranks on one GPU)
+            import cupy
+
+            return cupy.concatenate(vals, axis=-1)
         return np.concatenate([np.asarray(v) for v in vals], axis=-1)
     raise RuntimeError(f"unknown collective {op!r}")
 
@@ -95,7 +99,10 @@ def run_ranks(fns: list[Callable], reduce=None, contexts=None) -> list:
     ctx = contexts or [contextlib.nullcontext] * len(lets)
     if reduce is None:
         def reduce(msgs: list) -> list:
-            return run_steps(msgs, None, contexts) if msgs[0].op == "step" else [combine(msgs)] * len(msgs)
+            if msgs[0].op == "step":
+                return run_steps(msgs, None, contexts)
+            out = combine(msgs)  # (each rank its own copy, as each GPU has its own buffer)
+            return [out] + [out.copy() for _ in msgs[1:]]
 
     def resume(r: int, value=None, first: bool = False):
         with ctx[r]():

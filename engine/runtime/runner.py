@@ -88,8 +88,10 @@ class ModelRunner:
         self.bounded_replay = True
         self._next: _Ahead | None = None  # the next decode step's plan, made ahead (prepare_next)
         self.ahead_used = 0  # decode steps that took a plan made ahead (for tests and profiles)
-        if self.model.dspark is not None and getattr(ops, "graphs", None) is not None:
-            self.model.dspark.region = ops.graphs  # the draft's layers as one CUDA graph per batch size
+        if self.model.dspark is not None and getattr(ops, "graphs", None) is not None and self.plan.single:
+            # the draft's layers as one CUDA graph per batch size (a rank's draft has collectives:
+            # under tensor parallelism it runs eagerly)
+            self.model.dspark.region = ops.graphs
         for layer in self.model.layers:
             for path, name in FORKED:
                 part = functools.reduce(lambda o, a: getattr(o, a, None), path.split(".") if path else [], layer)
@@ -107,6 +109,11 @@ class ModelRunner:
 
     def new_state(self) -> SequenceState:
         return self.model.new_state()
+
+    @property
+    def draft(self):
+        """The DSpark draft (engine/model/dspark.py), None without draft layers."""
+        return self.model.dspark
 
     def state_bytes_per_token(self) -> tuple[float, int]:
         return self.model.state_bytes_per_token()

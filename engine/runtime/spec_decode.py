@@ -60,9 +60,10 @@ class SpecStats:
 
 
 def draft_of(model):
-    """The runner's DSpark draft, or None (no draft layers, or no ModelRunner: a tensor-parallel
-    GPU driver does not speculate yet)."""
-    return getattr(getattr(model, "model", None), "dspark", None)
+    """The model's DSpark draft (ModelRunner.draft; under simulated tensor parallelism the sharded
+    draft, engine/parallel/draft.py), or None: no draft layers, or the GPU tensor-parallel driver,
+    which does not speculate yet."""
+    return getattr(model, "draft", None)
 
 
 def feed(model, dsp, st: SequenceState, ds, chunk: list[int], all_logits: bool):
@@ -169,8 +170,8 @@ def speculative_steps(model, dsp, jobs: list[SpecJob]) -> list[list[int]]:
         for j, tr in zip(jobs, marks, strict=False):
             trials.restore(j.state, tr)
         raise
-    out, row = [], 0  # (the target inputs' rows: every chunk's, in order; all_logits trims none)
-    for j, tr, c, d, x, (tokens, n) in zip(jobs, marks, chunks, drafts, rows, verdicts, strict=True):
+    out, keeps = [], []
+    for j, tr, d, x, (tokens, n) in zip(jobs, marks, drafts, rows, verdicts, strict=True):
         keep = _first_stop(tokens, j.eos)
         if j.params.logprobs and j.logprobs is not None:
             if isinstance(x, list):  # drawn on the device: each row's draw reports its own
@@ -178,12 +179,13 @@ def speculative_steps(model, dsp, jobs: list[SpecJob]) -> list[list[int]]:
             else:
                 j.logprobs.extend(token_logprobs(x[r], t, j.params.top_logprobs) for r, t in enumerate(tokens[:keep]))
         trials.cut(j.state, tr, keep)  # the state holds exactly the emitted tokens but the last
-        dsp.absorb(j.ds, {i: x[row : row + keep] for i, x in targets.items()}, keep)
-        row += len(c)
+        keeps.append(keep)
         j.stats.lengths.append(keep)
         j.stats.drafted += len(d)
         j.stats.accepted += min(n, keep)
         out.append(tokens[:keep])
+    # (the target inputs' rows: every chunk's, in order; all_logits trims none)
+    dsp.absorb_kept([j.ds for j in jobs], targets, [len(c) for c in chunks], keeps)
     return out
 
 
@@ -209,8 +211,7 @@ def speculative_generate(model, prompt_ids: list[int], max_tokens: int, params: 
     out: list[int] = []
     if max_tokens <= 0:
         return out
-    ds = dsp.new_state()
-    ds.position = state.position  # (a state passed in with history: the draft's windows start here)
+    ds = dsp.new_state(state.position)  # (a state passed in with history: the draft's windows start here)
     logits = feed(model, dsp, state, ds, list(prompt_ids), all_logits=False)
     out.append(sample(logits, params, out, rng)[0])
     while len(out) < max_tokens and out[-1] not in eos:

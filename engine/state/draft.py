@@ -19,11 +19,14 @@ from typing import Any
 class DraftState:
     """position: how many main positions the windows have absorbed (the next block starts there);
     windows[i]: draft layer i's K=V rows of the last min(position, sliding_window) positions, oldest
-    first (a backend array [rows, head_dim], float32)."""
+    first (a backend array [rows, head_dim], float32). Under tensor parallelism every rank keeps
+    an identical copy (the draft's K=V head is replicated): the first rank's state carries the
+    others' in `replicas`, as SequenceState does."""
 
     position: int = 0
     windows: list[Any] = field(default_factory=list)
+    replicas: list = field(default_factory=list, compare=False, repr=False)
 
     def clone(self) -> DraftState:
         """An independent copy (the n choices of one prompt fork it with their SequenceState)."""
-        return DraftState(self.position, [w.copy() for w in self.windows])
+        return DraftState(self.position, [w.copy() for w in self.windows], [r.clone() for r in self.replicas])

@@ -16,7 +16,7 @@ decoding's at the same position (tests/unit/test_state_trial.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.state.sequence import restore_marks
 
@@ -32,10 +32,12 @@ class Trial:
     rows: list | None = None  # the bookkeeping after each row (state.plan_marks' form), from the plan
     chunk: list | None = None  # the chunk's token ids (the Engram look-back), and how many it keeps
     keep_recent: int = 0
+    replicas: list = field(default_factory=list)  # the trials of the state's tensor-parallel replicas
 
 
 def begin(state) -> Trial:
-    """Mark `state` (state.trial); its next forward, a verify step, is the trial."""
+    """Mark `state` (state.trial) and each of its tensor-parallel replicas; its next forward, a
+    verify step, is the trial."""
     if state.trial is not None:
         raise ValueError("the state already has a trial in progress")
     layers, blocks, seen = [], [], set()
@@ -47,11 +49,14 @@ def begin(state) -> Trial:
             seen.add(id(blk))
             blocks.append((blk, blk.start, blk.end, blk.attached))
     state.trial = Trial(state.position, state.recent_tokens, layers, blocks)
+    state.trial.replicas = [begin(r) for r in state.replicas]
     return state.trial
 
 
 def restore(state, trial: Trial) -> None:
     """Put the mark back: the state as it was at begin (the trial's rows dropped)."""
+    for r, t in zip(state.replicas, trial.replicas, strict=False):
+        restore(r, t)
     state.trial = None
     state.position, state.recent_tokens = trial.position, trial.recent
     for ls, (items, spare) in zip(state.layers, trial.layers, strict=True):
@@ -68,6 +73,8 @@ def restore(state, trial: Trial) -> None:
 
 def cut(state, trial: Trial, m: int) -> None:
     """Keep the first m rows of the trial (all of them: nothing to do but end the trial)."""
+    for r, t in zip(state.replicas, trial.replicas, strict=True):
+        cut(r, t, m)
     n = state.position - trial.position
     state.trial = None
     if not 0 <= m <= n:

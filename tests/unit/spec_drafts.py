@@ -14,7 +14,7 @@ def proposing(ckpt: Path, token: int) -> Engine:
     its logits)."""
     eng = Engine.load(ckpt)
     mh = eng.model.model.dspark.markov_head
-    mh.embed = np.ones_like(mh.embed)
+    mh.embed.weight = np.ones_like(mh.embed.weight)
     head = np.zeros_like(mh.head)
     head[token] = 1e4 / head.shape[1]
     mh.head = head

@@ -175,14 +175,19 @@ def test_cli_run_speculative_prints_acceptance(ckpt) -> None:
     assert "acceptance" not in off.stderr
 
 
-def test_draft_of_a_runner():
-    """A runner's draft is its model's, on any backend; a driver without a model (the GPU's
-    tensor-parallel one) or a checkpoint without draft layers gets none."""
-    from types import SimpleNamespace
-
+def test_draft_of_each_model_kind(engine, tmp_path) -> None:
+    """A runner's draft is its model's DSpark; simulated tensor parallelism gives the sharded draft;
+    a checkpoint without draft layers, or the GPU tensor-parallel driver, none."""
+    from engine.checkpoint.reader import Checkpoint
+    from engine.ops.numpy_ops import NumpyOps
+    from engine.parallel.draft import ShardedDraft
+    from engine.parallel.gpu import GpuTP
+    from engine.parallel.simulated import SimulatedTP
     from engine.runtime.spec_decode import draft_of
 
-    draft = object()
-    assert draft_of(SimpleNamespace(ops=object(), model=SimpleNamespace(dspark=draft))) is draft
-    assert draft_of(SimpleNamespace(ops=object(), model=SimpleNamespace(dspark=None))) is None
-    assert draft_of(SimpleNamespace(ranks=[])) is None
+    assert draft_of(engine.model) is engine.model.model.dspark is not None
+    plain = Engine.load(write_tiny_model(tmp_path / "plain", "v41", seed=3, **SIZES))
+    assert draft_of(plain.model) is None
+    assert not hasattr(GpuTP, "draft")
+    tp = SimulatedTP(engine.config, Checkpoint(engine.ckpt_dir), NumpyOps, 2, engine.ckpt_dir / "tokenizer.json")
+    assert isinstance(draft_of(tp), ShardedDraft)
