@@ -68,6 +68,10 @@ def combine(msgs: list[Collective]) -> object:
             total = total + v
         return total
     if op == "gather":
+        if type(vals[0]).__module__.partition(".")[0] == "cupy":  # (simulated ranks on one GPU)
+            import cupy
+
+            return cupy.concatenate(vals, axis=-1)
         return np.concatenate([np.asarray(v) for v in vals], axis=-1)
     raise RuntimeError(f"unknown collective {op!r}")
 

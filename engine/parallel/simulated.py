@@ -51,12 +51,12 @@ class SimulatedTP:
         outs = self.lockstep([lambda r=r, m=m: m.forward([replica(s, r) for s in states], chunks, all_logits,
                                                          on_device, tg[r], verify)
                               for r, m in enumerate(self.ranks)])
-        for o in outs[1:]:  # every rank ends with the full (gathered) logits
-            if not all(np.array_equal(a, b) for a, b in zip(_rows(o), _rows(outs[0]), strict=True)):
+        host = [self._host_rows(o) for o in outs]
+        for o in host[1:]:  # every rank ends with the full (gathered) logits
+            if not all(np.array_equal(a, b) for a, b in zip(o, host[0], strict=True)):
                 raise RuntimeError("ranks disagree on the gathered logits")
         return outs[0]
 
-
-def _rows(logits) -> list:
-    """A forward's logits as a list of arrays (on_device gives one array)."""
-    return list(logits) if isinstance(logits, list) else [logits]
+    def _host_rows(self, logits) -> list:
+        """A forward's logits as host arrays (on_device gives one backend array)."""
+        return [np.asarray(self.ops.to_host(a)) for a in (logits if isinstance(logits, list) else [logits])]

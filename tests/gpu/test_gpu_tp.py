@@ -105,3 +105,26 @@ def test_gpu_tp_two_gpus_nccl() -> None:
     tp, _, errs = _gpu_tp_case(list(range(n)))
     print(f"GpuTP over {n} GPUs with NCCL: worst relative error {max(errs):.2e}")
     assert tp.comms is not None and max(errs) < 1e-3
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_simulated_tp_speculates_on_the_gpu(size: int) -> None:
+    """Speculation over CupyOps ranks sharing one GPU (engine/parallel/draft.py through the
+    simulated driver: the draft's collectives as device sums and gathers): greedy output equals
+    the same ranks' plain greedy decoding, and every rank keeps the same state."""
+    from engine.runtime.sampling import SamplingParams
+    from engine.runtime.spec_decode import SpecStats, speculative_generate
+
+    cfg = load_config(DEMO)
+    tp = SimulatedTP(cfg, Checkpoint(DEMO), CupyOps, size, DEMO / "tokenizer.json")
+    ids = np.random.default_rng(size).integers(3, cfg.vocab_size, size=30).tolist()
+    st = tp.new_state()
+    want = [int(np.argmax(tp.forward([st], [ids])[0]))]
+    while len(want) < 48:
+        want.append(int(np.argmax(tp.forward([st], [[want[-1]]])[0])))
+    sp, stats = tp.new_state(), SpecStats()
+    got = speculative_generate(tp, ids, 48, SamplingParams(temperature=0.0), [], sp, stats)
+    print(f"TP{size} on one GPU, speculative: acceptance {stats.tokens_per_step:.2f} tokens/step")
+    assert got == want
+    assert sp.to_bytes() == st.to_bytes()
+    assert all(r.to_bytes() == sp.to_bytes() for r in sp.replicas)
