@@ -78,14 +78,11 @@ class Transformer:
     def engram_hashes(self, seqs: list[Seq], ids: list[np.ndarray]) -> np.ndarray:
         """Every row's Engram hash ids; each sequence's look-back of recent tokens moves on."""
         keep = self.cfg.engram_max_ngram_size - 1
-        if all(ch.size == 1 for ch in ids):  # decode: one vectorized hash for the whole batch
-            toks = [int(ch[0]) for ch in ids]
-            out = self.hasher.decode([s.state.recent_tokens for s in seqs], toks, [int(s.pos[0]) for s in seqs])
-            for s, t in zip(seqs, toks, strict=True):  # (host time of every decode step: kept lean)
-                s.state.recent_tokens = [*s.state.recent_tokens, t][-keep:] if keep else []
+        out = self.hasher([s.state.recent_tokens for s in seqs], ids, [int(s.pos[0]) for s in seqs])
+        if all(ch.size == 1 for ch in ids):  # (a decode step: host time of every step, kept lean)
+            for s, ch in zip(seqs, ids, strict=True):
+                s.state.recent_tokens = [*s.state.recent_tokens, int(ch[0])][-keep:] if keep else []
             return out
-        out = np.concatenate([self.hasher(s.state.recent_tokens, ch, int(s.pos[0]))
-                              for s, ch in zip(seqs, ids, strict=True)], axis=0)
         for s, ch in zip(seqs, ids, strict=True):
             s.state.recent_tokens = (list(s.state.recent_tokens) + [int(t) for t in ch])[-keep:] if keep else []
             if s.state.trial is not None:  # the look-back a speculative verify may cut (engine/state/trial.py)

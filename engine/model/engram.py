@@ -109,30 +109,29 @@ class NgramHasher:
         """One token's hash ids: [Engram layers, (N-1) * heads]."""
         return self.offsets.shape
 
-    def __call__(self, history: list[int], ids: np.ndarray, start_pos: int) -> np.ndarray:
-        """history: the raw ids just before this chunk (up to N-1 of them); ids: the chunk."""
-        hist = [int(t) for t in history[-(self.n - 1):]] if self.n > 1 else []
-        seq = np.asarray(hist + [int(t) for t in ids], dtype=np.int64)
-        comp = self.token_map[seq]
-        s = len(ids)
-        base = len(hist)
-        pos = start_pos + np.arange(s)
-        cols = []
-        for shift in range(self.n):
-            src = base + np.arange(s) - shift
-            ok = (pos - shift >= 0) & (src >= 0)
-            cols.append(np.where(ok, comp[np.clip(src, 0, None)], self.pad))
-        return self._hash(np.stack(cols, axis=-1))
-
-    def decode(self, histories: list[list[int]], ids: list[int], positions: list[int]) -> np.ndarray:
-        """__call__ for B sequences of one new token each (a decode step), vectorized over them:
-        histories[b] the raw ids before ids[b], which sits at positions[b]. -> [B, L, (N-1)*heads]."""
-        n = self.n
-        # per sequence, column j: the token j places back (-1: none); one array for all
-        pad, last = [-1] * n, n - 1
-        raw = np.array([([int(t), *(hist[::-1][:last] if last else ())] + pad)[:n]
-                        for hist, t in zip(histories, ids, strict=True)], dtype=np.int64)
-        ok = (raw >= 0) & (np.asarray(positions, dtype=np.int64)[:, None] - np.arange(n)[None, :] >= 0)
+    def __call__(self, histories: list[list[int]], chunks: list, positions: list[int]) -> np.ndarray:
+        """Hash ids of B sequences' chunks of one forward, row after row ([sum of chunk lengths, L,
+        (N-1)*heads]), vectorized over every row: histories[b] the raw ids before chunks[b], whose
+        first token sits at positions[b]. A row's n-gram reaches back into its chunk, then its
+        history; a token before position 0 or not in the history is the pad."""
+        n, last = self.n, self.n - 1
+        if all(len(c) == 1 for c in chunks):  # a decode step (every step's host time): rows built directly
+            pad = [-1] * n
+            raw = np.array([([int(c[0]), *(h[::-1][:last] if last else ())] + pad)[:n]
+                            for h, c in zip(histories, chunks, strict=True)], dtype=np.int64)
+            ok = (raw >= 0) & (np.asarray(positions, dtype=np.int64)[:, None] - np.arange(n)[None, :] >= 0)
+            return self._hash(np.where(ok, self.token_map[np.maximum(raw, 0)], self.pad))
+        lens = np.fromiter((len(c) for c in chunks), np.int64, len(chunks))
+        cat = np.concatenate([np.asarray(c, np.int64).reshape(-1) for c in chunks])
+        cstart = np.cumsum(lens) - lens
+        row_seq = np.repeat(np.arange(lens.size), lens)
+        back = (np.arange(cat.size) - cstart[row_seq])[:, None] - np.arange(n)[None, :]  # [rows, N]: in the chunk
+        raw = cat[np.maximum(cstart[row_seq][:, None] + back, 0)]
+        if last:  # before the chunk: its sequence's last N-1 history ids (-1 where it has fewer)
+            hist = np.array([([-1] * last + [int(t) for t in h[-last:]])[-last:] for h in histories], np.int64)
+            raw = np.where(back >= 0, raw, hist[row_seq[:, None], np.clip(last + back, 0, last - 1)])
+        pos = np.asarray(positions, np.int64)[row_seq][:, None] + back
+        ok = (raw >= 0) & (pos >= 0)
         return self._hash(np.where(ok, self.token_map[np.maximum(raw, 0)], self.pad))
 
     def _hash(self, tokens: np.ndarray) -> np.ndarray:

@@ -155,9 +155,10 @@ def test_decode_step_launches_repeat_between_capacity_buckets() -> None:
 
 @pytest.mark.parametrize("ngram", [3, 4])
 def test_engram_decode_hashes_equal_chunk_hashes(ngram: int, tmp_path) -> None:
-    """The batched one-token hash (decode) equals the per-chunk hash, for histories shorter than
-    the n-gram (the first tokens of a sequence) and full ones: demo-v41's 3-grams and a random
-    checkpoint's 4-grams."""
+    """A decode step's hash (every chunk one token: its rows built directly) equals the general
+    rows' hash (the same chunks beside a longer one), for histories shorter than the n-gram (the
+    first tokens of a sequence) and full ones: demo-v41's 3-grams and a random checkpoint's
+    4-grams."""
     if ngram == 3:
         h = _model(DEMO_V41).model.hasher
     else:
@@ -172,8 +173,9 @@ def test_engram_decode_hashes_equal_chunk_hashes(ngram: int, tmp_path) -> None:
             hists.append(rng.integers(0, 1000, n_hist).tolist())
             toks.append(int(rng.integers(0, 1000)))
             pos.append(p)
-    ref = np.concatenate([h(hi, np.array([t]), p) for hi, t, p in zip(hists, toks, pos, strict=True)])
-    np.testing.assert_array_equal(h.decode(hists, toks, pos), ref)
+    chunks = [np.array([t]) for t in toks]
+    ref = h([*hists, [1, 2]], [*chunks, np.array([3, 4, 5])], [*pos, 9])[: len(toks)]
+    np.testing.assert_array_equal(h(hists, chunks, pos), ref)
 
 
 def test_state_round_trip_continues_identically(model: Model) -> None:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A V4.1 decode step's host work by part, on any CPU (a developer's tool; not the runtime).
 
-  python tools/dev/host_profile.py CKPT [--batch 1,32] [--steps 20] [--rounds 5]
+  python tools/dev/host_profile.py CKPT [--batch 1,32] [--steps 20] [--rounds 5] [--rows 6]
 
 On the numpy backend (CKPT: a narrow checkpoint with the layer structure of interest, e.g.
 `dsuf.py tiny-model DIR --arch v41 --layers 2`), per batch size, the best of --rounds rounds of
@@ -11,7 +11,9 @@ the step's inputs (RoPE tables), the packing of its tables (engine/ops/gpu/stagi
 the numpy buffers' host addresses), the graph key (StepInputs.signature) and the draw's job table; then
 the two parts of planning ahead: the next step planned (ModelRunner.prepare_next, which a GPU
 overlaps with the step before) and that plan taken at the step (ModelRunner._take_next, serial). The GPU
-machine's own split of a served step is `tools/dev/gpu_profile.py host`.
+machine's own split of a served step is `tools/dev/gpu_profile.py host`. --rows R > 1: a speculative
+verify step instead, R rows a sequence ([last token, R - 1 drafts]) planned row by row under a trial
+(engine/state/trial.py), which is put back after each step; a verify step is not planned ahead.
 """
 
 from __future__ import annotations
@@ -28,14 +30,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 PARTS = ("plan", "engram", "inputs", "pack", "key", "jobs", "ahead", "take")
 
 
-def profile(ckpt: str, batch: int, steps: int, rounds: int) -> dict[str, float]:
-    """Best-of-rounds mean seconds per decode step of each part (PARTS)."""
+def profile(ckpt: str, batch: int, steps: int, rounds: int, rows: int = 1) -> dict[str, float]:
+    """Best-of-rounds mean seconds per decode step (rows > 1: verify step) of each part (PARTS)."""
     from engine.bench import GREEDY
     from engine.model.batch import Seq
     from engine.ops.gpu.sample_table import job_table
     from engine.ops.gpu.staging import pack
     from engine.runtime.engine import Engine
     from engine.runtime.sampling import SampleJob
+    from engine.state import trial as trials
     from engine.state.decode_plan import StepInputs, plan_decode
 
     eng = Engine.load(ckpt)
@@ -46,16 +49,19 @@ def profile(ckpt: str, batch: int, steps: int, rounds: int) -> dict[str, float]:
     rng = np.random.default_rng(0)
     states = [runner.new_state() for _ in range(batch)]
     runner.forward(states, [rng.integers(0, cfg.vocab_size, 40 + 3 * i) for i in range(batch)])
-    toks = [np.array([int(rng.integers(0, cfg.vocab_size))], np.int64) for _ in range(batch)]
-    jobs = [SampleJob(i, GREEDY, [], rng) for i in range(batch)]
+    toks = [rng.integers(0, cfg.vocab_size, rows).astype(np.int64) for _ in range(batch)]
+    jobs = [SampleJob(i, GREEDY, [], rng) for i in range(batch * rows)]
     best = dict.fromkeys(PARTS, float("inf"))
     for _ in range(rounds):
         spent = dict.fromkeys(PARTS, 0.0)
         for _ in range(steps):
-            seqs = [Seq(st, slice(i, i + 1), st.position + np.arange(1)) for i, st in enumerate(states)]
+            seqs = [Seq(st, slice(rows * i, rows * (i + 1)), st.position + np.arange(rows))
+                    for i, st in enumerate(states)]
+            marks = [trials.begin(st) for st in states] if rows > 1 else None
             t0 = time.perf_counter()
             win, layers = plan_decode(cfg, states, model.ops.xp, [], model.rope.compressed,
-                                      runner.plan.heads[1] > runner.plan.heads[0])
+                                      runner.plan.heads[1] > runner.plan.heads[0], [rows] * batch if marks else None,
+                                      [] if marks else None)
             t1 = time.perf_counter()
             hashes = model.engram_hashes(seqs, toks) if model.hasher else None
             t2 = time.perf_counter()
@@ -69,6 +75,12 @@ def profile(ckpt: str, batch: int, steps: int, rounds: int) -> dict[str, float]:
             t5 = time.perf_counter()
             job_table(jobs, cfg.vocab_size)
             t6 = time.perf_counter()
+            if marks is not None:  # (a verify step: the trial put back, not planned ahead)
+                for st, tr in zip(states, marks, strict=True):
+                    trials.restore(st, tr)
+                for part, a, b in zip(PARTS, (t0, t1, t2, t3, t4, t5), (t1, t2, t3, t4, t5, t6), strict=False):
+                    spent[part] += b - a
+                continue
             for st in states:  # (planned but not run: the next step plans the next position)
                 st.position += 1
             runner.prepare_next(states)
@@ -91,12 +103,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", default="1,32", help="batch sizes, comma-separated")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rows", type=int, default=1, help="rows a sequence (> 1: a speculative verify step)")
     args = ap.parse_args(argv)
     for b in (int(v) for v in args.batch.split(",")):
-        got = profile(args.ckpt, b, args.steps, args.rounds)
-        print(f"b{b}: " + ", ".join(f"{p} {got[p] * 1e6:.0f}" for p in PARTS[:6])
-              + f" us (total {sum(got[p] for p in PARTS[:6]) * 1e6:.0f}); planned ahead: ahead "
-              f"{got['ahead'] * 1e6:.0f}, take {got['take'] * 1e6:.0f} us")
+        got = profile(args.ckpt, b, args.steps, args.rounds, args.rows)
+        ahead = (f"; planned ahead: ahead {got['ahead'] * 1e6:.0f}, take {got['take'] * 1e6:.0f} us"
+                 if args.rows == 1 else "")
+        print(f"b{b}" + (f" x {args.rows} rows" if args.rows > 1 else "") + ": "
+              + ", ".join(f"{p} {got[p] * 1e6:.0f}" for p in PARTS[:6])
+              + f" us (total {sum(got[p] for p in PARTS[:6]) * 1e6:.0f}){ahead}")
     return 0
 
 
