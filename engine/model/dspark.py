@@ -180,20 +180,23 @@ class DSpark:
         """absorb for every sequence of one forward over chunks of ns rows: each target layer's
         rows are the sequences' in order, all of a chunk's or, under bounded replay, its trailing
         min(n, k) for the layer's k, which the row count determines."""
-        offsets = {}
+        rows = {}
         for i in self.target_layer_ids:
             counts = _rows_per_chunk(ns, int(targets[i].shape[0]))
-            offsets[i] = (np.cumsum([0, *counts]), counts)
-        for b, (state, n) in enumerate(zip(states, ns, strict=True)):
-            self.absorb(state, {i: targets[i][int(o[b]):int(o[b]) + c[b]] for i, (o, c) in offsets.items()}, n)
+            rows[i] = (np.cumsum([0, *counts]), counts)
+        self._absorb_rows(states, targets, rows, ns)
 
     def absorb_kept(self, states: list[DraftState], targets: dict, lengths: list[int], keeps: list[int]) -> None:
         """absorb for every sequence of a verify step, whose chunks of `lengths` rows ran whole,
         side by side: each keeps the first keeps[b] rows of its chunk."""
         starts = np.cumsum([0, *lengths])
-        for b, (state, n) in enumerate(zip(states, keeps, strict=True)):
-            a = int(starts[b])
-            self.absorb(state, {i: x[a : a + n] for i, x in targets.items()}, n)
+        self._absorb_rows(states, targets, dict.fromkeys(targets, (starts, keeps)), keeps)
+
+    def _absorb_rows(self, states: list[DraftState], targets: dict, rows: dict, ns: list[int]) -> None:
+        """absorb n = ns[b] positions into states[b] from rows[i] = (starts, counts): target layer
+        i's rows starts[b] .. starts[b] + counts[b] of sequence b."""
+        for b, (state, n) in enumerate(zip(states, ns, strict=True)):
+            self.absorb(state, {i: targets[i][int(o[b]):int(o[b]) + c[b]] for i, (o, c) in rows.items()}, n)
 
     @staticmethod
     def ranges(lengths: list[int], n: int) -> tuple[np.ndarray, np.ndarray, int]:
