@@ -75,23 +75,21 @@ def profile(ckpt: str, batch: int, steps: int, rounds: int, rows: int = 1) -> di
             t5 = time.perf_counter()
             job_table(jobs, cfg.vocab_size)
             t6 = time.perf_counter()
+            stamps = [t0, t1, t2, t3, t4, t5, t6]
             if marks is not None:  # (a verify step: the trial put back, not planned ahead)
                 for st, tr in zip(states, marks, strict=True):
                     trials.restore(st, tr)
-                for part, a, b in zip(PARTS, (t0, t1, t2, t3, t4, t5), (t1, t2, t3, t4, t5, t6), strict=False):
-                    spent[part] += b - a
-                continue
-            for st in states:  # (planned but not run: the next step plans the next position)
-                st.position += 1
-            runner.prepare_next(states)
-            t7 = time.perf_counter()
-            if runner._take_next(states, np.array([st.position for st in states], np.int64)) is None:
-                raise RuntimeError("the plan made ahead was not taken")
-            t8 = time.perf_counter()
-            for st in states:
-                st.position += 1
-            for part, a, b in zip(PARTS, (t0, t1, t2, t3, t4, t5, t6, t7), (t1, t2, t3, t4, t5, t6, t7, t8),
-                                  strict=True):
+            else:
+                for st in states:  # (planned but not run: the next step plans the next position)
+                    st.position += 1
+                runner.prepare_next(states)
+                stamps.append(time.perf_counter())
+                if runner._take_next(states, np.array([st.position for st in states], np.int64)) is None:
+                    raise RuntimeError("the plan made ahead was not taken")
+                stamps.append(time.perf_counter())
+                for st in states:
+                    st.position += 1
+            for part, a, b in zip(PARTS, stamps, stamps[1:], strict=False):  # (a verify step: the first six)
                 spent[part] += b - a
         best = {p: min(best[p], spent[p] / steps) for p in PARTS}
     return best
