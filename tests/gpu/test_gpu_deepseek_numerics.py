@@ -6,9 +6,16 @@ points, but sum in another order; a float32 difference can move an output across
 boundary (one bf16 step, 2^-8 relative), and where a rounded value feeds the FP8 activation
 quantization, across an e4m3 code boundary (one e4m3 step, 2^-4 relative, for that one element).
 Such flips are rare, so norm-relative errors stay far below one step: OP_TOL for one op, CHAIN_TOL
-for the experts (three rounding points and two quantizations in a row). A whole model compounds
-them: the GPU must then sit much closer to DeepseekOps than exact numerics do (MODEL_RATIO), and its
-greedy tokens may differ only where DeepseekOps' own top-2 margin is within that difference.
+for the experts (three rounding points and two quantizations in a row).
+
+A whole model compounds them: each flip moves the next layer's inputs, and over a few layers and
+steps the logits spread as far as the quantization noise itself. On the H100 the GPU sat as far
+from DeepseekOps as exact numerics do, and so does DeepseekOps itself with its linears' sums
+perturbed at the size of another summation order (~2^-14 of the products' magnitude on FP8 MMA,
+~2^-22 in f32). So the whole-model test measures the GPU against that spread (_Reordered): the
+median distance within MODEL_SPREAD of it, and greedy tokens that differ only where DeepseekOps'
+own top-2 margin is within the GPU's difference. A race (the fork join's, logits 50-100% off and
+not repeatable) fails both.
 """
 
 from __future__ import annotations
@@ -24,15 +31,16 @@ from gpu_cases import RNG, cp, make_weight, rel, rnd
 
 from engine.checkpoint.formats import round_bf16
 from engine.model.numerics import BF16, F32, QUANT
-from engine.ops.deepseek_ops import DeepseekOps
+from engine.ops.deepseek_ops import ACT_BLOCK, DeepseekOps, LinearWeight
 from engine.ops.gpu.deepseek import DeepseekCupyOps
+from engine.ops.numpy_ops import NumpyOps
 
 REF, GPU = DeepseekOps(), DeepseekCupyOps()
 OP_TOL, CHAIN_TOL = 2e-3, 1e-2
 # decode attention's online softmax rounds each probability relative to the running maximum, the
 # reference relative to the final one: bf16 noise of its own on the probabilities
 DECODE_ATTN_TOL = 5e-3
-MODEL_RATIO = 0.25  # ||gpu - deepseek|| <= MODEL_RATIO * ||exact - deepseek||, per step's logits
+MODEL_SPREAD = 3.0  # median ||gpu - deepseek|| <= MODEL_SPREAD * median ||reordered - deepseek||
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "models" / "demo-v41"
 
@@ -163,25 +171,56 @@ def _tiny(tmp_path: Path) -> Path:
     return out
 
 
-def _teacher_forced(ckpt: Path, prompt: list[int], steps: int) -> tuple[list[float], list[float], int, int]:
-    """GPU deepseek, numpy deepseek and numpy exact fed numpy deepseek's greedy tokens. Returns per
-    step ||gpu - ds|| / ||ds|| and ||exact - ds|| / ||ds|| of the logits, the argmax flips, and
-    the flips allowed (DeepseekOps' top-2 margin within the GPU's largest difference)."""
+class _Reordered(DeepseekOps):
+    """DeepseekOps whose tagged linears carry the error of another summation order before their
+    rounding: N(0, 1) times 2^-14 (FP8 MMA's k32 sums) or 2^-22 (f32 sums) of |x| @ |w|^T."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.rng = np.random.default_rng(seed)
+
+    def linear(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        if not isinstance(w, LinearWeight):
+            return super().linear(x, w)
+        x = self.act(x)
+        if w.quant:
+            x = self.fake_quant_fp8(x, ACT_BLOCK)
+        wa = w.view(np.ndarray)
+        y = NumpyOps.linear(self, x, wa)
+        mag = NumpyOps.linear(self, np.abs(x), np.abs(wa))
+        y = y + self.rng.standard_normal(y.shape).astype(np.float32) * mag * np.float32(
+            2.0 ** -14 if w.quant else 2.0 ** -22)
+        if isinstance(w.bf16_out, np.ndarray):
+            return np.where(w.bf16_out, self.act(y), y)
+        return self.act(y) if w.bf16_out else y
+
+
+def _teacher_forced(ckpt: Path, prompt: list[int], steps: int) -> tuple[list[float], list[float], list[float],
+                                                                          int, int]:
+    """GPU deepseek, numpy deepseek, numpy exact and _Reordered fed numpy deepseek's greedy tokens.
+    Returns per step ||gpu - ds|| / ||ds||, ||exact - ds|| / ||ds|| and ||reordered - ds|| / ||ds||
+    of the logits, the argmax flips, and the flips allowed (DeepseekOps' top-2 margin within the
+    GPU's largest difference)."""
+    from engine.checkpoint.reader import Checkpoint
     from engine.runtime.engine import Engine
+    from engine.runtime.runner import ModelRunner
     from engine.settings import Settings
 
-    ds = Engine.load(ckpt, settings=Settings(numerics="deepseek")).model
+    ds_engine = Engine.load(ckpt, settings=Settings(numerics="deepseek"))
+    ds = ds_engine.model
     ex = Engine.load(ckpt, settings=Settings(numerics="exact")).model
     gpu = Engine.load(ckpt, gpus=[0], settings=Settings(numerics="deepseek")).model
     assert type(gpu.ops) is DeepseekCupyOps
-    sts = [m.new_state() for m in (ds, ex, gpu)]
-    logits = [np.asarray(m.ops.to_host(m.forward([st], [prompt])[0])) for m, st in zip((ds, ex, gpu), sts,
-                                                                                        strict=True)]
-    g_err, x_err, flips, near = [], [], 0, 0
+    ro = ModelRunner(ds_engine.config, Checkpoint(ckpt, block_size=ds_engine.config.weight_block_size), _Reordered(7),
+               ckpt / "tokenizer.json")
+    models = (ds, ex, gpu, ro)
+    sts = [m.new_state() for m in models]
+    logits = [np.asarray(m.ops.to_host(m.forward([st], [prompt])[0])) for m, st in zip(models, sts, strict=True)]
+    g_err, x_err, n_err, flips, near = [], [], [], 0, 0
     for step in range(steps + 1):
-        r, x, g = logits
-        g_err.append(float(np.linalg.norm(g - r) / np.linalg.norm(r)))
-        x_err.append(float(np.linalg.norm(x - r) / np.linalg.norm(r)))
+        r, x, g, n = logits
+        for errs, other in ((g_err, g), (x_err, x), (n_err, n)):
+            errs.append(float(np.linalg.norm(other - r) / np.linalg.norm(r)))
         top2 = np.sort(r)[-2:]
         if int(np.argmax(g)) != int(np.argmax(r)):
             flips += 1
@@ -189,9 +228,8 @@ def _teacher_forced(ckpt: Path, prompt: list[int], steps: int) -> tuple[list[flo
         if step == steps:
             break
         nxt = int(np.argmax(r))
-        logits = [np.asarray(m.ops.to_host(m.forward([st], [[nxt]])[0])) for m, st in zip((ds, ex, gpu), sts,
-                                                                                          strict=True)]
-    return g_err, x_err, flips, near
+        logits = [np.asarray(m.ops.to_host(m.forward([st], [[nxt]])[0])) for m, st in zip(models, sts, strict=True)]
+    return g_err, x_err, n_err, flips, near
 
 
 @pytest.mark.parametrize("which", ["tiny", "demo"])
@@ -200,11 +238,13 @@ def test_whole_model_matches_deepseek_ops(which, tmp_path):
     selection) then 24 teacher-forced decode steps."""
     ckpt = _tiny(tmp_path) if which == "tiny" else DEMO
     prompt = [int(t) for t in np.random.default_rng(5).integers(3, 4000, 300)]
-    g_err, x_err, flips, near = _teacher_forced(ckpt, prompt, 24)
-    print(f"\n{which}: GPU deepseek vs numpy deepseek: median {np.median(g_err):.2e}, worst {max(g_err):.2e}; "
-          f"numpy exact vs numpy deepseek: median {np.median(x_err):.2e}; argmax flips {flips} ({near} at near-ties)")
-    print("per step (gpu, exact):", " ".join(f"{g:.1e}/{x:.1e}" for g, x in zip(g_err, x_err, strict=True)))
-    assert all(g <= MODEL_RATIO * x for g, x in zip(g_err, x_err, strict=True)), (g_err, x_err)
+    g_err, x_err, n_err, flips, near = _teacher_forced(ckpt, prompt, 24)
+    print(f"\n{which}: distance to numpy deepseek, median (worst): GPU {np.median(g_err):.2e} ({max(g_err):.2e}); "
+          f"reordered sums {np.median(n_err):.2e} ({max(n_err):.2e}); exact numerics {np.median(x_err):.2e}; "
+          f"argmax flips {flips} ({near} at near-ties)")
+    print("per step (gpu, reordered, exact):", " ".join(
+        f"{g:.1e}/{n:.1e}/{x:.1e}" for g, n, x in zip(g_err, n_err, x_err, strict=True)))
+    assert np.median(g_err) <= MODEL_SPREAD * np.median(n_err), (g_err, n_err)
     assert flips == near
 
 
