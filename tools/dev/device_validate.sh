@@ -42,6 +42,11 @@ case ${1:-1} in
     wait
     step b1_exact 200 $B --prefill 4096,65536 --batches 1,8,32 --numerics exact --speculative dspark
     step b3_1m 120 $B --prefill 1048576 --batches 1 --numerics deepseek --speculative off ;;
+4)  # the FP8 tests once more, then the rest of the suite, files in reverse order (stage 2 ran out of time)
+    step t1_fp8gemm 60 python3 -m pytest -q -s tests/gpu/test_gpu_fp8_gemm.py tests/gpu/test_gpu_fp8_grouped.py
+    step t3_dsnum 150 python3 -m pytest -q -s tests/gpu/test_gpu_deepseek_numerics.py
+    REST=$(ls tests/gpu/test_*.py | sort -r | grep -v -F "$(printf '%s\n' $FIRST)")
+    step t5_rest 400 python3 -m pytest -q -rf --durations=10 $REST ;;
 3)  # memcheck of the new kernels
     step m1_ops 300 make gpu-memcheck
     step m2_fp8 250 env DSUF_DIRECT_ALLOC=1 compute-sanitizer --tool memcheck --report-api-errors no \
