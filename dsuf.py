@@ -16,12 +16,8 @@ def _run(args: argparse.Namespace) -> int:
     from engine.settings import Settings
     from engine.text.chat_encoding import render_messages
 
-    try:
-        eng = Engine.load(args.ckpt, backend=args.backend, settings=Settings.from_env(numerics=args.numerics),
-                          progress=LoadProgress(lambda line: print(line, file=sys.stderr, flush=True)))
-    except NotImplementedError as e:  # --numerics deepseek on a backend without it
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    eng = Engine.load(args.ckpt, backend=args.backend, settings=Settings.from_env(numerics=args.numerics),
+                      progress=LoadProgress(lambda line: print(line, file=sys.stderr, flush=True)))
     if args.prompt_ids:
         try:
             ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
@@ -100,8 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--ckpt", default=None, help="checkpoint directory (default: embedded demo-v41)")
     r.add_argument("--backend", default="numpy")
     r.add_argument("--numerics", choices=NUMERICS, default=DEFAULT_NUMERICS,
-                   help="float32 (exact) or as DeepSeek's reference computes (deepseek: bf16, FP8 activations; "
-                        "numpy backend only for now)")
+                   help="float32 (exact) or as DeepSeek's reference computes (deepseek: bf16, FP8 activations)")
     r.add_argument("--max-tokens", type=int, default=64)
     r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     r.add_argument("--seed", type=int, default=None)

@@ -6,7 +6,9 @@ Three parts, each printed as a table:
    formats: FP8 32x32 UE8M0 attention / shared expert, FP4 routed experts) at M = 1, 8, 32 and a
    4k-row prefill, with the floor for each;
 3. with --ckpt: whole-model decode at batch 1/8/32 (time per step and per layer, tokens/s)
-   and prefills of --prefill tokens (4k and 64k), floors from the weight bytes a step reads. With --gpus
+   and prefills of --prefill tokens (4k and 64k); decode floors from the bytes a step reads,
+   prefill floors from its multiply-adds at the tensor cores' measured rates (prefill_work: under
+   --numerics deepseek the FP8 work at the FP8 MMA rate, kernels/peak.cu). With --gpus
    0,1,...: the same over one tensor-parallel rank per GPU (floors from the busiest rank), and
    with --compare-tp1 the sharded logits against the model on one GPU.
 """
@@ -142,43 +144,101 @@ def tensor_core_rate(n: int = 8192) -> float:
     return 2 * n**3 / t
 
 
+def fp8_rate(iters: int = 512) -> tuple[float, str]:
+    """The tensor cores' e4m3 x e4m3 MMA rate in FLOP/s (kernels/peak.cu: operands in shared
+    memory, no global traffic) and the instruction it issues: wgmma on sm_90a, mma.sync elsewhere
+    (a lower bound there)."""
+    import cupy as cp
+
+    from engine.ops import kernels as K
+
+    hopper = K.device_arch() == "90a"
+    # multiply-adds a block runs: 2 warpgroups x 8 wgmma m64n128k32 an iteration, or 8 warps x
+    # 16 mma.sync m16n8k32 (kernels/peak.cu)
+    per_block = iters * (2 * 8 * 64 * 128 * 32 if hopper else 8 * 16 * 16 * 8 * 32)
+    blocks = 4 * cp.cuda.Device().attributes["MultiProcessorCount"]
+    out = cp.zeros(1, cp.float32)
+    fn = K.function("peak", "mma_peak_fp8")
+    t = _timeit(lambda: fn((blocks,), (256,), (out, np.int32(iters))), iters=10)
+    return 2 * per_block * blocks / t, "wgmma" if hopper else "mma.sync"
+
+
+def _macs(ws: list, fp8: bool | None = None) -> int:
+    """Multiply-adds per row of the weights ws (fp8: only FP8 / FP4 ones, or only the others)."""
+    from engine.ops.kernels import FMT_FP4, FMT_FP8
+
+    return sum(w.shape[0] * w.shape[1] for w in ws if fp8 is None or (w.fmt in (FMT_FP8, FMT_FP4)) == fp8)
+
+
 def _weight_stats(model) -> dict:
     """Bytes and multiply-adds of the weights a token touches on this model (or tensor-parallel
-    rank): dense (attention, router, shared expert, summed over layers), one routed expert and
-    how many this rank holds per layer, the head."""
-    dense = dense_macs = expert = expert_macs = owned = 0
+    rank): dense (attention, router, shared expert, summed over layers; of them the FP8 / FP4
+    weights' multiply-adds, which DeepSeek's numerics run on FP8 MMA), one routed expert (and its
+    FP8 / FP4 part) and how many this rank holds per layer, the head."""
+    dense = dense_macs = dense_fp8 = expert = expert_macs = expert_fp8 = owned = 0
     for L in model.w.layers:
         ws = dense_weights(L)
         dense += sum(weight_bytes(w) for w in ws)
-        dense_macs += sum(w.shape[0] * w.shape[1] for w in ws)
+        dense_macs += _macs(ws)
+        dense_fp8 += _macs(ws, fp8=True)
         mine = [ex for ex in L.ffn.experts if ex is not None]
         owned = len(mine)
         if mine:
             expert = sum(weight_bytes(w) for w in mine[0])
-            expert_macs = sum(w.shape[0] * w.shape[1] for w in mine[0])
-    return dict(dense=dense, dense_macs=dense_macs, expert=expert, expert_macs=expert_macs, owned=owned,
-                head=weight_bytes(model.w.head))
+            expert_macs, expert_fp8 = _macs(mine[0]), _macs(mine[0], fp8=True)
+    return dict(dense=dense, dense_macs=dense_macs, dense_fp8_macs=dense_fp8, expert=expert, expert_macs=expert_macs,
+                expert_fp8_macs=expert_fp8, owned=owned, head=weight_bytes(model.w.head))
 
 
-def _load(ckpt: str, gpus: list[int] | None, expert_split: str = "ep"):
+def prefill_work(cfg, stats: list[dict], tokens: int, numerics: str) -> dict:
+    """Multiply-adds of a prefill of `tokens` on the tensor cores, summed over the ranks, by the
+    rate they run at: 'fp8' (under DeepSeek's numerics: the FP8 / FP4 weights' linears, on
+    e4m3 activations, and the indexers' scores of every compressed entry before each query, on
+    the FP4 grid) and 'bf16' (the other linears, attention's q.k and p.v over each query's window
+    and selected entries; exact numerics: everything). Weights count once per row (the ranks
+    hold slices; a rank holds whole experts or a width slice of each); the indexers are
+    replicated, so every rank scores everything."""
+    e, k, nl, d = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.num_layers, cfg.head_dim
+    attn = sum(cfg.num_heads * d * 2 * (cfg.sliding_window + (cfg.index_topk if r else 0))
+               for r in cfg.compress_ratios)
+    # an indexer scores query i against the (i + 1) // ratio entries closed before it (V4.1: the
+    # index sources; V4: every CSA layer)
+    scorers = cfg.index_source_layer_ids if cfg.arch == "v41" else [
+        li for li, kind in enumerate(cfg.layer_kinds) if kind == "csa"]
+    index = len(stats) * sum(cfg.index_n_heads * cfg.index_head_dim * tokens * (tokens + 1) / 2
+                             / cfg.compress_ratios[li] for li in scorers)
+    # (one whole expert's multiply-adds: a rank holds whole experts, or a width slice of each)
+    expert = sum(ws["expert_macs"] * ws["owned"] for ws in stats) / e
+    expert8 = sum(ws["expert_fp8_macs"] * ws["owned"] for ws in stats) / e
+    weights = sum(ws["dense_macs"] for ws in stats) + nl * k * expert
+    weights8 = sum(ws["dense_fp8_macs"] for ws in stats) + nl * k * expert8
+    if numerics != "deepseek":
+        return {"fp8": 0.0, "bf16": tokens * (weights + attn) + index}
+    return {"fp8": tokens * weights8 + index, "bf16": tokens * (weights - weights8 + attn)}
+
+
+def _load(ckpt: str, gpus: list[int] | None, expert_split: str = "ep", numerics: str = "exact"):
     """(model, its per-rank Models, their CUDA devices): one GPU, or one rank per GPU."""
     import cupy as cp
 
     from engine.checkpoint.reader import Checkpoint
     from engine.model.config import load_config
-    from engine.ops.gpu.ops import CupyOps
+    from engine.runtime.engine import make_ops
     from engine.runtime.runner import ModelRunner as Model
+    from engine.settings import Settings
+
+    settings = Settings.from_env(numerics=numerics)
 
     cfg = load_config(ckpt)
     ck, tok = Checkpoint(ckpt, block_size=cfg.weight_block_size), f"{ckpt}/tokenizer.json"
     if gpus and len(gpus) > 1:
         from engine.parallel.gpu import GpuTP
 
-        model = GpuTP(cfg, ck, gpus, tok, expert_split=expert_split)
+        model = GpuTP(cfg, ck, gpus, tok, make_ops=lambda: make_ops("cupy", settings), expert_split=expert_split)
         return cfg, model, model.ranks, list(gpus)
     dev = gpus[0] if gpus else cp.cuda.Device().id
     with cp.cuda.Device(dev):
-        model = Model(cfg, ck, CupyOps(), tok)
+        model = Model(cfg, ck, make_ops("cupy", settings), tok)
     return cfg, model, [model], [dev]
 
 
@@ -206,17 +266,22 @@ def _sync(devices: list[int]) -> None:
 
 def bench_model(ckpt: str, bw: float, batches=(1, 8, 32), prefills=(4096, 65536), steps: int = 10,
                 chunk: int = 4096, gpus: list[int] | None = None, compare_tp1: bool = False,
-                expert_split: str = "ep", speculative: str | None = None) -> None:
-    cfg, model, ranks, devices = _load(ckpt, gpus, expert_split)
+                expert_split: str = "ep", speculative: str | None = None, numerics: str = "exact") -> None:
+    cfg, model, ranks, devices = _load(ckpt, gpus, expert_split, numerics)
     stats = [_weight_stats(r) for r in ranks]
     e, k, nl = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.num_layers
     rng = np.random.default_rng(0)
     tp = f", tensor parallel over GPUs {devices}, experts split by {expert_split}" if len(ranks) > 1 else ""
     print(f"\nmodel {ckpt}: {nl} layers, hidden {cfg.hidden_size}, {e} experts top-{k}; "
-          f"CUDA graphs {'on' if ranks[0].ops.graphs.enabled else 'off'}{tp}")
+          f"CUDA graphs {'on' if ranks[0].ops.graphs.enabled else 'off'}, --numerics {numerics}{tp}")
     tc = tensor_core_rate() if prefills else 0.0
+    rates = {"bf16": tc, "fp8": tc}
     if prefills:
         print(f"tensor-core rate (fp16 cuBLAS GEMM): {tc / 1e12:.0f} TFLOP/s per GPU")
+        if numerics == "deepseek":
+            rates["fp8"], how = fp8_rate()
+            print(f"FP8 tensor-core rate (e4m3 {how}, operands in shared memory): {rates['fp8'] / 1e12:.0f} "
+                  "TFLOP/s per GPU")
     _bench_decode(model, cfg, ranks, devices, stats, batches, steps, bw, rng)
     dsp = getattr(getattr(model, "model", None), "dspark", None)
     if speculative == "dspark" and dsp is None:
@@ -226,9 +291,9 @@ def bench_model(ckpt: str, bw: float, batches=(1, 8, 32), prefills=(4096, 65536)
                           lambda rows, verify: _decode_graph_seconds(ranks[0].ops.graphs, rows, verify),
                           lambda: _sync(devices))
     if prefills:
-        _bench_prefill(model, cfg, ranks, devices, stats, prefills, chunk, tc, rng)
+        _bench_prefill(model, cfg, ranks, devices, stats, prefills, chunk, rates, numerics, rng)
     if compare_tp1 and len(ranks) > 1:
-        _compare_tp1(ckpt, cfg, model, devices[0], rng)
+        _compare_tp1(ckpt, cfg, model, devices[0], rng, numerics)
 
 
 def _bench_decode(model, cfg, ranks, devices, stats, batches, steps: int, bw: float, rng) -> None:
@@ -265,17 +330,12 @@ def _bench_decode(model, cfg, ranks, devices, stats, batches, steps: int, bw: fl
           "graph % = floor / graph ms)")
 
 
-def _bench_prefill(model, cfg, ranks, devices, stats, prefills, chunk: int, tc: float, rng) -> None:
-    """Each prompt length fed in chunks: its time, tokens/s (per layer) and the tensor-core floor."""
-    e, k, nl, d = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.num_layers, cfg.head_dim
+def _bench_prefill(model, cfg, ranks, devices, stats, prefills, chunk: int, rates: dict, numerics: str,
+                   rng) -> None:
+    """Each prompt length fed in chunks: its time, tokens/s (per layer) and the tensor-core floor
+    (prefill_work's multiply-adds at their rates, spread over the ranks)."""
+    nl = cfg.num_layers
     model.forward([model.new_state()], [rng.integers(0, cfg.vocab_size, 64)])  # warm-up
-    # multiply-adds per token: weights (dense + top-k experts) + attention (q.k and p.v over the
-    # window and, in compressed layers, the selected entries), spread over the ranks
-    attn = sum(cfg.num_heads * d * 2 * (cfg.sliding_window + (cfg.index_topk if r else 0))
-               for r in cfg.compress_ratios)
-    # (one whole expert's multiply-adds: a rank holds whole experts, or a width slice of each)
-    expert = sum(ws["expert_macs"] * ws["owned"] for ws in stats) / e
-    macs = sum(ws["dense_macs"] for ws in stats) + nl * k * expert + attn
     for prefill in prefills:
         st = model.new_state()
         ids = rng.integers(0, cfg.vocab_size, prefill)
@@ -285,10 +345,13 @@ def _bench_prefill(model, cfg, ranks, devices, stats, prefills, chunk: int, tc: 
             model.forward([st], [ids[c0:c0 + chunk]])
         _sync(devices)
         dt = time.perf_counter() - t0
-        floor = 2 * prefill * macs / (tc * len(ranks))
+        work = prefill_work(cfg, stats, prefill, numerics)
+        floor = sum(2 * macs / rates[kind] for kind, macs in work.items()) / len(ranks)
+        split = (f" ({2 * work['fp8'] / rates['fp8'] / len(ranks):.3f} s of FP8 work, "
+                 f"{2 * work['bf16'] / rates['bf16'] / len(ranks):.3f} s of bf16)" if work["fp8"] else "")
         print(f"prefill {prefill} tokens in chunks of {min(chunk, prefill)}: {dt:.3f} s, {prefill / dt:.0f} tok/s, "
               f"{dt / nl * 1e3:.2f} ms/layer, {prefill / dt * nl:.0f} tok/s per layer; tensor-core floor "
-              f"{floor:.3f} s ({100 * floor / dt:.1f}% of it)")
+              f"{floor:.3f} s{split} ({100 * floor / dt:.1f}% of it)")
         if prefill <= PARTS_MAX_TOKENS:  # the same prefill again, its ops timed by part
             st = model.new_state()
             parts = by_part([r.ops for r in ranks], lambda st=st, ids=ids, n=prefill: [
@@ -296,9 +359,9 @@ def _bench_prefill(model, cfg, ranks, devices, stats, prefills, chunk: int, tc: 
             print(f"  by part (device time of each op, summed over the ranks): {report(parts, dt)}")
 
 
-def _compare_tp1(ckpt: str, cfg, model, device: int, rng) -> None:
+def _compare_tp1(ckpt: str, cfg, model, device: int, rng, numerics: str = "exact") -> None:
     """Logits of the sharded model vs one GPU holding it whole: a 64-token prompt, 8 greedy steps."""
-    _, plain, _, _ = _load(ckpt, [device])
+    _, plain, _, _ = _load(ckpt, [device], numerics=numerics)
     ids = [int(t) for t in rng.integers(0, cfg.vocab_size, 64)]
     a, b = model.new_state(), plain.new_state()
     la, lb = model.forward([a], [ids])[0], plain.forward([b], [ids])[0]
@@ -316,7 +379,7 @@ def bench_main(argv: list[str] | None = None) -> int:
     """CLI entry: `bench [--ckpt DIR] [--batches 1,8,32] [--prefill 4096,65536] [--chunk N] [--no-linears]
     [--gpus 0,1,2,3 [--compare-tp1]]`."""
     from engine.parallel.shard import EXPERT_SPLITS
-    from engine.settings import DEFAULT_NUMERICS, NUMERICS, check_numerics
+    from engine.settings import DEFAULT_NUMERICS, NUMERICS
 
     ap = argparse.ArgumentParser(prog="dsuf bench", description=__doc__.splitlines()[0])
     ap.add_argument("--ckpt", default=None, help="checkpoint to time whole-model decode / prefill on")
@@ -331,15 +394,10 @@ def bench_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--expert-split", choices=EXPERT_SPLITS, default="ep",
                     help="with --gpus: routed experts by expert id or by width")
     ap.add_argument("--numerics", choices=NUMERICS, default=DEFAULT_NUMERICS,
-                    help="the GEMMs' numerics (the GPU computes exact only, for now)")
+                    help="deepseek: as DeepSeek's reference (bf16 activations, FP8 GEMMs); exact: float32")
     ap.add_argument("--speculative", choices=("dspark", "off"), default=None,
                     help="time DSpark's draft and verify steps (default: dspark when the checkpoint has draft layers)")
     a = ap.parse_args(argv)
-    try:
-        check_numerics(a.numerics, "cupy")
-    except NotImplementedError as e:
-        print(f"error: {e}")
-        return 2
     gpus = [int(g) for g in a.gpus.split(",")] if a.gpus else None
     bw = copy_bandwidth()
     print(f"copy bandwidth: {bw / 1e12:.2f} TB/s (read + write)")
@@ -348,5 +406,5 @@ def bench_main(argv: list[str] | None = None) -> int:
     if a.ckpt:
         prefills = tuple(n for n in (int(v) for v in a.prefill.split(",")) if n > 0)
         bench_model(a.ckpt, bw, tuple(int(b) for b in a.batches.split(",")), prefills, a.steps, a.chunk, gpus,
-                    a.compare_tp1, a.expert_split, a.speculative)
+                    a.compare_tp1, a.expert_split, a.speculative, a.numerics)
     return 0

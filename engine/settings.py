@@ -53,13 +53,6 @@ class Settings:
         return replace(s, **overrides)
 
 
-def check_numerics(numerics: str, backend: str) -> None:
-    """NotImplementedError where `backend` does not compute in `numerics` (the GPU: exact only, for now)."""
-    if backend != "numpy" and numerics != "exact":
-        raise NotImplementedError(f"--numerics {numerics} is not implemented on the {backend} backend yet (its "
-                                  "FP8 kernels are to come); use --numerics exact there")
-
-
 def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
     v = env.get(name)
     if v is None or v == "":

@@ -6,12 +6,15 @@
 // The K=V tile (ATT_TN rows) is staged once in shared memory for all 8 heads (one latent read
 // serves every head); tiles with no visible row are skipped, so windowed / top-k masks cost only
 // what is visible. qr: this lane's query elements (lane + 32 i); o, m, l: the running state.
+// bf (--numerics deepseek, the reference's sparse_attn): K=V rounded to bf16 as staged, and each
+// probability rounded to bf16 where it multiplies V (the denominator sums them unrounded).
 // Dynamic shared memory: ATT_TN * D floats.
 #define ATT_TN 16
 #define ATT_DPL 16  // D / 32 at most
 template <class Rows>
 __device__ __forceinline__ void attend_rows(const float (&qr)[ATT_DPL], float (&o)[ATT_DPL], float& m, float& l,
-                                            bool active, int n_begin, int n_end, int D, float scale, Rows row) {
+                                            bool active, int n_begin, int n_end, int D, float scale, bool bf,
+                                            Rows row) {
   extern __shared__ __align__(16) float kvs[];
   __shared__ float bs[ATT_TN];
   __shared__ const float* rp[ATT_TN];
@@ -36,6 +39,7 @@ __device__ __forceinline__ void attend_rows(const float (&qr)[ATT_DPL], float (&
         const int idx = threadIdx.x + j * 256, r = idx / D4, c = idx - r * D4;
         const float* p = idx < ATT_TN * D4 ? rp[r] : nullptr;
         v[j] = p != nullptr ? __ldg((const float4*)p + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+        if (bf) v[j] = make_float4(round_bf16f(v[j].x), round_bf16f(v[j].y), round_bf16f(v[j].z), round_bf16f(v[j].w));
       }
 #pragma unroll
       for (int j = 0; j < PER; ++j)
@@ -63,11 +67,11 @@ __device__ __forceinline__ void attend_rows(const float (&qr)[ATT_DPL], float (&
         for (int i = 0; i < ATT_DPL; ++i) o[i] *= corr;
 #pragma unroll
         for (int r = 0; r < ATT_TN; ++r) {
-          const float p = expf(sc[r] - mn);
+          const float p = expf(sc[r] - mn), pv = bf ? round_bf16f(p) : p;
           l += p;
 #pragma unroll
           for (int i = 0; i < ATT_DPL; ++i)
-            if (i < nd) o[i] += p * kvs[r * D + lane + 32 * i];
+            if (i < nd) o[i] += pv * kvs[r * D + lane + 32 * i];
         }
         m = mn;
       }
@@ -86,16 +90,17 @@ __device__ __forceinline__ void load_query(const float* __restrict__ qh, bool ac
   }
 }
 
-// Final normalisation with the head's sink in the denominator: out = o / (l + e^(sink - m)).
+// Final normalisation with the head's sink in the denominator: out = o / (l + e^(sink - m)), in
+// bf16 with bf (--numerics deepseek).
 __device__ __forceinline__ void write_with_sink(float* __restrict__ oh, const float (&o)[ATT_DPL], float m, float l,
-                                                float sk, int nd) {
+                                                float sk, int nd, bool bf) {
   const int lane = threadIdx.x & 31;
   const float mm = fmaxf(m, sk);
   const float em = expf(m - mm);
   const float f = em / (l * em + expf(sk - mm));
 #pragma unroll
   for (int i = 0; i < ATT_DPL; ++i)
-    if (i < nd) oh[lane + 32 * i] = o[i] * f;
+    if (i < nd) oh[lane + 32 * i] = bf ? round_bf16f(o[i] * f) : o[i] * f;
 }
 
 // Decode attention of B sequences (one query each) in one launch, split over the keys.
@@ -117,7 +122,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_decode(
     const float* __restrict__ q, const long long* __restrict__ tab, const bool* __restrict__ masks, int masks_ld,
     const float* __restrict__ sinks, float* __restrict__ out, float* __restrict__ part_o,
     float* __restrict__ part_ml, int H, int D, int nsplit, int chunk, float scale, const int* __restrict__ rows1,
-    const int* __restrict__ cnt1, int rows1_ld) {
+    const int* __restrict__ cnt1, int rows1_ld, int bf) {
   const int h = blockIdx.x * 8 + (threadIdx.x >> 5), b = blockIdx.y, z = blockIdx.z, nd = D / 32;
   const bool active = h < H;
   const long long* e = tab + 6 * b;
@@ -130,7 +135,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_decode(
   float qr[ATT_DPL], o[ATT_DPL], m = -DSUF_INF, l = 0.f;
   load_query(q + ((size_t)b * H + (active ? h : 0)) * D, active, nd, qr, o);
   const int lo = z * chunk, hi = min(total, lo + chunk);
-  attend_rows(qr, o, m, l, active, lo, hi, D, scale, [&](int n, float& bias) {
+  attend_rows(qr, o, m, l, active, lo, hi, D, scale, bf != 0, [&](int n, float& bias) {
     const bool in0 = n < n0;
     if (!in0 && l1 != nullptr) {  // the i-th visible row of source 1 (a mask's true past its rows: none)
       const int j = l1[n - n0];
@@ -145,7 +150,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_decode(
   if (!active) return;
   const size_t bh = (size_t)b * H + h;
   if (nsplit == 1) {
-    write_with_sink(out + bh * D, o, m, l, sinks[h], nd);
+    write_with_sink(out + bh * D, o, m, l, sinks[h], nd, bf != 0);
     return;
   }
   const int lane = threadIdx.x & 31;
@@ -229,30 +234,36 @@ __device__ __forceinline__ void attn_tc_scores_body(ATTN_TC_ARGS) {
 }
 
 // In place: row (s, h) of sc -> e^(x scale - M) / (sum + e^(sink - M)), M = max(x scale, sink); 0 where
-// x = -inf. grid (ceil(S * H / 8)), block 256: a warp per row.
+// x = -inf. bf (--numerics deepseek, the reference's sparse_attn): M is the keys' own max (at least
+// -1e30), and each probability is rounded to bf16 before the division (the sum is of the unrounded
+// ones): P V then equals the bf16 probabilities times V over the denominator, up to f32 rounding.
+// grid (ceil(S * H / 8)), block 256: a warp per row.
 extern "C" __global__ void __launch_bounds__(256) attn_tc_softmax(float* __restrict__ sc,
                                                                   const float* __restrict__ sinks, int H, int L,
-                                                                  long long nrows, float scale) {
+                                                                  long long nrows, float scale, int bf) {
   const long long r = (long long)blockIdx.x * 8 + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
   if (r >= nrows) return;
   float* x = sc + r * L;
   const float sk = sinks[r % H];
-  float m = sk;
+  float m = bf ? -1e30f : sk;
   for (int j = lane; j < L; j += 32) m = fmaxf(m, x[j] * scale);
   m = warp_max(m);
   float sum = 0.f;
   for (int j = lane; j < L; j += 32) sum += expf(x[j] * scale - m);
   sum = warp_sum(sum) + expf(sk - m);
   const float inv = 1.f / sum;
-  for (int j = lane; j < L; j += 32) x[j] = expf(x[j] * scale - m) * inv;
+  for (int j = lane; j < L; j += 32) {
+    const float p = expf(x[j] * scale - m);
+    x[j] = (bf ? round_bf16f(p) : p) * inv;
+  }
 }
 
 // out[s, h, d] = sum_j P[s, h, j] V_j(s)[d]. grid (D / 64, S, H / 64), block 128 (2 x 2 warps over 64
 // heads x 64 dims); K steps of 32 keys. V's tile goes in transposed ([dim][key]): B's rows are C's
 // columns.
 template <int TV>
-__device__ __forceinline__ void attn_tc_pv_body(ATTN_TC_ARGS, float* __restrict__ out) {
+__device__ __forceinline__ void attn_tc_pv_body(ATTN_TC_ARGS, float* __restrict__ out, bool bf) {
   __shared__ __align__(16) u16 as[3 * 64 * ATC_LD];
   __shared__ __align__(16) u16 bs[TV * 64 * ATC_LD];
   __shared__ const float* kp[32];
@@ -283,15 +294,17 @@ __device__ __forceinline__ void attn_tc_pv_body(ATTN_TC_ARGS, float* __restrict_
     __syncthreads();
     mma_warp_32x32<3, TV>(acc, as, 64 * ATC_LD, bs, 64 * ATC_LD, ATC_LD, 32, wm, wn);
   }
-  mma_warp_32x32_each(acc, wm, wn, [&](int hh, int dd, float v) { out[((size_t)s * H + h0 + hh) * D + d0 + dd] = v; });
+  mma_warp_32x32_each(acc, wm, wn, [&](int hh, int dd, float v) {
+    out[((size_t)s * H + h0 + hh) * D + d0 + dd] = bf ? round_bf16f(v) : v;
+  });
 }
 
 #define DEF_ATTN_TC(T)                                                                                     \
   extern "C" __global__ void __launch_bounds__(128) attn_tc_scores##T(ATTN_TC_ARGS) {                    \
     attn_tc_scores_body<T>(q, keys, lo, hi, entries, rows, cnt, rows_ld, emask, n_e, sc, H, D, L);        \
   }                                                                                                      \
-  extern "C" __global__ void __launch_bounds__(128) attn_tc_pv##T(ATTN_TC_ARGS, float* __restrict__ out) { \
-    attn_tc_pv_body<T>(q, keys, lo, hi, entries, rows, cnt, rows_ld, emask, n_e, sc, H, D, L, out);       \
+  extern "C" __global__ void __launch_bounds__(128) attn_tc_pv##T(ATTN_TC_ARGS, float* __restrict__ out, int bf) { \
+    attn_tc_pv_body<T>(q, keys, lo, hi, entries, rows, cnt, rows_ld, emask, n_e, sc, H, D, L, out, bf != 0); \
   }
 DEF_ATTN_TC(1)
 DEF_ATTN_TC(3)
@@ -329,7 +342,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_combine(const float*
                                                                    const float* __restrict__ part_ml,
                                                                    const float* __restrict__ sinks,
                                                                    float* __restrict__ out, int BH, int H, int D,
-                                                                   int nsplit) {
+                                                                   int nsplit, int bf) {
   const int bh = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31, nd = D / 32;
   if (bh >= BH) return;
   const float* ml = part_ml + (size_t)bh * nsplit * 2;
@@ -350,7 +363,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_combine(const float*
   const float inv = 1.f / den;
 #pragma unroll
   for (int i = 0; i < ATT_DPL; ++i)
-    if (i < nd) out[(size_t)bh * D + lane + 32 * i] = o[i] * inv;
+    if (i < nd) out[(size_t)bh * D + lane + 32 * i] = bf ? round_bf16f(o[i] * inv) : o[i] * inv;
 }
 
 // out[s, n] = sum_h w[s, h] * H^-0.5 * relu(q[s, h] . k[n]) * Dh^-0.5
@@ -359,10 +372,13 @@ extern "C" __global__ void __launch_bounds__(256) attention_combine(const float*
 // row (a decode batch's padding) get -inf. Lanes over heads: lane l takes heads l, l + 32, ... and
 // dots the key row, staged in the warp's shared memory, with its heads' queries (rows Dh + 1 floats
 // apart, so the lanes' reads fall in 32 banks): one warp reduction per key, not one per head.
+// bf (--numerics deepseek, the reference's Indexer.forward): each dot rounded to bf16, and each
+// relu(dot) * w rounded to bf16, w being the bf16 head weights with both scales folded in (the
+// caller passes dscale = hscale = 1).
 // Dynamic shared memory: H * (Dh + 1) + H + 8 * Dh floats.
 #define IDX_KPW 4
 __device__ __forceinline__ float key_score(const float* __restrict__ kn, const float* qs, const float* ws, float* kw,
-                                           int H, int Dh, float dscale) {
+                                           int H, int Dh, float dscale, bool bf) {
   const int lane = threadIdx.x & 31;
   for (int i = lane; i < Dh; i += 32) kw[i] = kn[i];
   __syncwarp();
@@ -372,7 +388,7 @@ __device__ __forceinline__ float key_score(const float* __restrict__ kn, const f
     float d = 0.f;
 #pragma unroll 8
     for (int i = 0; i < Dh; ++i) d += qh[i] * kw[i];
-    acc += fmaxf(d, 0.f) * dscale * ws[hh];
+    acc += bf ? round_bf16f(fmaxf(round_bf16f(d), 0.f) * ws[hh]) : fmaxf(d, 0.f) * dscale * ws[hh];
   }
   __syncwarp();  // (kw is rewritten for the next key)
   return warp_sum(acc);
@@ -380,7 +396,7 @@ __device__ __forceinline__ float key_score(const float* __restrict__ kn, const f
 
 __device__ __forceinline__ void indexer_row(const float* __restrict__ q, const float* __restrict__ k,
                                             const float* __restrict__ w, float* __restrict__ out, int H, int N,
-                                            int ldo, int Dh, float dscale, float hscale) {
+                                            int ldo, int Dh, float dscale, float hscale, bool bf) {
   extern __shared__ __align__(16) float qs[];
   const int qld = Dh + 1;
   float* ws = qs + H * qld;
@@ -393,8 +409,8 @@ __device__ __forceinline__ void indexer_row(const float* __restrict__ q, const f
     const int n = blockIdx.x * 32 + warp * IDX_KPW + j;
     if (n >= ldo) break;
     float acc = __int_as_float(0xff800000);
-    if (n < N) acc = key_score(k + (size_t)n * Dh, qs, ws, ws + H + warp * Dh, H, Dh, dscale);
-    if (lane == 0) out[(size_t)s * ldo + n] = acc;
+    if (n < N) acc = key_score(k + (size_t)n * Dh, qs, ws, ws + H + warp * Dh, H, Dh, dscale, bf);
+    if (lane == 0) out[(size_t)s * ldo + n] = bf ? round_bf16f(acc) : acc;
   }
 }
 
@@ -402,8 +418,8 @@ extern "C" __global__ void __launch_bounds__(256) indexer_scores(const float* __
                                                                 const float* __restrict__ k,
                                                                 const float* __restrict__ w,
                                                                 float* __restrict__ out, int S, int H, int N,
-                                                                int Dh, float dscale, float hscale) {
-  indexer_row(q, k, w, out, H, N, N, Dh, dscale, hscale);
+                                                                int Dh, float dscale, float hscale, int bf) {
+  indexer_row(q, k, w, out, H, N, N, Dh, dscale, hscale, bf != 0);
 }
 
 // Prefill: the same scores on tensor cores (mma.m16n8k16, bf16 in, f32 accumulate), for many
@@ -424,7 +440,7 @@ extern "C" __global__ void __launch_bounds__(256) indexer_scores(const float* __
 template <int TERMS>
 __device__ __forceinline__ void indexer_tc_body(const float* __restrict__ q, const float* __restrict__ k,
                                                 const float* __restrict__ w, float* __restrict__ out, int S, int H,
-                                                int N, int Dh, float dscale, float hscale) {
+                                                int N, int Dh, float dscale, float hscale, bool bf) {
   extern __shared__ __align__(16) u16 itc[];
   const int ld = Dh + 8;  // bf16 per shared row: rows 16 B apart mod 128, conflict-free fragment loads
   u16* As = itc;                                      // [TERMS][128][ld] the block's (query, head) rows
@@ -471,7 +487,10 @@ __device__ __forceinline__ void indexer_tc_body(const float* __restrict__ q, con
 #pragma unroll
         for (int i = 0; i < 2; ++i)
 #pragma unroll
-          for (int h = 0; h < 2; ++h) p += fmaxf(acc[i][j][2 * h + c], 0.f) * dscale * wr[i][h];
+          for (int h = 0; h < 2; ++h) {
+            const float d = acc[i][j][2 * h + c];
+            p += bf ? round_bf16f(fmaxf(round_bf16f(d), 0.f) * wr[i][h]) : fmaxf(d, 0.f) * dscale * wr[i][h];
+          }
         p += __shfl_xor_sync(0xffffffffu, p, 4);
         p += __shfl_xor_sync(0xffffffffu, p, 8);
         p += __shfl_xor_sync(0xffffffffu, p, 16);
@@ -484,7 +503,7 @@ __device__ __forceinline__ void indexer_tc_body(const float* __restrict__ q, con
       if (s0 + qi < S && n < N) {
         float sum = 0.f;
         for (int rg = qi * wpq; rg < (qi + 1) * wpq; ++rg) sum += red[(2 * rg + kk / 32) * 32 + kk % 32];
-        out[(size_t)(s0 + qi) * N + n] = sum;
+        out[(size_t)(s0 + qi) * N + n] = bf ? round_bf16f(sum) : sum;
       }
     }
   }
@@ -494,8 +513,8 @@ __device__ __forceinline__ void indexer_tc_body(const float* __restrict__ q, con
   extern "C" __global__ void __launch_bounds__(256)                                                       \
       indexer_scores_tc##TERMS(const float* __restrict__ q, const float* __restrict__ k,                \
                                const float* __restrict__ w, float* __restrict__ out, int S, int H, int N, \
-                               int Dh, float dscale, float hscale) { \
-    indexer_tc_body<TERMS>(q, k, w, out, S, H, N, Dh, dscale, hscale);                                   \
+                               int Dh, float dscale, float hscale, int bf) { \
+    indexer_tc_body<TERMS>(q, k, w, out, S, H, N, Dh, dscale, hscale, bf != 0);                          \
   }
 DEF_INDEXER_TC(1)
 DEF_INDEXER_TC(3)
@@ -506,7 +525,7 @@ extern "C" __global__ void __launch_bounds__(256) indexer_scores_spans(const flo
                                                                       const long long* __restrict__ kspan,
                                                                       const float* __restrict__ w,
                                                                       float* __restrict__ out, int H, int ldo,
-                                                                      int Dh, float dscale, float hscale) {
+                                                                      int Dh, float dscale, float hscale, int bf) {
   const long long* e = kspan + 2 * blockIdx.y;
-  indexer_row(q, (const float*)e[0], w, out, H, (int)e[1], ldo, Dh, dscale, hscale);
+  indexer_row(q, (const float*)e[0], w, out, H, (int)e[1], ldo, Dh, dscale, hscale, bf != 0);
 }

@@ -81,6 +81,13 @@ __device__ __forceinline__ u32 e4m3_code(float mag) {
   return (u32)(code > 0x7E ? 0x7E : code);
 }
 
+// f32 -> the nearest bf16 value (ties to even), kept as f32: what storing an activation in bf16
+// does (the numpy backend's round_bf16, bit for bit, infinities and NaN included).
+__device__ __forceinline__ float round_bf16f(float x) {
+  const u32 b = __float_as_uint(x);
+  return __uint_as_float((b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u);
+}
+
 __device__ __forceinline__ float bf16_lo(u32 w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf16_hi(u32 w) { return __uint_as_float(w & 0xffff0000u); }
 

@@ -1,11 +1,16 @@
 // Row-wise and elementwise ops of the forward pass (float32 in and out, contiguous):
 // RMSNorm, interleaved partial RoPE, mHC (mixes + Sinkhorn, collapse, expand), Engram gate,
-// softmax-gated pooling, SwiGLU activation and the MoE combine.
+// softmax-gated pooling, SwiGLU activation and the MoE combine. A kernel's `bf` argument
+// (--numerics deepseek) rounds what it stores to bf16, as the reference stores its activations.
 #include "dsuf_common.cuh"
+
+__device__ __forceinline__ float4 round_bf16x4(float4 v) {
+  return make_float4(round_bf16f(v.x), round_bf16f(v.y), round_bf16f(v.z), round_bf16f(v.w));
+}
 
 // y[r, :] = x[r, :] / sqrt(mean(x^2) + eps) * w   (w may be null). grid (rows), block 256.
 extern "C" __global__ void rmsnorm(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y,
-                                   int D, float eps) {
+                                   int D, float eps, int bf) {
   dsuf_launch_dependents();
   __shared__ float red[33];
   const float* xr = x + (size_t)blockIdx.x * D;
@@ -16,7 +21,8 @@ extern "C" __global__ void rmsnorm(const float* __restrict__ x, const float* __r
   const float r = 1.f / sqrtf(s / (float)D + eps);
   for (int i = threadIdx.x; i < D; i += blockDim.x) {
     float v = xr[i] * r;
-    yr[i] = w ? v * w[i] : v;
+    v = w ? v * w[i] : v;
+    yr[i] = bf ? round_bf16f(v) : v;
   }
 }
 
@@ -25,7 +31,7 @@ extern "C" __global__ void rmsnorm(const float* __restrict__ x, const float* __r
 // strided loads.
 #define RMS_VPT 8
 extern "C" __global__ void __launch_bounds__(256) rmsnorm_v4(const float* __restrict__ x, const float* __restrict__ w,
-                                                             float* __restrict__ y, int D, float eps) {
+                                                             float* __restrict__ y, int D, float eps, int bf) {
   dsuf_launch_dependents();
   __shared__ float red[33];
   const float4* xr = (const float4*)(x + (size_t)blockIdx.x * D);
@@ -50,7 +56,7 @@ extern "C" __global__ void __launch_bounds__(256) rmsnorm_v4(const float* __rest
         const float4 g = __ldg((const float4*)w + i);
         o.x *= g.x; o.y *= g.y; o.z *= g.z; o.w *= g.w;
       }
-      yr[i] = o;
+      yr[i] = bf ? round_bf16x4(o) : o;
     }
   }
 }
@@ -58,7 +64,7 @@ extern "C" __global__ void __launch_bounds__(256) rmsnorm_v4(const float* __rest
 // Interleaved-pair RoPE on the trailing 2*P channels of rows of width D. x viewed as
 // [T, M, D]; cos/sin [T, P]; sign = -1 rotates back. One thread per (t, m, channel).
 extern "C" __global__ void rope(const float* __restrict__ x, const float* __restrict__ cs, const float* __restrict__ sn,
-                                float* __restrict__ y, long long total, int M, int D, int P, float sign) {
+                                float* __restrict__ y, long long total, int M, int D, int P, float sign, int bf) {
   dsuf_launch_dependents();
   long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= total) return;
@@ -66,16 +72,21 @@ extern "C" __global__ void rope(const float* __restrict__ x, const float* __rest
   const long long row = i / D;
   const int t = (int)(row / M);
   const int off = D - 2 * P;
-  if (d < off) { y[i] = x[i]; return; }
+  if (d < off) {
+    y[i] = bf ? round_bf16f(x[i]) : x[i];
+    return;
+  }
   const int p = (d - off) >> 1;
   const float c = cs[(size_t)t * P + p], s = sign * sn[(size_t)t * P + p];
+  float v;
   if (((d - off) & 1) == 0) {
     const float e = x[i], o = x[i + 1];
-    y[i] = e * c - o * s;
+    v = e * c - o * s;
   } else {
     const float e = x[i - 1], o = x[i];
-    y[i] = e * s + o * c;
+    v = e * s + o * c;
   }
+  y[i] = bf ? round_bf16f(v) : v;
 }
 
 // mHC mixes, in two launches so a single token still spreads its fn reads (NM x F floats, 2 MB
@@ -297,7 +308,8 @@ extern "C" __global__ void __launch_bounds__(256) hc_mix(const float* __restrict
 extern "C" __global__ void __launch_bounds__(256) hc_collapse_norm(const float* __restrict__ h,
                                                                    const float* __restrict__ pre,
                                                                    const float* __restrict__ w,
-                                                                   float* __restrict__ y, int hc, int D, float eps) {
+                                                                   float* __restrict__ y, int hc, int D, float eps,
+                                                                   int bf) {
   dsuf_launch_dependents();
   __shared__ float red[33];
   const int t = blockIdx.x, n4 = D >> 2;
@@ -319,7 +331,10 @@ extern "C" __global__ void __launch_bounds__(256) hc_collapse_norm(const float* 
   }
   float s = 0.f;
 #pragma unroll
-  for (int j = 0; j < RMS_VPT; ++j) s += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
+  for (int j = 0; j < RMS_VPT; ++j) {
+    if (bf) v[j] = round_bf16x4(v[j]);  // (the reference stores the collapse in bf16 before its norm)
+    s += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
+  }
   s = block_sum(s, red);
   const float r = 1.f / sqrtf(s / (float)D + eps);
   float4* yr = (float4*)(y + (size_t)t * D);
@@ -332,7 +347,7 @@ extern "C" __global__ void __launch_bounds__(256) hc_collapse_norm(const float* 
         const float4 g = __ldg((const float4*)w + c);
         o.x *= g.x; o.y *= g.y; o.z *= g.z; o.w *= g.w;
       }
-      yr[c] = o;
+      yr[c] = bf ? round_bf16x4(o) : o;
     }
   }
 }
@@ -353,7 +368,7 @@ extern "C" __global__ void hc_collapse(const float* __restrict__ h, const float*
 // new[t, k, d] = post[t, k] * out[t, d] + sum_j comb[t, j, k] * res[t, j, d]
 extern "C" __global__ void hc_expand(const float* __restrict__ out, const float* __restrict__ res,
                                      const float* __restrict__ post, const float* __restrict__ comb,
-                                     float* __restrict__ y, long long total, int hc, int D) {
+                                     float* __restrict__ y, long long total, int hc, int D, int bf) {
   dsuf_launch_dependents();
   long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= total) return;
@@ -363,13 +378,14 @@ extern "C" __global__ void hc_expand(const float* __restrict__ out, const float*
   const long long t = tk / hc;
   float s = 0.f;
   for (int j = 0; j < hc; ++j) s += comb[(t * hc + j) * hc + k] * res[(t * hc + j) * D + d];
-  y[i] = post[t * hc + k] * out[t * D + d] + s;
+  const float o = post[t * hc + k] * out[t * D + d] + s;
+  y[i] = bf ? round_bf16f(o) : o;
 }
 
 // Engram gate, one (t, stream) row per block: h + sigmoid(signed sqrt(dot)) * value[t].
 extern "C" __global__ void engram_mix(const float* __restrict__ h, const float* __restrict__ key,
                                       const float* __restrict__ value, const float* __restrict__ qk,
-                                      float* __restrict__ y, int hc, int D, float eps) {
+                                      float* __restrict__ y, int hc, int D, float eps, int bf) {
   __shared__ float red[33];
   const size_t row = blockIdx.x;
   const int t = (int)(row / hc), s = (int)(row % hc);
@@ -390,7 +406,10 @@ extern "C" __global__ void engram_mix(const float* __restrict__ h, const float* 
   const float mag = sqrtf(fmaxf(fabsf(g0), 1e-6f));
   const float gate = sigmoidf_(copysignf(mag, g0));
   const float* v = value + (size_t)t * D;
-  for (int i = threadIdx.x; i < D; i += blockDim.x) y[row * D + i] = hr[i] + gate * v[i];
+  for (int i = threadIdx.x; i < D; i += blockDim.x) {
+    const float o = hr[i] + gate * v[i];
+    y[row * D + i] = bf ? round_bf16f(o) : o;
+  }
 }
 
 // sum_r softmax_r(gate[r * D]) * kv[r * D]: one column of a group's R rows
@@ -407,18 +426,19 @@ __device__ __forceinline__ float pool_column(const float* __restrict__ kr, const
 
 // kv, gate [G, R, D] -> out[g, d] = sum_r softmax_r(gate[g, :, d]) * kv[g, r, d]
 extern "C" __global__ void gated_pool(const float* __restrict__ kv, const float* __restrict__ gate,
-                                      float* __restrict__ out, long long total, int R, int D) {
+                                      float* __restrict__ out, long long total, int R, int D, int bf) {
   long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= total) return;
   const long long g = i / D;
   const int d = (int)(i % D);
-  out[i] = pool_column(kv + g * R * D + d, gate + g * R * D + d, R, D);
+  const float o = pool_column(kv + g * R * D + d, gate + g * R * D + d, R, D);
+  out[i] = bf ? round_bf16f(o) : o;
 }
 
 // Decode: the same for the group of sequence b, whose R rows start at kvs[2 b] / gates[2 b] (span
 // tables: address, count); a zero address (no group closes) gives a zero row. out [B, D].
 extern "C" __global__ void gated_pool_rows(const long long* __restrict__ kvs, const long long* __restrict__ gates,
-                                           float* __restrict__ out, long long total, int R, int D) {
+                                           float* __restrict__ out, long long total, int R, int D, int bf) {
   dsuf_launch_dependents();
   long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= total) return;
@@ -426,7 +446,8 @@ extern "C" __global__ void gated_pool_rows(const long long* __restrict__ kvs, co
   const int d = (int)(i % D);
   const float* kr = (const float*)kvs[2 * b];
   const float* gr = (const float*)gates[2 * b];
-  out[i] = kr == nullptr ? 0.f : pool_column(kr + d, gr + d, R, D);
+  const float o = kr == nullptr ? 0.f : pool_column(kr + d, gr + d, R, D);
+  out[i] = bf ? round_bf16f(o) : o;
 }
 
 extern "C" __global__ void swiglu(const float* __restrict__ gate, const float* __restrict__ up,
@@ -487,4 +508,27 @@ extern "C" __global__ void scatter_rows(const float* __restrict__ src, const lon
   } else {
     for (int i = threadIdx.x; i < W; i += blockDim.x) d[i] = s[i];
   }
+}
+
+// --numerics deepseek: y = x rounded to bf16 (round_bf16f), rows of `cols` floats, ldx / ldy floats
+// apart (a column slice of a stacked projection is rounded in place).
+extern "C" __global__ void round_bf16_rows(const float* __restrict__ x, float* __restrict__ y, long long total,
+                                           int cols, long long ldx, long long ldy) {
+  dsuf_launch_dependents();
+  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= total) return;
+  const long long r = i / cols;
+  const int c = (int)(i - r * cols);
+  y[r * ldy + c] = round_bf16f(x[r * ldx + c]);
+}
+
+// --numerics deepseek, the experts' hidden rows in expert order: h[r, c] = bf16(h[r, c] * w[order[r]])
+// (the routing weight of pair order[r] scales the hidden state before w2, as the reference's
+// Expert.forward does).
+extern "C" __global__ void moe_weight_rows(float* __restrict__ h, const float* __restrict__ w,
+                                           const int* __restrict__ order, long long total, int inter) {
+  dsuf_launch_dependents();
+  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= total) return;
+  h[i] = round_bf16f(h[i] * w[order[i / inter]]);
 }

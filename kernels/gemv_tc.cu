@@ -132,7 +132,8 @@ template <int FMT, int NT, int S, int W>
 __device__ __forceinline__ void tcgemv_body(const uint4* __restrict__ XS, const float* __restrict__ XINV, int lda,
                                             float* __restrict__ Y, int ldy, int N, int K,
                                             const int* __restrict__ segs, const u64* __restrict__ wptrs,
-                                            const u64* __restrict__ sptrs, int bn, int bk, int gk, int kw) {
+                                            const u64* __restrict__ sptrs, int bn, int bk, int gk, int bf,
+                                            int kw) {
   extern __shared__ __align__(16) u8 tc_smem[];
   constexpr bool F8 = FMT == FMT_FP8;
   constexpr int EPC = F8 ? 16 : 32;  // k elements per 16-byte chunk
@@ -388,13 +389,14 @@ __device__ __forceinline__ void tcgemv_body(const uint4* __restrict__ XS, const 
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int m = 8 * j + 2 * t + (e & 1), n = n0 + g + (e < 2 ? 0 : 8);
-      if (m < rows && n < N) Y[(size_t)(row0 + m) * ldy + ycol + n] = acc[j][e];
+      if (m < rows && n < N) Y[(size_t)(row0 + m) * ldy + ycol + n] = bf ? round_bf16f(acc[j][e]) : acc[j][e];
     }
 }
 
+// bf (--numerics deepseek): the outputs rounded to bf16, as the reference's linear() returns them
 #define TC_ARGS const uint4 *XS, const float *XINV, int lda, float *Y, int ldy, int N, int K, const int *segs, \
-                const u64 *wptrs, const u64 *sptrs, int bn, int bk, int gk, int kw
-#define TC_PASS XS, XINV, lda, Y, ldy, N, K, segs, wptrs, sptrs, bn, bk, gk, kw
+                const u64 *wptrs, const u64 *sptrs, int bn, int bk, int gk, int bf, int kw
+#define TC_PASS XS, XINV, lda, Y, ldy, N, K, segs, wptrs, sptrs, bn, bk, gk, bf, kw
 // NAME: tcgemv_<fmt>_n<NT>[_s<S>w<W>]; the unsuffixed names are the configuration the engine uses.
 #define DEF_TC_CFG(NAME, FMT, NT, S, W)                                               \
   extern "C" __global__ void __launch_bounds__(32 * W) NAME(TC_ARGS) { \
@@ -478,7 +480,7 @@ template <int FMT, int U, bool PIPE>
 __device__ __forceinline__ void gemvr_body(const float* __restrict__ A, int lda, float* __restrict__ Y, int ldy,
                                            int N, int K, const int* __restrict__ segs,
                                            const u64* __restrict__ wptrs, const u64* __restrict__ sptrs,
-                                           int bn, int bk, int gk, int kw, int pf) {
+                                           int bn, int bk, int gk, int bf, int kw, int pf) {
   extern __shared__ __align__(16) u8 gr_smem[];
   constexpr bool F8 = FMT == FMT_FP8;
   constexpr int NW = F8 ? 8 : 4;  // weight words per lane, row and unit
@@ -627,15 +629,15 @@ __device__ __forceinline__ void gemvr_body(const float* __restrict__ A, int lda,
     }
     if (part == 0 && t == 0 && n0 < N) {
       float* y = Y + (size_t)row0 * ldy + ycol;
-      if (n0 + g < N) y[n0 + g] = acc0;
-      if (n0 + g + 8 < N) y[n0 + g + 8] = acc1;
+      if (n0 + g < N) y[n0 + g] = bf ? round_bf16f(acc0) : acc0;
+      if (n0 + g + 8 < N) y[n0 + g + 8] = bf ? round_bf16f(acc1) : acc1;
     }
   }
 }
 
 #define GR_ARGS const float *A, int lda, float *Y, int ldy, int N, int K, const int *segs, const u64 *wptrs, \
-                const u64 *sptrs, int bn, int bk, int gk, int kw, int pf
-#define GR_PASS A, lda, Y, ldy, N, K, segs, wptrs, sptrs, bn, bk, gk, kw, pf
+                const u64 *sptrs, int bn, int bk, int gk, int bf, int kw, int pf
+#define GR_PASS A, lda, Y, ldy, N, K, segs, wptrs, sptrs, bn, bk, gk, bf, kw, pf
 // U: units (128 k) in flight per lane; PIPE: each unit's registers reloaded (next pass) as soon as it
 // is multiplied, so a lane keeps ~U units in flight instead of draining to none every pass; MINB:
 // blocks per SM the registers must allow (engine/ops/gpu/linear.py GEMVR_BLOCKS_PER_SM).
@@ -674,7 +676,7 @@ template <int FMT>
 __device__ __forceinline__ void gemm_tc_body(const uint4* __restrict__ XS, const float* __restrict__ XINV, int lda,
                                              float* __restrict__ Y, int ldy, int N, int K,
                                              const int* __restrict__ segs, const u64* __restrict__ wptrs,
-                                             const u64* __restrict__ sptrs, int bn, int bk, int gk) {
+                                             const u64* __restrict__ sptrs, int bn, int bk, int gk, int bf) {
   constexpr bool F8 = FMT == FMT_FP8;
   constexpr int WB = F8 ? GT_BK : GT_BK / 2;  // weight bytes per row per stage
   constexpr int WROW = WB + 16, XROW = F8 ? 320 : 272;
@@ -816,14 +818,14 @@ __device__ __forceinline__ void gemm_tc_body(const uint4* __restrict__ XS, const
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int n = nb + wn + 16 * i + g + 8 * (e >> 1), r = wm + 8 * j + 2 * t + (e & 1);
-        if (r < rows && n < N) Y[(size_t)(row0 + r) * ldy + ycol + n] = acc[i][j][e];
+        if (r < rows && n < N) Y[(size_t)(row0 + r) * ldy + ycol + n] = bf ? round_bf16f(acc[i][j][e]) : acc[i][j][e];
       }
 }
 
 #define GT_ARGS                                                                                           \
   const uint4 *__restrict__ XS, const float *__restrict__ XINV, int lda, float *__restrict__ Y, int ldy, int N, \
       int K, const int *__restrict__ segs, const u64 *__restrict__ wptrs, const u64 *__restrict__ sptrs, int bn,  \
-      int bk, int gk
-#define GT_PASS XS, XINV, lda, Y, ldy, N, K, segs, wptrs, sptrs, bn, bk, gk
+      int bk, int gk, int bf
+#define GT_PASS XS, XINV, lda, Y, ldy, N, K, segs, wptrs, sptrs, bn, bk, gk, bf
 extern "C" __global__ void __launch_bounds__(256, 2) gemm_tc_fp8(GT_ARGS) { gemm_tc_body<FMT_FP8>(GT_PASS); }
 extern "C" __global__ void __launch_bounds__(256, 2) gemm_tc_fp4(GT_ARGS) { gemm_tc_body<FMT_FP4>(GT_PASS); }

@@ -107,7 +107,7 @@ template <int FMT, int MT, int RPW>
 __device__ __forceinline__ void gemv_body(const float* __restrict__ A, int lda, float* __restrict__ Y, int ldy,
                                           int N, int K, const int* __restrict__ segs,
                                           const u64* __restrict__ wptrs, const u64* __restrict__ sptrs,
-                                          int bn, int bk, int gk, int kw) {
+                                          int bn, int bk, int gk, int bf, int kw) {
   constexpr int EPC = Fmt<FMT>::EPC;
   constexpr int U = MT <= 2 ? 4 : 2;  // chunks per lane in flight per row (registers allow more at small MT)
   __shared__ float red[8][RPW * MT];
@@ -226,12 +226,13 @@ __device__ __forceinline__ void gemv_body(const float* __restrict__ A, int lda, 
   for (int r = 0; r < RPW; ++r)
 #pragma unroll
     for (int m = 0; m < MT; ++m)
-      if (m < rows && n0 + r < N) Y[(size_t)(row0 + m) * ldy + ycol + n0 + r] = acc[r][m];
+      if (m < rows && n0 + r < N) Y[(size_t)(row0 + m) * ldy + ycol + n0 + r] = bf ? round_bf16f(acc[r][m]) : acc[r][m];
 }
 
+// bf (--numerics deepseek): the outputs rounded to bf16, as the reference's linear() returns them
 #define GEMV_ARGS const float *A, int lda, float *Y, int ldy, int N, int K, const int *segs, \
-                  const u64 *wptrs, const u64 *sptrs, int bn, int bk, int gk
-#define GEMV_PASS A, lda, Y, ldy, N, K, segs, wptrs, sptrs, bn, bk, gk
+                  const u64 *wptrs, const u64 *sptrs, int bn, int bk, int gk, int bf
+#define GEMV_PASS A, lda, Y, ldy, N, K, segs, wptrs, sptrs, bn, bk, gk, bf
 #define DEF_GEMV(NAME, FMT, MT, RPW)                                       \
   extern "C" __global__ void __launch_bounds__(256) NAME(GEMV_ARGS, int kw) { \
     gemv_body<FMT, MT, RPW>(GEMV_PASS, kw);                                  \
@@ -339,8 +340,8 @@ __device__ __forceinline__ void gemm_body(GEMV_ARGS) {
         const int rr = r + 8 * h;
         if (rr < rows) {
           float* y = Y + (size_t)(row0 + rr) * ldy + ycol;
-          if (n < N) y[n] = acc[i][j][2 * h];
-          if (n + 1 < N) y[n + 1] = acc[i][j][2 * h + 1];
+          if (n < N) y[n] = bf ? round_bf16f(acc[i][j][2 * h]) : acc[i][j][2 * h];
+          if (n + 1 < N) y[n + 1] = bf ? round_bf16f(acc[i][j][2 * h + 1]) : acc[i][j][2 * h + 1];
         }
       }
     }
@@ -398,7 +399,7 @@ template <int FMT, int RPW, int PC>
 __device__ __forceinline__ void gemvx_body(const float* __restrict__ A, int lda, float* __restrict__ Y, int ldy,
                                            int N, int K, const int* __restrict__ segs,
                                            const u64* __restrict__ wptrs, const u64* __restrict__ sptrs,
-                                           int bn, int bk, int gk, int kw, int pf) {
+                                           int bn, int bk, int gk, int bf, int kw, int pf) {
   extern __shared__ __align__(16) float xsh[];
   __shared__ float red[8][RPW];
   constexpr int EPC = Fmt<FMT>::EPC, Q = EPC / 4;
@@ -515,7 +516,7 @@ __device__ __forceinline__ void gemvx_body(const float* __restrict__ A, int lda,
     if (part == 0 && lane == 0) {
 #pragma unroll
       for (int r = 0; r < RPW; ++r)
-        if (n0 + r < N) Y[(size_t)row0 * ldy + ycol + n0 + r] = acc[r];
+        if (n0 + r < N) Y[(size_t)row0 * ldy + ycol + n0 + r] = bf ? round_bf16f(acc[r]) : acc[r];
     }
   }
 }

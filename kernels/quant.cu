@@ -31,28 +31,29 @@ __device__ __forceinline__ float quant_value(float v, float scale, int mode) {
   return e2m1_round(fminf(fmaxf(v / scale, -6.f), 6.f)) * scale;
 }
 
-// Thread b's block of `block` channels onto codec `mode`'s grid.
+// Thread b's block of `block` channels onto codec `mode`'s grid; bf: the values rounded to bf16
+// first (--numerics deepseek: a linear's bf16 input, quantized as the reference's act_quant does).
 __device__ __forceinline__ void fake_quant_block(const float* __restrict__ x, float* __restrict__ y,
-                                                 long long nblocks, int block, int mode) {
+                                                 long long nblocks, int block, int mode, bool bf) {
   dsuf_launch_dependents();
   const long long b = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (b >= nblocks) return;
   const float* xb = x + b * block;
   float* yb = y + b * block;
   float amax = 0.f;
-  for (int i = 0; i < block; ++i) amax = fmaxf(amax, fabsf(xb[i]));
+  for (int i = 0; i < block; ++i) amax = fmaxf(amax, fabsf(bf ? round_bf16f(xb[i]) : xb[i]));
   const float scale = quant_scale(amax, mode);
-  for (int i = 0; i < block; ++i) yb[i] = quant_value(xb[i], scale, mode);
+  for (int i = 0; i < block; ++i) yb[i] = quant_value(bf ? round_bf16f(xb[i]) : xb[i], scale, mode);
 }
 
 extern "C" __global__ void fake_quant_fp8(const float* __restrict__ x, float* __restrict__ y, long long nblocks,
-                                          int block) {
-  fake_quant_block(x, y, nblocks, block, 1);
+                                          int block, int bf) {
+  fake_quant_block(x, y, nblocks, block, 1, bf != 0);
 }
 
 extern "C" __global__ void fake_quant_fp4(const float* __restrict__ x, float* __restrict__ y, long long nblocks,
                                           int block, int e4m3_scales) {
-  fake_quant_block(x, y, nblocks, block, e4m3_scales ? 2 : 3);
+  fake_quant_block(x, y, nblocks, block, e4m3_scales ? 2 : 3, false);
 }
 
 // rows of width D (row r at x + r * ldx; D % 4 == 0, TPR = D / 4 a power of two in 8..128):
@@ -61,13 +62,14 @@ extern "C" __global__ void fake_quant_fp4(const float* __restrict__ x, float* __
 //       row r / M (x viewed as [T, M, D]), sign -1 rotating back
 //   y = qmode ? r onto state codec qmode's grid (see quant_scale; its block / 4 <= TPR) : r
 //   yn (may be null) = n
+// bf (--numerics deepseek): n and r rounded to bf16 (the reference's norm and RoPE store bf16)
 // Each thread holds one float4 of a row, so the norm's sum, the rotation of its pairs and its
 // quantization block's amax (shuffles among its block / 4 lanes) all stay in registers. block 128:
 // 128 / TPR rows per block.
 extern "C" __global__ void __launch_bounds__(128) norm_rope_quant(
     const float* __restrict__ x, long long ldx, int rows, int D, int norm, const float* __restrict__ w, float eps,
     const float* __restrict__ cs, const float* __restrict__ sn, int M, int P, float sign, int qmode,
-    float* __restrict__ y, float* __restrict__ yn) {
+    float* __restrict__ y, float* __restrict__ yn, int bf) {
   dsuf_launch_dependents();
   __shared__ float red[4][4];  // [row in block][warp of the row] (rows of 64 or 128 threads)
   const int tpr = D >> 2, lane_r = threadIdx.x & (tpr - 1), rib = threadIdx.x / tpr;
@@ -90,6 +92,7 @@ extern "C" __global__ void __launch_bounds__(128) norm_rope_quant(
       const float4 g = __ldg((const float4*)w + lane_r);
       v.x *= g.x; v.y *= g.y; v.z *= g.z; v.w *= g.w;
     }
+    if (bf) v = make_float4(round_bf16f(v.x), round_bf16f(v.y), round_bf16f(v.z), round_bf16f(v.w));
   }
   // (no early exit for rows past the end: their lanes still take part in the shuffles below)
   if (yn && live) ((float4*)(yn + (size_t)r * D))[lane_r] = v;
@@ -104,6 +107,7 @@ extern "C" __global__ void __launch_bounds__(128) norm_rope_quant(
     v.z = e.z * c1 - e.w * s1;
     v.w = e.z * s1 + e.w * c1;
   }
+  if (bf) v = make_float4(round_bf16f(v.x), round_bf16f(v.y), round_bf16f(v.z), round_bf16f(v.w));
   if (qmode) {
     float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
     // (lanes of one row and one block are consecutive and aligned: xor stays inside the block)

@@ -19,7 +19,7 @@ from engine.model.config import ModelConfig, load_config
 from engine.runtime.runner import ModelRunner as Model
 from engine.runtime.sampling import SampleJob, SamplingParams, make_rngs
 from engine.runtime.spec_decode import SpecStats, draft_of, speculative_generate
-from engine.settings import Settings, check_numerics
+from engine.settings import Settings
 from engine.state.sequence import SequenceState
 from engine.text.tokenizer import Tokenizer
 
@@ -45,8 +45,7 @@ def canonical_model_id(cfg: ModelConfig, ckpt_dir: Path) -> str:
 
 
 def make_ops(backend: str, settings: Settings | None = None):
-    """The backend's ops in the numerics settings.numerics names (the GPU backend refuses
-    `deepseek` until its FP8 kernels land)."""
+    """The backend's ops in the numerics settings.numerics names."""
     if backend == "numpy":
         if settings is not None and settings.numerics == "deepseek":
             from engine.ops.deepseek_ops import DeepseekOps
@@ -56,7 +55,10 @@ def make_ops(backend: str, settings: Settings | None = None):
 
         return NumpyOps()
     if backend == "cupy":
-        check_numerics((settings or Settings()).numerics, backend)
+        if settings is not None and settings.numerics == "deepseek":
+            from engine.ops.gpu.deepseek import DeepseekCupyOps
+
+            return DeepseekCupyOps(settings)
         from engine.ops.gpu.ops import CupyOps
 
         return CupyOps(settings)

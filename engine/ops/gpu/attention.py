@@ -50,6 +50,7 @@ def _indexer_smem(h: int, dh: int) -> int:
 class AttentionOps:
     """CupyOps' attention, indexer, top-k, pooling and state-row ops."""
 
+
     def attention_ranges(self, q: cp.ndarray, keys: cp.ndarray, lo, hi,
                          entries: cp.ndarray | None, emask: cp.ndarray | None, sinks: cp.ndarray, scale: float,
                          selected: int = 0, exact: bool = False, span: int = 0) -> cp.ndarray:
@@ -120,8 +121,9 @@ class AttentionOps:
                     np.int32(n_e), sc, np.int32(h), np.int32(d), np.int32(L))
             K.function("attention", f"attn_tc_scores{terms}")((L // 64, n, h // 64), (128,), args)
             K.function("attention", "attn_tc_softmax")((-(-(n * h) // 8),), (256,), (
-                sc, sk, np.int32(h), np.int32(L), np.int64(n * h), F32(scale)))
-            K.function("attention", f"attn_tc_pv{terms}")((d // 64, n, h // 64), (128,), (*args, out[s0:s1]))
+                sc, sk, np.int32(h), np.int32(L), np.int64(n * h), F32(scale), np.int32(self.bf16)))
+            K.function("attention", f"attn_tc_pv{terms}")((d // 64, n, h // 64), (128,), (
+                *args, out[s0:s1], np.int32(self.bf16)))
         return out
 
     def attention_decode(self, q: cp.ndarray, sources: list, sinks: cp.ndarray, scale: float) -> cp.ndarray:
@@ -219,10 +221,12 @@ class AttentionOps:
             qc, tab, masks if masks is not None else _NULL, np.int32(masks_ld), sk, out, part_o, part_ml,
             np.int32(h), np.int32(d), np.int32(nsplit), np.int32(chunk), F32(scale),
             _NULL if lists is None else lists[0], _NULL if lists is None else lists[1],
-            np.int32(0 if lists is None else lists[0].shape[1])), shared_mem=16 * d * 4)
+            np.int32(0 if lists is None else lists[0].shape[1]), np.int32(self.bf16)),
+            shared_mem=16 * d * 4)
         if nsplit > 1:
             K.function("attention", "attention_combine")((-(-(b * h) // 8),), (256,), (
-                part_o, part_ml, sk, out, np.int32(b * h), np.int32(h), np.int32(d), np.int32(nsplit)))
+                part_o, part_ml, sk, out, np.int32(b * h), np.int32(h), np.int32(d), np.int32(nsplit),
+                np.int32(self.bf16)))
         return out
 
     def indexer_scores(self, q: cp.ndarray, k: cp.ndarray, w: cp.ndarray, n_heads: int, head_dim: int,
@@ -236,19 +240,20 @@ class AttentionOps:
         out = cp.empty((s, n), F32)
         if s == 0 or n == 0:
             return out
+        w, dscale, hscale = self._indexer_weights(w, n_heads, head_dim)
         if _indexer_tc_shape(s, h, dh):
             terms = 1 if exact else 3
             smem = _indexer_tc_smem(dh, terms)
             _smem_function("attention", f"indexer_scores_tc{terms}", smem)((math.ceil(s / (ITC_ROWS // h)),), (256,), (
-                _c32(q), _c32(k), _c32(w), out, np.int32(s), np.int32(h), np.int32(n), np.int32(dh),
-                F32(head_dim**-0.5), F32(n_heads**-0.5)), shared_mem=smem)
+                _c32(q), _c32(k), w, out, np.int32(s), np.int32(h), np.int32(n), np.int32(dh),
+                dscale, hscale, np.int32(self.bf16)), shared_mem=smem)
             return out
         if dh % 32 or dh > 256:
             raise ValueError(f"indexer kernel needs index_head_dim % 32 == 0 and <= 256 (got {dh})")
         smem = _indexer_smem(h, dh)
         _smem_function("attention", "indexer_scores", smem)((math.ceil(n / 32), s), (256,), (
-            _c32(q), _c32(k), _c32(w), out, np.int32(s), np.int32(h), np.int32(n), np.int32(dh),
-            F32(head_dim**-0.5), F32(n_heads**-0.5)), shared_mem=smem)
+            _c32(q), _c32(k), w, out, np.int32(s), np.int32(h), np.int32(n), np.int32(dh),
+            dscale, hscale, np.int32(self.bf16)), shared_mem=smem)
         return out
 
     def indexer_scores_spans(self, q: cp.ndarray, keys, w: cp.ndarray, n_heads: int, head_dim: int,
@@ -268,11 +273,17 @@ class AttentionOps:
             return out
         if dh % 32 or dh > 256:
             raise ValueError(f"indexer kernel needs index_head_dim % 32 == 0 and <= 256 (got {dh})")
+        w, dscale, hscale = self._indexer_weights(w, n_heads, head_dim)
         smem = _indexer_smem(h, dh)
         _smem_function("attention", "indexer_scores_spans", smem)((math.ceil(width / 32), b), (256,), (
-            _c32(q), table, _c32(w), out, np.int32(h), np.int32(width), np.int32(dh),
-            F32(head_dim**-0.5), F32(n_heads**-0.5)), shared_mem=smem)
+            _c32(q), table, w, out, np.int32(h), np.int32(width), np.int32(dh),
+            dscale, hscale, np.int32(self.bf16)), shared_mem=smem)
         return out
+
+    def _indexer_weights(self, w: cp.ndarray, n_heads: int, head_dim: int) -> tuple:
+        """The indexer kernels' head weights and scales (dscale, hscale): w as given, scaled in the
+        kernel (DeepseekCupyOps folds the scales into bf16 weights first)."""
+        return _c32(w), F32(head_dim**-0.5), F32(n_heads**-0.5)
 
     def topk_mask(self, scores: cp.ndarray, k: int) -> cp.ndarray:
         """Bool mask of each row's k best finite scores (ties: lower index first).
@@ -293,7 +304,7 @@ class AttentionOps:
         out = cp.empty((g, d), F32)
         if out.size:
             K.function("elementwise", "gated_pool")(_grid(out.size), (_ELT_BLOCK,), (
-                _c32(kv), _c32(gate), out, np.int64(out.size), np.int32(r), np.int32(d)))
+                _c32(kv), _c32(gate), out, np.int64(out.size), np.int32(r), np.int32(d), np.int32(self.bf16)))
         return out
 
     def gated_pool_rows(self, kv: cp.ndarray, gate: cp.ndarray, ratio: int, width: int) -> cp.ndarray:
@@ -302,7 +313,7 @@ class AttentionOps:
         out = cp.empty((kv.shape[0], width), F32)
         if out.size:
             K.function("elementwise", "gated_pool_rows")(_grid(out.size), (_ELT_BLOCK,), (
-                kv, gate, out, np.int64(out.size), np.int32(ratio), np.int32(width)))
+                kv, gate, out, np.int64(out.size), np.int32(ratio), np.int32(width), np.int32(self.bf16)))
         return out
 
     @staticmethod

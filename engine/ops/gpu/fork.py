@@ -167,6 +167,7 @@ def _joining(fn):
                 self._join_value(args)
                 self._join_value(tuple(kwargs.values()))
             return fn(self, *args, **kwargs)
+        method._joins = True
         return method
     pos = list(inspect.signature(fn).parameters).index(late) - 1  # (its position after self)
 
@@ -176,15 +177,17 @@ def _joining(fn):
             self._join_value(args[:pos] + args[pos + 1:])
             self._join_value(tuple(v for k, v in kwargs.items() if k != late))
         return fn(self, *args, **kwargs)
+    method_late._joins = True
     return method_late
 
 
 def joins_inputs(cls):
-    """Class decorator: every public method of cls (its own or inherited) joins its inputs first."""
+    """Class decorator: every public method of cls (its own or inherited) joins its inputs first. A
+    subclass of a decorated class needs it too, for the methods it overrides."""
     for name in dir(cls):
         if name.startswith("_"):
             continue
         raw = inspect.getattr_static(cls, name)
-        if inspect.isfunction(raw):
+        if inspect.isfunction(raw) and not getattr(raw, "_joins", False):
             setattr(cls, name, _joining(raw))
     return cls

@@ -2,9 +2,13 @@
 activations quantized to e4m3 per 32 along K with UE8M0 scales (the reference's act_quant), then
 one e4m3 x e4m3 MMA per 32-wide step, scaled by both operands' scales into an f32 total.
 
-Not yet wired into CupyOps.linear: the GPU computes exact numerics only until deepseek numerics
-land there whole (bf16 activations between ops, the quantization points of
-engine/ops/deepseek_ops.py)."""
+One kernel per architecture: on sm_90a (H100 / H200) gemm_e4m3_*_sm90, wgmma with a producer
+warpgroup feeding a shared-memory ring and two consumer warpgroups, 128 x 128 tiles, 384 threads,
+its ring in dynamic shared memory (over the 48 KB default, opted in per kernel); elsewhere
+gemm_e4m3_*, mma.sync m16n8k32 on 64 x 64 tiles.
+
+fp8_grouped_linear: the same arithmetic over a MoE's segment table (kernels/fp8_grouped.cu), one
+launch for every expert's rows, in segments of up to GROUPED_ROWS rows."""
 
 from __future__ import annotations
 
@@ -12,12 +16,28 @@ import cupy as cp
 import numpy as np
 
 from engine.ops import kernels as K
-from engine.ops.gpu.common import _c32
+from engine.ops.gpu.common import _NULL, _c32
 from engine.ops.gpu.weights import GpuWeight
 from engine.ops.kernels import FMT_FP4, FMT_FP8
 
-TILE = 64  # gemm_e4m3's tile (rows and columns) and K stage
+TILE = 64  # gemm_e4m3's tile (rows and columns) and K stage; K must be a multiple of it
 ACT_BLOCK = 32
+# gemm_e4m3_*_sm90 (mirrors kernels/fp8_gemm.cu WG_*; tools/dev/emulate_wgmma_gemm.py checks them):
+# a 128 x 128 tile, 384 threads, a ring of stages of 128 bytes of K: two 16 KB operand tiles and two
+# 2 KB scale tables, FP4 also 9 KB of staged nibbles and scale bytes and 144 bytes of exponent
+# ranges; two mbarriers a stage; 1 KB to align the ring to the 128-byte swizzle's 1024-byte pattern.
+WG_TILE, WG_THREADS = 128, 384
+WG_STAGES = {FMT_FP8: 6, FMT_FP4: 5}
+# Rows per segment of a prompt chunk's routed experts on this path: the wgmma tile's, so a block's
+# tile is one segment's (shorter ones only for an expert's last rows) and each expert's weight tile
+# is read once per 128 of its rows rather than per 64 (GEMM_TILE, the exact-term GEMM's).
+GROUPED_ROWS = WG_TILE
+
+
+def wgmma_smem(fmt: int) -> int:
+    """Dynamic shared memory of gemm_e4m3_*_sm90 for weights of format fmt."""
+    stage = 2 * 16384 + 2 * 2048 + (9216 + 144 if fmt == FMT_FP4 else 0)
+    return WG_STAGES[fmt] * (stage + 16) + 1024
 
 
 def act_quant_fp8(x: cp.ndarray) -> tuple[cp.ndarray, cp.ndarray]:
@@ -50,7 +70,45 @@ def fp8_linear(x: cp.ndarray, w: GpuWeight, codes: tuple | None = None) -> cp.nd
     y = cp.empty((m, n), cp.float32)
     if m:
         bn, bk = w.block
-        K.function("fp8_gemm", kernel)((-(-n // TILE), -(-m // TILE)), (128,), (
-            a, sa, w.data, w.scale, y, np.int32(n), np.int32(m), np.int32(n), np.int32(k), np.int32(bn),
-            np.int32(bk), np.int32(w.gk)))
+        args = (a, sa, w.data, w.scale, y, np.int32(n), np.int32(m), np.int32(n), np.int32(k), np.int32(bn),
+                np.int32(bk), np.int32(w.gk))
+        if K.device_arch() == "90a":
+            smem = wgmma_smem(w.fmt)
+            fn = K.function_with_smem("fp8_gemm", kernel + "_sm90", smem)
+            fn((-(-n // WG_TILE), -(-m // WG_TILE)), (WG_THREADS,), args, shared_mem=smem)
+        else:
+            K.function("fp8_gemm", kernel)((-(-n // TILE), -(-m // TILE)), (128,), args)
     return y
+
+
+def fp8_grouped_linear(codes: tuple[cp.ndarray, cp.ndarray], gather: cp.ndarray | None, segs: cp.ndarray,
+                       wptrs: cp.ndarray, sptrs: cp.ndarray, w: GpuWeight, y: cp.ndarray,
+                       step: int = GROUPED_ROWS) -> None:
+    """y[row0 + r, ycol:ycol + N] = A[gather[row0 + r]] (A[row0 + r] without gather) times expert e's
+    weight, for each segment (e, row0, rows <= step, 0, ycol) of segs [nseg * 5] int32; codes = (A
+    e4m3 codes, scales) from act_quant_fp8; wptrs / sptrs [E] uint64: the experts' data and scale
+    pointers, each weight of w's shape, format and blocks. Rows no segment covers are not written."""
+    tag = {FMT_FP8: "fp8", FMT_FP4: "fp4"}.get(w.fmt)
+    if tag is None:
+        raise ValueError("fp8_grouped_linear takes FP8 or FP4 weights")
+    n, k = w.shape
+    a, sa = codes
+    if k % TILE or a.shape[1] != k:
+        raise ValueError(f"fp8_grouped_linear: K = {k} (x has {a.shape[1]} columns) is not a multiple of {TILE}")
+    nseg = segs.size // 5
+    if nseg == 0 or a.shape[0] == 0:
+        return
+    bn, bk = w.block
+    g = cp.ascontiguousarray(gather, dtype=cp.int32) if gather is not None else None
+    sm90 = K.device_arch() == "90a"
+    tile = WG_TILE if sm90 else TILE
+    mtiles = -(-step // tile)
+    args = (a, sa, g if g is not None else _NULL, segs, wptrs, sptrs, y, np.int32(y.shape[1]), np.int32(n),
+            np.int32(k), np.int32(bn), np.int32(bk), np.int32(w.gk), np.int32(mtiles))
+    grid = (-(-n // tile), nseg * mtiles)
+    if sm90:  # (one way of reading A per kernel: the gathering ones for w1 / w3)
+        name = f"gemm_e4m3_grouped_{'gather_' if g is not None else ''}{tag}_sm90"
+        smem = wgmma_smem(w.fmt)
+        K.function_with_smem("fp8_grouped", name, smem)(grid, (WG_THREADS,), args, shared_mem=smem)
+    else:
+        K.function("fp8_grouped", f"gemm_e4m3_grouped_{tag}")(grid, (128,), args)

@@ -175,24 +175,25 @@ class LinearOps:
     """CupyOps' linear layers: linear, grouped_linear, embed and the launches behind them."""
 
     def _run_linear(self, a: cp.ndarray, y: cp.ndarray, n: int, k: int, segs,
-                    wptrs: cp.ndarray, sptrs: cp.ndarray, w: GpuWeight, max_rows: int, lda: int | None = None) -> None:
+                    wptrs: cp.ndarray, sptrs: cp.ndarray, w: GpuWeight, max_rows: int, lda: int | None = None,
+                    bf: bool = False) -> None:
         """Launch the tensor-core GEMV (FP8 / FP4, 2 <= max_rows <= 32), the GEMV (max_rows <= 8) or
         a GEMM kernel (FP8 / FP4 on tensor cores: gemm_tc; else gemm) over a segment table (a list
         of (weight, row0, rows, a_col, y_col), or that table already on the device). lda = 0 (with
-        max_rows 1): every segment reads a's row 0."""
+        max_rows 1): every segment reads a's row 0. bf: the outputs rounded to bf16 as stored."""
         tag = _FMT_TAG[w.fmt]
         seg = segs if isinstance(segs, cp.ndarray) else self._segs_device(segs)
         nseg = seg.size // 5
         if lda is not None and max_rows != 1:
             raise ValueError("_run_linear: a row stride override needs one-row segments")
         args = (a, np.int32(a.shape[1] if lda is None else lda), y, np.int32(y.shape[1]), np.int32(n), np.int32(k),
-                seg, wptrs, sptrs, np.int32(w.block[0]), np.int32(w.block[1]), np.int32(w.gk))
+                seg, wptrs, sptrs, np.int32(w.block[0]), np.int32(w.block[1]), np.int32(w.gk), np.int32(bf))
         # (the tensor-core GEMV reads x in 128-column groups: segments must start on one)
         if _gemvr_ok(a, w, segs, nseg, max_rows):
             self._run_reg(args, n, k, seg, nseg, w, constant=not isinstance(segs, cp.ndarray))
         elif (TC_MIN_ROWS.get(w.fmt, 99) <= max_rows <= TC_MAX_ROWS and _tc_ok(w, a.shape[1])
                 and (isinstance(segs, cp.ndarray) or all(s[3] % 128 == 0 for s in segs))):
-            self._run_tc(a, y, n, k, seg, wptrs, sptrs, w, max_rows)
+            self._run_tc(a, y, n, k, seg, wptrs, sptrs, w, max_rows, bf)
         elif max_rows == 1 and _gemvx_ok(a, w, segs):
             smem = _gemvx_smem(w.fmt, k)
             fn = K.function_with_smem("linear", f"gemvx_{tag}", GEMVX_MAX_SMEM)
@@ -239,7 +240,7 @@ class LinearOps:
                  shared_mem=smem, pdl=True)
 
     def _run_tc(self, a: cp.ndarray, y: cp.ndarray, n: int, k: int, seg: cp.ndarray,
-                wptrs: cp.ndarray, sptrs: cp.ndarray, w: GpuWeight, max_rows: int) -> None:
+                wptrs: cp.ndarray, sptrs: cp.ndarray, w: GpuWeight, max_rows: int, bf: bool = False) -> None:
         """Tensor-core GEMV: split x into scaled hi / lo f16 terms, then one launch over the segments."""
         xs, xinv = self._tc_split_x(a, w.fmt == FMT_FP4)
         nt = 1 if max_rows <= 8 else 2 if max_rows <= 16 else 4
@@ -248,7 +249,8 @@ class LinearOps:
         kw = _tc_split(tiles * nseg, -(-w.row_bytes() // TC_STAGE_BYTES))
         fn((-(-tiles // (TC_WARPS // kw)), nseg), (32 * TC_WARPS,), (
             xs, xinv, np.int32(a.shape[1]), y, np.int32(y.shape[1]), np.int32(n), np.int32(k), seg, wptrs, sptrs,
-            np.int32(w.block[0]), np.int32(w.block[1]), np.int32(w.gk), np.int32(kw)), shared_mem=TC_SMEM)
+            np.int32(w.block[0]), np.int32(w.block[1]), np.int32(w.gk), np.int32(bf), np.int32(kw)),
+           shared_mem=TC_SMEM)
 
     @staticmethod
     def _tc_split_x(a: cp.ndarray, fp4: bool) -> tuple[cp.ndarray, cp.ndarray]:
@@ -296,12 +298,18 @@ class LinearOps:
         y = cp.empty((m, n), dtype=F32)
         if m == 0:
             return y.reshape(*lead, n)
+        bf = self._rounds_out(w)
         if not w.kernel_ok(m):  # (rows our kernels cannot read in 16-byte chunks: GpuWeight.kernel_ok)
-            return (a @ w.dequant().T).reshape(*lead, n)
+            y = a @ w.dequant().T
+            return (self.act(y) if bf else y).reshape(*lead, n)
         segs, mr = self._row_segments(m, fmt=w.fmt)
         wp, sp = w.ptr_tables()
-        self._run_linear(a, y, n, k, segs, wp, sp, w, mr)
+        self._run_linear(a, y, n, k, segs, wp, sp, w, mr, bf=bf)
         return y.reshape(*lead, n)
+
+    def _rounds_out(self, w: GpuWeight) -> bool:
+        """Whether linear() returns w's outputs rounded to bf16 (DeepseekCupyOps: by w's use)."""
+        return False
 
     def grouped_linear(self, x: cp.ndarray, w, groups: int) -> cp.ndarray:
         """Block-diagonal projection: x [T, G, in_g], w [G*out_g, in_g] -> [T, G, out_g]."""
@@ -317,7 +325,7 @@ class LinearOps:
             ok = w.kernel_ok(t) and kin % (8 if w.fmt == FMT_FP4 else 4) == 0
         if not ok or t == 0:  # (groups not on scale blocks, or rows our kernels cannot read)
             wg = w.dequant().reshape(groups, nout, kin)
-            return cp.einsum("tgi,goi->tgo", _c32(x), wg)
+            return self.act(cp.einsum("tgi,goi->tgo", _c32(x), wg))
         key = (id(w), groups)
         hit = self._group_ptrs.get(key)
         if hit is None or hit[0] is not w:
@@ -336,7 +344,7 @@ class LinearOps:
         for gi in range(groups):
             s, mr = self._row_segments(t, gi, 0, gi * kin, gi * nout, w.fmt)
             segs += s
-        self._run_linear(a, y, nout, kin, segs, hit[1], hit[2], w, mr)
+        self._run_linear(a, y, nout, kin, segs, hit[1], hit[2], w, mr, bf=self.bf16)  # (bf16 out, as act())
         return y.reshape(t, g, nout)
 
     def embed(self, table, ids) -> cp.ndarray:

@@ -159,23 +159,25 @@ class MoeOps:
         Above MOE_DEVICE_MAX_PAIRS pairs, segments of GEMM_TILE rows, as the host path cuts an expert
         with more than 8 pairs (the tensor-core GEMM)."""
         step, dup = self._group_shape(tabs, ids.size, x.shape[0])
-        segs, gather, inv, _ = self._moe_group(ids, n_experts, step, dup)
+        segs, gather, inv, order = self._moe_group(ids, n_experts, step, dup)
         return self._moe_project(x, gather, tabs, segs, step, weights, inv, int(ids.shape[1]), limit,
-                                 doubled=bool(dup), shared=shared)
+                                 doubled=bool(dup), shared=shared, order=order)
 
     def _moe_project(self, x: cp.ndarray, gather: cp.ndarray, tabs, segs: cp.ndarray, max_rows: int, weights,
                      inv: cp.ndarray, k: int, limit: float, doubled: bool = False,
-                     shared=None) -> cp.ndarray:
+                     shared=None, order: cp.ndarray | None = None) -> cp.ndarray:
         """The experts over pairs sorted by expert (x rows gather [P]): w1, w3, swiglu, w2, each one
         launch over the segment table; then y[t] = sum_j weights[t, j] * out[inv[t * k + j]] (+ the
-        shared expert's output). doubled: segs already holds w3's half after w1's (moe_group dup_col)."""
+        shared expert's output). doubled: segs already holds w3's half after w1's (moe_group dup_col).
+        order [P] (the pairs' stable argsort) is for DeepseekCupyOps, which weights the rows before w2."""
         d = x.shape[1]
         p = gather.size
         # one token (decode at batch 1): every pair reads row 0, so x itself with a zero row stride
         # stands in for the gathered rows (one-row segments only: the GEMV kernels)
         shared_row = x.shape[0] == 1 and max_rows == 1
-        xp_rows, lda = (x, 0) if shared_row else (x[gather], None)
         (w1, p1, s1), (w2, p2, s2), (w3, p3, s3) = tabs[:3]
+        xin = self._experts_in(x, w1)
+        xp_rows, lda = (xin, 0) if shared_row else (xin[gather], None)
         inter = w1.shape[0]
         if doubled:
             segs_gu, segs = segs, segs[: segs.size // 2]
@@ -190,18 +192,30 @@ class MoeOps:
         if len(tabs) > 3:  # gate and up in one launch: w3's segments index the second half of the
             # table and write columns inter.. of one [P, 2 * inter] output (x split once, twice the blocks)
             gu = cp.empty((p, 2 * inter), F32)
-            self._run_linear(xp_rows, gu, inter, d, segs_gu, tabs[3][1], tabs[3][2], w1, max_rows, lda)
-            self._run_linear(self._swiglu_pairs(gu, inter, limit), out, d, inter, segs, p2, s2, w2, max_rows)
+            self._run_linear(xp_rows, gu, inter, d, segs_gu, tabs[3][1], tabs[3][2], w1, max_rows, lda, bf=self.bf16)
+            hidden = self._swiglu_pairs(gu, inter, limit)
         else:
             gate = cp.empty((p, inter), F32)
             up = cp.empty((p, inter), F32)
-            self._run_linear(xp_rows, gate, inter, d, segs, p1, s1, w1, max_rows, lda)
-            self._run_linear(xp_rows, up, inter, d, segs, p3, s3, w3, max_rows, lda)
-            self._run_linear(self._swiglu(gate, up, limit), out, d, inter, segs, p2, s2, w2, max_rows)
+            self._run_linear(xp_rows, gate, inter, d, segs, p1, s1, w1, max_rows, lda, bf=self.bf16)
+            self._run_linear(xp_rows, up, inter, d, segs, p3, s3, w3, max_rows, lda, bf=self.bf16)
+            hidden = self._swiglu(gate, up, limit)
+        hidden, weights = self._experts_hidden(hidden, _c32(weights), order, w2)
+        self._run_linear(hidden, out, d, inter, segs, p2, s2, w2, max_rows, bf=self.bf16)  # (the experts' bf16 out)
         y = cp.empty_like(x)
         K.function("elementwise", "moe_combine")(_grid(y.size), (_ELT_BLOCK,), (
-            out, _c32(weights), inv, y, np.int64(y.size), np.int32(k), np.int32(d)))
-        return self._plus_shared(y, shared)
+            out, weights, inv, y, np.int64(y.size), np.int32(k), np.int32(d)))
+        return self.act(self._plus_shared(y, shared))
+
+    def _experts_in(self, x: cp.ndarray, w1: GpuWeight) -> cp.ndarray:
+        """The experts' input rows as their w1 / w3 kernels read them (DeepseekCupyOps: quantized)."""
+        return x
+
+    def _experts_hidden(self, hidden: cp.ndarray, weights: cp.ndarray, order,
+                        w2: GpuWeight) -> tuple[cp.ndarray, cp.ndarray]:
+        """(w2's input rows, the combine's weights [T, k]): here the swiglu rows and the routing
+        weights; DeepseekCupyOps weights the rows before w2 and combines with ones."""
+        return hidden, weights
 
     @joins_late("shared")
     def moe(self, x: cp.ndarray, experts: list, weights: cp.ndarray, ids: cp.ndarray, limit: float,
@@ -252,10 +266,10 @@ class MoeOps:
         mr = min(max_rows, step)
         # one host->device copy for the segment table, the gather rows and the combine index
         packed = cp.asarray(np.concatenate([np.asarray(segs, np.int32).reshape(-1), (order // k).astype(np.int32),
-                                            inv.astype(np.int32)]))
-        nsg = 5 * len(segs)
-        return self._moe_project(x, packed[nsg:nsg + order.size], tabs, packed[:nsg], mr, weights,
-                                 packed[nsg + order.size:], k, limit, shared=shared)
+                                            inv.astype(np.int32), order.astype(np.int32)]))
+        nsg, p = 5 * len(segs), order.size
+        return self._moe_project(x, packed[nsg:nsg + p], tabs, packed[:nsg], mr, weights,
+                                 packed[nsg + p:nsg + 2 * p], k, limit, shared=shared, order=packed[nsg + 2 * p:])
 
     def _plus_shared(self, y: cp.ndarray, shared: cp.ndarray | None) -> cp.ndarray:
         """y plus the shared expert's output (a fork's: joined here)."""

@@ -28,7 +28,7 @@ class NormOps:
         y = cp.empty_like(h)
         if t:
             K.function("elementwise", "engram_mix")((t * hc,), (256,), (h, key, value, qk, y, np.int32(hc),
-                                                                       np.int32(d), F32(eps)))
+                                                                       np.int32(d), F32(eps), np.int32(self.bf16)))
         return y
 
     def rmsnorm(self, x: cp.ndarray, weight: cp.ndarray | None, eps: float) -> cp.ndarray:
@@ -38,7 +38,7 @@ class NormOps:
         rows = x.size // d if d else 0
         if rows:
             wt = None if weight is None else _c32(weight)
-            args = (x, wt if wt is not None else _NULL, y, np.int32(d), F32(eps))
+            args = (x, wt if wt is not None else _NULL, y, np.int32(d), F32(eps), np.int32(self.bf16))
             if d % 4 == 0 and 1024 <= d <= 4 * 256 * 8:
                 K.function("elementwise", "rmsnorm_v4")((rows,), (256,), args)
             else:
@@ -55,7 +55,7 @@ class NormOps:
         m = x.size // (t * d)
         K.function("elementwise", "rope")(_grid(x.size), (_ELT_BLOCK,), (
             x, _c32(cos), _c32(sin), y, np.int64(x.size), np.int32(m), np.int32(d), np.int32(p),
-            F32(-1.0 if inverse else 1.0)))
+            F32(-1.0 if inverse else 1.0), np.int32(self.bf16)))
         return y
 
     def norm_rope_quant(self, x: cp.ndarray, cos: cp.ndarray, sin: cp.ndarray, norm: tuple | None = None,
@@ -81,7 +81,7 @@ class NormOps:
         K.function("quant", "norm_rope_quant")((-(-rows // (128 // tpr)),), (128,), (
             x, np.int64(ld), np.int32(rows), np.int32(d), np.int32(norm is not None), _NULL if w is None else w,
             F32(norm[1] if norm is not None else 0.0), _c32(cos), _c32(sin), np.int32(rows // x.shape[0]),
-            np.int32(p), F32(1.0), np.int32(quant), y, _NULL if yn is None else yn))
+            np.int32(p), F32(1.0), np.int32(quant), y, _NULL if yn is None else yn, np.int32(self.bf16)))
         return (yn, y) if keep_normed else y
 
     def _norm_rope_quant_chain(self, x, cos, sin, norm, quant: int, keep_normed: bool):
@@ -99,8 +99,9 @@ class NormOps:
             y = r
         return (n, y) if keep_normed else y
 
-    def _fake_quant_fp8(self, x: cp.ndarray, block: int = 32) -> cp.ndarray:
-        return self._fake_quant(x, block, "fake_quant_fp8")
+    def _fake_quant_fp8(self, x: cp.ndarray, block: int = 32, bf16_first: bool = False) -> cp.ndarray:
+        """x onto the FP8 grid per `block`; bf16_first: rounded to bf16 first, in the same pass."""
+        return self._fake_quant(x, block, "fake_quant_fp8", np.int32(bf16_first))
 
     def _fake_quant_fp4(self, x: cp.ndarray, block: int, e4m3_scales: bool = False) -> cp.ndarray:
         return self._fake_quant(x, block, "fake_quant_fp4", np.int32(bool(e4m3_scales)))
@@ -171,13 +172,13 @@ class NormOps:
                          eps: float) -> cp.ndarray:
         """rmsnorm(hc_collapse(streams, pre), weight, eps) in one launch."""
         t, hc, d = streams.shape
-        if d % 4 or d > 8192:
-            return self.rmsnorm(self._hc_collapse(streams, pre), weight, eps)  # (the kernel: D % 4, <= 8192)
+        if d % 4 or d > 8192:  # (the kernel: D % 4, <= 8192; act: the collapse as the reference stores it)
+            return self.rmsnorm(self.act(self._hc_collapse(streams, pre)), weight, eps)
         out = cp.empty((t, d), F32)
         if t:
             K.function("elementwise", "hc_collapse_norm")((t,), (256,), (
                 _c32(streams), _c32(pre), _c32(weight) if weight is not None else _NULL, out, np.int32(hc),
-                np.int32(d), F32(eps)))
+                np.int32(d), F32(eps), np.int32(self.bf16)))
         return out
 
     def _hc_collapse(self, streams: cp.ndarray, pre: cp.ndarray) -> cp.ndarray:
@@ -193,5 +194,6 @@ class NormOps:
         y = cp.empty((t, hc, d), F32)
         if y.size:
             K.function("elementwise", "hc_expand")(_grid(y.size), (_ELT_BLOCK,), (
-                _c32(out), _c32(residual), _c32(post), _c32(comb), y, np.int64(y.size), np.int32(hc), np.int32(d)))
+                _c32(out), _c32(residual), _c32(post), _c32(comb), y, np.int64(y.size), np.int32(hc), np.int32(d),
+                np.int32(self.bf16)))
         return y

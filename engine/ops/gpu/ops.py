@@ -10,6 +10,7 @@ and the collectives.
 Activations are float32 CuPy arrays throughout and every kernel is float32-accurate, so results
 match the numpy reference up to summation order (linear.py says where the bf16 GEMM rounds a
 weight). That matters because V4.1's FP8 / FP4 state rounding amplifies small errors.
+--numerics deepseek: DeepseekCupyOps (deepseek.py), the reference's bf16 / FP8 quantization points.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from engine.ops.gpu.moe import MoeOps
 from engine.ops.gpu.norms import HC_COUNTERS, NormOps
 from engine.ops.gpu.pinned import PinnedUploader
 from engine.ops.gpu.weights import GpuWeight, WeightOps
-from engine.settings import Settings, check_numerics
+from engine.settings import Settings
 
 __all__ = ["CupyOps", "GpuWeight", "use_direct_alloc"]
 
@@ -50,13 +51,16 @@ class CupyOps(Forks, WeightOps, LinearOps, NormOps, MoeOps, AttentionOps):
     """The ops of engine/ops/protocol.py; arrays are CuPy float32 on the current device."""
 
     name = "cupy"
+    numerics = "exact"  # (engine/ops/gpu/deepseek.py: DeepseekCupyOps)
+    # the kernels round what they store to bf16 where DeepSeek's reference stores bf16 (its norms,
+    # RoPE, mHC, pooling, attention and indexer outputs, sparse_attn's rounding points): DeepseekCupyOps
+    bf16 = False
     xp = cp
     comm = None  # the tensor-parallel ranks' collectives (engine/parallel/); None: one rank
 
     def __init__(self, settings: Settings | None = None) -> None:
         """settings: the run-time knobs (default: Settings.from_env(), read from the environment)."""
         settings = Settings.from_env() if settings is None else settings
-        check_numerics(settings.numerics, self.name)
         if settings.direct_alloc:
             use_direct_alloc()
         self._init_forks()
@@ -106,7 +110,8 @@ class CupyOps(Forks, WeightOps, LinearOps, NormOps, MoeOps, AttentionOps):
         return out
 
     def act(self, x: cp.ndarray) -> cp.ndarray:
-        """An activation as stored between ops: float32 (the GPU computes exact numerics only)."""
+        """An activation as stored between ops: float32 here (exact numerics); DeepseekCupyOps
+        rounds it to bf16."""
         return x
 
     def to_host(self, x) -> np.ndarray:

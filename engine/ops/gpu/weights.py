@@ -31,6 +31,11 @@ class GpuWeight:
     scale: cp.ndarray | None
     shape: tuple[int, int]
     block: tuple[int, int] = (1, 1)
+    # --numerics deepseek (DeepseekCupyOps): how the reference's linear() uses the weight
+    # (engine/model/numerics.py QUANT / BF16 / F32; None: an untagged fp32 weight), and for rows
+    # stacked from weights of different uses, the output columns [c0, c1) it returns in bf16
+    use: str | None = None
+    bf16_cols: tuple[tuple[int, int], ...] | None = None
 
     @property
     def gk(self) -> int:

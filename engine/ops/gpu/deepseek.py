@@ -1,0 +1,217 @@
+"""`--numerics deepseek` on the GPU: CupyOps computing as DeepSeek's reference inference does, with
+the quantization points of the numpy backend's DeepseekOps (engine/ops/deepseek_ops.py), which the
+GPU tests hold it to.
+
+- bf16 activations (kept in float32 arrays) wherever the reference stores bf16: the kernels of the
+  norms, RoPE, mHC, Engram, pooling, attention and the indexer round what they store (CupyOps.bf16);
+  act() rounds the rest (a linear's input and output, the experts').
+- linear(), by the weight's use (engine/model/numerics.py): an FP8 / FP4 weight takes the bf16
+  activation quantized to e4m3 per 32 along K (UE8M0 scales) and returns bf16. Prompt chunks run
+  the e4m3 tensor-core GEMM (fp8_linear.py); up to TC_MAX_ROWS rows the GEMVs read the
+  fake-quantized activation, whose products they sum exactly in float32 (the same numbers up to
+  summation order). A bf16 weight takes and returns bf16; an fp32 one computes in fp32.
+- the experts: the routing weight scales the hidden state before w2 (the reference's Expert.forward).
+  A prompt chunk's FP8 / FP4 experts (above MOE_DEVICE_MAX_PAIRS pairs) run the grouped e4m3 GEMM
+  (fp8_linear.fp8_grouped_linear) on activations quantized once per token row and once per hidden
+  row; decode's GEMV segments read the fake-quantized rows, as linear() does.
+- attention and the indexer: the kernels' bf16 rounding points (CupyOps.bf16).
+"""
+
+from __future__ import annotations
+
+import cupy as cp
+import numpy as np
+
+from engine.model.numerics import BF16, QUANT
+from engine.ops import kernels as K
+from engine.ops.gpu.common import _ELT_BLOCK, F32, _c32, _grid
+from engine.ops.gpu.fork import joins_inputs, joins_late
+from engine.ops.gpu.fp8_linear import ACT_BLOCK, GROUPED_ROWS, TILE, act_quant_fp8, fp8_grouped_linear, fp8_linear
+from engine.ops.gpu.linear import TC_MAX_ROWS
+from engine.ops.gpu.moe import MOE_DEVICE_MAX_PAIRS
+from engine.ops.gpu.ops import CupyOps
+from engine.ops.gpu.weights import GpuWeight
+from engine.ops.kernels import FMT_FP4, FMT_FP8
+from engine.parallel.shard import stack_rows
+
+
+def _fp8_gemm_takes(w: GpuWeight) -> bool:
+    """Whether gemm_e4m3 reads w: FP8 with scale blocks of whole 32-wide K steps, or FP4; K in tiles."""
+    if w.shape[1] % TILE:
+        return False
+    return w.fmt == FMT_FP4 or (w.fmt == FMT_FP8 and w.block[1] % ACT_BLOCK == 0)
+
+
+def _fp8_experts(tabs) -> bool:
+    """Whether the grouped e4m3 GEMM reads a layer's w1, w2 and w3 (expert tables' first weights)."""
+    return all(w.use == QUANT and _fp8_gemm_takes(w) for w, _, _ in tabs[:3])
+
+
+@joins_inputs  # (its own methods too must join a pending fork's output before reading it)
+class DeepseekCupyOps(CupyOps):
+    """CupyOps in DeepSeek's reference numerics (bf16 activations, FP8 block-32 activation quantization)."""
+
+    numerics = "deepseek"
+    bf16 = True
+
+    # ---- bf16 activations ------------------------------------------------------------
+    def act(self, x: cp.ndarray) -> cp.ndarray:
+        """x rounded to bf16 (ties to even), as float32: a new array."""
+        x = _c32(x)
+        y = cp.empty_like(x)
+        if y.size:
+            cols = x.shape[-1] if x.ndim else 1
+            K.function("elementwise", "round_bf16_rows")(_grid(y.size), (_ELT_BLOCK,), (
+                x, y, np.int64(y.size), np.int32(cols), np.int64(cols), np.int64(cols)))
+        return y
+
+    def _round_cols(self, y: cp.ndarray, c0: int, c1: int) -> None:
+        """Columns [c0, c1) of the C-contiguous 2-D y rounded to bf16 in place."""
+        part = y[:, c0:c1]
+        if part.size:
+            K.function("elementwise", "round_bf16_rows")(_grid(part.size), (_ELT_BLOCK,), (
+                part, part, np.int64(part.size), np.int32(c1 - c0), np.int64(y.shape[1]), np.int64(y.shape[1])))
+
+    # ---- weights: tagged with their use ----------------------------------------------
+    def prepare(self, weight) -> GpuWeight:
+        w = super().prepare(weight)
+        w.use = getattr(weight, "use", None)
+        return w
+
+    def prepare_rows(self, ws: list) -> GpuWeight:
+        uses = [w.use for w in ws]
+        if len(set(uses)) == 1:
+            return self.prepare(stack_rows(ws))
+        if QUANT in uses:
+            raise ValueError(f"cannot stack FP8 and unquantized linears: {[w.name for w in ws]}")
+        w = CupyOps.prepare(self, stack_rows(ws))
+        cols, c0 = [], 0
+        for wi, u in zip(ws, uses, strict=True):
+            if u == BF16:
+                cols.append((c0, c0 + wi.shape[0]))
+            c0 += wi.shape[0]
+        w.use, w.bf16_cols = BF16, tuple(cols)
+        return w
+
+    # ---- linears ---------------------------------------------------------------------
+    def linear(self, x: cp.ndarray, w) -> cp.ndarray:
+        """The reference's linear(), by the weight's use (an untagged weight: fp32, x as given)."""
+        if not isinstance(w, GpuWeight):
+            w = self.prepare(w)
+        if w.use is None:
+            return super().linear(x, w)
+        n, k = w.shape
+        a = x.reshape(-1, k)
+        if w.use == QUANT and a.shape[0] > TC_MAX_ROWS and _fp8_gemm_takes(w):
+            y = self.act(fp8_linear(self.act(a), w))  # (it quantizes the rows itself)
+        else:
+            y = super().linear(self._linear_in(a, w), w)  # (bf16 out where _rounds_out says so)
+        if w.bf16_cols is not None:
+            for c0, c1 in w.bf16_cols:
+                self._round_cols(y, c0, c1)
+        return y.reshape(*x.shape[:-1], n)
+
+    def _rounds_out(self, w: GpuWeight) -> bool:
+        """FP8 / FP4 and bf16 weights return bf16 (the kernels round as they store); fp32 ones do not,
+        nor do rows stacked from weights of both uses (their bf16 columns are rounded after)."""
+        return w.use in (QUANT, BF16) and w.bf16_cols is None
+
+    # ---- MoE: the routing weight before w2 -------------------------------------------------
+    def _expert_mlp(self, x: cp.ndarray, w1, w2, w3, limit: float, wts: cp.ndarray | None) -> cp.ndarray:
+        h = self._swiglu(self.linear(x, w1), self.linear(x, w3), limit)
+        return self.linear(h if wts is None else h * wts[:, None], w2)
+
+    def swiglu_mlp(self, x: cp.ndarray, w1, w2, w3, limit: float) -> cp.ndarray:
+        w1, w2, w3 = (w if isinstance(w, GpuWeight) else self.prepare(w) for w in (w1, w2, w3))
+        return self._expert_mlp(_c32(x).reshape(-1, w1.shape[1]), w1, w2, w3, limit,
+                                None).reshape(*x.shape[:-1], w2.shape[0])
+
+    @joins_late("shared")
+    def moe(self, x: cp.ndarray, experts: list, weights: cp.ndarray, ids: cp.ndarray, limit: float,
+            shared: cp.ndarray | None = None) -> cp.ndarray:
+        if x.shape[0] == 0 or self._expert_tables(experts) is not None:
+            return super().moe(x, experts, weights, ids, limit, shared)
+        # (mixed expert formats, or a rank's share of the experts: expert by expert)
+        x, wts = _c32(x), _c32(weights)
+        ids_h = self.to_host(ids).astype(np.int64)
+        y = cp.zeros_like(x)
+        for e in np.unique(ids_h):
+            if experts[int(e)] is None:  # held by another rank: arrives through the all-reduce
+                continue
+            rows, slot = np.nonzero(ids_h == e)
+            r = cp.asarray(rows)
+            w1, w2, w3 = experts[int(e)]
+            y[r] += self._expert_mlp(x[r], w1, w2, w3, limit, wts[r, cp.asarray(slot)])
+        return self.act(self._plus_shared(y, shared))
+
+    def _moe_device(self, x: cp.ndarray, tabs, n_experts: int, weights, ids, limit: float,
+                    shared=None) -> cp.ndarray:
+        """A prompt chunk's FP8 / FP4 experts: the pairs in segments of GROUPED_ROWS, each projection
+        one grouped e4m3 GEMM; otherwise (decode, other weights) CupyOps' grouping and kernels."""
+        if ids.size <= MOE_DEVICE_MAX_PAIRS or not _fp8_experts(tabs):
+            return super()._moe_device(x, tabs, n_experts, weights, ids, limit, shared)
+        dup = tabs[0][0].shape[0] if len(tabs) > 3 else 0
+        segs, gather, inv, order = self._moe_group(ids, n_experts, GROUPED_ROWS, dup)
+        (w1, p1, s1), (w2, p2, s2), (w3, p3, s3) = tabs[:3]
+        p, inter, d = gather.size, w1.shape[0], x.shape[1]
+        xq = act_quant_fp8(self.act(x))  # per token row: the gather reads the rows' codes and scales
+        if dup:  # gate and up in one launch: w3's segments (second half) write columns inter..
+            gu = cp.empty((p, 2 * inter), F32)
+            fp8_grouped_linear(xq, gather, segs, tabs[3][1], tabs[3][2], w1, gu)
+            segs = segs[: segs.size // 2]
+            hidden = self._swiglu_pairs(self.act(gu), inter, limit)
+        else:
+            gate, up = cp.empty((p, inter), F32), cp.empty((p, inter), F32)
+            fp8_grouped_linear(xq, gather, segs, p1, s1, w1, gate)
+            fp8_grouped_linear(xq, gather, segs, p3, s3, w3, up)
+            hidden = self._swiglu(self.act(gate), self.act(up), limit)
+        if hidden.size:  # bf16(hidden * routing weight), in place
+            K.function("elementwise", "moe_weight_rows")(_grid(hidden.size), (_ELT_BLOCK,), (
+                hidden, _c32(weights), order, np.int64(hidden.size), np.int32(inter)))
+        out = cp.empty((p, d), F32)
+        fp8_grouped_linear(act_quant_fp8(hidden), None, segs, p2, s2, w2, out)
+        y = cp.empty_like(x)
+        K.function("elementwise", "moe_combine")(_grid(y.size), (_ELT_BLOCK,), (
+            self.act(out), cp.ones(ids.shape, F32), inv, y, np.int64(y.size), np.int32(ids.shape[1]), np.int32(d)))
+        return self.act(self._plus_shared(y, shared))
+
+    def _linear_in(self, x: cp.ndarray, w: GpuWeight) -> cp.ndarray:
+        """x as the reference's linear() hands it to w's GEMM: bf16, then e4m3 per 32 for FP8 / FP4
+        (one pass where K is whole blocks)."""
+        if w.use == QUANT and x.shape[-1] % ACT_BLOCK == 0:
+            return self._fake_quant_fp8(x, ACT_BLOCK, bf16_first=True)
+        return self.act(x)
+
+    def _experts_in(self, x: cp.ndarray, w1: GpuWeight) -> cp.ndarray:
+        """The tokens' rows prepared once, before the gather (the quantization is per row)."""
+        return self._linear_in(x, w1)
+
+    def _experts_hidden(self, hidden: cp.ndarray, weights: cp.ndarray, order,
+                        w2: GpuWeight) -> tuple[cp.ndarray, cp.ndarray]:
+        """bf16(hidden * routing weight), prepared for w2; the combine then adds the experts'
+        outputs with weight 1."""
+        if hidden.size:
+            K.function("elementwise", "moe_weight_rows")(_grid(hidden.size), (_ELT_BLOCK,), (
+                hidden, weights, order, np.int64(hidden.size), np.int32(hidden.shape[1])))
+        return self._linear_in(hidden, w2), cp.ones(weights.shape, F32)
+
+    # ---- attention and the indexer: bf16 q, K=V and probabilities ---------------------------
+    def attention_ranges(self, q: cp.ndarray, keys: cp.ndarray, lo, hi, entries: cp.ndarray | None,
+                         emask: cp.ndarray | None, sinks: cp.ndarray, scale: float, selected: int = 0,
+                         exact: bool = False, span: int = 0) -> cp.ndarray:
+        if not exact:  # (rounded here: the tensor-core kernels then take them as one bf16 term)
+            keys = self.act(keys)
+            entries = None if entries is None else self.act(entries)
+        return super().attention_ranges(self.act(q), keys, lo, hi, entries, emask, sinks, scale, selected, True,
+                                        span)
+
+    def attention_decode(self, q: cp.ndarray, sources: list, sinks: cp.ndarray, scale: float) -> cp.ndarray:
+        return super().attention_decode(self.act(q), sources, sinks, scale)
+
+    def attend_decode(self, q: cp.ndarray, attend, mask: cp.ndarray | None, sinks: cp.ndarray, scale: float,
+                      longest: int, window: int = 0, selected: int = 0) -> cp.ndarray:
+        return super().attend_decode(self.act(q), attend, mask, sinks, scale, longest, window, selected)
+
+    def _indexer_weights(self, w: cp.ndarray, n_heads: int, head_dim: int) -> tuple:
+        """The reference's head weights: bf16(bf16(w) * head_dim^-0.5 * n_heads^-0.5), scales folded in."""
+        return self.act(self.act(w) * F32(head_dim**-0.5 * n_heads**-0.5)), F32(1.0), F32(1.0)

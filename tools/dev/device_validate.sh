@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Validation of the GPU branches in device calls that fit the per-call limit: `bash
+# tools/dev/device_validate.sh 1|2|3` from the repo root on the device (carry the wheels in .whl).
+# Every stage has its own timeout, capped by what is left of CAP seconds, and writes its log and a
+# line of summary under $OUT, so a call cut short still returns what finished.
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site
+T0=$(date +%s); CAP=${CAP:-570}; CKPT=${CKPT:-/tmp/ck}
+step() {
+  local name=$1 lim=$2 left s rc; shift 2
+  left=$(( CAP - ($(date +%s) - T0) )); [ "$left" -lt "$lim" ] && lim=$left
+  if [ "$lim" -lt 10 ]; then echo "$name skipped (no time)" >> "$OUT/summary.txt"; return; fi
+  s=$(date +%s); timeout "$lim" "$@" > "$OUT/$name.log" 2>&1; rc=$?
+  echo "$name rc=$rc $(( $(date +%s) - s ))s" >> "$OUT/summary.txt"
+  tail -3 "$OUT/$name.log" >> "$OUT/summary.txt"
+}
+ckpt() {
+  [ -f "$CKPT/config.json" ] || nice python3 dsuf.py tiny-model "$CKPT" --arch v41 --preset v41-flash-shaped \
+    --layers 2 --vocab 8192 > /tmp/ckpt.log 2>&1
+}
+B="python3 dsuf.py bench --ckpt $CKPT --no-linears --steps 5"
+FIRST="tests/gpu/test_gpu_fp8_gemm.py tests/gpu/test_gpu_fp8_grouped.py tests/gpu/test_gpu_deepseek_numerics.py
+  tests/gpu/test_gpu_spec_sampling.py tests/gpu/test_gpu_sampling.py tests/gpu/test_gpu_speculative.py
+  tests/gpu/test_gpu_tp.py"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/summary.txt"
+git log --oneline -1 >> "$OUT/summary.txt" 2>/dev/null
+case ${1:-1} in
+1)  # the new kernels first (a hang in the GEMM is a barrier bug), then deepseek numerics' bench
+    ckpt &
+    step t1_fp8gemm 90 python3 -m pytest -q -x -s tests/gpu/test_gpu_fp8_gemm.py
+    step t2_grouped 70 python3 -m pytest -q -x tests/gpu/test_gpu_fp8_grouped.py
+    step t3_dsnum 100 python3 -m pytest -q -s tests/gpu/test_gpu_deepseek_numerics.py
+    wait
+    step b2_deepseek 200 $B --prefill 4096,65536 --batches 1,8,32 --numerics deepseek --speculative dspark
+    step t4_spec 150 python3 -m pytest -q tests/gpu/test_gpu_spec_sampling.py tests/gpu/test_gpu_sampling.py \
+      tests/gpu/test_gpu_speculative.py tests/gpu/test_gpu_tp.py ;;
+2)  # the rest of the GPU suite, the exact baseline on the same machine, 1M tokens
+    ckpt &
+    step t5_rest 250 python3 -m pytest -q tests/gpu $(for f in $FIRST; do echo --ignore "$f"; done)
+    wait
+    step b1_exact 200 $B --prefill 4096,65536 --batches 1,8,32 --numerics exact --speculative dspark
+    step b3_1m 120 $B --prefill 1048576 --batches 1 --numerics deepseek --speculative off ;;
+4)  # the FP8 tests once more, then the rest of the suite, files in reverse order (stage 2 ran out of time)
+    step t1_fp8gemm 60 python3 -m pytest -q -s tests/gpu/test_gpu_fp8_gemm.py tests/gpu/test_gpu_fp8_grouped.py
+    step t3_dsnum 150 python3 -m pytest -q -s tests/gpu/test_gpu_deepseek_numerics.py
+    REST=$(ls tests/gpu/test_*.py | sort -r | grep -v -F "$(printf '%s\n' $FIRST)")
+    step t5_rest 400 python3 -m pytest -q -rf --durations=10 $REST ;;
+3)  # memcheck of the new kernels
+    step m1_ops 300 make gpu-memcheck
+    step m2_fp8 250 env DSUF_DIRECT_ALLOC=1 compute-sanitizer --tool memcheck --report-api-errors no \
+      --error-exitcode 1 python3 -m pytest -q tests/gpu/test_gpu_fp8_gemm.py \
+      tests/gpu/test_gpu_fp8_grouped.py ;;
+esac
+cat "$OUT/summary.txt"

@@ -1,0 +1,187 @@
+"""Emulate kernels/fp8_grouped.cu gemm_e4m3_grouped[_gather]_{fp8,fp4}_sm90 (a MoE's experts in one
+launch) in numpy and compare its Y with a plain product; no GPU needed. Exits non-zero on a mismatch.
+
+The tile's work is tools/dev/emulate_wgmma_gemm.py's Block (every cp.async, barrier, descriptor and
+fragment of kernels/fp8_wgmma.cuh); this adds what the grouped kernels change:
+- the launch of engine/ops/gpu/fp8_linear.py fp8_grouped_linear (grid, mtiles from its step,
+  GROUPED_ROWS read from that file) over a segment table built as kernels/moe.cu moe_group_large
+  builds it (pairs in a stable sort by expert, runs cut every step rows, zero-row slots after, the
+  doubled table's second half for w3: experts E.., y column N);
+- grouped_tile: block y -> segment and its tile's first row, blocks past a segment's rows (and
+  zero-row slots) returning at once; the pointer table: expert e's data and scales are arrays of
+  their own, so a read outside them fails the emulator's bounds check; A and SA moved to the
+  segment's first row (w2) or G to it (w1 / w3);
+- the gathering producer's copies (wg_produce<FMT, true>: 4 threads a row, chunks c4 and c4 + 4 of
+  rows r4 + 32 i, source row G[min(m0 + r, M - 1)], source size 0 past M, row t's scales from row
+  G[m0 + t]), each G index checked inside the gather array;
+- the epilogue through Y moved to the segment's first row and y column: rows row0 + r, columns
+  ycol + n; every element written (Y starts as NaN).
+"""
+
+import ast
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import emulate_wgmma_gemm as wg  # noqa: E402
+
+FMT_FP8, FMT_FP4 = wg.FMT_FP8, wg.FMT_FP4
+
+
+def grouped_rows() -> int:
+    """GROUPED_ROWS of engine/ops/gpu/fp8_linear.py (read, not imported: it imports CuPy)."""
+    tree = ast.parse((wg.ROOT / "engine/ops/gpu/fp8_linear.py").read_text())
+    ns = {}
+    for n in tree.body:
+        names = {x.id for t in getattr(n, "targets", []) for x in ast.walk(t) if isinstance(x, ast.Name)}
+        if isinstance(n, ast.Assign) and names & {"WG_TILE", "GROUPED_ROWS"}:
+            exec(compile(ast.Module([n], []), "fp8_linear", "exec"), ns)
+    return ns["GROUPED_ROWS"]
+
+
+class GroupedBlock(wg.Block):
+    """A block of the grouped kernel: g holds the whole A / SA / G arrays and the segment's row0."""
+
+    def copy_a(self, t, at, sa, k0, nkk):
+        g, m0 = self.g, self.m0
+        M, K, row0 = g["M"], g["K"], g["row0"]
+        nbk, a_ok = K // 32, m0 + t < M
+        if g["G"] is None:  # A and SA moved to row0
+            r8, c8 = t >> 3, t & 7
+            if c8 < 2 * nkk:
+                a_row = (row0 + min(m0 + r8, M - 1)) * K + 16 * c8 + k0
+                self.copy_rows(t, at + wg.swz(r8, c8), "A", a_row, 16 * K, M - m0 - r8, 8, 16)
+            srow = row0 + (m0 + t if a_ok else 0)
+        else:  # G moved to row0
+            r4, c4 = t >> 2, t & 3
+            for i in range(4):
+                r = r4 + 32 * i
+                src = self.gather(row0 + min(m0 + r, M - 1)) * K + k0 + 16 * c4
+                size = 16 if r < M - m0 else 0
+                self.cp(t, at + wg.swz(r, c4), "A", src, 16, size)
+                if nkk == 4:
+                    self.cp(t, at + wg.swz(r, c4 + 4), "A", src + 64, 16, size)
+            srow = self.gather(row0 + m0 + t) if a_ok else 0
+        for kk in range(nkk):
+            self.cp(t, sa + 4 * (128 * kk + t), "SA", 4 * (srow * nbk + k0 // 32 + kk), 4, 4 if a_ok else 0)
+
+    def gather(self, i):
+        G = self.g["G"]
+        assert 0 <= i < G.size, f"G read outside the gather array: {i}"
+        return int(G[i])
+
+
+def group(ids, n_experts, step, dup_col, spare=2):
+    """moe_group_large's outputs (order, inv, gather, segs [2 x] maxseg x 5) for ids [T, k]."""
+    flat = ids.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    inv = np.empty_like(order)
+    inv[order] = np.arange(order.size)
+    segs = []
+    base = 0
+    for e in range(n_experts):
+        c = int((flat == e).sum())
+        segs += [(e, base + r, min(step, c - r), 0, 0) for r in range(0, c, step)]
+        base += c
+    segs += [(0, 0, 0, 0, 0)] * spare
+    if dup_col:
+        segs += [(e + n_experts, r0, n, 0, dup_col) if n else (0, 0, 0, 0, 0) for e, r0, n, _, _ in segs]
+    return order, inv, (order // ids.shape[1]).astype(np.int32), np.asarray(segs, np.int32).reshape(-1)
+
+
+def launch(fmt, codes, sa, gather, segs, wtab, stab, Y, N, K, bn, bk, gk, step, smem):
+    """fp8_grouped_linear on sm_90a and the blocks of its grid, as grouped_tile maps them."""
+    mtiles = -(-step // wg.BM)
+    nseg = segs.size // 5
+    grid = (-(-N // wg.BN), nseg * mtiles)
+    for by in range(grid[1]):
+        e, row0, rows, acol, ycol = (int(v) for v in segs[5 * (by // mtiles): 5 * (by // mtiles) + 5])
+        m0 = (by % mtiles) * wg.BM
+        if m0 >= rows:
+            continue
+        assert acol == 0 and rows <= step
+        g = {"A": codes.reshape(-1), "SA": sa.astype(np.float32).view(np.uint8).reshape(-1), "G": gather,
+             "row0": row0, "W": wtab[e].reshape(-1),
+             "SW": (stab[e].astype(np.float32).view(np.uint8) if fmt == FMT_FP8 else stab[e]).reshape(-1),
+             "M": rows, "N": N, "K": K, "bn": bn, "bk": bk, "gk": gk}
+        ys = Y[row0:row0 + rows, ycol:ycol + N]  # Y + row0 * ldy + ycol, rows of ldy
+        assert ys.shape == (rows, N), "a segment's output outside Y"
+        for bx in range(grid[0]):
+            wg.run_block(fmt, g, m0, bx * wg.BN, smem, ys, cls=GroupedBlock)
+
+
+def weights(rng, fmt, E, N, K):
+    """E experts' (data, scales, dequantized) of one shape, as the pointer tables list them."""
+    out = []
+    for _ in range(E):
+        if fmt == FMT_FP8:
+            W = (rng.integers(0, 256, (N, K)) & 0xF7).astype(np.uint8)
+            SW = (2.0 ** rng.uniform(-10, -5, (-(-N // 128), -(-K // 128)))).astype(np.float32)
+            out.append((W, SW, wg.formats.dequant_fp8_blocks(W, SW, (128, 128))))
+        else:
+            W = rng.integers(0, 256, (N, K // 2)).astype(np.uint8)
+            lo = int(rng.integers(110, 125))
+            SW = rng.integers(lo, lo + int(rng.choice([8, 20])), (N, K // 32)).astype(np.uint8)
+            out.append((W, SW, wg.formats.dequant_fp4_experts(W, SW, 32)))
+    return out
+
+
+def check(fmt, T, k, E, D, N, counts_skew, seed=0):
+    """w1 / w3 (gathered, one doubled table) then w2 (in place) of a MoE with T tokens, top-k of E."""
+    step, smem = grouped_rows(), wg.host_constants()["wgmma_smem"](fmt)
+    rng = np.random.default_rng(seed)
+    pop = np.geomspace(1.0, counts_skew, E)
+    pop[E // 2] = pop[-1] = 0.0  # an expert with no pairs, and the last with one:
+    ids = np.stack([rng.choice(E, k, replace=False, p=pop / pop.sum()) for _ in range(T)])
+    ids[0, 0] = E - 1
+    order, inv, gather, segs = group(ids, E, step, N)
+    P = order.size
+    bn, bk = (128, 128) if fmt == FMT_FP8 else (1, 32)
+    ws = weights(rng, fmt, 2 * E, N, D)
+    codes, sa, xq = wg.quantized_x(rng, T, D)
+    gu = np.full((P, 2 * N), np.nan, np.float32)
+    launch(fmt, codes, sa, gather, segs, [w[0] for w in ws], [w[1] for w in ws], gu, N, D, bn, bk,
+           D // 32 if fmt == FMT_FP4 else -(-D // 128), step, smem)
+    want = np.empty((P, 2 * N))
+    e_sorted = ids.reshape(-1)[order]
+    for h in range(2):
+        for e in range(E):
+            rows = np.flatnonzero(e_sorted == e)
+            want[rows, h * N:(h + 1) * N] = xq[gather[rows]].astype(np.float64) @ ws[e + h * E][2].astype(np.float64).T
+    err1 = rel_err(gu, want)
+    # w2: the rows in pair order, the first half of the table
+    w2 = weights(rng, fmt, E, D, N)
+    hc, hs, hq = wg.quantized_x(rng, P, N)
+    out = np.full((P, D), np.nan, np.float32)
+    launch(fmt, hc, hs, None, segs[: segs.size // 2], [w[0] for w in w2], [w[1] for w in w2], out, D, N, bn, bk,
+           N // 32 if fmt == FMT_FP4 else -(-N // 128), step, smem)
+    want2 = np.empty((P, D))
+    for e in range(E):
+        rows = np.flatnonzero(e_sorted == e)
+        want2[rows] = hq[rows].astype(np.float64) @ w2[e][2].astype(np.float64).T
+    err2 = rel_err(out, want2)
+    counts = np.bincount(ids.reshape(-1), minlength=E)
+    name = "fp8" if fmt == FMT_FP8 else "fp4"
+    print(f"{name} T={T} k={k} E={E} D={D} N={N} pairs per expert {sorted(counts.tolist())}: "
+          f"w1/w3 max row rel err {err1:.2e}, w2 {err2:.2e}")
+    assert err1 < 1e-5 and err2 < 1e-5, (err1, err2)
+
+
+def rel_err(y, want):
+    assert not np.isnan(y).any(), "an output element was never written"
+    return float((np.abs(y - want).max(1) / np.maximum(np.abs(want).max(1), 1e-30)).max())
+
+
+CASES = [  # (fmt, T, k, E, D, N, skew): experts with 1 row, > 128 rows (several segments), none;
+    # K = 64 (half a stage) and K % 128 == 64 (a tail); N between tiles (w2's K is w1's N)
+    (FMT_FP8, 90, 3, 6, 192, 192, 0.02), (FMT_FP4, 90, 3, 6, 192, 192, 0.02),
+    (FMT_FP8, 60, 2, 5, 64, 320, 0.05), (FMT_FP4, 150, 2, 5, 320, 64, 0.5), (FMT_FP8, 300, 2, 5, 64, 64, 0.3),
+    (FMT_FP4, 300, 2, 5, 128, 64, 0.1),
+]
+
+if __name__ == "__main__":
+    for case in CASES:
+        check(*case)
+    print("all cases match")
