@@ -31,7 +31,7 @@ from gpu_cases import RNG, cp, make_weight, rel, rnd
 
 from engine.checkpoint.formats import round_bf16
 from engine.model.numerics import BF16, F32, QUANT
-from engine.ops.deepseek_ops import ACT_BLOCK, DeepseekOps, LinearWeight
+from engine.ops.deepseek_ops import DeepseekOps, LinearWeight
 from engine.ops.gpu.deepseek import DeepseekCupyOps
 from engine.ops.numpy_ops import NumpyOps
 
@@ -197,20 +197,11 @@ class _Reordered(DeepseekOps):
         super().__init__()
         self.rng = np.random.default_rng(seed)
 
-    def linear(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
-        if not isinstance(w, LinearWeight):
-            return super().linear(x, w)
-        x = self.act(x)
-        if w.quant:
-            x = self.fake_quant_fp8(x, ACT_BLOCK)
-        wa = w.view(np.ndarray)
-        y = NumpyOps.linear(self, x, wa)
-        mag = NumpyOps.linear(self, np.abs(x), np.abs(wa))
-        y = y + self.rng.standard_normal(y.shape).astype(np.float32) * mag * np.float32(
+    def sums(self, x: np.ndarray, w: LinearWeight) -> np.ndarray:
+        y = super().sums(x, w)
+        mag = NumpyOps.linear(self, np.abs(x), np.abs(w.view(np.ndarray)))
+        return y + self.rng.standard_normal(y.shape).astype(np.float32) * mag * np.float32(
             2.0 ** -14 if w.quant else 2.0 ** -22)
-        if isinstance(w.bf16_out, np.ndarray):
-            return np.where(w.bf16_out, self.act(y), y)
-        return self.act(y) if w.bf16_out else y
 
 
 def _teacher_forced(ckpt: Path, prompt: list[int], steps: int) -> tuple[list[float], list[float], list[float],
