@@ -97,11 +97,14 @@ def test_fp4_gemm_scale_spreads(m, n, k, exps):
 
 
 def test_fp8_gemm_rate_on_flash_linears():
-    """Not a timed assertion: the figures, for docs/performance.md and bench."""
+    """Not a timed assertion: the figures, for docs/performance.md and bench. FP8 weights in the
+    checkpoints' 128 x 128 blocks (one scale per tile and step) and in 32 x 32 blocks (a scale per
+    column, as bench's random weights)."""
     x = cp.asarray(_x(4096, 8192, seed=1))
     for name, (n, k), fmt in (("wq_b", (32768, 1280), "fp8"), ("wo_b", (5120, 8192), "fp8"),
-                              ("expert w1", (2304, 5120), "fp4"), ("expert w2", (5120, 2304), "fp4")):
-        w = _weight(fmt, n, k)
+                              ("wo_b", (5120, 8192), "fp8/32"), ("expert w1", (2304, 5120), "fp4"),
+                              ("expert w2", (5120, 2304), "fp4")):
+        w = _fp8_weight(n, k, (128, 128)) if fmt == "fp8" else _weight(fmt[:3], n, k)
         codes = act_quant_fp8(x[:, :k])
         t = _timeit(lambda w=w, codes=codes: fp8_linear(None, w, codes), iters=10)
         tq = _timeit(lambda k=k: act_quant_fp8(x[:, :k]), iters=10)

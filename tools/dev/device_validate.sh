@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Validation of the GPU branches in device calls that fit the per-call limit: `bash
-# tools/dev/device_validate.sh 1|2|3` from the repo root on the device (carry the wheels in .whl).
+# GPU validation and profiling in device calls that fit the per-call limit: `bash
+# tools/dev/device_validate.sh 1|2|3|4|5` from the repo root on the device (carry the wheels in .whl).
 # Every stage has its own timeout, capped by what is left of CAP seconds, and writes its log and a
 # line of summary under $OUT, so a call cut short still returns what finished.
 set -u
@@ -47,6 +47,15 @@ case ${1:-1} in
     step t3_dsnum 150 python3 -m pytest -q -s tests/gpu/test_gpu_deepseek_numerics.py
     REST=$(ls tests/gpu/test_*.py | sort -r | grep -v -F "$(printf '%s\n' $FIRST)")
     step t5_rest 400 python3 -m pytest -q -rf --durations=10 $REST ;;
+5)  # why the FP8 GEMMs run at a seventh of the MMA rate: Nsight Compute on one launch of each kernel
+    ckpt &
+    NCU="ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy
+      --section WarpStateStats --section SchedulerStats --section LaunchStats --launch-count 1"
+    step p1_fp8 120 $NCU -k regex:gemm_e4m3_fp8_sm90 python3 -m pytest -q -s tests/gpu/test_gpu_fp8_gemm.py -k rate
+    step p2_fp4 120 $NCU -k regex:gemm_e4m3_fp4_sm90 python3 -m pytest -q -s tests/gpu/test_gpu_fp8_gemm.py -k rate
+    wait
+    step p3_grouped 200 $NCU -k regex:grouped_gather_fp4 $B --prefill 4096 --batches 1 --numerics deepseek \
+      --speculative off ;;
 3)  # memcheck of the new kernels
     step m1_ops 300 make gpu-memcheck
     step m2_fp8 250 env DSUF_DIRECT_ALLOC=1 compute-sanitizer --tool memcheck --report-api-errors no \
