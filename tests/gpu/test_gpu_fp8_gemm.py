@@ -98,8 +98,8 @@ def test_fp4_gemm_scale_spreads(m, n, k, exps):
 
 def test_fp8_gemm_rate_on_flash_linears():
     """Not a timed assertion: the figures, for docs/performance.md and bench. FP8 weights in the
-    checkpoints' 128 x 128 blocks (one scale per tile and step) and in 32 x 32 blocks (a scale per
-    column, as bench's random weights)."""
+    V4 checkpoints' 128 x 128 blocks and in V4.1's 32 x 32 (bench's random weights too); both take
+    one weight scale per 32 columns and k32 step."""
     x = cp.asarray(_x(4096, 8192, seed=1))
     for name, (n, k), fmt in (("wq_b", (32768, 1280), "fp8"), ("wo_b", (5120, 8192), "fp8"),
                               ("wo_b", (5120, 8192), "fp8/32"), ("expert w1", (2304, 5120), "fp4"),
