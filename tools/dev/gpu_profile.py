@@ -33,11 +33,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
-def _decode_ready(ckpt: str, batch: int):
+def _decode_ready(ckpt: str, batch: int, numerics: str = "exact"):
     """The model on this GPU with `batch` sequences of 16 tokens, warmed through 4 decode steps."""
     from engine.bench import GREEDY, SampleJob, _load
 
-    cfg, model, _, _ = _load(ckpt, None)
+    cfg, model, _, _ = _load(ckpt, None, numerics=numerics)
     rng = np.random.default_rng(0)
     states = [model.new_state() for _ in range(batch)]
     model.forward(states, [rng.integers(0, cfg.vocab_size, 16) for _ in range(batch)])
@@ -53,11 +53,11 @@ def _decode_graphs(model, batch: int) -> list:
     return [g for key, g in model.ops.graphs.captured(batch) if isinstance(key[0], tuple) and key[0][0] == "decode"]
 
 
-def timeline(ckpt: str, batch: int) -> None:
+def timeline(ckpt: str, batch: int, numerics: str = "exact") -> None:
     import cupy as cp
     from torch.profiler import ProfilerActivity, profile
 
-    model, *_ = _decode_ready(ckpt, batch)
+    model, *_ = _decode_ready(ckpt, batch, numerics)
     graphs = _decode_graphs(model, batch)
     if not graphs:
         raise SystemExit("no decode-step graph was captured (DSUF_GRAPHS=0, or not a V4.1 checkpoint)")
@@ -295,6 +295,7 @@ def main() -> int:
     t = sub.add_parser("timeline")
     t.add_argument("ckpt")
     t.add_argument("--batch", type=int, default=1)
+    t.add_argument("--numerics", choices=NUMERICS, default=DEFAULT_NUMERICS)
     p = sub.add_parser("prefill")
     p.add_argument("ckpt")
     p.add_argument("--context", type=int, default=32768)
@@ -309,7 +310,7 @@ def main() -> int:
     sub.add_parser("linear").add_argument("name")
     a = ap.parse_args()
     if a.what == "timeline":
-        timeline(a.ckpt, a.batch)
+        timeline(a.ckpt, a.batch, a.numerics)
     elif a.what == "prefill":
         prefill(a.ckpt, a.context, a.chunk, a.numerics)
     elif a.what == "host":
