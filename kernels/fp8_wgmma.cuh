@@ -390,8 +390,8 @@ __device__ __forceinline__ void wg_consume(const u8* smem, u32 base, float* __re
                                            int K, int m0, int n0) {
   const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, q = lane & 3;
   const int rl = 64 * wg + 16 * warp + (lane >> 2);  // this thread's first row in the block
-  float tot[64] = {}, d0[64] = {}, d1[64] = {};
   const int T4 = K / WG_BK;  // whole stages; then half a stage when K % 128 == 64
+  float tot[64] = {}, d0[64] = {}, d1[64] = {};
   for (int kt = 0; kt < T4; ++kt) wg_stage_any<FMT, G32, 4>(tot, d0, d1, smem, base, kt, wg, rl, q);
   if (K % WG_BK) wg_stage_any<FMT, G32, 2>(tot, d0, d1, smem, base, T4, wg, rl, q);
 
@@ -415,6 +415,20 @@ __device__ __forceinline__ void wg_consume(const u8* smem, u32 base, float* __re
   }
 }
 
+// A consumer warpgroup with no rows (a MoE segment of at most 64 rows): the other one's wgmmas get the
+// tensor core to themselves; the ring's protocol still runs (its warps release each stage).
+template <int FMT>
+__device__ __forceinline__ void wg_idle(u32 base, int K) {
+  using C = WgCfg<FMT>;
+  const int T = (K + WG_BK - 1) / WG_BK;
+  for (int kt = 0; kt < T; ++kt) {
+    const int s = kt % C::ST;
+    mbar_wait(base + C::BAR + 8 * s, (kt / C::ST) & 1);
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) mbar_arrive(base + C::BAR + 8 * (C::ST + s));
+  }
+}
+
 // The tile of Y at rows m0.., columns n0.. (row r of Y from A's row G[r] if GATHER, else row r).
 // GATHER is a kernel's constant: a producer holding both ways of reading A spills.
 template <int FMT, bool GATHER>
@@ -435,6 +449,9 @@ __device__ __forceinline__ void wg_gemm(u8* raw, const u8* A, const float* SA, c
   if (threadIdx.x >= 256) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(WG_PRODUCER_REGS));
     wg_produce<FMT, GATHER>(smem, base, A, SA, G, W, SW, M, N, K, bn, bk, gk, m0, n0);
+  } else if (m0 + 64 * (int)(threadIdx.x >> 7) >= M) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(WG_PRODUCER_REGS));
+    wg_idle<FMT>(base, K);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(WG_CONSUMER_REGS));
     // one weight scale per 32 columns and k32 step when the (bn x bk) blocks are whole 32-column groups
