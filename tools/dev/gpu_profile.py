@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Where a decode step's device time goes, on a GPU machine (a developer's tool; not the runtime).
 
-  timeline CKPT [--batch B]   kernels of one decode-step graph replay in launch order, with their
+  timeline CKPT [--batch B] [--numerics exact|deepseek] [--verify]
+                              kernels of one decode-step graph replay (--verify: DSpark's verify
+                              step, B x (block + 1) rows, as bench times it) in launch order, with their
                               durations; per kernel name the total and the part no other kernel
                               overlapped; the time with no kernel running (CUPTI through
                               torch.profiler, so torch must be installed; PDL lets a kernel start
@@ -53,14 +55,44 @@ def _decode_graphs(model, batch: int) -> list:
     return [g for key, g in model.ops.graphs.captured(batch) if isinstance(key[0], tuple) and key[0][0] == "decode"]
 
 
-def timeline(ckpt: str, batch: int, numerics: str = "exact") -> None:
+def _verify_ready(ckpt: str, batch: int, numerics: str = "exact"):
+    """(the model, its verify step's rows): `batch` sequences a window into their context, each
+    step's [last token, drafts] verified three times (eager, captured, replayed), as bench does."""
+    from engine.bench import _load
+    from engine.runtime.spec_decode import feed
+    from engine.state import trial as trials
+
+    cfg, model, _, _ = _load(ckpt, None, numerics=numerics)
+    dsp = model.model.dspark
+    if dsp is None:
+        raise SystemExit("the checkpoint has no DSpark draft layers")
+    rng = np.random.default_rng(0)
+    states, drafts = [model.new_state() for _ in range(batch)], [dsp.new_state() for _ in range(batch)]
+    for st, ds in zip(states, drafts, strict=True):
+        feed(model, dsp, st, ds, [int(t) for t in rng.integers(0, cfg.vocab_size, cfg.sliding_window + 1)],
+             all_logits=False)
+    last = [int(t) for t in rng.integers(0, cfg.vocab_size, batch)]
+    blocks = [[t, *(int(x) for x in dr.tokens)] for dr, t in zip(dsp.draft_many(drafts, last), last, strict=True)]
+    for _ in range(3):
+        marks = [trials.begin(st) for st in states]
+        model.forward(states, blocks, all_logits=True, on_device=True, targets=dsp.targets, verify=True)
+        for st, tr in zip(states, marks, strict=True):
+            trials.restore(st, tr)
+    return model, batch * (dsp.block_size + 1)
+
+
+def timeline(ckpt: str, batch: int, numerics: str = "exact", verify: bool = False) -> None:
     import cupy as cp
     from torch.profiler import ProfilerActivity, profile
 
-    model, *_ = _decode_ready(ckpt, batch, numerics)
-    graphs = _decode_graphs(model, batch)
+    if verify:
+        model, rows = _verify_ready(ckpt, batch, numerics)
+    else:
+        (model, *_), rows = _decode_ready(ckpt, batch, numerics), batch
+    graphs = _decode_graphs(model, rows)
     if not graphs:
-        raise SystemExit("no decode-step graph was captured (DSUF_GRAPHS=0, or not a V4.1 checkpoint)")
+        raise SystemExit("no decode-step graph was captured (DSUF_GRAPHS=0, more rows than a graph takes, "
+                         "or not a V4.1 checkpoint)")
     stream = cp.cuda.get_current_stream()
     for _ in range(5):
         graphs[-1].launch(stream)
@@ -296,6 +328,7 @@ def main() -> int:
     t.add_argument("ckpt")
     t.add_argument("--batch", type=int, default=1)
     t.add_argument("--numerics", choices=NUMERICS, default=DEFAULT_NUMERICS)
+    t.add_argument("--verify", action="store_true", help="DSpark's verify step (batch x (block + 1) rows)")
     p = sub.add_parser("prefill")
     p.add_argument("ckpt")
     p.add_argument("--context", type=int, default=32768)
@@ -310,7 +343,7 @@ def main() -> int:
     sub.add_parser("linear").add_argument("name")
     a = ap.parse_args()
     if a.what == "timeline":
-        timeline(a.ckpt, a.batch, a.numerics)
+        timeline(a.ckpt, a.batch, a.numerics, a.verify)
     elif a.what == "prefill":
         prefill(a.ckpt, a.context, a.chunk, a.numerics)
     elif a.what == "host":
