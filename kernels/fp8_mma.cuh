@@ -49,12 +49,13 @@ __device__ __forceinline__ void e2m1x32_to_e4m3(const uint4 v, u32 (&out)[8]) {
 // A: codes [M, K] (row stride K), SA [M, K / 32]. FP8 W: codes [N, K], SW f32 [ceil(N / bn), gk]
 // (the scale of rows n and columns k: SW[n / bn, k / bk]); FP4 W: nibbles [N, K / 2] (element i
 // of a word in bits 4i..4i+3), SW UE8M0 bytes [N, gk = K / 32]. Y [M, N] (row stride ldy).
-// The block's tile: rows m0.., columns n0..; row r of Y reads row G[r] of A (G null: row r).
+// The block's tile: rows m0.., columns n0..; row r of Y reads row G[r] of A (G null: row r); bf: Y
+// rounded to bf16 as stored (the reference's linear returns bf16).
 template <int FMT>
 __device__ __forceinline__ void gemm_e4m3_body(const u8* __restrict__ A, const float* __restrict__ SA,
                                                const int* __restrict__ G, const u8* __restrict__ W,
                                                const void* __restrict__ SW, float* __restrict__ Y, int ldy, int M,
-                                               int N, int K, int bn, int bk, int gk, int m0, int n0) {
+                                               int N, int K, int bn, int bk, int gk, int m0, int n0, int bf) {
   __shared__ __align__(16) u8 As[FG_BM][FG_LDS];
   __shared__ __align__(16) u8 Ws[FG_BN][FG_LDS];
   __shared__ float sa[FG_BM][2], sw[FG_BN][2];
@@ -145,8 +146,9 @@ __device__ __forceinline__ void gemm_e4m3_body(const u8* __restrict__ A, const f
       for (int h = 0; h < 2; ++h) {
         const int rr = r + 8 * h;
         if (rr < M) {
-          if (n < N) Y[(size_t)rr * ldy + n] = acc[i][j][2 * h];
-          if (n + 1 < N) Y[(size_t)rr * ldy + n + 1] = acc[i][j][2 * h + 1];
+          const float y0 = acc[i][j][2 * h], y1 = acc[i][j][2 * h + 1];
+          if (n < N) Y[(size_t)rr * ldy + n] = bf ? round_bf16f(y0) : y0;
+          if (n + 1 < N) Y[(size_t)rr * ldy + n + 1] = bf ? round_bf16f(y1) : y1;
         }
       }
     }

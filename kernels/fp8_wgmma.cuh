@@ -387,13 +387,17 @@ __device__ __forceinline__ void wg_stage_any(float (&tot)[64], float (&d0)[64], 
 
 template <int FMT, bool G32>
 __device__ __forceinline__ void wg_consume(const u8* smem, u32 base, float* __restrict__ Y, int ldy, int M, int N,
-                                           int K, int m0, int n0) {
+                                           int K, int m0, int n0, int bf) {
   const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, q = lane & 3;
   const int rl = 64 * wg + 16 * warp + (lane >> 2);  // this thread's first row in the block
   const int T4 = K / WG_BK;  // whole stages; then half a stage when K % 128 == 64
   float tot[64] = {}, d0[64] = {}, d1[64] = {};
   for (int kt = 0; kt < T4; ++kt) wg_stage_any<FMT, G32, 4>(tot, d0, d1, smem, base, kt, wg, rl, q);
   if (K % WG_BK) wg_stage_any<FMT, G32, 2>(tot, d0, d1, smem, base, T4, wg, rl, q);
+  if (bf) {
+#pragma unroll
+    for (int i = 0; i < 64; ++i) tot[i] = round_bf16f(tot[i]);
+  }
 
   const bool pairs = (ldy & 1) == 0 && ((size_t)Y & 7) == 0;
 #pragma unroll
@@ -429,12 +433,13 @@ __device__ __forceinline__ void wg_idle(u32 base, int K) {
   }
 }
 
-// The tile of Y at rows m0.., columns n0.. (row r of Y from A's row G[r] if GATHER, else row r).
+// The tile of Y at rows m0.., columns n0.. (row r of Y from A's row G[r] if GATHER, else row r); bf: Y
+// rounded to bf16 as stored.
 // GATHER is a kernel's constant: a producer holding both ways of reading A spills.
 template <int FMT, bool GATHER>
 __device__ __forceinline__ void wg_gemm(u8* raw, const u8* A, const float* SA, const int* G, const u8* W,
                                         const void* SW, float* Y, int ldy, int M, int N, int K, int bn, int bk, int gk,
-                                        int m0, int n0) {
+                                        int m0, int n0, int bf) {
   using C = WgCfg<FMT>;
   const u32 raw_addr = wg_smem_u32(raw), pad = (1024u - (raw_addr & 1023u)) & 1023u;  // swizzle atoms: 1024-aligned
   u8* smem = raw + pad;
@@ -455,8 +460,8 @@ __device__ __forceinline__ void wg_gemm(u8* raw, const u8* A, const float* SA, c
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(WG_CONSUMER_REGS));
     // one weight scale per 32 columns and k32 step when the (bn x bk) blocks are whole 32-column groups
-    if (FMT == FMT_FP8 && bn % 32 == 0) wg_consume<FMT, true>(smem, base, Y, ldy, M, N, K, m0, n0);
-    else wg_consume<FMT, false>(smem, base, Y, ldy, M, N, K, m0, n0);
+    if (FMT == FMT_FP8 && bn % 32 == 0) wg_consume<FMT, true>(smem, base, Y, ldy, M, N, K, m0, n0, bf);
+    else wg_consume<FMT, false>(smem, base, Y, ldy, M, N, K, m0, n0, bf);
   }
 }
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
