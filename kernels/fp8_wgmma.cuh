@@ -394,10 +394,6 @@ __device__ __forceinline__ void wg_consume(const u8* smem, u32 base, float* __re
   float tot[64] = {}, d0[64] = {}, d1[64] = {};
   for (int kt = 0; kt < T4; ++kt) wg_stage_any<FMT, G32, 4>(tot, d0, d1, smem, base, kt, wg, rl, q);
   if (K % WG_BK) wg_stage_any<FMT, G32, 2>(tot, d0, d1, smem, base, T4, wg, rl, q);
-  if (bf) {
-#pragma unroll
-    for (int i = 0; i < 64; ++i) tot[i] = round_bf16f(tot[i]);
-  }
 
   const bool pairs = (ldy & 1) == 0 && ((size_t)Y & 7) == 0;
 #pragma unroll
@@ -408,11 +404,13 @@ __device__ __forceinline__ void wg_consume(const u8* smem, u32 base, float* __re
       const int r = m0 + rl + 8 * h;
       if (r < M && n < N) {
         float* y = Y + (size_t)r * ldy + n;
+        const float y0 = tot[4 * i + 2 * h], y1 = tot[4 * i + 2 * h + 1];
+        const float v0 = bf ? round_bf16f(y0) : y0, v1 = bf ? round_bf16f(y1) : y1;
         if (pairs && n + 1 < N) {
-          *(float2*)y = make_float2(tot[4 * i + 2 * h], tot[4 * i + 2 * h + 1]);
+          *(float2*)y = make_float2(v0, v1);
         } else {
-          y[0] = tot[4 * i + 2 * h];
-          if (n + 1 < N) y[1] = tot[4 * i + 2 * h + 1];
+          y[0] = v0;
+          if (n + 1 < N) y[1] = v1;
         }
       }
     }
