@@ -16,12 +16,12 @@
 #include "fp8_wgmma.cuh"
 
 extern "C" __global__ void act_quant_fp8(const float* __restrict__ x, int ldx, u8* __restrict__ codes,
-                                         float* __restrict__ scales, int M, int K) {
+                                         float* __restrict__ scales, int M, int K, int bf) {
   const int nb = K / 32;
   const long long blk = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (blk >= (long long)M * nb) return;
   const int lane = threadIdx.x & 31, m = (int)(blk / nb), b = (int)(blk % nb);
-  const float v = x[(size_t)m * ldx + 32 * b + lane];
+  const float x0 = x[(size_t)m * ldx + 32 * b + lane], v = bf ? round_bf16f(x0) : x0;
   float amax = fabsf(v);
 #pragma unroll
   for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
@@ -33,11 +33,11 @@ extern "C" __global__ void act_quant_fp8(const float* __restrict__ x, int ldx, u
 
 #define DENSE_ARGS                                                                                            \
   const u8 *A, const float *SA, const u8 *W, const void *SW, float *Y, int ldy, int M, int N, int K, int bn, \
-      int bk, int gk
+      int bk, int gk, int bf
 #define DENSE_MMA(NAME, FMT)                                                                                  \
   extern "C" __global__ void __launch_bounds__(128) NAME(DENSE_ARGS) {                                        \
     gemm_e4m3_body<FMT>(A, SA, nullptr, W, SW, Y, ldy, M, N, K, bn, bk, gk, blockIdx.y * FG_BM,               \
-                        blockIdx.x * FG_BN);                                                                  \
+                        blockIdx.x * FG_BN, bf);                                                              \
   }
 DENSE_MMA(gemm_e4m3_fp8, FMT_FP8)
 DENSE_MMA(gemm_e4m3_fp4, FMT_FP4)
@@ -47,7 +47,7 @@ DENSE_MMA(gemm_e4m3_fp4, FMT_FP4)
   extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) NAME(DENSE_ARGS) {                              \
     extern __shared__ __align__(1024) u8 wg_smem[];                                                           \
     wg_gemm<FMT, false>(wg_smem, A, SA, nullptr, W, SW, Y, ldy, M, N, K, bn, bk, gk, blockIdx.y * WG_BM,      \
-                        blockIdx.x * WG_BN);                                                                  \
+                        blockIdx.x * WG_BN, bf);                                                              \
   }
 DENSE_WG(gemm_e4m3_fp8_sm90, FMT_FP8)
 DENSE_WG(gemm_e4m3_fp4_sm90, FMT_FP4)

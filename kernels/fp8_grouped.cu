@@ -45,14 +45,14 @@ __device__ __forceinline__ bool grouped_tile(const int* __restrict__ segs, const
 
 #define GROUPED_ARGS                                                                                          \
   const u8 *A, const float *SA, const int *G, const int *segs, const u64 *wptrs, const u64 *sptrs, float *Y, \
-      int ldy, int N, int K, int bn, int bk, int gk, int mtiles
+      int ldy, int N, int K, int bn, int bk, int gk, int mtiles, int bf
 #define GROUPED_MMA(NAME, FMT)                                                                                \
   extern "C" __global__ void __launch_bounds__(128) NAME(GROUPED_ARGS) {                                      \
     const u8* W;                                                                                              \
     const void* SW;                                                                                           \
     int M, m0;                                                                                                \
     if (!grouped_tile<FG_BM>(segs, wptrs, sptrs, mtiles, K, ldy, A, SA, G, W, SW, Y, M, m0)) return;          \
-    gemm_e4m3_body<FMT>(A, SA, G, W, SW, Y, ldy, M, N, K, bn, bk, gk, m0, blockIdx.x * FG_BN);                \
+    gemm_e4m3_body<FMT>(A, SA, G, W, SW, Y, ldy, M, N, K, bn, bk, gk, m0, blockIdx.x * FG_BN, bf);            \
   }
 GROUPED_MMA(gemm_e4m3_grouped_fp8, FMT_FP8)
 GROUPED_MMA(gemm_e4m3_grouped_fp4, FMT_FP4)
@@ -66,7 +66,7 @@ GROUPED_MMA(gemm_e4m3_grouped_fp4, FMT_FP4)
     const void* SW;                                                                                           \
     int M, m0;                                                                                                \
     if (!grouped_tile<WG_BM>(segs, wptrs, sptrs, mtiles, K, ldy, A, SA, G, W, SW, Y, M, m0)) return;          \
-    wg_gemm<FMT, GATHER>(wg_smem, A, SA, G, W, SW, Y, ldy, M, N, K, bn, bk, gk, m0, blockIdx.x * WG_BN);      \
+    wg_gemm<FMT, GATHER>(wg_smem, A, SA, G, W, SW, Y, ldy, M, N, K, bn, bk, gk, m0, blockIdx.x * WG_BN, bf);  \
   }
 GROUPED_WG(gemm_e4m3_grouped_fp8_sm90, FMT_FP8, false)
 GROUPED_WG(gemm_e4m3_grouped_fp4_sm90, FMT_FP4, false)

@@ -23,9 +23,17 @@ __device__ __forceinline__ void mma_e4m3(float* c, const u32* a, const u32* b) {
         "f"(0.f));
 }
 
-// e2m1 nibble -> e4m3 byte of the same value (0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives).
-__device__ __forceinline__ u32 e2m1_to_e4m3(u32 c) {
-  return (__byte_perm(0x3C383000u, 0x4C484440u, c & 7u) & 0xFFu) | ((c & 8u) << 4);
+// Four e2m1 nibbles (bits 0..15 of h: element j in bits 4j..4j+3; bits 16..31 ignored) -> four e4m3
+// bytes of the same values (0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives), element j in byte j. One
+// byte_perm looks up the four magnitudes at once (the table: the e4m3 bytes of the 8 magnitudes;
+// selector nibble j is element j's 3 magnitude bits). The signs (bit 3 of each nibble) go to bit 7
+// of their bytes: a byte_perm gives bytes (h0, h0, h1, h1), whose bit 3 is the sign of elements 0 and
+// 2 (shifted up by 4) and bit 7 that of elements 1 and 3. About 7 instructions for 4 elements.
+__device__ __forceinline__ u32 e2m1x4_to_e4m3(u32 h) {
+  const u32 mag = __byte_perm(0x3C383000u, 0x4C484440u, h & 0x7777u);
+  const u32 u = __byte_perm(h, 0u, 0x1100u);
+  const u32 sgn = ((u << 4) & 0x00FF00FFu) | (u & 0xFF00FF00u);
+  return mag | (sgn & 0x80808080u);
 }
 
 // 32 e2m1 nibbles (16 bytes; element i in bits 4i..4i+3 of its word) -> 32 e4m3 bytes in order.
@@ -33,22 +41,21 @@ __device__ __forceinline__ void e2m1x32_to_e4m3(const uint4 v, u32 (&out)[8]) {
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
     const u32 w = word(v, q);  // elements 8q .. 8q + 7
-    out[2 * q] = e2m1_to_e4m3(w) | (e2m1_to_e4m3(w >> 4) << 8) | (e2m1_to_e4m3(w >> 8) << 16) |
-                 (e2m1_to_e4m3(w >> 12) << 24);
-    out[2 * q + 1] = e2m1_to_e4m3(w >> 16) | (e2m1_to_e4m3(w >> 20) << 8) | (e2m1_to_e4m3(w >> 24) << 16) |
-                     (e2m1_to_e4m3(w >> 28) << 24);
+    out[2 * q] = e2m1x4_to_e4m3(w);
+    out[2 * q + 1] = e2m1x4_to_e4m3(w >> 16);
   }
 }
 
 // A: codes [M, K] (row stride K), SA [M, K / 32]. FP8 W: codes [N, K], SW f32 [ceil(N / bn), gk]
 // (the scale of rows n and columns k: SW[n / bn, k / bk]); FP4 W: nibbles [N, K / 2] (element i
 // of a word in bits 4i..4i+3), SW UE8M0 bytes [N, gk = K / 32]. Y [M, N] (row stride ldy).
-// The block's tile: rows m0.., columns n0..; row r of Y reads row G[r] of A (G null: row r).
+// The block's tile: rows m0.., columns n0..; row r of Y reads row G[r] of A (G null: row r); bf: Y
+// rounded to bf16 as stored (the reference's linear returns bf16).
 template <int FMT>
 __device__ __forceinline__ void gemm_e4m3_body(const u8* __restrict__ A, const float* __restrict__ SA,
                                                const int* __restrict__ G, const u8* __restrict__ W,
                                                const void* __restrict__ SW, float* __restrict__ Y, int ldy, int M,
-                                               int N, int K, int bn, int bk, int gk, int m0, int n0) {
+                                               int N, int K, int bn, int bk, int gk, int m0, int n0, int bf) {
   __shared__ __align__(16) u8 As[FG_BM][FG_LDS];
   __shared__ __align__(16) u8 Ws[FG_BN][FG_LDS];
   __shared__ float sa[FG_BM][2], sw[FG_BN][2];
@@ -139,8 +146,9 @@ __device__ __forceinline__ void gemm_e4m3_body(const u8* __restrict__ A, const f
       for (int h = 0; h < 2; ++h) {
         const int rr = r + 8 * h;
         if (rr < M) {
-          if (n < N) Y[(size_t)rr * ldy + n] = acc[i][j][2 * h];
-          if (n + 1 < N) Y[(size_t)rr * ldy + n + 1] = acc[i][j][2 * h + 1];
+          const float y0 = acc[i][j][2 * h], y1 = acc[i][j][2 * h + 1];
+          if (n < N) Y[(size_t)rr * ldy + n] = bf ? round_bf16f(y0) : y0;
+          if (n + 1 < N) Y[(size_t)rr * ldy + n + 1] = bf ? round_bf16f(y1) : y1;
         }
       }
     }

@@ -22,10 +22,10 @@
 // Promotion: scales change every 32 along K, so each k32 wgmma writes a fresh accumulator
 // (scale-d = 0) and the thread adds acc * (sa[row] * sw[col]) to its f32 total. Two accumulator
 // sets alternate: wgmma.wait_group 1 leaves step g in flight on the tensor core while step g - 1
-// is promoted. FP8 weights whose (bn x bk) block covers the tile's 128 columns (real checkpoints:
-// 128 x 128) take one weight scale per step (one FFMA per element); FP4 stages too where the
-// producer could fold the weight exponents into the e4m3 codes (see wg_expand_fp4); otherwise a
-// scale per column (FMUL + FFMA).
+// is promoted. FP8 weights in blocks of whole 32-column groups (V4.1's 32 x 32, V4's 128 x 128) take
+// one weight scale per 32 columns and step (one FFMA per element); FP4 stages too where the producer
+// could fold the weight exponents into the e4m3 codes (see wg_expand_fp4); otherwise a scale per
+// column (FMUL + FFMA).
 //
 // FP4: the producer copies the stage's nibbles (and an aligned 8-byte window around each row's
 // four UE8M0 scale bytes) to a staging area with cp.async, and WG_LAG stages later, once its own
@@ -290,21 +290,28 @@ __device__ __forceinline__ void wg_produce(u8* smem, u32 base, const u8* __restr
 
 // acc * (sa[row] * sw[col]) into tot for k32 step kk of ring stage s (this thread's fragment: d[4i +
 // 2h + c] is row 16 warp + lane / 4 + 8h of the warpgroup's 64, column 8i + 2 (lane % 4) + c).
-template <int FMT, bool UNI>
+// G32: each 32 columns of the tile share one weight scale (FP8 blocks bn a multiple of 32, as both
+// releases' 32 x 32 and 128 x 128; FP4 stages whose exponents the producer folded), so a thread forms
+// 2 rows x 4 column groups of scale products and spends one FFMA per element; otherwise a scale per
+// column (FMUL + FFMA).
+template <int FMT, bool G32>
 __device__ __forceinline__ void wg_promote(float (&tot)[64], const float (&d)[64], const u8* smem, int s, int kk,
                                            int rl, int q) {
   using C = WgCfg<FMT>;
   const float* sa = (const float*)(smem + C::SA + s * WG_SCALE_BYTES) + 128 * kk;
   const float* sw = (const float*)(smem + C::SW + s * WG_SCALE_BYTES) + 128 * kk;
   const float s0 = sa[rl], s1 = sa[rl + 8];
-  if (UNI) {
-    const float a0 = s0 * sw[0], a1 = s1 * sw[0];
+  if (G32) {
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      tot[4 * i] += d[4 * i] * a0;
-      tot[4 * i + 1] += d[4 * i + 1] * a0;
-      tot[4 * i + 2] += d[4 * i + 2] * a1;
-      tot[4 * i + 3] += d[4 * i + 3] * a1;
+    for (int g = 0; g < 4; ++g) {  // columns 32 g .. 32 g + 31: fragments i = 4 g .. 4 g + 3
+      const float w = sw[32 * g], a0 = s0 * w, a1 = s1 * w;
+#pragma unroll
+      for (int i = 4 * g; i < 4 * g + 4; ++i) {
+        tot[4 * i] += d[4 * i] * a0;
+        tot[4 * i + 1] += d[4 * i + 1] * a0;
+        tot[4 * i + 2] += d[4 * i + 2] * a1;
+        tot[4 * i + 3] += d[4 * i + 3] * a1;
+      }
     }
   } else {
 #pragma unroll
@@ -331,7 +338,7 @@ __device__ __forceinline__ void wg_issue(float (&d)[64], u32 at, u32 bt, int kk)
 // One ring stage: its k32 steps alternate between d0 and d1, each promoted while the next is in
 // flight (the last one after wait_group 0). A stage is one straight-line stretch: ptxas serializes
 // all wgmmas of a function where one is in flight across a loop's back edge.
-template <int FMT, bool UNI, int NKK>
+template <int FMT, bool G32, int NKK>
 __device__ __forceinline__ void wg_stage(float (&tot)[64], float (&d0)[64], float (&d1)[64], const u8* smem, u32 base,
                                          int kt, int wg, int rl, int q) {
   using C = WgCfg<FMT>;
@@ -343,27 +350,27 @@ __device__ __forceinline__ void wg_stage(float (&tot)[64], float (&d0)[64], floa
   wg_issue(d1, at, bt, 1);
   wgmma_wait<1>();
   wg_fence_regs(d0);
-  wg_promote<FMT, UNI>(tot, d0, smem, s, 0, rl, q);
+  wg_promote<FMT, G32>(tot, d0, smem, s, 0, rl, q);
   if (NKK == 4) {
     wg_issue(d0, at, bt, 2);
     wgmma_wait<1>();
     wg_fence_regs(d1);
-    wg_promote<FMT, UNI>(tot, d1, smem, s, 1, rl, q);
+    wg_promote<FMT, G32>(tot, d1, smem, s, 1, rl, q);
     wg_issue(d1, at, bt, 3);
     wgmma_wait<1>();
     wg_fence_regs(d0);
-    wg_promote<FMT, UNI>(tot, d0, smem, s, 2, rl, q);
+    wg_promote<FMT, G32>(tot, d0, smem, s, 2, rl, q);
   }
   wgmma_wait<0>();
   wg_fence_regs(d1);
-  wg_promote<FMT, UNI>(tot, d1, smem, s, NKK - 1, rl, q);
+  wg_promote<FMT, G32>(tot, d1, smem, s, NKK - 1, rl, q);
   __syncwarp();  // the stage's operands and scales are free for the producer
   if ((threadIdx.x & 31) == 0) mbar_arrive(base + C::BAR + 8 * (C::ST + s));
 }
 
 // FP4: whether the producer folded the stage's weight scales into its codes (one scale per step)
 // is known once the stage has landed; the choice is made before any wgmma is in flight.
-template <int FMT, bool UNI, int NKK>
+template <int FMT, bool G32, int NKK>
 __device__ __forceinline__ void wg_stage_any(float (&tot)[64], float (&d0)[64], float (&d1)[64], const u8* smem,
                                              u32 base, int kt, int wg, int rl, int q) {
   using C = WgCfg<FMT>;
@@ -375,18 +382,18 @@ __device__ __forceinline__ void wg_stage_any(float (&tot)[64], float (&d0)[64], 
       return;
     }
   }
-  wg_stage<FMT, UNI, NKK>(tot, d0, d1, smem, base, kt, wg, rl, q);
+  wg_stage<FMT, G32, NKK>(tot, d0, d1, smem, base, kt, wg, rl, q);
 }
 
-template <int FMT, bool UNI>
+template <int FMT, bool G32>
 __device__ __forceinline__ void wg_consume(const u8* smem, u32 base, float* __restrict__ Y, int ldy, int M, int N,
-                                           int K, int m0, int n0) {
+                                           int K, int m0, int n0, int bf) {
   const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, q = lane & 3;
   const int rl = 64 * wg + 16 * warp + (lane >> 2);  // this thread's first row in the block
-  float tot[64] = {}, d0[64] = {}, d1[64] = {};
   const int T4 = K / WG_BK;  // whole stages; then half a stage when K % 128 == 64
-  for (int kt = 0; kt < T4; ++kt) wg_stage_any<FMT, UNI, 4>(tot, d0, d1, smem, base, kt, wg, rl, q);
-  if (K % WG_BK) wg_stage_any<FMT, UNI, 2>(tot, d0, d1, smem, base, T4, wg, rl, q);
+  float tot[64] = {}, d0[64] = {}, d1[64] = {};
+  for (int kt = 0; kt < T4; ++kt) wg_stage_any<FMT, G32, 4>(tot, d0, d1, smem, base, kt, wg, rl, q);
+  if (K % WG_BK) wg_stage_any<FMT, G32, 2>(tot, d0, d1, smem, base, T4, wg, rl, q);
 
   const bool pairs = (ldy & 1) == 0 && ((size_t)Y & 7) == 0;
 #pragma unroll
@@ -397,23 +404,40 @@ __device__ __forceinline__ void wg_consume(const u8* smem, u32 base, float* __re
       const int r = m0 + rl + 8 * h;
       if (r < M && n < N) {
         float* y = Y + (size_t)r * ldy + n;
+        const float y0 = tot[4 * i + 2 * h], y1 = tot[4 * i + 2 * h + 1];
+        const float v0 = bf ? round_bf16f(y0) : y0, v1 = bf ? round_bf16f(y1) : y1;
         if (pairs && n + 1 < N) {
-          *(float2*)y = make_float2(tot[4 * i + 2 * h], tot[4 * i + 2 * h + 1]);
+          *(float2*)y = make_float2(v0, v1);
         } else {
-          y[0] = tot[4 * i + 2 * h];
-          if (n + 1 < N) y[1] = tot[4 * i + 2 * h + 1];
+          y[0] = v0;
+          if (n + 1 < N) y[1] = v1;
         }
       }
     }
   }
 }
 
-// The tile of Y at rows m0.., columns n0.. (row r of Y from A's row G[r] if GATHER, else row r).
+// A consumer warpgroup with no rows (a MoE segment of at most 64 rows): the other one's wgmmas get the
+// tensor core to themselves; the ring's protocol still runs (its warps release each stage).
+template <int FMT>
+__device__ __forceinline__ void wg_idle(u32 base, int K) {
+  using C = WgCfg<FMT>;
+  const int T = (K + WG_BK - 1) / WG_BK;
+  for (int kt = 0; kt < T; ++kt) {
+    const int s = kt % C::ST;
+    mbar_wait(base + C::BAR + 8 * s, (kt / C::ST) & 1);
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) mbar_arrive(base + C::BAR + 8 * (C::ST + s));
+  }
+}
+
+// The tile of Y at rows m0.., columns n0.. (row r of Y from A's row G[r] if GATHER, else row r); bf: Y
+// rounded to bf16 as stored.
 // GATHER is a kernel's constant: a producer holding both ways of reading A spills.
 template <int FMT, bool GATHER>
 __device__ __forceinline__ void wg_gemm(u8* raw, const u8* A, const float* SA, const int* G, const u8* W,
                                         const void* SW, float* Y, int ldy, int M, int N, int K, int bn, int bk, int gk,
-                                        int m0, int n0) {
+                                        int m0, int n0, int bf) {
   using C = WgCfg<FMT>;
   const u32 raw_addr = wg_smem_u32(raw), pad = (1024u - (raw_addr & 1023u)) & 1023u;  // swizzle atoms: 1024-aligned
   u8* smem = raw + pad;
@@ -428,12 +452,14 @@ __device__ __forceinline__ void wg_gemm(u8* raw, const u8* A, const float* SA, c
   if (threadIdx.x >= 256) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(WG_PRODUCER_REGS));
     wg_produce<FMT, GATHER>(smem, base, A, SA, G, W, SW, M, N, K, bn, bk, gk, m0, n0);
+  } else if (m0 + 64 * (int)(threadIdx.x >> 7) >= M) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(WG_PRODUCER_REGS));
+    wg_idle<FMT>(base, K);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(WG_CONSUMER_REGS));
-    // one weight scale per k32 step when the tile's columns share one (bn x bk) block row
-    const bool uni = FMT == FMT_FP8 && n0 / bn == (min(n0 + WG_BN, N) - 1) / bn;
-    if (uni) wg_consume<FMT, true>(smem, base, Y, ldy, M, N, K, m0, n0);
-    else wg_consume<FMT, false>(smem, base, Y, ldy, M, N, K, m0, n0);
+    // one weight scale per 32 columns and k32 step when the (bn x bk) blocks are whole 32-column groups
+    if (FMT == FMT_FP8 && bn % 32 == 0) wg_consume<FMT, true>(smem, base, Y, ldy, M, N, K, m0, n0, bf);
+    else wg_consume<FMT, false>(smem, base, Y, ldy, M, N, K, m0, n0, bf);
   }
 }
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

@@ -46,6 +46,16 @@ def test_act_quant_matches_fake_quant(m, k):
     np.testing.assert_array_equal(got.reshape(m, k), want)
 
 
+@pytest.mark.parametrize("m,k", [(5, 2304), (77, 5120)])
+def test_act_quant_rounds_to_bf16_first(m, k):
+    """bf16=True: the codes and scales of x rounded to bf16, bit for bit, from one pass."""
+    x = _x(m, k, seed=m + 1)
+    got = act_quant_fp8(cp.asarray(x), bf16=True)
+    want = act_quant_fp8(cp.asarray(formats.round_bf16(x)))
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(cp.asnumpy(g), cp.asnumpy(w))
+
+
 def _fp8_weight(n: int, k: int, block: tuple[int, int]) -> GpuWeight:
     """Random e4m3 codes (NaN codes masked out) with varied f32 scales per (bn x bk) block."""
     rng = np.random.default_rng(n + k)
@@ -96,10 +106,22 @@ def test_fp4_gemm_scale_spreads(m, n, k, exps):
     _check(_x(m, k, seed=k), _fp4_weight(n, k, *exps))
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+@pytest.mark.parametrize("m,n,k", [(130, 200, 320), (70, 136, 1024)])
+def test_fp8_linear_bf16_in_and_out(fmt, m, n, k):
+    """bf16=True (the reference's linear): the output is the f32 one of the bf16-rounded input,
+    rounded to bf16 as stored, bit for bit (the same kernel sums in the same order)."""
+    x = _x(m, k, seed=n)
+    w = _fp8_weight(n, k, (32, 32)) if fmt == "fp8" else _fp4_weight(n, k, 110, 135)
+    got = cp.asnumpy(fp8_linear(cp.asarray(x), w, bf16=True))
+    want = formats.round_bf16(cp.asnumpy(fp8_linear(cp.asarray(formats.round_bf16(x)), w)))
+    np.testing.assert_array_equal(got, want)
+
+
 def test_fp8_gemm_rate_on_flash_linears():
     """Not a timed assertion: the figures, for docs/performance.md and bench. FP8 weights in the
-    checkpoints' 128 x 128 blocks (one scale per tile and step) and in 32 x 32 blocks (a scale per
-    column, as bench's random weights)."""
+    V4 checkpoints' 128 x 128 blocks and in V4.1's 32 x 32 (bench's random weights too); both take
+    one weight scale per 32 columns and k32 step."""
     x = cp.asarray(_x(4096, 8192, seed=1))
     for name, (n, k), fmt in (("wq_b", (32768, 1280), "fp8"), ("wo_b", (5120, 8192), "fp8"),
                               ("wo_b", (5120, 8192), "fp8/32"), ("expert w1", (2304, 5120), "fp4"),

@@ -17,6 +17,7 @@ cp = require_gpu()
 
 from fp8_mma import assert_fp8_mma_close  # noqa: E402
 
+from engine.checkpoint import formats  # noqa: E402
 from engine.ops.gpu.fp8_linear import GROUPED_ROWS, act_quant_fp8, fp8_grouped_linear  # noqa: E402
 from engine.ops.gpu.weights import GpuWeight, _host_dequant  # noqa: E402
 from engine.ops.kernels import FMT_FP4, FMT_FP8  # noqa: E402
@@ -78,7 +79,7 @@ def test_grouped_gemm_gathered_rows(fmt, n, k):
 
 @pytest.mark.parametrize("fmt", ["fp4", "fp8"])
 def test_grouped_gemm_rows_in_place(fmt):
-    """w2: the rows in pair order (no gather), one weight per expert."""
+    """w2: the rows in pair order (no gather), one weight per expert; also with bf16 output."""
     rng = np.random.default_rng(3)
     n, k, p = 256, 512, sum(COUNTS)
     h = (rng.standard_normal((p, k)) * np.exp(rng.uniform(-4, 4, (p, 1)))).astype(np.float32)
@@ -97,3 +98,7 @@ def test_grouped_gemm_rows_in_place(fmt):
         mag[r0:r0 + c] = np.abs(hq[r0:r0 + c]) @ np.abs(wd).T
         r0 += c
     assert_fp8_mma_close(cp.asnumpy(y), want, mag)
+    yb = cp.full((p, n), cp.nan, cp.float32)  # bf16 out: the same sums, rounded as stored
+    fp8_grouped_linear(act_quant_fp8(cp.asarray(h)), None, cp.asarray(_table(COUNTS, GROUPED_ROWS, 1, 0)),
+                       wptrs, sptrs, ws[0], yb, bf16=True)
+    np.testing.assert_array_equal(cp.asnumpy(yb), formats.round_bf16(cp.asnumpy(y)))

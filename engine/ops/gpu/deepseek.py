@@ -4,7 +4,8 @@ GPU tests hold it to.
 
 - bf16 activations (kept in float32 arrays) wherever the reference stores bf16: the kernels of the
   norms, RoPE, mHC, Engram, pooling, attention and the indexer round what they store (CupyOps.bf16);
-  act() rounds the rest (a linear's input and output, the experts').
+  act() rounds the rest (a linear's input and output, the experts'), except where the FP8 GEMMs round
+  their inputs (act_quant_fp8) and outputs (as stored) in their own passes.
 - linear(), by the weight's use (engine/model/numerics.py): an FP8 / FP4 weight takes the bf16
   activation quantized to e4m3 per 32 along K (UE8M0 scales) and returns bf16. Prompt chunks run
   the e4m3 tensor-core GEMM (fp8_linear.py); up to TC_MAX_ROWS rows the GEMVs read the
@@ -103,7 +104,7 @@ class DeepseekCupyOps(CupyOps):
         n, k = w.shape
         a = x.reshape(-1, k)
         if w.use == QUANT and a.shape[0] > TC_MAX_ROWS and _fp8_gemm_takes(w):
-            y = self.act(fp8_linear(self.act(a), w))  # (it quantizes the rows itself)
+            y = fp8_linear(a, w, bf16=True)  # (bf16 in and out, in its own passes)
         else:
             y = super().linear(self._linear_in(a, w), w)  # (bf16 out where _rounds_out says so)
         if w.bf16_cols is not None:
@@ -154,25 +155,25 @@ class DeepseekCupyOps(CupyOps):
         segs, gather, inv, order = self._moe_group(ids, n_experts, GROUPED_ROWS, dup)
         (w1, p1, s1), (w2, p2, s2), (w3, p3, s3) = tabs[:3]
         p, inter, d = gather.size, w1.shape[0], x.shape[1]
-        xq = act_quant_fp8(self.act(x))  # per token row: the gather reads the rows' codes and scales
+        xq = act_quant_fp8(x, bf16=True)  # per token row: the gather reads the rows' codes and scales
         if dup:  # gate and up in one launch: w3's segments (second half) write columns inter..
             gu = cp.empty((p, 2 * inter), F32)
-            fp8_grouped_linear(xq, gather, segs, tabs[3][1], tabs[3][2], w1, gu)
+            fp8_grouped_linear(xq, gather, segs, tabs[3][1], tabs[3][2], w1, gu, bf16=True)
             segs = segs[: segs.size // 2]
-            hidden = self._swiglu_pairs(self.act(gu), inter, limit)
+            hidden = self._swiglu_pairs(gu, inter, limit)
         else:
             gate, up = cp.empty((p, inter), F32), cp.empty((p, inter), F32)
-            fp8_grouped_linear(xq, gather, segs, p1, s1, w1, gate)
-            fp8_grouped_linear(xq, gather, segs, p3, s3, w3, up)
-            hidden = self._swiglu(self.act(gate), self.act(up), limit)
+            fp8_grouped_linear(xq, gather, segs, p1, s1, w1, gate, bf16=True)
+            fp8_grouped_linear(xq, gather, segs, p3, s3, w3, up, bf16=True)
+            hidden = self._swiglu(gate, up, limit)
         if hidden.size:  # bf16(hidden * routing weight), in place
             K.function("elementwise", "moe_weight_rows")(_grid(hidden.size), (_ELT_BLOCK,), (
                 hidden, _c32(weights), order, np.int64(hidden.size), np.int32(inter)))
         out = cp.empty((p, d), F32)
-        fp8_grouped_linear(act_quant_fp8(hidden), None, segs, p2, s2, w2, out)
+        fp8_grouped_linear(act_quant_fp8(hidden), None, segs, p2, s2, w2, out, bf16=True)
         y = cp.empty_like(x)
         K.function("elementwise", "moe_combine")(_grid(y.size), (_ELT_BLOCK,), (
-            self.act(out), cp.ones(ids.shape, F32), inv, y, np.int64(y.size), np.int32(ids.shape[1]), np.int32(d)))
+            out, cp.ones(ids.shape, F32), inv, y, np.int64(y.size), np.int32(ids.shape[1]), np.int32(d)))
         return self.act(self._plus_shared(y, shared))
 
     def _linear_in(self, x: cp.ndarray, w: GpuWeight) -> cp.ndarray:

@@ -40,8 +40,9 @@ def wgmma_smem(fmt: int) -> int:
     return WG_STAGES[fmt] * (stage + 16) + 1024
 
 
-def act_quant_fp8(x: cp.ndarray) -> tuple[cp.ndarray, cp.ndarray]:
-    """x [M, K] f32 -> (e4m3 codes uint8 [M, K], f32 power-of-two scales [M, K / 32])."""
+def act_quant_fp8(x: cp.ndarray, bf16: bool = False) -> tuple[cp.ndarray, cp.ndarray]:
+    """x [M, K] f32 -> (e4m3 codes uint8 [M, K], f32 power-of-two scales [M, K / 32]); bf16: x rounded
+    to bf16 first, in the same pass (the reference quantizes its bf16 activations)."""
     x = _c32(x)
     m, k = x.shape
     if k % ACT_BLOCK:
@@ -51,27 +52,28 @@ def act_quant_fp8(x: cp.ndarray) -> tuple[cp.ndarray, cp.ndarray]:
     blocks = m * (k // ACT_BLOCK)
     if blocks:
         K.function("fp8_gemm", "act_quant_fp8")((-(-blocks // 8),), (256,), (
-            x, np.int32(k), codes, scales, np.int32(m), np.int32(k)))
+            x, np.int32(k), codes, scales, np.int32(m), np.int32(k), np.int32(bf16)))
     return codes, scales
 
 
-def fp8_linear(x: cp.ndarray, w: GpuWeight, codes: tuple | None = None) -> cp.ndarray:
+def fp8_linear(x: cp.ndarray | None, w: GpuWeight, codes: tuple | None = None, bf16: bool = False) -> cp.ndarray:
     """x [M, K] times an FP8 or FP4 weight [N, K] in DeepSeek's numerics: f32 [M, N] (FP4 values
     decoded exactly into e4m3 in the kernel). codes: x already quantized (act_quant_fp8), when
-    several weights read the same activations."""
+    several weights read the same activations. bf16: x rounded to bf16 before its quantization and
+    the output rounded to bf16 as stored (the reference's linear: bf16 in, bf16 out)."""
     kernel = {FMT_FP8: "gemm_e4m3_fp8", FMT_FP4: "gemm_e4m3_fp4"}.get(w.fmt)
     if kernel is None:
         raise ValueError("fp8_linear takes FP8 or FP4 weights")
     n, k = w.shape
     if k % TILE:
         raise ValueError(f"fp8_linear: K = {k} is not a multiple of {TILE}")
-    a, sa = codes if codes is not None else act_quant_fp8(x)
+    a, sa = codes if codes is not None else act_quant_fp8(x, bf16)
     m = a.shape[0]
     y = cp.empty((m, n), cp.float32)
     if m:
         bn, bk = w.block
         args = (a, sa, w.data, w.scale, y, np.int32(n), np.int32(m), np.int32(n), np.int32(k), np.int32(bn),
-                np.int32(bk), np.int32(w.gk))
+                np.int32(bk), np.int32(w.gk), np.int32(bf16))
         if K.device_arch() == "90a":
             smem = wgmma_smem(w.fmt)
             fn = K.function_with_smem("fp8_gemm", kernel + "_sm90", smem)
@@ -83,11 +85,12 @@ def fp8_linear(x: cp.ndarray, w: GpuWeight, codes: tuple | None = None) -> cp.nd
 
 def fp8_grouped_linear(codes: tuple[cp.ndarray, cp.ndarray], gather: cp.ndarray | None, segs: cp.ndarray,
                        wptrs: cp.ndarray, sptrs: cp.ndarray, w: GpuWeight, y: cp.ndarray,
-                       step: int = GROUPED_ROWS) -> None:
+                       step: int = GROUPED_ROWS, bf16: bool = False) -> None:
     """y[row0 + r, ycol:ycol + N] = A[gather[row0 + r]] (A[row0 + r] without gather) times expert e's
     weight, for each segment (e, row0, rows <= step, 0, ycol) of segs [nseg * 5] int32; codes = (A
     e4m3 codes, scales) from act_quant_fp8; wptrs / sptrs [E] uint64: the experts' data and scale
-    pointers, each weight of w's shape, format and blocks. Rows no segment covers are not written."""
+    pointers, each weight of w's shape, format and blocks. Rows no segment covers are not written.
+    bf16: y rounded to bf16 as stored."""
     tag = {FMT_FP8: "fp8", FMT_FP4: "fp4"}.get(w.fmt)
     if tag is None:
         raise ValueError("fp8_grouped_linear takes FP8 or FP4 weights")
@@ -104,7 +107,7 @@ def fp8_grouped_linear(codes: tuple[cp.ndarray, cp.ndarray], gather: cp.ndarray 
     tile = WG_TILE if sm90 else TILE
     mtiles = -(-step // tile)
     args = (a, sa, g if g is not None else _NULL, segs, wptrs, sptrs, y, np.int32(y.shape[1]), np.int32(n),
-            np.int32(k), np.int32(bn), np.int32(bk), np.int32(w.gk), np.int32(mtiles))
+            np.int32(k), np.int32(bn), np.int32(bk), np.int32(w.gk), np.int32(mtiles), np.int32(bf16))
     grid = (-(-n // tile), nseg * mtiles)
     if sm90:  # (one way of reading A per kernel: the gathering ones for w1 / w3)
         name = f"gemm_e4m3_grouped_{'gather_' if g is not None else ''}{tag}_sm90"
