@@ -127,6 +127,32 @@ def test_batched_speculative_steps_equal_plain_greedy_on_gpu():
         assert stats.tokens_per_step > 1.0
 
 
+def test_verify_steps_above_64_rows_replay_as_graphs():
+    """Sixteen sequences speculating together (verify steps of 16 x 6 = 96 rows, as the server's
+    16 concurrent streams run): the verify step is captured at its row count and the output is
+    plain greedy decoding's."""
+    from engine.runtime.spec_decode import SpecJob, speculative_steps
+
+    eng = _engine(True)
+    model, dsp = eng.model, eng.model.model.dspark
+    greedy, limit = SamplingParams(temperature=0.0), 24
+    texts = [f"{PROMPTS[i % len(PROMPTS)]}{' ' * (i // len(PROMPTS))}" for i in range(16)]
+    seqs = []
+    for text in texts:
+        st, ds = model.new_state(), dsp.new_state()
+        first = int(np.argmax(feed(model, dsp, st, ds, _ids(eng, text), all_logits=False)))
+        seqs.append((st, ds, [first], SpecStats()))
+    while live := [s for s in seqs if len(s[2]) < limit]:
+        jobs = [SpecJob(st, ds, out, limit - len(out), greedy, (), np.random.default_rng(0), stats)
+                for st, ds, out, stats in live]
+        for s, toks in zip(live, speculative_steps(model, dsp, jobs), strict=True):
+            s[2].extend(toks)
+    assert any(isinstance(k[0], tuple) and k[0][0] == "decode" and k[0][3]
+               for k, _ in model.ops.graphs.captured(96)), "the 96-row verify step was not captured"
+    for text, (_, _, out, _) in zip(texts, seqs, strict=True):
+        assert out == eng.generate(_ids(eng, text), limit, greedy, stop_at_eos=False, speculative=False), text
+
+
 def test_draft_layers_replay_as_a_graph():
     """Once every window is full, the draft's layers run as a CUDA graph (eager, captured, then
     replayed), and its blocks equal the eager draft's bit for bit."""
