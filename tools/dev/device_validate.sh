@@ -47,13 +47,15 @@ case ${1:-1} in
     step t3_dsnum 150 python3 -m pytest -q -s tests/gpu/test_gpu_deepseek_numerics.py
     REST=$(ls tests/gpu/test_*.py | sort -r | grep -v -F "$(printf '%s\n' $FIRST)")
     step t5_rest 400 python3 -m pytest -q -rf --durations=10 $REST ;;
-5)  # why the FP8 GEMMs run at a seventh of the MMA rate: Nsight Compute on one launch of each kernel
+5)  # why the FP8 GEMMs run at a seventh of the MMA rate (Nsight Compute on one launch of each kernel), and
+    # a deepseek prompt chunk's device time per kernel name (the MoE's grouped GEMMs against the rest)
     ckpt &
     NCU="ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy
       --section WarpStateStats --section SchedulerStats --section LaunchStats --launch-count 1"
     step p1_fp8 120 $NCU -k regex:gemm_e4m3_fp8_sm90 python3 -m pytest -q -s tests/gpu/test_gpu_fp8_gemm.py -k rate
     step p2_fp4 120 $NCU -k regex:gemm_e4m3_fp4_sm90 python3 -m pytest -q -s tests/gpu/test_gpu_fp8_gemm.py -k rate
     wait
+    step p0_chunk 150 python3 tools/dev/gpu_profile.py prefill "$CKPT" --context 4096 --chunk 4096 --numerics deepseek
     step p3_grouped 200 $NCU -k regex:grouped_gather_fp4 $B --prefill 4096 --batches 1 --numerics deepseek \
       --speculative off ;;
 3)  # memcheck of the new kernels

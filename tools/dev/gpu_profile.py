@@ -6,7 +6,7 @@
                               overlapped; the time with no kernel running (CUPTI through
                               torch.profiler, so torch must be installed; PDL lets a kernel start
                               before its predecessor ends, so its span may include that overlap)
-  prefill CKPT [--context N] [--chunk C]
+  prefill CKPT [--context N] [--chunk C] [--numerics exact|deepseek]
                               one prompt chunk of C tokens fed after N tokens of context: its
                               wall time against the sum of its kernels' times (the rest is the
                               host and its synchronizations) and the totals per kernel name
@@ -109,7 +109,7 @@ def _cuda_events(prof) -> list:
                   key=lambda e: e.time_range.start)
 
 
-def prefill(ckpt: str, context: int, chunk: int) -> None:
+def prefill(ckpt: str, context: int, chunk: int, numerics: str = "exact") -> None:
     import time
 
     import cupy as cp
@@ -117,7 +117,7 @@ def prefill(ckpt: str, context: int, chunk: int) -> None:
 
     from engine.bench import _load
 
-    cfg, model, _, _ = _load(ckpt, None)
+    cfg, model, _, _ = _load(ckpt, None, numerics=numerics)
     rng = np.random.default_rng(0)
     st = model.new_state()
     for start in range(0, context, chunk):
@@ -297,6 +297,7 @@ def main() -> int:
     p.add_argument("ckpt")
     p.add_argument("--context", type=int, default=32768)
     p.add_argument("--chunk", type=int, default=4096)
+    p.add_argument("--numerics", choices=("exact", "deepseek"), default="exact")
     h = sub.add_parser("host")
     h.add_argument("ckpt")
     h.add_argument("--batch", type=int, default=1)
@@ -308,7 +309,7 @@ def main() -> int:
     if a.what == "timeline":
         timeline(a.ckpt, a.batch)
     elif a.what == "prefill":
-        prefill(a.ckpt, a.context, a.chunk)
+        prefill(a.ckpt, a.context, a.chunk, a.numerics)
     elif a.what == "host":
         host(a.ckpt, a.batch, a.steps)
     elif a.what == "step":
