@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU validation and profiling in device calls that fit the per-call limit: `bash
-# tools/dev/device_validate.sh 1|2|3|4|5` from the repo root on the device (carry the wheels in .whl).
+# tools/dev/device_validate.sh 1|2|3|4|5|6` from the repo root on the device (carry the wheels in .whl).
 # Every stage has its own timeout, capped by what is left of CAP seconds, and writes its log and a
 # line of summary under $OUT, so a call cut short still returns what finished.
 set -u
@@ -58,6 +58,15 @@ case ${1:-1} in
     step p0_chunk 150 python3 tools/dev/gpu_profile.py prefill "$CKPT" --context 4096 --chunk 4096 --numerics deepseek
     step p3_grouped 200 $NCU -k regex:grouped_gather_fp4 $B --prefill 4096 --batches 1 --numerics deepseek \
       --speculative off ;;
+6)  # the demo's draft trained on the GPU (issue 30): the corpus and the main model's targets on the
+    # CPUs, then torch on the GPU continuing from the shipped draft; the draft's files come back
+    # under $OUT/draft (the main model's shards stay behind: copy them from models/demo-v41)
+    W=/tmp/dspark_work
+    step d1_data 240 python3 tools/train_dspark.py data --ckpt models/demo-v41 --work $W --workers 14
+    step d2_train 300 python3 tools/train_dspark.py train --ckpt models/demo-v41 --work $W --out /tmp/draft \
+      --init models/demo-v41 --minutes 4 --device cuda
+    mkdir -p "$OUT/draft" && cp /tmp/draft/config.json /tmp/draft/model-dspark.safetensors \
+      /tmp/draft/model.safetensors.index.json $W/train.json "$OUT/draft/" 2>> "$OUT/summary.txt" ;;
 3)  # memcheck of the new kernels
     step m1_ops 300 make gpu-memcheck
     step m2_fp8 250 env DSUF_DIRECT_ALLOC=1 compute-sanitizer --tool memcheck --report-api-errors no \
