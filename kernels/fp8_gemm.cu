@@ -31,32 +31,24 @@ extern "C" __global__ void act_quant_fp8(const float* __restrict__ x, int ldx, u
   if (lane == 0) scales[(size_t)m * nb + b] = s;
 }
 
-extern "C" __global__ void __launch_bounds__(128) gemm_e4m3_fp8(const u8* A, const float* SA, const u8* W, const void* SW,
-                                                                float* Y, int ldy, int M, int N, int K, int bn, int bk,
-                                                                int gk) {
-  gemm_e4m3_body<FMT_FP8>(A, SA, nullptr, W, SW, Y, ldy, M, N, K, bn, bk, gk, blockIdx.y * FG_BM,
-                            blockIdx.x * FG_BN);
-}
-extern "C" __global__ void __launch_bounds__(128) gemm_e4m3_fp4(const u8* A, const float* SA, const u8* W, const void* SW,
-                                                                float* Y, int ldy, int M, int N, int K, int bn, int bk,
-                                                                int gk) {
-  gemm_e4m3_body<FMT_FP4>(A, SA, nullptr, W, SW, Y, ldy, M, N, K, bn, bk, gk, blockIdx.y * FG_BM,
-                            blockIdx.x * FG_BN);
-}
+#define DENSE_ARGS                                                                                            \
+  const u8 *A, const float *SA, const u8 *W, const void *SW, float *Y, int ldy, int M, int N, int K, int bn, \
+      int bk, int gk
+#define DENSE_MMA(NAME, FMT)                                                                                  \
+  extern "C" __global__ void __launch_bounds__(128) NAME(DENSE_ARGS) {                                        \
+    gemm_e4m3_body<FMT>(A, SA, nullptr, W, SW, Y, ldy, M, N, K, bn, bk, gk, blockIdx.y * FG_BM,               \
+                        blockIdx.x * FG_BN);                                                                  \
+  }
+DENSE_MMA(gemm_e4m3_fp8, FMT_FP8)
+DENSE_MMA(gemm_e4m3_fp4, FMT_FP4)
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-extern "C" __global__ void __launch_bounds__(WG_THREADS, 1)
-    gemm_e4m3_fp8_sm90(const u8* A, const float* SA, const u8* W, const void* SW, float* Y, int ldy, int M, int N, int K,
-                       int bn, int bk, int gk) {
-  extern __shared__ __align__(1024) u8 wg_smem[];
-  wg_gemm<FMT_FP8, false>(wg_smem, A, SA, nullptr, W, SW, Y, ldy, M, N, K, bn, bk, gk, blockIdx.y * WG_BM,
-                         blockIdx.x * WG_BN);
-}
-extern "C" __global__ void __launch_bounds__(WG_THREADS, 1)
-    gemm_e4m3_fp4_sm90(const u8* A, const float* SA, const u8* W, const void* SW, float* Y, int ldy, int M, int N, int K,
-                       int bn, int bk, int gk) {
-  extern __shared__ __align__(1024) u8 wg_smem[];
-  wg_gemm<FMT_FP4, false>(wg_smem, A, SA, nullptr, W, SW, Y, ldy, M, N, K, bn, bk, gk, blockIdx.y * WG_BM,
-                         blockIdx.x * WG_BN);
-}
+#define DENSE_WG(NAME, FMT)                                                                                   \
+  extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) NAME(DENSE_ARGS) {                              \
+    extern __shared__ __align__(1024) u8 wg_smem[];                                                           \
+    wg_gemm<FMT, false>(wg_smem, A, SA, nullptr, W, SW, Y, ldy, M, N, K, bn, bk, gk, blockIdx.y * WG_BM,      \
+                        blockIdx.x * WG_BN);                                                                  \
+  }
+DENSE_WG(gemm_e4m3_fp8_sm90, FMT_FP8)
+DENSE_WG(gemm_e4m3_fp4_sm90, FMT_FP4)
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

@@ -28,6 +28,18 @@ __device__ __forceinline__ u32 e2m1_to_e4m3(u32 c) {
   return (__byte_perm(0x3C383000u, 0x4C484440u, c & 7u) & 0xFFu) | ((c & 8u) << 4);
 }
 
+// 32 e2m1 nibbles (16 bytes; element i in bits 4i..4i+3 of its word) -> 32 e4m3 bytes in order.
+__device__ __forceinline__ void e2m1x32_to_e4m3(const uint4 v, u32 (&out)[8]) {
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const u32 w = word(v, q);  // elements 8q .. 8q + 7
+    out[2 * q] = e2m1_to_e4m3(w) | (e2m1_to_e4m3(w >> 4) << 8) | (e2m1_to_e4m3(w >> 8) << 16) |
+                 (e2m1_to_e4m3(w >> 12) << 24);
+    out[2 * q + 1] = e2m1_to_e4m3(w >> 16) | (e2m1_to_e4m3(w >> 20) << 8) | (e2m1_to_e4m3(w >> 24) << 16) |
+                     (e2m1_to_e4m3(w >> 28) << 24);
+  }
+}
+
 // A: codes [M, K] (row stride K), SA [M, K / 32]. FP8 W: codes [N, K], SW f32 [ceil(N / bn), gk]
 // (the scale of rows n and columns k: SW[n / bn, k / bk]); FP4 W: nibbles [N, K / 2] (element i
 // of a word in bits 4i..4i+3), SW UE8M0 bytes [N, gk = K / 32]. Y [M, N] (row stride ldy).
@@ -66,14 +78,7 @@ __device__ __forceinline__ void gemm_e4m3_body(const u8* __restrict__ A, const f
       uint4 vw = make_uint4(0, 0, 0, 0);
       if (n0 + r < N) vw = ldg16(W + (size_t)(n0 + r) * (K / 2) + k0 / 2 + 16 * h);
       u32 out[8];
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const u32 w = word(vw, q);  // elements 8q .. 8q + 7 of this half
-        out[2 * q] = e2m1_to_e4m3(w) | (e2m1_to_e4m3(w >> 4) << 8) | (e2m1_to_e4m3(w >> 8) << 16) |
-                     (e2m1_to_e4m3(w >> 12) << 24);
-        out[2 * q + 1] = e2m1_to_e4m3(w >> 16) | (e2m1_to_e4m3(w >> 20) << 8) | (e2m1_to_e4m3(w >> 24) << 16) |
-                         (e2m1_to_e4m3(w >> 28) << 24);
-      }
+      e2m1x32_to_e4m3(vw, out);  // this half's 32 elements
       *(uint4*)&Ws[r][32 * h] = make_uint4(out[0], out[1], out[2], out[3]);
       *(uint4*)&Ws[r][32 * h + 16] = make_uint4(out[4], out[5], out[6], out[7]);
     }

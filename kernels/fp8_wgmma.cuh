@@ -183,14 +183,7 @@ __device__ __forceinline__ void wg_expand_fp4(u8* smem, u32 base, int kt, int K,
     if (c < nkk) {
       const uint4 v = *(const uint4*)(stg + 64 * r + 16 * c);
       u32 out[8];
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const u32 w = word(v, q);  // elements 8q .. 8q + 7 of the step
-        out[2 * q] = e2m1_to_e4m3(w) | (e2m1_to_e4m3(w >> 4) << 8) | (e2m1_to_e4m3(w >> 8) << 16) |
-                     (e2m1_to_e4m3(w >> 12) << 24);
-        out[2 * q + 1] = e2m1_to_e4m3(w >> 16) | (e2m1_to_e4m3(w >> 20) << 8) | (e2m1_to_e4m3(w >> 24) << 16) |
-                         (e2m1_to_e4m3(w >> 28) << 24);
-      }
+      e2m1x32_to_e4m3(v, out);  // the step's 32 elements
       if (fold) {  // add (e_r - eref) to the exponent field of each nonzero byte (no carry: it stays 1..15)
         const int off_r = (int)(((size_t)(n0 + r) * gk + k0 / 32) & 3);
         const int er = min(max((int)stg[8192 + 8 * r + off_r + c], 1), 254);

@@ -220,8 +220,8 @@ def _teacher_forced(ckpt: Path, prompt: list[int], steps: int) -> tuple[list[flo
     ex = Engine.load(ckpt, settings=Settings(numerics="exact")).model
     gpu = Engine.load(ckpt, gpus=[0], settings=Settings(numerics="deepseek")).model
     assert type(gpu.ops) is DeepseekCupyOps
-    ro = ModelRunner(ds_engine.config, Checkpoint(ckpt, block_size=ds_engine.config.weight_block_size), _Reordered(7),
-               ckpt / "tokenizer.json")
+    cfg = ds_engine.config
+    ro = ModelRunner(cfg, Checkpoint(ckpt, block_size=cfg.weight_block_size), _Reordered(7), ckpt / "tokenizer.json")
     models = (ds, ex, gpu, ro)
     sts = [m.new_state() for m in models]
     logits = [np.asarray(m.ops.to_host(m.forward([st], [prompt])[0])) for m, st in zip(models, sts, strict=True)]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU validation and profiling in device calls that fit the per-call limit: `bash
-# tools/dev/device_validate.sh 1|2|3|4|5|6` from the repo root on the device (carry the wheels in .whl).
+# tools/dev/device_validate.sh 1|2|3|4|5` from the repo root on the device (carry the wheels in .whl).
 # Every stage has its own timeout, capped by what is left of CAP seconds, and writes its log and a
 # line of summary under $OUT, so a call cut short still returns what finished.
 set -u
@@ -27,27 +27,26 @@ FIRST="tests/gpu/test_gpu_fp8_gemm.py tests/gpu/test_gpu_fp8_grouped.py tests/gp
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/summary.txt"
 git log --oneline -1 >> "$OUT/summary.txt" 2>/dev/null
 case ${1:-1} in
-1)  # the new kernels first (a hang in the GEMM is a barrier bug), then deepseek numerics' bench
+1)  # the new kernels first (a hang in the GEMM is a barrier bug), then bench under both numerics on the
+    # same machine and 1M tokens, then the speculation and TP tests
     ckpt &
     step t1_fp8gemm 90 python3 -m pytest -q -x -s tests/gpu/test_gpu_fp8_gemm.py
     step t2_grouped 70 python3 -m pytest -q -x tests/gpu/test_gpu_fp8_grouped.py
-    step t3_dsnum 100 python3 -m pytest -q -s tests/gpu/test_gpu_deepseek_numerics.py
+    step t3_dsnum 150 python3 -m pytest -q -s tests/gpu/test_gpu_deepseek_numerics.py
     wait
     step b2_deepseek 200 $B --prefill 4096,65536 --batches 1,8,32 --numerics deepseek --speculative dspark
+    step b1_exact 200 $B --prefill 4096,65536 --batches 1,8,32 --numerics exact --speculative dspark
+    step b3_1m 120 $B --prefill 1048576 --batches 1 --numerics deepseek --speculative off
     step t4_spec 150 python3 -m pytest -q tests/gpu/test_gpu_spec_sampling.py tests/gpu/test_gpu_sampling.py \
       tests/gpu/test_gpu_speculative.py tests/gpu/test_gpu_tp.py ;;
-2)  # the rest of the GPU suite, the exact baseline on the same machine, 1M tokens
-    ckpt &
-    step t5_rest 250 python3 -m pytest -q tests/gpu $(for f in $FIRST; do echo --ignore "$f"; done)
-    wait
-    step b1_exact 200 $B --prefill 4096,65536 --batches 1,8,32 --numerics exact --speculative dspark
-    step b3_1m 120 $B --prefill 1048576 --batches 1 --numerics deepseek --speculative off ;;
-4)  # the FP8 tests once more, then the rest of the suite, files in reverse order (stage 2 ran out of time)
-    step t1_fp8gemm 60 python3 -m pytest -q -s tests/gpu/test_gpu_fp8_gemm.py tests/gpu/test_gpu_fp8_grouped.py
-    step t3_dsnum 150 python3 -m pytest -q -s tests/gpu/test_gpu_deepseek_numerics.py
-    REST=$(ls tests/gpu/test_*.py | sort -r | grep -v -F "$(printf '%s\n' $FIRST)")
-    step t5_rest 400 python3 -m pytest -q -rf --durations=10 $REST ;;
-5)  # why the FP8 GEMMs run at a seventh of the MMA rate (Nsight Compute on one launch of each kernel), and
+2)  # the rest of the GPU suite: a call of its own (it outlasts 250 s), each file's slowest tests named
+    step t5_rest 540 python3 -m pytest -q -rf --durations=10 tests/gpu $(for f in $FIRST; do echo --ignore "$f"; done) ;;
+3)  # memcheck of the new kernels
+    step m1_ops 300 make gpu-memcheck
+    step m2_fp8 250 env DSUF_DIRECT_ALLOC=1 compute-sanitizer --tool memcheck --report-api-errors no \
+      --error-exitcode 1 python3 -m pytest -q tests/gpu/test_gpu_fp8_gemm.py \
+      tests/gpu/test_gpu_fp8_grouped.py ;;
+4)  # why the FP8 GEMMs run at a seventh of the MMA rate (Nsight Compute on one launch of each kernel), and
     # a deepseek prompt chunk's device time per kernel name (the MoE's grouped GEMMs against the rest)
     ckpt &
     NCU="ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy
@@ -58,7 +57,7 @@ case ${1:-1} in
     step p0_chunk 150 python3 tools/dev/gpu_profile.py prefill "$CKPT" --context 4096 --chunk 4096 --numerics deepseek
     step p3_grouped 200 $NCU -k regex:grouped_gather_fp4 $B --prefill 4096 --batches 1 --numerics deepseek \
       --speculative off ;;
-6)  # the demo's draft trained on the GPU (issue 30): the corpus and the main model's targets on the
+5)  # the demo's draft trained on the GPU (issue 30): the corpus and the main model's targets on the
     # CPUs, then torch on the GPU continuing from the shipped draft; the draft's files come back
     # under $OUT/draft (the main model's shards stay behind: copy them from models/demo-v41)
     W=/tmp/dspark_work
@@ -67,10 +66,5 @@ case ${1:-1} in
       --init models/demo-v41 --minutes 4 --device cuda
     mkdir -p "$OUT/draft" && cp /tmp/draft/config.json /tmp/draft/model-dspark.safetensors \
       /tmp/draft/model.safetensors.index.json $W/train.json "$OUT/draft/" 2>> "$OUT/summary.txt" ;;
-3)  # memcheck of the new kernels
-    step m1_ops 300 make gpu-memcheck
-    step m2_fp8 250 env DSUF_DIRECT_ALLOC=1 compute-sanitizer --tool memcheck --report-api-errors no \
-      --error-exitcode 1 python3 -m pytest -q tests/gpu/test_gpu_fp8_gemm.py \
-      tests/gpu/test_gpu_fp8_grouped.py ;;
 esac
 cat "$OUT/summary.txt"

@@ -288,6 +288,8 @@ def linear(name: str) -> None:
 
 
 def main() -> int:
+    from engine.settings import DEFAULT_NUMERICS, NUMERICS
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="what", required=True)
     t = sub.add_parser("timeline")
@@ -297,7 +299,7 @@ def main() -> int:
     p.add_argument("ckpt")
     p.add_argument("--context", type=int, default=32768)
     p.add_argument("--chunk", type=int, default=4096)
-    p.add_argument("--numerics", choices=("exact", "deepseek"), default="exact")
+    p.add_argument("--numerics", choices=NUMERICS, default=DEFAULT_NUMERICS)
     h = sub.add_parser("host")
     h.add_argument("ckpt")
     h.add_argument("--batch", type=int, default=1)
