@@ -37,7 +37,7 @@ Per tensor-parallel rank (engine.parallel.shard.ShardPlan decides what each rank
       logits       decode_rows * vocab * 4
       graphs       what the captured decode-step graphs keep (engine/ops/gpu/graphs.py):
                    graph_bytes_per_row * the rows of the Settings.graph_buckets largest row
-                   counts up to MAX_GRAPH_ROWS, an estimate: a step's graph keeps its logits,
+                   counts up to min(MAX_GRAPH_ROWS, decode_rows), an estimate: a step's graph keeps its logits,
                    and its intermediates come from one pool shared by every captured step
 - reserve: RESERVE_FRACTION of the GPU's bytes (allocator fragmentation, kernels, graph launches).
 
@@ -260,7 +260,8 @@ def workspace_bytes(cfg: ModelConfig, plan: ShardPlan, max_seqs: int, max_contex
     from engine.ops.gpu.limits import MAX_GRAPH_ROWS
     from engine.settings import Settings
 
-    graph_rows = sum(max(0, MAX_GRAPH_ROWS - i) for i in range(Settings.from_env().graph_buckets))
+    top = min(MAX_GRAPH_ROWS, decode_rows(cfg, max_seqs))  # no decode step has more rows
+    graph_rows = sum(max(0, top - i) for i in range(Settings.from_env().graph_buckets))
     return {
         "graphs": graph_rows * graph_bytes_per_row(cfg, plan),
         "activations": t * cfg.hidden_size * cfg.hc_mult * 4 * ACT_FACTOR,

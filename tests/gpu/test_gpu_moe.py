@@ -197,7 +197,9 @@ def _host_grouping(monkeypatch) -> None:
     monkeypatch.setattr("engine.ops.gpu.moe.MOE_GROUP_LARGE_MAXE", 0)
 
 
-@pytest.mark.parametrize("t,e", [(1, 64), (3, 384), (8, 256), (32, 128), (100, 64), (100, 384)])
+# (200 x 6 pairs over 384 experts: past MOE_DEVICE_MAX_PAIRS, but ~3 an expert, as a verify step of
+# 32 sequences: still GEMV segments, grouped by moe_group_large)
+@pytest.mark.parametrize("t,e", [(1, 64), (3, 384), (8, 256), (32, 128), (100, 64), (100, 384), (200, 384)])
 def test_moe_device(t, e, monkeypatch):
     ws, gws = _moe_experts(e)
     x = rnd(t, MOE_D)

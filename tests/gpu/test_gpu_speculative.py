@@ -104,16 +104,15 @@ def test_speculative_greedy_equals_plain_on_gpu():
     assert total.tokens_per_step > 1.5
 
 
-def test_batched_speculative_steps_equal_plain_greedy_on_gpu():
-    """Three sequences speculating together (one draft forward, one graphed verify step a step)
-    emit plain greedy decoding's tokens."""
+def _batched_greedy(eng: Engine, texts: list[str], limit: int) -> list[tuple[list[int], SpecStats]]:
+    """The texts' sequences speculating together, greedily, up to `limit` tokens each: one draft
+    forward and one verify step a step for all live sequences. Each sequence's tokens and stats."""
     from engine.runtime.spec_decode import SpecJob, speculative_steps
 
-    eng = _engine(True)
     model, dsp = eng.model, eng.model.model.dspark
-    greedy, limit = SamplingParams(temperature=0.0), 64
+    greedy = SamplingParams(temperature=0.0)
     seqs = []
-    for text in PROMPTS:
+    for text in texts:
         st, ds = model.new_state(), dsp.new_state()
         first = int(np.argmax(feed(model, dsp, st, ds, _ids(eng, text), all_logits=False)))
         seqs.append((st, ds, [first], SpecStats()))
@@ -122,9 +121,34 @@ def test_batched_speculative_steps_equal_plain_greedy_on_gpu():
                 for st, ds, out, stats in live]
         for s, toks in zip(live, speculative_steps(model, dsp, jobs), strict=True):
             s[2].extend(toks)
-    for text, (_, _, out, stats) in zip(PROMPTS, seqs, strict=True):
-        assert out == eng.generate(_ids(eng, text), limit, greedy, stop_at_eos=False, speculative=False), text
+    return [(out, stats) for _, _, out, stats in seqs]
+
+
+def _plain_greedy(eng: Engine, text: str, limit: int) -> list[int]:
+    return eng.generate(_ids(eng, text), limit, SamplingParams(temperature=0.0), stop_at_eos=False,
+                        speculative=False)
+
+
+def test_batched_speculative_steps_equal_plain_greedy_on_gpu():
+    """Three sequences speculating together (one draft forward, one graphed verify step a step)
+    emit plain greedy decoding's tokens."""
+    eng = _engine(True)
+    for text, (out, stats) in zip(PROMPTS, _batched_greedy(eng, list(PROMPTS), 64), strict=True):
+        assert out == _plain_greedy(eng, text, 64), text
         assert stats.tokens_per_step > 1.0
+
+
+def test_verify_steps_above_64_rows_replay_as_graphs():
+    """Sixteen sequences speculating together (verify steps of 16 x 6 = 96 rows, as the server's
+    16 concurrent streams run): the verify step is captured at its row count and the output is
+    plain greedy decoding's."""
+    eng = _engine(True)
+    texts = [f"{PROMPTS[i % len(PROMPTS)]}{' ' * (i // len(PROMPTS))}" for i in range(16)]
+    got = _batched_greedy(eng, texts, 24)
+    assert any(isinstance(k[0], tuple) and k[0][0] == "decode" and k[0][3]
+               for k, _ in eng.model.ops.graphs.captured(96)), "the 96-row verify step was not captured"
+    for text, (out, _) in zip(texts, got, strict=True):
+        assert out == _plain_greedy(eng, text, 24), text
 
 
 def test_draft_layers_replay_as_a_graph():

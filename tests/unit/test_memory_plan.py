@@ -247,3 +247,18 @@ def test_draft_layers_plan_a_verify_steps_rows(tiny, tmp_path):
     draft = mp.workspace_bytes(draft_cfg, ShardPlan.make(draft_cfg), 8, 4096)
     assert draft["logits"] == rows * draft_cfg.vocab_size * 4 == plain["logits"] * (rows // 8)
     assert draft["activations"] > plain["activations"]
+
+
+def test_graph_memory_counts_the_rows_decode_steps_can_have(tiny, tmp_path, monkeypatch):
+    """The captured graphs are counted for the 8 (Settings.graph_buckets) largest row counts a
+    decode step of max_seqs sequences can have (with draft layers a verify step's block_size + 1
+    rows a sequence), never above MAX_GRAPH_ROWS (192: a full default verify step of 32 x 6)."""
+    monkeypatch.delenv("DSUF_GRAPH_BUCKETS", raising=False)
+    with_draft = T.write_tiny_model(tmp_path / "draft", "v41", seed=1, draft=True, **SMALL)
+    assert load_config(with_draft).dspark_block_size == 5
+    # (checkpoint, max_seqs) -> rows counted: 3+2+1; 192+...+185; 24+...+17; 192+...+185
+    for ckpt, max_seqs, rows in ((tiny["v41"], 3, 6), (tiny["v41"], 500, 1508), (with_draft, 4, 164),
+                                 (with_draft, 32, 1508)):
+        cfg = load_config(ckpt)
+        plan = ShardPlan.make(cfg)
+        assert mp.workspace_bytes(cfg, plan, max_seqs, 4096)["graphs"] == rows * mp.graph_bytes_per_row(cfg, plan)

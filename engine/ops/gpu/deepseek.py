@@ -12,7 +12,7 @@ GPU tests hold it to.
   fake-quantized activation, whose products they sum exactly in float32 (the same numbers up to
   summation order). A bf16 weight takes and returns bf16; an fp32 one computes in fp32.
 - the experts: the routing weight scales the hidden state before w2 (the reference's Expert.forward).
-  A prompt chunk's FP8 / FP4 experts (above MOE_DEVICE_MAX_PAIRS pairs) run the grouped e4m3 GEMM
+  A prompt chunk's FP8 / FP4 experts (past moe.gemv_grouping: tiles, not GEMV segments) run the grouped e4m3 GEMM
   (fp8_linear.fp8_grouped_linear) on activations quantized once per token row and once per hidden
   row; decode's GEMV segments read the fake-quantized rows, as linear() does.
 - attention and the indexer: the kernels' bf16 rounding points (CupyOps.bf16).
@@ -29,7 +29,7 @@ from engine.ops.gpu.common import _ELT_BLOCK, F32, _c32, _grid
 from engine.ops.gpu.fork import joins_inputs, joins_late
 from engine.ops.gpu.fp8_linear import ACT_BLOCK, GROUPED_ROWS, TILE, act_quant_fp8, fp8_grouped_linear, fp8_linear
 from engine.ops.gpu.linear import TC_MAX_ROWS
-from engine.ops.gpu.moe import MOE_DEVICE_MAX_PAIRS
+from engine.ops.gpu.moe import gemv_grouping
 from engine.ops.gpu.ops import CupyOps
 from engine.ops.gpu.weights import GpuWeight
 from engine.ops.kernels import FMT_FP4, FMT_FP8
@@ -149,7 +149,7 @@ class DeepseekCupyOps(CupyOps):
                     shared=None) -> cp.ndarray:
         """A prompt chunk's FP8 / FP4 experts: the pairs in segments of GROUPED_ROWS, each projection
         one grouped e4m3 GEMM; otherwise (decode, other weights) CupyOps' grouping and kernels."""
-        if ids.size <= MOE_DEVICE_MAX_PAIRS or not _fp8_experts(tabs):
+        if gemv_grouping(ids.size, n_experts) or not _fp8_experts(tabs):
             return super()._moe_device(x, tabs, n_experts, weights, ids, limit, shared)
         dup = tabs[0][0].shape[0] if len(tabs) > 3 else 0
         segs, gather, inv, order = self._moe_group(ids, n_experts, GROUPED_ROWS, dup)

@@ -3,4 +3,7 @@
 
 from __future__ import annotations
 
-MAX_GRAPH_ROWS = 64  # steps of more rows (prefill) run eagerly: their shapes rarely repeat
+# The most rows a captured step takes: a verify step of 32 sequences (the default --max-seqs) of
+# DSpark's block 5 + 1. Prompt chunks never capture (the runner graphs decode steps alone), and
+# the memory plan counts graph memory only up to the rows the engine's decode steps can have.
+MAX_GRAPH_ROWS = 192

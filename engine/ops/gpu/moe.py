@@ -21,6 +21,16 @@ from engine.ops.gpu.linear import GEMM_TILE
 from engine.ops.gpu.weights import GEMV_MAX_ROWS, GpuWeight
 
 MOE_DEVICE_MAX_PAIRS = 1024  # moe(): up to this many (token, expert) pairs are grouped in GEMV-sized segments
+# ... or while the experts average at most this many pairs: a verify step's rows spread thinly over
+# many experts (192 rows x 6 over 384) fill GEMV segments, not GEMM tiles
+MOE_GEMV_PAIRS_PER_EXPERT = 8
+
+
+def gemv_grouping(pairs: int, experts: int) -> bool:
+    """Whether moe()'s pairs go in GEMV-sized segments (else GEMM tiles)."""
+    return pairs <= MOE_DEVICE_MAX_PAIRS or pairs <= MOE_GEMV_PAIRS_PER_EXPERT * experts
+
+
 _MOE_GROUP_MAXP = 1024  # kernels/moe.cu MOE_GROUP_MAXP: moe_group runs one block, one thread a pair
 # Above that (prompt chunks) moe_group_large groups them (a counting sort in one block, up to
 # MOE_GROUP_LARGE_MAXE experts), so a chunk's MoE never waits for the host.
@@ -116,9 +126,9 @@ class MoeOps:
     @staticmethod
     def _group_shape(tabs, p: int, t: int) -> tuple[int, int]:
         """(rows per segment, w3's y column or 0) of moe()'s device grouping of p pairs of t tokens:
-        segments of min(8, T) rows (GEMV) up to MOE_DEVICE_MAX_PAIRS pairs, else GEMM_TILE; gate and up
-        in one doubled table where the expert tables pair w1 and w3."""
-        step = min(GEMV_MAX_ROWS, t) if p <= MOE_DEVICE_MAX_PAIRS else GEMM_TILE
+        segments of min(8, T) rows (GEMV) where gemv_grouping says so, else GEMM_TILE; gate and up in
+        one doubled table where the expert tables pair w1 and w3."""
+        step = min(GEMV_MAX_ROWS, t) if gemv_grouping(p, tabs[0][1].size) else GEMM_TILE
         return step, tabs[0][0].shape[0] if len(tabs) > 3 else 0
 
     @staticmethod
@@ -156,8 +166,9 @@ class MoeOps:
         """moe() with the pairs grouped by a kernel: no host round trip, shapes fixed by (T, k, E).
         An expert gets at most one pair per token, so segments of min(8, T) rows (GEMV) split no run
         that the host path would keep whole; they bound the rows per segment even if ids repeat.
-        Above MOE_DEVICE_MAX_PAIRS pairs, segments of GEMM_TILE rows, as the host path cuts an expert
-        with more than 8 pairs (the tensor-core GEMM)."""
+        Past gemv_grouping (more than MOE_DEVICE_MAX_PAIRS pairs and more than
+        MOE_GEMV_PAIRS_PER_EXPERT an expert on average), segments of GEMM_TILE rows, as the host path
+        cuts an expert with more than 8 pairs (the tensor-core GEMM)."""
         step, dup = self._group_shape(tabs, ids.size, x.shape[0])
         segs, gather, inv, order = self._moe_group(ids, n_experts, step, dup)
         return self._moe_project(x, gather, tabs, segs, step, weights, inv, int(ids.shape[1]), limit,
