@@ -57,8 +57,10 @@ case ${1:-1} in
     step p0_chunk 150 python3 tools/dev/gpu_profile.py prefill "$CKPT" --context 4096 --chunk 4096 --numerics deepseek
     step p3_grouped 200 $NCU --section SourceCounters -o /tmp/grouped -k regex:grouped_gather_fp4 $B --prefill 4096 \
       --batches 1 --numerics deepseek --speculative off
-    # where its warps stall, instruction by instruction (the SASS with its stall samples)
-    step p4_sass 60 ncu --import /tmp/grouped.ncu-rep --page source --print-source sass --csv ;;
+    # (-o writes the report instead of printing it): its sections, then where its warps stall,
+    # instruction by instruction (the SASS with its stall samples)
+    step p4_details 60 ncu --import /tmp/grouped.ncu-rep --page details
+    step p5_sass 60 ncu --import /tmp/grouped.ncu-rep --page source --print-source sass --csv ;;
 5)  # the demo's draft trained on the GPU (issue 30): the corpus and the main model's targets on the
     # CPUs, then torch on the GPU continuing from the shipped draft; the draft's files come back
     # under $OUT/draft (the main model's shards stay behind: copy them from models/demo-v41)
