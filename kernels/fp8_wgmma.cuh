@@ -288,6 +288,20 @@ __device__ __forceinline__ void wg_produce(u8* smem, u32 base, const u8* __restr
   }
 }
 
+// A consumer warp's side of ring stage kt: wait until it has landed (full barrier), and release
+// it once the warp is done with it (empty barrier: one arrive per consumer warp).
+template <int FMT>
+__device__ __forceinline__ void wg_wait_full(u32 base, int kt) {
+  using C = WgCfg<FMT>;
+  mbar_wait(base + C::BAR + 8 * (kt % C::ST), (kt / C::ST) & 1);
+}
+template <int FMT>
+__device__ __forceinline__ void wg_release(u32 base, int kt) {
+  using C = WgCfg<FMT>;
+  __syncwarp();
+  if ((threadIdx.x & 31) == 0) mbar_arrive(base + C::BAR + 8 * (C::ST + kt % C::ST));
+}
+
 // acc * (sa[row] * sw[col]) into tot for k32 step kk of ring stage s (this thread's fragment: d[4i +
 // 2h + c] is row 16 warp + lane / 4 + 8h of the warpgroup's 64, column 8i + 2 (lane % 4) + c).
 // G32: each 32 columns of the tile share one weight scale (FP8 blocks bn a multiple of 32, as both
@@ -343,7 +357,7 @@ __device__ __forceinline__ void wg_stage(float (&tot)[64], float (&d0)[64], floa
                                          int kt, int wg, int rl, int q) {
   using C = WgCfg<FMT>;
   const int s = kt % C::ST;
-  mbar_wait(base + C::BAR + 8 * s, (kt / C::ST) & 1);
+  wg_wait_full<FMT>(base, kt);
   fence_proxy_async();  // the producer's generic-proxy writes, before the async-proxy reads
   const u32 at = base + C::A + s * WG_TILE_BYTES + 64 * 128 * wg, bt = base + C::B + s * WG_TILE_BYTES;
   wg_issue(d0, at, bt, 0);
@@ -364,8 +378,7 @@ __device__ __forceinline__ void wg_stage(float (&tot)[64], float (&d0)[64], floa
   wgmma_wait<0>();
   wg_fence_regs(d1);
   wg_promote<FMT, G32>(tot, d1, smem, s, NKK - 1, rl, q);
-  __syncwarp();  // the stage's operands and scales are free for the producer
-  if ((threadIdx.x & 31) == 0) mbar_arrive(base + C::BAR + 8 * (C::ST + s));
+  wg_release<FMT>(base, kt);  // the stage's operands and scales are free for the producer
 }
 
 // FP4: whether the producer folded the stage's weight scales into its codes (one scale per step)
@@ -376,7 +389,7 @@ __device__ __forceinline__ void wg_stage_any(float (&tot)[64], float (&d0)[64], 
   using C = WgCfg<FMT>;
   if (FMT == FMT_FP4) {
     const int s = kt % C::ST;
-    mbar_wait(base + C::BAR + 8 * s, (kt / C::ST) & 1);
+    wg_wait_full<FMT>(base, kt);
     if (*(const int*)(smem + C::SCR + s * WG_SCRATCH_BYTES + 128)) {
       wg_stage<FMT, true, NKK>(tot, d0, d1, smem, base, kt, wg, rl, q);
       return;
@@ -390,8 +403,8 @@ __device__ __forceinline__ void wg_consume(const u8* smem, u32 base, float* __re
                                            int K, int m0, int n0, int bf) {
   const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, q = lane & 3;
   const int rl = 64 * wg + 16 * warp + (lane >> 2);  // this thread's first row in the block
-  const int T4 = K / WG_BK;  // whole stages; then half a stage when K % 128 == 64
   float tot[64] = {}, d0[64] = {}, d1[64] = {};
+  const int T4 = K / WG_BK;  // whole stages; then half a stage when K % 128 == 64
   for (int kt = 0; kt < T4; ++kt) wg_stage_any<FMT, G32, 4>(tot, d0, d1, smem, base, kt, wg, rl, q);
   if (K % WG_BK) wg_stage_any<FMT, G32, 2>(tot, d0, d1, smem, base, T4, wg, rl, q);
 
@@ -421,13 +434,9 @@ __device__ __forceinline__ void wg_consume(const u8* smem, u32 base, float* __re
 // tensor core to themselves; the ring's protocol still runs (its warps release each stage).
 template <int FMT>
 __device__ __forceinline__ void wg_idle(u32 base, int K) {
-  using C = WgCfg<FMT>;
-  const int T = (K + WG_BK - 1) / WG_BK;
-  for (int kt = 0; kt < T; ++kt) {
-    const int s = kt % C::ST;
-    mbar_wait(base + C::BAR + 8 * s, (kt / C::ST) & 1);
-    __syncwarp();
-    if ((threadIdx.x & 31) == 0) mbar_arrive(base + C::BAR + 8 * (C::ST + s));
+  for (int kt = 0; kt < (K + WG_BK - 1) / WG_BK; ++kt) {
+    wg_wait_full<FMT>(base, kt);
+    wg_release<FMT>(base, kt);
   }
 }
 
