@@ -25,10 +25,10 @@ import numpy as np
 
 from engine.model.numerics import BF16, QUANT
 from engine.ops import kernels as K
-from engine.ops.gpu.common import _ELT_BLOCK, F32, _c32, _grid
+from engine.ops.gpu.common import _ELT_BLOCK, F32, _c32, _grid, round_bf16
 from engine.ops.gpu.fork import joins_inputs, joins_late
 from engine.ops.gpu.fp8_linear import ACT_BLOCK, GROUPED_ROWS, TILE, act_quant_fp8, fp8_grouped_linear, fp8_linear
-from engine.ops.gpu.linear import TC_MAX_ROWS
+from engine.ops.gpu.linear import TC_MAX_ROWS, XQ_BF16, XQ_FP8
 from engine.ops.gpu.moe import gemv_grouping
 from engine.ops.gpu.ops import CupyOps
 from engine.ops.gpu.weights import GpuWeight
@@ -58,13 +58,7 @@ class DeepseekCupyOps(CupyOps):
     # ---- bf16 activations ------------------------------------------------------------
     def act(self, x: cp.ndarray) -> cp.ndarray:
         """x rounded to bf16 (ties to even), as float32: a new array."""
-        x = _c32(x)
-        y = cp.empty_like(x)
-        if y.size:
-            cols = x.shape[-1] if x.ndim else 1
-            K.function("elementwise", "round_bf16_rows")(_grid(y.size), (_ELT_BLOCK,), (
-                x, y, np.int64(y.size), np.int32(cols), np.int64(cols), np.int64(cols)))
-        return y
+        return round_bf16(x)
 
     def _round_cols(self, y: cp.ndarray, c0: int, c1: int) -> None:
         """Columns [c0, c1) of the C-contiguous 2-D y rounded to bf16 in place."""
@@ -106,7 +100,9 @@ class DeepseekCupyOps(CupyOps):
         if w.use == QUANT and a.shape[0] > TC_MAX_ROWS and _fp8_gemm_takes(w):
             y = fp8_linear(a, w, bf16=True)  # (bf16 in and out, in its own passes)
         else:
-            y = super().linear(self._linear_in(a, w), w)  # (bf16 out where _rounds_out says so)
+            # (x prepared as _linear_in does, by the GEMVs as they stage it; bf16 out where
+            # _rounds_out says so)
+            y = super().linear(a, w, xq=XQ_FP8 if w.use == QUANT and k % ACT_BLOCK == 0 else XQ_BF16)
         if w.bf16_cols is not None:
             for c0, c1 in w.bf16_cols:
                 self._round_cols(y, c0, c1)
