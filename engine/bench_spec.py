@@ -120,12 +120,32 @@ def served_step(model, dsp, cfg, b: int, rng, ahead: bool, steps: int = 8) -> tu
     return seconds, (sum(sum(s[3].lengths) for s in seqs) - kept[1]) / max(n, 1)
 
 
-def bench_speculative(model, cfg, batches, bw: float, rng, timeit, graph_seconds, sync) -> None:
-    """The speculative table (see the module's docstring); timeit(fn) -> median seconds,
-    graph_seconds(rows, verify) -> a captured decode graph's replay seconds, sync() waits for the GPU."""
+def verify_ready(model, cfg, b: int, rng) -> tuple[list, list, list[int]]:
+    """(states, draft states, last tokens) of b sequences a window into their context, whose verify
+    step ([last token, drafts] as decode rows) has run three times and been rolled back each time:
+    eager, captured, replayed (its graph)."""
     from engine.runtime.spec_decode import feed
     from engine.state import trial as trials
 
+    dsp = model.model.dspark
+    states, drafts = [model.new_state() for _ in range(b)], [dsp.new_state() for _ in range(b)]
+    for st, ds in zip(states, drafts, strict=True):
+        # (a window's worth of context: the draft's windows are full, as in a conversation)
+        feed(model, dsp, st, ds, [int(t) for t in rng.integers(0, cfg.vocab_size, cfg.sliding_window + 1)],
+             all_logits=False)
+    last = [int(t) for t in rng.integers(0, cfg.vocab_size, b)]
+    blocks = [[t, *(int(x) for x in dr.tokens)] for dr, t in zip(dsp.draft_many(drafts, last), last, strict=True)]
+    for _ in range(3):
+        marks = [trials.begin(st) for st in states]
+        model.forward(states, blocks, all_logits=True, on_device=True, targets=dsp.targets, verify=True)
+        for st, tr in zip(states, marks, strict=True):
+            trials.restore(st, tr)
+    return states, drafts, last
+
+
+def bench_speculative(model, cfg, batches, bw: float, rng, timeit, graph_seconds, sync) -> None:
+    """The speculative table (see the module's docstring); timeit(fn) -> median seconds,
+    graph_seconds(rows, verify) -> a captured decode graph's replay seconds, sync() waits for the GPU."""
     dsp = model.model.dspark
     k = dsp.block_size
     print(f"\nDSpark: {len(model.w.dspark.layers)} draft layers, {dsp.cfg.n_routed_experts} experts "
@@ -134,18 +154,7 @@ def bench_speculative(model, cfg, batches, bw: float, rng, timeit, graph_seconds
           f"{'draft ms':>9s} {'floor':>7s} {'% floor':>8s} " + " ".join(f"{f'tok/s@{a}':>10s}" for a in ACCEPTANCE)
           + f" {'served ms':>9s} {'inline':>7s} {'tok/step':>8s}")
     for b in batches:
-        states, drafts = [model.new_state() for _ in range(b)], [dsp.new_state() for _ in range(b)]
-        for st, ds in zip(states, drafts, strict=True):
-            # (a window's worth of context: the draft's windows are full, as in a conversation)
-            feed(model, dsp, st, ds, [int(t) for t in rng.integers(0, cfg.vocab_size, cfg.sliding_window + 1)],
-                 all_logits=False)
-        last = [int(t) for t in rng.integers(0, cfg.vocab_size, b)]
-        blocks = [[t, *(int(x) for x in dr.tokens)] for dr, t in zip(dsp.draft_many(drafts, last), last, strict=True)]
-        for _ in range(3):  # eager, captured, replayed: the verify step's graph
-            marks = [trials.begin(st) for st in states]
-            model.forward(states, blocks, all_logits=True, on_device=True, targets=dsp.targets, verify=True)
-            for st, tr in zip(states, marks, strict=True):
-                trials.restore(st, tr)
+        states, drafts, last = verify_ready(model, cfg, b, rng)
         for _ in range(2):  # the 1-token step, eager then captured
             model.forward(states, [[t] for t in last])
         sync()

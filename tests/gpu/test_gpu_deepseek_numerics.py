@@ -127,7 +127,7 @@ def test_moe_weights_before_w2(t):
 
 @pytest.mark.parametrize("fmt", ["fp4", "fp8"])
 def test_moe_prompt_chunk_grouped_gemm(fmt):
-    """A prompt chunk's experts on the grouped e4m3 GEMM (above MOE_DEVICE_MAX_PAIRS pairs), routed
+    """A prompt chunk's experts on the grouped e4m3 GEMM (past moe.gemv_grouping: GEMM tiles), routed
     unevenly: an expert with no pairs, some with more than a segment's 128 rows (several segments)."""
     e, k, t, d, inter = 24, 6, 400, 512, 384
     block = (128, 128) if fmt == "fp8" else (32, 32)

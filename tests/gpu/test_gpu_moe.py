@@ -162,7 +162,7 @@ def test_fork_outputs_join_at_the_ops_that_read_them():
     assert opened == [0, 1]  # (eagerly the forks ran inline; captured, m's stayed open past the linear)
 
 
-# MoE with the pairs grouped on the device (T * top-k <= MOE_DEVICE_MAX_PAIRS): narrow fp4 experts,
+# MoE with the pairs grouped on the device (GEMV segments: moe.gemv_grouping): narrow fp4 experts,
 # so that hundreds of them stay cheap to build. At these widths the GEMV never splits K (too few
 # chunks), so the device and host paths launch the same per-row arithmetic.
 MOE_D, MOE_INTER, MOE_K = 512, 256, 6

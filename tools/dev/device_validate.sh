@@ -46,8 +46,8 @@ case ${1:-1} in
     step m2_fp8 250 env DSUF_DIRECT_ALLOC=1 compute-sanitizer --tool memcheck --report-api-errors no \
       --error-exitcode 1 python3 -m pytest -q tests/gpu/test_gpu_fp8_gemm.py \
       tests/gpu/test_gpu_fp8_grouped.py ;;
-4)  # why the FP8 GEMMs run at a seventh of the MMA rate (Nsight Compute on one launch of each kernel), and
-    # a deepseek prompt chunk's device time per kernel name (the MoE's grouped GEMMs against the rest)
+4)  # why the FP8 GEMMs run below the MMA rate (Nsight Compute on one launch of each kernel), and a
+    # deepseek prompt chunk's device time per kernel name (the MoE's grouped GEMMs against the rest)
     ckpt &
     NCU="ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy
       --section WarpStateStats --section SchedulerStats --section LaunchStats --launch-count 1"
@@ -55,8 +55,12 @@ case ${1:-1} in
     step p2_fp4 120 $NCU -k regex:gemm_e4m3_fp4_sm90 python3 -m pytest -q -s tests/gpu/test_gpu_fp8_gemm.py -k rate
     wait
     step p0_chunk 150 python3 tools/dev/gpu_profile.py prefill "$CKPT" --context 4096 --chunk 4096 --numerics deepseek
-    step p3_grouped 200 $NCU -k regex:grouped_gather_fp4 $B --prefill 4096 --batches 1 --numerics deepseek \
-      --speculative off ;;
+    step p3_grouped 200 $NCU --section SourceCounters -o /tmp/grouped -k regex:grouped_gather_fp4 $B --prefill 4096 \
+      --batches 1 --numerics deepseek --speculative off
+    # (-o writes the report instead of printing it): its sections, then where its warps stall,
+    # instruction by instruction (the SASS with its stall samples)
+    step p4_details 60 ncu --import /tmp/grouped.ncu-rep --page details
+    step p5_sass 60 ncu --import /tmp/grouped.ncu-rep --page source --print-source sass --csv ;;
 5)  # the demo's draft trained on the GPU (issue 30): the corpus and the main model's targets on the
     # CPUs, then torch on the GPU continuing from the shipped draft; the draft's files come back
     # under $OUT/draft (the main model's shards stay behind: copy them from models/demo-v41)

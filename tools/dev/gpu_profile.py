@@ -59,26 +59,13 @@ def _verify_ready(ckpt: str, batch: int, numerics: str = "exact"):
     """(the model, its verify step's rows): `batch` sequences a window into their context, each
     step's [last token, drafts] verified three times (eager, captured, replayed), as bench does."""
     from engine.bench import _load
-    from engine.runtime.spec_decode import feed
-    from engine.state import trial as trials
+    from engine.bench_spec import verify_ready
 
     cfg, model, _, _ = _load(ckpt, None, numerics=numerics)
-    dsp = model.model.dspark
-    if dsp is None:
+    if model.model.dspark is None:
         raise SystemExit("the checkpoint has no DSpark draft layers")
-    rng = np.random.default_rng(0)
-    states, drafts = [model.new_state() for _ in range(batch)], [dsp.new_state() for _ in range(batch)]
-    for st, ds in zip(states, drafts, strict=True):
-        feed(model, dsp, st, ds, [int(t) for t in rng.integers(0, cfg.vocab_size, cfg.sliding_window + 1)],
-             all_logits=False)
-    last = [int(t) for t in rng.integers(0, cfg.vocab_size, batch)]
-    blocks = [[t, *(int(x) for x in dr.tokens)] for dr, t in zip(dsp.draft_many(drafts, last), last, strict=True)]
-    for _ in range(3):
-        marks = [trials.begin(st) for st in states]
-        model.forward(states, blocks, all_logits=True, on_device=True, targets=dsp.targets, verify=True)
-        for st, tr in zip(states, marks, strict=True):
-            trials.restore(st, tr)
-    return model, batch * (dsp.block_size + 1)
+    verify_ready(model, cfg, batch, np.random.default_rng(0))
+    return model, batch * (model.model.dspark.block_size + 1)
 
 
 def timeline(ckpt: str, batch: int, numerics: str = "exact", verify: bool = False) -> None:
