@@ -78,11 +78,11 @@ def test_linear_by_use(fmt, use, m):
 def test_gemvs_quantize_x_as_they_stage_it(fmt, use, m, n, k):
     """Up to 32 rows the GEMVs (gemvx, gemvr, the tensor-core GEMV's tc_split_x) round x to bf16 and
     put it on the e4m3 grid per 32 as they stage it: bit for bit the GEMV of the rows prepared in a
-    pass of their own (_linear_in), as before."""
+    pass of their own (_linear_input), as before."""
     w = GPU.prepare(_w(fmt, n, k, use, block=(128, 128) if fmt == "fp8" else (32, 32)))
     x = cp.asarray(rnd(m, k) * np.exp(RNG.uniform(-4, 4, (m, 1))).astype(np.float32))
     got = cp.asnumpy(GPU.linear(x, w))
-    want = cp.asnumpy(CupyOps.linear(GPU, GPU._linear_in(x, w), w))
+    want = cp.asnumpy(CupyOps.linear(GPU, GPU._linear_input(x, GPU._linear_xq(w)), w))
     np.testing.assert_array_equal(got, want)
 
 

@@ -246,6 +246,10 @@ class LinearOps:
             fn = K.function("linear", f"gemm_{tag}")
             fn((math.ceil(n / GEMM_TILE), nseg), (128,), args)
 
+    def _linear_xq(self, w: GpuWeight) -> int:
+        """How w's linear takes its input (_run_linear's xq): as given here; DeepseekCupyOps by use."""
+        return XQ_NONE
+
     def _linear_input(self, a: cp.ndarray, xq: int) -> cp.ndarray:
         """a's rows as a linear's input (xq), in a pass of their own: for the kernels that read x
         as it is stored."""
