@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Where a decode step's device time goes, on a GPU machine (a developer's tool; not the runtime).
 
-  timeline CKPT [--batch B] [--numerics exact|deepseek] [--verify]
-                              kernels of one decode-step graph replay (--verify: DSpark's verify
-                              step, B x (block + 1) rows, as bench times it) in launch order, with their
+  timeline CKPT [--batch B] [--numerics exact|deepseek] [--what decode|verify|draft]
+                              kernels of one decode-step graph replay (verify: DSpark's verify
+                              step, B x (block + 1) rows, as bench times it; draft: one draft block
+                              per sequence as served, graph and eager work) in launch order, with their
                               durations; per kernel name the total and the part no other kernel
                               overlapped; the time with no kernel running (CUPTI through
                               torch.profiler, so torch must be installed; PDL lets a kernel start
@@ -56,38 +57,52 @@ def _decode_graphs(model, batch: int) -> list:
 
 
 def _verify_ready(ckpt: str, batch: int, numerics: str = "exact"):
-    """(the model, its verify step's rows): `batch` sequences a window into their context, each
-    step's [last token, drafts] verified three times (eager, captured, replayed), as bench does."""
+    """(the model, its verify step's rows, the draft states, the last tokens): `batch` sequences a
+    window into their context, each step's [last token, drafts] verified three times (eager,
+    captured, replayed), as bench does."""
     from engine.bench import _load
     from engine.bench_spec import verify_ready
 
     cfg, model, _, _ = _load(ckpt, None, numerics=numerics)
     if model.model.dspark is None:
         raise SystemExit("the checkpoint has no DSpark draft layers")
-    verify_ready(model, cfg, batch, np.random.default_rng(0))
-    return model, batch * (model.model.dspark.block_size + 1)
+    _, drafts, last = verify_ready(model, cfg, batch, np.random.default_rng(0))
+    return model, batch * (model.model.dspark.block_size + 1), drafts, last
 
 
-def timeline(ckpt: str, batch: int, numerics: str = "exact", verify: bool = False) -> None:
+def timeline(ckpt: str, batch: int, numerics: str = "exact", what: str = "decode") -> None:
+    """what: "decode" (the 1-token step's graph), "verify" (the verify step's graph) or "draft" (one
+    draft block for every sequence, as served: its graph and the eager work around it)."""
+    import time
+
     import cupy as cp
     from torch.profiler import ProfilerActivity, profile
 
-    if verify:
-        model, rows = _verify_ready(ckpt, batch, numerics)
-    else:
-        (model, *_), rows = _decode_ready(ckpt, batch, numerics), batch
-    graphs = _decode_graphs(model, rows)
-    if not graphs:
-        raise SystemExit("no decode-step graph was captured (DSUF_GRAPHS=0, more rows than a graph takes, "
-                         "or not a V4.1 checkpoint)")
     stream = cp.cuda.get_current_stream()
+    if what == "decode":
+        (model, *_), rows = _decode_ready(ckpt, batch, numerics), batch
+    else:
+        model, rows, drafts, last = _verify_ready(ckpt, batch, numerics)
+    if what == "draft":
+        def run():
+            model.model.dspark.draft_many(drafts, last)
+    else:
+        graphs = _decode_graphs(model, rows)
+        if not graphs:
+            raise SystemExit("no decode-step graph was captured (DSUF_GRAPHS=0, more rows than a graph takes, "
+                             "or not a V4.1 checkpoint)")
+
+        def run():
+            graphs[-1].launch(stream)
     for _ in range(5):
-        graphs[-1].launch(stream)
+        run()
     stream.synchronize()
+    t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
-            graphs[-1].launch(stream)
+            run()
         stream.synchronize()
+    print(f"3 calls under the profiler: {(time.perf_counter() - t0) * 1e3 / 3:.3f} ms each, wall clock")
     ev = _cuda_events(prof)
     n = len(ev) // 3
     one = ev[n:2 * n]  # the middle replay
@@ -315,7 +330,9 @@ def main() -> int:
     t.add_argument("ckpt")
     t.add_argument("--batch", type=int, default=1)
     t.add_argument("--numerics", choices=NUMERICS, default=DEFAULT_NUMERICS)
-    t.add_argument("--verify", action="store_true", help="DSpark's verify step (batch x (block + 1) rows)")
+    t.add_argument("--what", choices=("decode", "verify", "draft"), default="decode",
+                   help="the 1-token step's graph, DSpark's verify step's (batch x (block + 1) rows), or "
+                        "one draft block per sequence as served")
     p = sub.add_parser("prefill")
     p.add_argument("ckpt")
     p.add_argument("--context", type=int, default=32768)
@@ -330,7 +347,7 @@ def main() -> int:
     sub.add_parser("linear").add_argument("name")
     a = ap.parse_args()
     if a.what == "timeline":
-        timeline(a.ckpt, a.batch, a.numerics, a.verify)
+        timeline(a.ckpt, a.batch, a.numerics, a.what)
     elif a.what == "prefill":
         prefill(a.ckpt, a.context, a.chunk, a.numerics)
     elif a.what == "host":
