@@ -88,6 +88,32 @@ __device__ __forceinline__ float round_bf16f(float x) {
   return __uint_as_float((b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u);
 }
 
+__device__ __forceinline__ float e4m3_round(float x) {  // x -> nearest e4m3 value (as float)
+  const float v = e4m3_raw(e4m3_code(fabsf(x))) * 256.f;
+  return (__float_as_uint(x) >> 31) ? -v : v;
+}
+
+// A linear's input as --numerics deepseek hands it to the weight, applied by the GEMVs as they
+// stage x (no pass of its own): xq 1 rounds to bf16; xq 2 rounds to bf16, then puts each block of
+// 32 on the e4m3 grid with its UE8M0 scale (the reference's act_quant; bit for bit
+// fake_quant_fp8 with bf16 first). The lane holds 4 consecutive elements and 8 consecutive lanes
+// (8j .. 8j + 7 of a warp, all active) one block.
+__device__ __forceinline__ float4 linear_in4(float4 v, int xq) {
+  if (xq == 0) return v;
+  v = make_float4(round_bf16f(v.x), round_bf16f(v.y), round_bf16f(v.z), round_bf16f(v.w));
+  if (xq == 2) {
+    float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+#pragma unroll
+    for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float s = pow2_ceil(fmaxf(amax, 1e-4f) * (1.0f / 448.0f));
+    v.x = e4m3_round(fminf(fmaxf(v.x / s, -448.f), 448.f)) * s;
+    v.y = e4m3_round(fminf(fmaxf(v.y / s, -448.f), 448.f)) * s;
+    v.z = e4m3_round(fminf(fmaxf(v.z / s, -448.f), 448.f)) * s;
+    v.w = e4m3_round(fminf(fmaxf(v.w / s, -448.f), 448.f)) * s;
+  }
+  return v;
+}
+
 __device__ __forceinline__ float bf16_lo(u32 w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf16_hi(u32 w) { return __uint_as_float(w & 0xffff0000u); }
 

@@ -87,16 +87,17 @@ __device__ __forceinline__ float split_group4(float4 v, u32* hi, u32* lo) {
 // ---------------------------------------------------------------------------------------------
 // x [rows, lda] f32 -> XS [rows, lda / 4] uint4 (layout `perm`, above) and XINV [rows, ngx],
 // ngx = ceil(lda / 128). One warp per 128-element group: grid (ceil(ngx / 8), rows), block 256;
-// lda % (perm ? 8 : 4) == 0.
+// lda % (perm ? 8 : 4) == 0. xq: x as a linear's input under --numerics deepseek (linear_in4).
 extern "C" __global__ void __launch_bounds__(256) tc_split_x(const float* __restrict__ A, int lda,
                                                              uint4* __restrict__ XS, float* __restrict__ XINV,
-                                                             int perm) {
+                                                             int perm, int xq) {
   const int ngx = (lda + 127) / 128, gi = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
   if (gi >= ngx) return;  // a whole warp
   const int e0 = gi * 128 + 4 * lane;
   const bool ok = e0 < lda;
   float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
   if (ok) v = __ldg((const float4*)(A + (size_t)blockIdx.y * lda + e0));
+  v = linear_in4(v, xq);
   u32 hi[4], lo[4];
   const float inv = split_group4(v, hi, lo);
   if (lane == 0) XINV[(size_t)blockIdx.y * ngx + gi] = inv;
@@ -416,17 +417,18 @@ DEF_TC(fp4, FMT_FP4, 4)
 // lo terms) cs bytes apart, each 128-k group scaled by a power of two (inverse in xinv[group]),
 // half k at byte 2k + 16 (k / 64) of its column (FP4: permuted within each 8, see gemvr). Zeros
 // past K. One warp per group, nw warps (this one `warp`), four groups' loads in flight per warp (a
-// warp reduction per group kept the loop from overlapping them: one L2 round trip per group).
+// warp reduction per group kept the loop from overlapping them: one L2 round trip per group). xq: x
+// as a linear's input under --numerics deepseek (linear_in4).
 template <bool F8>
 __device__ __forceinline__ void stage_x_cols(const float* __restrict__ x, int K, u8* cols, int cs, float* xinv,
-                                             int warp, int nw, int lane) {
+                                             int warp, int nw, int lane, int xq) {
   const int ngx = (K + 127) / 128;
   for (int g0 = warp; g0 < ngx; g0 += 4 * nw) {
     float4 v[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int e0 = (g0 + nw * j) * 128 + 4 * lane;
-      v[j] = e0 < K ? __ldg((const float4*)(x + e0)) : make_float4(0.f, 0.f, 0.f, 0.f);
+      v[j] = linear_in4(e0 < K ? __ldg((const float4*)(x + e0)) : make_float4(0.f, 0.f, 0.f, 0.f), xq);
     }
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -480,7 +482,7 @@ template <int FMT, int U, bool PIPE>
 __device__ __forceinline__ void gemvr_body(const float* __restrict__ A, int lda, float* __restrict__ Y, int ldy,
                                            int N, int K, const int* __restrict__ segs,
                                            const u64* __restrict__ wptrs, const u64* __restrict__ sptrs,
-                                           int bn, int bk, int gk, int bf, int kw, int pf) {
+                                           int bn, int bk, int gk, int bf, int kw, int pf, int xq) {
   extern __shared__ __align__(16) u8 gr_smem[];
   constexpr bool F8 = FMT == FMT_FP8;
   constexpr int NW = F8 ? 8 : 4;  // weight words per lane, row and unit
@@ -557,7 +559,7 @@ __device__ __forceinline__ void gemvr_body(const float* __restrict__ A, int lda,
     }
   }
 
-  stage_x_cols<F8>(A + (size_t)row0 * lda + acol, K, gr_smem, cs, xinv, warp, 8, lane);
+  stage_x_cols<F8>(A + (size_t)row0 * lda + acol, K, gr_smem, cs, xinv, warp, 8, lane, xq);
   __syncthreads();
 
   const bool feeds = (g >> 1) == t;  // this lane loads B column g = 2t + term (granule t)
@@ -636,8 +638,8 @@ __device__ __forceinline__ void gemvr_body(const float* __restrict__ A, int lda,
 }
 
 #define GR_ARGS const float *A, int lda, float *Y, int ldy, int N, int K, const int *segs, const u64 *wptrs, \
-                const u64 *sptrs, int bn, int bk, int gk, int bf, int kw, int pf
-#define GR_PASS A, lda, Y, ldy, N, K, segs, wptrs, sptrs, bn, bk, gk, bf, kw, pf
+                const u64 *sptrs, int bn, int bk, int gk, int bf, int kw, int pf, int xq
+#define GR_PASS A, lda, Y, ldy, N, K, segs, wptrs, sptrs, bn, bk, gk, bf, kw, pf, xq
 // U: units (128 k) in flight per lane; PIPE: each unit's registers reloaded (next pass) as soon as it
 // is multiplied, so a lane keeps ~U units in flight instead of draining to none every pass; MINB:
 // blocks per SM the registers must allow (engine/ops/gpu/linear.py GEMVR_BLOCKS_PER_SM).

@@ -394,12 +394,13 @@ DEF_GATHER(fp4, FMT_FP4)
 // reads for one i are 512 contiguous bytes (4 wavefronts, conflict-free), and each x read serves
 // RPW weight rows. Blocks stride over groups of 8 / kw row groups; the kw warps of a row group
 // split its 32-chunk slices and reduce through shared memory in a fixed order.
+// xq: x as a linear's input under --numerics deepseek, applied as it is staged (linear_in4).
 // grid (blocks, nseg), block 256, dynamic shared memory ceil(K / (32 EPC)) * 32 EPC * 4 bytes.
 template <int FMT, int RPW, int PC>
 __device__ __forceinline__ void gemvx_body(const float* __restrict__ A, int lda, float* __restrict__ Y, int ldy,
                                            int N, int K, const int* __restrict__ segs,
                                            const u64* __restrict__ wptrs, const u64* __restrict__ sptrs,
-                                           int bn, int bk, int gk, int bf, int kw, int pf) {
+                                           int bn, int bk, int gk, int bf, int kw, int pf, int xq) {
   extern __shared__ __align__(16) float xsh[];
   __shared__ float red[8][RPW];
   constexpr int EPC = Fmt<FMT>::EPC, Q = EPC / 4;
@@ -426,6 +427,7 @@ __device__ __forceinline__ void gemvx_body(const float* __restrict__ A, int lda,
       const int c = j / Q, i = j - c * Q;
       float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
       if (c < nch) v = __ldg((const float4*)(xg + 4 * j));
+      v = linear_in4(v, xq);  // (j's warp is whole: the bound is a multiple of 32; 8 lanes a block)
       *(float4*)(xsh + (((c >> 5) * Q + i) * 32 + (c & 31)) * 4) = v;
     }
   }
@@ -524,8 +526,8 @@ __device__ __forceinline__ void gemvx_body(const float* __restrict__ A, int lda,
 // Three blocks per SM (<= 85 registers; without the bound the compiler takes more and two blocks
 // fit); FP8 with 2 rows per warp instead of 4 (4 rows spill at that bound).
 #define DEF_GEMVX(NAME, FMT, RPW, PC) \
-  extern "C" __global__ void __launch_bounds__(256, 3) NAME(GEMV_ARGS, int kw, int pf) { \
-    gemvx_body<FMT, RPW, PC>(GEMV_PASS, kw, pf);                                        \
+  extern "C" __global__ void __launch_bounds__(256, 3) NAME(GEMV_ARGS, int kw, int pf, int xq) { \
+    gemvx_body<FMT, RPW, PC>(GEMV_PASS, kw, pf, xq);                                    \
   }
 DEF_GEMVX(gemvx_f32, FMT_F32, 4, 2)
 DEF_GEMVX(gemvx_bf16, FMT_BF16, 4, 2)

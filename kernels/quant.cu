@@ -4,11 +4,6 @@
 // norm_rope_quant, the RMSNorm -> RoPE -> fake-quant chain of a state row in one launch.
 #include "dsuf_common.cuh"
 
-__device__ __forceinline__ float e4m3_round(float x) {  // x -> nearest e4m3 value (as float)
-  const float v = e4m3_raw(e4m3_code(fabsf(x))) * 256.f;
-  return (__float_as_uint(x) >> 31) ? -v : v;
-}
-
 // e2m1 rounding by thresholds: ties at 0.25, 1.25, 2.5, 5 go down (even code below).
 __device__ __forceinline__ float e2m1_round(float x) {
   float mag = fabsf(x);

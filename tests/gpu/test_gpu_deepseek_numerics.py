@@ -33,6 +33,7 @@ from engine.checkpoint.formats import round_bf16
 from engine.model.numerics import BF16, F32, QUANT
 from engine.ops.deepseek_ops import DeepseekOps, LinearWeight
 from engine.ops.gpu.deepseek import DeepseekCupyOps
+from engine.ops.gpu.ops import CupyOps
 from engine.ops.numpy_ops import NumpyOps
 
 REF, GPU = DeepseekOps(), DeepseekCupyOps()
@@ -70,6 +71,19 @@ def test_linear_by_use(fmt, use, m):
     if use != F32:  # bf16 out
         g = cp.asnumpy(got)
         np.testing.assert_array_equal(g, round_bf16(g))
+
+
+@pytest.mark.parametrize("fmt,use", [("fp8", QUANT), ("fp4", QUANT), ("bf16", BF16)])
+@pytest.mark.parametrize("m,n,k", [(1, 320, 1024), (1, 4096, 4096), (5, 320, 1024), (20, 320, 1024)])
+def test_gemvs_quantize_x_as_they_stage_it(fmt, use, m, n, k):
+    """Up to 32 rows the GEMVs (gemvx, gemvr, the tensor-core GEMV's tc_split_x) round x to bf16 and
+    put it on the e4m3 grid per 32 as they stage it: bit for bit the GEMV of the rows prepared in a
+    pass of their own (_linear_input), as before."""
+    w = GPU.prepare(_w(fmt, n, k, use, block=(128, 128) if fmt == "fp8" else (32, 32)))
+    x = cp.asarray(rnd(m, k) * np.exp(RNG.uniform(-4, 4, (m, 1))).astype(np.float32))
+    got = cp.asnumpy(GPU.linear(x, w))
+    want = cp.asnumpy(CupyOps.linear(GPU, GPU._linear_input(x, GPU._linear_xq(w)), w))
+    np.testing.assert_array_equal(got, want)
 
 
 def test_stacked_rows_of_mixed_uses_round_only_the_bf16_rows():

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU validation and profiling in device calls that fit the per-call limit: `bash
-# tools/dev/device_validate.sh 1|2|3|4|5` from the repo root on the device (carry the wheels in .whl).
+# tools/dev/device_validate.sh 1|2|3|4|5|6` from the repo root on the device (carry the wheels in .whl).
 # Every stage has its own timeout, capped by what is left of CAP seconds, and writes its log and a
 # line of summary under $OUT, so a call cut short still returns what finished.
 set -u
@@ -70,5 +70,17 @@ case ${1:-1} in
       --init models/demo-v41 --minutes 4 --device cuda
     mkdir -p "$OUT/draft" && cp /tmp/draft/config.json /tmp/draft/model-dspark.safetensors \
       /tmp/draft/model.safetensors.index.json $W/train.json "$OUT/draft/" 2>> "$OUT/summary.txt" ;;
+6)  # branch decode-fused-quant: the GEMVs that quantize x as they stage it (their tests, the linear and
+    # MoE suites they run under), then where a deepseek decode step, verify step and draft block spend
+    # their time, and bench's decode and DSpark tables under both numerics on the same machine
+    ckpt &
+    step t6_fused 240 python3 -m pytest -q -rf tests/gpu/test_gpu_deepseek_numerics.py tests/gpu/test_gpu_linear.py \
+      tests/gpu/test_gpu_moe.py tests/gpu/test_gpu_speculative.py
+    wait
+    for w in decode verify draft; do
+      step p6_$w 90 python3 tools/dev/gpu_profile.py timeline "$CKPT" --batch 1 --numerics deepseek --what $w
+    done
+    step b6_deepseek 150 $B --prefill 0 --batches 1,8,32 --numerics deepseek --speculative dspark
+    step b6_exact 150 $B --prefill 0 --batches 1,8,32 --numerics exact --speculative dspark ;;
 esac
 cat "$OUT/summary.txt"

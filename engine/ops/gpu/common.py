@@ -20,6 +20,17 @@ def _c32(x) -> cp.ndarray:
     return cp.ascontiguousarray(x, dtype=F32)
 
 
+def round_bf16(x: cp.ndarray) -> cp.ndarray:
+    """x rounded to bf16 (ties to even), as float32: a new array (kernels/elementwise.cu)."""
+    x = _c32(x)
+    y = cp.empty_like(x)
+    if y.size:
+        cols = x.shape[-1] if x.ndim else 1
+        K.function("elementwise", "round_bf16_rows")(_grid(y.size), (_ELT_BLOCK,), (
+            x, y, np.int64(y.size), np.int32(cols), np.int64(cols), np.int64(cols)))
+    return y
+
+
 def _grid(n: int, block: int = _ELT_BLOCK) -> tuple[int]:
     return (max(1, math.ceil(n / block)),)
 

@@ -8,13 +8,14 @@ GPU tests hold it to.
   their inputs (act_quant_fp8) and outputs (as stored) in their own passes.
 - linear(), by the weight's use (engine/model/numerics.py): an FP8 / FP4 weight takes the bf16
   activation quantized to e4m3 per 32 along K (UE8M0 scales) and returns bf16. Prompt chunks run
-  the e4m3 tensor-core GEMM (fp8_linear.py); up to TC_MAX_ROWS rows the GEMVs read the
-  fake-quantized activation, whose products they sum exactly in float32 (the same numbers up to
-  summation order). A bf16 weight takes and returns bf16; an fp32 one computes in fp32.
+  the e4m3 tensor-core GEMM (fp8_linear.py); up to TC_MAX_ROWS rows the GEMVs fake-quantize the
+  activation as they stage it (_linear_xq; kernels/dsuf_common.cuh linear_in4) and sum its products
+  exactly in float32 (the same numbers up to summation order). A bf16 weight takes and returns
+  bf16; an fp32 one computes in fp32.
 - the experts: the routing weight scales the hidden state before w2 (the reference's Expert.forward).
   A prompt chunk's FP8 / FP4 experts (past moe.gemv_grouping: tiles, not GEMV segments) run the grouped e4m3 GEMM
   (fp8_linear.fp8_grouped_linear) on activations quantized once per token row and once per hidden
-  row; decode's GEMV segments read the fake-quantized rows, as linear() does.
+  row; decode's GEMV segments fake-quantize the rows as they stage them, as linear() does.
 - attention and the indexer: the kernels' bf16 rounding points (CupyOps.bf16).
 """
 
@@ -25,10 +26,10 @@ import numpy as np
 
 from engine.model.numerics import BF16, QUANT
 from engine.ops import kernels as K
-from engine.ops.gpu.common import _ELT_BLOCK, F32, _c32, _grid
+from engine.ops.gpu.common import _ELT_BLOCK, F32, _c32, _grid, round_bf16
 from engine.ops.gpu.fork import joins_inputs, joins_late
 from engine.ops.gpu.fp8_linear import ACT_BLOCK, GROUPED_ROWS, TILE, act_quant_fp8, fp8_grouped_linear, fp8_linear
-from engine.ops.gpu.linear import TC_MAX_ROWS
+from engine.ops.gpu.linear import TC_MAX_ROWS, XQ_BF16, XQ_FP8, XQ_NONE
 from engine.ops.gpu.moe import gemv_grouping
 from engine.ops.gpu.ops import CupyOps
 from engine.ops.gpu.weights import GpuWeight
@@ -58,13 +59,7 @@ class DeepseekCupyOps(CupyOps):
     # ---- bf16 activations ------------------------------------------------------------
     def act(self, x: cp.ndarray) -> cp.ndarray:
         """x rounded to bf16 (ties to even), as float32: a new array."""
-        x = _c32(x)
-        y = cp.empty_like(x)
-        if y.size:
-            cols = x.shape[-1] if x.ndim else 1
-            K.function("elementwise", "round_bf16_rows")(_grid(y.size), (_ELT_BLOCK,), (
-                x, y, np.int64(y.size), np.int32(cols), np.int64(cols), np.int64(cols)))
-        return y
+        return round_bf16(x)
 
     def _round_cols(self, y: cp.ndarray, c0: int, c1: int) -> None:
         """Columns [c0, c1) of the C-contiguous 2-D y rounded to bf16 in place."""
@@ -106,7 +101,9 @@ class DeepseekCupyOps(CupyOps):
         if w.use == QUANT and a.shape[0] > TC_MAX_ROWS and _fp8_gemm_takes(w):
             y = fp8_linear(a, w, bf16=True)  # (bf16 in and out, in its own passes)
         else:
-            y = super().linear(self._linear_in(a, w), w)  # (bf16 out where _rounds_out says so)
+            # (x prepared as _linear_xq says, by the GEMVs as they stage it; bf16 out where
+            # _rounds_out says so)
+            y = super().linear(a, w, xq=self._linear_xq(w))
         if w.bf16_cols is not None:
             for c0, c1 in w.bf16_cols:
                 self._round_cols(y, c0, c1)
@@ -176,25 +173,22 @@ class DeepseekCupyOps(CupyOps):
             out, cp.ones(ids.shape, F32), inv, y, np.int64(y.size), np.int32(ids.shape[1]), np.int32(d)))
         return self.act(self._plus_shared(y, shared))
 
-    def _linear_in(self, x: cp.ndarray, w: GpuWeight) -> cp.ndarray:
-        """x as the reference's linear() hands it to w's GEMM: bf16, then e4m3 per 32 for FP8 / FP4
-        (one pass where K is whole blocks)."""
-        if w.use == QUANT and x.shape[-1] % ACT_BLOCK == 0:
-            return self._fake_quant_fp8(x, ACT_BLOCK, bf16_first=True)
-        return self.act(x)
-
-    def _experts_in(self, x: cp.ndarray, w1: GpuWeight) -> cp.ndarray:
-        """The tokens' rows prepared once, before the gather (the quantization is per row)."""
-        return self._linear_in(x, w1)
+    def _linear_xq(self, w: GpuWeight) -> int:
+        """x as the reference's linear() hands it to w's GEMM, for the GEMVs to prepare as they stage
+        it (or _linear_input in a pass of its own): FP8 / FP4 weights take bf16 rows on the e4m3 grid
+        per 32 (where K is whole blocks), the others bf16 rows; untagged weights x as given."""
+        if w.use is None:
+            return XQ_NONE
+        return XQ_FP8 if w.use == QUANT and w.shape[1] % ACT_BLOCK == 0 else XQ_BF16
 
     def _experts_hidden(self, hidden: cp.ndarray, weights: cp.ndarray, order,
                         w2: GpuWeight) -> tuple[cp.ndarray, cp.ndarray]:
-        """bf16(hidden * routing weight), prepared for w2; the combine then adds the experts'
-        outputs with weight 1."""
+        """bf16(hidden * routing weight) (w2's GEMV quantizes it as it stages it); the combine then
+        adds the experts' outputs with weight 1."""
         if hidden.size:
             K.function("elementwise", "moe_weight_rows")(_grid(hidden.size), (_ELT_BLOCK,), (
                 hidden, weights, order, np.int64(hidden.size), np.int32(hidden.shape[1])))
-        return self._linear_in(hidden, w2), cp.ones(weights.shape, F32)
+        return hidden, cp.ones(weights.shape, F32)
 
     # ---- attention and the indexer: bf16 q, K=V and probabilities ---------------------------
     def attention_ranges(self, q: cp.ndarray, keys: cp.ndarray, lo, hi, entries: cp.ndarray | None,

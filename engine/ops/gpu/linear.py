@@ -21,7 +21,7 @@ import cupy as cp
 import numpy as np
 
 from engine.ops import kernels as K
-from engine.ops.gpu.common import F32, _c32, _ptr, _sm_count
+from engine.ops.gpu.common import F32, _c32, _ptr, _sm_count, round_bf16
 from engine.ops.gpu.weights import _EPC, _FMT_TAG, GEMV_MAX_ROWS, GpuWeight
 from engine.ops.kernels import FMT_BF16, FMT_F32, FMT_FP4, FMT_FP8
 
@@ -72,6 +72,17 @@ def _gemvx_ok(a: cp.ndarray, w: GpuWeight, segs) -> bool:
     if _gemvx_smem(w.fmt, w.shape[1]) > GEMVX_MAX_SMEM:
         return False
     return _x_rows_aligned(a, segs)
+
+
+# A linear's input under --numerics deepseek (_run_linear's xq; kernels/dsuf_common.cuh linear_in4):
+# as given, rounded to bf16, or rounded to bf16 and put on the e4m3 grid per 32 along K (act_quant)
+XQ_NONE, XQ_BF16, XQ_FP8 = 0, 1, 2
+
+
+def _xq_staged(a: cp.ndarray, segs) -> bool:
+    """Whether the kernels that stage x can quantize it there: each segment's columns start on a
+    block of 32 (a device-built MoE table starts at column 0)."""
+    return isinstance(segs, cp.ndarray) or all(s[3] % 32 == 0 for s in segs)
 
 
 def _x_rows_aligned(a: cp.ndarray, segs) -> bool:
@@ -176,11 +187,14 @@ class LinearOps:
 
     def _run_linear(self, a: cp.ndarray, y: cp.ndarray, n: int, k: int, segs,
                     wptrs: cp.ndarray, sptrs: cp.ndarray, w: GpuWeight, max_rows: int, lda: int | None = None,
-                    bf: bool = False) -> None:
+                    bf: bool = False, xq: int = XQ_NONE) -> None:
         """Launch the tensor-core GEMV (FP8 / FP4, 2 <= max_rows <= 32), the GEMV (max_rows <= 8) or
         a GEMM kernel (FP8 / FP4 on tensor cores: gemm_tc; else gemm) over a segment table (a list
         of (weight, row0, rows, a_col, y_col), or that table already on the device). lda = 0 (with
-        max_rows 1): every segment reads a's row 0. bf: the outputs rounded to bf16 as stored."""
+        max_rows 1): every segment reads a's row 0. bf: the outputs rounded to bf16 as stored. xq: a's
+        rows as a linear's input under --numerics deepseek (XQ_BF16, XQ_FP8; kernels/dsuf_common.cuh
+        linear_in4): the one-row GEMVs and tc_split_x apply it as they stage x, the others read a
+        prepared copy."""
         tag = _FMT_TAG[w.fmt]
         seg = segs if isinstance(segs, cp.ndarray) else self._segs_device(segs)
         nseg = seg.size // 5
@@ -188,12 +202,15 @@ class LinearOps:
             raise ValueError("_run_linear: a row stride override needs one-row segments")
         args = (a, np.int32(a.shape[1] if lda is None else lda), y, np.int32(y.shape[1]), np.int32(n), np.int32(k),
                 seg, wptrs, sptrs, np.int32(w.block[0]), np.int32(w.block[1]), np.int32(w.gk), np.int32(bf))
+        if xq == XQ_FP8 and not _xq_staged(a, segs):  # (blocks of 32 the staging warps cannot hold)
+            a, xq = self._linear_input(a, xq), XQ_NONE
+            args = (a, *args[1:])
         # (the tensor-core GEMV reads x in 128-column groups: segments must start on one)
         if _gemvr_ok(a, w, segs, nseg, max_rows):
-            self._run_reg(args, n, k, seg, nseg, w, constant=not isinstance(segs, cp.ndarray))
+            self._run_reg(args, n, k, seg, nseg, w, constant=not isinstance(segs, cp.ndarray), xq=xq)
         elif (TC_MIN_ROWS.get(w.fmt, 99) <= max_rows <= TC_MAX_ROWS and _tc_ok(w, a.shape[1])
                 and (isinstance(segs, cp.ndarray) or all(s[3] % 128 == 0 for s in segs))):
-            self._run_tc(a, y, n, k, seg, wptrs, sptrs, w, max_rows, bf)
+            self._run_tc(a, y, n, k, seg, wptrs, sptrs, w, max_rows, bf, xq)
         elif max_rows == 1 and _gemvx_ok(a, w, segs):
             smem = _gemvx_smem(w.fmt, k)
             fn = K.function_with_smem("linear", f"gemvx_{tag}", GEMVX_MAX_SMEM)
@@ -209,23 +226,38 @@ class LinearOps:
             if not isinstance(segs, cp.ndarray):
                 chunk = (8 // kw) * GEMVX_RPW[w.fmt] * w.row_bytes()  # one block's row groups per pass
                 pf = min(-(-nbi // blocks), max(1, GEMVX_PREFETCH_BYTES // (blocks * nseg * chunk)))
-            K.launch(fn, (blocks, nseg), (256,), (*args, np.int32(kw), np.int32(pf)), shared_mem=smem, pdl=True)
+            K.launch(fn, (blocks, nseg), (256,), (*args, np.int32(kw), np.int32(pf), np.int32(xq)), shared_mem=smem,
+                     pdl=True)
         elif max_rows <= GEMV_MAX_ROWS:
+            if xq:
+                args = (self._linear_input(a, xq), *args[1:])
             mt = 1 if max_rows <= 1 else 2 if max_rows <= 2 else 4 if max_rows <= 4 else 8
             rpw = 4
             kw = _gemv_split(n, k // _EPC[w.fmt], rpw, nseg)
             fn = K.function("linear", f"gemv_{tag}_m{mt}")
             fn((math.ceil(n / (rpw * 8 // kw)), nseg), (256,), (*args, np.int32(kw)))
         elif _gemm_tc_ok(w, a.shape[1]) and (isinstance(segs, cp.ndarray) or all(s[3] % 128 == 0 for s in segs)):
-            xs, xinv = self._tc_split_x(a, w.fmt == FMT_FP4)  # (in place of x; gemm's other arguments)
+            xs, xinv = self._tc_split_x(a, w.fmt == FMT_FP4, xq)  # (in place of x; gemm's other arguments)
             K.function_with_smem("gemv_tc", f"gemm_tc_{tag}", GEMM_TC_SMEM)(
                 (math.ceil(n / GEMM_TC_TILE_N), nseg), (256,), (xs, xinv, *args[1:]), shared_mem=GEMM_TC_SMEM)
         else:  # (BF16 / f32 weights, and block shapes or x columns gemm_tc cannot read)
+            if xq:
+                args = (self._linear_input(a, xq), *args[1:])
             fn = K.function("linear", f"gemm_{tag}")
             fn((math.ceil(n / GEMM_TILE), nseg), (128,), args)
 
+    def _linear_xq(self, w: GpuWeight) -> int:
+        """How w's linear takes its input (_run_linear's xq): as given here; DeepseekCupyOps by use."""
+        return XQ_NONE
+
+    def _linear_input(self, a: cp.ndarray, xq: int) -> cp.ndarray:
+        """a's rows as a linear's input (xq), in a pass of their own: for the kernels that read x
+        as it is stored."""
+        return self._fake_quant_fp8(a, 32, bf16_first=True) if xq == XQ_FP8 else round_bf16(a)
+
     @staticmethod
-    def _run_reg(args: tuple, n: int, k: int, seg: cp.ndarray, nseg: int, w: GpuWeight, constant: bool) -> None:
+    def _run_reg(args: tuple, n: int, k: int, seg: cp.ndarray, nseg: int, w: GpuWeight, constant: bool,
+                 xq: int = XQ_NONE) -> None:
         """Register-fed tensor-core GEMV over one-row segments (configuration: _gemvr_config); blocks
         stride over the 16-row tiles. constant: the segment table is ours, so blocks may load weights
         early (PDL)."""
@@ -236,13 +268,14 @@ class LinearOps:
         per_sm = _blocks_per_sm(fn, smem)
         nbi = -(-tiles // (8 // kw))
         blocks = max(1, min(nbi, _sm_count() * per_sm // nseg))
-        K.launch(fn, (blocks, nseg), (256,), (*args, np.int32(kw), np.int32(1 if constant else 0)),
+        K.launch(fn, (blocks, nseg), (256,), (*args, np.int32(kw), np.int32(1 if constant else 0), np.int32(xq)),
                  shared_mem=smem, pdl=True)
 
     def _run_tc(self, a: cp.ndarray, y: cp.ndarray, n: int, k: int, seg: cp.ndarray,
-                wptrs: cp.ndarray, sptrs: cp.ndarray, w: GpuWeight, max_rows: int, bf: bool = False) -> None:
+                wptrs: cp.ndarray, sptrs: cp.ndarray, w: GpuWeight, max_rows: int, bf: bool = False,
+                xq: int = XQ_NONE) -> None:
         """Tensor-core GEMV: split x into scaled hi / lo f16 terms, then one launch over the segments."""
-        xs, xinv = self._tc_split_x(a, w.fmt == FMT_FP4)
+        xs, xinv = self._tc_split_x(a, w.fmt == FMT_FP4, xq)
         nt = 1 if max_rows <= 8 else 2 if max_rows <= 16 else 4
         fn = K.function_with_smem("gemv_tc", f"tcgemv_{_FMT_TAG[w.fmt]}_n{nt}", TC_SMEM)
         tiles, nseg = -(-n // 16), seg.size // 5
@@ -253,14 +286,16 @@ class LinearOps:
            shared_mem=TC_SMEM)
 
     @staticmethod
-    def _tc_split_x(a: cp.ndarray, fp4: bool) -> tuple[cp.ndarray, cp.ndarray]:
+    def _tc_split_x(a: cp.ndarray, fp4: bool, xq: int = XQ_NONE) -> tuple[cp.ndarray, cp.ndarray]:
         """x [m, lda] -> its hi / lo f16 terms in the tensor-core GEMV's order, and the inverse
-        power-of-two scale of each 128-element group (kernels/gemv_tc.cu tc_split_x)."""
+        power-of-two scale of each 128-element group (kernels/gemv_tc.cu tc_split_x); xq: x as a
+        linear's input (_run_linear)."""
         m, lda = a.shape
         ngx = -(-lda // 128)
         xs = cp.empty(m * lda, dtype=cp.uint32)
         xinv = cp.empty((m, ngx), dtype=F32)
-        K.function("gemv_tc", "tc_split_x")((-(-ngx // 8), m), (256,), (a, np.int32(lda), xs, xinv, np.int32(fp4)))
+        K.function("gemv_tc", "tc_split_x")((-(-ngx // 8), m), (256,), (
+            a, np.int32(lda), xs, xinv, np.int32(fp4), np.int32(xq)))
         return xs, xinv
 
     def _segs_device(self, segs) -> cp.ndarray:
@@ -287,8 +322,9 @@ class LinearOps:
         segs = [(w_index, row0 + r, min(step, rows - r), a_col, y_col) for r in range(0, rows, step)]
         return segs, min(rows, step)
 
-    def linear(self, x: cp.ndarray, w) -> cp.ndarray:
-        """y = x @ w.T with w [out, in] (a GpuWeight in any stored format)."""
+    def linear(self, x: cp.ndarray, w, xq: int = XQ_NONE) -> cp.ndarray:
+        """y = x @ w.T with w [out, in] (a GpuWeight in any stored format); xq: x taken as a linear's
+        input under --numerics deepseek (_run_linear)."""
         if not isinstance(w, GpuWeight):
             w = self.prepare(w)
         n, k = w.shape
@@ -300,11 +336,11 @@ class LinearOps:
             return y.reshape(*lead, n)
         bf = self._rounds_out(w)
         if not w.kernel_ok(m):  # (rows our kernels cannot read in 16-byte chunks: GpuWeight.kernel_ok)
-            y = a @ w.dequant().T
+            y = (self._linear_input(a, xq) if xq else a) @ w.dequant().T
             return (self.act(y) if bf else y).reshape(*lead, n)
         segs, mr = self._row_segments(m, fmt=w.fmt)
         wp, sp = w.ptr_tables()
-        self._run_linear(a, y, n, k, segs, wp, sp, w, mr, bf=bf)
+        self._run_linear(a, y, n, k, segs, wp, sp, w, mr, bf=bf, xq=xq)
         return y.reshape(*lead, n)
 
     def _rounds_out(self, w: GpuWeight) -> bool:

@@ -187,8 +187,9 @@ class MoeOps:
         # stands in for the gathered rows (one-row segments only: the GEMV kernels)
         shared_row = x.shape[0] == 1 and max_rows == 1
         (w1, p1, s1), (w2, p2, s2), (w3, p3, s3) = tabs[:3]
-        xin = self._experts_in(x, w1)
-        xp_rows, lda = (xin, 0) if shared_row else (xin[gather], None)
+        # (the rows as given: w1 / w3's kernels prepare them as linear() would, _linear_xq)
+        xp_rows, lda = (x, 0) if shared_row else (x[gather], None)
+        xq1, xq2 = self._linear_xq(w1), self._linear_xq(w2)
         inter = w1.shape[0]
         if doubled:
             segs_gu, segs = segs, segs[: segs.size // 2]
@@ -203,24 +204,21 @@ class MoeOps:
         if len(tabs) > 3:  # gate and up in one launch: w3's segments index the second half of the
             # table and write columns inter.. of one [P, 2 * inter] output (x split once, twice the blocks)
             gu = cp.empty((p, 2 * inter), F32)
-            self._run_linear(xp_rows, gu, inter, d, segs_gu, tabs[3][1], tabs[3][2], w1, max_rows, lda, bf=self.bf16)
+            self._run_linear(xp_rows, gu, inter, d, segs_gu, tabs[3][1], tabs[3][2], w1, max_rows, lda, bf=self.bf16,
+                             xq=xq1)
             hidden = self._swiglu_pairs(gu, inter, limit)
         else:
             gate = cp.empty((p, inter), F32)
             up = cp.empty((p, inter), F32)
-            self._run_linear(xp_rows, gate, inter, d, segs, p1, s1, w1, max_rows, lda, bf=self.bf16)
-            self._run_linear(xp_rows, up, inter, d, segs, p3, s3, w3, max_rows, lda, bf=self.bf16)
+            self._run_linear(xp_rows, gate, inter, d, segs, p1, s1, w1, max_rows, lda, bf=self.bf16, xq=xq1)
+            self._run_linear(xp_rows, up, inter, d, segs, p3, s3, w3, max_rows, lda, bf=self.bf16, xq=xq1)
             hidden = self._swiglu(gate, up, limit)
         hidden, weights = self._experts_hidden(hidden, _c32(weights), order, w2)
-        self._run_linear(hidden, out, d, inter, segs, p2, s2, w2, max_rows, bf=self.bf16)  # (the experts' bf16 out)
+        self._run_linear(hidden, out, d, inter, segs, p2, s2, w2, max_rows, bf=self.bf16, xq=xq2)  # (bf16 out)
         y = cp.empty_like(x)
         K.function("elementwise", "moe_combine")(_grid(y.size), (_ELT_BLOCK,), (
             out, weights, inv, y, np.int64(y.size), np.int32(k), np.int32(d)))
         return self.act(self._plus_shared(y, shared))
-
-    def _experts_in(self, x: cp.ndarray, w1: GpuWeight) -> cp.ndarray:
-        """The experts' input rows as their w1 / w3 kernels read them (DeepseekCupyOps: quantized)."""
-        return x
 
     def _experts_hidden(self, hidden: cp.ndarray, weights: cp.ndarray, order,
                         w2: GpuWeight) -> tuple[cp.ndarray, cp.ndarray]:
