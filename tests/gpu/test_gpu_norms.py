@@ -71,8 +71,11 @@ def test_norm_rope_quant(shape, pairs, norm, codec, keep, strided):
 
 
 # hc 4: the fused one-launch kernel (hc_mix, also every hc_head_pre); 3, 8: two launches, a serial finish.
-# d 1000: the last 512-float slice is partial.
-@pytest.mark.parametrize("t,hc,d", [(1, 4, 5120), (6, 4, 5120), (3, 4, 1000), (2, 3, 5120), (2, 8, 5120)])
+# d 1000: the last 512-float slice is partial. From HC_ROWS_MIN tokens (a prompt chunk) the partials of
+# hc 3 and 4 take hc_mix_partial_rows: 200 tokens (a partial block of 32), d 1000 (a partial 128-float
+# slice).
+@pytest.mark.parametrize("t,hc,d", [(1, 4, 5120), (6, 4, 5120), (3, 4, 1000), (2, 3, 5120), (2, 8, 5120),
+                                    (200, 4, 5120), (70, 4, 1000), (64, 3, 5120), (64, 8, 1024)])
 def test_hc_mixes_and_head(t, hc, d):
     nm = (2 + hc) * hc
     h = rnd(t, hc, d)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU validation and profiling in device calls that fit the per-call limit: `bash
-# tools/dev/device_validate.sh 1|2|3|4|5` from the repo root on the device (carry the wheels in .whl).
+# tools/dev/device_validate.sh 1|2|3|4|5|7` from the repo root on the device (carry the wheels in .whl).
 # Every stage has its own timeout, capped by what is left of CAP seconds, and writes its log and a
 # line of summary under $OUT, so a call cut short still returns what finished.
 set -u
@@ -70,5 +70,12 @@ case ${1:-1} in
       --init models/demo-v41 --minutes 4 --device cuda
     mkdir -p "$OUT/draft" && cp /tmp/draft/config.json /tmp/draft/model-dspark.safetensors \
       /tmp/draft/model.safetensors.index.json $W/train.json "$OUT/draft/" 2>> "$OUT/summary.txt" ;;
+7)  # branch hc-mix-chunk: the mHC tests, then a deepseek prompt chunk's device time per kernel
+    # (hc_mix_partial_rows + hc_mixes against hc_mix) and the 65,536-token prefill
+    ckpt &
+    step t7_norms 150 python3 -m pytest -q -rf tests/gpu/test_gpu_norms.py
+    wait
+    step p7_chunk 150 python3 tools/dev/gpu_profile.py prefill "$CKPT" --context 4096 --chunk 4096 --numerics deepseek
+    step b7_prefill 150 $B --prefill 65536 --batches 1 --numerics deepseek --speculative off ;;
 esac
 cat "$OUT/summary.txt"
