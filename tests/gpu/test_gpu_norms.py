@@ -105,6 +105,15 @@ def test_hc_collapse_expand():
     assert rel(got, REF.hc_expand(out, h, post, comb)) < F32_TOL
 
 
+# a thread per 4 columns of a token, every stream: widths past one block of 256 x 4 (1028), a
+# prompt chunk's tokens, 3 and 8 streams
+@pytest.mark.parametrize("t,hc,d", [(1, 4, 256), (300, 4, 1028), (7, 3, 5120), (2, 8, 4096)])
+def test_hc_expand_shapes(t, hc, d):
+    res, post, comb, out = rnd(t, hc, d), rnd(t, hc), rnd(t, hc, hc), rnd(t, d)
+    got = GPU.hc_expand(cp.asarray(out), cp.asarray(res), cp.asarray(post), cp.asarray(comb))
+    assert rel(got, REF.hc_expand(out, res, post, comb)) < F32_TOL
+
+
 def test_engram_mix():
     t, hc, d = 6, 4, 5120
     h, key, value, qk = rnd(t, hc, d), rnd(t, hc, d), rnd(t, d), rnd(hc, d)

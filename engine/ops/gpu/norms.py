@@ -203,9 +203,10 @@ class NormOps:
 
     def hc_expand(self, out: cp.ndarray, residual: cp.ndarray, post: cp.ndarray, comb: cp.ndarray) -> cp.ndarray:
         t, hc, d = residual.shape
+        if d % 4 or hc > 8:
+            raise ValueError(f"hc_expand takes widths in multiples of 4 and up to 8 streams (got {hc} x {d})")
         y = cp.empty((t, hc, d), F32)
         if y.size:
-            K.function("elementwise", "hc_expand")(_grid(y.size), (_ELT_BLOCK,), (
-                _c32(out), _c32(residual), _c32(post), _c32(comb), y, np.int64(y.size), np.int32(hc), np.int32(d),
-                np.int32(self.bf16)))
+            K.function("elementwise", "hc_expand")((t, -(-(d // 4) // _ELT_BLOCK)), (_ELT_BLOCK,), (
+                _c32(out), _c32(residual), _c32(post), _c32(comb), y, np.int32(hc), np.int32(d), np.int32(self.bf16)))
         return y
