@@ -71,11 +71,13 @@ case ${1:-1} in
     mkdir -p "$OUT/draft" && cp /tmp/draft/config.json /tmp/draft/model-dspark.safetensors \
       /tmp/draft/model.safetensors.index.json $W/train.json "$OUT/draft/" 2>> "$OUT/summary.txt" ;;
 7)  # branch hc-mix-chunk: the mHC tests, then a deepseek prompt chunk's device time per kernel
-    # (hc_mix_partial_rows + hc_mixes against hc_mix) and the 65,536-token prefill
+    # (hc_mix_partial_rows + hc_mixes against hc_mix; hc_expand), a decode step's (hc_expand), and
+    # bench's prefill and decode
     ckpt &
-    step t7_norms 150 python3 -m pytest -q -rf tests/gpu/test_gpu_norms.py
+    step t7_norms 150 python3 -m pytest -q -rf tests/gpu/test_gpu_norms.py tests/gpu/test_gpu_deepseek_numerics.py
     wait
-    step p7_chunk 150 python3 tools/dev/gpu_profile.py prefill "$CKPT" --context 4096 --chunk 4096 --numerics deepseek
-    step b7_prefill 150 $B --prefill 65536 --batches 1 --numerics deepseek --speculative off ;;
+    step p7_chunk 120 python3 tools/dev/gpu_profile.py prefill "$CKPT" --context 4096 --chunk 4096 --numerics deepseek
+    step p7_decode 90 python3 tools/dev/gpu_profile.py timeline "$CKPT" --batch 1
+    step b7_bench 150 $B --prefill 4096,65536 --batches 1,8,32 --numerics deepseek --speculative off ;;
 esac
 cat "$OUT/summary.txt"
