@@ -70,11 +70,12 @@ case ${1:-1} in
       --init models/demo-v41 --minutes 4 --device cuda
     mkdir -p "$OUT/draft" && cp /tmp/draft/config.json /tmp/draft/model-dspark.safetensors \
       /tmp/draft/model.safetensors.index.json $W/train.json "$OUT/draft/" 2>> "$OUT/summary.txt" ;;
-7)  # branch hc-mix-chunk: the mHC tests, then a deepseek prompt chunk's device time per kernel
+7)  # branch chunk-kernels: the mHC and act_quant tests, then a deepseek prompt chunk's device time per kernel
     # (hc_mix_partial_rows + hc_mixes against hc_mix; hc_expand), a decode step's (hc_expand), and
     # bench's prefill and decode
     ckpt &
-    step t7_norms 150 python3 -m pytest -q -rf tests/gpu/test_gpu_norms.py tests/gpu/test_gpu_deepseek_numerics.py
+    step t7_tests 200 python3 -m pytest -q -rf tests/gpu/test_gpu_norms.py tests/gpu/test_gpu_fp8_gemm.py \
+      tests/gpu/test_gpu_deepseek_numerics.py
     wait
     step p7_chunk 120 python3 tools/dev/gpu_profile.py prefill "$CKPT" --context 4096 --chunk 4096 --numerics deepseek
     step p7_decode 90 python3 tools/dev/gpu_profile.py timeline "$CKPT" --batch 1
