@@ -129,6 +129,55 @@ extern "C" __global__ void __launch_bounds__(256) hc_mix_partial(const float* __
   }
 }
 
+// 1'. hc_mix_partial_rows (prompt chunks: T >= HC_ROWS_MIN, NM < 32, F % 4 == 0), grid
+//     (ceil(T / HCR_T), ceil(F / HCR_SL)), block 256: the same partials for HCR_T tokens at once, so a
+//     slice of fn's rows is read once per HCR_T tokens rather than once per token (hc_mix_partial and
+//     hc_mix re-read the 2 MB of fn from L2 for every token). The block stages its tokens' slice of
+//     x and the fn rows' slice in shared memory; thread (token r = tid / 8, g = tid % 8) sums values
+//     m = g, g + 8, g + 16, g + 24 (m < NM: a dot with fn row m; m == NM: the sum of squares) over the
+//     slice in k order.
+#define HCR_T 32    // tokens per block
+#define HCR_SL 128  // floats of F per block
+extern "C" __global__ void __launch_bounds__(256) hc_mix_partial_rows(const float* __restrict__ h,
+                                                                      const float* __restrict__ fn, int T, int F,
+                                                                      int NM, float* __restrict__ part) {
+  constexpr int C4 = HCR_SL / 4;            // float4 columns of the slice
+  __shared__ float4 xs[HCR_T][C4 + 1];      // (+1: a row's float4s start 4 banks after the last's)
+  __shared__ float4 fs[32][C4 + 1];
+  const int t0 = blockIdx.x * HCR_T, s = blockIdx.y, S = gridDim.y, k0 = s * HCR_SL;
+  for (int i = threadIdx.x; i < HCR_T * C4; i += 256) {
+    const int r = i / C4, c = i % C4, t = t0 + r, k = k0 + 4 * c;
+    xs[r][c] = t < T && k < F ? __ldg((const float4*)(h + (size_t)t * F + k)) : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  for (int i = threadIdx.x; i < NM * C4; i += 256) {
+    const int m = i / C4, c = i % C4, k = k0 + 4 * c;
+    fs[m][c] = k < F ? __ldg((const float4*)(fn + (size_t)m * F + k)) : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  __syncthreads();
+  const int r = threadIdx.x >> 3, g = threadIdx.x & 7;
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4
+  for (int c = 0; c < C4; ++c) {
+    const float4 x = xs[r][c];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int m = g + 8 * j;
+      if (m <= NM) {
+        const float4 f = m < NM ? fs[m][c] : x;
+        acc[j] += x.x * f.x + x.y * f.y + x.z * f.z + x.w * f.w;
+      }
+    }
+  }
+  const int t = t0 + r;
+  if (t < T) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int m = g + 8 * j;
+      if (m <= NM) part[((size_t)t * S + s) * (NM + 1) + m] = acc[j];
+    }
+  }
+}
+
 // mode-0 finish for hc a power of two with hc*hc <= 32: lane l holds comb[i = l / hc][j = l % hc]; row sums
 // are xor-shuffles over offsets < hc, column sums over offsets hc .. hc*hc/2 (both stay inside the active
 // lanes, so the idle lanes' values never mix in), instead of one thread's serial chain of Sinkhorn
@@ -365,21 +414,38 @@ extern "C" __global__ void hc_collapse(const float* __restrict__ h, const float*
   out[i] = s;
 }
 
-// new[t, k, d] = post[t, k] * out[t, d] + sum_j comb[t, j, k] * res[t, j, d]
-extern "C" __global__ void hc_expand(const float* __restrict__ out, const float* __restrict__ res,
-                                     const float* __restrict__ post, const float* __restrict__ comb,
-                                     float* __restrict__ y, long long total, int hc, int D, int bf) {
+// new[t, k, d] = post[t, k] * out[t, d] + sum_j comb[t, j, k] * res[t, j, d] (the sum in order of j).
+// grid (T, ceil(D / 4 / 256)), block 256, D % 4 == 0, hc <= 8: a thread takes 4 columns d of token t
+// for every k, so each residual and output value is read once (a thread per output element read
+// each residual value hc times and divided 64-bit indices).
+extern "C" __global__ void __launch_bounds__(256) hc_expand(const float* __restrict__ out,
+                                                            const float* __restrict__ res,
+                                                            const float* __restrict__ post,
+                                                            const float* __restrict__ comb, float* __restrict__ y,
+                                                            int hc, int D, int bf) {
   dsuf_launch_dependents();
-  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= total) return;
-  const int d = (int)(i % D);
-  const long long tk = i / D;
-  const int k = (int)(tk % hc);
-  const long long t = tk / hc;
-  float s = 0.f;
-  for (int j = 0; j < hc; ++j) s += comb[(t * hc + j) * hc + k] * res[(t * hc + j) * D + d];
-  const float o = post[t * hc + k] * out[t * D + d] + s;
-  y[i] = bf ? round_bf16f(o) : o;
+  const int c = blockIdx.y * blockDim.x + threadIdx.x, D4 = D >> 2;
+  if (c >= D4) return;
+  const size_t t = blockIdx.x;
+  float4 r[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+    if (j < hc) r[j] = __ldg((const float4*)(res + (t * hc + j) * D) + c);
+  const float4 o = __ldg((const float4*)(out + t * D) + c);
+  for (int k = 0; k < hc; ++k) {
+    float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      if (j < hc) {
+        const float w = comb[(t * hc + j) * hc + k];
+        s.x += w * r[j].x, s.y += w * r[j].y, s.z += w * r[j].z, s.w += w * r[j].w;
+      }
+    }
+    const float p = post[t * hc + k];
+    float4 v = make_float4(p * o.x + s.x, p * o.y + s.y, p * o.z + s.z, p * o.w + s.w);
+    if (bf) v = make_float4(round_bf16f(v.x), round_bf16f(v.y), round_bf16f(v.z), round_bf16f(v.w));
+    *((float4*)(y + (t * hc + k) * D) + c) = v;
+  }
 }
 
 // Engram gate, one (t, stream) row per block: h + sigmoid(signed sqrt(dot)) * value[t].

@@ -2,9 +2,9 @@
 // cores: activations quantized to e4m3 with a UE8M0 scale per 32 along K, times e4m3 weights with
 // an f32 scale per (bn x bk) block, f32 out.
 //
-// act_quant_fp8: one warp per 32-element block of a row: amax, scale = 2**ceil(log2(max(amax,
-// 1e-4) / 448)), codes = e4m3(x / scale) (round to nearest even, saturating), bit-exact with
-// engine/ops/numpy_ops.py fake_quant_fp8.
+// act_quant_fp8: 8 lanes per 32-element block of a row, 4 elements each (16-byte loads, 4-byte
+// stores): amax, scale = 2**ceil(log2(max(amax, 1e-4) / 448)), codes = e4m3(x / scale) (round to
+// nearest even, saturating), bit-exact with engine/ops/numpy_ops.py fake_quant_fp8.
 //
 // Y[M, N] = sum over K of (A codes * A scales) (W values * W scales), W e4m3 with an f32 scale per
 // (bn x bk) block, or e2m1 (FP4 experts) with a UE8M0 scale per row and 32 along K, decoded exactly
@@ -15,20 +15,30 @@
 #include "fp8_mma.cuh"
 #include "fp8_wgmma.cuh"
 
+// grid (ceil(M * K / 4 / 256)), block 256; K % 32 == 0, ldx % 4 == 0.
 extern "C" __global__ void act_quant_fp8(const float* __restrict__ x, int ldx, u8* __restrict__ codes,
                                          float* __restrict__ scales, int M, int K, int bf) {
-  const int nb = K / 32;
-  const long long blk = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  if (blk >= (long long)M * nb) return;
-  const int lane = threadIdx.x & 31, m = (int)(blk / nb), b = (int)(blk % nb);
-  const float x0 = x[(size_t)m * ldx + 32 * b + lane], v = bf ? round_bf16f(x0) : x0;
-  float amax = fabsf(v);
+  const int q4 = K / 4;  // quads of a row: a multiple of 8, so a block's 8 lanes share a row
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const bool live = i < (long long)M * q4;  // (dead lanes still join their warp's shuffles)
+  const int m = live ? (int)(i / q4) : 0, c = live ? (int)(i % q4) : 0;
+  float4 v = live ? __ldg((const float4*)(x + (size_t)m * ldx) + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+  if (bf) v = make_float4(round_bf16f(v.x), round_bf16f(v.y), round_bf16f(v.z), round_bf16f(v.w));
+  float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
 #pragma unroll
-  for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
   const float s = pow2_ceil(fmaxf(amax, 1e-4f) * (1.0f / 448.0f));
-  const float q = fminf(fmaxf(v / s, -448.f), 448.f);
-  codes[(size_t)m * K + 32 * b + lane] = (u8)(e4m3_code(fabsf(q)) | ((__float_as_uint(q) >> 31) << 7));
-  if (lane == 0) scales[(size_t)m * nb + b] = s;
+  const float e[4] = {v.x, v.y, v.z, v.w};
+  u32 word = 0;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float q = fminf(fmaxf(e[j] / s, -448.f), 448.f);
+    word |= (e4m3_code(fabsf(q)) | ((__float_as_uint(q) >> 31) << 7)) << (8 * j);
+  }
+  if (live) {
+    *(u32*)(codes + (size_t)m * K + 4 * c) = word;
+    if ((c & 7) == 0) scales[(size_t)m * (K / 32) + c / 8] = s;
+  }
 }
 
 #define DENSE_ARGS                                                                                            \

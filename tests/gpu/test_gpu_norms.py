@@ -71,8 +71,11 @@ def test_norm_rope_quant(shape, pairs, norm, codec, keep, strided):
 
 
 # hc 4: the fused one-launch kernel (hc_mix, also every hc_head_pre); 3, 8: two launches, a serial finish.
-# d 1000: the last 512-float slice is partial.
-@pytest.mark.parametrize("t,hc,d", [(1, 4, 5120), (6, 4, 5120), (3, 4, 1000), (2, 3, 5120), (2, 8, 5120)])
+# d 1000: the last 512-float slice is partial. From HC_ROWS_MIN tokens (a prompt chunk) the partials of
+# hc 3 and 4 take hc_mix_partial_rows: 200 tokens (a partial block of 32), d 1000 (a partial 128-float
+# slice).
+@pytest.mark.parametrize("t,hc,d", [(1, 4, 5120), (6, 4, 5120), (3, 4, 1000), (2, 3, 5120), (2, 8, 5120),
+                                    (200, 4, 5120), (70, 4, 1000), (64, 3, 5120), (64, 8, 1024)])
 def test_hc_mixes_and_head(t, hc, d):
     nm = (2 + hc) * hc
     h = rnd(t, hc, d)
@@ -100,6 +103,15 @@ def test_hc_collapse_expand():
         assert rel(got, REF.hc_collapse_norm(h, pre, wt, 1e-6)) < F32_TOL
     got = GPU.hc_expand(cp.asarray(out), cp.asarray(h), cp.asarray(post), cp.asarray(comb))
     assert rel(got, REF.hc_expand(out, h, post, comb)) < F32_TOL
+
+
+# a thread per 4 columns of a token, every stream: widths past one block of 256 x 4 (1028), a
+# prompt chunk's tokens, 3 and 8 streams
+@pytest.mark.parametrize("t,hc,d", [(1, 4, 256), (300, 4, 1028), (7, 3, 5120), (2, 8, 4096)])
+def test_hc_expand_shapes(t, hc, d):
+    res, post, comb, out = rnd(t, hc, d), rnd(t, hc), rnd(t, hc, hc), rnd(t, d)
+    got = GPU.hc_expand(cp.asarray(out), cp.asarray(res), cp.asarray(post), cp.asarray(comb))
+    assert rel(got, REF.hc_expand(out, res, post, comb)) < F32_TOL
 
 
 def test_engram_mix():

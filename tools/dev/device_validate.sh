@@ -70,17 +70,22 @@ case ${1:-1} in
       --init models/demo-v41 --minutes 4 --device cuda
     mkdir -p "$OUT/draft" && cp /tmp/draft/config.json /tmp/draft/model-dspark.safetensors \
       /tmp/draft/model.safetensors.index.json $W/train.json "$OUT/draft/" 2>> "$OUT/summary.txt" ;;
-6)  # branch decode-fused-quant: the GEMVs that quantize x as they stage it (their tests, the linear and
-    # MoE suites they run under), then where a deepseek decode step, verify step and draft block spend
-    # their time, and bench's decode and DSpark tables under both numerics on the same machine
+6)  # the decode GEMVs that quantize x as they stage it, and the prompt chunk's mHC and act_quant kernels:
+    # their tests and the suites they run under; then a deepseek prompt chunk's device time per kernel and
+    # a deepseek decode step's timeline, also for the tree in $BASE when given (run beside this one on the
+    # same machine); then bench: prefill, decode and DSpark under deepseek, decode under exact
     ckpt &
-    step t6_fused 240 python3 -m pytest -q -rf tests/gpu/test_gpu_deepseek_numerics.py tests/gpu/test_gpu_linear.py \
-      tests/gpu/test_gpu_moe.py tests/gpu/test_gpu_speculative.py
+    step t6_tests 240 python3 -m pytest -q -rf tests/gpu/test_gpu_deepseek_numerics.py tests/gpu/test_gpu_linear.py \
+      tests/gpu/test_gpu_moe.py tests/gpu/test_gpu_norms.py tests/gpu/test_gpu_fp8_gemm.py \
+      tests/gpu/test_gpu_speculative.py
     wait
-    for w in decode verify draft; do
-      step p6_$w 90 python3 tools/dev/gpu_profile.py timeline "$CKPT" --batch 1 --numerics deepseek --what $w
+    for tree in . ${BASE:-}; do
+      tag=$([ "$tree" = . ] && echo new || echo base)
+      (cd "$tree" && step p6_chunk_$tag 90 python3 tools/dev/gpu_profile.py prefill "$CKPT" --context 4096 \
+        --chunk 4096 --numerics deepseek && step p6_decode_$tag 60 python3 tools/dev/gpu_profile.py timeline \
+        "$CKPT" --batch 1 --numerics deepseek --what decode)
     done
-    step b6_deepseek 150 $B --prefill 0 --batches 1,8,32 --numerics deepseek --speculative dspark
-    step b6_exact 150 $B --prefill 0 --batches 1,8,32 --numerics exact --speculative dspark ;;
+    step b6_deepseek 150 $B --prefill 4096,65536 --batches 1,8,32 --numerics deepseek --speculative dspark
+    step b6_exact 80 $B --prefill 0 --batches 1,8,32 --numerics exact --speculative off ;;
 esac
 cat "$OUT/summary.txt"

@@ -49,9 +49,9 @@ def act_quant_fp8(x: cp.ndarray, bf16: bool = False) -> tuple[cp.ndarray, cp.nda
         raise ValueError(f"act_quant_fp8: K = {k} is not a multiple of {ACT_BLOCK}")
     codes = cp.empty((m, k), cp.uint8)
     scales = cp.empty((m, k // ACT_BLOCK), cp.float32)
-    blocks = m * (k // ACT_BLOCK)
-    if blocks:
-        K.function("fp8_gemm", "act_quant_fp8")((-(-blocks // 8),), (256,), (
+    quads = m * (k // 4)
+    if quads:
+        K.function("fp8_gemm", "act_quant_fp8")((-(-quads // 256),), (256,), (
             x, np.int32(k), codes, scales, np.int32(m), np.int32(k), np.int32(bf16)))
     return codes, scales
 

@@ -15,6 +15,11 @@ from engine.ops import kernels as K
 from engine.ops.gpu.common import _ELT_BLOCK, _NULL, F32, _c32, _grid
 from engine.state import sequence as codecs
 
+# From this many tokens (prompt chunks) the mixes' partial dots take hc_mix_partial_rows, which reads
+# each slice of fn once per HCR_T tokens, then hc_mixes (two launches); below, hc_mix (one launch,
+# fn re-read per token: the decode step's latency)
+HC_ROWS_MIN = 64
+HCR_T, HCR_SL = 32, 128  # (kernels/elementwise.cu)
 HC_COUNTERS = 1 << 16  # rows the fused mHC mix handles per launch (one int32 block counter each)
 
 
@@ -123,6 +128,12 @@ class NormOps:
         f, nm = hc * d, fn.shape[0]
         if nm > 80:
             raise ValueError(f"mHC kernel supports <= 80 mixes (got {nm})")
+        if nm < 32 and f % 4 == 0 and t >= HC_ROWS_MIN:  # (a prompt chunk: fn's slices shared by 32 tokens)
+            s = -(-f // HCR_SL)
+            part = cp.empty((t, s, nm + 1), F32)
+            K.function("elementwise", "hc_mix_partial_rows")((-(-t // HCR_T), s), (256,), (
+                _c32(streams), _c32(fn), np.int32(t), np.int32(f), np.int32(nm), part))
+            return part, s
         s = -(-f // 1024)
         part = cp.empty((t, s, nm + 1), F32)
         K.function("elementwise", "hc_mix_partial")((t, s), (256,), (_c32(streams), _c32(fn), np.int32(f),
@@ -134,7 +145,8 @@ class NormOps:
         """Partial dots, then the fixed-order finish: mode 0 -> pre, post, comb; 1 -> pre only."""
         t, hc, d = streams.shape
         nm, f = fn.shape[0], hc * d
-        if nm <= 32 and f % 4 == 0 and t <= HC_COUNTERS and (mode == 1 or (hc * hc <= 32 and hc & (hc - 1) == 0)):
+        if (nm <= 32 and f % 4 == 0 and t <= HC_COUNTERS and t < HC_ROWS_MIN
+                and (mode == 1 or (hc * hc <= 32 and hc & (hc - 1) == 0))):
             self._claim_mix_counters()
             s = -(-f // 512)
             part = cp.empty((t, s, nm + 1), F32)
@@ -191,9 +203,10 @@ class NormOps:
 
     def hc_expand(self, out: cp.ndarray, residual: cp.ndarray, post: cp.ndarray, comb: cp.ndarray) -> cp.ndarray:
         t, hc, d = residual.shape
+        if d % 4 or hc > 8:
+            raise ValueError(f"hc_expand takes widths in multiples of 4 and up to 8 streams (got {hc} x {d})")
         y = cp.empty((t, hc, d), F32)
         if y.size:
-            K.function("elementwise", "hc_expand")(_grid(y.size), (_ELT_BLOCK,), (
-                _c32(out), _c32(residual), _c32(post), _c32(comb), y, np.int64(y.size), np.int32(hc), np.int32(d),
-                np.int32(self.bf16)))
+            K.function("elementwise", "hc_expand")((t, -(-(d // 4) // _ELT_BLOCK)), (_ELT_BLOCK,), (
+                _c32(out), _c32(residual), _c32(post), _c32(comb), y, np.int32(hc), np.int32(d), np.int32(self.bf16)))
         return y
