@@ -73,7 +73,8 @@ case ${1:-1} in
 6)  # the decode GEMVs that quantize x as they stage it, and the prompt chunk's mHC and act_quant kernels:
     # their tests and the suites they run under; then a deepseek prompt chunk's device time per kernel and
     # a deepseek decode step's timeline, also for the tree in $BASE when given (run beside this one on the
-    # same machine); then bench: prefill, decode and DSpark under deepseek, decode under exact
+    # same machine); then bench: prefill, decode and DSpark under deepseek, decode under exact; then where a deepseek
+    # verify step and draft block spend their time
     ckpt &
     step t6_tests 240 python3 -m pytest -q -rf tests/gpu/test_gpu_deepseek_numerics.py tests/gpu/test_gpu_linear.py \
       tests/gpu/test_gpu_moe.py tests/gpu/test_gpu_norms.py tests/gpu/test_gpu_fp8_gemm.py \
@@ -86,6 +87,9 @@ case ${1:-1} in
         "$CKPT" --batch 1 --numerics deepseek --what decode)
     done
     step b6_deepseek 150 $B --prefill 4096,65536 --batches 1,8,32 --numerics deepseek --speculative dspark
-    step b6_exact 80 $B --prefill 0 --batches 1,8,32 --numerics exact --speculative off ;;
+    step b6_exact 80 $B --prefill 0 --batches 1,8,32 --numerics exact --speculative off
+    for w in verify draft; do
+      step p6_$w 60 python3 tools/dev/gpu_profile.py timeline "$CKPT" --batch 1 --numerics deepseek --what $w
+    done ;;
 esac
 cat "$OUT/summary.txt"
