@@ -29,20 +29,31 @@ __device__ __forceinline__ void mma_e4m3(float* c, const u32* a, const u32* b) {
 // selector nibble j is element j's 3 magnitude bits). The signs (bit 3 of each nibble) go to bit 7
 // of their bytes: a byte_perm gives bytes (h0, h0, h1, h1), whose bit 3 is the sign of elements 0 and
 // 2 (shifted up by 4) and bit 7 that of elements 1 and 3. About 7 instructions for 4 elements.
-__device__ __forceinline__ u32 e2m1x4_to_e4m3(u32 h) {
-  const u32 mag = __byte_perm(0x3C383000u, 0x4C484440u, h & 0x7777u);
+// (lo, hi): the magnitudes' table, bytes 0..7; E2M1_LO / E2M1_HI, or e2m1_table's scaled one.
+#define E2M1_LO 0x3C383000u
+#define E2M1_HI 0x4C484440u
+__device__ __forceinline__ u32 e2m1x4_to_e4m3(u32 h, u32 lo = E2M1_LO, u32 hi = E2M1_HI) {
+  const u32 mag = __byte_perm(lo, hi, h & 0x7777u);
   const u32 u = __byte_perm(h, 0u, 0x1100u);
   const u32 sgn = ((u << 4) & 0x00FF00FFu) | (u & 0xFF00FF00u);
   return mag | (sgn & 0x80808080u);
 }
 
+// The magnitudes' table times 2^d: each nonzero e4m3 byte's exponent field plus d (the caller keeps
+// every byte a normal, 0x08 .. 0x7E, so no byte carries into or borrows from the next and the whole
+// word's sum is exact).
+__device__ __forceinline__ void e2m1_table(int d, u32& lo, u32& hi) {
+  lo = E2M1_LO + (u32)(8 * d) * 0x01010100u;  // (byte 0, zero, stays zero)
+  hi = E2M1_HI + (u32)(8 * d) * 0x01010101u;
+}
+
 // 32 e2m1 nibbles (16 bytes; element i in bits 4i..4i+3 of its word) -> 32 e4m3 bytes in order.
-__device__ __forceinline__ void e2m1x32_to_e4m3(const uint4 v, u32 (&out)[8]) {
+__device__ __forceinline__ void e2m1x32_to_e4m3(const uint4 v, u32 (&out)[8], u32 lo = E2M1_LO, u32 hi = E2M1_HI) {
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
     const u32 w = word(v, q);  // elements 8q .. 8q + 7
-    out[2 * q] = e2m1x4_to_e4m3(w);
-    out[2 * q + 1] = e2m1x4_to_e4m3(w >> 16);
+    out[2 * q] = e2m1x4_to_e4m3(w, lo, hi);
+    out[2 * q + 1] = e2m1x4_to_e4m3(w >> 16, lo, hi);
   }
 }
 

@@ -182,18 +182,14 @@ __device__ __forceinline__ void wg_expand_fp4(u8* smem, u32 base, int kt, int K,
     const int r = (t >> 2) + 32 * i;
     if (c < nkk) {
       const uint4 v = *(const uint4*)(stg + 64 * r + 16 * c);
-      u32 out[8];
-      e2m1x32_to_e4m3(v, out);  // the step's 32 elements
-      if (fold) {  // add (e_r - eref) to the exponent field of each nonzero byte (no carry: it stays 1..15)
+      // folded: row r's table times 2^(e_r - eref), e_r - eref in -5 .. 6, so every nonzero byte's
+      // exponent field stays 1 .. 15 (the fold's condition) and the lookup itself applies the scale
+      u32 lo = E2M1_LO, hi = E2M1_HI, out[8];
+      if (fold) {
         const int off_r = (int)(((size_t)(n0 + r) * gk + k0 / 32) & 3);
-        const int er = min(max((int)stg[8192 + 8 * r + off_r + c], 1), 254);
-        const u32 add = ((u32)((er - eref) * 8) & 0xFFu) * 0x01010101u;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const u32 nz = (((out[j] & 0x7F7F7F7Fu) + 0x7F7F7F7Fu) & 0x80808080u) >> 7;  // 1 per nonzero byte
-          out[j] = __vadd4(out[j], add & (nz * 0xFFu));
-        }
+        e2m1_table(min(max((int)stg[8192 + 8 * r + off_r + c], 1), 254) - eref, lo, hi);
       }
+      e2m1x32_to_e4m3(v, out, lo, hi);  // the step's 32 elements
       *(uint4*)(bt + wg_swz(r, 2 * c)) = make_uint4(out[0], out[1], out[2], out[3]);
       *(uint4*)(bt + wg_swz(r, 2 * c + 1)) = make_uint4(out[4], out[5], out[6], out[7]);
     }

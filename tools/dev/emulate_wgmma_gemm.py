@@ -103,16 +103,25 @@ def byte_perm(x, y, s):  # __byte_perm, selectors with bit 3 clear: byte j of th
     return sum(picked[..., j] << np.uint32(8 * j) for j in range(4)).astype(np.uint32)
 
 
-def e2m1x4_to_e4m3(h):  # kernels/fp8_mma.cuh, on uint32 arrays
-    mag = byte_perm(np.uint32(0x3C383000), np.uint32(0x4C484440), h & np.uint32(0x7777))
+E2M1_LO, E2M1_HI = 0x3C383000, 0x4C484440
+
+
+def e2m1_table(d):  # kernels/fp8_mma.cuh: the magnitudes' table times 2^d, as uint32 arithmetic
+    d = int(d)
+    return (E2M1_LO + ((8 * d) & 0xFFFFFFFF) * 0x01010100) & 0xFFFFFFFF, \
+        (E2M1_HI + ((8 * d) & 0xFFFFFFFF) * 0x01010101) & 0xFFFFFFFF
+
+
+def e2m1x4_to_e4m3(h, lo=E2M1_LO, hi=E2M1_HI):  # kernels/fp8_mma.cuh, on uint32 arrays
+    mag = byte_perm(np.uint32(lo), np.uint32(hi), h & np.uint32(0x7777))
     u = byte_perm(h, np.uint32(0), np.uint32(0x1100))
     sgn = ((u << np.uint32(4)) & np.uint32(0x00FF00FF)) | (u & np.uint32(0xFF00FF00))
     return mag | (sgn & np.uint32(0x80808080))
 
 
-def e2m1x32_to_e4m3(v):  # 16 bytes of nibbles -> 32 e4m3 bytes in order
+def e2m1x32_to_e4m3(v, lo=E2M1_LO, hi=E2M1_HI):  # 16 bytes of nibbles -> 32 e4m3 bytes in order
     w = v.view("<u4").astype(np.uint32)
-    out = np.stack([e2m1x4_to_e4m3(w), e2m1x4_to_e4m3(w >> np.uint32(16))], 1)  # [word, half]
+    out = np.stack([e2m1x4_to_e4m3(w, lo, hi), e2m1x4_to_e4m3(w >> np.uint32(16), lo, hi)], 1)  # [word, half]
     return out.astype("<u4").view(np.uint8).reshape(32)
 
 
@@ -250,10 +259,8 @@ class Block:
                 r = (t >> 2) + 32 * i
                 if c < nkk:
                     v = self.smem[stg + 64 * r + 16 * c : stg + 64 * r + 16 * c + 16]
-                    out = e2m1x32_to_e4m3(v)
-                    if fold:  # the kernel's byte-wise add to the exponent field of nonzero bytes
-                        add = ((expo(r, c) - eref[c]) * 8) & 0xFF
-                        out = np.where(out & 0x7F, (out.astype(np.int32) + add) & 0xFF, out).astype(np.uint8)
+                    # folded: the kernel's lookup in row r's table times 2^(e_r - eref)
+                    out = e2m1x32_to_e4m3(v, *(e2m1_table(expo(r, c) - eref[c]) if fold else (E2M1_LO, E2M1_HI)))
                     self.smem[bt + swz(r, 2 * c) : bt + swz(r, 2 * c) + 16] = out[:16]
                     self.smem[bt + swz(r, 2 * c + 1) : bt + swz(r, 2 * c + 1) + 16] = out[16:]
             ok = n0 + t < g["N"]
