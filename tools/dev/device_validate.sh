@@ -71,7 +71,7 @@ case ${1:-1} in
     mkdir -p "$OUT/draft" && cp /tmp/draft/config.json /tmp/draft/model-dspark.safetensors \
       /tmp/draft/model.safetensors.index.json $W/train.json "$OUT/draft/" 2>> "$OUT/summary.txt" ;;
 6)  # the decode GEMVs that quantize x as they stage it, and the prompt chunk's mHC and act_quant kernels:
-    # their tests and the suites they run under; then a deepseek prompt chunk's device time per kernel and
+    # their tests and the suites they run under; then the FP8 GEMMs' rates, a deepseek prompt chunk's device time per kernel and
     # a deepseek decode step's timeline, also for the tree in $BASE when given (run beside this one on the
     # same machine); then bench: prefill, decode and DSpark under deepseek, decode under exact; then where a deepseek
     # verify step and draft block spend their time
@@ -82,7 +82,8 @@ case ${1:-1} in
     wait
     for tree in . ${BASE:-}; do
       tag=$([ "$tree" = . ] && echo new || echo base)
-      (cd "$tree" && step p6_chunk_$tag 90 python3 tools/dev/gpu_profile.py prefill "$CKPT" --context 4096 \
+      (cd "$tree" && step p6_rate_$tag 60 python3 -m pytest -q -s tests/gpu/test_gpu_fp8_gemm.py -k rate_on &&
+        step p6_chunk_$tag 90 python3 tools/dev/gpu_profile.py prefill "$CKPT" --context 4096 \
         --chunk 4096 --numerics deepseek && step p6_decode_$tag 60 python3 tools/dev/gpu_profile.py timeline \
         "$CKPT" --batch 1 --numerics deepseek --what decode)
     done
