@@ -325,7 +325,7 @@ def main() -> int:
     from engine.settings import DEFAULT_NUMERICS, NUMERICS
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = ap.add_subparsers(dest="what", required=True)
+    sub = ap.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("timeline")
     t.add_argument("ckpt")
     t.add_argument("--batch", type=int, default=1)
@@ -346,13 +346,13 @@ def main() -> int:
     sub.add_parser("step").add_argument("ckpt")
     sub.add_parser("linear").add_argument("name")
     a = ap.parse_args()
-    if a.what == "timeline":
+    if a.cmd == "timeline":
         timeline(a.ckpt, a.batch, a.numerics, a.what)
-    elif a.what == "prefill":
+    elif a.cmd == "prefill":
         prefill(a.ckpt, a.context, a.chunk, a.numerics)
-    elif a.what == "host":
+    elif a.cmd == "host":
         host(a.ckpt, a.batch, a.steps)
-    elif a.what == "step":
+    elif a.cmd == "step":
         step(a.ckpt)
     else:
         linear(a.name)
