@@ -199,9 +199,10 @@ class Block:
                     self.copy_rows(t, stg + 64 * r4 + 16 * c4, "W", min(n0 + r4, N - 1) * (K // 2) + 16 * c4 + k0 // 2,
                                    16 * K, N - n0 - r4, 4, 32)
                 b0 = ((n0 + t) * gk + k0 // 32) & ~3
-                left = N * gk - (b0 + 4)
-                n1 = min(max(left, 0), 4) if w_ok else 0
-                self.cp(t, stg + 8192 + 8 * t, "SW", b0 if w_ok else 0, 4, 4 if w_ok else 0)
+                left = N * gk - b0
+                n0b = min(max(left, 0), 4) if w_ok else 0
+                n1 = min(max(left - 4, 0), 4) if w_ok else 0
+                self.cp(t, stg + 8192 + 8 * t, "SW", b0 if n0b else 0, 4, n0b)
                 self.cp(t, stg + 8192 + 8 * t + 4, "SW", b0 + 4 if n1 else 0, 4, n1)
                 self.arrive_cp_async(t, s, kt // L.st)
                 self.commit_and_wait(t, LAG if kt >= LAG else None)
@@ -432,6 +433,7 @@ CASES = [  # M, N not multiples of 128; K = 64 (half a stage), K % 128 == 64 (a 
     (FMT_FP8, 129, 256, 896, (128, 128)), (FMT_FP8, 3, 130, 192, (64, 64)), (FMT_FP8, 70, 136, 256, (16, 32)),
     (FMT_FP4, 1, 72, 64, (110, 135)), (FMT_FP4, 130, 200, 320, (110, 135)), (FMT_FP4, 70, 136, 1024, (110, 135)),
     (FMT_FP4, 130, 200, 320, (115, 127)), (FMT_FP4, 70, 136, 1024, (120, 132)), (FMT_FP4, 1, 72, 64, (118, 128)),
+    (FMT_FP4, 5, 129, 320, (118, 128)),  # N * K / 32 scale bytes not a multiple of 4: the last window clipped
 ]
 
 if __name__ == "__main__":
