@@ -87,6 +87,19 @@ __device__ __forceinline__ void wg_cp16(u32 dst, const void* src, int bytes) {
 __device__ __forceinline__ void wg_cp4(u32 dst, const void* src, int bytes) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
 }
+// n (0..4) bytes from src, zero-filled to 4, to shared dst (generic address p): a cp.async for a
+// whole word or none (src-size 0, src any valid address); the word an array ends inside by plain
+// loads and a shared store, since a cp.async reads its whole word whatever its src-size says (the
+// expansion that reads it comes after cp.async.wait_group and a bar.sync of the producer warpgroup)
+__device__ __forceinline__ void wg_cp4_clip(u8* p, u32 dst, const u8* src, int n) {
+  if (n == 0 || n == 4) {
+    wg_cp4(dst, src, n);
+  } else {
+    u32 v = 0;
+    for (int j = 0; j < n; ++j) v |= (u32)src[j] << (8 * j);
+    *(u32*)p = v;
+  }
+}
 __device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
 }
@@ -269,8 +282,9 @@ __device__ __forceinline__ void wg_produce(u8* smem, u32 base, const u8* __restr
         const long long left = (long long)N * gk - (long long)b0;
         const int n0b = w_ok ? (int)(left < 0 ? 0 : (left > 4 ? 4 : left)) : 0;
         const int n1 = w_ok ? (int)(left < 4 ? 0 : (left > 8 ? 4 : left - 4)) : 0;
-        wg_cp4(stg + 8192 + 8 * t, (const u8*)SW + (n0b ? b0 : 0), n0b);
-        wg_cp4(stg + 8192 + 8 * t + 4, (const u8*)SW + (n1 ? b0 + 4 : 0), n1);
+        u8* sstg = smem + (stg - base) + 8192 + 8 * t;
+        wg_cp4_clip(sstg, stg + 8192 + 8 * t, (const u8*)SW + (n0b ? b0 : 0), n0b);
+        wg_cp4_clip(sstg + 4, stg + 8192 + 8 * t + 4, (const u8*)SW + (n1 ? b0 + 4 : 0), n1);
       }
       mbar_arrive_cp_async(base + C::BAR + 8 * s);  // the A tile and its scales
       asm volatile("cp.async.commit_group;" ::: "memory");

@@ -6,7 +6,8 @@ sizes read from engine/ops/gpu/fp8_linear.py:
 - shared memory as flat bytes at absolute addresses, the ring placed as the kernel places it (its
   dynamic buffer deliberately not 1024-aligned, so the alignment pad is exercised);
 - the producer warpgroup's every cp.async: destination (the 128B swizzle as the kernel computes it),
-  source and source size (zero fill), bounds (no byte read outside an array, even at src-size 0:
+  source and source size (zero fill), bounds (no byte read outside an array: a copy reads its whole size
+  unless its src-size is 0, as compute-sanitizer counts it; even at src-size 0
   the pointer must be valid) and alignment; FP4's staging, expansion of nibbles into e4m3 and of
   UE8M0 bytes into f32;
 - the mbarrier protocol: arrival counts, phases and the parities the threads wait on (PTX ISA
@@ -148,13 +149,23 @@ class Block:
     def cp(self, t, dst, name, off, size, src_size):
         arr = self.g[name]
         assert dst % size == 0 and off % size == 0, (name, dst, off, size)
-        assert 0 <= off and off + max(src_size, 1) <= arr.size, f"cp.async reads outside {name}: {off} + {src_size}"
+        # (a copy reads its whole size from src unless src-size is 0)
+        assert 0 <= off and off + (size if src_size else 1) <= arr.size, f"cp.async reads outside {name}: {off}"
         assert self.base <= dst and dst + size <= self.base + self.L.BAR, "cp.async writes outside the ring"
         data = np.zeros(size, np.uint8)
         data[:src_size] = arr[off : off + src_size]
         copy = [dst, data, False]
         self.unlanded[t].append(copy)
         self.uncommitted[t].append(copy)
+
+    def cp4_clip(self, t, dst, name, off, n):  # wg_cp4_clip: a word the array ends inside, stored at once
+        if n in (0, 4):
+            self.cp(t, dst, name, off, 4, n)
+        else:
+            arr = self.g[name]
+            assert 0 <= off and off + n <= arr.size, f"loads outside {name}"
+            self.smem[dst : dst + 4] = 0
+            self.smem[dst : dst + n] = arr[off : off + n]
 
     def land(self, copies):
         for c in copies:
@@ -202,8 +213,8 @@ class Block:
                 left = N * gk - b0
                 n0b = min(max(left, 0), 4) if w_ok else 0
                 n1 = min(max(left - 4, 0), 4) if w_ok else 0
-                self.cp(t, stg + 8192 + 8 * t, "SW", b0 if n0b else 0, 4, n0b)
-                self.cp(t, stg + 8192 + 8 * t + 4, "SW", b0 + 4 if n1 else 0, 4, n1)
+                self.cp4_clip(t, stg + 8192 + 8 * t, "SW", b0 if n0b else 0, n0b)
+                self.cp4_clip(t, stg + 8192 + 8 * t + 4, "SW", b0 + 4 if n1 else 0, n1)
                 self.arrive_cp_async(t, s, kt // L.st)
                 self.commit_and_wait(t, LAG if kt >= LAG else None)
         if fmt == FMT_FP4 and kt >= LAG:
