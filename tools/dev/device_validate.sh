@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # GPU validation and profiling in device calls that fit the per-call limit: `bash
 # tools/dev/device_validate.sh 1|2|3|4|5|6` from the repo root on the device (carry the wheels in .whl).
-# Every stage has its own timeout, capped by what is left of CAP seconds, and writes its log and a
-# line of summary under $OUT, so a call cut short still returns what finished.
+# Every stage has its own timeout, capped by what is left of CAP seconds, and writes a line of summary
+# and its log under $OUT, so a call cut short still returns what finished. A finished step's log joins
+# $OUT/logs.txt (a device call brings back only a few files); a step cut short leaves its own.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
@@ -15,6 +16,7 @@ step() {
   s=$(date +%s); timeout "$lim" "$@" > "$OUT/$name.log" 2>&1; rc=$?
   echo "$name rc=$rc $(( $(date +%s) - s ))s" >> "$OUT/summary.txt"
   tail -3 "$OUT/$name.log" >> "$OUT/summary.txt"
+  { echo "=== $name (rc=$rc)"; cat "$OUT/$name.log"; } >> "$OUT/logs.txt" && rm "$OUT/$name.log"
 }
 ckpt() {
   [ -f "$CKPT/config.json" ] || nice python3 dsuf.py tiny-model "$CKPT" --arch v41 --preset v41-flash-shaped \
@@ -25,7 +27,6 @@ FIRST="tests/gpu/test_gpu_fp8_gemm.py tests/gpu/test_gpu_fp8_grouped.py tests/gp
   tests/gpu/test_gpu_spec_sampling.py tests/gpu/test_gpu_sampling.py tests/gpu/test_gpu_speculative.py
   tests/gpu/test_gpu_tp.py"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/summary.txt"
-git log --oneline -1 >> "$OUT/summary.txt" 2>/dev/null
 case ${1:-1} in
 1)  # the new kernels first (a hang in the GEMM is a barrier bug), then bench under both numerics on the
     # same machine and 1M tokens, then the speculation and TP tests
@@ -70,11 +71,13 @@ case ${1:-1} in
       --init models/demo-v41 --minutes 4 --device cuda
     mkdir -p "$OUT/draft" && cp /tmp/draft/config.json /tmp/draft/model-dspark.safetensors \
       /tmp/draft/model.safetensors.index.json $W/train.json "$OUT/draft/" 2>> "$OUT/summary.txt" ;;
-6)  # the decode GEMVs that quantize x as they stage it, and the prompt chunk's mHC and act_quant kernels:
-    # their tests and the suites they run under; then the FP8 GEMMs' rates, a deepseek prompt chunk's device time per kernel and
-    # a deepseek decode step's timeline, also for the tree in $BASE when given (run beside this one on the
-    # same machine); then bench: prefill, decode and DSpark under deepseek, decode under exact; then where a deepseek
-    # verify step and draft block spend their time
+6)  # a tree against main (or any tree in $BASE, a copy of this one with the other's files over it):
+    # the tests of the kernels decode steps and prompt chunks run; then, for this tree and BASE on the
+    # same machine, the FP8 GEMMs' rates, a deepseek prompt chunk's device time per kernel and a
+    # deepseek decode step's timeline; then bench (prefill, decode and DSpark under deepseek, decode
+    # under exact) and where a deepseek verify step and draft block spend their time. E.g. with main's
+    # versions of the changed files in .ab/base (untracked, carried): `cp -r . /tmp/base && cp -r
+    # .ab/base/. /tmp/base/ && BASE=/tmp/base bash tools/dev/device_validate.sh 6`
     ckpt &
     step t6_tests 240 python3 -m pytest -q -rf tests/gpu/test_gpu_deepseek_numerics.py tests/gpu/test_gpu_linear.py \
       tests/gpu/test_gpu_moe.py tests/gpu/test_gpu_norms.py tests/gpu/test_gpu_fp8_gemm.py \
