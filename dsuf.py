@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--ckpt", default=None, help="checkpoint directory (default: embedded demo-v41)")
     r.add_argument("--backend", default="numpy")
     r.add_argument("--numerics", choices=NUMERICS, default=DEFAULT_NUMERICS,
-                   help="float32 (exact) or as DeepSeek's reference computes (deepseek: bf16, FP8 activations)")
+                   help="deepseek (the default): as DeepSeek's reference (bf16, FP8 activations); exact: float32")
     r.add_argument("--max-tokens", type=int, default=64)
     r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     r.add_argument("--seed", type=int, default=None)

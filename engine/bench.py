@@ -394,7 +394,7 @@ def bench_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--expert-split", choices=EXPERT_SPLITS, default="ep",
                     help="with --gpus: routed experts by expert id or by width")
     ap.add_argument("--numerics", choices=NUMERICS, default=DEFAULT_NUMERICS,
-                    help="deepseek: as DeepSeek's reference (bf16 activations, FP8 GEMMs); exact: float32")
+                    help="deepseek (the default): as DeepSeek's reference (bf16, FP8 GEMMs); exact: float32")
     ap.add_argument("--speculative", choices=("dspark", "off"), default=None,
                     help="time DSpark's draft and verify steps (default: dspark when the checkpoint has draft layers)")
     a = ap.parse_args(argv)

@@ -11,11 +11,11 @@ here and nowhere else (Settings.from_env), once, when a backend or engine is bui
 |                     |                | bounds (`make gpu-memcheck`); slow, for checking only                  |
 
 `numerics` (no variable: `--numerics` of run, serve and bench) is how the forward computes:
-`exact` float32 (the bridge to the transformers references), or `deepseek` as DeepSeek's reference
-inference does (bf16 activations, FP8 block-32 activation quantization before FP8 / FP4 linears;
-engine/ops/deepseek_ops.py). Only the numpy backend implements `deepseek` so far; the default is
-`exact` on every backend until the GPU's FP8 kernels land, so that both backends give the same
-tokens for the same checkpoint and flags.
+`deepseek` (the default) as DeepSeek's reference inference does, the numerics the model was trained
+for (bf16 activations, FP8 block-32 activation quantization before FP8 / FP4 linears;
+engine/ops/deepseek_ops.py, engine/ops/gpu/deepseek.py), or `exact` float32 (the bridge to the
+transformers references). Both backends implement both, so they give the same tokens for the same
+checkpoint and flags.
 
 Deployment settings of the server (DSUF_REDIS_URL, DSUF_API_KEY) are read by its command line
 (server/app.py) and documented in README.md.
@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 NUMERICS = ("exact", "deepseek")
-DEFAULT_NUMERICS = "exact"
+DEFAULT_NUMERICS = "deepseek"
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from typing import Any
 
 from aiohttp import web
 
+from engine.settings import DEFAULT_NUMERICS
 from kvcache import serving as kv_serving  # state cache hooks (kvcache/serving.py)
 
 from . import limits, protocol
@@ -51,7 +52,7 @@ class Options:
     load_delay_s: float = 0.0  # test hook: wait after each tensor read, as slow storage would
     limits: limits.Limits = field(default_factory=limits.Limits)  # timeouts, connection and size caps
     speculative: str | None = None  # dspark | off (None: dspark where the checkpoint has draft layers)
-    numerics: str = "exact"  # exact | deepseek (engine/settings.py)
+    numerics: str = DEFAULT_NUMERICS  # deepseek | exact (engine/settings.py)
 
 
 @dataclass

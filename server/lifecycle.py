@@ -19,6 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
+from engine.settings import DEFAULT_NUMERICS
 from kvcache import serving as kv_serving
 
 from . import limits
@@ -216,10 +217,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "checkpoint's canonical name, e.g. deepseek-v4.1-flash)")
     p.add_argument("--gpus", default=None, help="GPUs to use, e.g. 0,1,2,3 (default: numpy on the CPU)")
     from engine.parallel.shard import EXPERT_SPLITS
-    from engine.settings import DEFAULT_NUMERICS, NUMERICS
+    from engine.settings import NUMERICS
 
     p.add_argument("--numerics", choices=NUMERICS, default=DEFAULT_NUMERICS,
-                   help="float32 (exact) or as DeepSeek's reference computes (deepseek: bf16, FP8 activations)")
+                   help="deepseek (the default): as DeepSeek's reference (bf16, FP8 activations); exact: float32")
 
     p.add_argument("--expert-split", choices=EXPERT_SPLITS, default="ep",
                    help="with several GPUs: routed experts split by expert id or by width")
@@ -264,7 +265,7 @@ def serve_main(args: argparse.Namespace) -> int:
     """`dsuf.py serve`: blocks until SIGTERM/SIGINT, returns the exit status."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     gpus = getattr(args, "gpus", None)
-    numerics = getattr(args, "numerics", "exact")
+    numerics = getattr(args, "numerics", DEFAULT_NUMERICS)
     app = build_app(numerics=numerics,
         ckpt=getattr(args, "ckpt", None), backend="cupy" if gpus else "numpy", gpus=gpus,
         expert_split=getattr(args, "expert_split", "ep"),

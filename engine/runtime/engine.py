@@ -45,9 +45,10 @@ def canonical_model_id(cfg: ModelConfig, ckpt_dir: Path) -> str:
 
 
 def make_ops(backend: str, settings: Settings | None = None):
-    """The backend's ops in the numerics settings.numerics names."""
+    """The backend's ops in the numerics settings.numerics names (settings None: Settings.from_env())."""
+    settings = Settings.from_env() if settings is None else settings
     if backend == "numpy":
-        if settings is not None and settings.numerics == "deepseek":
+        if settings.numerics == "deepseek":
             from engine.ops.deepseek_ops import DeepseekOps
 
             return DeepseekOps()
@@ -55,7 +56,7 @@ def make_ops(backend: str, settings: Settings | None = None):
 
         return NumpyOps()
     if backend == "cupy":
-        if settings is not None and settings.numerics == "deepseek":
+        if settings.numerics == "deepseek":
             from engine.ops.gpu.deepseek import DeepseekCupyOps
 
             return DeepseekCupyOps(settings)

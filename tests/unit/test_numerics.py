@@ -43,9 +43,9 @@ def test_run_numerics_is_the_api_greedy_of_those_ops(numerics: str) -> None:
     assert got == eng.generate(IDS, 4, stop_at_eos=False, speculative=False)[: len(got)]
 
 
-def test_numerics_setting_is_checked_and_defaults_to_exact() -> None:
-    assert Settings().numerics == "exact"
-    assert type(make_ops("numpy")) is NumpyOps and type(make_ops("numpy", Settings(numerics="deepseek"))) is DeepseekOps
+def test_numerics_setting_is_checked_and_defaults_to_deepseek() -> None:
+    assert Settings().numerics == "deepseek"
+    assert type(make_ops("numpy")) is DeepseekOps and type(make_ops("numpy", Settings(numerics="exact"))) is NumpyOps
     with pytest.raises(ValueError, match="numerics"):
         Settings(numerics="fp8")
 
