@@ -81,7 +81,7 @@ case ${1:-1} in
     ckpt &
     step t6_tests 240 python3 -m pytest -q -rf tests/gpu/test_gpu_deepseek_numerics.py tests/gpu/test_gpu_linear.py \
       tests/gpu/test_gpu_moe.py tests/gpu/test_gpu_norms.py tests/gpu/test_gpu_fp8_gemm.py \
-      tests/gpu/test_gpu_speculative.py
+      tests/gpu/test_gpu_fp8_grouped.py tests/gpu/test_gpu_speculative.py
     wait
     for tree in . ${BASE:-}; do
       tag=$([ "$tree" = . ] && echo new || echo base)

@@ -1,0 +1,36 @@
+"""The sm_90a wgmma FP8 / FP4 GEMMs' logic, checked on the CPU: tools/dev/emulate_wgmma_gemm.py and
+emulate_grouped_gemm.py run the kernels thread by thread in numpy (every copy and its bounds, every
+mbarrier phase, descriptor and swizzled address, the FP4 expansion and the promotion) and compare
+Y with a plain product. The kernels' constants are parsed from their #defines, so a change to the
+ring's layout, the barriers' counts or the producer's copies that breaks the protocol fails here
+before it reaches a GPU."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "dev"))
+
+import emulate_grouped_gemm as grouped  # noqa: E402
+import emulate_wgmma_gemm as dense  # noqa: E402
+
+
+def _name(fmt: int) -> str:
+    return "fp8" if fmt == dense.FMT_FP8 else "fp4"
+
+
+@pytest.mark.parametrize("case", dense.CASES, ids=lambda c: f"{_name(c[0])}-{c[1]}x{c[2]}x{c[3]}")
+def test_wgmma_gemm_emulated(case):
+    fmt, m, n, k, extra = case
+    if fmt == dense.FMT_FP8:
+        dense.check(fmt, m, n, k, extra)
+    else:
+        dense.check(fmt, m, n, k, exps=extra)
+
+
+@pytest.mark.parametrize("case", grouped.CASES, ids=lambda c: f"{_name(c[0])}-T{c[1]}")
+def test_grouped_gemm_emulated(case):
+    grouped.check(*case)
