@@ -114,9 +114,10 @@ class Engine:
                 model = Model(cfg, ckpt, make_ops(backend, settings), tok_json)
         else:
             model = Model(cfg, ckpt, make_ops(backend, settings), tok_json)
-        log.info("loaded %s (%s, %d layers, hidden %d) on %s%s", path.name, cfg.arch, cfg.num_layers,
+        log.info("loaded %s (%s, %d layers, hidden %d) on %s%s, %s numerics", path.name, cfg.arch, cfg.num_layers,
                  cfg.hidden_size, backend, f" (GPUs {ids}, tensor parallel)" if len(ids) > 1
-                 else f" (GPU {device})" if device is not None else "")
+                 else f" (GPU {device})" if device is not None else "",
+                 (settings or Settings.from_env()).numerics)
         if progress is not None:
             progress.finish()
         eng = cls(cfg, model, tokenizer, canonical_model_id(cfg, path), path, device=device)
