@@ -76,8 +76,8 @@ case ${1:-1} in
     # same machine, the FP8 GEMMs' rates, a deepseek prompt chunk's device time per kernel and a
     # deepseek decode step's timeline; then bench (prefill, decode and DSpark under deepseek, decode
     # under exact) and where a deepseek verify step and draft block spend their time. E.g. with main's
-    # versions of the changed files in .ab/base (untracked, carried): `cp -r . /tmp/base && cp -r
-    # .ab/base/. /tmp/base/ && BASE=/tmp/base bash tools/dev/device_validate.sh 6`
+    # versions of the changed files in .ab/base (`bash tools/dev/ab_base.sh main` here; carry .ab):
+    # `cp -r . /tmp/base && cp -r .ab/base/. /tmp/base/ && BASE=/tmp/base bash tools/dev/device_validate.sh 6`
     ckpt &
     step t6_tests 240 python3 -m pytest -q -rf tests/gpu/test_gpu_deepseek_numerics.py tests/gpu/test_gpu_linear.py \
       tests/gpu/test_gpu_moe.py tests/gpu/test_gpu_norms.py tests/gpu/test_gpu_fp8_gemm.py \
