@@ -20,7 +20,10 @@ per sequence in (draft + verify) time.
 
 from __future__ import annotations
 
+import contextlib
 import time
+
+import numpy as np
 
 ACCEPTANCE = (3.5, 5.6)  # a realistic agent workload; the seed engine's benchmark
 
@@ -120,10 +123,12 @@ def served_step(model, dsp, cfg, b: int, rng, ahead: bool, steps: int = 8) -> tu
     return seconds, (sum(sum(s[3].lengths) for s in seqs) - kept[1]) / max(n, 1)
 
 
-def verify_ready(model, cfg, b: int, rng) -> tuple[list, list, list[int]]:
+def verify_ready(model, cfg, b: int, rng, experts: list | None = None) -> tuple[list, list, list[int]]:
     """(states, draft states, last tokens) of b sequences a window into their context, whose verify
     step ([last token, drafts] as decode rows) has run three times and been rolled back each time:
-    eager, captured, replayed (its graph)."""
+    eager, captured, replayed (its graph). experts (a list): given the distinct experts each MoE
+    layer routed the verify rows to, in the eager run (what the step's time depends on: its rows are
+    a random checkpoint's drafts, and the floor assumes uniform routing)."""
     from engine.runtime.spec_decode import feed
     from engine.state import trial as trials
 
@@ -135,12 +140,34 @@ def verify_ready(model, cfg, b: int, rng) -> tuple[list, list, list[int]]:
              all_logits=False)
     last = [int(t) for t in rng.integers(0, cfg.vocab_size, b)]
     blocks = [[t, *(int(x) for x in dr.tokens)] for dr, t in zip(dsp.draft_many(drafts, last), last, strict=True)]
-    for _ in range(3):
+    for i in range(3):
         marks = [trials.begin(st) for st in states]
-        model.forward(states, blocks, all_logits=True, on_device=True, targets=dsp.targets, verify=True)
+        with _routes_counted(getattr(model, "ops", None), experts if i == 0 else None):
+            model.forward(states, blocks, all_logits=True, on_device=True, targets=dsp.targets, verify=True)
         for st, tr in zip(states, marks, strict=True):
             trials.restore(st, tr)
     return states, drafts, last
+
+
+@contextlib.contextmanager
+def _routes_counted(ops, into: list | None):
+    """While open, each ops.route call appends the number of distinct experts it chose to `into`
+    (none if into or ops is None: a tensor-parallel model routes on its ranks)."""
+    if into is None or ops is None:
+        yield
+        return
+    real = ops.route
+
+    def route(*args, **kwargs):
+        weights, ids = real(*args, **kwargs)
+        into.append(int(np.unique(np.asarray(ops.to_host(ids))).size))
+        return weights, ids
+
+    ops.route = route
+    try:
+        yield
+    finally:
+        del ops.route
 
 
 def bench_speculative(model, cfg, batches, bw: float, rng, timeit, graph_seconds, sync) -> None:
@@ -152,9 +179,10 @@ def bench_speculative(model, cfg, batches, bw: float, rng, timeit, graph_seconds
           f"top-{dsp.cfg.num_experts_per_tok}, block {k}")
     print(f"{'batch':>6s} {'step ms':>8s} {'floor':>7s} {'verify ms':>9s} {'floor':>7s} {'% floor':>8s} "
           f"{'draft ms':>9s} {'floor':>7s} {'% floor':>8s} " + " ".join(f"{f'tok/s@{a}':>10s}" for a in ACCEPTANCE)
-          + f" {'served ms':>9s} {'inline':>7s} {'tok/step':>8s}")
+          + f" {'served ms':>9s} {'inline':>7s} {'tok/step':>8s} {'experts':>8s}")
     for b in batches:
-        states, drafts, last = verify_ready(model, cfg, b, rng)
+        routed: list[int] = []
+        states, drafts, last = verify_ready(model, cfg, b, rng, routed)
         for _ in range(2):  # the 1-token step, eager then captured
             model.forward(states, [[t] for t in last])
         sync()
@@ -174,10 +202,13 @@ def bench_speculative(model, cfg, batches, bw: float, rng, timeit, graph_seconds
         print(f"{b:6d} {step_s * 1e3:8.3f} {f['step'] * 1e3:7.3f} {verify_s * 1e3:9.3f} {f['verify'] * 1e3:7.3f} "
               f"{100 * f['verify'] / verify_s:7.1f}% {draft_s * 1e3:9.3f} {f['draft'] * 1e3:7.3f} "
               f"{100 * f['draft'] / draft_s:7.1f}% {rates} {served_s * 1e3:9.3f} {inline_s * 1e3:7.3f} "
-              f"{per_step:8.2f}")
+              f"{per_step:8.2f} {np.mean(routed) if routed else float('nan'):8.1f}/"
+              f"{_touched(cfg.n_routed_experts, cfg.num_experts_per_tok, b * (k + 1)):.0f}")
     print("(step / verify ms: the 1-token and the verify decode step's graphs replayed back to back (nan: not "
           "captured, e.g. more rows than a graph takes); draft ms: every sequence's draft block as served (its "
           "block one graph for an argmax-only batch, its layers one graph otherwise); floors: bytes each "
           "step reads / copy bandwidth; "
           "tok/s@a: batch x a / (draft + verify); served / inline ms: one speculative_steps call as served, the "
-          "verify step planned while the device drafts / planned after it; tok/step: tokens a sequence kept a step)")
+          "verify step planned while the device drafts / planned after it; tok/step: tokens a sequence kept a step; "
+          "experts: distinct routed experts a MoE layer read for the verify rows / what uniform routing, which the "
+          "floor assumes, gives)")

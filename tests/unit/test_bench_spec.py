@@ -1,0 +1,22 @@
+"""bench_spec.verify_ready on the numpy backend: the verify step it sets up leaves the states as
+they were, and it reports the distinct experts each MoE layer routed the verify rows to."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine.bench_spec import verify_ready
+from engine.runtime.engine import Engine
+from engine.settings import Settings
+
+
+def test_verify_ready_counts_the_routed_experts_and_rolls_back():
+    eng = Engine.load(None, settings=Settings(numerics="exact"))
+    model, cfg = eng.model, eng.model.cfg
+    routed: list[int] = []
+    states, drafts, last = verify_ready(model, cfg, 2, np.random.default_rng(0), routed)
+    moe_layers = sum(1 for layer in model.w.layers if getattr(layer.ffn, "experts", None) is not None)
+    assert len(routed) == moe_layers and all(1 <= n <= min(cfg.n_routed_experts, 2 * 6 * cfg.num_experts_per_tok)
+                                             for n in routed)
+    assert "route" not in vars(model.ops)  # (the counting wrapper is gone)
+    assert all(st.position == cfg.sliding_window + 1 for st in states) and len(drafts) == len(last) == 2
