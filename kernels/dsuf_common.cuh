@@ -93,6 +93,14 @@ __device__ __forceinline__ float e4m3_round(float x) {  // x -> nearest e4m3 val
   return (__float_as_uint(x) >> 31) ? -v : v;
 }
 
+// DeepSeek's FP8 block quantization (the reference's act_quant; the state's FP8 codec): a block's
+// UE8M0 scale from its amax, and one value onto the block's e4m3 grid (saturating at 448).
+__device__ __forceinline__ float e4m3_block_scale(float amax) {
+  return pow2_ceil(fmaxf(amax, 1e-4f) * (1.0f / 448.0f));
+}
+__device__ __forceinline__ float e4m3_clip(float v, float scale) { return fminf(fmaxf(v / scale, -448.f), 448.f); }
+__device__ __forceinline__ float e4m3_value(float v, float scale) { return e4m3_round(e4m3_clip(v, scale)) * scale; }
+
 // A linear's input as --numerics deepseek hands it to the weight, applied by the GEMVs as they
 // stage x (no pass of its own): xq 1 rounds to bf16; xq 2 rounds to bf16, then puts each block of
 // 32 on the e4m3 grid with its UE8M0 scale (the reference's act_quant; bit for bit
@@ -105,11 +113,11 @@ __device__ __forceinline__ float4 linear_in4(float4 v, int xq) {
     float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
 #pragma unroll
     for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float s = pow2_ceil(fmaxf(amax, 1e-4f) * (1.0f / 448.0f));
-    v.x = e4m3_round(fminf(fmaxf(v.x / s, -448.f), 448.f)) * s;
-    v.y = e4m3_round(fminf(fmaxf(v.y / s, -448.f), 448.f)) * s;
-    v.z = e4m3_round(fminf(fmaxf(v.z / s, -448.f), 448.f)) * s;
-    v.w = e4m3_round(fminf(fmaxf(v.w / s, -448.f), 448.f)) * s;
+    const float s = e4m3_block_scale(amax);
+    v.x = e4m3_value(v.x, s);
+    v.y = e4m3_value(v.y, s);
+    v.z = e4m3_value(v.z, s);
+    v.w = e4m3_value(v.w, s);
   }
   return v;
 }

@@ -27,12 +27,12 @@ extern "C" __global__ void act_quant_fp8(const float* __restrict__ x, int ldx, u
   float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
 #pragma unroll
   for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  const float s = pow2_ceil(fmaxf(amax, 1e-4f) * (1.0f / 448.0f));
+  const float s = e4m3_block_scale(amax);
   const float e[4] = {v.x, v.y, v.z, v.w};
   u32 word = 0;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    const float q = fminf(fmaxf(e[j] / s, -448.f), 448.f);
+    const float q = e4m3_clip(e[j], s);
     word |= (e4m3_code(fabsf(q)) | ((__float_as_uint(q) >> 31) << 7)) << (8 * j);
   }
   if (live) {

@@ -17,12 +17,12 @@ __device__ __forceinline__ float e2m1_round(float x) {
 // One value onto a state codec's grid given its block's amax. mode: the codec (engine/state.py):
 // 1 FP8 e4m3 / UE8M0, 2 FP4 e2m1 / e4m3 scale, 3 FP4 e2m1 / UE8M0 (MXFP4).
 __device__ __forceinline__ float quant_scale(float amax, int mode) {
-  if (mode == 1) return pow2_ceil(fmaxf(amax, 1e-4f) * (1.0f / 448.0f));
+  if (mode == 1) return e4m3_block_scale(amax);
   if (mode == 2) return e4m3_round(fmaxf(amax, 6.f * 0.001953125f) / 6.f);
   return pow2_ceil(fmaxf(amax, 6.f * 1.1754943508222875e-38f) * 0.1666666716337204f);
 }
 __device__ __forceinline__ float quant_value(float v, float scale, int mode) {
-  if (mode == 1) return e4m3_round(fminf(fmaxf(v / scale, -448.f), 448.f)) * scale;
+  if (mode == 1) return e4m3_value(v, scale);
   return e2m1_round(fminf(fmaxf(v / scale, -6.f), 6.f)) * scale;
 }
 
