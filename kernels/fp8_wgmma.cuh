@@ -276,8 +276,7 @@ __device__ __forceinline__ void wg_produce(u8* smem, u32 base, const u8* __restr
       const u32 stg = base + C::STG + s * WG_STG_BYTES;
       if (c4 < nkk) wg_copy_rows<4, 32>(stg + 64 * r4 + 16 * c4, 2048, w_src + k0 / 2, (size_t)16 * K, N - n0 - r4);
       {  // row t's scale bytes k0/32 .. +3 lie in the 4-aligned 8 bytes from b0, both halves clipped to
-         // the array (N * gk bytes, not always a multiple of 4): cp.async reads src-size bytes and
-         // zero-fills the rest
+         // the array (N * gk bytes, not always a multiple of 4) by wg_cp4_clip, the rest zero-filled
         const size_t b0 = ((size_t)(n0 + t) * gk + k0 / 32) & ~(size_t)3;
         const long long left = (long long)N * gk - (long long)b0;
         const int n0b = w_ok ? (int)(left < 0 ? 0 : (left > 4 ? 4 : left)) : 0;
