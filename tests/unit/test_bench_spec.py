@@ -16,7 +16,8 @@ def test_verify_ready_counts_the_routed_experts_and_rolls_back():
     routed: list[int] = []
     states, drafts, last = verify_ready(model, cfg, 2, np.random.default_rng(0), routed)
     moe_layers = sum(1 for layer in model.w.layers if getattr(layer.ffn, "experts", None) is not None)
-    assert len(routed) == moe_layers and all(1 <= n <= min(cfg.n_routed_experts, 2 * 6 * cfg.num_experts_per_tok)
+    rows = 2 * (model.model.dspark.block_size + 1)  # (the verify step: each sequence's last token and drafts)
+    assert len(routed) == moe_layers and all(1 <= n <= min(cfg.n_routed_experts, rows * cfg.num_experts_per_tok)
                                              for n in routed)
     assert "route" not in vars(model.ops)  # (the counting wrapper is gone)
     assert all(st.position == cfg.sliding_window + 1 for st in states) and len(drafts) == len(last) == 2
