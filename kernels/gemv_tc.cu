@@ -29,33 +29,7 @@
 // share a tile reduce through shared memory in a fixed order (deterministic: graphs replay
 // bit-identically).
 #include "dsuf_common.cuh"
-#include "tc_fragments.cuh"
-
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-  u32 r;
-  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
-  return r;
-}
-// 16-byte asynchronous copy global -> shared; bytes = 0 fills the destination with zeros.
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src, int bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes));
-}
-// 4- / 8-byte asynchronous copies through L1 (block scales: small, and shared by a tile's rows)
-__device__ __forceinline__ void cp_async4(u32 dst, const void* src, int bytes) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(bytes));
-}
-__device__ __forceinline__ void cp_async8(u32 dst, const void* src, int bytes) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(dst), "l"(src), "r"(bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
-
-__device__ __forceinline__ void ldsm_x4(u32 addr, u32* d) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
-               : "r"(addr));
-}
+#include "tc_ring.cuh"
 
 // x's 128-element groups are scaled by 2^sh, sh bringing the group's max |x| into [2^13, 2^14)
 // (0 for a zero or non-finite max: NaN is ignored here and propagates through the products
@@ -128,7 +102,6 @@ extern "C" __global__ void __launch_bounds__(256) tc_split_x(const float* __rest
 // two), then its scales. x is read from global memory (L2: every warp on an SM reads other k) in
 // units of HC chunks, each unit loaded while the previous one is multiplied: read at its point
 // of use, every chunk waited a full L2 latency.
-#define TC_SLOT (2048 + 128)  // weights, then scales (FP4: 16 rows x 8 bytes; FP8 uses 32 bytes)
 template <int FMT, int NT, int S, int W>
 __device__ __forceinline__ void tcgemv_body(const uint4* __restrict__ XS, const float* __restrict__ XINV, int lda,
                                             float* __restrict__ Y, int ldy, int N, int K,
@@ -139,7 +112,6 @@ __device__ __forceinline__ void tcgemv_body(const uint4* __restrict__ XS, const 
   constexpr bool F8 = FMT == FMT_FP8;
   constexpr int EPC = F8 ? 16 : 32;  // k elements per 16-byte chunk
   constexpr int KPS = 8 * EPC;       // k elements per stage
-  constexpr int STAGEB = 2048;
   constexpr int XU = F8 ? 1 : 2;                                      // x uint4 per lane, chunk and tile
   constexpr int HC = NT * XU >= 4 ? 1 : (NT * XU == 2 ? 2 : 4);      // chunks per x unit
   constexpr int NU = 8 / HC;                                          // x units per stage
@@ -165,33 +137,8 @@ __device__ __forceinline__ void tcgemv_body(const uint4* __restrict__ XS, const 
   const int flsh = F8 && bk < 128 ? __ffs(bk) - 5 : 3;    // chunk -> its block within the stage
   const int nsc = F8 && bk < KPS ? KPS / bk : 1;           // FP8 scales per stage
 
-  auto issue = [&](int j) {  // this warp's j-th stage into ring slot j % S
-    if (j < my) {
-      const int kb = (part + j * kw) * 128;
-      const u32 slot = ring + (j % S) * TC_SLOT;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int idx = lane + 32 * i, r = idx >> 3, c = idx & 7, n = n0 + r;
-        const bool ok = n < N && kb + c * 16 < row_bytes;
-        const u8* src = ok ? Wt + (size_t)n * row_bytes + kb + c * 16 : Wt;
-        cp_async16(slot + r * 128 + ((c ^ (r & 7)) << 4), src, ok ? 16 : 0);
-      }
-      if (pre) {
-        const int ks = (part + j * kw) * KPS;  // the stage's first k
-        if (F8) {  // the block row's scales over the stage: KPS / bk of them, or one
-          if (lane < nsc) {
-            const int b = (bk < KPS ? (part + j * kw) * nsc : ks / bk) + lane;
-            cp_async4(slot + STAGEB + 4 * lane, (const float*)Sc + (size_t)(n0 / bn) * gk + (b < gk ? b : 0),
-                      b < gk ? 4 : 0);
-          }
-        } else if (lane < 16) {  // 8 group scales of each row (zeros past the row's end)
-          const int gi = ks / 32, n = n0 + lane < N ? n0 + lane : N - 1;
-          const bool in = gi < gk;  // gk and gi are multiples of 8
-          cp_async8(slot + STAGEB + 8 * lane, (const u8*)Sc + (size_t)n * gk + (in ? gi : 0), in ? 8 : 0);
-        }
-      }
-    }
-    cp_async_commit();  // (an empty group past the end keeps the wait counts uniform)
+  auto issue = [&](int j) {
+    tc_issue<F8, S>(ring, j, my, part, kw, lane, n0, N, Wt, row_bytes, pre, Sc, bn, bk, gk, nsc);
   };
 
   // x: this lane feeds B column g of each 8-row tile, and scales C columns 2t, 2t + 1
@@ -254,8 +201,6 @@ __device__ __forceinline__ void tcgemv_body(const uint4* __restrict__ XS, const 
     }
   const int srow_g = F8 ? (ng / bn) * gk : ng * gk;
   const int srow_g8 = F8 ? (ng8 / bn) * gk : ng8 * gk;
-  // ldmatrix source of this lane: row (lane & 7) + 8 * ((lane >> 3) & 1), chunk + (lane >> 4)
-  const int lr = (lane & 7) + ((lane >> 3) & 1) * 8, lc = lane >> 4;
 
   // chains c0 .. c1 - 1 -> acc with factors f (row scale x column scale per C element); zeroed
   auto flush = [&](int c0, int c1, const float (*f)[4]) {
@@ -295,15 +240,10 @@ __device__ __forceinline__ void tcgemv_body(const uint4* __restrict__ XS, const 
       for (int q = 0; q < NT; ++q) xi[gi][q][0] = xin[gi][q][0], xi[gi][q][1] = xin[gi][q][1];
     load_xi(j + 1);
     const u32 slot = ring + (j % S) * TC_SLOT;
-    const u8* ssc = tc_smem + (warp * S + j % S) * TC_SLOT + STAGEB;  // this stage's scales (pre)
+    const u8* ssc = tc_smem + (warp * S + j % S) * TC_SLOT + TC_STAGEB;  // this stage's scales (pre)
     const int k0 = (part + j * kw) * KPS;
     u32 d[8][2];  // the stage's A words: chunk c, rows g / g + 8
-#pragma unroll
-    for (int cp2 = 0; cp2 < 4; ++cp2) {
-      u32 w4[4];
-      ldsm_x4(slot + lr * 128 + (((2 * cp2 + lc) ^ (lr & 7)) << 4), w4);
-      d[2 * cp2][0] = w4[0]; d[2 * cp2][1] = w4[1]; d[2 * cp2 + 1][0] = w4[2]; d[2 * cp2 + 1][1] = w4[3];
-    }
+    tc_load_stage(slot, lane, d);
     uint2 sga = make_uint2(0, 0), sgb = sga;  // FP4 (pre): the stage's UE8M0 bytes of rows g, g + 8
     if (!F8 && pre) {
       sga = *(const uint2*)(ssc + 8 * g);
@@ -369,29 +309,7 @@ __device__ __forceinline__ void tcgemv_body(const uint4* __restrict__ XS, const 
     if (!F8) flush(2, 4, pend[1]);  // the stage's last group (an odd chunk: set 1)
   }
   cp_async_wait<0>();
-  if (kw > 1) {  // the tile's partial sums, in a fixed order (deterministic)
-    __syncthreads();  // every warp is done with its ring: reuse it
-    float* red = (float*)tc_smem;
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) red[(warp * 32 + lane) * (4 * NT) + 4 * j + e] = acc[j][e];
-    __syncthreads();
-    if (part != 0) return;
-    for (int p = 1; p < kw; ++p)
-#pragma unroll
-      for (int j = 0; j < NT; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[j][e] += red[((warp + p) * 32 + lane) * (4 * NT) + 4 * j + e];
-  }
-  if (n0 >= N) return;
-#pragma unroll
-  for (int j = 0; j < NT; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int m = 8 * j + 2 * t + (e & 1), n = n0 + g + (e < 2 ? 0 : 8);
-      if (m < rows && n < N) Y[(size_t)(row0 + m) * ldy + ycol + n] = bf ? round_bf16f(acc[j][e]) : acc[j][e];
-    }
+  tc_reduce_store<NT>(acc, tc_smem, warp, lane, part, kw, n0, N, rows, Y, ldy, row0, ycol, bf);
 }
 
 // bf (--numerics deepseek): the outputs rounded to bf16, as the reference's linear() returns them

@@ -1,7 +1,33 @@
-// Tensor-core fragment helpers of kernels/gemv_tc.cu: the f16 MMA, exact FP8 / FP4 -> f16 decoding,
-// f16 rounding, powers of two.
+// Tensor-core fragment helpers of the GEMVs (kernels/gemv_tc.cu, kernels/gemv_q8.cu): shared-memory
+// addresses, cp.async and ldmatrix, the f16 MMA, exact FP8 / FP4 -> f16 decoding, f16 rounding, powers of two.
 #pragma once
 #include "dsuf_common.cuh"
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+  u32 r;
+  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
+  return r;
+}
+// 16-byte asynchronous copy global -> shared; bytes = 0 fills the destination with zeros.
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes));
+}
+// 4- / 8-byte asynchronous copies through L1 (block scales: small, and shared by a tile's rows)
+__device__ __forceinline__ void cp_async4(u32 dst, const void* src, int bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async8(u32 dst, const void* src, int bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(dst), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+
+__device__ __forceinline__ void ldsm_x4(u32 addr, u32* d) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+               : "r"(addr));
+}
 
 // (not volatile: a pure function of its registers, so the compiler may interleave it with loads)
 __device__ __forceinline__ void mma_f16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {

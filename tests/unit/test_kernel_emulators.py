@@ -3,7 +3,8 @@ emulate_grouped_gemm.py run the kernels thread by thread in numpy (every copy an
 mbarrier phase, descriptor and swizzled address, the FP4 expansion and the promotion) and compare
 Y with a plain product. The kernels' constants are parsed from their #defines, so a change to the
 ring's layout, the barriers' counts or the producer's copies that breaks the protocol fails here
-before it reaches a GPU."""
+before it reaches a GPU. tools/dev/emulate_gemv_q8.py builds the e4m3 GEMV's MMA fragments lane by lane
+(its FP4 decoding and x permutation, the ring's swizzle and ldmatrix)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "dev"))
 
+import emulate_gemv_q8 as gemv_q8  # noqa: E402
 import emulate_grouped_gemm as grouped  # noqa: E402
 import emulate_wgmma_gemm as dense  # noqa: E402
 
@@ -34,3 +36,9 @@ def test_wgmma_gemm_emulated(case):
 @pytest.mark.parametrize("case", grouped.CASES, ids=lambda c: f"{_name(c[0])}-T{c[1]}")
 def test_grouped_gemm_emulated(case):
     grouped.check(*case)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_gemv_q8_fragments_emulated(fmt, seed):
+    gemv_q8.check(fmt, seed)

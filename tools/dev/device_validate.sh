@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU validation and profiling in device calls that fit the per-call limit: `bash
-# tools/dev/device_validate.sh 1|2|3|4|5|6` from the repo root on the device (carry the wheels in .whl).
+# tools/dev/device_validate.sh 1|2|3|4|5|6|7` from the repo root on the device (carry the wheels in .whl).
 # Every stage has its own timeout, capped by what is left of CAP seconds, and writes a line of summary
 # and its log under $OUT, so a call cut short still returns what finished. A finished step's log joins
 # $OUT/logs.txt (a device call brings back only a few files); a step cut short leaves its own.
@@ -94,6 +94,25 @@ case ${1:-1} in
     step b6_exact 80 $B --prefill 0 --batches 1,8,32 --numerics exact --speculative off
     for w in verify draft; do
       step p6_$w 60 python3 tools/dev/gpu_profile.py timeline "$CKPT" --batch 1 --numerics deepseek --what $w
+    done ;;
+7)  # a decode-side change against BASE (as stage 6): the decode kernels' tests, then for each tree,
+    # alternating, bench's decode and DSpark steps (deepseek) and decode (exact), and the deepseek
+    # decode and verify steps' timelines at b1
+    ckpt &
+    step t7_tests 200 python3 -m pytest -q -rf tests/gpu/test_gpu_gemv_q8.py tests/gpu/test_gpu_deepseek_numerics.py \
+      tests/gpu/test_gpu_linear.py tests/gpu/test_gpu_moe.py tests/gpu/test_gpu_speculative.py
+    wait
+    for tree in . ${BASE:-} . ${BASE:-}; do
+      tag=$([ "$tree" = . ] && echo new || echo base)
+      (cd "$tree" && step b7_${tag}_ds 70 $B --prefill 0 --batches 1,8,32 --numerics deepseek --speculative dspark)
+    done
+    for tree in . ${BASE:-}; do
+      tag=$([ "$tree" = . ] && echo new || echo base)
+      (cd "$tree" && step b7_${tag}_exact 50 $B --prefill 0 --batches 1,8,32 --numerics exact --speculative off)
+      for w in decode verify; do
+        (cd "$tree" && step p7_${tag}_$w 50 python3 tools/dev/gpu_profile.py timeline "$CKPT" --batch 1 \
+          --numerics deepseek --what $w)
+      done
     done ;;
 esac
 cat "$OUT/summary.txt"

@@ -5,12 +5,15 @@ experts of a MoE layer, a block-diagonal projection's groups, gate and up togeth
 segments (weight index, first row of x, rows, x column, y column). By rows per segment:
 - one row: gemvr (kernels/gemv_tc.cu, tensor cores fed from registers) for FP4 and large FP8
   weights, else gemvx (kernels/linear.cu, x staged in shared memory);
-- 2 to 32 rows of FP8 / FP4: the tensor-core GEMV (tcgemv_*: exact f16 weights, x split into hi + lo
-  f16 terms), up to 8 rows of BF16 / f32: the CUDA-core GEMV;
+- 2 to 32 rows of FP8 / FP4: the tensor-core GEMV; under --numerics deepseek (x quantized as the
+  reference's act_quant) tcgemv8_* (kernels/gemv_q8.cu: e4m3 MMAs, FP4 decoded into e4m3), else
+  tcgemv_* (exact f16 weights, x split into hi + lo f16 terms); up to 8 rows of BF16 / f32: the
+  CUDA-core GEMV;
 - more: the tensor-core GEMM (gemm_tc_*, the GEMV's arithmetic) for FP8 / FP4, the GEMM with x in
   three bf16 terms (gemm) for BF16 / f32 and what gemm_tc cannot read.
 Every path is float32-accurate up to summation order, except gemm on weights bf16 cannot hold
-exactly (f32, fp8 with f32 scales), which it rounds.
+exactly (f32, fp8 with f32 scales), which it rounds, and tcgemv8, whose tensor-core sums of 32
+products are kept to about 2^-14 (as DeepSeek's own FP8 GEMMs).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import numpy as np
 
 from engine.ops import kernels as K
 from engine.ops.gpu.common import F32, _c32, _ptr, _sm_count, round_bf16
+from engine.ops.gpu.fp8_linear import act_quant_fp8
 from engine.ops.gpu.weights import _EPC, _FMT_TAG, GEMV_MAX_ROWS, GpuWeight
 from engine.ops.kernels import FMT_BF16, FMT_F32, FMT_FP4, FMT_FP8
 
@@ -168,6 +172,20 @@ def _tc_ok(w: GpuWeight, lda: int) -> bool:
     return w.fmt == FMT_FP4 and k % 32 == 0 and lda % 8 == 0
 
 
+def _tc8_ok(w: GpuWeight, lda: int) -> bool:
+    """The e4m3 tensor-core GEMV (x on DeepSeek's activation grid): x rows in whole blocks of 32, FP4
+    rows in 32-element groups, FP8 rows in 32-element halves of its MMAs with scale blocks that are
+    whole MMAs within one 128-element stage, or whole stages (segment columns start on a block of
+    32: _xq_staged)."""
+    k = w.shape[1]
+    if lda % 32 or k % 32:
+        return False
+    if w.fmt == FMT_FP8:
+        bk = w.block[1]
+        return bk % 32 == 0 and (bk % 128 == 0 or 128 % bk == 0)
+    return w.fmt == FMT_FP4
+
+
 def _gemm_tc_ok(w: GpuWeight, lda: int) -> bool:
     """gemm_tc: what the tensor-core GEMV reads (_tc_ok), with one FP8 scale per 32 k."""
     return _tc_ok(w, lda) and (w.fmt == FMT_FP4 or w.block[1] % 32 == 0)
@@ -208,6 +226,8 @@ class LinearOps:
         # (the tensor-core GEMV reads x in 128-column groups: segments must start on one)
         if _gemvr_ok(a, w, segs, nseg, max_rows):
             self._run_reg(args, n, k, seg, nseg, w, constant=not isinstance(segs, cp.ndarray), xq=xq)
+        elif xq == XQ_FP8 and TC_MIN_ROWS.get(w.fmt, 99) <= max_rows <= TC_MAX_ROWS and _tc8_ok(w, a.shape[1]):
+            self._run_tc8(a, y, n, k, seg, wptrs, sptrs, w, max_rows, bf)
         elif (TC_MIN_ROWS.get(w.fmt, 99) <= max_rows <= TC_MAX_ROWS and _tc_ok(w, a.shape[1])
                 and (isinstance(segs, cp.ndarray) or all(s[3] % 128 == 0 for s in segs))):
             self._run_tc(a, y, n, k, seg, wptrs, sptrs, w, max_rows, bf, xq)
@@ -283,6 +303,21 @@ class LinearOps:
         fn((-(-tiles // (TC_WARPS // kw)), nseg), (32 * TC_WARPS,), (
             xs, xinv, np.int32(a.shape[1]), y, np.int32(y.shape[1]), np.int32(n), np.int32(k), seg, wptrs, sptrs,
             np.int32(w.block[0]), np.int32(w.block[1]), np.int32(w.gk), np.int32(bf), np.int32(kw)),
+           shared_mem=TC_SMEM)
+
+    def _run_tc8(self, a: cp.ndarray, y: cp.ndarray, n: int, k: int, seg: cp.ndarray, wptrs: cp.ndarray,
+                 sptrs: cp.ndarray, w: GpuWeight, max_rows: int, bf: bool) -> None:
+        """The e4m3 tensor-core GEMV (kernels/gemv_q8.cu): x rounded to bf16 and quantized as the
+        reference's act_quant does (act_quant_fp8), then one launch over the segments; the ring's
+        configuration is the exact GEMV's."""
+        codes, scales = act_quant_fp8(a, bf16=True)
+        nt = 1 if max_rows <= 8 else 2 if max_rows <= 16 else 4
+        fn = K.function_with_smem("gemv_q8", f"tcgemv8_{_FMT_TAG[w.fmt]}_n{nt}", TC_SMEM)
+        tiles, nseg = -(-n // 16), seg.size // 5
+        kw = _tc_split(tiles * nseg, -(-w.row_bytes() // TC_STAGE_BYTES))
+        fn((-(-tiles // (TC_WARPS // kw)), nseg), (32 * TC_WARPS,), (
+            codes, scales, np.int32(a.shape[1]), y, np.int32(y.shape[1]), np.int32(n), np.int32(k), seg, wptrs,
+            sptrs, np.int32(w.block[0]), np.int32(w.block[1]), np.int32(w.gk), np.int32(bf), np.int32(kw)),
            shared_mem=TC_SMEM)
 
     @staticmethod

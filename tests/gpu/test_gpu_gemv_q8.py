@@ -1,0 +1,101 @@
+"""The e4m3 tensor-core GEMV (kernels/gemv_q8.cu tcgemv8_*: 2 to 32 rows of x under --numerics
+deepseek, FP8 and FP4 weights) against the product of the same operands in float64. Skipped where
+CuPy or a GPU is absent (CI).
+
+Tolerance. x is rounded to bf16 and put on the e4m3 grid per 32 (the reference's act_quant), the
+weights are their stored values: the kernel's MMA products are exact, each MMA's sum of 32 is kept
+by the tensor core to about 2^-14 of its magnitude, the total is float32, and the output is rounded
+to bf16 (2^-9 relative). So every element lies within a bf16 step of the exact product of the
+quantized operands, measured against the row's largest output (cancellation makes some outputs
+small): MAX_TOL. A lane that multiplies the wrong k, row or scale lands O(1) away.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from gpu_cases import RNG, cp, make_weight, rnd
+
+from engine.checkpoint.formats import round_bf16
+from engine.model.numerics import QUANT
+from engine.ops.gpu import linear as gpu_linear
+from engine.ops.gpu.deepseek import DeepseekCupyOps
+from engine.ops.gpu.linear import XQ_FP8
+from engine.ops.numpy_ops import dequantize
+
+GPU = DeepseekCupyOps()
+MAX_TOL = 2.0**-8
+
+
+def _check(fmt: str, m: int, n: int, k: int, block=(128, 128)) -> None:
+    w = replace(make_weight(fmt, n, k, block=block if fmt == "fp8" else (32, 32)), use=QUANT)
+    x = rnd(m, k) * np.exp(RNG.uniform(-4, 4, (m, 1))).astype(np.float32)
+    x[:, RNG.integers(0, k, size=3)] *= 50  # outliers: blocks of 32 with their own scales
+    gw = GPU.prepare(w)
+    xq = cp.asnumpy(GPU._linear_input(cp.asarray(x), XQ_FP8)).astype(np.float64)
+    want = xq @ dequantize(w).astype(np.float64).T
+    got = cp.asnumpy(GPU.linear(cp.asarray(x), gw))
+    np.testing.assert_array_equal(got, round_bf16(got))  # bf16 out, as the reference's linear()
+    err = np.abs(got - want).max(axis=1) / np.maximum(np.abs(want).max(axis=1), 1e-30)
+    assert err.max() < MAX_TOL, err
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Counts the e4m3 GEMV's launches (and makes sure these cases run it)."""
+    calls = []
+    run = gpu_linear.LinearOps._run_tc8
+
+    def counted(self, *a, **kw):
+        calls.append(a[7].fmt)
+        return run(self, *a, **kw)
+
+    monkeypatch.setattr(gpu_linear.LinearOps, "_run_tc8", counted)
+    return calls
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+@pytest.mark.parametrize("m", [2, 6, 8, 9, 16, 17, 32])
+@pytest.mark.parametrize("n,k", [(320, 1024), (4100, 4096), (72, 4128)])
+def test_tcgemv8_matches_the_quantized_product(spy, fmt, m, n, k):
+    """Row counts of each tile count (NT 1, 2, 4, partial tiles), N off the 16-row tiles, K off the
+    128 / 256-element stages; the K split of the small launches (kw > 1) and the large ones."""
+    _check(fmt, m, n, k)
+    assert spy, "the e4m3 GEMV did not run"
+
+
+@pytest.mark.parametrize("block", [(128, 128), (64, 32), (8, 64), (8, 256)])
+def test_tcgemv8_fp8_scale_blocks(spy, block):
+    """FP8 scale blocks: several per stage (bk 32, 64), one per two stages (bk 256), and rows of one
+    tile in different blocks (bn 8: the scales read per row, not through the ring)."""
+    _check("fp8", 7, 200, 1024, block)
+    assert spy
+
+
+def test_tcgemv8_fp4_scales_off_the_ring(spy):
+    """FP4 rows whose group count is no multiple of 8 (K = 288: 9 groups): the UE8M0 bytes read per
+    row from global memory."""
+    _check("fp4", 5, 96, 288)
+    assert spy
+
+
+def test_tcgemv8_experts_segments():
+    """A verify step's experts: FP4 experts of several rows each, the segment table built on the
+    device, against the numpy backend's DeepseekOps (the MoE chain's tolerance)."""
+    from engine.ops.deepseek_ops import DeepseekOps
+
+    ref = DeepseekOps()
+    e, kk, d, inter = 32, 6, 1024, 512
+    ws = [tuple(replace(make_weight("fp4", *s), use=QUANT) for s in ((inter, d), (d, inter), (inter, d)))
+          for _ in range(e)]
+    t = 6
+    x = rnd(t, d)
+    ids = np.stack([RNG.permutation(e)[:kk] for _ in range(t)])
+    wts = (RNG.random((t, kk), dtype=np.float32) * 2.5).astype(np.float32)
+    want = ref.moe(x, [tuple(ref.prepare(w) for w in ex) for ex in ws], wts, ids, 10.0)
+    got = GPU.moe(cp.asarray(x), [tuple(GPU.prepare(w) for w in ex) for ex in ws], cp.asarray(wts),
+                  cp.asarray(ids), 10.0)
+    g = cp.asnumpy(got).astype(np.float64)
+    assert np.linalg.norm(g - want) / np.linalg.norm(want) < 1e-2
