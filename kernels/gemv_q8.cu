@@ -8,7 +8,9 @@
 // Why a kernel of its own: with x on the e4m3 grid, one mma.m16n8k32 e4m3 takes a whole 32-k
 // group of 16 weight rows against 8 rows of x, where the exact GEMV (kernels/gemv_tc.cu) needs four
 // f16 MMAs (two k16 halves times x's hi and lo terms), and x travels as 1 byte per element instead
-// of 4. At a verify step's few rows the exact GEMV is bound by instruction issue, not by HBM.
+// of 4. At a verify step's few rows both GEMVs are bound by instruction issue, not by HBM. (Hopper
+// has no e4m3 mma.sync: ptxas converts the operands to f16 and issues two f16 MMAs, so on sm_90a
+// this saves less than it would on a chip that runs it natively.)
 //
 // Each MMA's fresh f32 sums (one 32-k group: x's scale changes every 32) are scaled by the row's
 // weight scale times the x row's scale and added to the f32 total, as DeepSeek's own FP8 GEMM
@@ -35,6 +37,13 @@ __device__ __forceinline__ void mma_k32_e4m3(float* c, u32 a0, u32 a1, u32 a2, u
 __device__ __forceinline__ void fp4_e4m3_split(u32 w, u32& ev, u32& od) {
   ev = ((w << 2) & 0x1C1C1C1Cu) | ((w << 4) & 0x80808080u);
   od = ((w >> 2) & 0x1C1C1C1Cu) | (w & 0x80808080u);
+}
+
+// UE8M0 byte i of word w as a float, 2^(byte - 127), in two instructions (byte 0, 2^-127, reads as 0:
+// no checkpoint scales its weights that far down).
+__device__ __forceinline__ float ue8m0_byte(u32 w, int i) {
+  const u32 b = i == 0 ? w << 23 : i == 1 ? w << 15 : i == 2 ? w << 7 : w >> 1;
+  return __uint_as_float(b & 0x7F800000u);
 }
 
 // grid (ceil(ceil(N / 16) / (W / kw)), nseg), block 32 * W, dynamic shared memory W * S * TC_SLOT
@@ -150,7 +159,7 @@ __device__ __forceinline__ void tcgemv8_body(const u8* __restrict__ XC, const fl
       for (int i = 0; i < HM; ++i) {
         const int c = u * HM + i, kk = k0 + 32 * c;  // MMA c of the stage, its first k
         u32 a0, a1, a2, a3;
-        float sa, sb;  // the weight scales of rows g, g + 8 (FP4: times 2^6, the decoding's)
+        float sa, sb;  // the weight scales of rows g, g + 8 (FP4: the decoding's 2^-6 is undone at the end)
         if (F8) {
           a0 = d[2 * c][0], a1 = d[2 * c][1], a2 = d[2 * c + 1][0], a3 = d[2 * c + 1][1];
           if (pre) {
@@ -164,12 +173,12 @@ __device__ __forceinline__ void tcgemv8_body(const u8* __restrict__ XC, const fl
           fp4_e4m3_split(d[c][0], a0, a2);
           fp4_e4m3_split(d[c][1], a1, a3);
           if (pre) {
-            sa = e8m0_scaled(((c < 4 ? sga.x : sga.y) >> (8 * (c & 3))) & 0xFFu, 6);
-            sb = e8m0_scaled(((c < 4 ? sgb.x : sgb.y) >> (8 * (c & 3))) & 0xFFu, 6);
+            sa = ue8m0_byte(c < 4 ? sga.x : sga.y, c & 3);
+            sb = ue8m0_byte(c < 4 ? sgb.x : sgb.y, c & 3);
           } else {
             const bool in = kk < K;
-            sa = in ? e8m0_scaled(__ldg((const u8*)Sc + srow_g + kk / 32), 6) : 0.f;
-            sb = in ? e8m0_scaled(__ldg((const u8*)Sc + srow_g8 + kk / 32), 6) : 0.f;
+            sa = in ? ue8m0_byte(__ldg((const u8*)Sc + srow_g + kk / 32), 0) : 0.f;
+            sb = in ? ue8m0_byte(__ldg((const u8*)Sc + srow_g8 + kk / 32), 0) : 0.f;
           }
         }
 #pragma unroll
@@ -188,6 +197,12 @@ __device__ __forceinline__ void tcgemv8_body(const u8* __restrict__ XC, const fl
     }
   }
   cp_async_wait<0>();
+  if (!F8) {  // fp4_e4m3_split's values are value * 2^-6 (exact: a power of two)
+#pragma unroll
+    for (int q = 0; q < NT; ++q)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[q][e] *= 64.f;
+  }
   tc_reduce_store<NT>(acc, tc_smem, warp, lane, part, kw, n0, N, rows, Y, ldy, row0, ycol, bf);
 }
 
