@@ -31,12 +31,14 @@ from gpu_cases import RNG, cp, make_weight, rel, rnd
 
 from engine.checkpoint.formats import round_bf16
 from engine.model.numerics import BF16, F32, QUANT
+from engine.ops import kernels as K
 from engine.ops.deepseek_ops import DeepseekOps, LinearWeight
 from engine.ops.gpu.deepseek import DeepseekCupyOps
 from engine.ops.gpu.ops import CupyOps
 from engine.ops.numpy_ops import NumpyOps
 
 REF, GPU = DeepseekOps(), DeepseekCupyOps()
+EXACT = CupyOps()  # (the fused tails' exact-numerics side)
 OP_TOL, CHAIN_TOL = 2e-3, 1e-2
 # decode attention's online softmax rounds each probability relative to the running maximum, the
 # reference relative to the final one: bf16 noise of its own on the probabilities
@@ -192,6 +194,79 @@ def test_indexer_scores_bf16(s, n, h, dh):
     ref = REF.indexer_scores(q, k, w, h, dh, exact=True)
     got = GPU.indexer_scores(cp.asarray(q), cp.asarray(k), cp.asarray(w), h, dh, exact=True)
     assert rel(got, ref) < OP_TOL
+
+
+# ---- decode's fused tails: bit for bit the passes of their own they replaced -------------------
+def _combine_in_passes(ops, calls: list):
+    """MoeOps._combine as it ran before moe_combine took over the tail: the combine alone, then
+    `y += shared` and act() as passes of their own."""
+    def combine(out, weights, inv, k, d, shared=None):
+        calls.append(shared is not None)
+        y = cp.empty((inv.size // k, d), np.float32)
+        K.function("elementwise", "moe_combine")(((y.size + 255) // 256,), (256,), (
+            out, cp.ascontiguousarray(weights, dtype=np.float32), inv, np.uint64(0), y, np.int64(y.size),
+            np.int32(k), np.int32(d), np.int32(0)))
+        return ops.act(ops._plus_shared(y, shared))
+    return combine
+
+
+def _moe_inputs(ops, t: int, e: int, k: int, d: int, inter: int) -> tuple:
+    """(experts, x, weights, ids): t random tokens through e FP4 experts, k of them each."""
+    ws = [tuple(ops.prepare(_w("fp4", *s, QUANT)) for s in ((inter, d), (d, inter), (inter, d))) for _ in range(e)]
+    ids = np.stack([RNG.permutation(e)[:k] for _ in range(t)])
+    wts = (RNG.random((t, k), dtype=np.float32) * 2.5).astype(np.float32)
+    return ws, cp.asarray(rnd(t, d)), cp.asarray(wts), cp.asarray(ids)
+
+
+@pytest.mark.parametrize("numerics", ["deepseek", "exact"])
+@pytest.mark.parametrize("t", [1, 8, 300])
+@pytest.mark.parametrize("with_shared", [True, False])
+def test_moe_combine_adds_shared_and_rounds(numerics, t, with_shared, monkeypatch):
+    """moe_combine adds the shared expert's row and (deepseek) rounds to bf16 in its own launch: bit
+    for bit the combine, `y += shared` and act() as passes of their own, on each path to it (one
+    token's GEMV segments, a batch's, a prompt chunk's GEMM tiles or grouped e4m3 GEMM)."""
+    ops = GPU if numerics == "deepseek" else EXACT
+    d = 512
+    ws, x, wts, ids = _moe_inputs(ops, t, 16, 4, d, 256)
+    shared = cp.asarray(rnd(t, d)) if with_shared else None  # (not bf16: the order of add and round shows)
+    got = cp.asnumpy(ops.moe(x, ws, wts, ids, 10.0, shared))
+    calls = []
+    monkeypatch.setattr(ops, "_combine", _combine_in_passes(ops, calls))
+    want = cp.asnumpy(ops.moe(x, ws, wts, ids, 10.0, shared))
+    assert calls == [with_shared]  # (the path under test reaches the combine)
+    assert np.isfinite(got).all() and np.abs(got).max() > 0
+    np.testing.assert_array_equal(got, want)
+    if numerics == "deepseek":
+        np.testing.assert_array_equal(got, round_bf16(got))
+        if with_shared:  # the experts' sum rounded before the shared row is added: other values
+            alone = cp.asnumpy(ops.moe(x, ws, wts, ids, 10.0, None))
+            assert not np.array_equal(got, round_bf16(alone + cp.asnumpy(shared)))
+
+
+def test_moe_combine_joins_a_forked_shared_expert(monkeypatch):
+    """A captured decode step forks the shared expert beside the routed ones; the combine that adds
+    its output joins the fork first: the replayed graph equals the tail in passes of its own, inline."""
+    from engine.ops.gpu.graphs import RegionGraphs
+
+    d, inter = 1024, 512
+    shared_w = tuple(GPU.prepare(_w("fp8", *s, QUANT)) for s in ((inter, d), (d, inter), (inter, d)))
+    ws, x, wts, ids = _moe_inputs(GPU, 1, 8, 6, d, inter)
+
+    def forked(a):
+        y = GPU.moe(a, ws, wts, ids, 10.0, GPU.fork(GPU.swiglu_mlp, a * 1.0, *shared_w, 10.0))
+        GPU.join_all()
+        return y
+
+    with monkeypatch.context() as m:
+        m.setattr(GPU, "_combine", _combine_in_passes(GPU, []))
+        want = cp.asnumpy(GPU.moe(x, ws, wts, ids, 10.0, GPU.swiglu_mlp(x, *shared_w, 10.0)))
+    assert np.isfinite(want).all() and np.abs(want).max() > 0
+    monkeypatch.setattr(GPU, "_side_stream", None)  # (made on first use: by this capture, below)
+    graphs = RegionGraphs(enabled=True)
+    for _ in range(4):  # eager, capture, then replays
+        np.testing.assert_array_equal(cp.asnumpy(graphs("fork", forked, x)), want)
+    assert graphs.captures == 1 and graphs.replays >= 2
+    assert GPU._side_stream is not None  # the capture forked
 
 
 # ---- whole models -------------------------------------------------------------------------

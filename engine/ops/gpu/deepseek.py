@@ -168,10 +168,7 @@ class DeepseekCupyOps(CupyOps):
                 hidden, _c32(weights), order, np.int64(hidden.size), np.int32(inter)))
         out = cp.empty((p, d), F32)
         fp8_grouped_linear(act_quant_fp8(hidden), None, segs, p2, s2, w2, out, bf16=True)
-        y = cp.empty_like(x)
-        K.function("elementwise", "moe_combine")(_grid(y.size), (_ELT_BLOCK,), (
-            out, cp.ones(ids.shape, F32), inv, y, np.int64(y.size), np.int32(ids.shape[1]), np.int32(d)))
-        return self.act(self._plus_shared(y, shared))
+        return self._combine(out, cp.ones(ids.shape, F32), inv, int(ids.shape[1]), d, shared)
 
     def _linear_xq(self, w: GpuWeight) -> int:
         """x as the reference's linear() hands it to w's GEMM, for the GEMVs to prepare as they stage
