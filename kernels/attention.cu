@@ -80,12 +80,15 @@ __device__ __forceinline__ void attend_rows(const float (&qr)[ATT_DPL], float (&
   }
 }
 
-__device__ __forceinline__ void load_query(const float* __restrict__ qh, bool active, int nd, float (&qr)[ATT_DPL],
-                                           float (&o)[ATT_DPL]) {
+// bf (--numerics deepseek: sparse_attn takes q in bf16): q rounded as loaded, so the decode step
+// launches no rounding pass of its own (idempotent where the caller rounded it already).
+__device__ __forceinline__ void load_query(const float* __restrict__ qh, bool active, int nd, bool bf,
+                                           float (&qr)[ATT_DPL], float (&o)[ATT_DPL]) {
   const int lane = threadIdx.x & 31;
 #pragma unroll
   for (int i = 0; i < ATT_DPL; ++i) {
-    qr[i] = (active && i < nd) ? qh[lane + 32 * i] : 0.f;
+    const float v = (active && i < nd) ? qh[lane + 32 * i] : 0.f;
+    qr[i] = bf ? round_bf16f(v) : v;
     o[i] = 0.f;
   }
 }
@@ -133,7 +136,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_decode(
   const int* l1 = rows1 != nullptr && m1 != nullptr ? rows1 + (size_t)b * rows1_ld : nullptr;
   const int n0 = (int)e[1], n1 = (int)e[4], total = n0 + (l1 != nullptr ? cnt1[b] : n1);
   float qr[ATT_DPL], o[ATT_DPL], m = -DSUF_INF, l = 0.f;
-  load_query(q + ((size_t)b * H + (active ? h : 0)) * D, active, nd, qr, o);
+  load_query(q + ((size_t)b * H + (active ? h : 0)) * D, active, nd, bf != 0, qr, o);
   const int lo = z * chunk, hi = min(total, lo + chunk);
   attend_rows(qr, o, m, l, active, lo, hi, D, scale, bf != 0, [&](int n, float& bias) {
     const bool in0 = n < n0;

@@ -269,6 +269,43 @@ def test_moe_combine_joins_a_forked_shared_expert(monkeypatch):
     assert GPU._side_stream is not None  # the capture forked
 
 
+@pytest.mark.parametrize("b", [1, 40])
+def test_attention_decode_rounds_q_as_it_loads_it(b):
+    """The decode kernel rounds q to bf16 as it loads it (no act() pass): bit for bit the kernel on
+    q rounded first, split over the keys (1 sequence) or in one split (40 write the output directly)."""
+    h, d = 64, 512
+    q, sinks = cp.asarray(rnd(b, h, d)), cp.asarray(rnd(h))
+    src = []
+    for _ in range(b):
+        win, ent = rnd(int(RNG.integers(1, 128)), d), rnd(int(RNG.integers(300, 800)), d)
+        src.append([(cp.asarray(win), None), (cp.asarray(ent), cp.asarray(RNG.random(ent.shape[0]) < 0.3))])
+    got = cp.asnumpy(GPU.attention_decode(q, src, sinks, d**-0.5))
+    np.testing.assert_array_equal(got, cp.asnumpy(GPU.attention_decode(GPU.act(q), src, sinks, d**-0.5)))
+    # (q's rounding reaches the output: exact numerics, which keep q, tell the two apart)
+    assert not np.array_equal(cp.asnumpy(EXACT.attention_decode(q, src, sinks, d**-0.5)),
+                              cp.asnumpy(EXACT.attention_decode(GPU.act(q), src, sinks, d**-0.5)))
+
+
+@pytest.mark.parametrize("selected", [0, 40])
+def test_attend_decode_rounds_q_as_it_loads_it(selected):
+    """V4.1's decode attention from a staged table (each sequence's window, then its entries under
+    its top-k mask row, walked or through the row's list of selected entries): q rounded by the
+    kernel, bit for bit the kernel on q rounded first."""
+    b, h, d, win, n_e = 3, 64, 512, 128, 600
+    wins = [cp.asarray(rnd(int(RNG.integers(1, win + 1)), d)) for _ in range(b)]
+    ents = [cp.asarray(rnd(n_e, d)) for _ in range(b)]
+    rows = [(w.data.ptr, w.shape[0], 0, e.data.ptr, n_e, 1) for w, e in zip(wins, ents, strict=True)]
+    tab = cp.asarray(np.array(rows, np.int64))  # (the staged table: window rows, then entries under row b)
+    mask = np.zeros((b, n_e), bool)
+    for i in range(b):
+        mask[i, RNG.choice(n_e, 30, replace=False)] = True
+    q, args = cp.asarray(rnd(b, h, d)), (tab, cp.asarray(mask), cp.asarray(rnd(h)), d**-0.5, win + n_e, win, selected)
+    got = cp.asnumpy(GPU.attend_decode(q, *args))
+    np.testing.assert_array_equal(got, cp.asnumpy(GPU.attend_decode(GPU.act(q), *args)))
+    assert not np.array_equal(cp.asnumpy(EXACT.attend_decode(q, *args)),
+                              cp.asnumpy(EXACT.attend_decode(GPU.act(q), *args)))
+
+
 # ---- whole models -------------------------------------------------------------------------
 def _tiny(tmp_path: Path) -> Path:
     """A random V4.1 checkpoint in the released formats (FP8 weights, FP4 experts), every layer kind."""

@@ -221,7 +221,7 @@ class AttentionOps:
             qc, tab, masks if masks is not None else _NULL, np.int32(masks_ld), sk, out, part_o, part_ml,
             np.int32(h), np.int32(d), np.int32(nsplit), np.int32(chunk), F32(scale),
             _NULL if lists is None else lists[0], _NULL if lists is None else lists[1],
-            np.int32(0 if lists is None else lists[0].shape[1]), np.int32(self.bf16)),
+            np.int32(0 if lists is None else lists[0].shape[1]), np.int32(self.bf16)),  # (bf: q rounded as loaded too)
             shared_mem=16 * d * 4)
         if nsplit > 1:
             K.function("attention", "attention_combine")((-(-(b * h) // 8),), (256,), (

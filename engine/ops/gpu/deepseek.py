@@ -197,12 +197,8 @@ class DeepseekCupyOps(CupyOps):
         return super().attention_ranges(self.act(q), keys, lo, hi, entries, emask, sinks, scale, selected, True,
                                         span)
 
-    def attention_decode(self, q: cp.ndarray, sources: list, sinks: cp.ndarray, scale: float) -> cp.ndarray:
-        return super().attention_decode(self.act(q), sources, sinks, scale)
-
-    def attend_decode(self, q: cp.ndarray, attend, mask: cp.ndarray | None, sinks: cp.ndarray, scale: float,
-                      longest: int, window: int = 0, selected: int = 0) -> cp.ndarray:
-        return super().attend_decode(self.act(q), attend, mask, sinks, scale, longest, window, selected)
+    # (attention_decode / attend_decode need no override: the decode kernel rounds q as it loads it
+    # where bf16 is set, so a decode step launches no rounding pass for it)
 
     def _indexer_weights(self, w: cp.ndarray, n_heads: int, head_dim: int) -> tuple:
         """The reference's head weights: bf16(bf16(w) * head_dim^-0.5 * n_heads^-0.5), scales folded in."""
