@@ -36,6 +36,7 @@ from engine.ops.deepseek_ops import DeepseekOps, LinearWeight
 from engine.ops.gpu.deepseek import DeepseekCupyOps
 from engine.ops.gpu.ops import CupyOps
 from engine.ops.numpy_ops import NumpyOps
+from engine.state.rows import Span
 
 REF, GPU = DeepseekOps(), DeepseekCupyOps()
 EXACT = CupyOps()  # (the fused tails' exact-numerics side)
@@ -304,6 +305,43 @@ def test_attend_decode_rounds_q_as_it_loads_it(selected):
     np.testing.assert_array_equal(got, cp.asnumpy(GPU.attend_decode(GPU.act(q), *args)))
     assert not np.array_equal(cp.asnumpy(EXACT.attend_decode(q, *args)),
                               cp.asnumpy(EXACT.attend_decode(GPU.act(q), *args)))
+
+
+def _head_weights_in_passes(ops, rounded: bool = True):
+    """DeepseekCupyOps._indexer_weights as it was: bf16(bf16(w) * Dh^-0.5 * H^-0.5) in passes of its
+    own, both scales folded in (the kernels' rounding of them then changes nothing). rounded False:
+    w times the scales as they are, which the kernels then round once: other weights."""
+    def weights(w, n_heads, head_dim):
+        c = np.float32(head_dim**-0.5 * n_heads**-0.5)
+        wc = cp.ascontiguousarray(w, dtype=np.float32)
+        return (ops.act(ops.act(wc) * c) if rounded else wc * c), np.float32(1.0), np.float32(1.0)
+    return weights
+
+
+@pytest.mark.parametrize("s,n,h,dh,exact", [(3, 500, 16, 32, False), (40, 333, 64, 128, True),
+                                            (40, 333, 64, 128, False)])
+def test_indexer_kernels_form_the_head_weights(s, n, h, dh, exact, monkeypatch):
+    """The score kernels form the reference's bf16(bf16(w) * hscale) as they load w: bit for bit the
+    weights rounded, scaled and rounded in passes of their own, on the CUDA-core kernel (3 queries;
+    and the decode spans kernel) and the tensor-core one (one and three bf16 terms)."""
+    q, k = cp.asarray(REF.fake_quant_fp4(rnd(s, h, dh), 32)), cp.asarray(REF.fake_quant_fp4(rnd(n, dh), 32))
+    w = cp.asarray(rnd(s, h))
+    spans = [Span(k, int(RNG.integers(0, n // 2)), int(RNG.integers(1, n // 2))) for _ in range(s)]
+
+    def scores():
+        sc = cp.asnumpy(GPU.indexer_scores(q, k, w, h, dh, exact=exact))
+        return sc, (cp.asnumpy(GPU.indexer_scores_spans(q, spans, w, h, dh)) if s < 16 else None)
+
+    got, got_spans = scores()
+    assert np.isfinite(got).all() and np.abs(got).max() > 0
+    monkeypatch.setattr(GPU, "_indexer_weights", _head_weights_in_passes(GPU))
+    want, want_spans = scores()
+    np.testing.assert_array_equal(got, want)
+    if got_spans is not None:
+        np.testing.assert_array_equal(got_spans, want_spans)
+    # (the weights' rounding reaches the scores: weights rounded only after the scaling give others)
+    monkeypatch.setattr(GPU, "_indexer_weights", _head_weights_in_passes(GPU, rounded=False))
+    assert not np.array_equal(scores()[0], got)
 
 
 # ---- whole models -------------------------------------------------------------------------

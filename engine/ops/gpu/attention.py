@@ -282,7 +282,7 @@ class AttentionOps:
 
     def _indexer_weights(self, w: cp.ndarray, n_heads: int, head_dim: int) -> tuple:
         """The indexer kernels' head weights and scales (dscale, hscale): w as given, scaled in the
-        kernel (DeepseekCupyOps folds the scales into bf16 weights first)."""
+        kernel (DeepseekCupyOps: both scales in hscale, the kernels round as the reference does)."""
         return _c32(w), F32(head_dim**-0.5), F32(n_heads**-0.5)
 
     def topk_mask(self, scores: cp.ndarray, k: int) -> cp.ndarray:

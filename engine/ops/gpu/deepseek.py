@@ -3,7 +3,8 @@ the quantization points of the numpy backend's DeepseekOps (engine/ops/deepseek_
 GPU tests hold it to.
 
 - bf16 activations (kept in float32 arrays) wherever the reference stores bf16: the kernels of the
-  norms, RoPE, mHC, Engram, pooling, attention and the indexer round what they store (CupyOps.bf16);
+  norms, RoPE, mHC, Engram, pooling, attention, the indexer and the MoE's combine round what they
+  store, decode attention its q and the indexer its head weights as they load them (CupyOps.bf16);
   act() rounds the rest (a linear's input and output, the experts'), except where the FP8 GEMMs round
   their inputs (act_quant_fp8) and outputs (as stored) in their own passes.
 - linear(), by the weight's use (engine/model/numerics.py): an FP8 / FP4 weight takes the bf16
@@ -201,5 +202,8 @@ class DeepseekCupyOps(CupyOps):
     # where bf16 is set, so a decode step launches no rounding pass for it)
 
     def _indexer_weights(self, w: cp.ndarray, n_heads: int, head_dim: int) -> tuple:
-        """The reference's head weights: bf16(bf16(w) * head_dim^-0.5 * n_heads^-0.5), scales folded in."""
-        return self.act(self.act(w) * F32(head_dim**-0.5 * n_heads**-0.5)), F32(1.0), F32(1.0)
+        """The reference's head weights bf16(bf16(w) * head_dim^-0.5 * n_heads^-0.5), formed by the
+        scores kernels as they load w (bf16 = True; kernels/attention.cu index_head_weight): w as
+        given, dscale 1 and both scales folded into hscale, their product taken in float64 and
+        rounded to float32 once, as the reference does."""
+        return _c32(w), F32(1.0), F32(head_dim**-0.5 * n_heads**-0.5)
