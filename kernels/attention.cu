@@ -80,12 +80,15 @@ __device__ __forceinline__ void attend_rows(const float (&qr)[ATT_DPL], float (&
   }
 }
 
-__device__ __forceinline__ void load_query(const float* __restrict__ qh, bool active, int nd, float (&qr)[ATT_DPL],
-                                           float (&o)[ATT_DPL]) {
+// bf (--numerics deepseek: sparse_attn takes q in bf16): q rounded as loaded, so the decode step
+// launches no rounding pass of its own (idempotent where the caller rounded it already).
+__device__ __forceinline__ void load_query(const float* __restrict__ qh, bool active, int nd, bool bf,
+                                           float (&qr)[ATT_DPL], float (&o)[ATT_DPL]) {
   const int lane = threadIdx.x & 31;
 #pragma unroll
   for (int i = 0; i < ATT_DPL; ++i) {
-    qr[i] = (active && i < nd) ? qh[lane + 32 * i] : 0.f;
+    const float v = (active && i < nd) ? qh[lane + 32 * i] : 0.f;
+    qr[i] = bf ? round_bf16f(v) : v;
     o[i] = 0.f;
   }
 }
@@ -133,7 +136,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_decode(
   const int* l1 = rows1 != nullptr && m1 != nullptr ? rows1 + (size_t)b * rows1_ld : nullptr;
   const int n0 = (int)e[1], n1 = (int)e[4], total = n0 + (l1 != nullptr ? cnt1[b] : n1);
   float qr[ATT_DPL], o[ATT_DPL], m = -DSUF_INF, l = 0.f;
-  load_query(q + ((size_t)b * H + (active ? h : 0)) * D, active, nd, qr, o);
+  load_query(q + ((size_t)b * H + (active ? h : 0)) * D, active, nd, bf != 0, qr, o);
   const int lo = z * chunk, hi = min(total, lo + chunk);
   attend_rows(qr, o, m, l, active, lo, hi, D, scale, bf != 0, [&](int n, float& bias) {
     const bool in0 = n < n0;
@@ -373,10 +376,15 @@ extern "C" __global__ void __launch_bounds__(256) attention_combine(const float*
 // dots the key row, staged in the warp's shared memory, with its heads' queries (rows Dh + 1 floats
 // apart, so the lanes' reads fall in 32 banks): one warp reduction per key, not one per head.
 // bf (--numerics deepseek, the reference's Indexer.forward): each dot rounded to bf16, and each
-// relu(dot) * w rounded to bf16, w being the bf16 head weights with both scales folded in (the
-// caller passes dscale = hscale = 1).
+// relu(dot) * w rounded to bf16, w being the reference's bf16 head weights with both scales folded
+// in (index_head_weight; the caller passes dscale = 1 and hscale = Dh^-0.5 * H^-0.5).
 // Dynamic shared memory: H * (Dh + 1) + H + 8 * Dh floats.
 #define IDX_KPW 4
+// Head weight w as the scores take it: w * hscale; with bf, the reference's bf16(bf16(w) * hscale),
+// formed as it is loaded so that a decode step launches no passes of its own for the weights.
+__device__ __forceinline__ float index_head_weight(float w, float hscale, bool bf) {
+  return bf ? round_bf16f(round_bf16f(w) * hscale) : w * hscale;
+}
 __device__ __forceinline__ float key_score(const float* __restrict__ kn, const float* qs, const float* ws, float* kw,
                                            int H, int Dh, float dscale, bool bf) {
   const int lane = threadIdx.x & 31;
@@ -402,7 +410,7 @@ __device__ __forceinline__ void indexer_row(const float* __restrict__ q, const f
   float* ws = qs + H * qld;
   const int s = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   for (int i = threadIdx.x; i < H * Dh; i += blockDim.x) qs[(i / Dh) * qld + i % Dh] = q[(size_t)s * H * Dh + i];
-  for (int i = threadIdx.x; i < H; i += blockDim.x) ws[i] = w[(size_t)s * H + i] * hscale;
+  for (int i = threadIdx.x; i < H; i += blockDim.x) ws[i] = index_head_weight(w[(size_t)s * H + i], hscale, bf);
   __syncthreads();
 #pragma unroll
   for (int j = 0; j < IDX_KPW; ++j) {
@@ -463,7 +471,7 @@ __device__ __forceinline__ void indexer_tc_body(const float* __restrict__ q, con
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = wm + 16 * i + g + 8 * h;
-      wr[i][h] = r < rows ? w[(size_t)s0 * H + r] * hscale : 0.f;
+      wr[i][h] = r < rows ? index_head_weight(w[(size_t)s0 * H + r], hscale, bf) : 0.f;
     }
   for (int n0 = 0; n0 < N; n0 += ITC_KEYS) {
     __syncthreads();  // the last tile's Ks and red reads are done (and, first, As is written)

@@ -535,10 +535,13 @@ extern "C" __global__ void swiglu_pairs(const float* __restrict__ gu, float* __r
   y[i] = swiglu1(gu[r * 2 * inter + c], gu[r * 2 * inter + inter + c], limit);
 }
 
-// y[t, d] = sum_s w[t, s] * out[inv[t, s], d]   (inv: row of pair (t, s) in expert order)
+// y[t, d] = sum_s w[t, s] * out[inv[t, s], d]   (inv: row of pair (t, s) in expert order), then
+// + shared[t, d] (the shared expert's output; nullptr: none) and, with bf (--numerics deepseek),
+// rounded to bf16: the MoE's whole tail in one launch (not an add and a rounding pass of their own),
+// bit for bit what those computed: the experts' sum first, then the shared row.
 extern "C" __global__ void moe_combine(const float* __restrict__ out, const float* __restrict__ w,
-                                       const int* __restrict__ inv, float* __restrict__ y, long long total, int K,
-                                       int D) {
+                                       const int* __restrict__ inv, const float* __restrict__ shared,
+                                       float* __restrict__ y, long long total, int K, int D, int bf) {
   dsuf_launch_dependents();
   long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= total) return;
@@ -546,7 +549,8 @@ extern "C" __global__ void moe_combine(const float* __restrict__ out, const floa
   const int d = (int)(i % D);
   float s = 0.f;
   for (int k = 0; k < K; ++k) s += out[(size_t)inv[t * K + k] * D + d] * w[t * K + k];
-  y[i] = s;
+  if (shared != nullptr) s += shared[i];
+  y[i] = bf ? round_bf16f(s) : s;
 }
 
 // Batched row copies: job j moves tab[3j + 2] bytes from tab[3j] to tab[3j + 1] (addresses and

@@ -31,12 +31,15 @@ from gpu_cases import RNG, cp, make_weight, rel, rnd
 
 from engine.checkpoint.formats import round_bf16
 from engine.model.numerics import BF16, F32, QUANT
+from engine.ops import kernels as K
 from engine.ops.deepseek_ops import DeepseekOps, LinearWeight
 from engine.ops.gpu.deepseek import DeepseekCupyOps
 from engine.ops.gpu.ops import CupyOps
 from engine.ops.numpy_ops import NumpyOps
+from engine.state.rows import Span
 
 REF, GPU = DeepseekOps(), DeepseekCupyOps()
+EXACT = CupyOps()  # (the fused tails' exact-numerics side)
 OP_TOL, CHAIN_TOL = 2e-3, 1e-2
 # decode attention's online softmax rounds each probability relative to the running maximum, the
 # reference relative to the final one: bf16 noise of its own on the probabilities
@@ -194,6 +197,153 @@ def test_indexer_scores_bf16(s, n, h, dh):
     ref = REF.indexer_scores(q, k, w, h, dh, exact=True)
     got = GPU.indexer_scores(cp.asarray(q), cp.asarray(k), cp.asarray(w), h, dh, exact=True)
     assert rel(got, ref) < OP_TOL
+
+
+# ---- decode's fused tails: bit for bit the passes of their own they replaced -------------------
+def _combine_in_passes(ops, calls: list):
+    """MoeOps._combine as it ran before moe_combine took over the tail: the combine alone, then
+    `y += shared` and act() as passes of their own."""
+    def combine(out, weights, inv, k, d, shared=None):
+        calls.append(shared is not None)
+        y = cp.empty((inv.size // k, d), np.float32)
+        K.function("elementwise", "moe_combine")(((y.size + 255) // 256,), (256,), (
+            out, cp.ascontiguousarray(weights, dtype=np.float32), inv, np.uint64(0), y, np.int64(y.size),
+            np.int32(k), np.int32(d), np.int32(0)))
+        return ops.act(ops._plus_shared(y, shared))
+    return combine
+
+
+def _moe_inputs(ops, t: int, e: int, k: int, d: int, inter: int) -> tuple:
+    """(experts, x, weights, ids): t random tokens through e FP4 experts, k of them each."""
+    ws = [tuple(ops.prepare(_w("fp4", *s, QUANT)) for s in ((inter, d), (d, inter), (inter, d))) for _ in range(e)]
+    ids = np.stack([RNG.permutation(e)[:k] for _ in range(t)])
+    wts = (RNG.random((t, k), dtype=np.float32) * 2.5).astype(np.float32)
+    return ws, cp.asarray(rnd(t, d)), cp.asarray(wts), cp.asarray(ids)
+
+
+@pytest.mark.parametrize("numerics", ["deepseek", "exact"])
+@pytest.mark.parametrize("t", [1, 8, 300])
+@pytest.mark.parametrize("with_shared", [True, False])
+def test_moe_combine_adds_shared_and_rounds(numerics, t, with_shared, monkeypatch):
+    """moe_combine adds the shared expert's row and (deepseek) rounds to bf16 in its own launch: bit
+    for bit the combine, `y += shared` and act() as passes of their own, on each path to it (one
+    token's GEMV segments, a batch's, a prompt chunk's GEMM tiles or grouped e4m3 GEMM)."""
+    ops = GPU if numerics == "deepseek" else EXACT
+    d = 512
+    ws, x, wts, ids = _moe_inputs(ops, t, 16, 4, d, 256)
+    shared = cp.asarray(rnd(t, d)) if with_shared else None  # (not bf16: the order of add and round shows)
+    got = cp.asnumpy(ops.moe(x, ws, wts, ids, 10.0, shared))
+    calls = []
+    monkeypatch.setattr(ops, "_combine", _combine_in_passes(ops, calls))
+    want = cp.asnumpy(ops.moe(x, ws, wts, ids, 10.0, shared))
+    assert calls == [with_shared]  # (the path under test reaches the combine)
+    assert np.isfinite(got).all() and np.abs(got).max() > 0
+    np.testing.assert_array_equal(got, want)
+    if numerics == "deepseek":
+        np.testing.assert_array_equal(got, round_bf16(got))
+        if with_shared:  # the experts' sum rounded before the shared row is added: other values
+            alone = cp.asnumpy(ops.moe(x, ws, wts, ids, 10.0, None))
+            assert not np.array_equal(got, round_bf16(alone + cp.asnumpy(shared)))
+
+
+def test_moe_combine_joins_a_forked_shared_expert(monkeypatch):
+    """A captured decode step forks the shared expert beside the routed ones; the combine that adds
+    its output joins the fork first: the replayed graph equals the tail in passes of its own, inline."""
+    from engine.ops.gpu.graphs import RegionGraphs
+
+    d, inter = 1024, 512
+    shared_w = tuple(GPU.prepare(_w("fp8", *s, QUANT)) for s in ((inter, d), (d, inter), (inter, d)))
+    ws, x, wts, ids = _moe_inputs(GPU, 1, 8, 6, d, inter)
+
+    def forked(a):
+        y = GPU.moe(a, ws, wts, ids, 10.0, GPU.fork(GPU.swiglu_mlp, a * 1.0, *shared_w, 10.0))
+        GPU.join_all()
+        return y
+
+    with monkeypatch.context() as m:
+        m.setattr(GPU, "_combine", _combine_in_passes(GPU, []))
+        want = cp.asnumpy(GPU.moe(x, ws, wts, ids, 10.0, GPU.swiglu_mlp(x, *shared_w, 10.0)))
+    assert np.isfinite(want).all() and np.abs(want).max() > 0
+    monkeypatch.setattr(GPU, "_side_stream", None)  # (made on first use: by this capture, below)
+    graphs = RegionGraphs(enabled=True)
+    for _ in range(4):  # eager, capture, then replays
+        np.testing.assert_array_equal(cp.asnumpy(graphs("fork", forked, x)), want)
+    assert graphs.captures == 1 and graphs.replays >= 2
+    assert GPU._side_stream is not None  # the capture forked
+
+
+@pytest.mark.parametrize("b", [1, 40])
+def test_attention_decode_rounds_q_as_it_loads_it(b):
+    """The decode kernel rounds q to bf16 as it loads it (no act() pass): bit for bit the kernel on
+    q rounded first, split over the keys (1 sequence) or in one split (40 write the output directly)."""
+    h, d = 64, 512
+    q, sinks = cp.asarray(rnd(b, h, d)), cp.asarray(rnd(h))
+    src = []
+    for _ in range(b):
+        win, ent = rnd(int(RNG.integers(1, 128)), d), rnd(int(RNG.integers(300, 800)), d)
+        src.append([(cp.asarray(win), None), (cp.asarray(ent), cp.asarray(RNG.random(ent.shape[0]) < 0.3))])
+    got = cp.asnumpy(GPU.attention_decode(q, src, sinks, d**-0.5))
+    np.testing.assert_array_equal(got, cp.asnumpy(GPU.attention_decode(GPU.act(q), src, sinks, d**-0.5)))
+    # (q's rounding reaches the output: exact numerics, which keep q, tell the two apart)
+    assert not np.array_equal(cp.asnumpy(EXACT.attention_decode(q, src, sinks, d**-0.5)),
+                              cp.asnumpy(EXACT.attention_decode(GPU.act(q), src, sinks, d**-0.5)))
+
+
+@pytest.mark.parametrize("selected", [0, 40])
+def test_attend_decode_rounds_q_as_it_loads_it(selected):
+    """V4.1's decode attention from a staged table (each sequence's window, then its entries under
+    its top-k mask row, walked or through the row's list of selected entries): q rounded by the
+    kernel, bit for bit the kernel on q rounded first."""
+    b, h, d, win, n_e = 3, 64, 512, 128, 600
+    wins = [cp.asarray(rnd(int(RNG.integers(1, win + 1)), d)) for _ in range(b)]
+    ents = [cp.asarray(rnd(n_e, d)) for _ in range(b)]
+    rows = [(w.data.ptr, w.shape[0], 0, e.data.ptr, n_e, 1) for w, e in zip(wins, ents, strict=True)]
+    tab = cp.asarray(np.array(rows, np.int64))  # (the staged table: window rows, then entries under row b)
+    mask = np.zeros((b, n_e), bool)
+    for i in range(b):
+        mask[i, RNG.choice(n_e, 30, replace=False)] = True
+    q, args = cp.asarray(rnd(b, h, d)), (tab, cp.asarray(mask), cp.asarray(rnd(h)), d**-0.5, win + n_e, win, selected)
+    got = cp.asnumpy(GPU.attend_decode(q, *args))
+    np.testing.assert_array_equal(got, cp.asnumpy(GPU.attend_decode(GPU.act(q), *args)))
+    assert not np.array_equal(cp.asnumpy(EXACT.attend_decode(q, *args)),
+                              cp.asnumpy(EXACT.attend_decode(GPU.act(q), *args)))
+
+
+def _head_weights_in_passes(ops, rounded: bool = True):
+    """DeepseekCupyOps._indexer_weights as it was: bf16(bf16(w) * Dh^-0.5 * H^-0.5) in passes of its
+    own, both scales folded in (the kernels' rounding of them then changes nothing). rounded False:
+    w times the scales as they are, which the kernels then round once: other weights."""
+    def weights(w, n_heads, head_dim):
+        c = np.float32(head_dim**-0.5 * n_heads**-0.5)
+        wc = cp.ascontiguousarray(w, dtype=np.float32)
+        return (ops.act(ops.act(wc) * c) if rounded else wc * c), np.float32(1.0), np.float32(1.0)
+    return weights
+
+
+@pytest.mark.parametrize("s,n,h,dh,exact", [(3, 500, 16, 32, False), (40, 333, 64, 128, True),
+                                            (40, 333, 64, 128, False)])
+def test_indexer_kernels_form_the_head_weights(s, n, h, dh, exact, monkeypatch):
+    """The score kernels form the reference's bf16(bf16(w) * hscale) as they load w: bit for bit the
+    weights rounded, scaled and rounded in passes of their own, on the CUDA-core kernel (3 queries;
+    and the decode spans kernel) and the tensor-core one (one and three bf16 terms)."""
+    q, k = cp.asarray(REF.fake_quant_fp4(rnd(s, h, dh), 32)), cp.asarray(REF.fake_quant_fp4(rnd(n, dh), 32))
+    w = cp.asarray(rnd(s, h))
+    spans = [Span(k, int(RNG.integers(0, n // 2)), int(RNG.integers(1, n // 2))) for _ in range(s)]
+
+    def scores():
+        sc = cp.asnumpy(GPU.indexer_scores(q, k, w, h, dh, exact=exact))
+        return sc, (cp.asnumpy(GPU.indexer_scores_spans(q, spans, w, h, dh)) if s < 16 else None)
+
+    got, got_spans = scores()
+    assert np.isfinite(got).all() and np.abs(got).max() > 0
+    monkeypatch.setattr(GPU, "_indexer_weights", _head_weights_in_passes(GPU))
+    want, want_spans = scores()
+    np.testing.assert_array_equal(got, want)
+    if got_spans is not None:
+        np.testing.assert_array_equal(got_spans, want_spans)
+    # (the weights' rounding reaches the scores: weights rounded only after the scaling give others)
+    monkeypatch.setattr(GPU, "_indexer_weights", _head_weights_in_passes(GPU, rounded=False))
+    assert not np.array_equal(scores()[0], got)
 
 
 # ---- whole models -------------------------------------------------------------------------

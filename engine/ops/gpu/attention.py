@@ -221,7 +221,7 @@ class AttentionOps:
             qc, tab, masks if masks is not None else _NULL, np.int32(masks_ld), sk, out, part_o, part_ml,
             np.int32(h), np.int32(d), np.int32(nsplit), np.int32(chunk), F32(scale),
             _NULL if lists is None else lists[0], _NULL if lists is None else lists[1],
-            np.int32(0 if lists is None else lists[0].shape[1]), np.int32(self.bf16)),
+            np.int32(0 if lists is None else lists[0].shape[1]), np.int32(self.bf16)),  # (bf: q rounded as loaded too)
             shared_mem=16 * d * 4)
         if nsplit > 1:
             K.function("attention", "attention_combine")((-(-(b * h) // 8),), (256,), (
@@ -282,7 +282,7 @@ class AttentionOps:
 
     def _indexer_weights(self, w: cp.ndarray, n_heads: int, head_dim: int) -> tuple:
         """The indexer kernels' head weights and scales (dscale, hscale): w as given, scaled in the
-        kernel (DeepseekCupyOps folds the scales into bf16 weights first)."""
+        kernel (DeepseekCupyOps: both scales in hscale, the kernels round as the reference does)."""
         return _c32(w), F32(head_dim**-0.5), F32(n_heads**-0.5)
 
     def topk_mask(self, scores: cp.ndarray, k: int) -> cp.ndarray:

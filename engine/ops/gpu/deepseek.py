@@ -3,7 +3,8 @@ the quantization points of the numpy backend's DeepseekOps (engine/ops/deepseek_
 GPU tests hold it to.
 
 - bf16 activations (kept in float32 arrays) wherever the reference stores bf16: the kernels of the
-  norms, RoPE, mHC, Engram, pooling, attention and the indexer round what they store (CupyOps.bf16);
+  norms, RoPE, mHC, Engram, pooling, attention, the indexer and the MoE's combine round what they
+  store, decode attention its q and the indexer its head weights as they load them (CupyOps.bf16);
   act() rounds the rest (a linear's input and output, the experts'), except where the FP8 GEMMs round
   their inputs (act_quant_fp8) and outputs (as stored) in their own passes.
 - linear(), by the weight's use (engine/model/numerics.py): an FP8 / FP4 weight takes the bf16
@@ -168,10 +169,7 @@ class DeepseekCupyOps(CupyOps):
                 hidden, _c32(weights), order, np.int64(hidden.size), np.int32(inter)))
         out = cp.empty((p, d), F32)
         fp8_grouped_linear(act_quant_fp8(hidden), None, segs, p2, s2, w2, out, bf16=True)
-        y = cp.empty_like(x)
-        K.function("elementwise", "moe_combine")(_grid(y.size), (_ELT_BLOCK,), (
-            out, cp.ones(ids.shape, F32), inv, y, np.int64(y.size), np.int32(ids.shape[1]), np.int32(d)))
-        return self.act(self._plus_shared(y, shared))
+        return self._combine(out, cp.ones(ids.shape, F32), inv, int(ids.shape[1]), d, shared)
 
     def _linear_xq(self, w: GpuWeight) -> int:
         """x as the reference's linear() hands it to w's GEMM, for the GEMVs to prepare as they stage
@@ -200,13 +198,12 @@ class DeepseekCupyOps(CupyOps):
         return super().attention_ranges(self.act(q), keys, lo, hi, entries, emask, sinks, scale, selected, True,
                                         span)
 
-    def attention_decode(self, q: cp.ndarray, sources: list, sinks: cp.ndarray, scale: float) -> cp.ndarray:
-        return super().attention_decode(self.act(q), sources, sinks, scale)
-
-    def attend_decode(self, q: cp.ndarray, attend, mask: cp.ndarray | None, sinks: cp.ndarray, scale: float,
-                      longest: int, window: int = 0, selected: int = 0) -> cp.ndarray:
-        return super().attend_decode(self.act(q), attend, mask, sinks, scale, longest, window, selected)
+    # (attention_decode / attend_decode need no override: the decode kernel rounds q as it loads it
+    # where bf16 is set, so a decode step launches no rounding pass for it)
 
     def _indexer_weights(self, w: cp.ndarray, n_heads: int, head_dim: int) -> tuple:
-        """The reference's head weights: bf16(bf16(w) * head_dim^-0.5 * n_heads^-0.5), scales folded in."""
-        return self.act(self.act(w) * F32(head_dim**-0.5 * n_heads**-0.5)), F32(1.0), F32(1.0)
+        """The reference's head weights bf16(bf16(w) * head_dim^-0.5 * n_heads^-0.5), formed by the
+        scores kernels as they load w (bf16 = True; kernels/attention.cu index_head_weight): w as
+        given, dscale 1 and both scales folded into hscale, their product taken in float64 and
+        rounded to float32 once, as the reference does."""
+        return _c32(w), F32(1.0), F32(head_dim**-0.5 * n_heads**-0.5)

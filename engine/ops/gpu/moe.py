@@ -215,10 +215,23 @@ class MoeOps:
             hidden = self._swiglu(gate, up, limit)
         hidden, weights = self._experts_hidden(hidden, _c32(weights), order, w2)
         self._run_linear(hidden, out, d, inter, segs, p2, s2, w2, max_rows, bf=self.bf16, xq=xq2)  # (bf16 out)
-        y = cp.empty_like(x)
+        return self._combine(out, weights, inv, k, d, shared)
+
+    def _combine(self, out: cp.ndarray, weights: cp.ndarray, inv: cp.ndarray, k: int, d: int,
+                 shared=None) -> cp.ndarray:
+        """The routed experts' tail in one launch (kernels/elementwise.cu moe_combine): y[t] = sum_j
+        weights[t, j] * out[inv[t * k + j]], then + shared[t] (a fork's: joined here, after the
+        experts' launches), as an activation is stored (bf16 under DeepseekCupyOps): act(y + shared)
+        bit for bit, without the add's and the rounding's passes of their own."""
+        y = cp.empty((inv.size // k, d), F32)
+        sh = _NULL
+        if shared is not None:
+            sh = _c32(self._join_late(shared))
+            if sh.shape != y.shape:  # (what `y += shared` broadcast)
+                sh = _c32(cp.broadcast_to(sh, y.shape))
         K.function("elementwise", "moe_combine")(_grid(y.size), (_ELT_BLOCK,), (
-            out, weights, inv, y, np.int64(y.size), np.int32(k), np.int32(d)))
-        return self.act(self._plus_shared(y, shared))
+            out, _c32(weights), inv, sh, y, np.int64(y.size), np.int32(k), np.int32(d), np.int32(self.bf16)))
+        return y
 
     def _experts_hidden(self, hidden: cp.ndarray, weights: cp.ndarray, order,
                         w2: GpuWeight) -> tuple[cp.ndarray, cp.ndarray]:
@@ -281,7 +294,8 @@ class MoeOps:
                                  packed[nsg + p:nsg + 2 * p], k, limit, shared=shared, order=packed[nsg + 2 * p:])
 
     def _plus_shared(self, y: cp.ndarray, shared: cp.ndarray | None) -> cp.ndarray:
-        """y plus the shared expert's output (a fork's: joined here)."""
+        """y plus the shared expert's output (a fork's: joined here), where no combine launch adds it
+        (no tokens; the experts one by one)."""
         if shared is None:
             return y
         y += _c32(self._join_late(shared))
