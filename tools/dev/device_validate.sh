@@ -95,12 +95,14 @@ case ${1:-1} in
     for w in verify draft; do
       step p6_$w 60 python3 tools/dev/gpu_profile.py timeline "$CKPT" --batch 1 --numerics deepseek --what $w
     done ;;
-7)  # a decode-side change against BASE (as stage 6): the decode kernels' tests, then for each tree,
-    # alternating, bench's decode and DSpark steps (deepseek) and decode (exact), and the deepseek
-    # decode and verify steps' timelines at b1
+7)  # a decode-side change against BASE (as stage 6): the decode kernels' tests and the e4m3 GEMV's
+    # under memcheck, then for each tree, alternating, bench's decode and DSpark steps (deepseek) and
+    # decode (exact), and the deepseek decode and verify steps' timelines at b1
     ckpt &
-    step t7_tests 200 python3 -m pytest -q -rf tests/gpu/test_gpu_gemv_q8.py tests/gpu/test_gpu_deepseek_numerics.py \
-      tests/gpu/test_gpu_linear.py tests/gpu/test_gpu_moe.py tests/gpu/test_gpu_speculative.py
+    step t7_tests 200 python3 -m pytest -q -rf -x tests/gpu/test_gpu_gemv_q8.py tests/gpu/test_gpu_deepseek_numerics.py \
+      tests/gpu/test_gpu_moe.py tests/gpu/test_gpu_attention.py tests/gpu/test_gpu_linear.py
+    step m7_q8 120 env DSUF_DIRECT_ALLOC=1 compute-sanitizer --tool memcheck --report-api-errors no \
+      --error-exitcode 1 python3 -m pytest -q tests/gpu/test_gpu_gemv_q8.py -k "72 or scale or ring or 6-"
     wait
     for tree in . ${BASE:-} . ${BASE:-}; do
       tag=$([ "$tree" = . ] && echo new || echo base)
