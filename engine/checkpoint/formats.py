@@ -68,7 +68,12 @@ def round_bf16(x: np.ndarray) -> np.ndarray:
     """float32 values rounded to the nearest bf16 (ties to even), kept as float32: what storing an
     activation in bf16 does (f32_to_bf16 then bf16_to_f32 in one pass; infinities stay)."""
     bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    return ((bits + (np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1)))) & np.uint32(0xFFFF0000)).view(np.float32)
+    r = bits >> np.uint32(16)  # one temporary, updated in place: the numpy backend calls this a few
+    r &= np.uint32(1)  # hundred times a token, mostly on small rows, where each array allocated costs
+    r += np.uint32(0x7FFF)  # as much as the arithmetic
+    r += bits
+    r &= np.uint32(0xFFFF0000)
+    return r.view(np.float32)
 
 
 def f16_to_f32(u16: np.ndarray) -> np.ndarray:

@@ -71,10 +71,15 @@ class DeepseekOps(NumpyOps):
         """The reference's linear(): by the weight's use (an untagged array: fp32)."""
         if not isinstance(w, LinearWeight):
             return super().linear(x, w)
+        return self._output(self.sums(self._input(x, w), w), w)
+
+    def _input(self, x: np.ndarray, w: LinearWeight) -> np.ndarray:
+        """x as the reference's linear() hands it to w's GEMM: bf16, then FP8 per 32 for a QUANT weight."""
         x = self.act(x)
-        if w.quant:
-            x = self.fake_quant_fp8(x, ACT_BLOCK)
-        y = self.sums(x, w)
+        return self.fake_quant_fp8(x, ACT_BLOCK) if w.quant else x
+
+    def _output(self, y: np.ndarray, w: LinearWeight) -> np.ndarray:
+        """w's sums as the reference's linear() returns them: bf16, or float32 (per row when stacked)."""
         if isinstance(w.bf16_out, np.ndarray):
             return np.where(w.bf16_out, self.act(y), y)
         return self.act(y) if w.bf16_out else y
@@ -101,8 +106,11 @@ class DeepseekOps(NumpyOps):
     # ---- MoE: the routing weight scales the hidden state before w2, as Expert.forward does ----
     def swiglu_mlp(self, x: np.ndarray, w1: np.ndarray, w2: np.ndarray, w3: np.ndarray, limit: float,
                    weights: np.ndarray | None = None) -> np.ndarray:
-        gate = self.linear(x, w1)
-        up = self.linear(x, w3)
+        if isinstance(w1, LinearWeight) and isinstance(w3, LinearWeight) and w1.quant == w3.quant:
+            xin = self._input(x, w1)  # (gate and up take the same input: prepared once)
+            gate, up = self._output(self.sums(xin, w1), w1), self._output(self.sums(xin, w3), w3)
+        else:
+            gate, up = self.linear(x, w1), self.linear(x, w3)
         if limit > 0:
             up = np.clip(up, -limit, limit)
             gate = np.minimum(gate, F32(limit))
