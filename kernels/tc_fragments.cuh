@@ -1,5 +1,6 @@
-// Tensor-core fragment helpers of the GEMVs (kernels/gemv_tc.cu, kernels/gemv_q8.cu): shared-memory
-// addresses, cp.async and ldmatrix, the f16 MMA, exact FP8 / FP4 -> f16 decoding, f16 rounding, powers of two.
+// Tensor-core fragment helpers of the GEMVs (kernels/gemv_tc.cu, kernels/gemv_reg.cu, kernels/gemv_q8.cu):
+// shared-memory addresses, cp.async and ldmatrix, the f16 MMA, exact FP8 / FP4 -> f16 decoding, f16
+// rounding, powers of two, and x's split into power-of-two scaled f16 hi + lo terms (split_group4).
 #pragma once
 #include "dsuf_common.cuh"
 
@@ -61,3 +62,30 @@ __device__ __forceinline__ u32 f2h_rn(float f) {
 }
 
 __device__ __forceinline__ float pow2f(int e) { return __uint_as_float((u32)(127 + e) << 23); }
+
+// x's 128-element groups are scaled by 2^sh, sh bringing the group's max |x| into [2^13, 2^14)
+// (0 for a zero or non-finite max: NaN is ignored here and propagates through the products
+// instead), then split into f16 hi + lo terms (22 mantissa bits: float32-grade products).
+__device__ __forceinline__ int x_group_shift(float m) {
+  int sh = 0;
+  if (m > 0.f && m <= 3.0e38f) {
+    int e;
+    frexpf(m, &e);  // m = f * 2^e, f in [0.5, 1)
+    sh = 14 - e;
+    sh = sh < -125 ? -125 : (sh > 125 ? 125 : sh);
+  }
+  return sh;
+}
+// four elements of one group (v) -> f16 hi and lo terms of v * 2^sh; returns 2^-sh (the group's inverse)
+__device__ __forceinline__ float split_group4(float4 v, u32* hi, u32* lo) {
+  const float m = warp_max(fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+  const int sh = x_group_shift(m);
+  const float scale = pow2f(sh);
+  const float x[4] = {v.x * scale, v.y * scale, v.z * scale, v.w * scale};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    hi[i] = f2h_rn(x[i]);
+    lo[i] = f2h_rn(x[i] - h2f(hi[i]));
+  }
+  return pow2f(-sh);
+}

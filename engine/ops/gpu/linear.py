@@ -3,7 +3,7 @@
 A launch multiplies x by one weight, or by several weights of one shape (a pointer table: the
 experts of a MoE layer, a block-diagonal projection's groups, gate and up together), over a table of
 segments (weight index, first row of x, rows, x column, y column). By rows per segment:
-- one row: gemvr (kernels/gemv_tc.cu, tensor cores fed from registers) for FP4 and large FP8
+- one row: gemvr (kernels/gemv_reg.cu, tensor cores fed from registers) for FP4 and large FP8
   weights, else gemvx (kernels/linear.cu, x staged in shared memory);
 - 2 to 32 rows of FP8 / FP4: the tensor-core GEMV; under --numerics deepseek (x quantized as the
   reference's act_quant) tcgemv8_* (kernels/gemv_q8.cu: e4m3 MMAs, FP4 decoded into e4m3), else
@@ -44,7 +44,7 @@ TC_WARPS, TC_SMEM, TC_STAGE_BYTES = 8, 8 * 4 * (2048 + 128), 128
 TC_WARPS_TARGET = 132 * 24  # what the H200 holds resident (3 blocks of 8 warps per SM)
 # Fewest rows per segment for which the tensor-core GEMV beats the one-row GEMVs (gemvx, gemvr)
 TC_MIN_ROWS = {FMT_FP8: 2, FMT_FP4: 2}
-# One row of FP8 / FP4: the register-fed tensor-core GEMV (kernels/gemv_tc.cu gemvr_*), GEMVR_U units of
+# One row of FP8 / FP4: the register-fed tensor-core GEMV (kernels/gemv_reg.cu gemvr_*), GEMVR_U units of
 # 128 k in flight per lane. It issues about a fifth of gemvx's instructions per weight byte but, like
 # any launch, has a fixed cost however small the weight: it runs every FP4 launch, and FP8 launches of
 # >= GEMVR_MIN_BYTES of weight with K <= GEMVR_MAX_K (smaller or wider FP8 weights stream faster
@@ -113,7 +113,7 @@ def _gemvx_split(groups: int, slices: int, pc: int) -> int:
 
 
 def _x_cols_bytes(k: int) -> int:
-    """A row of x staged for gemvr (kernels/gemv_tc.cu stage_x_cols): its hi and lo f16
+    """A row of x staged for gemvr (kernels/gemv_reg.cu stage_x_cols): its hi and lo f16
     columns, 16 bytes of padding per 64 halves, each column 32 mod 128 bytes."""
     return 2 * ((288 * -(-k // 128) + 127) // 128 * 128 + 32)
 
@@ -283,7 +283,7 @@ class LinearOps:
         early (PDL)."""
         name, kw = _gemvr_config(w.fmt, n, k, nseg)
         smem = _gemvr_smem(k)
-        fn = K.function_with_smem("gemv_tc", name, GEMVX_MAX_SMEM)
+        fn = K.function_with_smem("gemv_reg", name, GEMVX_MAX_SMEM)
         tiles = -(-n // 16)
         per_sm = _blocks_per_sm(fn, smem)
         nbi = -(-tiles // (8 // kw))
