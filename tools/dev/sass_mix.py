@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """What a kernel compiles to: the SASS opcode histogram of kernels/<file>.cu's functions (a
-developer's tool, for the GPU machine, where cuobjdump is; NVRTC builds the cubin as the engine does).
+developer's tool; NVRTC builds the cubin as the engine does, cuobjdump reads it: the GPU machine
+has it, and on any x86-64 machine `pip install nvidia-cuda-cuobjdump` puts one under
+site-packages/nvidia/cu13/bin, so static SASS needs no GPU).
 
     python3 tools/dev/sass_mix.py gemv_q8 tcgemv8_fp4_n1 tcgemv8_fp8_n1 [--arch 90a] [--sass DIR]
 
