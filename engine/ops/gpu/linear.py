@@ -13,7 +13,8 @@ segments (weight index, first row of x, rows, x column, y column). By rows per s
   three bf16 terms (gemm) for BF16 / f32 and what gemm_tc cannot read.
 Every path is float32-accurate up to summation order, except gemm on weights bf16 cannot hold
 exactly (f32, fp8 with f32 scales), which it rounds, and tcgemv8, whose tensor-core sums of 32
-products are kept to about 2^-14 (as DeepSeek's own FP8 GEMMs).
+products may be kept to about 2^-14 where the FP8 MMA is native (as DeepSeek's own FP8 GEMMs; Hopper
+runs it as f16 MMAs, float32-grade).
 """
 
 from __future__ import annotations
