@@ -297,28 +297,28 @@ class LinearOps:
                 xq: int = XQ_NONE) -> None:
         """Tensor-core GEMV: split x into scaled hi / lo f16 terms, then one launch over the segments."""
         xs, xinv = self._tc_split_x(a, w.fmt == FMT_FP4, xq)
-        nt = 1 if max_rows <= 8 else 2 if max_rows <= 16 else 4
-        fn = K.function_with_smem("gemv_tc", f"tcgemv_{_FMT_TAG[w.fmt]}_n{nt}", TC_SMEM)
-        tiles, nseg = -(-n // 16), seg.size // 5
-        kw = _tc_split(tiles * nseg, -(-w.row_bytes() // TC_STAGE_BYTES))
-        fn((-(-tiles // (TC_WARPS // kw)), nseg), (32 * TC_WARPS,), (
-            xs, xinv, np.int32(a.shape[1]), y, np.int32(y.shape[1]), np.int32(n), np.int32(k), seg, wptrs, sptrs,
-            np.int32(w.block[0]), np.int32(w.block[1]), np.int32(w.gk), np.int32(bf), np.int32(kw)),
-           shared_mem=TC_SMEM)
+        self._launch_tc("gemv_tc", "tcgemv", xs, xinv, a.shape[1], y, n, k, seg, wptrs, sptrs, w, max_rows, bf)
 
     def _run_tc8(self, a: cp.ndarray, y: cp.ndarray, n: int, k: int, seg: cp.ndarray, wptrs: cp.ndarray,
                  sptrs: cp.ndarray, w: GpuWeight, max_rows: int, bf: bool) -> None:
         """The e4m3 tensor-core GEMV (kernels/gemv_q8.cu): x rounded to bf16 and quantized as the
-        reference's act_quant does (act_quant_fp8), then one launch over the segments; the ring's
-        configuration is the exact GEMV's."""
+        reference's act_quant does (act_quant_fp8), then one launch over the segments."""
         codes, scales = act_quant_fp8(a, bf16=True)
+        self._launch_tc("gemv_q8", "tcgemv8", codes, scales, a.shape[1], y, n, k, seg, wptrs, sptrs, w, max_rows, bf)
+
+    @staticmethod
+    def _launch_tc(module: str, prefix: str, xs: cp.ndarray, xscales: cp.ndarray, lda: int, y: cp.ndarray, n: int,
+                   k: int, seg: cp.ndarray, wptrs: cp.ndarray, sptrs: cp.ndarray, w: GpuWeight, max_rows: int,
+                   bf: bool) -> None:
+        """One launch of a tensor-core GEMV (<prefix>_<fmt>_n<NT> of kernels/<module>.cu; both share the
+        weight ring's configuration, kernels/tc_ring.cuh) over the segments, x prepared for it."""
         nt = 1 if max_rows <= 8 else 2 if max_rows <= 16 else 4
-        fn = K.function_with_smem("gemv_q8", f"tcgemv8_{_FMT_TAG[w.fmt]}_n{nt}", TC_SMEM)
+        fn = K.function_with_smem(module, f"{prefix}_{_FMT_TAG[w.fmt]}_n{nt}", TC_SMEM)
         tiles, nseg = -(-n // 16), seg.size // 5
         kw = _tc_split(tiles * nseg, -(-w.row_bytes() // TC_STAGE_BYTES))
         fn((-(-tiles // (TC_WARPS // kw)), nseg), (32 * TC_WARPS,), (
-            codes, scales, np.int32(a.shape[1]), y, np.int32(y.shape[1]), np.int32(n), np.int32(k), seg, wptrs,
-            sptrs, np.int32(w.block[0]), np.int32(w.block[1]), np.int32(w.gk), np.int32(bf), np.int32(kw)),
+            xs, xscales, np.int32(lda), y, np.int32(y.shape[1]), np.int32(n), np.int32(k), seg, wptrs, sptrs,
+            np.int32(w.block[0]), np.int32(w.block[1]), np.int32(w.gk), np.int32(bf), np.int32(kw)),
            shared_mem=TC_SMEM)
 
     @staticmethod
