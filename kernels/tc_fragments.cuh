@@ -44,6 +44,12 @@ __device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 v) {
   asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"((u16)(v & 0xFFFFu)));
   return r;
 }
+// the same of v's high two bytes (the half taken as an operand select, no shift)
+__device__ __forceinline__ u32 e4m3x2_hi_to_f16x2(u32 v) {
+  u32 r;
+  asm("{ .reg .b16 l, h; mov.b32 {l, h}, %1; cvt.rn.f16x2.e4m3x2 %0, h; }" : "=r"(r) : "r"(v));
+  return r;
+}
 
 // Eight e2m1 nibbles (element i in bits 4i..4i+3) -> four f16x2, p[i] = (element i, element i+4),
 // each value * 2^-14, exact (f16 subnormals included).

@@ -3,12 +3,11 @@ deepseek, FP8 and FP4 weights) against the product of the same operands in float
 CuPy or a GPU is absent (CI).
 
 Tolerance. x is rounded to bf16 and put on the e4m3 grid per 32 (the reference's act_quant), the
-weights are their stored values: the kernel's MMA products are exact, each MMA's sum of 32 is kept
-by the tensor core to about 2^-14 of its magnitude or better (native FP8 MMAs; Hopper runs them as
-f16 MMAs, float32-grade), the total is float32, and the output is rounded to bf16 (2^-9
-relative). So every element lies within a bf16 step of the exact product of the quantized operands,
-measured against the row's largest output (cancellation makes some outputs small): MAX_TOL. A lane
-that multiplies the wrong k, row or scale lands O(1) away.
+weights are their stored values: the kernel's MMA products are exact (e4m3 and e2m1 values are f16
+values), each 32-k group's sum is kept by f16 MMAs with float32 accumulation, the total is float32,
+and the output is rounded to bf16 (2^-9 relative). So every element lies within a bf16 step of the
+exact product of the quantized operands, measured against the row's largest output (cancellation
+makes some outputs small): MAX_TOL. A lane that multiplies the wrong k, row or scale lands O(1) away.
 """
 
 from __future__ import annotations

@@ -99,8 +99,9 @@ case ${1:-1} in
     # under memcheck, then for each tree, alternating, bench's decode and DSpark steps (deepseek) and
     # decode (exact), and the deepseek decode and verify steps' timelines at b1
     ckpt &
-    step t7_tests 200 python3 -m pytest -q -rf -x tests/gpu/test_gpu_gemv_q8.py tests/gpu/test_gpu_deepseek_numerics.py \
-      tests/gpu/test_gpu_moe.py tests/gpu/test_gpu_attention.py tests/gpu/test_gpu_linear.py
+    # T7: the tests to run (default: the decode kernels'); EXACT7=0 skips the exact-numerics bench
+    step t7_tests 200 python3 -m pytest -q -rf -x ${T7:-tests/gpu/test_gpu_gemv_q8.py tests/gpu/test_gpu_deepseek_numerics.py
+      tests/gpu/test_gpu_moe.py tests/gpu/test_gpu_attention.py tests/gpu/test_gpu_linear.py}
     step m7_q8 120 env DSUF_DIRECT_ALLOC=1 compute-sanitizer --tool memcheck --report-api-errors no \
       --error-exitcode 1 python3 -m pytest -q tests/gpu/test_gpu_gemv_q8.py -k "72 or scale or ring"
     wait
@@ -110,7 +111,8 @@ case ${1:-1} in
     done
     for tree in . ${BASE:-}; do
       tag=$([ "$tree" = . ] && echo new || echo base)
-      (cd "$tree" && step b7_${tag}_exact 50 $B --prefill 0 --batches 1,8,32 --numerics exact --speculative off)
+      [ "${EXACT7:-1}" = 0 ] || (cd "$tree" && step b7_${tag}_exact 50 $B --prefill 0 --batches 1,8,32 --numerics exact \
+        --speculative off)
       for w in decode verify; do
         (cd "$tree" && step p7_${tag}_$w 50 python3 tools/dev/gpu_profile.py timeline "$CKPT" --batch 1 \
           --numerics deepseek --what $w)

@@ -2,8 +2,9 @@
 """The e4m3 tensor-core GEMV's fragment logic (kernels/gemv_q8.cu tcgemv8_*), checked on the CPU.
 
 For one stage of one 16-row weight tile against 8 rows of x, every lane's registers are built as the
-kernel builds them (the ring's XOR swizzle and ldmatrix, fp4_e4m3_split, the byte_perms of x, the
-MMA's A / B / C fragment layouts of mma.m16n8k32 e4m3, the scale factors) and the product is
+kernel builds them (the ring's XOR swizzle and ldmatrix, fp4_e4m3_split, the
+layout gemv_q8_x gives x's codes, the f16 conversions, the A / B / C fragment layouts of the two
+mma.m16n8k16 f16 per 32-k group, the scale factors) and the product is
 compared with a plain one. A change to the decoding or the operand order that breaks the agreement
 between A and B fails here before it reaches a GPU.
 """
@@ -37,12 +38,6 @@ def fp4_e4m3_split(w: int) -> tuple[int, int]:
     return ev & 0xFFFFFFFF, od & 0xFFFFFFFF
 
 
-def byte_perm(x: int, y: int, s: int) -> int:
-    """__byte_perm(x, y, s): byte i of the result is byte (s >> 4i) & 7 of (y:x)."""
-    b = (x | (y << 32)).to_bytes(8, "little")
-    return int.from_bytes(bytes(b[(s >> (4 * i)) & 7] for i in range(4)), "little")
-
-
 def words(b: bytes) -> list[int]:
     return [int.from_bytes(b[i:i + 4], "little") for i in range(0, len(b), 4)]
 
@@ -71,17 +66,36 @@ def ldmatrix_stage(rows: np.ndarray) -> list[list[list[int]]]:
     return d
 
 
-def mma_k32(a: list[list[int]], b: list[list[int]]) -> np.ndarray:
-    """mma.m16n8k32 e4m3 from every lane's (a0..a3), (b0, b1): C [16, 8] (fresh accumulator)."""
-    A, B = np.zeros((16, 32)), np.zeros((32, 8))
+def q8_x_order(codes: np.ndarray, fp4: bool) -> np.ndarray:
+    """kernels/gemv_q8.cu gemv_q8_x's layout of a row's codes: quad cq of each block of 32 stored at
+    byte 4cq (FP4: its middle bytes swapped) or 8 (cq & 3) + 4 (cq >> 2) (FP8)."""
+    out = np.empty_like(codes)
+    for blk in range(0, codes.shape[-1], 32):
+        for cq in range(8):
+            q = codes[..., blk + 4 * cq:blk + 4 * cq + 4]
+            if fp4:
+                out[..., blk + 4 * cq:blk + 4 * cq + 4] = q[..., [0, 2, 1, 3]]
+            else:
+                at = 8 * (cq & 3) + 4 * (cq >> 2)
+                out[..., blk + at:blk + at + 4] = q
+    return out
+
+
+def f16_pair(w: int, hi: bool) -> tuple[float, float]:
+    """e4m3x2_to_f16x2 (hi: e4m3x2_hi_to_f16x2): bytes 0, 1 (2, 3) of w as (low, high) f16 values."""
+    b = w.to_bytes(4, "little")[2:] if hi else w.to_bytes(4, "little")[:2]
+    return e4m3_value(b[0]), e4m3_value(b[1])
+
+
+def mma_f16(a: list[list[tuple]], b: list[list[tuple]]) -> np.ndarray:
+    """mma.m16n8k16 f16 from every lane's four A pairs and two B pairs: C [16, 8]."""
+    A, B = np.zeros((16, 16)), np.zeros((16, 8))
     for lane in range(32):
         g, t = lane >> 2, lane & 3
-        for r, k0, reg in ((g, 0, 0), (g + 8, 0, 1), (g, 16, 2), (g + 8, 16, 3)):
-            for i, byte in enumerate(a[lane][reg].to_bytes(4, "little")):
-                A[r, k0 + 4 * t + i] = e4m3_value(byte)
-        for k0, reg in ((0, 0), (16, 1)):
-            for i, byte in enumerate(b[lane][reg].to_bytes(4, "little")):
-                B[k0 + 4 * t + i, g] = e4m3_value(byte)
+        for (r, k0), pair in zip(((g, 0), (g + 8, 0), (g, 8), (g + 8, 8)), a[lane], strict=True):
+            A[r, k0 + 2 * t:k0 + 2 * t + 2] = pair
+        for k0, pair in zip((0, 8), b[lane], strict=True):
+            B[k0 + 2 * t:k0 + 2 * t + 2, g] = pair
     return A @ B
 
 
@@ -91,7 +105,7 @@ def check(fmt: str, seed: int = 0) -> None:
     kps = 128 if fmt == "fp8" else 256
     xv = rng.choice([e4m3_value(b) for b in range(256) if b & 0x7F != 0x7F], size=(8, kps))
     xs = 2.0 ** rng.integers(-8, 8, size=(8, kps // 32))  # x's scale per 32
-    xc = np.array([[e4m3_code(v) for v in row] for row in xv], np.uint8)
+    xc = q8_x_order(np.array([[e4m3_code(v) for v in row] for row in xv], np.uint8), fmt == "fp4")
     if fmt == "fp8":
         wv = rng.choice([e4m3_value(b) for b in range(256) if b & 0x7F != 0x7F], size=(16, kps))
         stage = np.array([[e4m3_code(v) for v in row] for row in wv], np.uint8)
@@ -104,22 +118,22 @@ def check(fmt: str, seed: int = 0) -> None:
     want = (wv * np.repeat(ws, 32, axis=1)) @ (xv * np.repeat(xs, 32, axis=1)).T
     d = ldmatrix_stage(stage)
     got = np.zeros((16, 8))
-    for c in range(kps // 32):  # MMA c of the stage
-        a, b = [], []
-        for lane in range(32):
-            g, t = lane >> 2, lane & 3
-            xr = xc[g, 32 * c:32 * c + 32].tobytes()
-            if fmt == "fp8":
-                dd = d[lane]
-                a.append([dd[2 * c][0], dd[2 * c][1], dd[2 * c + 1][0], dd[2 * c + 1][1]])
-                b.append(words(xr[4 * t:4 * t + 4]) + words(xr[16 + 4 * t:16 + 4 * t + 4]))
-            else:
-                e0, o0 = fp4_e4m3_split(d[lane][c][0])
-                e1, o1 = fp4_e4m3_split(d[lane][c][1])
-                a.append([e0, e1, o0, o1])
-                u = words(xr[8 * t:8 * t + 8])
-                b.append([byte_perm(u[0], u[1], 0x6420), byte_perm(u[0], u[1], 0x7531)])
-        cc = mma_k32(a, b)
+    for c in range(kps // 32):  # group c of the stage: two MMAs
+        cc = np.zeros((16, 8))
+        for h in range(2):
+            a, b = [], []
+            for lane in range(32):
+                g, t = lane >> 2, lane & 3
+                if fmt == "fp8":
+                    w0, w1 = d[lane][2 * c + h]
+                    a.append([f16_pair(w0, False), f16_pair(w1, False), f16_pair(w0, True), f16_pair(w1, True)])
+                else:
+                    e0, o0 = fp4_e4m3_split(d[lane][c][0])
+                    e1, o1 = fp4_e4m3_split(d[lane][c][1])
+                    a.append([f16_pair(e0, h == 1), f16_pair(e1, h == 1), f16_pair(o0, h == 1), f16_pair(o1, h == 1)])
+                xw = words(xc[g, 32 * c + 8 * t:32 * c + 8 * t + 8].tobytes())[h]
+                b.append([f16_pair(xw, False), f16_pair(xw, True)])
+            cc += mma_f16(a, b)
         dec = 2.0**6 if fmt == "fp4" else 1.0  # fp4_e4m3_split's values are value * 2^-6
         got += cc * (ws[:, c:c + 1] * dec) * xs[None, :, c]
     err = np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)

@@ -26,7 +26,6 @@ import numpy as np
 
 from engine.ops import kernels as K
 from engine.ops.gpu.common import F32, _c32, _ptr, _sm_count, round_bf16
-from engine.ops.gpu.fp8_linear import act_quant_fp8
 from engine.ops.gpu.weights import _EPC, _FMT_TAG, GEMV_MAX_ROWS, GpuWeight
 from engine.ops.kernels import FMT_BF16, FMT_F32, FMT_FP4, FMT_FP8
 
@@ -187,6 +186,25 @@ def _tc8_ok(w: GpuWeight, lda: int) -> bool:
     return w.fmt == FMT_FP4
 
 
+# x's row padding for tcgemv8: a stage past any segment's end (FP4: 256 k), zeros the loads may read
+_Q8_PAD = 256
+
+
+def _q8_x(a: cp.ndarray, fp4: bool) -> tuple[cp.ndarray, cp.ndarray]:
+    """x [m, lda] f32 -> (e4m3 codes [m, L] u8, f32 scales [m, L / 32]) as tcgemv8's lanes read them
+    (kernels/gemv_q8.cu gemv_q8_x: act_quant's values, bf16 first; each block of 32 reordered for the
+    format's MMAs; L = lda + _Q8_PAD, zeros past lda)."""
+    a = _c32(a)
+    m, lda = a.shape
+    width = lda + _Q8_PAD
+    codes = cp.empty((m, width), cp.uint8)
+    scales = cp.empty((m, width // 32), F32)
+    quads = m * (width // 4)
+    K.function("gemv_q8", "gemv_q8_x")((-(-quads // 256),), (256,), (
+        a, np.int32(lda), np.int32(m), np.int32(lda), codes, scales, np.int32(width), np.int32(fp4), np.int32(1)))
+    return codes, scales
+
+
 def _gemm_tc_ok(w: GpuWeight, lda: int) -> bool:
     """gemm_tc: what the tensor-core GEMV reads (_tc_ok), with one FP8 scale per 32 k."""
     return _tc_ok(w, lda) and (w.fmt == FMT_FP4 or w.block[1] % 32 == 0)
@@ -302,9 +320,11 @@ class LinearOps:
     def _run_tc8(self, a: cp.ndarray, y: cp.ndarray, n: int, k: int, seg: cp.ndarray, wptrs: cp.ndarray,
                  sptrs: cp.ndarray, w: GpuWeight, max_rows: int, bf: bool) -> None:
         """The e4m3 tensor-core GEMV (kernels/gemv_q8.cu): x rounded to bf16 and quantized as the
-        reference's act_quant does (act_quant_fp8), then one launch over the segments."""
-        codes, scales = act_quant_fp8(a, bf16=True)
-        self._launch_tc("gemv_q8", "tcgemv8", codes, scales, a.shape[1], y, n, k, seg, wptrs, sptrs, w, max_rows, bf)
+        reference's act_quant does, its codes laid out for the kernel's lanes (gemv_q8_x), then one
+        launch over the segments."""
+        codes, scales = _q8_x(a, w.fmt == FMT_FP4)
+        self._launch_tc("gemv_q8", "tcgemv8", codes, scales, codes.shape[1], y, n, k, seg, wptrs, sptrs, w, max_rows,
+                        bf)
 
     @staticmethod
     def _launch_tc(module: str, prefix: str, xs: cp.ndarray, xscales: cp.ndarray, lda: int, y: cp.ndarray, n: int,
