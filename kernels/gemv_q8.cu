@@ -12,6 +12,9 @@
 // the sums with adds of a zero accumulator. Here x is converted once, by gemv_q8_x, and only the
 // weights are converted in the loop.
 //
+// tcgemv8_bf16_* (below) is the same GEMV for bf16 weights, which take bf16 x: one bf16 MMA per 16
+// k on the ring's words as ldmatrix gives them, accumulated in place.
+//
 // x as the lanes read it (gemv_q8_x): per row, act_quant's codes with each block of 32 reordered so
 // that lane t's eight bytes (one 8-byte load) sit at 8t, in the order its two MMAs take them, and
 // padded with zeros (codes and scales) past the row, so that no load needs a bound. A and B only
@@ -234,6 +237,101 @@ __device__ __forceinline__ void tcgemv8_body(const u8* __restrict__ XC, const fl
   }
   tc_reduce_store<NT>(acc, tc_smem, warp, lane, part, kw, n0, N, rows, Y, ldy, row0, ycol, bf);
 }
+
+// x [M, ldx] f32 -> bf16 pairs [M, L / 2] u32 as tcgemvbf's lanes read them (L >= K + 64, a multiple of
+// 16; zeros past K): x rounded to bf16, each block of 16 laid out so that lane t's MMA operand, the
+// pairs at 2t and 2t + 8, is one 8-byte word at 8t. grid (ceil(M * L / 2 / 256)), block 256.
+extern "C" __global__ void gemv_bf_x(const float* __restrict__ x, int ldx, int M, int K, u32* __restrict__ xb, int L) {
+  const int pairs = L / 2;
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= (long long)M * pairs) return;
+  const int m = (int)(i / pairs), p = (int)(i % pairs), pb = p & 7;  // pair pb of its block of 16
+  u32 v = 0;
+  if (2 * p < K) {
+    const float2 f = __ldg((const float2*)(x + (size_t)m * ldx) + p);
+    v = (__float_as_uint(round_bf16f(f.x)) >> 16) | (__float_as_uint(round_bf16f(f.y)) & 0xFFFF0000u);
+  }
+  xb[(size_t)m * pairs + (p & ~7) + 2 * (pb & 3) + (pb >> 2)] = v;
+}
+
+// The bf16 GEMV of 2 to 32 rows (--numerics deepseek: a bf16 weight takes bf16 x, f32 sums): the
+// ring streams 64 k of a 16-row tile per stage; each 16 k is one bf16 m16n8k16 MMA whose A words
+// are ldmatrix's as they come (chunks 2i, 2i + 1), accumulated in place (no scales). XB: gemv_bf_x's
+// pairs [rows of x, L / 2], segment x columns multiples of 16. Otherwise as tcgemv8_body.
+template <int NT, int S, int W>
+__device__ __forceinline__ void tcgemvbf_body(const u32* __restrict__ XB, int L, float* __restrict__ Y, int ldy, int N,
+                                              int K, const int* __restrict__ segs, const u64* __restrict__ wptrs,
+                                              int bf, int kw) {
+  extern __shared__ __align__(16) u8 tc_smem[];
+  constexpr int KPS = 64;      // k per stage (128 bytes of a row)
+  constexpr int HM = 2;        // MMAs per x unit
+  constexpr int NU = 4 / HM;   // x units per stage
+  const int* sg = segs + 5 * blockIdx.y;
+  const int widx = sg[0], row0 = sg[1], rows = sg[2], acol = sg[3], ycol = sg[4];
+  const u8* Wt = (const u8*)wptrs[widx];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int part = warp % kw;
+  const int n0 = (blockIdx.x * (W / kw) + warp / kw) * 16;
+  const int nstage = (K + KPS - 1) / KPS;
+  const int my = n0 < N ? (nstage - part + kw - 1) / kw : 0;
+  const u32 ring = smem_addr(tc_smem + warp * (S * TC_SLOT));
+  const uint2* xrow[NT];  // this lane's B column g of each 8-row tile: its words, 16 k each
+#pragma unroll
+  for (int q = 0; q < NT; ++q) xrow[q] = (const uint2*)(XB + (size_t)(row0 + min(8 * q + g, rows - 1)) * (L / 2) + acol / 2) + t;
+  uint2 xv[2][HM][NT];
+  auto load_x = [&](int b, int j, int u) {
+    const int kh = j < my ? ((part + j * kw) * KPS + u * HM * 16) / 16 : 0;  // in words of 16 k per lane
+#pragma unroll
+    for (int i = 0; i < HM; ++i)
+#pragma unroll
+      for (int q = 0; q < NT; ++q) xv[b][i][q] = __ldg(xrow[q] + 4 * (kh + i));
+  };
+  float acc[NT][4];
+#pragma unroll
+  for (int q = 0; q < NT; ++q)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[q][e] = 0.f;
+#pragma unroll
+  for (int j = 0; j < S - 1; ++j)
+    tc_issue<true, S>(ring, j, my, part, kw, lane, n0, N, Wt, 2 * K, false, nullptr, 1, 1, 1, 1);
+  load_x(0, 0, 0);
+  for (int j = 0; j < my; ++j) {
+    cp_async_wait<S - 2>();
+    __syncwarp();
+    tc_issue<true, S>(ring, j + S - 1, my, part, kw, lane, n0, N, Wt, 2 * K, false, nullptr, 1, 1, 1, 1);
+    u32 d[8][2];
+    tc_load_stage(ring + (j % S) * TC_SLOT, lane, d);
+#pragma unroll
+    for (int u = 0; u < NU; ++u) {
+      const int b = u & 1;
+      if (u + 1 < NU) load_x(b ^ 1, j, u + 1);
+      else load_x(b ^ 1, j + 1, 0);
+#pragma unroll
+      for (int i = 0; i < HM; ++i) {
+        const int c = 2 * (u * HM + i);
+#pragma unroll
+        for (int q = 0; q < NT; ++q) {
+          const u32 a[4] = {d[c][0], d[c][1], d[c + 1][0], d[c + 1][1]}, bw[2] = {xv[b][i][q].x, xv[b][i][q].y};
+          mma_bf16(acc[q], a, bw);
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+  tc_reduce_store<NT>(acc, tc_smem, warp, lane, part, kw, n0, N, rows, Y, ldy, row0, ycol, bf);
+}
+
+#define TB_ARGS const u32 *XB, const float *unused, int L, float *Y, int ldy, int N, int K, const int *segs, \
+                const u64 *wptrs, const u64 *sptrs, int bn, int bk, int gk, int bf, int kw
+// NAME: tcgemv8_bf16_n<NT> (tcgemv8's arguments; no scales)
+#define DEF_TB(NT)                                                                                     \
+  extern "C" __global__ void __launch_bounds__(256) tcgemv8_bf16_n##NT(TB_ARGS) {                      \
+    if (segs[5 * blockIdx.y + 2] <= 0) return;                                                         \
+    tcgemvbf_body<NT, 4, 8>(XB, L, Y, ldy, N, K, segs, wptrs, bf, kw);                                 \
+  }
+DEF_TB(1)
+DEF_TB(2)
+DEF_TB(4)
 
 // bf: the outputs rounded to bf16, as the reference's linear() returns them
 #define T8_ARGS const u8 *XC, const float *XSC, int L, float *Y, int ldy, int N, int K, const int *segs, \

@@ -19,10 +19,10 @@ import pytest
 from gpu_cases import RNG, cp, make_weight, rnd
 
 from engine.checkpoint.formats import round_bf16
-from engine.model.numerics import QUANT
+from engine.model.numerics import BF16, F32, QUANT
 from engine.ops.gpu import linear as gpu_linear
 from engine.ops.gpu.deepseek import DeepseekCupyOps
-from engine.ops.gpu.linear import XQ_FP8
+from engine.ops.gpu.linear import XQ_BF16, XQ_FP8
 from engine.ops.numpy_ops import dequantize
 
 GPU = DeepseekCupyOps()
@@ -99,3 +99,68 @@ def test_tcgemv8_experts_segments():
                   cp.asarray(ids), 10.0)
     g = cp.asnumpy(got).astype(np.float64)
     assert np.linalg.norm(g - want) / np.linalg.norm(want) < 1e-2
+
+
+@pytest.fixture
+def spy_bf(monkeypatch):
+    """Counts the bf16 tensor-core GEMV's launches."""
+    calls = []
+    run = gpu_linear.LinearOps._run_tcbf
+
+    def counted(self, *a, **kw):
+        calls.append(a[7].fmt)
+        return run(self, *a, **kw)
+
+    monkeypatch.setattr(gpu_linear.LinearOps, "_run_tcbf", counted)
+    return calls
+
+
+@pytest.mark.parametrize("use", [BF16, F32])
+@pytest.mark.parametrize("m", [2, 6, 9, 17, 32])
+@pytest.mark.parametrize("n,k", [(320, 1024), (4100, 512), (72, 4128)])
+def test_tcgemv8_bf16_matches_the_product(spy_bf, use, m, n, k):
+    """bf16 weights under deepseek numerics (tcgemv8_bf16_*): bf16 x times the stored weight, float32
+    sums (the products are exact: 8-bit significands), so within a bf16 step of the float64 product
+    where the output is stored as bf16 (BF16 use), and within float32 summation error otherwise (F32
+    use: the head). N off the tiles, K off the 64-element stages (4128: half a stage)."""
+    _check_bf16(use, m, n, k)
+    assert spy_bf, "the bf16 tensor-core GEMV did not run"
+
+
+def test_tcgemv8_bf16_k_off_the_mma(spy_bf):
+    """K = 4104: the last MMA's second 8 k past the row (zeros from the ring and from x's padding);
+    up to 8 rows (above them linear() wants K in whole 32-element steps)."""
+    _check_bf16(BF16, 6, 72, 4104)
+    assert spy_bf
+
+
+def _check_bf16(use: str, m: int, n: int, k: int) -> None:
+    w = replace(make_weight("bf16", n, k), use=use)
+    x = rnd(m, k) * np.exp(RNG.uniform(-4, 4, (m, 1))).astype(np.float32)
+    gw = GPU.prepare(w)
+    xb = cp.asnumpy(GPU._linear_input(cp.asarray(x), XQ_BF16)).astype(np.float64)
+    want = xb @ dequantize(w).astype(np.float64).T
+    got = cp.asnumpy(GPU.linear(cp.asarray(x), gw))
+    err = np.abs(got - want).max(axis=1) / np.maximum(np.abs(want).max(axis=1), 1e-30)
+    if use == BF16:
+        np.testing.assert_array_equal(got, round_bf16(got))
+        assert err.max() < MAX_TOL, err
+    else:
+        assert err.max() < 1e-5, err
+
+
+def test_tcgemv8_bf16_segments_columns():
+    """Two segments reading different 16-aligned column ranges of x into different output columns
+    (a stacked linear's table), against the same product per segment."""
+    n, k = 96, 256
+    w = replace(make_weight("bf16", n, k), use=BF16)
+    gw = GPU.prepare(w)
+    x = rnd(5, 2 * k)
+    y = cp.zeros((5, 2 * n), cp.float32)
+    wp, sp = gw.ptr_tables()
+    GPU._run_linear(cp.asarray(x), y, n, k, [(0, 0, 5, 0, 0), (0, 0, 5, k, n)], wp, sp, gw, 5, xq=XQ_BF16)
+    xb = cp.asnumpy(GPU._linear_input(cp.asarray(x), XQ_BF16)).astype(np.float64)
+    wd = dequantize(w).astype(np.float64)
+    want = np.concatenate([xb[:, :k] @ wd.T, xb[:, k:] @ wd.T], axis=1)
+    got = cp.asnumpy(y)
+    assert np.abs(got - want).max() / np.abs(want).max() < 1e-5

@@ -42,3 +42,8 @@ def test_grouped_gemm_emulated(case):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_gemv_q8_fragments_emulated(fmt, seed):
     gemv_q8.check(fmt, seed)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_gemv_q8_bf16_fragments_emulated(seed):
+    gemv_q8.check_bf16(seed)

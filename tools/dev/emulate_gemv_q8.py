@@ -141,7 +141,51 @@ def check(fmt: str, seed: int = 0) -> None:
         raise AssertionError(f"{fmt}: relative error {err:.3g}")
 
 
+def bf_x_order(x: np.ndarray) -> np.ndarray:
+    """kernels/gemv_q8.cu gemv_bf_x's layout of a row's bf16 pairs: pair pb of each block of 16 at
+    word 2 (pb & 3) + (pb >> 2)."""
+    pairs = x.reshape(*x.shape[:-1], -1, 2)
+    out = np.empty_like(pairs)
+    for p in range(pairs.shape[-2]):
+        pb = p & 7
+        out[..., (p & ~7) + 2 * (pb & 3) + (pb >> 2), :] = pairs[..., p, :]
+    return out.reshape(x.shape)
+
+
+def check_bf16(seed: int = 0) -> None:
+    """tcgemv8_bf16: one stage (64 k) of a tile against 8 rows of x, A words as ldmatrix gives them."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((16, 64)).astype(np.float32)
+    x = rng.standard_normal((8, 64)).astype(np.float32)
+    wb = (w.view(np.uint32) >> 16).astype(np.uint16)  # (truncated: any bf16 values will do)
+    xb = (x.view(np.uint32) >> 16).astype(np.uint16)
+    wv = (wb.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    xv = (xb.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    d = ldmatrix_stage(wb.view(np.uint8).reshape(16, 128))
+    xo = bf_x_order(xb)
+
+    def halves(word: int) -> tuple[float, float]:  # a bf16x2 word's (low, high) values
+        return tuple(float(np.array([((word >> s) & 0xFFFF) << 16], np.uint32).view(np.float32)[0]) for s in (0, 16))
+
+    got = np.zeros((16, 8))
+    for i in range(4):  # MMA i: chunks 2i, 2i + 1
+        a = [[halves(d[lane][2 * i][0]), halves(d[lane][2 * i][1]), halves(d[lane][2 * i + 1][0]),
+              halves(d[lane][2 * i + 1][1])] for lane in range(32)]
+        b = []
+        for lane in range(32):
+            g, t = lane >> 2, lane & 3
+            ws = words(xo[g, 16 * i + 4 * t:16 * i + 4 * t + 4].tobytes())
+            b.append([halves(ws[0]), halves(ws[1])])
+        got += mma_f16(a, b)
+    want = wv @ xv.T
+    err = np.abs(got - want).max() / np.abs(want).max()
+    if err > 1e-12:
+        raise AssertionError(f"bf16: relative error {err:.3g}")
+
+
 if __name__ == "__main__":
+    for s in range(3):
+        check_bf16(s)
     for f in ("fp8", "fp4"):
         for s in range(3):
             check(f, s)

@@ -25,7 +25,7 @@ import cupy as cp
 import numpy as np
 
 from engine.ops import kernels as K
-from engine.ops.gpu.common import F32, _c32, _ptr, _sm_count, round_bf16
+from engine.ops.gpu.common import _NULL, F32, _c32, _ptr, _sm_count, round_bf16
 from engine.ops.gpu.weights import _EPC, _FMT_TAG, GEMV_MAX_ROWS, GpuWeight
 from engine.ops.kernels import FMT_BF16, FMT_F32, FMT_FP4, FMT_FP8
 
@@ -205,6 +205,32 @@ def _q8_x(a: cp.ndarray, fp4: bool) -> tuple[cp.ndarray, cp.ndarray]:
     return codes, scales
 
 
+def _tcbf_ok(w: GpuWeight, a: cp.ndarray, segs) -> bool:
+    """The bf16 tensor-core GEMV: a bf16 weight in 16-byte chunks, x rows of float pairs, segments'
+    x columns on its 16-element blocks (a device-built MoE table starts at column 0)."""
+    if w.fmt != FMT_BF16 or w.shape[1] % 8 or a.shape[1] % 2:
+        return False
+    return isinstance(segs, cp.ndarray) or all(s[3] % 16 == 0 for s in segs)
+
+
+# x's row padding for tcgemv8_bf16: a stage (64 k) past any segment's end
+_BF_PAD = 64
+
+
+def _bf_x(a: cp.ndarray) -> cp.ndarray:
+    """x [m, lda] f32 -> bf16 pairs [m, L / 2] u32 as tcgemv8_bf16's lanes read them (kernels/gemv_q8.cu
+    gemv_bf_x: each block of 16 reordered for the MMA; L = lda rounded up to 16 + _BF_PAD, zeros past
+    lda)."""
+    a = _c32(a)
+    m, lda = a.shape
+    width = -(-lda // 16) * 16 + _BF_PAD
+    xb = cp.empty((m, width // 2), cp.uint32)
+    pairs = m * (width // 2)
+    K.function("gemv_q8", "gemv_bf_x")((-(-pairs // 256),), (256,), (
+        a, np.int32(lda), np.int32(m), np.int32(lda), xb, np.int32(width)))
+    return xb
+
+
 def _gemm_tc_ok(w: GpuWeight, lda: int) -> bool:
     """gemm_tc: what the tensor-core GEMV reads (_tc_ok), with one FP8 scale per 32 k."""
     return _tc_ok(w, lda) and (w.fmt == FMT_FP4 or w.block[1] % 32 == 0)
@@ -247,6 +273,8 @@ class LinearOps:
             self._run_reg(args, n, k, seg, nseg, w, constant=not isinstance(segs, cp.ndarray), xq=xq)
         elif xq == XQ_FP8 and TC_MIN_ROWS.get(w.fmt, 99) <= max_rows <= TC_MAX_ROWS and _tc8_ok(w, a.shape[1]):
             self._run_tc8(a, y, n, k, seg, wptrs, sptrs, w, max_rows, bf)
+        elif xq == XQ_BF16 and 2 <= max_rows <= TC_MAX_ROWS and _tcbf_ok(w, a, segs):
+            self._run_tcbf(a, y, n, k, seg, wptrs, sptrs, w, max_rows, bf)
         elif (TC_MIN_ROWS.get(w.fmt, 99) <= max_rows <= TC_MAX_ROWS and _tc_ok(w, a.shape[1])
                 and (isinstance(segs, cp.ndarray) or all(s[3] % 128 == 0 for s in segs))):
             self._run_tc(a, y, n, k, seg, wptrs, sptrs, w, max_rows, bf, xq)
@@ -316,6 +344,14 @@ class LinearOps:
         """Tensor-core GEMV: split x into scaled hi / lo f16 terms, then one launch over the segments."""
         xs, xinv = self._tc_split_x(a, w.fmt == FMT_FP4, xq)
         self._launch_tc("gemv_tc", "tcgemv", xs, xinv, a.shape[1], y, n, k, seg, wptrs, sptrs, w, max_rows, bf)
+
+    def _run_tcbf(self, a: cp.ndarray, y: cp.ndarray, n: int, k: int, seg: cp.ndarray, wptrs: cp.ndarray,
+                  sptrs: cp.ndarray, w: GpuWeight, max_rows: int, bf: bool) -> None:
+        """The bf16 tensor-core GEMV (kernels/gemv_q8.cu tcgemv8_bf16_*): x rounded to bf16 and laid
+        out for the lanes (gemv_bf_x), then one launch over the segments."""
+        xb = _bf_x(a)
+        self._launch_tc("gemv_q8", "tcgemv8", xb, _NULL, 2 * xb.shape[1], y, n, k, seg, wptrs, sptrs, w, max_rows,
+                        bf)
 
     def _run_tc8(self, a: cp.ndarray, y: cp.ndarray, n: int, k: int, seg: cp.ndarray, wptrs: cp.ndarray,
                  sptrs: cp.ndarray, w: GpuWeight, max_rows: int, bf: bool) -> None:
