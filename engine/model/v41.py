@@ -132,7 +132,8 @@ def row_blocks(rows: int, most: int) -> list[tuple[int, int]]:
     """[r0, r1) blocks covering `rows` rows, at most `most` each, as few as that allows, their sizes
     within one of each other: no short last block, which on the GPU would take another scores
     kernel (another summation order) than its chunk's other rows (the tensor-core kernel takes
-    launches of at least 16 queries, so every block of a chunk does where `most` >= 32)."""
+    launches of at least ITC_MIN_QUERIES queries: every block of a chunk then does where `most` is
+    at least twice that)."""
     if rows <= 0:
         return []
     count = -(-rows // max(1, most))
