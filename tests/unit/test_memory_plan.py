@@ -262,3 +262,20 @@ def test_graph_memory_counts_the_rows_decode_steps_can_have(tiny, tmp_path, monk
         cfg = load_config(ckpt)
         plan = ShardPlan.make(cfg)
         assert mp.workspace_bytes(cfg, plan, max_seqs, 4096)["graphs"] == rows * mp.graph_bytes_per_row(cfg, plan)
+
+
+def test_v41_indexer_workspace_is_blocked(flash):
+    """V4.1's prompt-chunk selection holds one block of query rows' temporaries (at most
+    INDEXER_BLOCK_BYTES) and the chunk's two bool masks, not the whole chunk's float32 scores."""
+    from engine.ops.gpu.limits import INDEXER_BLOCK_BYTES, INDEXER_BYTES_PER_SCORE, indexer_block_rows
+
+    cfg = flash[0]
+    plan = ShardPlan.make(cfg, 0, 8)
+    n = 1 << 20  # ratio-1 group: one entry per token
+    for chunk in (4096, 16384):
+        rows = indexer_block_rows(chunk, n)
+        assert rows < chunk and rows * n * INDEXER_BYTES_PER_SCORE <= INDEXER_BLOCK_BYTES
+        assert (rows + 1) * n * INDEXER_BYTES_PER_SCORE > INDEXER_BLOCK_BYTES  # the largest such block
+        ws = mp.workspace_bytes(cfg, plan, 1, n, chunk)
+        assert ws["scores"] == rows * n * INDEXER_BYTES_PER_SCORE + chunk * n * 2
+    assert indexer_block_rows(4096, 80_000) == 4096  # a 4K chunk is one block to ~87K entries

@@ -17,6 +17,7 @@ import numpy as np
 
 from engine.ops import kernels as K
 from engine.ops.gpu.common import _ELT_BLOCK, _NULL, F32, _c32, _grid, _ptr, _smem_function, _span_ptr
+from engine.ops.gpu.limits import indexer_block_rows
 from engine.state.rows import Span
 
 # The indexer's scores on tensor cores (kernels/attention.cu indexer_scores_tc*) for launches of at
@@ -279,6 +280,12 @@ class AttentionOps:
             _c32(q), table, w, out, np.int32(h), np.int32(width), np.int32(dh),
             dscale, hscale, np.int32(self.bf16)), shared_mem=smem)
         return out
+
+    def indexer_rows(self, rows: int, entries: int) -> int:
+        """The most query rows of a prompt chunk one block of Indexer.select scores against
+        `entries` entries: as many as keep the block's score buffers under INDEXER_BLOCK_BYTES
+        (engine/ops/gpu/limits.py)."""
+        return indexer_block_rows(rows, entries)
 
     def _indexer_weights(self, w: cp.ndarray, n_heads: int, head_dim: int) -> tuple:
         """The indexer kernels' head weights and scales (dscale, hscale): w as given, scaled in the
