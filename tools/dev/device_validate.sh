@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU validation and profiling in device calls that fit the per-call limit: `bash
-# tools/dev/device_validate.sh 1|2|3|4|5|6|7` from the repo root on the device (carry the wheels in .whl).
+# tools/dev/device_validate.sh 1|2|3|4|5|6|7|8` from the repo root on the device (carry the wheels in .whl).
 # Every stage has its own timeout, capped by what is left of CAP seconds, and writes a line of summary
 # and its log under $OUT, so a call cut short still returns what finished. A finished step's log joins
 # $OUT/logs.txt (a device call brings back only a few files); a step cut short leaves its own.
@@ -117,6 +117,15 @@ case ${1:-1} in
         (cd "$tree" && step p7_${tag}_$w 50 python3 tools/dev/gpu_profile.py timeline "$CKPT" --batch 1 \
           --numerics deepseek --what $w)
       done
+    done ;;
+8)  # a prefill-side change against BASE (as stage 6): the tests T8, then for each tree, alternating,
+    # bench's prefill of P8 tokens (deepseek numerics, no speculation)
+    ckpt &
+    step t8_tests 200 python3 -m pytest -q -rf ${T8:-tests/gpu/test_gpu_fp8_grouped.py tests/gpu/test_gpu_model.py}
+    wait
+    for tree in . ${BASE:-} ${AGAIN8:+. ${BASE:-}}; do
+      tag=$([ "$tree" = . ] && echo new || echo base)
+      (cd "$tree" && step b8_${tag} 150 $B --prefill ${P8:-4096,65536} --batches 1 --numerics deepseek --speculative off)
     done ;;
 esac
 cat "$OUT/summary.txt"
