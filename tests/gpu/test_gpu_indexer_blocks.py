@@ -15,6 +15,7 @@ from gpu_cases import GPU, REF, cp, rnd
 from engine.model import v41
 from engine.model.batch import Projected, Seq
 from engine.model.layers import Attention
+from engine.ops.gpu import attention as gpu_attention
 from engine.ops.gpu import limits
 from engine.ops.gpu.attention import ITC_MIN_QUERIES, _indexer_tc_shape
 from engine.state.sequence import F32 as NO_CODEC
@@ -84,6 +85,7 @@ def test_select_in_row_blocks_equals_one_block(h, dh, exact, ratio, monkeypatch)
     for most in sizes:
         calls.clear()
         monkeypatch.setattr(limits, "INDEXER_BLOCK_BYTES", most * n * limits.INDEXER_BYTES_PER_SCORE)
+        monkeypatch.setattr(gpu_attention, "indexer_wave", lambda: 1)  # (blocks of any size)
         assert GPU.indexer_rows(s_rows, n) == most
         got = _select(cfg, k, q, w, pos, ratio, codec)
         assert len(calls) == 3 * -(-s_rows // most) and max(calls) <= most

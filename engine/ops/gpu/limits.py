@@ -15,9 +15,17 @@ MAX_GRAPH_ROWS = 192
 # bool temporaries (visibility, the block's candidate and top-k masks): INDEXER_BYTES_PER_SCORE.
 INDEXER_BLOCK_BYTES = 4 << 30
 INDEXER_BYTES_PER_SCORE = 12
+# A block is whole waves of the scores kernel (each CTA walks every entry for a few queries, so a
+# block of a fraction of a wave costs the whole wave's time): the runtime passes its wave (queries
+# per CTA x SMs); the memory plan counts this bound of it (4 queries per CTA x 160 SMs).
+INDEXER_WAVE_MAX = 640
 
 
-def indexer_block_rows(rows: int, entries: int) -> int:
+def indexer_block_rows(rows: int, entries: int, wave: int = INDEXER_WAVE_MAX) -> int:
     """The most query rows of a `rows`-row chunk one indexer block scores against `entries`
-    entries (at least one: a single row over more entries than the budget still runs)."""
-    return max(1, min(rows, INDEXER_BLOCK_BYTES // max(1, INDEXER_BYTES_PER_SCORE * entries)))
+    entries: under INDEXER_BLOCK_BYTES, rounded down to whole waves of `wave` rows but at least one
+    wave (and at least one row: a single row over more entries than the budget still runs)."""
+    most = INDEXER_BLOCK_BYTES // max(1, INDEXER_BYTES_PER_SCORE * entries)
+    if most < rows:
+        most = max(wave, most // wave * wave)
+    return max(1, min(rows, most))
