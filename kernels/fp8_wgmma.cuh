@@ -32,10 +32,7 @@
 // copies have landed (cp.async.wait_group), expands them into e4m3 bytes at their swizzled place
 // in the B tile and the scales into f32, then fences (fence.proxy.async) and arrives. The
 // producer warpgroup meets at named barrier 1 (bar.sync 1, 128) to share each stage's exponent
-// ranges. A tile of at most 64 rows leaves consumer warpgroup 1 without wgmmas; it helps expand
-// instead (wg_help_fp4): the producer arrives on the stage's third barrier (staged) once its copies
-// have landed, and from there the two warpgroups expand half the stage's rows each, so the
-// expansion, the producer's critical path, is halved where segments are short.
+// ranges.
 //
 // Learned from (read, not copied): DeepGEMM's sm90 FP8 GEMMs (deepseek-ai/DeepGEMM,
 // impls/sm90_fp8_gemm_1d2d.cuh, sm90_fp8_fp4_gemm_1d2d.cuh: producer and math warpgroups with a
@@ -54,8 +51,7 @@
 #define WG_TILE_BYTES 16384      // WG_BM (= WG_BN) rows x WG_BK bytes
 #define WG_SCALE_BYTES 2048      // [4 k32 steps][128 rows] f32
 #define WG_STG_BYTES 9216        // FP4 staging: 128 rows x 64 nibble bytes, 128 x 8 scale bytes
-#define WG_SCRATCH_BYTES 68      // FP4: per expanding warpgroup, 4 warps x 4 steps of byte max and min; the fold flag
-#define WG_SCR_FOLD 64           // FP4: the fold flag's (int) offset in a stage's scratch
+#define WG_SCRATCH_BYTES 144     // FP4: 4 warps x 4 steps of exponent max and min, the fold flag
 #define WG_SWIZZLE_MODE 1        // descriptor bits 62-63: 128-byte swizzle
 #define WG_LBO 16                // leading byte offset: unused by swizzled K-major layouts
 #define WG_SBO 1024              // stride byte offset: 8 rows x 128 bytes between core-matrix groups
@@ -70,10 +66,9 @@ struct WgCfg {
   static constexpr int ST = FMT == FMT_FP8 ? WG_STAGES_FP8 : WG_STAGES_FP4;
   static constexpr u32 A = 0, B = ST * WG_TILE_BYTES, SA = 2 * ST * WG_TILE_BYTES, SW = SA + ST * WG_SCALE_BYTES,
                        STG = SW + ST * WG_SCALE_BYTES,
-                       BAR = STG + (FMT == FMT_FP8 ? 0 : ST * WG_STG_BYTES),  // full[ST], empty[ST], FP4 staged[ST]
-                       SCR = BAR + (FMT == FMT_FP8 ? 16 : 24) * ST;  // FP4: per stage, exponent ranges and fold flag
-  // FP4: + one plain arrive per producer thread, and per helper thread where consumer warpgroup 1 helps
-  static constexpr u32 FULL_COUNT = FMT == FMT_FP8 ? 128 : 256, HELP_COUNT = 128;
+                       BAR = STG + (FMT == FMT_FP8 ? 0 : ST * WG_STG_BYTES),  // full[ST], then empty[ST]
+                       SCR = BAR + 16 * ST;  // FP4: per stage, the exponent ranges and the fold flag
+  static constexpr u32 FULL_COUNT = FMT == FMT_FP8 ? 128 : 256;  // FP4: + one plain arrive per producer thread
 };
 
 // Byte offset of 16-byte chunk c (0..7) of row r in a tile of 128-byte rows, 128B swizzle: the
@@ -159,22 +154,15 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
 
-// FP4: expand stage kt's staged nibbles into the swizzled e4m3 B tile and its scale bytes into f32,
-// then make them visible to the consumers' wgmma. Rows (t / 4) + 32 i of the tile for i in [I0, i1),
-// where t is the thread's index in its warpgroup: the producer's (HELPER false) are the chunks it
-// copied itself, i1 = 4 alone or 2 when helped; the helper (consumer warpgroup 1, after the staged
-// barrier) takes i = 2, 3 (the producer's thread t copied them). Each warpgroup reduces the exponent
-// ranges of all 128 rows itself into its own byte scratch, so neither waits on the other and the fold
-// choice, the same inputs to the same reductions, is the same in both.
-template <bool HELPER>
-__device__ __forceinline__ void wg_expand_fp4(u8* smem, u32 base, int kt, int K, int N, int n0, int gk, int i1) {
+// FP4: expand stage kt's staged nibbles (the chunks this thread copied) into the swizzled e4m3 B
+// tile and its scale bytes into f32, then make them visible to the consumers' wgmma.
+__device__ __forceinline__ void wg_expand_fp4(u8* smem, u32 base, int kt, int K, int N, int n0, int gk) {
   using C = WgCfg<FMT_FP4>;
-  constexpr int I0 = HELPER ? 2 : 0;
-  const int t = threadIdx.x - (HELPER ? 128 : 256), s = kt % C::ST, k0 = kt * WG_BK, nkk = min(4, (K - k0) / 32);
+  const int t = threadIdx.x - 256, s = kt % C::ST, k0 = kt * WG_BK, nkk = min(4, (K - k0) / 32);
   const int lane = t & 31, warp = t >> 5;
   const u8* stg = smem + C::STG + s * WG_STG_BYTES;
   u8* bt = smem + C::B + s * WG_TILE_BYTES;
-  u8* scr = smem + C::SCR + s * WG_SCRATCH_BYTES + (HELPER ? 32 : 0);  // [max, min][warp][step] bytes
+  int* scr = (int*)(smem + C::SCR + s * WG_SCRATCH_BYTES);
   float* sw = (float*)(smem + C::SW + s * WG_SCALE_BYTES);
   // Scale folding: when each step's UE8M0 exponents (clamped to [1, 254], as e8m0_scaled) span at
   // most 11 over the tile's rows, every row's e2m1 values times 2^(e - eref), eref = min(emin + 5,
@@ -187,13 +175,12 @@ __device__ __forceinline__ void wg_expand_fp4(u8* smem, u32 base, int kt, int K,
     const u32 e = min(max((u32)stg[8192 + 8 * t + off + kk], 1u), 254u);
     const bool in = ok && kk < nkk;
     const u32 mx = __reduce_max_sync(0xffffffffu, in ? e : 0u), mn = __reduce_min_sync(0xffffffffu, in ? e : 255u);
-    if (lane == 0) {  // (0 .. 255: a byte holds them)
-      scr[4 * warp + kk] = (u8)mx;
-      scr[16 + 4 * warp + kk] = (u8)mn;
+    if (lane == 0) {
+      scr[4 * warp + kk] = (int)mx;
+      scr[16 + 4 * warp + kk] = (int)mn;
     }
   }
-  if (HELPER) asm volatile("bar.sync 2, 128;" ::: "memory");  // the helper warpgroup only
-  else asm volatile("bar.sync 1, 128;" ::: "memory");         // the producer warpgroup only
+  asm volatile("bar.sync 1, 128;" ::: "memory");  // the producer warpgroup only
   bool fold = true;
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk) {
@@ -201,12 +188,12 @@ __device__ __forceinline__ void wg_expand_fp4(u8* smem, u32 base, int kt, int K,
     const int mn = min(min(scr[16 + kk], scr[20 + kk]), min(scr[24 + kk], scr[28 + kk]));
     if (kk < nkk) fold = fold && mx - mn <= 11;
   }
-  const int c = t & 3;  // the k32 step of rows r's 16 nibble bytes this thread expands
+  const int c = t & 3;  // the k32 step of the 16 nibble bytes this thread copied, of rows r
   const int eref = min(min(min(scr[16 + c], scr[20 + c]), min(scr[24 + c], scr[28 + c])) + 5, 254);
 #pragma unroll
-  for (int i = I0; i < 4; ++i) {
+  for (int i = 0; i < 4; ++i) {
     const int r = (t >> 2) + 32 * i;
-    if (c < nkk && i < i1) {
+    if (c < nkk) {
       const uint4 v = *(const uint4*)(stg + 64 * r + 16 * c);
       // folded: row r's table times 2^(e_r - eref), e_r - eref in -5 .. 6, so every nonzero byte's
       // exponent field stays 1 .. 15 (the fold's condition) and the lookup itself applies the scale
@@ -220,14 +207,12 @@ __device__ __forceinline__ void wg_expand_fp4(u8* smem, u32 base, int kt, int K,
       *(uint4*)(bt + wg_swz(r, 2 * c + 1)) = make_uint4(out[4], out[5], out[6], out[7]);
     }
   }
-  if (32 * I0 <= t && t < 32 * i1) {  // the scales of the same rows' columns
-    for (int kk = 0; kk < nkk; ++kk) {
-      const int mn = min(min(scr[16 + kk], scr[20 + kk]), min(scr[24 + kk], scr[28 + kk]));
-      sw[128 * kk + t] = fold ? __uint_as_float((u32)min(mn + 5, 254) << 23)
-                              : (ok ? e8m0_scaled(stg[8192 + 8 * t + off + kk], 0) : 0.f);
-    }
+  for (int kk = 0; kk < nkk; ++kk) {
+    const int mn = min(min(scr[16 + kk], scr[20 + kk]), min(scr[24 + kk], scr[28 + kk]));
+    sw[128 * kk + t] = fold ? __uint_as_float((u32)min(mn + 5, 254) << 23)
+                            : (ok ? e8m0_scaled(stg[8192 + 8 * t + off + kk], 0) : 0.f);
   }
-  if (!HELPER && t == 0) *(int*)(smem + C::SCR + s * WG_SCRATCH_BYTES + WG_SCR_FOLD) = fold;
+  if (t == 0) scr[32] = fold;
   fence_proxy_async();
   mbar_arrive(base + C::BAR + 8 * s);
 }
@@ -265,7 +250,6 @@ __device__ __forceinline__ void wg_produce(u8* smem, u32 base, const u8* __restr
   const u8* w_src = FMT == FMT_FP8 ? W + (size_t)min(n0 + r8, N - 1) * K + 16 * c8
                                    : W + (size_t)min(n0 + r4, N - 1) * (K / 2) + 16 * c4;
   const float* sw_src = (const float*)SW + (FMT == FMT_FP8 && w_ok ? (size_t)((n0 + t) / bn) * gk : 0);
-  const bool helped = FMT == FMT_FP4 && M - m0 <= 64;  // consumer warpgroup 1 expands rows 64..127 (wg_help_fp4)
   for (int kt = 0; kt < T; ++kt) {
     const int s = kt % C::ST, k0 = kt * WG_BK, nkk = min(4, (K - k0) / 32);  // nkk: 4, or 2 at a K % 128 tail
     mbar_wait(base + C::BAR + 8 * (C::ST + s), ((kt / C::ST) & 1) ^ 1);
@@ -305,18 +289,13 @@ __device__ __forceinline__ void wg_produce(u8* smem, u32 base, const u8* __restr
       asm volatile("cp.async.commit_group;" ::: "memory");
       if (kt >= WG_LAG) {
         asm volatile("cp.async.wait_group %0;" ::"n"(WG_LAG) : "memory");
-        // (a plain arrive after the wait: it releases the landed copies and the wg_cp4_clip stores alike)
-        if (helped) mbar_arrive(base + C::BAR + 8 * (2 * C::ST + (kt - WG_LAG) % C::ST));
-        wg_expand_fp4<false>(smem, base, kt - WG_LAG, K, N, n0, gk, helped ? 2 : 4);
+        wg_expand_fp4(smem, base, kt - WG_LAG, K, N, n0, gk);
       }
     }
   }
   if (FMT == FMT_FP4) {
     asm volatile("cp.async.wait_all;" ::: "memory");
-    const int kt0 = T > WG_LAG ? T - WG_LAG : 0;
-    if (helped)
-      for (int kt = kt0; kt < T; ++kt) mbar_arrive(base + C::BAR + 8 * (2 * C::ST + kt % C::ST));
-    for (int kt = kt0; kt < T; ++kt) wg_expand_fp4<false>(smem, base, kt, K, N, n0, gk, helped ? 2 : 4);
+    for (int kt = T > WG_LAG ? T - WG_LAG : 0; kt < T; ++kt) wg_expand_fp4(smem, base, kt, K, N, n0, gk);
   }
 }
 
@@ -422,7 +401,7 @@ __device__ __forceinline__ void wg_stage_any(float (&tot)[64], float (&d0)[64], 
   if (FMT == FMT_FP4) {
     const int s = kt % C::ST;
     wg_wait_full<FMT>(base, kt);
-    if (*(const int*)(smem + C::SCR + s * WG_SCRATCH_BYTES + WG_SCR_FOLD)) {
+    if (*(const int*)(smem + C::SCR + s * WG_SCRATCH_BYTES + 128)) {
       wg_stage<FMT, true, NKK>(tot, d0, d1, smem, base, kt, wg, rl, q);
       return;
     }
@@ -462,26 +441,13 @@ __device__ __forceinline__ void wg_consume(const u8* smem, u32 base, float* __re
   }
 }
 
-// FP8: a consumer warpgroup with no rows (a MoE segment of at most 64 rows): the other one's wgmmas get
-// the tensor core to themselves; the ring's protocol still runs (its warps release each stage).
+// A consumer warpgroup with no rows (a MoE segment of at most 64 rows): the other one's wgmmas get the
+// tensor core to themselves; the ring's protocol still runs (its warps release each stage).
 template <int FMT>
 __device__ __forceinline__ void wg_idle(u32 base, int K) {
   for (int kt = 0; kt < (K + WG_BK - 1) / WG_BK; ++kt) {
     wg_wait_full<FMT>(base, kt);
     wg_release<FMT>(base, kt);
-  }
-}
-
-// FP4: consumer warpgroup 1 of a tile of at most 64 rows expands rows 64..127 of each stage's B tile
-// once the producer's copies have landed (staged barrier), then arrives on full (as the producer's
-// expansion does) and releases the stage (its reads of the staging area are done; the producer
-// refills it only after the other consumer has released the stage too).
-__device__ __forceinline__ void wg_help_fp4(u8* smem, u32 base, int K, int N, int n0, int gk) {
-  using C = WgCfg<FMT_FP4>;
-  for (int kt = 0; kt < (K + WG_BK - 1) / WG_BK; ++kt) {
-    mbar_wait(base + C::BAR + 8 * (2 * C::ST + kt % C::ST), (kt / C::ST) & 1);
-    wg_expand_fp4<true>(smem, base, kt, K, N, n0, gk, 4);
-    wg_release<FMT_FP4>(base, kt);
   }
 }
 
@@ -496,12 +462,10 @@ __device__ __forceinline__ void wg_gemm(u8* raw, const u8* A, const float* SA, c
   const u32 raw_addr = wg_smem_u32(raw), pad = (1024u - (raw_addr & 1023u)) & 1023u;  // swizzle atoms: 1024-aligned
   u8* smem = raw + pad;
   const u32 base = raw_addr + pad;
-  const bool helped = FMT == FMT_FP4 && M - m0 <= 64;  // (wg_help_fp4)
   if (threadIdx.x == 0) {
     for (int s = 0; s < C::ST; ++s) {
-      mbar_init(base + C::BAR + 8 * s, C::FULL_COUNT + (helped ? C::HELP_COUNT : 0));
+      mbar_init(base + C::BAR + 8 * s, C::FULL_COUNT);
       mbar_init(base + C::BAR + 8 * (C::ST + s), 8);  // one arrive per consumer warp
-      if (FMT == FMT_FP4) mbar_init(base + C::BAR + 8 * (2 * C::ST + s), 128);  // one per producer thread
     }
   }
   __syncthreads();
@@ -510,9 +474,7 @@ __device__ __forceinline__ void wg_gemm(u8* raw, const u8* A, const float* SA, c
     wg_produce<FMT, GATHER>(smem, base, A, SA, G, W, SW, M, N, K, bn, bk, gk, m0, n0);
   } else if (m0 + 64 * (int)(threadIdx.x >> 7) >= M) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(WG_PRODUCER_REGS));
-    // (only warpgroup 1 can be idle, and only where M - m0 <= 64: FP4's helped tiles)
-    if (FMT == FMT_FP4) wg_help_fp4(smem, base, K, N, n0, gk);
-    else wg_idle<FMT>(base, K);
+    wg_idle<FMT>(base, K);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(WG_CONSUMER_REGS));
     // one weight scale per 32 columns and k32 step when the (bn x bk) blocks are whole 32-column groups

@@ -92,52 +92,26 @@ class Indexer:
         return xp.repeat(keep, bs, axis=1)[:, :n]
 
     def select(self, p: Projected, s: Seq) -> None:
-        """Publish this sequence's top-k mask (and candidate blocks) for the group (a chunk). The
-        chunk's query rows are scored in blocks (ops.indexer_rows bounds a block's rows): only the
-        published bool masks are [rows, entries] at once, not the float32 scores. Every step is
-        row-wise, so the masks are the same whatever the blocks."""
+        """Publish this sequence's top-k mask (and candidate blocks) for the group (a chunk)."""
         attn, cfg, ops, xp = self.attn, self.cfg, self.ops, self.ops.xp
         li, ratio = attn.li, attn.ratio
         keys = s.state.layers[cfg.kv_group_source(li)].idx_keys
         if keys is None or keys.shape[0] == 0:
             return
-        n, rows = keys.shape[0], p.idx_q.shape[0]
-        lens = (s.pos + 1) // ratio
-        cand = cfg.candidate_source_layer_id
-        source = li == cand
-        prev = s.shared.get("cand")
-        filt = prev if not source and 0 <= cand < li and prev is not None and prev.shape[1] == n else None
+        n = keys.shape[0]
         # (queries and keys rounded onto the same codec's grid are exact in bf16)
-        exact = attn.codec("idx_keys") != NO_CODEC
-        topk = xp.empty((rows, n), dtype=bool)
-        blocks = xp.empty((rows, n), dtype=bool) if source else None
-        for r0, r1 in row_blocks(rows, ops.indexer_rows(rows, n)):
-            scores = ops.indexer_scores(p.idx_q[r0:r1], keys, p.idx_w[r0:r1], cfg.index_n_heads,
-                                        cfg.index_head_dim, exact=exact)
-            bl = lens[r0:r1]
-            if not (bl >= n).all():  # queries that see only part of the keys (prefill)
-                scores = xp.where(attn.causal_cols(bl, n), scores, NEG_INF)
-            if source:
-                last = ops.asarray((bl - 1) // cfg.candidate_block_size, dtype=np.int64)
-                blocks[r0:r1] = self.candidate_blocks(scores, last)
-            elif filt is not None:
-                scores = xp.where(filt[r0:r1], scores, NEG_INF)
-            topk[r0:r1] = ops.topk_mask(scores, min(cfg.index_topk, n))
-        if source:
-            s.shared["cand"] = blocks
-        s.shared["topk"] = topk
-
-
-def row_blocks(rows: int, most: int) -> list[tuple[int, int]]:
-    """[r0, r1) blocks covering `rows` rows, at most `most` each, as few as that allows, their sizes
-    within one of each other: no short last block, which on the GPU would take another scores
-    kernel (another summation order) than its chunk's other rows (the tensor-core kernel takes
-    launches of at least ITC_MIN_QUERIES queries: every block of a chunk then does where `most` is
-    at least twice that)."""
-    if rows <= 0:
-        return []
-    count = -(-rows // max(1, most))
-    return [(rows * i // count, rows * (i + 1) // count) for i in range(count)]
+        scores = ops.indexer_scores(p.idx_q, keys, p.idx_w, cfg.index_n_heads, cfg.index_head_dim,
+                                    exact=attn.codec("idx_keys") != NO_CODEC)
+        lens = (s.pos + 1) // ratio
+        if not (lens >= n).all():  # queries that see only part of the keys (prefill)
+            scores = xp.where(attn.causal_cols(lens, n), scores, NEG_INF)
+        cand = cfg.candidate_source_layer_id
+        if li == cand:
+            s.shared["cand"] = self.candidate_blocks(scores, ops.asarray((lens - 1) // cfg.candidate_block_size,
+                                                                         dtype=np.int64))
+        elif 0 <= cand < li and s.shared.get("cand") is not None and s.shared["cand"].shape[1] == n:
+            scores = xp.where(s.shared["cand"], scores, NEG_INF)
+        s.shared["topk"] = ops.topk_mask(scores, min(cfg.index_topk, n))
 
 
 class V41Attention(Attention):

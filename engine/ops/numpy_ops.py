@@ -350,11 +350,6 @@ class NumpyOps:
                 out[b, : k.n] = self.indexer_scores(q[b : b + 1], k.view(), w[b : b + 1], n_heads, head_dim)[0]
         return out
 
-    def indexer_rows(self, rows: int, entries: int) -> int:
-        """The most query rows of a prompt chunk one block of Indexer.select scores against
-        `entries` entries: all of them (the reference keeps no device budget)."""
-        return max(1, rows)
-
     def topk_mask(self, scores: np.ndarray, k: int) -> np.ndarray:
         """Bool mask of each row's k best finite scores (ties: lower index first)."""
         mask = np.zeros(scores.shape, dtype=bool)

@@ -24,14 +24,10 @@ Per tensor-parallel rank (engine.parallel.shard.ShardPlan decides what each rank
       activations  T * hidden * hc_mult * 4 * ACT_FACTOR        (mHC streams in / out, mixes, norms)
       attention    T * local_heads * head_dim * 4 * 3           (q, attention output, un-roped output)
       moe          T * top_k * moe_inter * 4 * 3                (gathered rows, gate / up, SwiGLU)
-      scores       V4.1: block_rows * max_entries * INDEXER_BYTES_PER_SCORE + prefill_chunk *
-                   max_entries * 2   (a prompt chunk's indexer selection over the compressed entries
-                                      of one sequence, max_entries = max_context / smallest compress
-                                      ratio: the temporaries of one block of its query rows,
-                                      block_rows = indexer_block_rows (engine/ops/gpu/limits.py),
-                                      and the chunk's published top-k and candidate bool masks);
-                   V4: prefill_chunk * max_entries * 4 * 3   (the whole chunk's indexer scores,
-                                                              visibility and masked scores)
+      scores       prefill_chunk * max_entries * 4 * 3          (indexer scores, visibility, attention
+                                                                 bias over the compressed entries of
+                                                                 one sequence, max_entries =
+                                                                 max_context / smallest compress ratio)
       split        T * top_k * (hidden + hidden / 128) * 4   (the tensor-core GEMMs' f16 terms of their
                                                                  largest input, the experts' gathered
                                                                  rows, and its group inverses)
@@ -261,15 +257,8 @@ def workspace_bytes(cfg: ModelConfig, plan: ShardPlan, max_seqs: int, max_contex
               (cfg.arch != "v41" or i in cfg.kv_source_layer_ids)]
     max_entries = max_context // min(ratios) if ratios else 0
     local_heads = plan.heads[1] - plan.heads[0]
-    from engine.ops.gpu.limits import INDEXER_BYTES_PER_SCORE, MAX_GRAPH_ROWS, indexer_block_rows
+    from engine.ops.gpu.limits import MAX_GRAPH_ROWS
     from engine.settings import Settings
-
-    chunk = min(prefill_chunk, max_context)
-    if cfg.arch == "v41":  # (Indexer.select scores a chunk's rows a block at a time)
-        block = indexer_block_rows(chunk, max_entries)
-        scores = block * max_entries * INDEXER_BYTES_PER_SCORE + chunk * max_entries * 2
-    else:
-        scores = chunk * max_entries * 4 * 3
 
     top = min(MAX_GRAPH_ROWS, decode_rows(cfg, max_seqs))  # no decode step has more rows
     graph_rows = sum(max(0, top - i) for i in range(Settings.from_env().graph_buckets))
@@ -278,7 +267,7 @@ def workspace_bytes(cfg: ModelConfig, plan: ShardPlan, max_seqs: int, max_contex
         "activations": t * cfg.hidden_size * cfg.hc_mult * 4 * ACT_FACTOR,
         "attention": t * local_heads * cfg.head_dim * 4 * 3,
         "moe": t * cfg.num_experts_per_tok * cfg.moe_intermediate_size * 4 * 3,
-        "scores": scores,
+        "scores": min(prefill_chunk, max_context) * max_entries * 4 * 3,
         "split": t * cfg.num_experts_per_tok * (cfg.hidden_size + -(-cfg.hidden_size // 128)) * 4,
         "attend_tc": min(prefill_chunk, ATTEND_TC_QUERIES) * local_heads
         * (cfg.sliding_window + min(max_entries, 2 * cfg.index_topk) + 64) * 4,

@@ -99,10 +99,7 @@ def test_fp8_gemm_block_scales(m, n, k, block):
 
 
 @pytest.mark.parametrize("exps", [(110, 135), (118, 130)])
-# (tiles of at most 64 rows, where sm_90a's consumer warpgroup 1 helps expand: the last row tile of the
-# first two shapes, 2 and 1 rows, and the last three shapes' only one)
-@pytest.mark.parametrize("m,n,k", [(130, 520, 2304), (257, 300, 1024), (3, 130, 192), (40, 200, 960),
-                                   (64, 136, 704)])
+@pytest.mark.parametrize("m,n,k", [(130, 520, 2304), (257, 300, 1024), (3, 130, 192)])
 def test_fp4_gemm_scale_spreads(m, n, k, exps):
     """FP4 exponents spread over more than 12 values (a scale per column) and over at most 12 (on
     sm_90a folded into the e4m3 codes, one scale per step); _weight's are all equal."""

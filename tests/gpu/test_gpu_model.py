@@ -209,7 +209,7 @@ class DualOps:
         fn = getattr(self.gpu, name)
         # (in place, or reading staged address tables the reference cannot: test_gpu_ops checks those)
         if name in ("prepare", "prepare_rows", "asarray", "to_host", "copy_rows", "stage", "scatter_rows",
-                    "gated_pool_rows", "attend_decode", "indexer_scores_spans", "indexer_rows", "fork", "join_all",
+                    "gated_pool_rows", "attend_decode", "indexer_scores_spans", "fork", "join_all",
                     "all_reduce", "all_gather", "prestage", "sample_rows") or not callable(fn):
             return fn
 

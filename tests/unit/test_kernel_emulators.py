@@ -38,11 +38,6 @@ def test_grouped_gemm_emulated(case):
     grouped.check(*case)
 
 
-@pytest.mark.parametrize("case", grouped.HELP_CASES, ids=lambda c: f"fp4-rows{'-'.join(map(str, c['counts']))}")
-def test_grouped_gemm_helped_tiles_emulated(case):
-    grouped.check(**case)
-
-
 @pytest.mark.parametrize("fmt", ["fp8", "fp4"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_gemv_q8_fragments_emulated(fmt, seed):

@@ -262,26 +262,3 @@ def test_graph_memory_counts_the_rows_decode_steps_can_have(tiny, tmp_path, monk
         cfg = load_config(ckpt)
         plan = ShardPlan.make(cfg)
         assert mp.workspace_bytes(cfg, plan, max_seqs, 4096)["graphs"] == rows * mp.graph_bytes_per_row(cfg, plan)
-
-
-def test_v41_indexer_workspace_is_blocked(flash):
-    """V4.1's prompt-chunk selection holds one block of query rows' temporaries (at most
-    INDEXER_BLOCK_BYTES) and the chunk's two bool masks, not the whole chunk's float32 scores."""
-    from engine.ops.gpu import limits as lim
-
-    cfg = flash[0]
-    plan = ShardPlan.make(cfg, 0, 8)
-    n = 1 << 20  # ratio-1 group: one entry per token
-    for chunk in (4096, 16384):
-        rows = lim.indexer_block_rows(chunk, n)
-        # at 1M entries the budget holds less than a wave of the scores kernel: one wave a block
-        assert lim.INDEXER_BLOCK_BYTES < lim.INDEXER_WAVE_MAX * n * lim.INDEXER_BYTES_PER_SCORE
-        assert rows == lim.INDEXER_WAVE_MAX
-        ws = mp.workspace_bytes(cfg, plan, 1, n, chunk)
-        assert ws["scores"] == rows * n * lim.INDEXER_BYTES_PER_SCORE + chunk * n * 2
-        assert ws["scores"] < chunk * n * lim.INDEXER_BYTES_PER_SCORE / 3
-    assert lim.indexer_block_rows(4096, 80_000) == 4096  # a 4K chunk is one block to ~87K entries
-    # under the budget, whole waves: the largest multiple of the wave that fits
-    per_row = (1 << 16) * lim.INDEXER_BYTES_PER_SCORE
-    rows = lim.indexer_block_rows(16384, 1 << 16, wave=528)
-    assert rows % 528 == 0 and rows * per_row <= lim.INDEXER_BLOCK_BYTES < (rows + 528) * per_row

@@ -16,10 +16,6 @@ sizes read from engine/ops/gpu/fp8_linear.py:
   moment the protocol allows (when the barrier their arrive-on feeds is polled, or at
   cp.async.wait_group), so data read before its barrier completes is stale and shows up as an error;
   each arrival is checked to belong to the barrier's current phase;
-- FP4 tiles of at most 64 rows: consumer warpgroup 1's help (wg_help_fp4), scheduled as early as its
-  wait on the stage's staged barrier lets it run, expanding rows 64..127 from its own exponent
-  ranges; every row's codes and every column's scales of a stage are checked to be written exactly
-  once (by the producer or the helper) before the consumers read it;
 - each wgmma operand read through its descriptor as the PTX ISA documents it, not as the kernel
   means it: section "Matrix Descriptor Format" (bits 0-13 start address >> 4, 16-29 leading byte
   offset >> 4, 32-45 stride byte offset >> 4, 49-51 base offset, 62-63 swizzle mode, 1 = 128B) and
@@ -75,10 +71,10 @@ class Layout:
         self.A, self.B, self.SA = 0, st * TILE, 2 * st * TILE
         self.SW = self.SA + st * SCALE
         self.STG = self.SW + st * SCALE
-        self.BAR = self.STG + (0 if fmt == FMT_FP8 else st * STG)  # full[st], empty[st], FP4 staged[st]
-        self.SCR = self.BAR + (16 if fmt == FMT_FP8 else 24) * st
+        self.BAR = self.STG + (0 if fmt == FMT_FP8 else st * STG)
+        self.SCR = self.BAR + 16 * st
         self.end = self.SCR + (0 if fmt == FMT_FP8 else st * D["WG_SCRATCH_BYTES"])
-        self.full_count, self.help_count = (128 if fmt == FMT_FP8 else 256), 128
+        self.full_count = 128 if fmt == FMT_FP8 else 256
 
 
 def swz(r, c):  # wg_swz
@@ -141,18 +137,8 @@ class Block:
         self.limit = self.RAW + smem_bytes
         assert self.base + self.L.end <= self.limit, "the ring overflows the dynamic smem"
         self.smem = np.full(self.limit, 0xEE, np.uint8)  # garbage until written
-        # FP4 tiles of at most 64 rows: consumer warpgroup 1 helps expand (wg_help_fp4)
-        self.helped = fmt == FMT_FP4 and g["M"] - m0 <= 64
-        self.full = [Mbar(self.L.full_count + (self.L.help_count if self.helped else 0)) for _ in range(self.L.st)]
+        self.full = [Mbar(self.L.full_count) for _ in range(self.L.st)]
         self.empty = [Mbar(8) for _ in range(self.L.st)]
-        self.staged = [Mbar(128) for _ in range(self.L.st)] if fmt == FMT_FP4 else []
-        # copies into a stage's staging area still in flight when their thread arrived on its staged
-        # barrier: a plain arrive releases only what its thread has completed, so the helper may not
-        # see them
-        self.unreleased = [[] for _ in range(self.L.st)]
-        # FP4: how often each row's step chunk and each column's scale of a stage was written since
-        # the consumers last read it
-        self.written = np.zeros((self.L.st, 2, 128, 4), np.int64)
         self.deferred = {s: [] for s in range(self.L.st)}  # cp.async arrive-ons not yet fired
         self.unlanded = [[] for _ in range(128)]  # each producer thread's copies not yet landed
         self.uncommitted = [[] for _ in range(128)]
@@ -231,10 +217,8 @@ class Block:
                 self.cp4_clip(t, stg + 8192 + 8 * t + 4, "SW", b0 + 4 if n1 else 0, n1)
                 self.arrive_cp_async(t, s, kt // L.st)
                 self.commit_and_wait(t, LAG if kt >= LAG else None)
-                if kt >= LAG and self.helped:  # a plain arrive once the thread's copies of kt - LAG landed
-                    self.arrive_staged(t, kt - LAG)
         if fmt == FMT_FP4 and kt >= LAG:
-            self.expand(kt - LAG, False, 2 if self.helped else 4)
+            self.expand(kt - LAG)
 
     def copy_a(self, t, at, sa, k0, nkk):  # the A tile's chunks and row t's scales of thread t
         M, K, m0 = self.g["M"], self.g["K"], self.m0
@@ -252,66 +236,38 @@ class Block:
             self.cp(t, dst + 2048 * i, name, src + step * i if ok else src, 16, 16 if ok else 0)
 
     def drain(self, T):
-        kts = range(max(0, T - LAG), T)
         for t in range(128):  # cp.async.wait_all
             self.commit_and_wait(t, 0)
-            if self.helped:
-                for kt in kts:
-                    self.arrive_staged(t, kt)
-        for kt in kts:
-            self.expand(kt, False, 2 if self.helped else 4)
+        for kt in range(max(0, T - LAG), T):
+            self.expand(kt)
 
-    def arrive_staged(self, t, kt):  # thread t's plain arrive on stage kt's staged barrier
-        s = kt % self.L.st
-        lo = self.base + self.L.STG + s * STG
-        pending = [c for grp in [*self.groups[t], self.uncommitted[t]] for c in grp if not c[2]]
-        self.unreleased[s] += [c for c in pending if lo <= c[0] < lo + STG]
-        self.staged[s].arrive(kt // self.L.st)
-
-    # ---- consumer warpgroup 1 helping (FP4, at most 64 rows) ----
-    def staged_ready(self, kt):  # wg_help_fp4's wait on the stage's staged barrier
-        return self.staged[kt % self.L.st].done((kt // self.L.st) & 1)
-
-    def help(self, kt):  # wg_help_fp4: stage kt's rows 64..127, then its warps release the stage
-        assert self.staged_ready(kt), f"stage {kt}: the helper ran before the producer's copies landed"
-        s = kt % self.L.st
-        assert not self.unreleased[s], f"stage {kt}: the staged barrier released copies still in flight"
-        self.expand(kt, True, 4)
-        for _warp in range(4):
-            self.empty[kt % self.L.st].arrive(kt // self.L.st)
-
-    def expand(self, kt, helper, i1):
-        """wg_expand_fp4<helper> by its 128 threads (bar.sync in the middle): rows (t >> 2) + 32 i of the
-        B tile for i in [2 if helper else 0, i1), the scales of columns 32 i0 .. 32 i1 - 1."""
+    def expand(self, kt):  # wg_expand_fp4, all 128 producer threads (bar.sync 1, 128 in the middle)
         L, g, n0 = self.L, self.g, self.n0
         s, k0, gk = kt % L.st, kt * BK, g["gk"]
         nkk = min(4, (g["K"] - k0) // 32)
         stg, bt = self.base + L.STG + s * STG, self.base + L.B + s * TILE
         sw = self.base + L.SW + s * SCALE
-        scr0 = self.base + L.SCR + s * D["WG_SCRATCH_BYTES"]
-        scr = scr0 + (32 if helper else 0)  # this warpgroup's byte ranges
-        i0 = 2 if helper else 0
+        scr = self.base + L.SCR + s * D["WG_SCRATCH_BYTES"]
 
         def expo(r, kk):  # row r's clamped exponent byte of step kk, from the staged window
             off = ((n0 + r) * gk + k0 // 32) & 3
             return min(max(int(self.smem[stg + 8192 + 8 * r + off + kk]), 1), 254)
 
-        ranges = np.zeros(32, np.int64)
+        ints = np.zeros(33, np.int32)
         for warp in range(4):  # __reduce_max_sync / __reduce_min_sync, lane 0 writes
             for kk in range(4):
                 es = [expo(t, kk) for t in range(32 * warp, 32 * warp + 32) if n0 + t < g["N"] and kk < nkk]
-                ranges[4 * warp + kk] = max(es, default=0)
-                ranges[16 + 4 * warp + kk] = min(es, default=255)
-        assert 0 <= ranges.min() and ranges.max() <= 255, "an exponent range does not fit its byte"
-        self.smem[scr : scr + 32] = ranges.astype(np.uint8)
-        sc = self.smem[scr : scr + 32].astype(np.int64)  # read back after the barrier
+                ints[4 * warp + kk] = max(es, default=0)
+                ints[16 + 4 * warp + kk] = min(es, default=255)
+        self.smem[scr : scr + 128] = ints[:32].view(np.uint8)
+        sc = self.smem[scr : scr + 128].view(np.int32)  # read back after the barrier
         mx = [max(sc[kk], sc[4 + kk], sc[8 + kk], sc[12 + kk]) for kk in range(4)]
         mn = [min(sc[16 + kk], sc[20 + kk], sc[24 + kk], sc[28 + kk]) for kk in range(4)]
         fold = all(mx[kk] - mn[kk] <= 11 for kk in range(nkk))
         eref = [min(mn[kk] + 5, 254) for kk in range(4)]
         for t in range(128):
             c = t & 3
-            for i in range(i0, i1):
+            for i in range(4):
                 r = (t >> 2) + 32 * i
                 if c < nkk:
                     v = self.smem[stg + 64 * r + 16 * c : stg + 64 * r + 16 * c + 16]
@@ -319,10 +275,7 @@ class Block:
                     out = e2m1x32_to_e4m3(v, *(e2m1_table(expo(r, c) - eref[c]) if fold else (E2M1_LO, E2M1_HI)))
                     self.smem[bt + swz(r, 2 * c) : bt + swz(r, 2 * c) + 16] = out[:16]
                     self.smem[bt + swz(r, 2 * c + 1) : bt + swz(r, 2 * c + 1) + 16] = out[16:]
-                    self.written[s, 0, r, c] += 1
             ok = n0 + t < g["N"]
-            if not 32 * i0 <= t < 32 * i1:
-                continue
             for kk in range(nkk):
                 if fold:
                     val = np.uint32(eref[kk] << 23).view(np.float32)
@@ -330,11 +283,8 @@ class Block:
                     val = np.float32(2.0 ** (expo(t, kk) - 127)) if ok else np.float32(0)
                 at = sw + 4 * (128 * kk + t)
                 self.smem[at : at + 4] = np.frombuffer(np.float32(val).tobytes(), np.uint8)
-                self.written[s, 1, t, kk] += 1
-        if not helper:
-            fo = scr0 + D["WG_SCR_FOLD"]
-            self.smem[fo : fo + 4] = np.frombuffer(np.int32(fold).tobytes(), np.uint8)
-            self.folds.append(fold)
+        self.smem[scr + 128 : scr + 132] = np.frombuffer(np.int32(fold).tobytes(), np.uint8)
+        self.folds.append(fold)
         for _ in range(128):
             self.full[s].arrive(kt // L.st)
 
@@ -365,21 +315,16 @@ class Block:
         self.poll_full(s)
         assert self.full[s].done((kt // L.st) & 1), f"stage {kt}: consumers would wait forever"
         if self.fmt == FMT_FP4:  # wg_stage_any
-            want = np.zeros((2, 128, 4), np.int64)
-            want[:, :, :nkk] = 1
-            assert (self.written[s] == want).all(), f"stage {kt}: codes or scales not written exactly once"
-            self.written[s] = 0
-            fo = self.base + L.SCR + s * D["WG_SCRATCH_BYTES"] + D["WG_SCR_FOLD"]
-            g32 = bool(self.smem[fo : fo + 4].view(np.int32)[0])
+            scr = self.base + L.SCR + s * D["WG_SCRATCH_BYTES"]
+            g32 = bool(self.smem[scr + 128 : scr + 132].view(np.int32)[0])
         sa = self.smem[self.base + L.SA + s * SCALE :][:SCALE].view(np.float32).reshape(4, 128)
         sw = self.smem[self.base + L.SW + s * SCALE :][:SCALE].view(np.float32).reshape(4, 128)
         lane = np.arange(32)
         q = lane & 3
         for wg in range(2):
-            if self.m0 + 64 * wg >= self.g["M"]:  # no rows, no wgmma
-                if self.fmt == FMT_FP8:  # wg_idle: its warps release the stage (FP4's helper did in help)
-                    for _warp in range(4):
-                        self.empty[s].arrive(kt // L.st)
+            if self.m0 + 64 * wg >= self.g["M"]:  # wg_idle: no rows, no wgmma; its warps release the stage
+                for _warp in range(4):
+                    self.empty[s].arrive(kt // L.st)
                 continue
             at = self.base + L.A + s * TILE + 64 * 128 * wg
             bt = self.base + L.B + s * TILE
@@ -424,13 +369,9 @@ def run_block(fmt, g, m0, n0, smem_bytes, Y, cls=Block):
     g32 = fmt == FMT_FP8 and bn % 32 == 0
     tot = np.zeros((2, 4, 32, 64), np.float32)
     kp = kc = 0
-    kh = 0 if b.helped else T  # the helper's next stage
     drained = fmt == FMT_FP8
-    while kc < T or kh < T:
+    while kc < T:
         moved = False
-        if kh < T and b.staged_ready(kh):  # the helper first: as early as its barrier allows
-            b.help(kh)
-            kh, moved = kh + 1, True
         if kp < T and b.empty[kp % b.L.st].done(((kp // b.L.st) & 1) ^ 1):
             b.produce(kp)
             kp, moved = kp + 1, True
@@ -438,12 +379,11 @@ def run_block(fmt, g, m0, n0, smem_bytes, Y, cls=Block):
             b.drain(T)
             drained = moved = True
         s = kc % b.L.st
-        if kc < T:
-            b.poll_full(s)
-        if kc < T and b.full[s].done((kc // b.L.st) & 1):
+        b.poll_full(s)
+        if b.full[s].done((kc // b.L.st) & 1):
             b.consume(kc, 4 if kc < T4 else 2, tot, g32)
             kc, moved = kc + 1, True
-        assert moved, f"deadlock: producer at stage {kp}, consumers at {kc}, helper at {kh}"
+        assert moved, f"deadlock: producer at stage {kp}, consumers at {kc}"
     b.epilogue(tot, Y)
     return set(b.folds) if fmt == FMT_FP4 else {g32}
 
@@ -505,8 +445,6 @@ CASES = [  # M, N not multiples of 128; K = 64 (half a stage), K % 128 == 64 (a 
     (FMT_FP4, 1, 72, 64, (110, 135)), (FMT_FP4, 130, 200, 320, (110, 135)), (FMT_FP4, 70, 136, 1024, (110, 135)),
     (FMT_FP4, 130, 200, 320, (115, 127)), (FMT_FP4, 70, 136, 1024, (120, 132)), (FMT_FP4, 1, 72, 64, (118, 128)),
     (FMT_FP4, 5, 129, 320, (118, 128)),  # N * K / 32 scale bytes not a multiple of 4: the last window clipped
-    # at most 64 rows (consumer warpgroup 1 helps expand) over rings that wrap, not folded and folded
-    (FMT_FP4, 40, 136, 768, (110, 135)), (FMT_FP4, 64, 136, 704, (120, 132)),
 ]
 
 if __name__ == "__main__":

@@ -16,8 +16,7 @@ import cupy as cp
 import numpy as np
 
 from engine.ops import kernels as K
-from engine.ops.gpu.common import _ELT_BLOCK, _NULL, F32, _c32, _grid, _ptr, _sm_count, _smem_function, _span_ptr
-from engine.ops.gpu.limits import indexer_block_rows
+from engine.ops.gpu.common import _ELT_BLOCK, _NULL, F32, _c32, _grid, _ptr, _smem_function, _span_ptr
 from engine.state.rows import Span
 
 # The indexer's scores on tensor cores (kernels/attention.cu indexer_scores_tc*) for launches of at
@@ -47,12 +46,6 @@ def _indexer_smem(h: int, dh: int) -> int:
     """Dynamic shared memory bytes of an indexer scores launch (kernels/attention.cu indexer_row)."""
     return 4 * (h * (dh + 1) + h + 8 * dh)
 
-
-
-def indexer_wave() -> int:
-    """Query rows of one wave of the tensor-core scores kernel: ITC_ROWS / 32 queries per CTA (V4.1's
-    32 index heads), one CTA per SM."""
-    return ITC_ROWS // 32 * _sm_count()
 
 class AttentionOps:
     """CupyOps' attention, indexer, top-k, pooling and state-row ops."""
@@ -286,13 +279,6 @@ class AttentionOps:
             _c32(q), table, w, out, np.int32(h), np.int32(width), np.int32(dh),
             dscale, hscale, np.int32(self.bf16)), shared_mem=smem)
         return out
-
-    def indexer_rows(self, rows: int, entries: int) -> int:
-        """The most query rows of a prompt chunk one block of Indexer.select scores against
-        `entries` entries: as many as keep the block's score buffers under INDEXER_BLOCK_BYTES, in
-        whole waves of the scores kernel (engine/ops/gpu/limits.py; ITC_ROWS / 32 queries per CTA at
-        V4.1's 32 index heads)."""
-        return indexer_block_rows(rows, entries, wave=indexer_wave())
 
     def _indexer_weights(self, w: cp.ndarray, n_heads: int, head_dim: int) -> tuple:
         """The indexer kernels' head weights and scales (dscale, hscale): w as given, scaled in the

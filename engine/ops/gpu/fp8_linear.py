@@ -24,9 +24,8 @@ TILE = 64  # gemm_e4m3's tile (rows and columns) and K stage; K must be a multip
 ACT_BLOCK = 32
 # gemm_e4m3_*_sm90 (mirrors kernels/fp8_gemm.cu WG_*; tools/dev/emulate_wgmma_gemm.py checks them):
 # a 128 x 128 tile, 384 threads, a ring of stages of 128 bytes of K: two 16 KB operand tiles and two
-# 2 KB scale tables, FP4 also 9 KB of staged nibbles and scale bytes and 68 bytes of exponent
-# ranges and fold flag; two mbarriers a stage (FP4 three); 1 KB to align the ring to the 128-byte
-# swizzle's 1024-byte pattern.
+# 2 KB scale tables, FP4 also 9 KB of staged nibbles and scale bytes and 144 bytes of exponent
+# ranges; two mbarriers a stage; 1 KB to align the ring to the 128-byte swizzle's 1024-byte pattern.
 WG_TILE, WG_THREADS = 128, 384
 WG_STAGES = {FMT_FP8: 6, FMT_FP4: 5}
 # Rows per segment of a prompt chunk's routed experts on this path: the wgmma tile's, so a block's
@@ -37,8 +36,8 @@ GROUPED_ROWS = WG_TILE
 
 def wgmma_smem(fmt: int) -> int:
     """Dynamic shared memory of gemm_e4m3_*_sm90 for weights of format fmt."""
-    stage = 2 * 16384 + 2 * 2048 + (9216 + 68 if fmt == FMT_FP4 else 0)
-    return WG_STAGES[fmt] * (stage + 8 * (3 if fmt == FMT_FP4 else 2)) + 1024
+    stage = 2 * 16384 + 2 * 2048 + (9216 + 144 if fmt == FMT_FP4 else 0)
+    return WG_STAGES[fmt] * (stage + 16) + 1024
 
 
 def act_quant_fp8(x: cp.ndarray, bf16: bool = False) -> tuple[cp.ndarray, cp.ndarray]:
