@@ -6,15 +6,14 @@ segments (weight index, first row of x, rows, x column, y column). By rows per s
 - one row: gemvr (kernels/gemv_reg.cu, tensor cores fed from registers) for FP4 and large FP8
   weights, else gemvx (kernels/linear.cu, x staged in shared memory);
 - 2 to 32 rows of FP8 / FP4: the tensor-core GEMV; under --numerics deepseek (x quantized as the
-  reference's act_quant) tcgemv8_* (kernels/gemv_q8.cu: e4m3 MMAs, FP4 decoded into e4m3), else
-  tcgemv_* (exact f16 weights, x split into hi + lo f16 terms); up to 8 rows of BF16 / f32: the
-  CUDA-core GEMV;
+  reference's act_quant) tcgemv8_* (kernels/gemv_q8.cu: f16 MMAs on act_quant's codes, laid out
+  for the lanes in a pass of their own; FP4 decoded into e4m3 on the way), else tcgemv_* (exact f16
+  weights, x split into hi + lo f16 terms); 2 to 32 rows of BF16 under deepseek numerics (bf16 x):
+  tcgemv8_bf16_* (bf16 MMAs); else up to 8 rows of BF16 / f32: the CUDA-core GEMV;
 - more: the tensor-core GEMM (gemm_tc_*, the GEMV's arithmetic) for FP8 / FP4, the GEMM with x in
   three bf16 terms (gemm) for BF16 / f32 and what gemm_tc cannot read.
 Every path is float32-accurate up to summation order, except gemm on weights bf16 cannot hold
-exactly (f32, fp8 with f32 scales), which it rounds, and tcgemv8, whose tensor-core sums of 32
-products may be kept to about 2^-14 where the FP8 MMA is native (as DeepSeek's own FP8 GEMMs; Hopper
-runs it as f16 MMAs, float32-grade).
+exactly (f32, fp8 with f32 scales), which it rounds.
 """
 
 from __future__ import annotations
