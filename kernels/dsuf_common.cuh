@@ -122,6 +122,25 @@ __device__ __forceinline__ float4 linear_in4(float4 v, int xq) {
   return v;
 }
 
+// The reference's act_quant of 4 consecutive elements of a row (x rounded to bf16 first when bf):
+// 8 consecutive lanes (all active) hold one block of 32. Returns the 4 e4m3 codes (element j in
+// byte j) and the block's UE8M0 scale in s.
+__device__ __forceinline__ u32 act_quant4(float4 v, bool bf, float& s) {
+  if (bf) v = make_float4(round_bf16f(v.x), round_bf16f(v.y), round_bf16f(v.z), round_bf16f(v.w));
+  float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+#pragma unroll
+  for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  s = e4m3_block_scale(amax);
+  const float e[4] = {v.x, v.y, v.z, v.w};
+  u32 word = 0;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float q = e4m3_clip(e[j], s);
+    word |= (e4m3_code(fabsf(q)) | ((__float_as_uint(q) >> 31) << 7)) << (8 * j);
+  }
+  return word;
+}
+
 __device__ __forceinline__ float bf16_lo(u32 w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf16_hi(u32 w) { return __uint_as_float(w & 0xffff0000u); }
 

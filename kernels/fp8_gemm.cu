@@ -22,19 +22,9 @@ extern "C" __global__ void act_quant_fp8(const float* __restrict__ x, int ldx, u
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   const bool live = i < (long long)M * q4;  // (dead lanes still join their warp's shuffles)
   const int m = live ? (int)(i / q4) : 0, c = live ? (int)(i % q4) : 0;
-  float4 v = live ? __ldg((const float4*)(x + (size_t)m * ldx) + c) : make_float4(0.f, 0.f, 0.f, 0.f);
-  if (bf) v = make_float4(round_bf16f(v.x), round_bf16f(v.y), round_bf16f(v.z), round_bf16f(v.w));
-  float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
-#pragma unroll
-  for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  const float s = e4m3_block_scale(amax);
-  const float e[4] = {v.x, v.y, v.z, v.w};
-  u32 word = 0;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const float q = e4m3_clip(e[j], s);
-    word |= (e4m3_code(fabsf(q)) | ((__float_as_uint(q) >> 31) << 7)) << (8 * j);
-  }
+  const float4 v = live ? __ldg((const float4*)(x + (size_t)m * ldx) + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+  float s;
+  const u32 word = act_quant4(v, bf, s);
   if (live) {
     *(u32*)(codes + (size_t)m * K + 4 * c) = word;
     if ((c & 7) == 0) scales[(size_t)m * (K / 32) + c / 8] = s;
