@@ -42,18 +42,23 @@ def _check(fmt: str, m: int, n: int, k: int, block=(128, 128)) -> None:
     assert err.max() < MAX_TOL, err
 
 
-@pytest.fixture
-def spy(monkeypatch):
-    """Counts the e4m3 GEMV's launches (and makes sure these cases run it)."""
+def _spy(monkeypatch, name: str) -> list:
+    """Counts the launches of LinearOps.<name> (and makes sure a case runs it)."""
     calls = []
-    run = gpu_linear.LinearOps._run_tc8
+    run = getattr(gpu_linear.LinearOps, name)
 
     def counted(self, *a, **kw):
         calls.append(a[7].fmt)
         return run(self, *a, **kw)
 
-    monkeypatch.setattr(gpu_linear.LinearOps, "_run_tc8", counted)
+    monkeypatch.setattr(gpu_linear.LinearOps, name, counted)
     return calls
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """The e4m3 GEMV's launches."""
+    return _spy(monkeypatch, "_run_tc8")
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "fp4"])
@@ -103,16 +108,8 @@ def test_tcgemv8_experts_segments():
 
 @pytest.fixture
 def spy_bf(monkeypatch):
-    """Counts the bf16 tensor-core GEMV's launches."""
-    calls = []
-    run = gpu_linear.LinearOps._run_tcbf
-
-    def counted(self, *a, **kw):
-        calls.append(a[7].fmt)
-        return run(self, *a, **kw)
-
-    monkeypatch.setattr(gpu_linear.LinearOps, "_run_tcbf", counted)
-    return calls
+    """The bf16 tensor-core GEMV's launches."""
+    return _spy(monkeypatch, "_run_tcbf")
 
 
 @pytest.mark.parametrize("use", [BF16, F32])
