@@ -146,7 +146,7 @@ def _check_bf16(use: str, m: int, n: int, k: int) -> None:
         assert err.max() < 1e-5, err
 
 
-def test_tcgemv8_bf16_segments_columns():
+def test_tcgemv8_bf16_segments_columns(spy_bf):
     """Two segments reading different 16-aligned column ranges of x into different output columns
     (a stacked linear's table), against the same product per segment."""
     n, k = 96, 256
@@ -161,3 +161,4 @@ def test_tcgemv8_bf16_segments_columns():
     want = np.concatenate([xb[:, :k] @ wd.T, xb[:, k:] @ wd.T], axis=1)
     got = cp.asnumpy(y)
     assert np.abs(got - want).max() / np.abs(want).max() < 1e-5
+    assert spy_bf, "the bf16 tensor-core GEMV did not run"
