@@ -118,12 +118,12 @@ case ${1:-1} in
           --numerics deepseek --what $w)
       done
     done ;;
-8)  # a prefill-side change against BASE (as stage 6): the tests T8, then for each tree, alternating,
+8)  # a prefill-side change against BASE (as stage 6): the tests T8, then for each tree
     # bench's prefill of P8 tokens (deepseek numerics, no speculation)
     ckpt &
     step t8_tests 200 python3 -m pytest -q -rf ${T8:-tests/gpu/test_gpu_fp8_grouped.py tests/gpu/test_gpu_model.py}
     wait
-    for tree in . ${BASE:-} ${AGAIN8:+. ${BASE:-}}; do
+    for tree in . ${BASE:-}; do
       tag=$([ "$tree" = . ] && echo new || echo base)
       (cd "$tree" && step b8_${tag} 150 $B --prefill ${P8:-4096,65536} --batches 1 --numerics deepseek --speculative off)
     done ;;
