@@ -265,8 +265,10 @@ def _sync(devices: list[int]) -> None:
 
 
 def bench_model(ckpt: str, bw: float, batches=(1, 8, 32), prefills=(4096, 65536), steps: int = 10,
-                chunk: int = 4096, gpus: list[int] | None = None, compare_tp1: bool = False,
+                chunk: int | None = None, gpus: list[int] | None = None, compare_tp1: bool = False,
                 expert_split: str = "ep", speculative: str | None = None, numerics: str = "exact") -> None:
+    if prefills and chunk is None:
+        chunk = _served_chunk(ckpt, gpus, 1, max(prefills), expert_split)  # (each prompt prefills alone)
     cfg, model, ranks, devices = _load(ckpt, gpus, expert_split, numerics)
     stats = [_weight_stats(r) for r in ranks]
     e, k, nl = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.num_layers
@@ -294,6 +296,27 @@ def bench_model(ckpt: str, bw: float, batches=(1, 8, 32), prefills=(4096, 65536)
         _bench_prefill(model, cfg, ranks, devices, stats, prefills, chunk, rates, numerics, rng)
     if compare_tp1 and len(ranks) > 1:
         _compare_tp1(ckpt, cfg, model, devices[0], rng, numerics)
+
+
+def _served_chunk(ckpt: str, gpus: list[int] | None, seqs: int, context: int, expert_split: str) -> int:
+    """The prefill chunk serve would take on these GPUs (Engine.load: the largest of GPU_PREFILL_CHUNKS
+    that the memory plan fits) for `seqs` sequences of `context` tokens; the smallest where none fits."""
+    import cupy as cp
+
+    from engine.checkpoint.reader import Checkpoint
+    from engine.model.config import load_config
+    from engine.runtime.engine import GPU_PREFILL_CHUNKS, _plan_gpus
+    from engine.runtime.memory_plan import MemoryPlanError
+
+    cfg = load_config(ckpt)
+    try:
+        _, plan = _plan_gpus(cfg, Checkpoint(ckpt, block_size=cfg.weight_block_size), gpus or [cp.cuda.Device().id],
+                             seqs, context, None, expert_split)
+        chunk = plan.prefill_chunk
+    except MemoryPlanError:
+        chunk = min(GPU_PREFILL_CHUNKS)
+    print(f"prefill chunk {chunk} tokens: as serve takes it for {seqs} sequences of {context} tokens")
+    return chunk
 
 
 def _bench_decode(model, cfg, ranks, devices, stats, batches, steps: int, bw: float, rng) -> None:
@@ -385,7 +408,8 @@ def bench_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ckpt", default=None, help="checkpoint to time whole-model decode / prefill on")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--prefill", default="4096,65536", help="prompt lengths to time, e.g. 4096,65536 (0: none)")
-    ap.add_argument("--chunk", type=int, default=4096, help="prefill chunk (tokens per forward)")
+    ap.add_argument("--chunk", type=int, default=None,
+                    help="prefill chunk (tokens per forward; default: serve's for one sequence of the longest prompt)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--no-linears", action="store_true", help="skip the V4.1-Flash linear-kernel table")
     ap.add_argument("--linear-rows", default="1,8,32,4096", help="rows of x in the linear-kernel table")

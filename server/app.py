@@ -42,7 +42,7 @@ class Options:
     api_key: str | None = None
     max_batch: int = 32
     max_queue: int = 256
-    prefill_chunk: int = 512
+    prefill_chunk: int | None = None  # None: the engine's default for its backend (Engine.prefill_chunk)
     max_model_len: int | None = None  # cap below the model's context (tests, memory)
     keepalive_s: float = 5.0  # `: keep-alive` SSE comment after this much silence
     drain_timeout_s: float = 30.0

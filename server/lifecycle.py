@@ -231,7 +231,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="require Bearer auth on the API routes (/v1/* and their unprefixed forms)")
     p.add_argument("--max-batch", type=int, default=32, help="sequences decoded together")
     p.add_argument("--max-queue", type=int, default=256, help="waiting sequences before 429")
-    p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens prefilled per step")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="prompt tokens prefilled per step (default: 512 on the CPU; with --gpus the largest of "
+                        "16384, 8192, ... 512 that the memory plan fits)")
     p.add_argument("--max-model-len", type=int, default=None, help="cap the context length")
     p.add_argument("--speculative", choices=("dspark", "off"), default=None,
                    help="speculative decoding with the checkpoint's draft layers (default: when it has them, each "
@@ -270,7 +272,7 @@ def serve_main(args: argparse.Namespace) -> int:
         ckpt=getattr(args, "ckpt", None), backend="cupy" if gpus else "numpy", gpus=gpus,
         expert_split=getattr(args, "expert_split", "ep"),
         api_key=getattr(args, "api_key", None), max_batch=getattr(args, "max_batch", 32),
-        max_queue=getattr(args, "max_queue", 256), prefill_chunk=getattr(args, "prefill_chunk", 512),
+        max_queue=getattr(args, "max_queue", 256), prefill_chunk=getattr(args, "prefill_chunk", None),
         max_model_len=getattr(args, "max_model_len", None), keepalive_s=getattr(args, "keepalive", 5.0),
         drain_timeout_s=getattr(args, "drain_timeout", 30.0), kv=_kv_config(args),
         served_model_names=tuple(getattr(args, "served_model_name", None) or ()),

@@ -103,13 +103,14 @@ class Sequence:
 
 class Scheduler:
     def __init__(self, engine: Any, metrics: Metrics, *, max_batch: int = 32, max_queue: int = 256,
-                 prefill_chunk: int = 512, kv: Any = None, speculative: str | None = None):
+                 prefill_chunk: int | None = None, kv: Any = None, speculative: str | None = None):
         self.engine = engine
         self.kv = kv  # kvcache.cache.StateCache or None
         self.metrics = metrics
         self.max_batch = max(1, max_batch)
         self.max_queue = max(0, max_queue)
-        self.prefill_chunk = max(1, prefill_chunk)
+        # prompt tokens per step: the engine's default for its backend (Engine.prefill_chunk) unless given
+        self.prefill_chunk = max(1, prefill_chunk or getattr(engine, "prefill_chunk", 512))
         self.executor = engine_executor(engine)
         self.eos_ids = {int(t) for t in getattr(engine, "eos_ids", (engine.tokenizer.eos_id,))}
         self.guide = guided.Guide(engine)

@@ -29,6 +29,13 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CKPT = REPO_ROOT / "models" / "demo-v41"
 # The id a checkpoint is served under by default: DeepSeek's API name for its architecture.
 CANONICAL_IDS = {"v41": "deepseek-v4.1-flash", "v4": "deepseek-v4-flash"}
+# Prompt tokens a step prefills by default. On the CPU a small budget keeps the streams decoding beside a
+# long prompt responsive. On GPUs a chunk's GEMMs want rows: a MoE's experts average chunk x top-k /
+# experts rows, and a grouped GEMM's 128-row tiles run near their rate only once those fill; so the
+# largest of GPU_PREFILL_CHUNKS whose workspace the memory plan fits (the indexer's scores grow with
+# chunk x context).
+CPU_PREFILL_CHUNK = 512
+GPU_PREFILL_CHUNKS = (16384, 8192, 4096, 2048, 1024, 512)
 
 
 def canonical_model_id(cfg: ModelConfig, ckpt_dir: Path) -> str:
@@ -73,17 +80,19 @@ class Engine:
         self.model_id, self.ckpt_dir = model_id, ckpt_dir
         self.device = device  # CUDA device id (cupy backend with --gpus), else None
         self.memory_plan = None  # engine.runtime.memory_plan.MemoryPlan when loaded with gpus
+        self.prefill_chunk = CPU_PREFILL_CHUNK  # prompt tokens a step prefills (the server's default budget)
         self.last_acceptance: SpecStats | None = None  # the last speculative generate()'s figures
 
     @classmethod
     def load(cls, ckpt_dir: str | Path | None = None, backend: str = "numpy",
              gpus: str | list[int] | None = None, *, max_seqs: int = 32, max_context: int | None = None,
-             prefill_chunk: int = 512, expert_split: str = "ep", settings: Settings | None = None,
+             prefill_chunk: int | None = None, expert_split: str = "ep", settings: Settings | None = None,
              progress: LoadProgress | None = None) -> Engine:
         """Load a checkpoint directory (None: the embedded demo-v41 model). With `gpus` (ids or
         '0,1'): the cupy backend, after checking the memory plan for max_seqs sequences of
-        max_context tokens (default: the model's context) against each GPU's free memory
-        (raises engine.runtime.memory_plan.MemoryPlanError when it does not fit); several GPUs split the
+        max_context tokens with prompt chunks of prefill_chunk tokens (default: the largest of
+        GPU_PREFILL_CHUNKS that fits) against each GPU's free memory (raises
+        engine.runtime.memory_plan.MemoryPlanError when it does not fit); several GPUs split the
         routed experts by expert id or by width (`expert_split`, engine/parallel/shard.py).
         settings: the backends' knobs (engine/settings.py; default: Settings.from_env()), numerics
         among them.
@@ -122,6 +131,7 @@ class Engine:
             progress.finish()
         eng = cls(cfg, model, tokenizer, canonical_model_id(cfg, path), path, device=device)
         eng.memory_plan = plan
+        eng.prefill_chunk = plan.prefill_chunk if plan is not None else prefill_chunk or CPU_PREFILL_CHUNK
         return eng
 
     def _on_device(self):
@@ -188,16 +198,18 @@ class Engine:
             chunk = [tok]
         return out
 
-def _plan_gpus(cfg: ModelConfig, ckpt: Checkpoint, gpus, max_seqs: int, max_context: int, prefill_chunk: int,
-               expert_split: str = "ep"):
+def _plan_gpus(cfg: ModelConfig, ckpt: Checkpoint, gpus, max_seqs: int, max_context: int,
+               prefill_chunk: int | None, expert_split: str = "ep"):
     """--gpus: check the memory plan (one tensor-parallel rank per GPU) against the GPUs' free
-    memory (MemoryPlanError if it does not fit); returns (the device ids, the plan)."""
+    memory (MemoryPlanError if it does not fit); prefill_chunk None: the largest of
+    GPU_PREFILL_CHUNKS that fits. Returns (the device ids, the plan)."""
     from engine.runtime import memory_plan as mp
 
     ids = mp.parse_gpus(gpus)
     free = mp.gpu_free_bytes(ids)
-    plan = mp.check(mp.plan_memory(cfg, ckpt, len(ids), min(free), max_seqs, max_context,
-                                   prefill_chunk=prefill_chunk, name=Path(ckpt.path).name,
-                                   weights=mp.weight_bytes(cfg, ckpt, len(ids), expert_split)))
+    plan = mp.check(mp.plan_largest_chunk(cfg, ckpt, len(ids), min(free), max_seqs, max_context,
+                                          (prefill_chunk,) if prefill_chunk else GPU_PREFILL_CHUNKS,
+                                          name=Path(ckpt.path).name,
+                                          weights=mp.weight_bytes(cfg, ckpt, len(ids), expert_split)))
     log.info("%s", plan.summary())
     return ids, plan

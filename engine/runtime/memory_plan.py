@@ -419,6 +419,24 @@ def plan_memory(cfg: ModelConfig | dict, ckpt, n_gpus: int, gpu_bytes: int, max_
 _workspace = workspace_bytes  # plan_memory's parameter shadows the function's name
 
 
+def plan_largest_chunk(cfg: ModelConfig | dict, ckpt, n_gpus: int, gpu_bytes: int, max_seqs: int, max_context: int,
+                       chunks: tuple[int, ...], *, weights: list[RankWeights] | None = None,
+                       name: str | None = None) -> MemoryPlan:
+    """plan_memory with the largest prefill chunk of `chunks` that fits; the smallest's plan when none
+    does (check() then names what does not fit)."""
+    cfg = _as_config(cfg)
+    weights = weights if weights is not None else weight_bytes(cfg, ckpt, n_gpus)
+    plan = None
+    for chunk in sorted(chunks, reverse=True):
+        plan = plan_memory(cfg, ckpt, n_gpus, gpu_bytes, max_seqs, max_context, prefill_chunk=chunk,
+                           weights=weights, name=name)
+        if plan.fits:
+            break
+    if plan is None:
+        raise ValueError("no prefill chunk sizes given")
+    return plan
+
+
 def max_sequences(cfg: ModelConfig | dict, ckpt, n_gpus: int, gpu_bytes: int, max_context: int,
                   workspace_bytes: int | None = None, *, prefill_chunk: int = 512,
                   weights: list[RankWeights] | None = None, limit: int = 1 << 20) -> int:

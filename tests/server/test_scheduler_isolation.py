@@ -119,3 +119,16 @@ def test_a_raising_speculating_sequence_fails_alone(engine, bad_at, bad_from_ste
                 assert err is None and toks == ref[i], (i, toks, ref[i])
     again = asyncio.run(_run(engine, Unchecked, bad_at=None, speculative="dspark", max_tokens=48))
     assert again == [[(ref[i], None)] * N[i] for i in range(len(PROMPTS))]
+
+
+def test_prefill_budget_is_the_engines_unless_given(engine) -> None:
+    """The scheduler's per-step prompt budget: --prefill-chunk where given, else the engine's own
+    (Engine.prefill_chunk: 512 on the numpy backend, the memory plan's on GPUs)."""
+    assert engine.prefill_chunk == 512
+    assert _scheduler(engine).prefill_chunk == 512
+    assert _scheduler(engine, prefill_chunk=64).prefill_chunk == 64
+    engine.prefill_chunk = 8192
+    try:
+        assert _scheduler(engine).prefill_chunk == 8192
+    finally:
+        engine.prefill_chunk = 512

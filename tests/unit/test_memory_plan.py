@@ -262,3 +262,32 @@ def test_graph_memory_counts_the_rows_decode_steps_can_have(tiny, tmp_path, monk
         cfg = load_config(ckpt)
         plan = ShardPlan.make(cfg)
         assert mp.workspace_bytes(cfg, plan, max_seqs, 4096)["graphs"] == rows * mp.graph_bytes_per_row(cfg, plan)
+
+
+def test_gpu_prefill_chunk_is_the_largest_that_fits(monkeypatch):
+    """Engine.load with --gpus and no prefill chunk takes the largest of GPU_PREFILL_CHUNKS whose plan
+    fits (the indexer's scores grow with chunk x context); a given chunk is planned as given."""
+    from engine.runtime import engine as E
+
+    cfg, ckpt = _open(DEFAULT_CKPT)
+    w = mp.weight_bytes(cfg, ckpt, 1)
+
+    def least_bytes(chunk: int) -> int:  # the fewest free bytes (in MiB) at which a 4 x 65536 plan fits
+        def short(mib: int) -> bool:
+            return not mp.plan_memory(cfg, ckpt, 1, mib << 20, 4, 65536, prefill_chunk=chunk, weights=w).fits
+
+        return (mp._last_true(short, 1, 1 << 20) + 1) << 20
+
+    need = {c: least_bytes(c) for c in E.GPU_PREFILL_CHUNKS}
+    assert [need[c] for c in E.GPU_PREFILL_CHUNKS] == sorted(need.values(), reverse=True)
+    assert need[16384] > need[8192]
+    for free, want in ((need[16384], 16384), (need[8192], 8192), (need[512], 512)):
+        monkeypatch.setattr(mp, "gpu_free_bytes", lambda ids, free=free: [free] * len(ids))
+        ids, plan = E._plan_gpus(cfg, ckpt, "0", 4, 65536, None)
+        assert (ids, plan.prefill_chunk, plan.fits) == ([0], want, True)
+    monkeypatch.setattr(mp, "gpu_free_bytes", lambda ids: [need[16384]] * len(ids))
+    _, plan = E._plan_gpus(cfg, ckpt, "0", 4, 65536, 2048)
+    assert plan.prefill_chunk == 2048
+    monkeypatch.setattr(mp, "gpu_free_bytes", lambda ids: [need[512] - (64 << 20)] * len(ids))
+    with pytest.raises(mp.MemoryPlanError, match="does not fit"):
+        E._plan_gpus(cfg, ckpt, "0", 4, 65536, None)
