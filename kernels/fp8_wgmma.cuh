@@ -313,23 +313,48 @@ __device__ __forceinline__ void wg_release(u32 base, int kt) {
   if ((threadIdx.x & 31) == 0) mbar_arrive(base + C::BAR + 8 * (C::ST + kt % C::ST));
 }
 
-// acc * (sa[row] * sw[col]) into tot for k32 step kk of ring stage s (this thread's fragment: d[4i +
-// 2h + c] is row 16 warp + lane / 4 + 8h of the warpgroup's 64, column 8i + 2 (lane % 4) + c).
-// G32: each 32 columns of the tile share one weight scale (FP8 blocks bn a multiple of 32, as both
-// releases' 32 x 32 and 128 x 128; FP4 stages whose exponents the producer folded), so a thread forms
-// 2 rows x 4 column groups of scale products and spends one FFMA per element; otherwise a scale per
-// column (FMUL + FFMA).
+// The scales step kk of ring stage s promotes with, read from shared memory before the wgmma wait
+// that precedes their use (read after it, each load's latency stalled the promotion's first
+// multiply). G32 (each 32 columns of the tile share one weight scale: FP8 blocks bn a multiple of
+// 32, as both releases' 32 x 32 and 128 x 128; FP4 stages whose exponents the producer folded): the
+// 2 rows x 4 column groups of scale products; otherwise the two row scales (the weight's come per
+// column, in wg_promote).
+struct WgScales {
+  float a[8];  // (G32: all 8; otherwise a[0], a[1])
+};
 template <int FMT, bool G32>
-__device__ __forceinline__ void wg_promote(float (&tot)[64], const float (&d)[64], const u8* smem, int s, int kk,
-                                           int rl, int q) {
+__device__ __forceinline__ WgScales wg_scales(const u8* smem, int s, int kk, int rl) {
   using C = WgCfg<FMT>;
   const float* sa = (const float*)(smem + C::SA + s * WG_SCALE_BYTES) + 128 * kk;
-  const float* sw = (const float*)(smem + C::SW + s * WG_SCALE_BYTES) + 128 * kk;
   const float s0 = sa[rl], s1 = sa[rl + 8];
+  WgScales r = {};
+  if (G32) {
+    const float* sw = (const float*)(smem + C::SW + s * WG_SCALE_BYTES) + 128 * kk;
+#pragma unroll
+    for (int g = 0; g < 4; ++g) {
+      const float w = sw[32 * g];
+      r.a[2 * g] = s0 * w;
+      r.a[2 * g + 1] = s1 * w;
+    }
+  } else {
+    r.a[0] = s0;
+    r.a[1] = s1;
+  }
+  return r;
+}
+
+// acc * (sa[row] * sw[col]) into tot for k32 step kk of ring stage s (this thread's fragment: d[4i +
+// 2h + c] is row 16 warp + lane / 4 + 8h of the warpgroup's 64, column 8i + 2 (lane % 4) + c), the
+// step's scales in sc (wg_scales): G32 spends one FFMA per element; otherwise a scale per column
+// (FMUL + FFMA).
+template <int FMT, bool G32>
+__device__ __forceinline__ void wg_promote(float (&tot)[64], const float (&d)[64], const WgScales& sc,
+                                           const u8* smem, int s, int kk, int q) {
+  using C = WgCfg<FMT>;
   if (G32) {
 #pragma unroll
     for (int g = 0; g < 4; ++g) {  // columns 32 g .. 32 g + 31: fragments i = 4 g .. 4 g + 3
-      const float w = sw[32 * g], a0 = s0 * w, a1 = s1 * w;
+      const float a0 = sc.a[2 * g], a1 = sc.a[2 * g + 1];
 #pragma unroll
       for (int i = 4 * g; i < 4 * g + 4; ++i) {
         tot[4 * i] += d[4 * i] * a0;
@@ -339,6 +364,8 @@ __device__ __forceinline__ void wg_promote(float (&tot)[64], const float (&d)[64
       }
     }
   } else {
+    const float* sw = (const float*)(smem + C::SW + s * WG_SCALE_BYTES) + 128 * kk;
+    const float s0 = sc.a[0], s1 = sc.a[1];
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
       const float2 w = *(const float2*)(sw + 8 * i + 2 * q);
@@ -371,24 +398,28 @@ __device__ __forceinline__ void wg_stage(float (&tot)[64], float (&d0)[64], floa
   wg_wait_full<FMT>(base, kt);
   fence_proxy_async();  // the producer's generic-proxy writes, before the async-proxy reads
   const u32 at = base + C::A + s * WG_TILE_BYTES + 64 * 128 * wg, bt = base + C::B + s * WG_TILE_BYTES;
+  WgScales sc = wg_scales<FMT, G32>(smem, s, 0, rl);
   wg_issue(d0, at, bt, 0);
   wg_issue(d1, at, bt, 1);
   wgmma_wait<1>();
   wg_fence_regs(d0);
-  wg_promote<FMT, G32>(tot, d0, smem, s, 0, rl, q);
+  wg_promote<FMT, G32>(tot, d0, sc, smem, s, 0, q);
   if (NKK == 4) {
+    sc = wg_scales<FMT, G32>(smem, s, 1, rl);
     wg_issue(d0, at, bt, 2);
     wgmma_wait<1>();
     wg_fence_regs(d1);
-    wg_promote<FMT, G32>(tot, d1, smem, s, 1, rl, q);
+    wg_promote<FMT, G32>(tot, d1, sc, smem, s, 1, q);
+    sc = wg_scales<FMT, G32>(smem, s, 2, rl);
     wg_issue(d1, at, bt, 3);
     wgmma_wait<1>();
     wg_fence_regs(d0);
-    wg_promote<FMT, G32>(tot, d0, smem, s, 2, rl, q);
+    wg_promote<FMT, G32>(tot, d0, sc, smem, s, 2, q);
   }
+  sc = wg_scales<FMT, G32>(smem, s, NKK - 1, rl);
   wgmma_wait<0>();
   wg_fence_regs(d1);
-  wg_promote<FMT, G32>(tot, d1, smem, s, NKK - 1, rl, q);
+  wg_promote<FMT, G32>(tot, d1, sc, smem, s, NKK - 1, q);
   wg_release<FMT>(base, kt);  // the stage's operands and scales are free for the producer
 }
 
