@@ -221,13 +221,18 @@ class DSpark:
         ops, model, n, bsz = self.ops, self.model, self.block_size, len(states)
         ids = np.full((bsz, n), self.noise_token_id, np.int64)
         ids[:, 0] = last_tokens
-        cos, sin = self.rope(np.concatenate([np.arange(st.position, st.position + n) for st in states]))
+        positions = np.concatenate([np.arange(st.position, st.position + n) for st in states])
+        cos, sin = rope_tables(self.model.rope.freq_main, positions, self.cfg.rope_main.attention_factor)
         lengths = [int(st.windows[0].shape[0]) for st in states]
         lo, hi, span = self.ranges(lengths, n)
-        inputs = (ops.asarray(ids.reshape(-1), dtype=np.int64), cos, sin, ops.asarray(lo, dtype=np.int64),
-                  ops.asarray(hi, dtype=np.int64), *(st.windows[i] for i in range(len(self.layers)) for st in states))
+        # the host's part in two uploads (ids, lo, hi as int64; cos, sin as float32), cut apart on the
+        # backend: each upload and each copy into a graph's inputs costs the host a call
+        inputs = (ops.asarray(np.concatenate([ids.reshape(-1), lo, hi]), dtype=np.int64),
+                  ops.asarray(np.stack([cos, sin])), *(st.windows[i] for i in range(len(self.layers)) for st in states))
 
-        def stream(ids, cos, sin, lo, hi, *windows):
+        def stream(i64, cs, *windows):
+            ids, lo, hi = i64[:bsz * n], i64[bsz * n:2 * bsz * n], i64[2 * bsz * n:]
+            cos, sin = cs[0], cs[1]
             h, pre_mix = model.embed(Batch(ids=ids, hash_ids=None, rope={}, chunks=[]))
             for i, layer in enumerate(self.layers):
                 h, pre_mix = layer(h, pre_mix, windows[i * bsz : (i + 1) * bsz], cos, sin, ids, (lo, hi, span))
@@ -237,8 +242,8 @@ class DSpark:
             # (the main head's vocabulary slice on this rank, gathered)
             return x, ops.all_gather(ops.linear(ops.rmsnorm(x, self.norm, self.cfg.rms_norm_eps), model.head.w.head))
 
-        def block(ids, cos, sin, lo, hi, *windows):
-            return self._greedy_block(*stream(ids, cos, sin, lo, hi, *windows), ids[::n], bsz)
+        def block(i64, cs, *windows):
+            return self._greedy_block(*stream(i64, cs, *windows), i64[:bsz * n:n], bsz)
 
         fn = block if greedy else stream
         if self.region is not None and min(lengths) == self.cfg.sliding_window:
@@ -291,8 +296,9 @@ class DSpark:
             if ahead is not None:
                 ahead()
             tokens = np.asarray(ops.to_host(tokens), np.int64)
-            # (copies: a region's outputs are rewritten by its next run)
-            return [Draft(tokens[b], logits[b].copy(), probs[b].copy(), confidence[b].copy()) for b in range(bsz)]
+            # (copies, one of each array: a region's outputs are rewritten by its next run)
+            logits, probs, confidence = logits.copy(), probs.copy(), confidence.copy()
+            return [Draft(tokens[b], logits[b], probs[b], confidence[b]) for b in range(bsz)]
         x, logits = self.forward(states, last_tokens)
         vocab = logits.shape[-1]
         logits = logits.reshape(bsz, n, vocab).copy()  # (a region's output: its next run rewrites it)

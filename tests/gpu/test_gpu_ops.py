@@ -46,3 +46,31 @@ def test_region_graphs_release():
     graphs.release()
     again = [cp.asnumpy(graphs("r", fn, x)) for _ in range(3)]
     assert graphs.captures == 2 and all(np.array_equal(a, first[-1]) for a in again)
+
+
+def test_region_replay_copies_many_inputs():
+    """A replay with more than BATCHED_COPIES inputs copies the 16-byte-aligned ones in one copy_rows
+    launch (the rest, and an input converted for its slot, through cudaMemcpyAsync): each replay on
+    fresh inputs gives what the region gives eagerly."""
+    from engine.ops.gpu.graphs import BATCHED_COPIES, RegionGraphs
+
+    graphs = RegionGraphs(enabled=True, upload=GPU.asarray)
+
+    def fn(*xs):
+        return sum(x.sum(axis=-1) for x in xs[:-1]) + xs[-1].sum()
+
+    def inputs(seed: int) -> list:
+        rng = np.random.default_rng(seed)
+        xs = [cp.asarray(rng.standard_normal((3, 128 * (i + 1))).astype(np.float32)) for i in range(BATCHED_COPIES + 3)]
+        xs.append(cp.asarray(rng.standard_normal(3).astype(np.float32)))  # 12 bytes: not on 16
+        return xs
+
+    for seed in range(4):  # eager, capture, then replays on new values
+        xs = inputs(seed)
+        got = cp.asnumpy(graphs("many", fn, *xs))
+        assert np.allclose(got, cp.asnumpy(fn(*xs)), rtol=1e-5, atol=1e-4)
+    assert graphs.captures == 1 and graphs.replays >= 2
+    xs = inputs(9)
+    xs[0] = cp.asfortranarray(xs[0])  # not C-contiguous: converted for its slot
+    assert not xs[0].flags.c_contiguous
+    assert np.allclose(cp.asnumpy(graphs("many", fn, *xs)), cp.asnumpy(fn(*xs)), rtol=1e-5, atol=1e-4)

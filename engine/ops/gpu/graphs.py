@@ -26,10 +26,15 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import cupy as cp
+import numpy as np
 
 from engine.ops.gpu.limits import MAX_GRAPH_ROWS
 
 log = logging.getLogger("dsuf.graphs")
+
+# a replay copies its inputs with one copy_rows launch where it has more than this many (a draft
+# step's windows: one per sequence and layer), else one cudaMemcpyAsync each
+BATCHED_COPIES = 2
 
 
 @dataclass
@@ -60,11 +65,13 @@ def _arrays(out) -> list:
 class RegionGraphs:
     """Cache of captured regions, keyed by (region key, input shapes and dtypes)."""
 
-    def __init__(self, enabled: bool = True, buckets: int = 8) -> None:
+    def __init__(self, enabled: bool = True, buckets: int = 8, upload=None) -> None:
         """enabled: capture and replay (else every call runs eagerly); buckets: graphs (and their
         output buffers) are kept for at most this many distinct row counts (batch sizes), least
-        recently used dropped first (Settings.graph_buckets)."""
+        recently used dropped first (Settings.graph_buckets); upload(numpy array) -> device array:
+        how a replay's table of input copies goes up (default cupy.asarray)."""
         self.enabled = enabled
+        self._upload = upload or cp.asarray
         self._seen: set = set()
         self._graphs: dict = {}
         self._owned: set[int] = set()  # data pointers of graph outputs
@@ -238,6 +245,7 @@ class RegionGraphs:
 
     def _replay(self, cap: _Captured, fn, arrays):
         stream = cp.cuda.get_current_stream()
+        copies = []  # (src, dst, bytes, the source array) of the inputs copied into the graph's buffers
         for slot, a in zip(cap.slots, arrays, strict=True):
             if slot is None:
                 continue
@@ -248,8 +256,25 @@ class RegionGraphs:
                 continue
             if a.dtype != ref.dtype or not a.flags.c_contiguous:
                 a = cp.ascontiguousarray(a, dtype=ref.dtype)
-            cp.cuda.runtime.memcpyAsync(ref.data.ptr, a.data.ptr, ref.nbytes,
-                                        cp.cuda.runtime.memcpyDeviceToDevice, stream.ptr)
+            # (the array rides along: a converted copy must outlive the batched copy that reads it)
+            copies.append((a.data.ptr, ref.data.ptr, ref.nbytes, a))
+        self._copy(copies, stream)
         cap.graph.launch(stream)
         self.replays += 1
         return cap.out
+
+    def _copy(self, copies: list, stream) -> None:
+        """The input copies: where there are many (a draft step's windows, one per sequence and
+        layer), the 16-byte-aligned ones in one copy_rows launch (kernels/elementwise.cu) over an
+        uploaded table, since each cudaMemcpyAsync costs the host more than its copy takes."""
+        table = [c[:3] for c in copies if len(copies) > BATCHED_COPIES and (c[0] | c[1] | c[2]) % 16 == 0]
+        for src, dst, n, _ in copies:
+            if not table or (src | dst | n) % 16:
+                cp.cuda.runtime.memcpyAsync(dst, src, n, cp.cuda.runtime.memcpyDeviceToDevice, stream.ptr)
+        if table:
+            from engine.ops import kernels as K
+
+            parts = min(16, -(-max(n for _, _, n in table) // (16 * 256)))
+            K.function("elementwise", "copy_rows")((len(table), parts), (256,), (
+                self._upload(np.asarray(table, np.int64).reshape(-1)),))
+        copies.clear()  # (the sources may be freed now: the copies are enqueued)

@@ -64,10 +64,10 @@ class CupyOps(Forks, WeightOps, LinearOps, NormOps, MoeOps, AttentionOps):
         if settings.direct_alloc:
             use_direct_alloc()
         self._init_forks()
-        self.graphs = RegionGraphs(settings.cuda_graphs, settings.graph_buckets)
+        self._uploader = PinnedUploader()
+        self.graphs = RegionGraphs(settings.cuda_graphs, settings.graph_buckets, upload=self._uploader.upload)
         self.device = cp.cuda.Device().id  # the device this backend's arrays live on
         self.placement = f"cupy:{self.device}"
-        self._uploader = PinnedUploader()
         # caches of device tables, made once (eagerly: a captured step finds them made)
         self._tables: dict[int, tuple] = {}  # moe: id(expert list) -> (list, pointer tables)
         self._seg_cache: dict[tuple, cp.ndarray] = {}  # linear: segment tables
