@@ -23,6 +23,10 @@ ckpt() {
     --layers 2 --vocab 8192 > /tmp/ckpt.log 2>&1
 }
 B="python3 dsuf.py bench --ckpt $CKPT --no-linears --steps 5"
+# An A/B runs both trees from copies under /tmp: runs from the repository's own directory on the
+# device read slower on the host's side than its copy's, even with the same code.
+NEWT=.
+if [ -n "${BASE:-}" ]; then rm -rf /tmp/newtree && cp -r . /tmp/newtree && NEWT=/tmp/newtree; fi
 FIRST="tests/gpu/test_gpu_fp8_gemm.py tests/gpu/test_gpu_fp8_grouped.py tests/gpu/test_gpu_deepseek_numerics.py
   tests/gpu/test_gpu_spec_sampling.py tests/gpu/test_gpu_sampling.py tests/gpu/test_gpu_speculative.py
   tests/gpu/test_gpu_tp.py"
@@ -83,8 +87,8 @@ case ${1:-1} in
       tests/gpu/test_gpu_moe.py tests/gpu/test_gpu_norms.py tests/gpu/test_gpu_fp8_gemm.py \
       tests/gpu/test_gpu_fp8_grouped.py tests/gpu/test_gpu_speculative.py
     wait
-    for tree in . ${BASE:-}; do
-      tag=$([ "$tree" = . ] && echo new || echo base)
+    for tree in $NEWT ${BASE:-}; do
+      tag=$([ "$tree" = "$NEWT" ] && echo new || echo base)
       (cd "$tree" && step p6_rate_$tag 60 python3 -m pytest -q -s tests/gpu/test_gpu_fp8_gemm.py -k rate_on &&
         step p6_chunk_$tag 90 python3 tools/dev/gpu_profile.py prefill "$CKPT" --context 4096 \
         --chunk 4096 --numerics deepseek && step p6_decode_$tag 60 python3 tools/dev/gpu_profile.py timeline \
@@ -97,7 +101,8 @@ case ${1:-1} in
     done ;;
 7)  # a decode-side change against BASE (as stage 6): the decode kernels' tests and the e4m3 GEMV's
     # under memcheck, then for each tree, alternating, bench's decode and DSpark steps (deepseek) and
-    # decode (exact), and the deepseek decode and verify steps' timelines at b1
+    # decode (exact), the deepseek decode and verify steps' timelines at b1, and the draft step as
+    # served against its graph
     ckpt &
     # T7: the tests to run (default: the decode kernels'); EXACT7=0 skips the exact-numerics bench
     step t7_tests 200 python3 -m pytest -q -rf -x ${T7:-tests/gpu/test_gpu_gemv_q8.py tests/gpu/test_gpu_deepseek_numerics.py
@@ -105,26 +110,27 @@ case ${1:-1} in
     step m7_q8 120 env DSUF_DIRECT_ALLOC=1 compute-sanitizer --tool memcheck --report-api-errors no \
       --error-exitcode 1 python3 -m pytest -q tests/gpu/test_gpu_gemv_q8.py -k "72 or scale or ring"
     wait
-    for tree in . ${BASE:-} . ${BASE:-}; do
-      tag=$([ "$tree" = . ] && echo new || echo base)
+    for tree in $NEWT ${BASE:-} $NEWT ${BASE:-}; do
+      tag=$([ "$tree" = "$NEWT" ] && echo new || echo base)
       (cd "$tree" && step b7_${tag}_ds 70 $B --prefill 0 --batches 1,8,32 --numerics deepseek --speculative dspark)
     done
-    for tree in . ${BASE:-}; do
-      tag=$([ "$tree" = . ] && echo new || echo base)
+    for tree in $NEWT ${BASE:-}; do
+      tag=$([ "$tree" = "$NEWT" ] && echo new || echo base)
       [ "${EXACT7:-1}" = 0 ] || (cd "$tree" && step b7_${tag}_exact 50 $B --prefill 0 --batches 1,8,32 --numerics exact \
         --speculative off)
       for w in decode verify; do
         (cd "$tree" && step p7_${tag}_$w 50 python3 tools/dev/gpu_profile.py timeline "$CKPT" --batch 1 \
           --numerics deepseek --what $w)
       done
+      (cd "$tree" && step p7_${tag}_draft 90 python3 tools/dev/gpu_profile.py draft "$CKPT" --numerics deepseek)
     done ;;
 8)  # a prefill-side change against BASE (as stage 6): the tests T8, then for each tree
     # bench's prefill of P8 tokens (deepseek numerics, no speculation)
     ckpt &
     step t8_tests 200 python3 -m pytest -q -rf ${T8:-tests/gpu/test_gpu_fp8_grouped.py tests/gpu/test_gpu_model.py}
     wait
-    for tree in . ${BASE:-}; do
-      tag=$([ "$tree" = . ] && echo new || echo base)
+    for tree in $NEWT ${BASE:-}; do
+      tag=$([ "$tree" = "$NEWT" ] && echo new || echo base)
       (cd "$tree" && step b8_${tag} 150 $B --prefill ${P8:-4096,65536} --batches 1 --numerics deepseek --speculative off)
     done ;;
 esac

@@ -13,6 +13,10 @@
                               one prompt chunk of C tokens fed after N tokens of context: its
                               wall time against the sum of its kernels' times (the rest is the
                               host and its synchronizations) and the totals per kernel name
+  draft CKPT [--batches 1,8,32] [--numerics exact|deepseek]
+                              DSpark's draft step as served (draft_many, greedy) against its
+                              graph replayed alone, per batch (each on a freshly loaded model):
+                              the difference is the host's work around the graph
   host CKPT [--batch B]       a served decode step's wall time against its graph's device time;
                               the step in parts by wall clock (the forward's host work and its
                               planning, Engram hashes, graph key, upload and replay call; the
@@ -305,6 +309,39 @@ def step(ckpt: str) -> None:
     cp.cuda.nvtx.RangePop()
 
 
+def draft(ckpt: str, batches: list[int], numerics: str = "deepseek", iters: int = 20) -> None:
+    import time
+
+    import cupy as cp
+
+    for b in batches:
+        model, _, drafts, last = _verify_ready(ckpt, b, numerics)
+        dsp, graphs = model.model.dspark, model.ops.graphs
+        for _ in range(5):  # eager, captured, replayed
+            dsp.draft_many(drafts, last)
+        cp.cuda.Device().synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            dsp.draft_many(drafts, last)
+        cp.cuda.Device().synchronize()
+        served = (time.perf_counter() - t0) / iters
+        caps = [c for sig, c in graphs._graphs.items() if c is not None and sig[0][0] == "draft"]
+        if not caps:
+            raise SystemExit("the draft block was not captured (windows not full, or graphs off)")
+        stream = cp.cuda.get_current_stream()
+        for _ in range(3):
+            caps[-1].graph.launch(stream)
+        stream.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            caps[-1].graph.launch(stream)
+        stream.synchronize()
+        alone = (time.perf_counter() - t0) / iters
+        print(f"b{b}: draft step as served {served * 1e3:.3f} ms, its graph alone {alone * 1e3:.3f} ms, "
+              f"the host's share {(served - alone) * 1e3:.3f} ms")
+        del model, drafts
+
+
 def linear(name: str) -> None:
     import cupy as cp
 
@@ -339,6 +376,10 @@ def main() -> int:
     p.add_argument("--context", type=int, default=32768)
     p.add_argument("--chunk", type=int, default=4096)
     p.add_argument("--numerics", choices=NUMERICS, default=DEFAULT_NUMERICS)
+    d = sub.add_parser("draft")
+    d.add_argument("ckpt")
+    d.add_argument("--batches", default="1,8,32")
+    d.add_argument("--numerics", choices=NUMERICS, default=DEFAULT_NUMERICS)
     h = sub.add_parser("host")
     h.add_argument("ckpt")
     h.add_argument("--batch", type=int, default=1)
@@ -351,6 +392,8 @@ def main() -> int:
         timeline(a.ckpt, a.batch, a.numerics, a.what)
     elif a.cmd == "prefill":
         prefill(a.ckpt, a.context, a.chunk, a.numerics)
+    elif a.cmd == "draft":
+        draft(a.ckpt, [int(b) for b in a.batches.split(",")], a.numerics)
     elif a.cmd == "host":
         host(a.ckpt, a.batch, a.steps)
     elif a.cmd == "step":
