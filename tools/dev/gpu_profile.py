@@ -17,6 +17,10 @@
                               DSpark's draft step as served (draft_many, greedy) against its
                               graph replayed alone, per batch (each on a freshly loaded model):
                               the difference is the host's work around the graph
+  served CKPT [--batch B] [--numerics exact|deepseek]
+                              a served speculative step (draft, verify, the host's work between)
+                              against its draft and verify graphs alone; our functions' time per
+                              step under cProfile
   host CKPT [--batch B]       a served decode step's wall time against its graph's device time;
                               the step in parts by wall clock (the forward's host work and its
                               planning, Engram hashes, graph key, upload and replay call; the
@@ -231,6 +235,75 @@ def host(ckpt: str, batch: int, steps: int) -> None:
         print(f"{us * 1e6:9.0f}  {name}")
 
 
+def served(ckpt: str, batch: int, steps: int = 8, numerics: str = "deepseek") -> None:
+    """Where a served speculative step's time goes (spec_decode.speculative_steps over `batch`
+    fresh greedy sequences, as bench's served column): its wall time against the draft and verify
+    graphs replayed alone, then our functions' cumulative time per step under cProfile (Python
+    ~2x slower under it): the draft's host work, the verify's plan, staging and replay, the verify
+    rule, the trials' cuts, the draft windows' absorb."""
+    import cProfile
+    import pstats
+    import time
+
+    import cupy as cp
+
+    from engine.bench import _load
+    from engine.runtime.sampling import SamplingParams
+    from engine.runtime.spec_decode import SpecJob, SpecStats, feed, speculative_steps
+
+    cfg, model, _, _ = _load(ckpt, None, numerics=numerics)
+    dsp = model.model.dspark
+    if dsp is None:
+        raise SystemExit("the checkpoint has no DSpark draft layers")
+    rng, greedy, seqs = np.random.default_rng(0), SamplingParams(temperature=0.0), []
+    for _ in range(batch):
+        st, ds = model.new_state(), dsp.new_state()
+        prompt = [int(t) for t in rng.integers(0, cfg.vocab_size, cfg.sliding_window + 1)]
+        feed(model, dsp, st, ds, prompt, all_logits=False)
+        seqs.append((st, ds, [prompt[-1]], SpecStats()))
+
+    def run() -> float:
+        cp.cuda.Device().synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            jobs = [SpecJob(st, ds, out, 1 << 20, greedy, (), None, stats) for st, ds, out, stats in seqs]
+            for (_, _, out, _), toks in zip(seqs, speculative_steps(model, dsp, jobs), strict=True):
+                out.extend(toks)
+        cp.cuda.Device().synchronize()
+        return (time.perf_counter() - t0) / steps
+
+    run()  # eager, captures
+    wall = run()
+    graphs = model.ops.graphs
+    alone = {}
+    for name, rows in (("draft", batch * dsp.block_size), ("verify", batch * (dsp.block_size + 1))):
+        caps = [c.graph for sig, c in graphs._graphs.items() if c is not None and graphs._rows.get(sig) == rows
+                and (sig[0][0] == "draft") == (name == "draft")]
+        if caps:
+            stream = cp.cuda.get_current_stream()
+            a, b = cp.cuda.Event(), cp.cuda.Event()
+            a.record(stream)
+            for _ in range(steps):
+                for g in caps:
+                    g.launch(stream)
+            b.record(stream)
+            b.synchronize()
+            alone[name] = cp.cuda.get_elapsed_time(a, b) * 1e-3 / steps
+    print(f"batch {batch}: speculative step as served {wall * 1e3:.3f} ms; graphs alone: "
+          + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in alone.items())
+          + f"; the rest (host work, uploads, reads) {(wall - sum(alone.values())) * 1e3:.3f} ms")
+    prof = cProfile.Profile()
+    prof.enable()
+    run()
+    prof.disable()
+    root = str(Path(__file__).resolve().parents[2])
+    rows = [(ct / steps, nc / steps, f"{Path(f).relative_to(root)}:{fn}") for (f, _, fn), (nc, _, _, ct, _)
+            in pstats.Stats(prof).stats.items() if f.startswith(root) and "tools/" not in f]
+    print("per step under cProfile: cumulative us, calls, our functions:")
+    for us, calls, name in sorted(rows, reverse=True)[:40]:
+        print(f"{us * 1e6:9.0f} {calls:7.0f}  {name}")
+
+
 def _host_split(model, states, toks, jobs, steps: int) -> None:
     """A served step's wall time in parts, without a profiler: the forward's host work (timed
     inside by wrappers: planning, Engram hashes, the graph key, upload, the graph replay call),
@@ -380,6 +453,10 @@ def main() -> int:
     d.add_argument("ckpt")
     d.add_argument("--batches", default="1,8,32")
     d.add_argument("--numerics", choices=NUMERICS, default=DEFAULT_NUMERICS)
+    v = sub.add_parser("served")
+    v.add_argument("ckpt")
+    v.add_argument("--batch", type=int, default=8)
+    v.add_argument("--numerics", choices=NUMERICS, default=DEFAULT_NUMERICS)
     h = sub.add_parser("host")
     h.add_argument("ckpt")
     h.add_argument("--batch", type=int, default=1)
@@ -394,6 +471,8 @@ def main() -> int:
         prefill(a.ckpt, a.context, a.chunk, a.numerics)
     elif a.cmd == "draft":
         draft(a.ckpt, [int(b) for b in a.batches.split(",")], a.numerics)
+    elif a.cmd == "served":
+        served(a.ckpt, a.batch, numerics=a.numerics)
     elif a.cmd == "host":
         host(a.ckpt, a.batch, a.steps)
     elif a.cmd == "step":
