@@ -36,6 +36,7 @@ CANONICAL_IDS = {"v41": "deepseek-v4.1-flash", "v4": "deepseek-v4-flash"}
 # chunk x context).
 CPU_PREFILL_CHUNK = 512
 GPU_PREFILL_CHUNKS = (16384, 8192, 4096, 2048, 1024, 512)
+GPU_UNPLANNED_CHUNK = 4096  # the cupy backend loaded without --gpus (no memory plan): bench's old chunk
 
 
 def canonical_model_id(cfg: ModelConfig, ckpt_dir: Path) -> str:
@@ -131,7 +132,8 @@ class Engine:
             progress.finish()
         eng = cls(cfg, model, tokenizer, canonical_model_id(cfg, path), path, device=device)
         eng.memory_plan = plan
-        eng.prefill_chunk = plan.prefill_chunk if plan is not None else prefill_chunk or CPU_PREFILL_CHUNK
+        eng.prefill_chunk = (plan.prefill_chunk if plan is not None else prefill_chunk
+                             or (GPU_UNPLANNED_CHUNK if backend == "cupy" else CPU_PREFILL_CHUNK))
         return eng
 
     def _on_device(self):
@@ -172,9 +174,10 @@ class Engine:
     def generate(self, prompt_ids: list[int], max_tokens: int, params: SamplingParams | None = None,
                  stop_at_eos: bool = True, state: SequenceState | None = None,
                  speculative: bool | None = None) -> list[int]:
-        """Prefill the prompt, then decode up to max_tokens tokens (one sequence). speculative:
-        decode with the checkpoint's DSpark draft (engine/runtime/spec_decode.py; None: where the
-        checkpoint has draft layers); its figures are left in last_acceptance (else None)."""
+        """Prefill the prompt (in pieces of prefill_chunk tokens, as the server does), then decode up
+        to max_tokens tokens (one sequence). speculative: decode with the checkpoint's DSpark draft
+        (engine/runtime/spec_decode.py; None: where the checkpoint has draft layers); its figures
+        are left in last_acceptance (else None)."""
         params = params or SamplingParams(temperature=0.0)
         rng = make_rngs(params.seed)[0]
         st = state or self.new_state()
@@ -185,11 +188,16 @@ class Engine:
             stats = SpecStats()
             with self._on_device():
                 out = speculative_generate(self.model, prompt_ids, max_tokens, params,
-                                           self.eos_ids if stop_at_eos else (), st, stats, rng)
+                                           self.eos_ids if stop_at_eos else (), st, stats, rng,
+                                           chunk=self.prefill_chunk)
             self.last_acceptance = stats
             return out
         out: list[int] = []
         chunk = list(prompt_ids)
+        if max_tokens > 0:
+            while len(chunk) > self.prefill_chunk:  # all but the prompt's last piece, nothing drawn
+                self.step_sample([st], [chunk[:self.prefill_chunk]], [])
+                chunk = chunk[self.prefill_chunk:]
         while len(out) < max_tokens:
             tok = self.step_sample([st], [chunk], [SampleJob(0, params, out, rng)])[0][0]
             out.append(tok)

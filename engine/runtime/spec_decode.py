@@ -208,9 +208,10 @@ def speculative_step(model, dsp, state: SequenceState, ds, generated: list[int],
 
 def speculative_generate(model, prompt_ids: list[int], max_tokens: int, params: SamplingParams,
                          eos_ids: Iterable[int], state: SequenceState, stats: SpecStats | None = None,
-                         rng: np.random.Generator | None = None) -> list[int]:
-    """Prefill the prompt into `state`, then decode up to max_tokens tokens speculatively,
-    stopping after an id of eos_ids (empty: never). `model`: a ModelRunner with a draft."""
+                         rng: np.random.Generator | None = None, chunk: int | None = None) -> list[int]:
+    """Prefill the prompt into `state` (in pieces of `chunk` tokens; None: at once), then decode up
+    to max_tokens tokens speculatively, stopping after an id of eos_ids (empty: never). `model`: a
+    ModelRunner with a draft."""
     dsp = draft_of(model)
     if dsp is None:
         raise ValueError("speculative decoding needs a checkpoint with DSpark draft layers (and one GPU, "
@@ -222,7 +223,10 @@ def speculative_generate(model, prompt_ids: list[int], max_tokens: int, params: 
     if max_tokens <= 0:
         return out
     ds = dsp.new_state(state.position)  # (a state passed in with history: the draft's windows start here)
-    logits = feed(model, dsp, state, ds, list(prompt_ids), all_logits=False)
+    prompt = list(prompt_ids)
+    step = chunk or max(len(prompt), 1)
+    for i in range(0, max(len(prompt), 1), step):  # (an empty prompt is fed as one empty chunk)
+        logits = feed(model, dsp, state, ds, prompt[i:i + step], all_logits=False)
     out.append(sample(logits, params, out, rng)[0])
     while len(out) < max_tokens and out[-1] not in eos:
         out.extend(speculative_step(model, dsp, state, ds, out, max_tokens - len(out), params, eos, rng, stats))

@@ -191,3 +191,23 @@ def test_draft_of_each_model_kind(engine, tmp_path) -> None:
     assert not hasattr(GpuTP, "draft")
     tp = SimulatedTP(engine.config, Checkpoint(engine.ckpt_dir), NumpyOps, 2, engine.ckpt_dir / "tokenizer.json")
     assert isinstance(draft_of(tp), ShardedDraft)
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_generate_prefills_in_pieces_of_the_prefill_chunk(engine, speculative, monkeypatch) -> None:
+    """Engine.generate feeds a prompt longer than prefill_chunk in pieces (as the server does, so a
+    long prompt on a GPU stays inside the memory plan's workspace): no forward takes more rows than
+    a piece, and the tokens and the state after them are those of the prompt fed at once."""
+    prompt = _prompt(45, seed=3)
+    whole = _run(engine, prompt, 24, speculative=speculative, stop_at_eos=False)
+    sizes, forward = [], engine.model.forward
+
+    def spy(states, chunks, *a, **kw):
+        sizes.append(max(map(len, chunks)))
+        return forward(states, chunks, *a, **kw)
+
+    monkeypatch.setattr(engine.model, "forward", spy)
+    monkeypatch.setattr(engine, "prefill_chunk", 7)  # 45 = 6 x 7 + 3
+    pieces = _run(engine, prompt, 24, speculative=speculative, stop_at_eos=False)
+    assert sizes[:7] == [7] * 6 + [3] and max(sizes) <= 7  # (a verify step: block + 1 = 6 rows)
+    assert pieces == whole
