@@ -124,14 +124,15 @@ case ${1:-1} in
       done
       (cd "$tree" && step p7_${tag}_draft 90 python3 tools/dev/gpu_profile.py draft "$CKPT" --numerics deepseek)
     done ;;
-8)  # a prefill-side change against BASE (as stage 6): the tests T8, then for each tree
-    # bench's prefill of P8 tokens (deepseek numerics, no speculation)
+8)  # a prefill-side change against BASE (as stage 6): the tests T8, then for each tree the FP8
+    # GEMMs' rates and bench's prefill of P8 tokens (deepseek numerics, no speculation, serve's chunk)
     ckpt &
     step t8_tests 200 python3 -m pytest -q -rf ${T8:-tests/gpu/test_gpu_fp8_grouped.py tests/gpu/test_gpu_model.py}
     wait
     for tree in $NEWT ${BASE:-}; do
       tag=$([ "$tree" = "$NEWT" ] && echo new || echo base)
-      (cd "$tree" && step b8_${tag} 150 $B --prefill ${P8:-4096,65536} --batches 1 --numerics deepseek --speculative off)
+      (cd "$tree" && step r8_${tag} 60 python3 -m pytest -q -s tests/gpu/test_gpu_fp8_gemm.py -k rate_on &&
+        step b8_${tag} 150 $B --prefill ${P8:-4096,65536} --batches 1 --numerics deepseek --speculative off)
     done ;;
 esac
 cat "$OUT/summary.txt"
