@@ -88,19 +88,28 @@ def floors(model, cfg, b: int, bw: float) -> dict:
             "draft": draft / bw}
 
 
-def served_step(model, dsp, cfg, b: int, rng, ahead: bool, steps: int = 8) -> tuple[float, float]:
-    """Mean seconds of one speculative_steps call over b fresh greedy sequences (after two warm-up
-    calls), and the tokens a sequence kept per step; ahead False: the verify planned inline."""
-    from engine.runtime.sampling import SamplingParams
-    from engine.runtime.spec_decode import SpecJob, SpecStats, feed, speculative_steps
+def served_sequences(model, dsp, cfg, b: int, rng) -> list[tuple]:
+    """b fresh sequences a window and a token into random prompts, their drafts' windows full:
+    (state, draft state, tokens so far, SpecStats) each, as speculative_steps' jobs take them."""
+    from engine.runtime.spec_decode import SpecStats, feed
 
-    greedy = SamplingParams(temperature=0.0)
     seqs = []
     for _ in range(b):
         st, ds = model.new_state(), dsp.new_state()
         prompt = [int(t) for t in rng.integers(0, cfg.vocab_size, cfg.sliding_window + 1)]
         feed(model, dsp, st, ds, prompt, all_logits=False)
         seqs.append((st, ds, [prompt[-1]], SpecStats()))
+    return seqs
+
+
+def served_step(model, dsp, cfg, b: int, rng, ahead: bool, steps: int = 8) -> tuple[float, float]:
+    """Mean seconds of one speculative_steps call over b fresh greedy sequences (after two warm-up
+    calls), and the tokens a sequence kept per step; ahead False: the verify planned inline."""
+    from engine.runtime.sampling import SamplingParams
+    from engine.runtime.spec_decode import SpecJob, speculative_steps
+
+    greedy = SamplingParams(temperature=0.0)
+    seqs = served_sequences(model, dsp, cfg, b, rng)
 
     def step() -> None:
         jobs = [SpecJob(st, ds, out, 1 << 20, greedy, (), None, stats) for st, ds, out, stats in seqs]

@@ -254,19 +254,16 @@ def served(ckpt: str, batch: int, steps: int = 8, numerics: str = "deepseek") ->
     import cupy as cp
 
     from engine.bench import _load
+    from engine.bench_spec import served_sequences
     from engine.runtime.sampling import SamplingParams
-    from engine.runtime.spec_decode import SpecJob, SpecStats, feed, speculative_steps
+    from engine.runtime.spec_decode import SpecJob, speculative_steps
 
     cfg, model, _, _ = _load(ckpt, None, numerics=numerics)
     dsp = model.model.dspark
     if dsp is None:
         raise SystemExit("the checkpoint has no DSpark draft layers")
-    rng, greedy, seqs = np.random.default_rng(0), SamplingParams(temperature=0.0), []
-    for _ in range(batch):
-        st, ds = model.new_state(), dsp.new_state()
-        prompt = [int(t) for t in rng.integers(0, cfg.vocab_size, cfg.sliding_window + 1)]
-        feed(model, dsp, st, ds, prompt, all_logits=False)
-        seqs.append((st, ds, [prompt[-1]], SpecStats()))
+    greedy = SamplingParams(temperature=0.0)
+    seqs = served_sequences(model, dsp, cfg, batch, np.random.default_rng(0))
 
     def run() -> float:
         cp.cuda.Device().synchronize()
