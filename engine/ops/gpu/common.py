@@ -48,6 +48,15 @@ def _span_ptr(sp: Span, width: int) -> int:
     return int(buf.data.ptr) + sp.start * width * 4
 
 
+def copy_table(table: list, upload, max_parts: int) -> None:
+    """Byte copies (src, dst, bytes), all 16-byte aligned, in one copy_rows launch (kernels/elementwise.cu)
+    over the table uploaded with upload(numpy array) -> device array; each copy split over at most
+    max_parts blocks of 256 threads."""
+    most = max(n for _, _, n in table) // 16
+    K.function("elementwise", "copy_rows")((len(table), min(max_parts, -(-most // 256))), (_ELT_BLOCK,), (
+        upload(np.asarray(table, np.int64).reshape(-1)),))
+
+
 @functools.cache
 def _sm_count() -> int:
     return int(cp.cuda.Device().attributes["MultiProcessorCount"])

@@ -26,8 +26,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import cupy as cp
-import numpy as np
 
+from engine.ops.gpu.common import copy_table
 from engine.ops.gpu.limits import MAX_GRAPH_ROWS
 
 log = logging.getLogger("dsuf.graphs")
@@ -272,9 +272,4 @@ class RegionGraphs:
             if not table or (src | dst | n) % 16:
                 cp.cuda.runtime.memcpyAsync(dst, src, n, cp.cuda.runtime.memcpyDeviceToDevice, stream.ptr)
         if table:
-            from engine.ops import kernels as K
-
-            parts = min(16, -(-max(n for _, _, n in table) // (16 * 256)))
-            K.function("elementwise", "copy_rows")((len(table), parts), (256,), (
-                self._upload(np.asarray(table, np.int64).reshape(-1)),))
-        copies.clear()  # (the sources may be freed now: the copies are enqueued)
+            copy_table(table, self._upload, 16)

@@ -18,12 +18,11 @@ from __future__ import annotations
 import cupy as cp
 import numpy as np
 
-from engine.ops import kernels as K
 from engine.ops.gpu import sampling as cupy_sampling
 from engine.ops.gpu import spec_sampling as cupy_spec
 from engine.ops.gpu import staging as cupy_staging
 from engine.ops.gpu.attention import AttentionOps
-from engine.ops.gpu.common import F32, _ptr
+from engine.ops.gpu.common import F32, _ptr, copy_table
 from engine.ops.gpu.fork import Forks, joins_inputs
 from engine.ops.gpu.graphs import RegionGraphs
 from engine.ops.gpu.linear import LinearOps
@@ -153,9 +152,7 @@ class CupyOps(Forks, WeightOps, LinearOps, NormOps, MoeOps, AttentionOps):
             elif nb:
                 cp.cuda.runtime.memcpyAsync(b, a, nb, cp.cuda.runtime.memcpyDeviceToDevice, stream)
         if tab:
-            most = max(t[2] for t in tab) // 16
-            K.function("elementwise", "copy_rows")((len(tab), min(8, -(-most // 256))), (256,), (
-                self.asarray(np.asarray(tab, np.int64).reshape(-1), dtype=np.int64),))
+            copy_table(tab, lambda a: self.asarray(a, dtype=np.int64), 8)
 
     # ---- collectives -----------------------------------------------------------------
     def all_reduce(self, x: cp.ndarray) -> cp.ndarray:
