@@ -142,10 +142,13 @@ class DSpark:
         """What to ask the main forward for (ModelRunner.forward(targets=...))."""
         return dict.fromkeys(self.target_layer_ids)
 
+    def rope_host(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """cos / sin of the draft layers (no compressed branch: the main table), on the host."""
+        return rope_tables(self.model.rope.freq_main, positions, self.cfg.rope_main.attention_factor)
+
     def rope(self, positions: np.ndarray) -> tuple:
-        """cos / sin of the draft layers (no compressed branch: the main table) on the backend."""
-        cfg = self.cfg
-        cos, sin = rope_tables(self.model.rope.freq_main, positions, cfg.rope_main.attention_factor)
+        """rope_host's tables on the backend."""
+        cos, sin = self.rope_host(positions)
         return self.ops.asarray(cos), self.ops.asarray(sin)
 
     def main_x(self, targets: dict, rows: int | None = None):
@@ -221,8 +224,7 @@ class DSpark:
         ops, model, n, bsz = self.ops, self.model, self.block_size, len(states)
         ids = np.full((bsz, n), self.noise_token_id, np.int64)
         ids[:, 0] = last_tokens
-        positions = np.concatenate([np.arange(st.position, st.position + n) for st in states])
-        cos, sin = rope_tables(self.model.rope.freq_main, positions, self.cfg.rope_main.attention_factor)
+        cos, sin = self.rope_host(np.concatenate([np.arange(st.position, st.position + n) for st in states]))
         lengths = [int(st.windows[0].shape[0]) for st in states]
         lo, hi, span = self.ranges(lengths, n)
         # the host's part in two uploads (ids, lo, hi as int64; cos, sin as float32), cut apart on the

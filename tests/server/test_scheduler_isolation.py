@@ -121,14 +121,11 @@ def test_a_raising_speculating_sequence_fails_alone(engine, bad_at, bad_from_ste
     assert again == [[(ref[i], None)] * N[i] for i in range(len(PROMPTS))]
 
 
-def test_prefill_budget_is_the_engines_unless_given(engine) -> None:
+def test_prefill_budget_is_the_engines_unless_given(engine, monkeypatch) -> None:
     """The scheduler's per-step prompt budget: --prefill-chunk where given, else the engine's own
     (Engine.prefill_chunk: 512 on the numpy backend, the memory plan's on GPUs)."""
     assert engine.prefill_chunk == 512
     assert _scheduler(engine).prefill_chunk == 512
     assert _scheduler(engine, prefill_chunk=64).prefill_chunk == 64
-    engine.prefill_chunk = 8192
-    try:
-        assert _scheduler(engine).prefill_chunk == 8192
-    finally:
-        engine.prefill_chunk = 512
+    monkeypatch.setattr(engine, "prefill_chunk", 8192)
+    assert _scheduler(engine).prefill_chunk == 8192
