@@ -22,6 +22,7 @@ import numpy as np
 
 from engine.bench_parts import by_part, report
 from engine.bench_spec import bench_speculative, dense_weights, weight_bytes
+from engine.runtime.engine import warm_up
 from engine.runtime.sampling import SampleJob, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -358,7 +359,9 @@ def _bench_prefill(model, cfg, ranks, devices, stats, prefills, chunk: int, rate
     """Each prompt length fed in chunks: its time, tokens/s (per layer) and the tensor-core floor
     (prefill_work's multiply-adds at their rates, spread over the ranks)."""
     nl = cfg.num_layers
-    model.forward([model.new_state()], [rng.integers(0, cfg.vocab_size, 64)])  # warm-up
+    # warm-up: the kernels a chunk of this size runs are compiled on first use (seconds per module)
+    warm = warm_up(model, cfg.vocab_size, min(chunk, max(prefills)), cfg.max_position_embeddings)
+    print(f"warm-up (two prompt chunks and a decode step, kernels compiled on first use): {warm:.2f} s")
     for prefill in prefills:
         st = model.new_state()
         ids = rng.integers(0, cfg.vocab_size, prefill)

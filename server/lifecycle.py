@@ -47,7 +47,12 @@ def _load_engine(opts: Any) -> Any:
         # the memory plan (engine/runtime/memory_plan.py) checks --max-batch sequences of --max-model-len
         kwargs.update(max_seqs=opts.max_batch, max_context=opts.max_model_len, prefill_chunk=opts.prefill_chunk,
                       expert_split=opts.expert_split)
-    return Engine.load(opts.ckpt, backend=opts.backend, **kwargs)
+    engine = Engine.load(opts.ckpt, backend=opts.backend, **kwargs)
+    seconds = engine.warm_up()  # before /readyz: the first requests would pay it
+    if seconds:
+        load_log.info("warmed up in %.1f s (kernels compiled, a %d-token prompt chunk and a decode step run)",
+                      seconds, engine.prefill_chunk)
+    return engine
 
 
 def begin_loading(app: web.Application) -> None:

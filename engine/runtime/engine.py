@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import time
 from pathlib import Path
 
 import numpy as np
@@ -136,6 +137,15 @@ class Engine:
                              or (GPU_UNPLANNED_CHUNK if backend == "cupy" else CPU_PREFILL_CHUNK))
         return eng
 
+    def warm_up(self) -> float:
+        """Run what the first requests would otherwise pay for, before the engine reports ready:
+        on a GPU, compiling the kernels (NVRTC, on a cold cache seconds per module) and allocating
+        a prompt chunk's workspace. Returns its seconds (0 on the numpy backend: nothing to do)."""
+        if self.device is None:
+            return 0.0
+        with self._on_device():
+            return warm_up(self.model, self.config.vocab_size, self.prefill_chunk, self.context_length)
+
     def _on_device(self):
         """The engine's CUDA device as the current one (CuPy's current device is per thread, and
         step() runs on a worker thread); a no-op context without one."""
@@ -205,6 +215,22 @@ class Engine:
                 break
             chunk = [tok]
         return out
+
+def warm_up(model: Model, vocab: int, chunk: int, context: int) -> float:
+    """Two prompt chunks (the second attends to the first: the paths that read context) and one
+    decode step of a scratch sequence, then its seconds. Kernels are compiled on first use and
+    a decode step's graph captured at its first batch, so a model's first prompt of `chunk`
+    tokens would otherwise wait for them."""
+    t0 = time.perf_counter()
+    rng = np.random.default_rng(0)
+    n = max(1, min(chunk, (context - 2) // 2))
+    st = model.new_state()
+    for _ in range(2):
+        model.forward([st], [rng.integers(0, vocab, n)])
+    # (the drawn token comes back to the host: the device work above has finished)
+    model.step_sample([st], [[int(rng.integers(0, vocab))]], [SampleJob(0, SamplingParams(temperature=0.0), [], rng)])
+    return time.perf_counter() - t0
+
 
 def _plan_gpus(cfg: ModelConfig, ckpt: Checkpoint, gpus, max_seqs: int, max_context: int,
                prefill_chunk: int | None, expert_split: str = "ep"):
