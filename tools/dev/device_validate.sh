@@ -20,7 +20,7 @@ step() {
 }
 ckpt() {
   [ -f "$CKPT/config.json" ] || nice python3 dsuf.py tiny-model "$CKPT" --arch v41 --preset v41-flash-shaped \
-    --layers 2 --vocab 8192 > /tmp/ckpt.log 2>&1
+    --layers 2 --vocab 8192 > /tmp/ckpt.log 2>&1 && sync  # (its writeback would slow the first timings)
 }
 B="python3 dsuf.py bench --ckpt $CKPT --no-linears --steps 5"
 # An A/B runs both trees from copies under /tmp: runs from the repository's own directory on the
