@@ -32,7 +32,7 @@ import numpy as np
 from engine.model.batch import Batch
 from engine.model.layers import Attention, Block, Embedding, project
 from engine.model.rope import rope_tables
-from engine.state.draft import DraftState
+from engine.state.draft import DraftState, append_rows
 from engine.state.sequence import F32 as NO_CODEC
 
 
@@ -147,15 +147,15 @@ class DSpark:
         return rope_tables(self.model.rope.freq_main, positions, self.cfg.rope_main.attention_factor)
 
     def rope(self, positions: np.ndarray) -> tuple:
-        """rope_host's tables on the backend."""
-        cos, sin = self.rope_host(positions)
-        return self.ops.asarray(cos), self.ops.asarray(sin)
+        """rope_host's tables on the backend, in one upload."""
+        cs = self.ops.asarray(np.stack(self.rope_host(positions)))
+        return cs[0], cs[1]
 
-    def main_x(self, targets: dict, rows: int | None = None):
-        """main_norm(main_proj(the target layers' inputs, concatenated in layer order)); rows:
-        only each input's last `rows` rows."""
+    def main_x(self, inputs: list):
+        """main_norm(main_proj(the target layers' inputs at the same positions, concatenated in
+        layer order)); inputs: their columns in that order, in one or more arrays."""
         ops = self.ops
-        x = ops.cat([targets[i][-rows:] if rows else targets[i] for i in self.target_layer_ids], axis=1)
+        x = inputs[0] if len(inputs) == 1 else ops.cat(inputs, axis=1)
         return ops.rmsnorm(ops.linear(x, self.main_proj), self.main_norm, self.cfg.rms_norm_eps)
 
     def new_state(self, position: int = 0) -> DraftState:
@@ -169,16 +169,8 @@ class DSpark:
         continuing state.position), from their target inputs. Bounded replay may have run the
         target layers on only the chunk's trailing rows (at least a window of them): the rows
         every target layer has are used, the last of the chunk."""
-        win = self.cfg.sliding_window
-        m = min(targets[i].shape[0] for i in self.target_layer_ids)
-        if m > n or m < min(n, win):
-            raise ValueError(f"DSpark: {m} target rows for a chunk of {n} (window {win})")
-        main_x = self.main_x(targets, m)
-        cos, sin = self.rope(np.arange(state.position + n - m, state.position + n))
-        for i, layer in enumerate(self.layers):
-            rows = self.ops.cat([state.windows[i], layer.attn.window_rows(main_x, cos, sin)], axis=0)
-            state.windows[i] = rows[max(rows.shape[0] - win, 0):]
-        state.position += n
+        self._absorb_rows([state], targets, {i: ([0], [int(targets[i].shape[0])]) for i in self.target_layer_ids},
+                          [n])
 
     def absorb_many(self, states: list[DraftState], targets: dict, ns: list[int]) -> None:
         """absorb for every sequence of one forward over chunks of ns rows: each target layer's
@@ -198,9 +190,48 @@ class DSpark:
 
     def _absorb_rows(self, states: list[DraftState], targets: dict, rows: dict, ns: list[int]) -> None:
         """absorb n = ns[b] positions into states[b] from rows[i] = (starts, counts): target layer
-        i's rows starts[b] .. starts[b] + counts[b] of sequence b."""
-        for b, (state, n) in enumerate(zip(states, ns, strict=True)):
-            self.absorb(state, {i: targets[i][int(o[b]):int(o[b]) + c[b]] for i, (o, c) in rows.items()}, n)
+        i's rows starts[b] .. starts[b] + counts[b] of sequence b. Of those, the last m[b], the
+        rows every target layer has for it, are its positions' (state.position + n - m ..), all
+        sequences' together: taken from the target layers at once (_target_rows), one main_x, one
+        rope table, one window_rows per draft layer; then each sequence's windows take its rows."""
+        ops, win, ids = self.ops, self.cfg.sliding_window, self.target_layer_ids
+        ends, m = {}, None
+        for i in ids:  # (counts clipped to the rows the layer has, as slicing would)
+            t = int(targets[i].shape[0])
+            lo = np.minimum(np.asarray(rows[i][0][:len(states)], np.int64), t)
+            ends[i] = np.minimum(lo + np.asarray(rows[i][1], np.int64), t)
+            m = ends[i] - lo if m is None else np.minimum(m, ends[i] - lo)
+        for mb, n in zip(m, ns, strict=True):
+            if mb > n or mb < min(n, win):
+                raise ValueError(f"DSpark: {mb} target rows for a chunk of {n} (window {win})")
+        if m.any():
+            main_x = self.main_x(self._target_rows(targets, ends, m))
+            cos, sin = self.rope(np.concatenate([np.arange(st.position + n - mb, st.position + n)
+                                                 for st, n, mb in zip(states, ns, m, strict=True)]))
+            append_rows(ops, states, [layer.attn.window_rows(main_x, cos, sin) for layer in self.layers],
+                        [int(mb) for mb in m], win)
+        for st, n in zip(states, ns, strict=True):
+            st.position += n
+
+    def _target_rows(self, targets: dict, ends: dict, counts: np.ndarray) -> list:
+        """Target layer i's rows ends[i][b] - counts[b] .. ends[i][b] of every sequence b, in order,
+        for every target layer: as arrays whose columns side by side are main_x's input, the
+        layers of the same rows joined first and taken together (a slice where the rows are one
+        run, else one gather)."""
+        ops, groups = self.ops, []  # (rows, the layers' inputs)
+        for i in self.target_layer_ids:
+            pick = np.concatenate([np.arange(e - c, e) for e, c in zip(ends[i], counts, strict=True)])
+            if groups and np.array_equal(groups[-1][0], pick) and groups[-1][1][0].shape[0] == targets[i].shape[0]:
+                groups[-1][1].append(targets[i])
+            else:
+                groups.append((pick, [targets[i]]))
+        out = []
+        for pick, xs in groups:
+            x = xs[0] if len(xs) == 1 else ops.cat(xs, axis=1)
+            lo = int(pick[0])
+            run = np.array_equal(pick, np.arange(lo, lo + pick.size))
+            out.append(x[lo : lo + pick.size] if run else x[ops.asarray(pick, dtype=np.int64)])
+        return out
 
     @staticmethod
     def ranges(lengths: list[int], n: int) -> tuple[np.ndarray, np.ndarray, int]:

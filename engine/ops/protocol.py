@@ -10,7 +10,8 @@ Three groups:
   parallel driver (engine/parallel/) gives each rank's ops a `comm` that combines the ranks' parts;
 - what the runner uses to run a step (stage, prestage, graphed_step, fork, join_all, sample_rows,
   copy_rows) and speculative sampling's draws (draw_drafts, which the draft calls, and
-  verify_rows): the model files call only draw_drafts.
+  verify_rows): the model files call only draw_drafts, and copy_rows through the draft windows'
+  appends (engine/state/draft.py append_rows).
 """
 
 from __future__ import annotations

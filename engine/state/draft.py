@@ -7,12 +7,17 @@ grid like the main layers' windows. A draft block's queries see all of them plus
 It is small (draft layers x window x head_dim) and belongs to one sequence, beside its
 SequenceState: it grows with every main forward of that sequence (DSpark.absorb) and the draft
 itself (DSpark.draft) only reads it, so a rejected draft leaves no trace in it.
+
+The windows one absorb grows, of all its sequences, are views of one buffer (append_rows): nothing
+writes into a window, the next absorb replaces it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 
 @dataclass
@@ -30,3 +35,29 @@ class DraftState:
     def clone(self) -> DraftState:
         """An independent copy (the n choices of one prompt fork it with their SequenceState)."""
         return DraftState(self.position, [w.copy() for w in self.windows], [r.clone() for r in self.replicas])
+
+
+def append_rows(ops, states: list[DraftState], rows: list, counts: list[int], window: int) -> None:
+    """states[b].windows[i] becomes the last `window` rows of [its window; rows[i] of state b]:
+    rows[i] holds draft layer i's new rows of every state, counts[b] of them for state b, state
+    after state. The new windows are views of one buffer, filled with one batch of row copies
+    (ops.copy_rows); a state with no new rows keeps its windows."""
+    ends = np.cumsum(counts)
+    grown = [b for b, c in enumerate(counts) if c]
+    # (draft layer, state, rows kept of its window, rows taken of its new ones)
+    parts = [(i, b, max(0, min(int(states[b].windows[i].shape[0]), window - counts[b])), min(counts[b], window))
+             for i in range(len(rows)) for b in grown]
+    if not parts:
+        return
+    buf = ops.xp.empty((sum(old + new for _, _, old, new in parts), rows[0].shape[1]), dtype=rows[0].dtype)
+    jobs, views, at = [], [], 0
+    for i, b, old, new in parts:
+        w = states[b].windows[i]
+        if old:
+            jobs.append((w, w.shape[0] - old, buf, at, old))
+        jobs.append((rows[i], int(ends[b]) - new, buf, at + old, new))
+        views.append(buf[at : at + old + new])
+        at += old + new
+    ops.copy_rows(jobs)
+    for (i, b, _, _), v in zip(parts, views, strict=True):
+        states[b].windows[i] = v

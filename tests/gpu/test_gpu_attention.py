@@ -88,12 +88,13 @@ def test_indexer_scores_spans():
 
 
 def test_copy_rows():
-    """Batched row copies: many small aligned ones in one launch, unaligned widths and large ones
-    through cudaMemcpyAsync; every byte lands where numpy's copies put it."""
-    srcs = [rnd(300, 512), rnd(40, 3), rnd(5000, 128)]
-    dsts = [rnd(310, 512), rnd(45, 3), rnd(5100, 128)]
+    """Batched row copies: many small aligned ones in one launch (up to COPY_ROWS_MAX: a whole draft
+    window of 128 rows of 512 floats), unaligned widths and large ones through cudaMemcpyAsync;
+    every byte lands where numpy's copies put it."""
+    srcs = [rnd(300, 512), rnd(40, 3), rnd(5000, 128), rnd(130, 512)]
+    dsts = [rnd(310, 512), rnd(45, 3), rnd(5100, 128), rnd(140, 512)]
     jobs = [(0, 0, 0, 5, 1), (0, 7, 0, 300, 10), (1, 0, 1, 1, 40), (2, 0, 2, 100, 5000), (0, 299, 0, 0, 1),
-            (2, 17, 2, 0, 3), (0, 100, 0, 200, 64)]
+            (2, 17, 2, 0, 3), (0, 100, 0, 200, 64), (3, 2, 3, 11, 128)]
     ref_d = [a.copy() for a in dsts]
     gpu_d = [cp.asarray(a) for a in dsts]
     gpu_s = [cp.asarray(a) for a in srcs]

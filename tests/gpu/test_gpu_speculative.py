@@ -7,6 +7,8 @@
   whose rows depended on the batch would fail here).
 - The verify step replays as a CUDA graph, its target inputs among the graph's outputs.
 - The draft on the GPU equals the numpy draft (logits within LOGIT_TOL, tokens equal).
+- The draft windows absorbed for a batch of sequences at once equal numpy's and per-sequence
+  absorb's (within WINDOW_TOL).
 - Greedy output with and without speculation is identical, token for token.
 Skipped where CuPy or a GPU is absent (CI).
 """
@@ -25,9 +27,11 @@ from engine.runtime.sampling import SamplingParams  # noqa: E402
 from engine.runtime.spec_decode import SpecStats, feed  # noqa: E402
 from engine.settings import Settings  # noqa: E402
 from engine.state import trial as trials  # noqa: E402
+from engine.state.draft import DraftState  # noqa: E402
 
 DEMO = Path(__file__).resolve().parents[2] / "models" / "demo-v41"
 LOGIT_TOL = 1e-3  # GPU vs numpy draft logits (relative to the largest): summation order only
+WINDOW_TOL = 1e-2  # GPU vs numpy windows (relative norm): summation order, the odd FP8 grid step apart
 PROMPTS = ("def mean(xs):\n", "The capital of France is", "import numpy as np\n\nclass Stack:\n    def push(self, x):")
 
 
@@ -89,6 +93,41 @@ def test_gpu_draft_matches_numpy():
         np.testing.assert_allclose(gc, rc, rtol=0, atol=LOGIT_TOL * np.abs(rc).max())
         np.testing.assert_array_equal(gt, rt)
     print(f"GPU vs numpy draft: worst logit difference {worst:.2e}")
+
+
+def test_batched_absorb_matches_numpy_and_per_sequence_absorb():
+    """absorb_kept of 8 sequences at once on the GPU (one gather per target layer, one main_x and
+    window_rows per draft layer for all, the windows grown by one copy_rows launch, whole windows
+    among its copies) against numpy's absorb_kept and per-sequence absorb on the GPU, over three
+    verify steps from windows empty, part-full and full: positions and shapes equal, rows within
+    WINDOW_TOL."""
+    ref, gpu = _engine(False), _engine(True)
+    dr, dg = ref.model.model.dspark, gpu.model.model.dspark
+    rng = np.random.default_rng(0)
+    win, d = dr.cfg.sliding_window, dr.cfg.head_dim
+    states = [DraftState(f + 3, [rng.standard_normal((f, d)).astype(np.float32) for _ in dr.layers])
+              for f in (0, 1, win - 1, win, 5, win, win, 2)]
+    batched = [DraftState(s.position, [cp.asarray(w) for w in s.windows]) for s in states]
+    alone = [DraftState(s.position, [cp.asarray(w) for w in s.windows]) for s in states]
+    for _ in range(3):
+        lengths = [int(n) for n in rng.integers(1, dr.block_size + 2, len(states))]
+        keeps = [int(rng.integers(1, n + 1)) for n in lengths]
+        targets = {i: rng.standard_normal((sum(lengths), dr.cfg.hidden_size)).astype(np.float32)
+                   for i in dr.target_layer_ids}
+        dr.absorb_kept(states, targets, lengths, keeps)
+        dg.absorb_kept(batched, {i: cp.asarray(x) for i, x in targets.items()}, lengths, keeps)
+        starts = np.cumsum([0, *lengths])
+        for b, k in enumerate(keeps):
+            dg.absorb(alone[b], {i: cp.asarray(x[starts[b] : starts[b] + k]) for i, x in targets.items()}, k)
+    worst = 0.0
+    for s, g, a in zip(states, batched, alone, strict=True):
+        assert g.position == a.position == s.position
+        for w, gw, aw in zip(s.windows, g.windows, a.windows, strict=True):
+            assert gw.shape == aw.shape == w.shape
+            for x in (gw, aw):
+                worst = max(worst, float(np.linalg.norm(cp.asnumpy(x) - w) / max(np.linalg.norm(w), 1e-30)))
+    assert worst < WINDOW_TOL, worst
+    print(f"GPU vs numpy absorbed windows: worst relative difference {worst:.2e}")
 
 
 def test_speculative_greedy_equals_plain_on_gpu():

@@ -34,7 +34,9 @@ from engine.settings import Settings
 
 __all__ = ["CupyOps", "GpuWeight", "use_direct_alloc"]
 
-COPY_ROWS_MAX = 64 << 10  # copy_rows: larger copies (a state buffer's growth) go through cudaMemcpyAsync
+# copy_rows: larger copies (a state buffer's growth) go through cudaMemcpyAsync; a whole DSpark window
+# (128 rows of 512 floats: DSpark.absorb moves one per sequence and draft layer) still goes in the table
+COPY_ROWS_MAX = 256 << 10
 
 
 def use_direct_alloc() -> None:
