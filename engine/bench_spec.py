@@ -199,7 +199,7 @@ def bench_speculative(model, cfg, batches, bw: float, rng, timeit, graph_seconds
         verify_s, step_s = graph_seconds(b * (k + 1), True), graph_seconds(b, False)
 
         def draft_all(drafts=drafts, last=last):
-            dsp.draft_many(drafts, last)
+            dsp.draft_many(drafts, last, tokens_only=True)  # (as a greedy served step drafts)
 
         draft_s = timeit(draft_all)
         f = floors(model, cfg, b, bw)

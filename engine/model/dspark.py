@@ -248,8 +248,9 @@ class DSpark:
         head's logits of each (without the Markov bias)."""
         return self._run(states, last_tokens, greedy=False)
 
-    def _run(self, states: list[DraftState], last_tokens: list[int], greedy: bool):
-        """forward(), or with greedy the whole greedy block (_greedy_block). Where every window is
+    def _run(self, states: list[DraftState], last_tokens: list[int], greedy: bool, tokens_only: bool = False):
+        """forward(), or with greedy the whole greedy block (_greedy_block; tokens_only: its tokens
+        alone, none of the outputs a served greedy step does not read). Where every window is
         full (the shapes then repeat step after step) it runs as one region of the runner's
         (`region`: a CUDA graph on the GPU; its outputs are rewritten by its next run)."""
         ops, model, n, bsz = self.ops, self.model, self.block_size, len(states)
@@ -276,11 +277,11 @@ class DSpark:
             return x, ops.all_gather(ops.linear(ops.rmsnorm(x, self.norm, self.cfg.rms_norm_eps), model.head.w.head))
 
         def block(i64, cs, *windows):
-            return self._greedy_block(*stream(i64, cs, *windows), i64[:bsz * n:n], bsz)
+            return self._greedy_block(*stream(i64, cs, *windows), i64[:bsz * n:n], bsz, tokens_only)
 
         fn = block if greedy else stream
         if self.region is not None and min(lengths) == self.cfg.sliding_window:
-            return self.region(("draft", id(self), bsz, span, greedy), fn, *inputs, rows=bsz * n)
+            return self.region(("draft", id(self), bsz, span, greedy, tokens_only), fn, *inputs, rows=bsz * n)
         return fn(*inputs)
 
     def _markov(self, logits, i: int, prev):
@@ -290,9 +291,10 @@ class DSpark:
         logits[:, i] = logits[:, i] + bias
         return e
 
-    def _greedy_block(self, x, logits, last, bsz: int) -> tuple:
+    def _greedy_block(self, x, logits, last, bsz: int, tokens_only: bool = False) -> tuple:
         """Argmax drafting of every sequence on the backend, with no host work: tokens [bsz, n]
-        (backend int64), logits [bsz, n, vocab] with the Markov bias, their softmax, confidence."""
+        (backend int64), logits [bsz, n, vocab] with the Markov bias, their softmax, confidence;
+        tokens_only: (tokens,)."""
         xp, n = self.ops.xp, self.block_size
         logits = logits.reshape(bsz, n, logits.shape[-1])
         prev, tokens, embeds = last, [], []
@@ -300,6 +302,8 @@ class DSpark:
             embeds.append(self._markov(logits, i, prev))
             prev = xp.argmax(logits[:, i], axis=1).astype(np.int64)
             tokens.append(prev)
+        if tokens_only:
+            return (xp.stack(tokens, axis=1),)
         confidence = self.confidence_head(x, xp.stack(embeds, axis=1).reshape(bsz * n, -1)).reshape(bsz, n)
         return xp.stack(tokens, axis=1), logits, _softmax_last(xp, logits), confidence
 
@@ -309,7 +313,8 @@ class DSpark:
         return self.draft_many([state], [last_token], [rng], [temperature])[0]
 
     def draft_many(self, states: list[DraftState], last_tokens: list[int], rngs: list | None = None,
-                   temperatures: list[float] | None = None, ahead: Callable[[], None] | None = None) -> list[Draft]:
+                   temperatures: list[float] | None = None, ahead: Callable[[], None] | None = None,
+                   tokens_only: bool = False) -> list[Draft]:
         """Draft a block for each sequence, all in one forward: position i's logits plus the
         Markov bias of the token before it (the last token, then the drafted ones); each token
         their argmax (rng None), or drawn with the sequence's rng from softmax(logits / its
@@ -318,17 +323,22 @@ class DSpark:
         (one graph on the GPU); one with drawing sequences draws each position with
         ops.draw_drafts, on the device on the GPU: only the tokens come to the host, at the end.
         ahead(): host work to do once the draft's device work is launched, before its tokens are
-        read back (the verify step's plan: ModelRunner.prepare_verify). Reads the states, never
-        changes them."""
+        read back (the verify step's plan: ModelRunner.prepare_verify). tokens_only: where every
+        sequence is greedy, Drafts of tokens alone (logits, probs and confidence None: a greedy
+        verify reads none of them, and the graph then neither computes nor copies them). Reads
+        the states, never changes them."""
         ops, xp, n, bsz = self.ops, self.ops.xp, self.block_size, len(states)
         rngs = rngs or [None] * bsz
         temperatures = temperatures or [1.0] * bsz
         drawing = [b for b in range(bsz) if rngs[b] is not None]
         if not drawing:
-            tokens, logits, probs, confidence = self._run(states, last_tokens, greedy=True)
+            out = self._run(states, last_tokens, greedy=True, tokens_only=tokens_only)
             if ahead is not None:
                 ahead()
-            tokens = np.asarray(ops.to_host(tokens), np.int64)
+            tokens = np.asarray(ops.to_host(out[0]), np.int64)
+            if tokens_only:
+                return [Draft(tokens[b], None, None, None) for b in range(bsz)]
+            logits, probs, confidence = out[1:]
             # (copies, one of each array: a region's outputs are rewritten by its next run)
             logits, probs, confidence = logits.copy(), probs.copy(), confidence.copy()
             return [Draft(tokens[b], logits[b], probs[b], confidence[b]) for b in range(bsz)]

@@ -79,11 +79,12 @@ class ShardedDraft:
         return states[0]
 
     def draft_many(self, states: list[DraftState], last_tokens: list[int], rngs: list | None = None,
-                   temperatures: list[float] | None = None, ahead: Callable[[], None] | None = None) -> list:
+                   temperatures: list[float] | None = None, ahead: Callable[[], None] | None = None,
+                   tokens_only: bool = False) -> list:
         rngs = list(rngs or [None] * len(states))
         per_rank = [rngs] + [[copy.deepcopy(g) for g in rngs] for _ in self.drafts[1:]]
         outs = self._each(lambda r, d: d.draft_many([replica(s, r) for s in states], last_tokens, per_rank[r],
-                                                    temperatures))
+                                                    temperatures, tokens_only=tokens_only))
         for other in outs[1:]:
             if any(not np.array_equal(a.tokens, b.tokens) for a, b in zip(outs[0], other, strict=True)):
                 raise RuntimeError("tensor-parallel ranks drafted different tokens")

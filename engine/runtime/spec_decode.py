@@ -139,7 +139,8 @@ def speculative_steps(model, dsp, jobs: list[SpecJob]) -> list[list[int]]:
         blocks = dict(zip(free, dsp.draft_many(
             [jobs[b].ds for b in free], [jobs[b].generated[-1] for b in free],
             [None if jobs[b].params.greedy else jobs[b].rng for b in free],
-            [jobs[b].params.temperature for b in free], ahead=ahead), strict=True)) if free else {}
+            [jobs[b].params.temperature for b in free], ahead=ahead,
+            tokens_only=all(jobs[b].params.greedy for b in free)), strict=True)) if free else {}
         chunks, drafts, masks, qs = [], [], [], []
         for b, (j, k) in enumerate(zip(jobs, ks, strict=True)):
             q = m = None

@@ -199,3 +199,16 @@ def test_prompt_chunks_of_several_sequences_in_one_forward(runner) -> None:
     assert _rows_per_chunk([40, 3, 25, 1], 4 + 3 + 4 + 1) == [4, 3, 4, 1]
     with pytest.raises(ValueError):
         _rows_per_chunk([2, 2], 3)  # min(2, k) + min(2, k) is even
+
+
+def test_tokens_only_drafts_the_same_tokens(runner) -> None:
+    """A served greedy step's draft (tokens_only) proposes the tokens of the full greedy draft and
+    carries none of the outputs it skips."""
+    dsp = runner.model.dspark
+    (_, a, la), (_, b, lb) = _feed(runner, [PROMPT]), _feed(runner, [PROMPT[:7]])
+    last = [int(np.argmax(la)), int(np.argmax(lb))]
+    full = dsp.draft_many([a, b], last)
+    only = dsp.draft_many([a, b], last, tokens_only=True)
+    for f, o in zip(full, only, strict=True):
+        assert f.tokens.tolist() == o.tokens.tolist()
+        assert o.logits is None and o.probs is None and o.confidence is None

@@ -93,7 +93,7 @@ def timeline(ckpt: str, batch: int, numerics: str = "exact", what: str = "decode
         model, rows, drafts, last = _verify_ready(ckpt, batch, numerics)
     if what == "draft":
         def run():
-            model.model.dspark.draft_many(drafts, last)
+            model.model.dspark.draft_many(drafts, last, tokens_only=True)
     else:
         graphs = _decode_graphs(model, rows)
         if not graphs:
@@ -394,11 +394,11 @@ def draft(ckpt: str, batches: list[int], numerics: str = "deepseek", iters: int 
         model, _, drafts, last = _verify_ready(ckpt, b, numerics)
         dsp, graphs = model.model.dspark, model.ops.graphs
         for _ in range(5):  # eager, captured, replayed
-            dsp.draft_many(drafts, last)
+            dsp.draft_many(drafts, last, tokens_only=True)
         cp.cuda.Device().synchronize()
         t0 = time.perf_counter()
         for _ in range(iters):
-            dsp.draft_many(drafts, last)
+            dsp.draft_many(drafts, last, tokens_only=True)
         cp.cuda.Device().synchronize()
         served = (time.perf_counter() - t0) / iters
         caps = [c for sig, c in graphs._graphs.items() if c is not None and sig[0][0] == "draft"]
