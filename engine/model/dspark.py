@@ -288,7 +288,7 @@ class DSpark:
         """Position i's Markov bias after tokens prev [bsz] added to logits [bsz, n, vocab] in
         place; the Markov embedding of prev (what the confidence head reads)."""
         bias, e = self.markov_head(prev)
-        logits[:, i] = logits[:, i] + bias
+        logits[:, i] += bias  # (in place: one kernel on the GPU, not an add and a copy)
         return e
 
     def _greedy_block(self, x, logits, last, bsz: int, tokens_only: bool = False) -> tuple:
@@ -300,7 +300,7 @@ class DSpark:
         prev, tokens, embeds = last, [], []
         for i in range(n):
             embeds.append(self._markov(logits, i, prev))
-            prev = xp.argmax(logits[:, i], axis=1).astype(np.int64)
+            prev = xp.argmax(logits[:, i], axis=1).astype(np.int64, copy=False)  # (argmax's is int64 already)
             tokens.append(prev)
         if tokens_only:
             return (xp.stack(tokens, axis=1),)
