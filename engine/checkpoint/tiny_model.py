@@ -187,6 +187,21 @@ def make_config(arch: str, draft: bool = False, **sizes: int) -> dict:
     return cfg
 
 
+def flash_config() -> dict:
+    """The released V4.1-Flash text config's shapes and schedule (DESIGN.md), in config.json form."""
+    sizes = {k: v for k, v in PRESETS["v41-flash-shaped"].items() if k != "arch"}
+    sizes.update(layers=40, engram_vocab=16_000_000)
+    c = make_config("v41", **sizes)
+    kv, idx, eng = [2, 8, 14, 20], [2, 8, 14, 20, 24, 28, 32, 36], [1, 14]
+    primes = engram_primes(len(eng), c["engram_max_ngram_size"], c["engram_n_heads"], 16_000_000)
+    c.update(compress_ratios=[0, 0] + [2] * 18 + [1] * 20, kv_source_layer_ids=kv, index_source_layer_ids=idx,
+             candidate_source_layer_id=20,
+             layer_types=["shared_compressed_attention" if i in kv else "sliding_attention" for i in range(40)],
+             engram_layer_ids=eng, engram_num_embeddings=[sum(map(sum, layer)) for layer in primes],
+             engram_compressed_vocab_size=99092)
+    return c
+
+
 def _add_draft(cfg: dict, s: dict) -> None:
     """The DSpark fields as the released text_config spells them; the draft layers' compress
     ratios (0: sliding window only) follow the backbone's, as in the release."""
