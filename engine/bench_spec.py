@@ -149,7 +149,8 @@ def verify_ready(model, cfg, b: int, rng, experts: list | None = None) -> tuple[
         feed(model, dsp, st, ds, [int(t) for t in rng.integers(0, cfg.vocab_size, cfg.sliding_window + 1)],
              all_logits=False)
     last = [int(t) for t in rng.integers(0, cfg.vocab_size, b)]
-    blocks = [[t, *(int(x) for x in dr.tokens)] for dr, t in zip(dsp.draft_many(drafts, last), last, strict=True)]
+    blocks = [[t, *(int(x) for x in dr.tokens)]
+              for dr, t in zip(dsp.draft_many(drafts, last, tokens_only=True), last, strict=True)]
     for i in range(3):
         marks = [trials.begin(st) for st in states]
         with _routes_counted(getattr(model, "ops", None), experts if i == 0 else None):

@@ -65,7 +65,8 @@ def measure(model, dsp, context: int = 64, runs: int = 3, warmup: int = 3) -> Sp
         trials.cut(st, tr, 0)
 
     def draft() -> None:
-        model.ops.to_host(dsp.draft(ds.clone(), last).tokens)  # (on a GPU: waits for the block)
+        # (as a greedy served step drafts: its tokens alone; on a GPU the read waits for the block)
+        model.ops.to_host(dsp.draft_many([ds.clone()], [last], tokens_only=True)[0].tokens)
 
     for fn in (step, verify, draft):
         _fastest(fn, warmup)
