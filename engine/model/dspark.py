@@ -191,9 +191,10 @@ class DSpark:
     def _absorb_rows(self, states: list[DraftState], targets: dict, rows: dict, ns: list[int]) -> None:
         """absorb n = ns[b] positions into states[b] from rows[i] = (starts, counts): target layer
         i's rows starts[b] .. starts[b] + counts[b] of sequence b. Of those, the last m[b], the
-        rows every target layer has for it, are its positions' (state.position + n - m ..), all
-        sequences' together: taken from the target layers at once (_target_rows), one main_x, one
-        rope table, one window_rows per draft layer; then each sequence's windows take its rows."""
+        rows every target layer has for it, are its positions' (state.position + n - m ..); the
+        last min(m[b], window) of them, all a window keeps, are projected, all sequences'
+        together: taken from the target layers at once (_target_rows), one main_x, one rope
+        table, one window_rows per draft layer; then each sequence's windows take its rows."""
         ops, win, ids = self.ops, self.cfg.sliding_window, self.target_layer_ids
         ends, m = {}, None
         for i in ids:  # (counts clipped to the rows the layer has, as slicing would)
@@ -204,6 +205,7 @@ class DSpark:
         for mb, n in zip(m, ns, strict=True):
             if mb > n or mb < min(n, win):
                 raise ValueError(f"DSpark: {mb} target rows for a chunk of {n} (window {win})")
+        m = np.minimum(m, win)  # (a window keeps the last `win` rows: earlier ones are not projected)
         if m.any():
             main_x = self.main_x(self._target_rows(targets, ends, m))
             cos, sin = self.rope(np.concatenate([np.arange(st.position + n - mb, st.position + n)

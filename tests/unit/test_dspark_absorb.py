@@ -161,3 +161,24 @@ def test_absorb_calls_do_not_grow_with_the_batch(dsp, monkeypatch) -> None:
     assert seen[1] == seen[2], seen
     assert all(seen[0].get(k, 0) <= n for k, n in seen[1].items()), seen
     assert seen[0]["copy_rows"] == 1 and seen[0]["linear"] == 1 + len(dsp.layers)
+
+
+def test_only_the_rows_a_window_keeps_are_projected(dsp, monkeypatch) -> None:
+    """A prompt chunk longer than the window: main_x and the K=V projections take the last window
+    rows of each sequence only (a window keeps no more), and the windows equal the path that
+    projects every row."""
+    rng = np.random.default_rng(4)
+    win = dsp.cfg.sliding_window
+    ns = [3 * win + 5, 2, win + 1]
+    batched = _states(dsp, rng, [0, win, 3])
+    before = [s.clone() for s in batched]
+    targets = _targets(dsp, rng, dict.fromkeys(dsp.target_layer_ids, sum(ns)))
+    seen = []
+    main_x = dsp.main_x
+    monkeypatch.setattr(dsp, "main_x", lambda inputs: seen.append(inputs[0].shape[0]) or main_x(inputs))
+    dsp.absorb_many(batched, targets, ns)
+    assert seen == [win + 2 + win]
+    starts = np.cumsum([0, *ns])
+    for b, n in enumerate(ns):
+        _absorb_alone(dsp, before[b], {i: targets[i][starts[b] : starts[b] + n] for i in targets}, n)
+    _same(batched, before)
