@@ -172,9 +172,11 @@ extern "C" __global__ void __launch_bounds__(256) attention_decode(
 // (attn_tc_pv). MQA: every head of a query reads the same keys, so a query's 64 heads are the M
 // side of its MMAs. Query s's keys are j = 0 .. L-1 (attn_key_row): its window, rows lo[s] ..
 // hi[s] - 1 of `keys`, then its entries: through its list of selected rows (rows, cnt from
-// mask_rows) or, without lists, every entry e its mask row allows. q and P go in as three bf16
-// terms (f32-exact products); K=V as TK terms (1 where the state codecs' grids make them
-// bf16-exact). sc [S, H, L] holds the raw dots, then the probabilities (0 for keys not visible).
+// mask_rows) or, without lists, every entry e its mask row allows. q and P go in as TQ bf16 terms,
+// K=V as TK: three carry an f32 (f32-exact products); one where the values are bf16 already (the
+// state codecs' grids; under --numerics deepseek q, which the one term rounds as act() does, and
+// P, the bf16 probabilities before the division, done on the output). sc [S, H, L] holds the raw
+// dots, then the probabilities (0 for keys not visible).
 __device__ __forceinline__ const float* attn_key_row(int s, int j, const float* keys, const long long* lo,
                                                      const long long* hi, const float* entries, const int* rows,
                                                      const int* cnt, int rows_ld, const bool* emask, int n_e,
@@ -194,7 +196,8 @@ __device__ __forceinline__ const float* attn_key_row(int s, int j, const float* 
       int H, int D, int L
 #define ATTN_TC_KEY(s, j) attn_key_row(s, j, keys, lo, hi, entries, rows, cnt, rows_ld, emask, n_e, D)
 
-// 64 heads x 32 floats of row-major src (row stride ld floats) -> 3 bf16 terms in dst [3][64][ATC_LD]
+// 64 heads x 32 floats of row-major src (row stride ld floats) -> T bf16 terms in dst [T][64][ATC_LD]
+template <int T>
 __device__ __forceinline__ void atc_stage_rows(const float* src, size_t ld, u16* dst) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -202,14 +205,14 @@ __device__ __forceinline__ void atc_stage_rows(const float* src, size_t ld, u16*
     const float4 v = __ldg((const float4*)(src + r * ld + 4 * c4));
     float e[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-    for (int term = 0; term < 3; ++term) *(uint2*)&dst[(term * 64 + r) * ATC_LD + 4 * c4] = bf16_term4(e);
+    for (int term = 0; term < T; ++term) *(uint2*)&dst[(term * 64 + r) * ATC_LD + 4 * c4] = bf16_term4(e);
   }
 }
 
 // grid (L / 64, S, H / 64), block 128 (4 warps in 2 x 2 over 64 heads x 64 keys); K steps of 32 of D.
-template <int TK>
+template <int TQ, int TK>
 __device__ __forceinline__ void attn_tc_scores_body(ATTN_TC_ARGS) {
-  __shared__ __align__(16) u16 as[3 * 64 * ATC_LD];
+  __shared__ __align__(16) u16 as[TQ * 64 * ATC_LD];
   __shared__ __align__(16) u16 bs[TK * 64 * ATC_LD];
   __shared__ const float* kp[64];
   const int s = blockIdx.y, j0 = blockIdx.x * 64, h0 = blockIdx.z * 64, tid = threadIdx.x, warp = tid >> 5;
@@ -218,7 +221,7 @@ __device__ __forceinline__ void attn_tc_scores_body(ATTN_TC_ARGS) {
   float acc[2][4][4] = {};
   for (int k0 = 0; k0 < D; k0 += 32) {
     __syncthreads();  // (kp written; the last step's tiles read)
-    atc_stage_rows(q + ((size_t)s * H + h0) * D + k0, D, as);
+    atc_stage_rows<TQ>(q + ((size_t)s * H + h0) * D + k0, D, as);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int idx = tid + 128 * i, r = idx >> 3, c4 = idx & 7;
@@ -229,7 +232,7 @@ __device__ __forceinline__ void attn_tc_scores_body(ATTN_TC_ARGS) {
       for (int term = 0; term < TK; ++term) *(uint2*)&bs[(term * 64 + r) * ATC_LD + 4 * c4] = bf16_term4(e);
     }
     __syncthreads();
-    mma_warp_32x32<3, TK>(acc, as, 64 * ATC_LD, bs, 64 * ATC_LD, ATC_LD, 32, wm, wn);
+    mma_warp_32x32<TQ, TK>(acc, as, 64 * ATC_LD, bs, 64 * ATC_LD, ATC_LD, 32, wm, wn);
   }
   mma_warp_32x32_each(acc, wm, wn, [&](int hh, int kk, float v) {
     sc[((size_t)s * H + h0 + hh) * L + j0 + kk] = kp[kk] != nullptr ? v : -DSUF_INF;
@@ -237,13 +240,15 @@ __device__ __forceinline__ void attn_tc_scores_body(ATTN_TC_ARGS) {
 }
 
 // In place: row (s, h) of sc -> e^(x scale - M) / (sum + e^(sink - M)), M = max(x scale, sink); 0 where
-// x = -inf. bf (--numerics deepseek, the reference's sparse_attn): M is the keys' own max (at least
-// -1e30), and each probability is rounded to bf16 before the division (the sum is of the unrounded
-// ones): P V then equals the bf16 probabilities times V over the denominator, up to f32 rounding.
-// grid (ceil(S * H / 8)), block 256: a warp per row.
+// x = -inf. den non-null (--numerics deepseek, the reference's sparse_attn): M is the keys' own max
+// (at least -1e30), the row keeps its probabilities rounded to bf16 and undivided, and den[row] gets
+// the denominator (the sum of the unrounded ones), which attn_tc_pv divides the output by, as the
+// reference divides P V. grid (ceil(S * H / 8)), block 256: a warp per row.
 extern "C" __global__ void __launch_bounds__(256) attn_tc_softmax(float* __restrict__ sc,
                                                                   const float* __restrict__ sinks, int H, int L,
-                                                                  long long nrows, float scale, int bf) {
+                                                                  long long nrows, float scale,
+                                                                  float* __restrict__ den) {
+  const bool bf = den != nullptr;
   const long long r = (long long)blockIdx.x * 8 + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
   if (r >= nrows) return;
@@ -255,19 +260,20 @@ extern "C" __global__ void __launch_bounds__(256) attn_tc_softmax(float* __restr
   float sum = 0.f;
   for (int j = lane; j < L; j += 32) sum += expf(x[j] * scale - m);
   sum = warp_sum(sum) + expf(sk - m);
+  if (bf && lane == 0) den[r] = sum;
   const float inv = 1.f / sum;
   for (int j = lane; j < L; j += 32) {
     const float p = expf(x[j] * scale - m);
-    x[j] = (bf ? round_bf16f(p) : p) * inv;
+    x[j] = bf ? round_bf16f(p) : p * inv;
   }
 }
 
-// out[s, h, d] = sum_j P[s, h, j] V_j(s)[d]. grid (D / 64, S, H / 64), block 128 (2 x 2 warps over 64
-// heads x 64 dims); K steps of 32 keys. V's tile goes in transposed ([dim][key]): B's rows are C's
-// columns.
-template <int TV>
-__device__ __forceinline__ void attn_tc_pv_body(ATTN_TC_ARGS, float* __restrict__ out, bool bf) {
-  __shared__ __align__(16) u16 as[3 * 64 * ATC_LD];
+// out[s, h, d] = sum_j P[s, h, j] V_j(s)[d] (den non-null: over den[s, h], rounded to bf16). grid
+// (D / 64, S, H / 64), block 128 (2 x 2 warps over 64 heads x 64 dims); K steps of 32 keys. V's tile
+// goes in transposed ([dim][key]): B's rows are C's columns.
+template <int TP, int TV>
+__device__ __forceinline__ void attn_tc_pv_body(ATTN_TC_ARGS, float* __restrict__ out, const float* __restrict__ den) {
+  __shared__ __align__(16) u16 as[TP * 64 * ATC_LD];
   __shared__ __align__(16) u16 bs[TV * 64 * ATC_LD];
   __shared__ const float* kp[32];
   const int s = blockIdx.y, d0 = blockIdx.x * 64, h0 = blockIdx.z * 64, tid = threadIdx.x, warp = tid >> 5;
@@ -276,7 +282,7 @@ __device__ __forceinline__ void attn_tc_pv_body(ATTN_TC_ARGS, float* __restrict_
   for (int j0 = 0; j0 < L; j0 += 32) {
     __syncthreads();  // (the last step's tiles and kp read)
     if (tid < 32) kp[tid] = ATTN_TC_KEY(s, j0 + tid);
-    atc_stage_rows(sc + ((size_t)s * H + h0) * L + j0, L, as);
+    atc_stage_rows<TP>(sc + ((size_t)s * H + h0) * L + j0, L, as);
     __syncthreads();
 #pragma unroll
     for (int i = 0; i < 4; ++i) {  // 32 keys x 64 dims = 512 float4
@@ -295,22 +301,28 @@ __device__ __forceinline__ void attn_tc_pv_body(ATTN_TC_ARGS, float* __restrict_
       }
     }
     __syncthreads();
-    mma_warp_32x32<3, TV>(acc, as, 64 * ATC_LD, bs, 64 * ATC_LD, ATC_LD, 32, wm, wn);
+    mma_warp_32x32<TP, TV>(acc, as, 64 * ATC_LD, bs, 64 * ATC_LD, ATC_LD, 32, wm, wn);
   }
+  float* o = out + ((size_t)s * H + h0) * D + d0;
+  const float* dn = den != nullptr ? den + (size_t)s * H + h0 : nullptr;
   mma_warp_32x32_each(acc, wm, wn, [&](int hh, int dd, float v) {
-    out[((size_t)s * H + h0 + hh) * D + d0 + dd] = bf ? round_bf16f(v) : v;
+    o[(size_t)hh * D + dd] = dn != nullptr ? round_bf16f(v / dn[hh]) : v;
   });
 }
 
-#define DEF_ATTN_TC(T)                                                                                     \
-  extern "C" __global__ void __launch_bounds__(128) attn_tc_scores##T(ATTN_TC_ARGS) {                    \
-    attn_tc_scores_body<T>(q, keys, lo, hi, entries, rows, cnt, rows_ld, emask, n_e, sc, H, D, L);        \
+// attn_tc_{scores,pv}<terms of q and P><terms of K=V>: f32 q and P over bf16-exact or f32 keys;
+// _bf: --numerics deepseek (one term each, P undivided: attn_tc_softmax's den).
+#define DEF_ATTN_TC(NAME, TQ, TK)                                                                          \
+  extern "C" __global__ void __launch_bounds__(128) attn_tc_scores##NAME(ATTN_TC_ARGS) {                 \
+    attn_tc_scores_body<TQ, TK>(q, keys, lo, hi, entries, rows, cnt, rows_ld, emask, n_e, sc, H, D, L);   \
   }                                                                                                      \
-  extern "C" __global__ void __launch_bounds__(128) attn_tc_pv##T(ATTN_TC_ARGS, float* __restrict__ out, int bf) { \
-    attn_tc_pv_body<T>(q, keys, lo, hi, entries, rows, cnt, rows_ld, emask, n_e, sc, H, D, L, out, bf != 0); \
+  extern "C" __global__ void __launch_bounds__(128) attn_tc_pv##NAME(ATTN_TC_ARGS, float* __restrict__ out, \
+                                                                     const float* __restrict__ den) {     \
+    attn_tc_pv_body<TQ, TK>(q, keys, lo, hi, entries, rows, cnt, rows_ld, emask, n_e, sc, H, D, L, out, den); \
   }
-DEF_ATTN_TC(1)
-DEF_ATTN_TC(3)
+DEF_ATTN_TC(1, 3, 1)
+DEF_ATTN_TC(3, 3, 3)
+DEF_ATTN_TC(_bf, 1, 1)
 
 // The positions of each row's true values in ascending order: masks [B, N] bool -> rows [B, K]
 // (the first K of them), cnt[B]. grid (B), block 256: thread t counts its contiguous slice of the

@@ -109,8 +109,12 @@ class AttentionOps:
         L = max(64, -(-span // 64) * 64)
         lo_d, hi_d = (a.astype(cp.int64, copy=False) if isinstance(a, cp.ndarray)
                       else self.asarray(np.asarray(a, np.int64), dtype=np.int64) for a in (lo, hi))
-        terms = 1 if exact else 3
+        # (bf16: one term of q, keys and P each; the kernels round q as act() does)
+        name = "_bf" if self.bf16 else "1" if exact else "3"
+        if self.bf16 and not exact:
+            raise ValueError("bf16 attention takes keys on bf16's grid (exact)")
         out = cp.empty((s, h, d), F32)
+        den = cp.empty((min(s, ATC_QUERIES), h), F32) if self.bf16 else None
         for s0 in range(0, s, ATC_QUERIES):
             s1 = min(s, s0 + ATC_QUERIES)
             n = s1 - s0
@@ -119,11 +123,11 @@ class AttentionOps:
                     lists[0][s0:s1] if lists is not None else _NULL, lists[1][s0:s1] if lists is not None else _NULL,
                     np.int32(width if lists is not None else 0), masks[s0:s1] if masks is not None else _NULL,
                     np.int32(n_e), sc, np.int32(h), np.int32(d), np.int32(L))
-            K.function("attention", f"attn_tc_scores{terms}")((L // 64, n, h // 64), (128,), args)
+            K.function("attention", f"attn_tc_scores{name}")((L // 64, n, h // 64), (128,), args)
             K.function("attention", "attn_tc_softmax")((-(-(n * h) // 8),), (256,), (
-                sc, sk, np.int32(h), np.int32(L), np.int64(n * h), F32(scale), np.int32(self.bf16)))
-            K.function("attention", f"attn_tc_pv{terms}")((d // 64, n, h // 64), (128,), (
-                *args, out[s0:s1], np.int32(self.bf16)))
+                sc, sk, np.int32(h), np.int32(L), np.int64(n * h), F32(scale), den if den is not None else _NULL))
+            K.function("attention", f"attn_tc_pv{name}")((d // 64, n, h // 64), (128,), (
+                *args, out[s0:s1], den if den is not None else _NULL))
         return out
 
     def attention_decode(self, q: cp.ndarray, sources: list, sinks: cp.ndarray, scale: float) -> cp.ndarray:

@@ -195,8 +195,8 @@ class DeepseekCupyOps(CupyOps):
         if not exact:  # (rounded here: the tensor-core kernels then take them as one bf16 term)
             keys = self.act(keys)
             entries = None if entries is None else self.act(entries)
-        return super().attention_ranges(self.act(q), keys, lo, hi, entries, emask, sinks, scale, selected, True,
-                                        span)
+        # (q as it is: both attention kernels round it to bf16 as they load it)
+        return super().attention_ranges(q, keys, lo, hi, entries, emask, sinks, scale, selected, True, span)
 
     # (attention_decode / attend_decode need no override: the decode kernel rounds q as it loads it
     # where bf16 is set, so a decode step launches no rounding pass for it)
