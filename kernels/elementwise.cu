@@ -564,6 +564,15 @@ extern "C" __global__ void copy_rows(const long long* __restrict__ tab) {
     dst[i] = src[i];
 }
 
+// dst row r = src row idx[r], rows of n16 16-byte words (a MoE's quantized token rows in pair
+// order, for the grouped GEMM to read in place). grid (rows), any block.
+extern "C" __global__ void gather_rows16(const uint4* __restrict__ src, const int* __restrict__ idx,
+                                         uint4* __restrict__ dst, int n16) {
+  const uint4* s = src + (size_t)idx[blockIdx.x] * n16;
+  uint4* d = dst + (size_t)blockIdx.x * n16;
+  for (int i = threadIdx.x; i < n16; i += blockDim.x) d[i] = s[i];
+}
+
 // Row b of src [B, W] (rows ld floats apart) to the address dst[b], skipped where it is 0: a decode
 // step's new state rows, each into its own sequence's buffer. vec4: W, ld and the addresses are
 // multiples of 4 floats. grid (B), block 128.

@@ -60,11 +60,11 @@ __device__ __forceinline__ void e2m1x32_to_e4m3(const uint4 v, u32 (&out)[8], u3
 // A: codes [M, K] (row stride K), SA [M, K / 32]. FP8 W: codes [N, K], SW f32 [ceil(N / bn), gk]
 // (the scale of rows n and columns k: SW[n / bn, k / bk]); FP4 W: nibbles [N, K / 2] (element i
 // of a word in bits 4i..4i+3), SW UE8M0 bytes [N, gk = K / 32]. Y [M, N] (row stride ldy).
-// The block's tile: rows m0.., columns n0..; row r of Y reads row G[r] of A (G null: row r); bf: Y
-// rounded to bf16 as stored (the reference's linear returns bf16).
+// The block's tile: rows m0.., columns n0.. (from A's rows m0..); bf: Y rounded to bf16 as stored
+// (the reference's linear returns bf16).
 template <int FMT>
 __device__ __forceinline__ void gemm_e4m3_body(const u8* __restrict__ A, const float* __restrict__ SA,
-                                               const int* __restrict__ G, const u8* __restrict__ W,
+                                               const u8* __restrict__ W,
                                                const void* __restrict__ SW, float* __restrict__ Y, int ldy, int M,
                                                int N, int K, int bn, int bk, int gk, int m0, int n0, int bf) {
   __shared__ __align__(16) u8 As[FG_BM][FG_LDS];
@@ -80,7 +80,7 @@ __device__ __forceinline__ void gemm_e4m3_body(const u8* __restrict__ A, const f
     for (int i = 0; i < 2; ++i) {
       const int idx = tid + 128 * i, r = idx >> 2, c = idx & 3;
       uint4 va = make_uint4(0, 0, 0, 0);
-      if (m0 + r < M) va = ldg16(A + (size_t)(G ? G[m0 + r] : m0 + r) * K + k0 + 16 * c);
+      if (m0 + r < M) va = ldg16(A + (size_t)(m0 + r) * K + k0 + 16 * c);
       *(uint4*)&As[r][16 * c] = va;
     }
     if (FMT == FMT_FP8) {  // 64 rows x 64 e4m3 bytes
@@ -102,7 +102,7 @@ __device__ __forceinline__ void gemm_e4m3_body(const u8* __restrict__ A, const f
     }
     {  // the stage's scales: 64 rows x 2 blocks of 32, of each operand
       const int r = tid >> 1, kb = tid & 1, k = k0 + 32 * kb;
-      sa[r][kb] = m0 + r < M ? SA[(size_t)(G ? G[m0 + r] : m0 + r) * nbk + k / 32] : 0.f;
+      sa[r][kb] = m0 + r < M ? SA[(size_t)(m0 + r) * nbk + k / 32] : 0.f;
       float s = 0.f;
       if (n0 + r < N) {
         if (FMT == FMT_FP8) s = ((const float*)SW)[(size_t)((n0 + r) / bn) * gk + k / bk];

@@ -229,24 +229,21 @@ __device__ __forceinline__ void wg_copy_rows(u32 dst, int dst_step, const u8* sr
   }
 }
 
-// GATHER: row r of the tile reads A's row G[m0 + r] (a MoE's pairs gathered from their tokens).
-template <int FMT, bool GATHER>
+template <int FMT>
 __device__ __forceinline__ void wg_produce(u8* smem, u32 base, const u8* __restrict__ A, const float* __restrict__ SA,
-                                           const int* __restrict__ G, const u8* __restrict__ W,
+                                           const u8* __restrict__ W,
                                            const void* __restrict__ SW, int M, int N, int K, int bn, int bk, int gk,
                                            int m0, int n0) {
   using C = WgCfg<FMT>;
   const int t = threadIdx.x - 256, T = (K + WG_BK - 1) / WG_BK, nbk = K / 32;
   // An operand tile is 128 rows x 8 chunks: 8 consecutive threads read one row's 128 bytes, thread t
   // chunk c8 of rows r8 + 16 i (one swizzle phase: 16 i is a multiple of 8). FP4 nibbles, 4 chunks
-  // a row: chunk c4 of rows r4 + 32 i. Row t's activation scales and weight scales. Gathered A:
-  // 4 threads a row, each copying chunks c4 and c4 + 4 of rows r4 + 32 i (a warp reads 8 rows' 64
-  // bytes a copy), so a thread looks up 4 rows a stage (L1 hits after the first; held in registers
-  // they spill the FP4 producer); rows past M read row M - 1 with source size 0.
+  // a row: chunk c4 of rows r4 + 32 i. Row t's activation scales and weight scales. Rows past M
+  // read row M - 1 with source size 0.
   const int r8 = t >> 3, c8 = t & 7, r4 = t >> 2, c4 = t & 3;
   const u8* a_src = A + (size_t)min(m0 + r8, M - 1) * K + 16 * c8;
   const bool a_ok = m0 + t < M, w_ok = n0 + t < N;
-  const float* sa_src = SA + (size_t)(a_ok ? (GATHER ? G[m0 + t] : m0 + t) : 0) * nbk;
+  const float* sa_src = SA + (size_t)(a_ok ? m0 + t : 0) * nbk;
   const u8* w_src = FMT == FMT_FP8 ? W + (size_t)min(n0 + r8, N - 1) * K + 16 * c8
                                    : W + (size_t)min(n0 + r4, N - 1) * (K / 2) + 16 * c4;
   const float* sw_src = (const float*)SW + (FMT == FMT_FP8 && w_ok ? (size_t)((n0 + t) / bn) * gk : 0);
@@ -255,15 +252,7 @@ __device__ __forceinline__ void wg_produce(u8* smem, u32 base, const u8* __restr
     mbar_wait(base + C::BAR + 8 * (C::ST + s), ((kt / C::ST) & 1) ^ 1);
     const u32 at = base + C::A + s * WG_TILE_BYTES, bt = base + C::B + s * WG_TILE_BYTES;
     const u32 sa = base + C::SA + s * WG_SCALE_BYTES, sw = base + C::SW + s * WG_SCALE_BYTES;
-    if (GATHER) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int r = r4 + 32 * i, bytes = r < M - m0 ? 16 : 0;
-        const u8* src = A + (size_t)__ldg(G + min(m0 + r, M - 1)) * K + k0 + 16 * c4;
-        wg_cp16(at + wg_swz(r, c4), src, bytes);
-        if (nkk == 4) wg_cp16(at + wg_swz(r, c4 + 4), src + 64, bytes);
-      }
-    } else if (c8 < 2 * nkk) {
+    if (c8 < 2 * nkk) {
       wg_copy_rows<8, 16>(at + wg_swz(r8, c8), 2048, a_src + k0, (size_t)16 * K, M - m0 - r8);
     }
     for (int kk = 0; kk < nkk; ++kk) wg_cp4(sa + 4 * (128 * kk + t), sa_src + k0 / 32 + kk, a_ok ? 4 : 0);
@@ -482,11 +471,9 @@ __device__ __forceinline__ void wg_idle(u32 base, int K) {
   }
 }
 
-// The tile of Y at rows m0.., columns n0.. (row r of Y from A's row G[r] if GATHER, else row r); bf: Y
-// rounded to bf16 as stored.
-// GATHER is a kernel's constant: a producer holding both ways of reading A spills.
-template <int FMT, bool GATHER>
-__device__ __forceinline__ void wg_gemm(u8* raw, const u8* A, const float* SA, const int* G, const u8* W,
+// The tile of Y at rows m0.., columns n0.. (from A's rows m0..); bf: Y rounded to bf16 as stored.
+template <int FMT>
+__device__ __forceinline__ void wg_gemm(u8* raw, const u8* A, const float* SA, const u8* W,
                                         const void* SW, float* Y, int ldy, int M, int N, int K, int bn, int bk, int gk,
                                         int m0, int n0, int bf) {
   using C = WgCfg<FMT>;
@@ -502,7 +489,7 @@ __device__ __forceinline__ void wg_gemm(u8* raw, const u8* A, const float* SA, c
   __syncthreads();
   if (threadIdx.x >= 256) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(WG_PRODUCER_REGS));
-    wg_produce<FMT, GATHER>(smem, base, A, SA, G, W, SW, M, N, K, bn, bk, gk, m0, n0);
+    wg_produce<FMT>(smem, base, A, SA, W, SW, M, N, K, bn, bk, gk, m0, n0);
   } else if (m0 + 64 * (int)(threadIdx.x >> 7) >= M) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(WG_PRODUCER_REGS));
     wg_idle<FMT>(base, K);

@@ -1,10 +1,10 @@
-"""kernels/fp8_grouped.cu (fp8_grouped_linear) against numpy: each segment's rows, gathered from
-their tokens (w1 / w3) or read in place (w2), times its expert's dequantized FP4 or FP8 weight,
-against the product of the fake-quantized rows within the FP8 MMA's accumulation precision
-(fp8_mma.py); the outputs start as NaN, so a row or column no segment wrote fails. Experts with
-no rows, one row, and more rows than a segment holds (cut into several); a doubled table whose
-second half writes the y columns after the first (gate and up in one launch); unused zero-row
-slots. Skipped where CuPy or a GPU is absent (CI).
+"""kernels/fp8_grouped.cu (fp8_grouped_linear) against numpy: each segment's rows (w1 / w3: the
+tokens' codes gathered into pair order by gather_codes; w2: the hidden rows), times its expert's
+dequantized FP4 or FP8 weight, against the product of the fake-quantized rows within the FP8 MMA's
+accumulation precision (fp8_mma.py); the outputs start as NaN, so a row or column no segment wrote
+fails. Experts with no rows, one row, and more rows than a segment holds (cut into several); a
+doubled table whose second half writes the y columns after the first (gate and up in one launch);
+unused zero-row slots. Skipped where CuPy or a GPU is absent (CI).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ cp = require_gpu()
 from fp8_mma import assert_fp8_mma_close  # noqa: E402
 
 from engine.checkpoint import formats  # noqa: E402
-from engine.ops.gpu.fp8_linear import GROUPED_ROWS, act_quant_fp8, fp8_grouped_linear  # noqa: E402
+from engine.ops.gpu.fp8_linear import GROUPED_ROWS, act_quant_fp8, fp8_grouped_linear, gather_codes  # noqa: E402
 from engine.ops.gpu.weights import GpuWeight, _host_dequant  # noqa: E402
 from engine.ops.kernels import FMT_FP4, FMT_FP8  # noqa: E402
 from engine.ops.numpy_ops import NumpyOps  # noqa: E402
@@ -53,7 +53,8 @@ def _table(counts: list[int], step: int, halves: int, ycol: int, spare: int = 3)
 @pytest.mark.parametrize("fmt", ["fp4", "fp8"])
 @pytest.mark.parametrize("n,k", [(320, 1024), (200, 320), (130, 64)])
 def test_grouped_gemm_gathered_rows(fmt, n, k):
-    """w1 and w3 in one launch: rows gathered from 97 tokens, two weights per expert."""
+    """w1 and w3 in one launch: rows gathered from 97 tokens (gather_codes: the codes and scales of
+    each pair's token, bit for bit), two weights per expert."""
     rng = np.random.default_rng(n + k)
     e_n, t = len(COUNTS), 97
     p = sum(COUNTS)
@@ -64,7 +65,11 @@ def test_grouped_gemm_gathered_rows(fmt, n, k):
     sptrs = cp.asarray(np.array([w.scale.data.ptr for w in ws], np.uint64))
     segs = cp.asarray(_table(COUNTS, GROUPED_ROWS, 2, n))
     y = cp.full((p, 2 * n), cp.nan, cp.float32)
-    fp8_grouped_linear(act_quant_fp8(cp.asarray(x)), cp.asarray(gather), segs, wptrs, sptrs, ws[0], y)
+    codes = act_quant_fp8(cp.asarray(x))
+    pairs = gather_codes(codes, cp.asarray(gather))
+    for got, want in zip(pairs, codes, strict=True):
+        np.testing.assert_array_equal(cp.asnumpy(got), cp.asnumpy(want)[gather])
+    fp8_grouped_linear(pairs, segs, wptrs, sptrs, ws[0], y)
     xq = NumpyOps().fake_quant_fp8(x, 32).astype(np.float64)[gather]
     want, mag = np.empty((p, 2 * n)), np.empty((p, 2 * n))
     r0 = 0
@@ -87,7 +92,7 @@ def test_grouped_gemm_rows_in_place(fmt):
     wptrs = cp.asarray(np.array([w.data.data.ptr for w in ws], np.uint64))
     sptrs = cp.asarray(np.array([w.scale.data.ptr for w in ws], np.uint64))
     y = cp.full((p, n), cp.nan, cp.float32)
-    fp8_grouped_linear(act_quant_fp8(cp.asarray(h)), None, cp.asarray(_table(COUNTS, GROUPED_ROWS, 1, 0)),
+    fp8_grouped_linear(act_quant_fp8(cp.asarray(h)), cp.asarray(_table(COUNTS, GROUPED_ROWS, 1, 0)),
                        wptrs, sptrs, ws[0], y)
     hq = NumpyOps().fake_quant_fp8(h, 32).astype(np.float64)
     want, mag = np.empty((p, n)), np.empty((p, n))
@@ -99,6 +104,6 @@ def test_grouped_gemm_rows_in_place(fmt):
         r0 += c
     assert_fp8_mma_close(cp.asnumpy(y), want, mag)
     yb = cp.full((p, n), cp.nan, cp.float32)  # bf16 out: the same sums, rounded as stored
-    fp8_grouped_linear(act_quant_fp8(cp.asarray(h)), None, cp.asarray(_table(COUNTS, GROUPED_ROWS, 1, 0)),
+    fp8_grouped_linear(act_quant_fp8(cp.asarray(h)), cp.asarray(_table(COUNTS, GROUPED_ROWS, 1, 0)),
                        wptrs, sptrs, ws[0], yb, bf16=True)
     np.testing.assert_array_equal(cp.asnumpy(yb), formats.round_bf16(cp.asnumpy(y)))

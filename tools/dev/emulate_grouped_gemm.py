@@ -1,4 +1,4 @@
-"""Emulate kernels/fp8_grouped.cu gemm_e4m3_grouped[_gather]_{fp8,fp4}_sm90 (a MoE's experts in one
+"""Emulate kernels/fp8_grouped.cu gemm_e4m3_grouped_{fp8,fp4}_sm90 (a MoE's experts in one
 launch) in numpy and compare its Y with a plain product; no GPU needed. Exits non-zero on a mismatch.
 
 The tile's work is tools/dev/emulate_wgmma_gemm.py's Block (every cp.async, barrier, descriptor and
@@ -10,10 +10,8 @@ fragment of kernels/fp8_wgmma.cuh); this adds what the grouped kernels change:
 - grouped_tile: block y -> segment and its tile's first row, blocks past a segment's rows (and
   zero-row slots) returning at once; the pointer table: expert e's data and scales are arrays of
   their own, so a read outside them fails the emulator's bounds check; A and SA moved to the
-  segment's first row (w2) or G to it (w1 / w3);
-- the gathering producer's copies (wg_produce<FMT, true>: 4 threads a row, chunks c4 and c4 + 4 of
-  rows r4 + 32 i, source row G[min(m0 + r, M - 1)], source size 0 past M, row t's scales from row
-  G[m0 + t]), each G index checked inside the gather array;
+  segment's first row (w1 / w3 read the tokens' codes gathered into pair order first, as
+  fp8_linear.py gather_codes does);
 - the epilogue through Y moved to the segment's first row and y column: rows row0 + r, columns
   ycol + n; every element written (Y starts as NaN).
 """
@@ -42,35 +40,19 @@ def grouped_rows() -> int:
 
 
 class GroupedBlock(wg.Block):
-    """A block of the grouped kernel: g holds the whole A / SA / G arrays and the segment's row0."""
+    """A block of the grouped kernel: g holds the whole A / SA arrays and the segment's row0."""
 
     def copy_a(self, t, at, sa, k0, nkk):
         g, m0 = self.g, self.m0
         M, K, row0 = g["M"], g["K"], g["row0"]
         nbk, a_ok = K // 32, m0 + t < M
-        if g["G"] is None:  # A and SA moved to row0
-            r8, c8 = t >> 3, t & 7
-            if c8 < 2 * nkk:
-                a_row = (row0 + min(m0 + r8, M - 1)) * K + 16 * c8 + k0
-                self.copy_rows(t, at + wg.swz(r8, c8), "A", a_row, 16 * K, M - m0 - r8, 8, 16)
-            srow = row0 + (m0 + t if a_ok else 0)
-        else:  # G moved to row0
-            r4, c4 = t >> 2, t & 3
-            for i in range(4):
-                r = r4 + 32 * i
-                src = self.gather(row0 + min(m0 + r, M - 1)) * K + k0 + 16 * c4
-                size = 16 if r < M - m0 else 0
-                self.cp(t, at + wg.swz(r, c4), "A", src, 16, size)
-                if nkk == 4:
-                    self.cp(t, at + wg.swz(r, c4 + 4), "A", src + 64, 16, size)
-            srow = self.gather(row0 + m0 + t) if a_ok else 0
+        r8, c8 = t >> 3, t & 7  # (A and SA moved to row0)
+        if c8 < 2 * nkk:
+            a_row = (row0 + min(m0 + r8, M - 1)) * K + 16 * c8 + k0
+            self.copy_rows(t, at + wg.swz(r8, c8), "A", a_row, 16 * K, M - m0 - r8, 8, 16)
+        srow = row0 + (m0 + t if a_ok else 0)
         for kk in range(nkk):
             self.cp(t, sa + 4 * (128 * kk + t), "SA", 4 * (srow * nbk + k0 // 32 + kk), 4, 4 if a_ok else 0)
-
-    def gather(self, i):
-        G = self.g["G"]
-        assert 0 <= i < G.size, f"G read outside the gather array: {i}"
-        return int(G[i])
 
 
 def group(ids, n_experts, step, dup_col, spare=2):
@@ -91,7 +73,7 @@ def group(ids, n_experts, step, dup_col, spare=2):
     return order, inv, (order // ids.shape[1]).astype(np.int32), np.asarray(segs, np.int32).reshape(-1)
 
 
-def launch(fmt, codes, sa, gather, segs, wtab, stab, Y, N, K, bn, bk, gk, step, smem):
+def launch(fmt, codes, sa, segs, wtab, stab, Y, N, K, bn, bk, gk, step, smem):
     """fp8_grouped_linear on sm_90a and the blocks of its grid, as grouped_tile maps them."""
     mtiles = -(-step // wg.BM)
     nseg = segs.size // 5
@@ -102,7 +84,7 @@ def launch(fmt, codes, sa, gather, segs, wtab, stab, Y, N, K, bn, bk, gk, step, 
         if m0 >= rows:
             continue
         assert acol == 0 and rows <= step
-        g = {"A": codes.reshape(-1), "SA": sa.astype(np.float32).view(np.uint8).reshape(-1), "G": gather,
+        g = {"A": codes.reshape(-1), "SA": sa.astype(np.float32).view(np.uint8).reshape(-1),
              "row0": row0, "W": wtab[e].reshape(-1),
              "SW": (stab[e].astype(np.float32).view(np.uint8) if fmt == FMT_FP8 else stab[e]).reshape(-1),
              "M": rows, "N": N, "K": K, "bn": bn, "bk": bk, "gk": gk}
@@ -129,7 +111,8 @@ def weights(rng, fmt, E, N, K):
 
 
 def check(fmt, T, k, E, D, N, counts_skew, seed=0):
-    """w1 / w3 (gathered, one doubled table) then w2 (in place) of a MoE with T tokens, top-k of E."""
+    """w1 / w3 (the tokens' rows gathered into pair order, one doubled table) then w2 of a MoE with T
+    tokens, top-k of E."""
     step, smem = grouped_rows(), wg.host_constants()["wgmma_smem"](fmt)
     rng = np.random.default_rng(seed)
     pop = np.geomspace(1.0, counts_skew, E)
@@ -142,7 +125,7 @@ def check(fmt, T, k, E, D, N, counts_skew, seed=0):
     ws = weights(rng, fmt, 2 * E, N, D)
     codes, sa, xq = wg.quantized_x(rng, T, D)
     gu = np.full((P, 2 * N), np.nan, np.float32)
-    launch(fmt, codes, sa, gather, segs, [w[0] for w in ws], [w[1] for w in ws], gu, N, D, bn, bk,
+    launch(fmt, codes[gather], sa[gather], segs, [w[0] for w in ws], [w[1] for w in ws], gu, N, D, bn, bk,
            D // 32 if fmt == FMT_FP4 else -(-D // 128), step, smem)
     want = np.empty((P, 2 * N))
     e_sorted = ids.reshape(-1)[order]
@@ -155,7 +138,7 @@ def check(fmt, T, k, E, D, N, counts_skew, seed=0):
     w2 = weights(rng, fmt, E, D, N)
     hc, hs, hq = wg.quantized_x(rng, P, N)
     out = np.full((P, D), np.nan, np.float32)
-    launch(fmt, hc, hs, None, segs[: segs.size // 2], [w[0] for w in w2], [w[1] for w in w2], out, D, N, bn, bk,
+    launch(fmt, hc, hs, segs[: segs.size // 2], [w[0] for w in w2], [w[1] for w in w2], out, D, N, bn, bk,
            N // 32 if fmt == FMT_FP4 else -(-N // 128), step, smem)
     want2 = np.empty((P, D))
     for e in range(E):

@@ -15,8 +15,9 @@ GPU tests hold it to.
   bf16; an fp32 one computes in fp32.
 - the experts: the routing weight scales the hidden state before w2 (the reference's Expert.forward).
   A prompt chunk's FP8 / FP4 experts (past moe.gemv_grouping: tiles, not GEMV segments) run the grouped e4m3 GEMM
-  (fp8_linear.fp8_grouped_linear) on activations quantized once per token row and once per hidden
-  row; decode's GEMV segments fake-quantize the rows as they stage them, as linear() does.
+  (fp8_linear.fp8_grouped_linear) on activations quantized once per token row (then gathered into
+  pair order, fp8_linear.gather_codes) and once per hidden row; decode's GEMV segments
+  fake-quantize the rows as they stage them, as linear() does.
 - attention and the indexer: the kernels' bf16 rounding points (CupyOps.bf16).
 """
 
@@ -29,7 +30,15 @@ from engine.model.numerics import BF16, QUANT
 from engine.ops import kernels as K
 from engine.ops.gpu.common import _ELT_BLOCK, F32, _c32, _grid, round_bf16
 from engine.ops.gpu.fork import joins_inputs, joins_late
-from engine.ops.gpu.fp8_linear import ACT_BLOCK, GROUPED_ROWS, TILE, act_quant_fp8, fp8_grouped_linear, fp8_linear
+from engine.ops.gpu.fp8_linear import (
+    ACT_BLOCK,
+    GROUPED_ROWS,
+    TILE,
+    act_quant_fp8,
+    fp8_grouped_linear,
+    fp8_linear,
+    gather_codes,
+)
 from engine.ops.gpu.linear import TC_MAX_ROWS, XQ_BF16, XQ_FP8, XQ_NONE
 from engine.ops.gpu.moe import gemv_grouping
 from engine.ops.gpu.ops import CupyOps
@@ -153,22 +162,23 @@ class DeepseekCupyOps(CupyOps):
         segs, gather, inv, order = self._moe_group(ids, n_experts, GROUPED_ROWS, dup)
         (w1, p1, s1), (w2, p2, s2), (w3, p3, s3) = tabs[:3]
         p, inter, d = gather.size, w1.shape[0], x.shape[1]
-        xq = act_quant_fp8(x, bf16=True)  # per token row: the gather reads the rows' codes and scales
+        # per token row, then the pairs' rows gathered from them in expert order
+        xq = gather_codes(act_quant_fp8(x, bf16=True), gather)
         if dup:  # gate and up in one launch: w3's segments (second half) write columns inter..
             gu = cp.empty((p, 2 * inter), F32)
-            fp8_grouped_linear(xq, gather, segs, tabs[3][1], tabs[3][2], w1, gu, bf16=True)
+            fp8_grouped_linear(xq, segs, tabs[3][1], tabs[3][2], w1, gu, bf16=True)
             segs = segs[: segs.size // 2]
             hidden = self._swiglu_pairs(gu, inter, limit)
         else:
             gate, up = cp.empty((p, inter), F32), cp.empty((p, inter), F32)
-            fp8_grouped_linear(xq, gather, segs, p1, s1, w1, gate, bf16=True)
-            fp8_grouped_linear(xq, gather, segs, p3, s3, w3, up, bf16=True)
+            fp8_grouped_linear(xq, segs, p1, s1, w1, gate, bf16=True)
+            fp8_grouped_linear(xq, segs, p3, s3, w3, up, bf16=True)
             hidden = self._swiglu(gate, up, limit)
         if hidden.size:  # bf16(hidden * routing weight), in place
             K.function("elementwise", "moe_weight_rows")(_grid(hidden.size), (_ELT_BLOCK,), (
                 hidden, _c32(weights), order, np.int64(hidden.size), np.int32(inter)))
         out = cp.empty((p, d), F32)
-        fp8_grouped_linear(act_quant_fp8(hidden), None, segs, p2, s2, w2, out, bf16=True)
+        fp8_grouped_linear(act_quant_fp8(hidden), segs, p2, s2, w2, out, bf16=True)
         return self._combine(out, cp.ones(ids.shape, F32), inv, int(ids.shape[1]), d, shared)
 
     def _linear_xq(self, w: GpuWeight) -> int:

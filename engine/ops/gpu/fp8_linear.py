@@ -16,7 +16,7 @@ import cupy as cp
 import numpy as np
 
 from engine.ops import kernels as K
-from engine.ops.gpu.common import _NULL, _c32
+from engine.ops.gpu.common import _c32
 from engine.ops.gpu.weights import GpuWeight
 from engine.ops.kernels import FMT_FP4, FMT_FP8
 
@@ -83,12 +83,28 @@ def fp8_linear(x: cp.ndarray | None, w: GpuWeight, codes: tuple | None = None, b
     return y
 
 
-def fp8_grouped_linear(codes: tuple[cp.ndarray, cp.ndarray], gather: cp.ndarray | None, segs: cp.ndarray,
-                       wptrs: cp.ndarray, sptrs: cp.ndarray, w: GpuWeight, y: cp.ndarray,
-                       step: int = GROUPED_ROWS, bf16: bool = False) -> None:
-    """y[row0 + r, ycol:ycol + N] = A[gather[row0 + r]] (A[row0 + r] without gather) times expert e's
-    weight, for each segment (e, row0, rows <= step, 0, ycol) of segs [nseg * 5] int32; codes = (A
-    e4m3 codes, scales) from act_quant_fp8; wptrs / sptrs [E] uint64: the experts' data and scale
+def gather_codes(codes: tuple[cp.ndarray, cp.ndarray], rows: cp.ndarray) -> tuple[cp.ndarray, cp.ndarray]:
+    """act_quant_fp8's (codes, scales) of the given rows, in their order: a MoE's pairs, which the
+    grouped GEMM then reads in place (gathering them in its producer cost it more than this pass)."""
+    a, sa = codes
+    idx = cp.ascontiguousarray(rows, dtype=cp.int32)
+    out = []
+    for src, block in ((a, 256), (sa, 64)):
+        dst = cp.empty((idx.size, src.shape[1]), src.dtype)
+        n16 = src.shape[1] * src.itemsize // 16
+        if idx.size and n16 * 16 == src.shape[1] * src.itemsize and src.flags.c_contiguous:
+            K.function("elementwise", "gather_rows16")((idx.size,), (block,), (src, idx, dst, np.int32(n16)))
+        elif idx.size:
+            dst[...] = src[idx]
+        out.append(dst)
+    return out[0], out[1]
+
+
+def fp8_grouped_linear(codes: tuple[cp.ndarray, cp.ndarray], segs: cp.ndarray, wptrs: cp.ndarray, sptrs: cp.ndarray,
+                       w: GpuWeight, y: cp.ndarray, step: int = GROUPED_ROWS, bf16: bool = False) -> None:
+    """y[row0 + r, ycol:ycol + N] = A[row0 + r] times expert e's weight, for each segment (e, row0,
+    rows <= step, 0, ycol) of segs [nseg * 5] int32; codes = (A e4m3 codes, scales) from
+    act_quant_fp8, rows in pair order (gather_codes); wptrs / sptrs [E] uint64: the experts' data and scale
     pointers, each weight of w's shape, format and blocks. Rows no segment covers are not written.
     bf16: y rounded to bf16 as stored."""
     tag = {FMT_FP8: "fp8", FMT_FP4: "fp4"}.get(w.fmt)
@@ -102,16 +118,15 @@ def fp8_grouped_linear(codes: tuple[cp.ndarray, cp.ndarray], gather: cp.ndarray 
     if nseg == 0 or a.shape[0] == 0:
         return
     bn, bk = w.block
-    g = cp.ascontiguousarray(gather, dtype=cp.int32) if gather is not None else None
     sm90 = K.device_arch() == "90a"
     tile = WG_TILE if sm90 else TILE
     mtiles = -(-step // tile)
-    args = (a, sa, g if g is not None else _NULL, segs, wptrs, sptrs, y, np.int32(y.shape[1]), np.int32(n),
+    args = (a, sa, segs, wptrs, sptrs, y, np.int32(y.shape[1]), np.int32(n),
             np.int32(k), np.int32(bn), np.int32(bk), np.int32(w.gk), np.int32(mtiles), np.int32(bf16))
     grid = (-(-n // tile), nseg * mtiles)
-    if sm90:  # (one way of reading A per kernel: the gathering ones for w1 / w3)
-        name = f"gemm_e4m3_grouped_{'gather_' if g is not None else ''}{tag}_sm90"
+    if sm90:
         smem = wgmma_smem(w.fmt)
-        K.function_with_smem("fp8_grouped", name, smem)(grid, (WG_THREADS,), args, shared_mem=smem)
+        fn = K.function_with_smem("fp8_grouped", f"gemm_e4m3_grouped_{tag}_sm90", smem)
+        fn(grid, (WG_THREADS,), args, shared_mem=smem)
     else:
         K.function("fp8_grouped", f"gemm_e4m3_grouped_{tag}")(grid, (128,), args)
