@@ -25,7 +25,7 @@ import numpy as np
 
 from engine.state import rows
 from engine.state.rows import Span
-from engine.state.sequence import grown_mark
+from engine.state.sequence import _own_of, grown_mark
 
 MIN_CAPACITY = 64
 
@@ -225,6 +225,7 @@ def _plan_source(cfg, li: int, p: LayerPlan, states: list, counts: list, xp, gro
     """A KV source's rows: each joins its group's pending rows, a full group is pooled into an
     entry (and an indexer key), row by row in each sequence's order."""
     ratio, d, indexed = cfg.compress_ratios[li], cfg.head_dim, li in cfg.index_source_layer_ids
+    first = None
     if ratio > 1:
         p.pend_kv, p.pend_gate, p.pool_kv, p.pool_gate = [], [], [], []
         first = np.zeros(sum(counts), np.int64)
@@ -235,6 +236,9 @@ def _plan_source(cfg, li: int, p: LayerPlan, states: list, counts: list, xp, gro
     r = 0
     for b, s in enumerate(states):
         ls, c = s.layers[li], counts[b]
+        if _source_rows_held(p, ls, c, ratio, indexed, keys, first, r, row_marks[b] if row_marks is not None else None):
+            r += c
+            continue
         for j in range(c):
             rest, closes = c - j, True  # (ratio 1: each token is its own group, projected already)
             if ratio > 1:
@@ -264,6 +268,72 @@ def _plan_source(cfg, li: int, p: LayerPlan, states: list, counts: list, xp, gro
         p.pool_rope = np.stack(rope_comp(first))
     if indexed:
         published["keys", li] = keys, [k.n for k in keys]
+
+
+def _source_rows_held(p: LayerPlan, ls, c: int, ratio: int, indexed: bool, keys: list, first, r: int,
+                      marks: list | None) -> bool:
+    """_plan_source's rows of one sequence where every buffer they append to is a growth buffer with
+    room for all c of them (the steady state: no copy, no new buffer): the same Spans, marks and
+    bookkeeping as the row-by-row path, with the records committed once. False (nothing done)
+    where any buffer would be reserved anew; the caller then plans the rows one by one."""
+    spare = ls.spare
+    names = (("buf_kv", "buf_gate") if ratio > 1 else ()) + ("entries",) + (("idx_keys",) if indexed else ())
+    held = [spare.get(name) for name in names]
+    if any(h is None or h[2] + c > h[0].shape[0] for h in held):
+        return False
+    if ratio > 1:
+        (bkv, s, e, _), (bgt, s2, e2, _) = held[0], held[1]
+        if (s2, e2) != (s, e):
+            return False
+        held = held[2:]
+    be, es, ee = held[0][0], held[0][1], held[0][2]
+    bk, ks, ke = (held[1][0], held[1][1], held[1][2]) if indexed else (None, 0, 0)
+    entries, entry_dst, key_dst = p.entries, p.entry_dst, p.key_dst
+    for j in range(c):
+        closes = True
+        if ratio > 1:
+            p.pend_kv.append(Span(bkv, e, 1))
+            p.pend_gate.append(Span(bgt, e, 1))
+            closes = e + 1 - s == ratio
+            if closes:
+                p.pool_kv.append(Span(bkv, s, ratio))
+                p.pool_gate.append(Span(bgt, s, ratio))
+                # (the pool frees its rows, but not before the step's last row: see _plan_source)
+                s = e = 0 if j == c - 1 else e + 1
+            else:
+                p.pool_kv.append(None)
+                p.pool_gate.append(None)
+                e += 1
+            first[r + j] = (ee - es) * ratio
+        if closes:
+            entry_dst.append(Span(be, ee, 1))
+            ee += 1
+            if indexed:
+                key_dst.append(Span(bk, ke, 1))
+                ke += 1
+        else:
+            entry_dst.append(None)
+            if indexed:
+                key_dst.append(None)
+        if indexed:
+            keys.append(Span(bk, ks, ke - ks))
+        entries.append(Span(be, es, ee - es))
+        if marks is not None:  # (grown_mark's form: the records after this row, the own arrays unchanged)
+            rec = dict(spare)
+            if ratio > 1:
+                rec["buf_kv"], rec["buf_gate"] = [bkv, s, e, None], [bgt, s, e, None]
+            rec["entries"] = [be, es, ee, None]
+            if indexed:
+                rec["idx_keys"] = [bk, ks, ke, None]
+            d = ls.__dict__
+            marks[j][0].append((d, rec, _own_of(d)))
+    if ratio > 1:
+        ls.hold("buf_kv", bkv, s, e)
+        ls.hold("buf_gate", bgt, s, e)
+    ls.hold("entries", be, es, ee)
+    if indexed:
+        ls.hold("idx_keys", bk, ks, ke)
+    return True
 
 
 def with_spans(inputs: StepInputs) -> StepInputs:
