@@ -25,7 +25,7 @@ import numpy as np
 
 from engine.state import rows
 from engine.state.rows import Span
-from engine.state.sequence import _own_of, grown_mark
+from engine.state.sequence import HeldRows, _own_of, grown_mark
 
 MIN_CAPACITY = 64
 
@@ -273,14 +273,17 @@ def _plan_source(cfg, li: int, p: LayerPlan, states: list, counts: list, xp, gro
 def _source_rows_held(p: LayerPlan, ls, c: int, ratio: int, indexed: bool, keys: list, first, r: int,
                       marks: list | None) -> bool:
     """_plan_source's rows of one sequence where every buffer they append to is a growth buffer with
-    room for all c of them (the steady state: no copy, no new buffer): the same Spans, marks and
-    bookkeeping as the row-by-row path, with the records committed once. False (nothing done)
-    where any buffer would be reserved anew; the caller then plans the rows one by one."""
+    room for all c of them (the steady state: no copy, no new buffer): the same Spans and
+    bookkeeping as the row-by-row path, with the records committed once, and each row's trial mark
+    as counters (sequence.HeldRows: the same records once restored). False (nothing done) where any
+    buffer would be reserved anew; the caller then plans the rows one by one."""
     spare = ls.spare
     names = (("buf_kv", "buf_gate") if ratio > 1 else ()) + ("entries",) + (("idx_keys",) if indexed else ())
     held = [spare.get(name) for name in names]
     if any(h is None or h[2] + c > h[0].shape[0] for h in held):
         return False
+    bkv = bgt = None
+    s = e = 0
     if ratio > 1:
         (bkv, s, e, _), (bgt, s2, e2, _) = held[0], held[1]
         if (s2, e2) != (s, e):
@@ -289,6 +292,9 @@ def _source_rows_held(p: LayerPlan, ls, c: int, ratio: int, indexed: bool, keys:
     be, es, ee = held[0][0], held[0][1], held[0][2]
     bk, ks, ke = (held[1][0], held[1][1], held[1][2]) if indexed else (None, 0, 0)
     entries, entry_dst, key_dst = p.entries, p.entry_dst, p.key_dst
+    if marks is not None:  # (each row's mark: these counters after it; grown_mark's form on restore)
+        d = ls.__dict__
+        rows_held, own = HeldRows(dict(spare), bkv, bgt, be, bk, es, ks), _own_of(d)
     for j in range(c):
         closes = True
         if ratio > 1:
@@ -318,15 +324,8 @@ def _source_rows_held(p: LayerPlan, ls, c: int, ratio: int, indexed: bool, keys:
         if indexed:
             keys.append(Span(bk, ks, ke - ks))
         entries.append(Span(be, es, ee - es))
-        if marks is not None:  # (grown_mark's form: the records after this row, the own arrays unchanged)
-            rec = dict(spare)
-            if ratio > 1:
-                rec["buf_kv"], rec["buf_gate"] = [bkv, s, e, None], [bgt, s, e, None]
-            rec["entries"] = [be, es, ee, None]
-            if indexed:
-                rec["idx_keys"] = [bk, ks, ke, None]
-            d = ls.__dict__
-            marks[j][0].append((d, rec, _own_of(d)))
+        if marks is not None:
+            marks[j][0].append((d, (rows_held, s, e, ee, ke), own))
     if ratio > 1:
         ls.hold("buf_kv", bkv, s, e)
         ls.hold("buf_gate", bgt, s, e)

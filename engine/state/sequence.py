@@ -168,10 +168,34 @@ def plan_marks(states: list, grown_layers: list[int], like: tuple | None = None,
     return grown, blocks
 
 
+class HeldRows:
+    """One layer's growth-buffer records over a step's rows, kept as counters: the plan's trial mark
+    of row j is (HeldRows, its counters after row j) in place of a copy of the records
+    (decode_plan._source_rows_held, which appends in place to the buffers named here). records()
+    gives the copy grown_mark would have taken."""
+
+    __slots__ = ("base", "kv", "gate", "entries", "keys", "es", "ks")
+
+    def __init__(self, base: dict, kv, gate, entries, keys, es: int, ks: int) -> None:
+        self.base, self.kv, self.gate, self.entries, self.keys, self.es, self.ks = (
+            base, kv, gate, entries, keys, es, ks)
+
+    def records(self, s: int, e: int, ee: int, ke: int) -> dict:
+        rec = dict(self.base)
+        if self.kv is not None:
+            rec["buf_kv"], rec["buf_gate"] = [self.kv, s, e, None], [self.gate, s, e, None]
+        rec["entries"] = [self.entries, self.es, ee, None]
+        if self.keys is not None:
+            rec["idx_keys"] = [self.keys, self.ks, ke, None]
+        return rec
+
+
 def restore_marks(marks: tuple) -> None:
     """Put back the bookkeeping plan_marks took (a plan made ahead set aside, or applied)."""
     grown, blocks = marks
     for d, spare, own in grown:
+        if type(spare) is tuple:  # (a verify row's counters: HeldRows)
+            spare = spare[0].records(*spare[1:])
         d["spare"].clear()
         d["spare"].update(spare)
         d.update(zip(_OWN, own, strict=True))
