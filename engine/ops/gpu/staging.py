@@ -38,23 +38,41 @@ class _Addresses:
 
     def __call__(self, sp) -> int:
         """Address of sp's first row (C-contiguous float32 rows of a 2-D buffer); 0 for None."""
-        if sp is None or sp.buf is None:
-            return 0
-        got = self._bufs.get(id(sp.buf))
+        return self.addresses([sp])[0]
+
+    def _buffer(self, buf) -> tuple:
+        got = self._bufs.get(id(buf))
         if got is None:
-            buf = sp.buf
             if buf.dtype != np.float32 or not buf.flags.c_contiguous or buf.ndim != 2:
                 raise ValueError("a staged Span must cover C-contiguous float32 rows of a 2-D buffer")
             got = self._bufs[id(buf)] = (buf, _address(buf), buf.shape[1] * 4, buf.shape[0])
-        if sp.start + sp.n > got[3]:
-            raise ValueError("a staged Span runs past its buffer")
-        return got[1] + sp.start * got[2]
+        return got
+
+    def addresses(self, spans: list) -> list[int]:
+        """__call__ of each Span, in one loop (a step stages thousands: this is on the host's
+        serial path while the device drafts)."""
+        out, bufs, last, got = [], self._bufs, None, None
+        for sp in spans:
+            if sp is None or sp.buf is None:
+                out.append(0)
+                continue
+            buf, start, n = sp
+            if buf is not last:  # (a sequence's consecutive rows share a buffer)
+                got = bufs.get(id(buf)) or self._buffer(buf)
+                last = buf
+            if start + n > got[3]:
+                raise ValueError("a staged Span runs past its buffer")
+            out.append(got[1] + start * got[2])
+        return out
 
     def table(self, kind: str, value: list) -> np.ndarray:
         if kind == ROWS:
-            return np.array([self(sp) for sp in value], np.int64)
+            return np.array(self.addresses(value), np.int64)
         if kind == SPANS:
-            return np.array([(self(sp), 0 if sp is None else sp.n) for sp in value], np.int64).reshape(-1, 2)
+            tab = np.empty((len(value), 2), np.int64)
+            tab[:, 0] = self.addresses(value)
+            tab[:, 1] = [0 if sp is None else sp.n for sp in value]
+            return tab
         raise ValueError(f"unknown staged field kind {kind!r}")
 
 
@@ -78,7 +96,7 @@ def _window_tables(inputs: StepInputs, addr: _Addresses) -> tuple[np.ndarray, np
         if ok is None or not ok.any():
             continue
         ents = layers[src].entries
-        att[lis, :, 3] = np.where(ok, [addr(sp) for sp in ents], 0)
+        att[lis, :, 3] = np.where(ok, addr.addresses(ents), 0)
         att[lis, :, 4] = np.where(ok, [sp.n for sp in ents], 0)
         att[lis, :, 5] = ok
     return base + (off + w.dst) * row, att
