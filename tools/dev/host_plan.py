@@ -7,9 +7,10 @@ The 2-layer benchmark checkpoint has two KV source layers; the released model ha
 KV sources and eight indexer sources, and engine/state/decode_plan.plan_decode walks every source
 row by row on the host. Each batch's sequences first decode `context` one-token steps (full
 windows, compressed entries, indexer keys), then a step of `rows` rows per sequence (6: a DSpark
-verify step, block 5) is planned, with the trial marks a verify records, 8 times over; the
-median is printed. The plan is made while the device runs the step before (or the draft), so
-it bounds the step from below where it takes longer than the device.
+verify step, block 5) is planned, with the trial marks a verify records, and packed into the
+tables a GPU step uploads (engine/ops/gpu/staging.py pack, here with numpy buffers' host
+addresses), 8 times over; the medians are printed. Both are made while the device runs the step
+before (or the draft), so they bound the step from below where they take longer than the device.
 """
 
 from __future__ import annotations
@@ -31,6 +32,15 @@ from engine.state.sequence import LayerState, SequenceState  # noqa: E402
 
 def plan_seconds(cfg, batch: int, rows: int, context: int, repeats: int = 8) -> float:
     """Median seconds of plan_decode for `rows` rows of each of `batch` sequences `context` tokens in."""
+    return host_seconds(cfg, batch, rows, context, repeats)[0]
+
+
+def host_seconds(cfg, batch: int, rows: int, context: int, repeats: int = 8) -> tuple[float, float]:
+    """Median seconds of plan_decode and of staging.pack of its step, for `rows` rows of each of
+    `batch` sequences `context` tokens in."""
+    from engine.ops.gpu.staging import pack
+    from engine.state.decode_plan import StepInputs
+
 
     def rope(pos):
         half = cfg.rope_dim // 2
@@ -42,14 +52,20 @@ def plan_seconds(cfg, batch: int, rows: int, context: int, repeats: int = 8) -> 
         plan_decode(cfg, states, np, [], rope, True)
         for s in states:
             s.position += 1
-    times = []
+    plans, packs = [], []
+    n = batch * rows
     for _ in range(repeats):  # (on the states themselves: a copy holds no growth headroom, so it allocates)
         t0 = time.perf_counter()
-        plan_decode(cfg, states, np, [], rope, True, counts=[rows] * batch, marks=[] if rows > 1 else None)
-        times.append(time.perf_counter() - t0)
+        win, layers = plan_decode(cfg, states, np, [], rope, True, counts=[rows] * batch,
+                                  marks=[] if rows > 1 else None)
+        t1 = time.perf_counter()
+        pack(StepInputs(ids=np.zeros(n, np.int64), hash_ids=None, rope=np.zeros((4, n, cfg.rope_dim // 2), np.float32),
+                        layers=layers, window=win))
+        plans.append(t1 - t0)
+        packs.append(time.perf_counter() - t1)
         for s in states:
             s.position += rows
-    return float(np.median(times))
+    return float(np.median(plans)), float(np.median(packs))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
           f"indexer sources {list(cfg.index_source_layer_ids)}; context {a.context} tokens")
     for rows in map(int, a.rows.split(",")):
         for b in map(int, a.batches.split(",")):
-            print(f"b{b} x {rows} row(s): plan_decode {plan_seconds(cfg, b, rows, a.context) * 1e3:.2f} ms")
+            plan, packed = host_seconds(cfg, b, rows, a.context)
+            print(f"b{b} x {rows} row(s): plan_decode {plan * 1e3:.2f} ms, staging.pack {packed * 1e3:.2f} ms")
     return 0
 
 
