@@ -60,7 +60,7 @@ case ${1:-1} in
     step p2_fp4 120 $NCU -k regex:gemm_e4m3_fp4_sm90 python3 -m pytest -q -s tests/gpu/test_gpu_fp8_gemm.py -k rate
     wait
     step p0_chunk 150 python3 tools/dev/gpu_profile.py prefill "$CKPT" --context 4096 --chunk 4096 --numerics deepseek
-    step p3_grouped 200 $NCU --section SourceCounters -o /tmp/grouped -k regex:grouped_gather_fp4 $B --prefill 4096 \
+    step p3_grouped 200 $NCU --section SourceCounters -o /tmp/grouped -k regex:grouped_fp4 $B --prefill 4096 \
       --batches 1 --numerics deepseek --speculative off
     # (-o writes the report instead of printing it): its sections, then where its warps stall,
     # instruction by instruction (the SASS with its stall samples)
