@@ -39,22 +39,6 @@ def grouped_rows() -> int:
     return ns["GROUPED_ROWS"]
 
 
-class GroupedBlock(wg.Block):
-    """A block of the grouped kernel: g holds the whole A / SA arrays and the segment's row0."""
-
-    def copy_a(self, t, at, sa, k0, nkk):
-        g, m0 = self.g, self.m0
-        M, K, row0 = g["M"], g["K"], g["row0"]
-        nbk, a_ok = K // 32, m0 + t < M
-        r8, c8 = t >> 3, t & 7  # (A and SA moved to row0)
-        if c8 < 2 * nkk:
-            a_row = (row0 + min(m0 + r8, M - 1)) * K + 16 * c8 + k0
-            self.copy_rows(t, at + wg.swz(r8, c8), "A", a_row, 16 * K, M - m0 - r8, 8, 16)
-        srow = row0 + (m0 + t if a_ok else 0)
-        for kk in range(nkk):
-            self.cp(t, sa + 4 * (128 * kk + t), "SA", 4 * (srow * nbk + k0 // 32 + kk), 4, 4 if a_ok else 0)
-
-
 def group(ids, n_experts, step, dup_col, spare=2):
     """moe_group_large's outputs (order, inv, gather, segs [2 x] maxseg x 5) for ids [T, k]."""
     flat = ids.reshape(-1)
@@ -84,14 +68,15 @@ def launch(fmt, codes, sa, segs, wtab, stab, Y, N, K, bn, bk, gk, step, smem):
         if m0 >= rows:
             continue
         assert acol == 0 and rows <= step
-        g = {"A": codes.reshape(-1), "SA": sa.astype(np.float32).view(np.uint8).reshape(-1),
-             "row0": row0, "W": wtab[e].reshape(-1),
+        # (grouped_tile moves A and SA to the segment's first row: the dense block's copies from there)
+        g = {"A": codes[row0:].reshape(-1), "SA": sa[row0:].astype(np.float32).view(np.uint8).reshape(-1),
+             "W": wtab[e].reshape(-1),
              "SW": (stab[e].astype(np.float32).view(np.uint8) if fmt == FMT_FP8 else stab[e]).reshape(-1),
              "M": rows, "N": N, "K": K, "bn": bn, "bk": bk, "gk": gk}
         ys = Y[row0:row0 + rows, ycol:ycol + N]  # Y + row0 * ldy + ycol, rows of ldy
         assert ys.shape == (rows, N), "a segment's output outside Y"
         for bx in range(grid[0]):
-            wg.run_block(fmt, g, m0, bx * wg.BN, smem, ys, cls=GroupedBlock)
+            wg.run_block(fmt, g, m0, bx * wg.BN, smem, ys)
 
 
 def weights(rng, fmt, E, N, K):
