@@ -36,7 +36,7 @@ extern "C" __global__ void act_quant_fp8(const float* __restrict__ x, int ldx, u
       int bk, int gk, int bf
 #define DENSE_MMA(NAME, FMT)                                                                                  \
   extern "C" __global__ void __launch_bounds__(128) NAME(DENSE_ARGS) {                                        \
-    gemm_e4m3_body<FMT>(A, SA, W, SW, Y, ldy, M, N, K, bn, bk, gk, blockIdx.y * FG_BM,               \
+    gemm_e4m3_body<FMT>(A, SA, W, SW, Y, ldy, M, N, K, bn, bk, gk, blockIdx.y * FG_BM,                        \
                         blockIdx.x * FG_BN, bf);                                                              \
   }
 DENSE_MMA(gemm_e4m3_fp8, FMT_FP8)
@@ -46,7 +46,7 @@ DENSE_MMA(gemm_e4m3_fp4, FMT_FP4)
 #define DENSE_WG(NAME, FMT)                                                                                   \
   extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) NAME(DENSE_ARGS) {                              \
     extern __shared__ __align__(1024) u8 wg_smem[];                                                           \
-    wg_gemm<FMT>(wg_smem, A, SA, W, SW, Y, ldy, M, N, K, bn, bk, gk, blockIdx.y * WG_BM,      \
+    wg_gemm<FMT>(wg_smem, A, SA, W, SW, Y, ldy, M, N, K, bn, bk, gk, blockIdx.y * WG_BM,                      \
                         blockIdx.x * WG_BN, bf);                                                              \
   }
 DENSE_WG(gemm_e4m3_fp8_sm90, FMT_FP8)

@@ -41,28 +41,28 @@ __device__ __forceinline__ bool grouped_tile(const int* __restrict__ segs, const
 }
 
 #define GROUPED_ARGS                                                                                          \
-  const u8 *A, const float *SA, const int *segs, const u64 *wptrs, const u64 *sptrs, float *Y, \
+  const u8 *A, const float *SA, const int *segs, const u64 *wptrs, const u64 *sptrs, float *Y,                \
       int ldy, int N, int K, int bn, int bk, int gk, int mtiles, int bf
 #define GROUPED_MMA(NAME, FMT)                                                                                \
   extern "C" __global__ void __launch_bounds__(128) NAME(GROUPED_ARGS) {                                      \
     const u8* W;                                                                                              \
     const void* SW;                                                                                           \
     int M, m0;                                                                                                \
-    if (!grouped_tile<FG_BM>(segs, wptrs, sptrs, mtiles, K, ldy, A, SA, W, SW, Y, M, m0)) return;          \
-    gemm_e4m3_body<FMT>(A, SA, W, SW, Y, ldy, M, N, K, bn, bk, gk, m0, blockIdx.x * FG_BN, bf);            \
+    if (!grouped_tile<FG_BM>(segs, wptrs, sptrs, mtiles, K, ldy, A, SA, W, SW, Y, M, m0)) return;             \
+    gemm_e4m3_body<FMT>(A, SA, W, SW, Y, ldy, M, N, K, bn, bk, gk, m0, blockIdx.x * FG_BN, bf);               \
   }
 GROUPED_MMA(gemm_e4m3_grouped_fp8, FMT_FP8)
 GROUPED_MMA(gemm_e4m3_grouped_fp4, FMT_FP4)
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define GROUPED_WG(NAME, FMT)                                                                         \
+#define GROUPED_WG(NAME, FMT)                                                                                 \
   extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) NAME(GROUPED_ARGS) {                            \
     extern __shared__ __align__(1024) u8 wg_smem[];                                                           \
     const u8* W;                                                                                              \
     const void* SW;                                                                                           \
     int M, m0;                                                                                                \
-    if (!grouped_tile<WG_BM>(segs, wptrs, sptrs, mtiles, K, ldy, A, SA, W, SW, Y, M, m0)) return;          \
-    wg_gemm<FMT>(wg_smem, A, SA, W, SW, Y, ldy, M, N, K, bn, bk, gk, m0, blockIdx.x * WG_BN, bf);  \
+    if (!grouped_tile<WG_BM>(segs, wptrs, sptrs, mtiles, K, ldy, A, SA, W, SW, Y, M, m0)) return;             \
+    wg_gemm<FMT>(wg_smem, A, SA, W, SW, Y, ldy, M, N, K, bn, bk, gk, m0, blockIdx.x * WG_BN, bf);             \
   }
 GROUPED_WG(gemm_e4m3_grouped_fp8_sm90, FMT_FP8)
 GROUPED_WG(gemm_e4m3_grouped_fp4_sm90, FMT_FP4)

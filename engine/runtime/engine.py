@@ -216,6 +216,7 @@ class Engine:
             chunk = [tok]
         return out
 
+
 def warm_up(model: Model, vocab: int, chunk: int, context: int) -> float:
     """Two prompt chunks (the second attends to the first: the paths that read context) and one
     decode step of a scratch sequence, then its seconds. Kernels are compiled on first use and

@@ -223,7 +223,8 @@ def _plan_layer(cfg, li: int, grp: int, states: list, counts: list, xp, growth: 
 def _plan_source(cfg, li: int, p: LayerPlan, states: list, counts: list, xp, growth: list, rope_comp,
                  published: dict, row_marks: list | None) -> None:
     """A KV source's rows: each joins its group's pending rows, a full group is pooled into an
-    entry (and an indexer key), row by row in each sequence's order."""
+    entry (and an indexer key), in each sequence's order: in one pass where the sequence's buffers
+    have room for all its rows (_source_rows_held), else row by row, reserving as it goes."""
     ratio, d, indexed = cfg.compress_ratios[li], cfg.head_dim, li in cfg.index_source_layer_ids
     first = None
     if ratio > 1:

@@ -4,8 +4,8 @@ tool; no GPU, no weights): `python3 tools/dev/host_plan.py [--batches 1,8,32] [-
 [--context 200]`.
 
 The 2-layer benchmark checkpoint has two KV source layers; the released model has 40 layers, four
-KV sources and eight indexer sources, and engine/state/decode_plan.plan_decode walks every source
-row by row on the host. Each batch's sequences first decode `context` one-token steps (full
+KV sources and eight indexer sources, and engine/state/decode_plan.plan_decode walks every source's
+rows on the host. Each batch's sequences first decode `context` one-token steps (full
 windows, compressed entries, indexer keys), then a step of `rows` rows per sequence (6: a DSpark
 verify step, block 5) is planned, with the trial marks a verify records, and packed into the
 tables a GPU step uploads (engine/ops/gpu/staging.py pack, here with numpy buffers' host
@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from engine.checkpoint.tiny_model import flash_config  # noqa: E402
 from engine.model.config import parse_config  # noqa: E402
-from engine.state.decode_plan import plan_decode  # noqa: E402
+from engine.ops.gpu.staging import pack  # noqa: E402
+from engine.state.decode_plan import StepInputs, plan_decode  # noqa: E402
 from engine.state.sequence import LayerState, SequenceState  # noqa: E402
 
 
@@ -38,9 +39,6 @@ def plan_seconds(cfg, batch: int, rows: int, context: int, repeats: int = 8) -> 
 def host_seconds(cfg, batch: int, rows: int, context: int, repeats: int = 8) -> tuple[float, float]:
     """Median seconds of plan_decode and of staging.pack of its step, for `rows` rows of each of
     `batch` sequences `context` tokens in."""
-    from engine.ops.gpu.staging import pack
-    from engine.state.decode_plan import StepInputs
-
 
     def rope(pos):
         half = cfg.rope_dim // 2

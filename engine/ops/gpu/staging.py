@@ -36,11 +36,8 @@ class _Addresses:
     def __init__(self) -> None:
         self._bufs: dict = {}  # id(buffer) -> (buffer, address, row bytes, rows)
 
-    def __call__(self, sp) -> int:
-        """Address of sp's first row (C-contiguous float32 rows of a 2-D buffer); 0 for None."""
-        return self.addresses([sp])[0]
-
     def _buffer(self, buf) -> tuple:
+        """(buf, its address, row bytes, rows), checked once a step: C-contiguous float32 rows of a 2-D buffer."""
         got = self._bufs.get(id(buf))
         if got is None:
             if buf.dtype != np.float32 or not buf.flags.c_contiguous or buf.ndim != 2:
@@ -49,16 +46,16 @@ class _Addresses:
         return got
 
     def addresses(self, spans: list) -> list[int]:
-        """__call__ of each Span, in one loop (a step stages thousands: this is on the host's
-        serial path while the device drafts)."""
-        out, bufs, last, got = [], self._bufs, None, None
+        """The address of each Span's first row (0 for None), in one loop (a step stages thousands:
+        this is on the host's serial path while the device drafts)."""
+        out, last, got = [], None, None
         for sp in spans:
             if sp is None or sp.buf is None:
                 out.append(0)
                 continue
             buf, start, n = sp
             if buf is not last:  # (a sequence's consecutive rows share a buffer)
-                got = bufs.get(id(buf)) or self._buffer(buf)
+                got = self._buffer(buf)
                 last = buf
             if start + n > got[3]:
                 raise ValueError("a staged Span runs past its buffer")
