@@ -37,6 +37,9 @@
 // x [rows, lda] f32 -> XS [rows, lda / 4] uint4 (layout `perm`, above) and XINV [rows, ngx],
 // ngx = ceil(lda / 128). One warp per 128-element group: grid (ceil(ngx / 8), rows), block 256;
 // lda % (perm ? 8 : 4) == 0. xq: x as a linear's input under --numerics deepseek (linear_in4).
+// perm 2 (gemm_tc1: bf16 x, one term): XS [rows, lda / 8] uint4 of the hi terms alone, each
+// 32-element block's 4-element chunks in the order (0, 4, 1, 5, 2, 6, 3, 7), so that lane t of an
+// MMA reads its two k16 steps' words (elements 4t.., 16 + 4t..) as one 16-byte chunk; lda % 32 == 0.
 extern "C" __global__ void __launch_bounds__(256) tc_split_x(const float* __restrict__ A, int lda,
                                                              uint4* __restrict__ XS, float* __restrict__ XINV,
                                                              int perm, int xq) {
@@ -50,6 +53,11 @@ extern "C" __global__ void __launch_bounds__(256) tc_split_x(const float* __rest
   u32 hi[4], lo[4];
   const float inv = split_group4(v, hi, lo);
   if (lane == 0) XINV[(size_t)blockIdx.y * ngx + gi] = inv;
+  if (perm == 2) {  // chunk c of its block of 32 -> slot 2 (c % 4) + c / 4
+    const int c = lane & 7, e = gi * 128 + 32 * (lane >> 3) + 4 * (2 * (c & 3) + (c >> 2));
+    if (ok) ((uint2*)XS)[((size_t)blockIdx.y * lda + e) / 4] = make_uint2(hi[0] | (hi[1] << 16), hi[2] | (hi[3] << 16));
+    return;
+  }
   uint4 o;
   if (perm == 0) {
     o = make_uint4(hi[0] | (hi[1] << 16), hi[2] | (hi[3] << 16), lo[0] | (lo[1] << 16), lo[2] | (lo[3] << 16));
@@ -327,21 +335,34 @@ DEF_TC(fp4, FMT_FP4, 4)
 // fragment reads are conflict-free: a weight row is 64 (FP8) or 32 (FP4) bytes + 16; an x row 64
 // elements x 2 terms = 256 bytes + 64 (FP8, lanes read 16-byte chunk t) or + 16 (FP4, chunks 2t and
 // 2t + 1).
+//
+// gemm_tc1_fp8 (TERMS 1): x as one f16 term (tc_split_x perm 2), for bf16 x under --numerics
+// deepseek (the bf16-use weights stored in FP8: wo_a, the indexer's wk). A bf16 value scaled into
+// its group's [2^13, 2^14) range is an f16 exactly unless it lies below 2^-30 of the group's max
+// (f16 subnormals), where its rounding moves the sum by less than the f32 accumulation's own
+// rounding: the lo term is zero or negligible, so half the MMAs and half the x bytes, float32-grade
+// still. An x row is 64 elements x 2 bytes = 128 + 64 (lanes read 16-byte chunk t: rows g, g + 1
+// fill the 32 banks). The smaller stage leaves room for GT1_S stages in the same shared memory.
 #define GT_BN 128
 #define GT_BM 64
 #define GT_BK 64
 #define GT_S 3
+#define GT1_S 4
 #define GT_SMEM (GT_S * (GT_BM * 320 + GT_BN * 80 + GT_BM * 4 + GT_BN * 8))
-template <int FMT>
+template <int FMT, int TERMS>
 __device__ __forceinline__ void gemm_tc_body(const uint4* __restrict__ XS, const float* __restrict__ XINV, int lda,
                                              float* __restrict__ Y, int ldy, int N, int K,
                                              const int* __restrict__ segs, const u64* __restrict__ wptrs,
                                              const u64* __restrict__ sptrs, int bn, int bk, int gk, int bf) {
-  constexpr bool F8 = FMT == FMT_FP8;
+  constexpr bool F8 = FMT == FMT_FP8, ONE = TERMS == 1;
+  static_assert(F8 || !ONE, "gemm_tc1: FP8 weights");
+  constexpr int S = ONE ? GT1_S : GT_S;
   constexpr int WB = F8 ? GT_BK : GT_BK / 2;  // weight bytes per row per stage
-  constexpr int WROW = WB + 16, XROW = F8 ? 320 : 272;
+  constexpr int WROW = WB + 16, XROW = ONE ? 192 : F8 ? 320 : 272;
+  constexpr int XE = ONE ? 8 : 4;  // x elements per 16-byte chunk
   constexpr int SCALES = GT_BN * WROW + GT_BM * 4;  // offset of the weight scales from the weights
   constexpr int STAGE = GT_BM * XROW + SCALES + GT_BN * 8;
+  static_assert(S * STAGE <= GT_SMEM, "gemm_tc: shared memory");
   extern __shared__ __align__(16) u8 gts[];
   const int* sg = segs + 5 * blockIdx.y;
   const int widx = sg[0], row0 = sg[1], rows = sg[2], acol = sg[3], ycol = sg[4];
@@ -358,11 +379,11 @@ __device__ __forceinline__ void gemm_tc_body(const uint4* __restrict__ XS, const
 
   auto load = [&](int kt) {
     const int k0 = kt * GT_BK;
-    const u32 xs = base + (kt % GT_S) * STAGE, ws = xs + GT_BM * XROW;
-    for (int i = tid; i < GT_BM * (GT_BK / 4); i += 256) {  // x: 4 elements (16 bytes) a chunk
-      const int r = i / (GT_BK / 4), c = i % (GT_BK / 4), k = k0 + 4 * c;
-      const bool ok = r < rows && k < K;
-      cp_async16(xs + r * XROW + c * 16, XS + (ok ? ((size_t)(row0 + r) * lda + acol + k) / 4 : 0), ok ? 16 : 0);
+    const u32 xs = base + (kt % S) * STAGE, ws = xs + GT_BM * XROW;
+    for (int i = tid; i < GT_BM * (GT_BK / XE); i += 256) {  // x: 4 elements (two terms) or 8 a chunk
+      const int r = i / (GT_BK / XE), c = i % (GT_BK / XE), k = k0 + XE * c;
+      const bool ok = r < rows && k < K;  // (ONE: K % 32 == 0, so a permuted block is whole or out)
+      cp_async16(xs + r * XROW + c * 16, XS + (ok ? ((size_t)(row0 + r) * lda + acol + k) / XE : 0), ok ? 16 : 0);
     }
     constexpr int CPR = WB / 16;
     for (int i = tid; i < GT_BN * CPR; i += 256) {  // weights: 16 (FP8) or 32 (FP4) k a chunk
@@ -394,16 +415,16 @@ __device__ __forceinline__ void gemm_tc_body(const uint4* __restrict__ XS, const
 
   float acc[2][4][4] = {};
 #pragma unroll
-  for (int s = 0; s < GT_S - 1; ++s) {
+  for (int s = 0; s < S - 1; ++s) {
     if (s < nk) load(s);
     cp_async_commit();
   }
   for (int kt = 0; kt < nk; ++kt) {
-    cp_async_wait<GT_S - 2>();
+    cp_async_wait<S - 2>();
     __syncthreads();  // stage kt visible to all; every warp is past stage kt - 1, whose slot is refilled
-    if (kt + GT_S - 1 < nk) load(kt + GT_S - 1);
+    if (kt + S - 1 < nk) load(kt + S - 1);
     cp_async_commit();
-    const u8* xs = gts + (kt % GT_S) * STAGE;
+    const u8* xs = gts + (kt % S) * STAGE;
     const u8* ws = xs + GT_BM * XROW;
     float xi[4][2];  // x's group inverses of this lane's columns
 #pragma unroll
@@ -415,6 +436,10 @@ __device__ __forceinline__ void gemm_tc_body(const uint4* __restrict__ XS, const
       const int k32 = kt * GT_BK + 32 * h;
       if (k32 >= K) break;
       float part[2][4][4] = {};
+      uint4 b1[4];  // ONE: lane t's x words of both k16 steps, (hi01, hi23) of elements 4t.., then 16 + 4t..
+      if (ONE)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) b1[j] = *(const uint4*)(xs + (wm + 8 * j + g) * XROW + 64 * h + 16 * t);
 #pragma unroll
       for (int s16 = 0; s16 < 2; ++s16) {
         u32 a[2][4];
@@ -436,13 +461,17 @@ __device__ __forceinline__ void gemm_tc_body(const uint4* __restrict__ XS, const
         }
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          const u8* xr = xs + (wm + 8 * j + g) * XROW;
           // x's 16-byte chunk of 4 elements, (hi, hi, lo, lo) in the order a's k pairs take them:
-          // FP8 elements 32h + 16 s16 + 4t.., FP4 the half s16 of elements 32h + 8t..
-          const uint4 b = *(const uint4*)(xr + 16 * (F8 ? 8 * h + 4 * s16 + t : 8 * h + 2 * t + s16));
+          // FP8 elements 32h + 16 s16 + 4t.., FP4 the half s16 of elements 32h + 8t..; ONE: the hi
+          // words of FP8's elements from b1
+          uint4 b;
+          if (ONE)
+            b = s16 ? make_uint4(b1[j].z, b1[j].w, 0u, 0u) : make_uint4(b1[j].x, b1[j].y, 0u, 0u);
+          else
+            b = *(const uint4*)(xs + (wm + 8 * j + g) * XROW + 16 * (F8 ? 8 * h + 4 * s16 + t : 8 * h + 2 * t + s16));
 #pragma unroll
           for (int i = 0; i < 2; ++i) {
-            mma_f16(part[i][j], a[i][0], a[i][1], a[i][2], a[i][3], b.z, b.w);  // lo term first
+            if (!ONE) mma_f16(part[i][j], a[i][0], a[i][1], a[i][2], a[i][3], b.z, b.w);  // lo term first
             mma_f16(part[i][j], a[i][0], a[i][1], a[i][2], a[i][3], b.x, b.y);
           }
         }
@@ -487,5 +516,6 @@ __device__ __forceinline__ void gemm_tc_body(const uint4* __restrict__ XS, const
       int K, const int *__restrict__ segs, const u64 *__restrict__ wptrs, const u64 *__restrict__ sptrs, int bn,  \
       int bk, int gk, int bf
 #define GT_PASS XS, XINV, lda, Y, ldy, N, K, segs, wptrs, sptrs, bn, bk, gk, bf
-extern "C" __global__ void __launch_bounds__(256, 2) gemm_tc_fp8(GT_ARGS) { gemm_tc_body<FMT_FP8>(GT_PASS); }
-extern "C" __global__ void __launch_bounds__(256, 2) gemm_tc_fp4(GT_ARGS) { gemm_tc_body<FMT_FP4>(GT_PASS); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemm_tc_fp8(GT_ARGS) { gemm_tc_body<FMT_FP8, 2>(GT_PASS); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemm_tc_fp4(GT_ARGS) { gemm_tc_body<FMT_FP4, 2>(GT_PASS); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemm_tc1_fp8(GT_ARGS) { gemm_tc_body<FMT_FP8, 1>(GT_PASS); }

@@ -73,6 +73,10 @@ class DeepseekOps(NumpyOps):
             return super().linear(x, w)
         return self._output(self.sums(self._input(x, w), w), w)
 
+    def grouped_linear(self, x: np.ndarray, w: np.ndarray, groups: int) -> np.ndarray:
+        """wo_a's block-diagonal projection, x taken as linear() takes it (bf16 for a BF16 weight)."""
+        return super().grouped_linear(self._input(x, w) if isinstance(w, LinearWeight) else x, w, groups)
+
     def _input(self, x: np.ndarray, w: LinearWeight) -> np.ndarray:
         """x as the reference's linear() hands it to w's GEMM: bf16, then FP8 per 32 for a QUANT weight."""
         x = self.act(x)

@@ -91,6 +91,41 @@ def test_gemvs_quantize_x_as_they_stage_it(fmt, use, m, n, k):
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("m", [33, 77, 300])
+@pytest.mark.parametrize("n,k,block,sfmt", [(320, 1024, (128, 128), "fp32"), (1000, 4096, (32, 32), "ue8m0"),
+                                            (200, 544, (32, 32), "ue8m0")])
+def test_bf16_use_fp8_weights_take_x_as_one_term(m, n, k, block, sfmt, monkeypatch):
+    """A prompt chunk through a bf16-use weight stored in FP8 (wo_a, the indexer's wk): gemm_tc1
+    takes the bf16 rows as one scaled f16 term (tc_split_x's PERM_ONE), float32-grade: every output
+    is the reference's bf16 output or its neighbour, where the sums differ by float32 rounding. Rows
+    of unlike magnitude, and elements 2^-40 of their group's largest (below the f16 normals)."""
+    from engine.ops.gpu import linear as gpu_linear
+
+    perms = []
+    split = gpu_linear.LinearOps._tc_split_x
+    monkeypatch.setattr(gpu_linear.LinearOps, "_tc_split_x",
+                        staticmethod(lambda a, perm, xq=0: perms.append(perm) or split(a, perm, xq)))
+    w = replace(make_weight("fp8", n, k, block=block, scale_fmt=sfmt), use=BF16)
+    x = rnd(m, k) * np.exp(RNG.uniform(-6, 6, (m, 1))).astype(np.float32)
+    x[::3, 5::11] *= np.float32(2.0**-40)
+    ref = REF.linear(x, REF.prepare(w)).astype(np.float64)
+    got = cp.asnumpy(GPU.linear(cp.asarray(x), GPU.prepare(w))).astype(np.float64)
+    assert perms == [gpu_linear.PERM_ONE]
+    np.testing.assert_array_equal(got, round_bf16(got.astype(np.float32)))
+    mag = np.abs(round_bf16(x)).astype(np.float64) @ np.abs(REF.prepare(w).view(np.ndarray)).T.astype(np.float64)
+    ulp = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(ref), 1e-38))) - 7)
+    assert (np.abs(got - ref) <= ulp + 1e-6 * mag).all()
+
+
+def test_wo_a_grouped_takes_x_as_one_term():
+    """wo_a's block-diagonal form (segments at x columns g * in_g) on gemm_tc1, as the reference."""
+    groups, nout, kin, t = 4, 256, 512, 100
+    w = replace(make_weight("fp8", groups * nout, kin, block=(32, 32)), use=BF16)
+    x = rnd(t, groups, kin)
+    got = GPU.grouped_linear(cp.asarray(x), GPU.prepare(w), groups)
+    assert rel(got, REF.grouped_linear(x, REF.prepare(w), groups)) < OP_TOL
+
+
 def test_stacked_rows_of_mixed_uses_round_only_the_bf16_rows():
     """A projection stacked from two bf16-stored weights of different uses (wkv of a ratio-1 and of
     a ratio > 1 compressor, say): the BF16 part's columns come out in bf16, the F32 part's do not."""

@@ -80,6 +80,7 @@ def _gemvx_ok(a: cp.ndarray, w: GpuWeight, segs) -> bool:
 # A linear's input under --numerics deepseek (_run_linear's xq; kernels/dsuf_common.cuh linear_in4):
 # as given, rounded to bf16, or rounded to bf16 and put on the e4m3 grid per 32 along K (act_quant)
 XQ_NONE, XQ_BF16, XQ_FP8 = 0, 1, 2
+PERM_FP8, PERM_FP4, PERM_ONE = 0, 1, 2  # tc_split_x's layouts of x (kernels/gemv_tc.cu)
 
 
 def _xq_staged(a: cp.ndarray, segs) -> bool:
@@ -303,8 +304,11 @@ class LinearOps:
             fn = K.function("linear", f"gemv_{tag}_m{mt}")
             fn((math.ceil(n / (rpw * 8 // kw)), nseg), (256,), (*args, np.int32(kw)))
         elif _gemm_tc_ok(w, a.shape[1]) and (isinstance(segs, cp.ndarray) or all(s[3] % 128 == 0 for s in segs)):
-            xs, xinv = self._tc_split_x(a, w.fmt == FMT_FP4, xq)  # (in place of x; gemm's other arguments)
-            K.function_with_smem("gemv_tc", f"gemm_tc_{tag}", GEMM_TC_SMEM)(
+            # bf16 x on FP8 weights: one f16 term is float32-grade (kernels/gemv_tc.cu gemm_tc1)
+            one = xq == XQ_BF16 and w.fmt == FMT_FP8 and a.shape[1] % 32 == 0 and k % 32 == 0
+            perm = PERM_ONE if one else PERM_FP4 if w.fmt == FMT_FP4 else PERM_FP8
+            xs, xinv = self._tc_split_x(a, perm, xq)  # (in place of x; gemm's other arguments)
+            K.function_with_smem("gemv_tc", f"gemm_tc{'1' if one else ''}_{tag}", GEMM_TC_SMEM)(
                 (math.ceil(n / GEMM_TC_TILE_N), nseg), (256,), (xs, xinv, *args[1:]), shared_mem=GEMM_TC_SMEM)
         else:  # (BF16 / f32 weights, and block shapes or x columns gemm_tc cannot read)
             if xq:
@@ -341,7 +345,7 @@ class LinearOps:
                 wptrs: cp.ndarray, sptrs: cp.ndarray, w: GpuWeight, max_rows: int, bf: bool = False,
                 xq: int = XQ_NONE) -> None:
         """Tensor-core GEMV: split x into scaled hi / lo f16 terms, then one launch over the segments."""
-        xs, xinv = self._tc_split_x(a, w.fmt == FMT_FP4, xq)
+        xs, xinv = self._tc_split_x(a, PERM_FP4 if w.fmt == FMT_FP4 else PERM_FP8, xq)
         self._launch_tc("gemv_tc", "tcgemv", xs, xinv, a.shape[1], y, n, k, seg, wptrs, sptrs, w, max_rows, bf)
 
     def _run_tcbf(self, a: cp.ndarray, y: cp.ndarray, n: int, k: int, seg: cp.ndarray, wptrs: cp.ndarray,
@@ -377,16 +381,17 @@ class LinearOps:
            shared_mem=TC_SMEM)
 
     @staticmethod
-    def _tc_split_x(a: cp.ndarray, fp4: bool, xq: int = XQ_NONE) -> tuple[cp.ndarray, cp.ndarray]:
-        """x [m, lda] -> its hi / lo f16 terms in the tensor-core GEMV's order, and the inverse
-        power-of-two scale of each 128-element group (kernels/gemv_tc.cu tc_split_x); xq: x as a
-        linear's input (_run_linear)."""
+    def _tc_split_x(a: cp.ndarray, perm: int, xq: int = XQ_NONE) -> tuple[cp.ndarray, cp.ndarray]:
+        """x [m, lda] -> its hi / lo f16 terms in the tensor-core kernels' order (perm: PERM_FP8,
+        PERM_FP4; PERM_ONE the hi terms alone, for gemm_tc1), and the inverse power-of-two scale of
+        each 128-element group (kernels/gemv_tc.cu tc_split_x); xq: x as a linear's input
+        (_run_linear)."""
         m, lda = a.shape
         ngx = -(-lda // 128)
-        xs = cp.empty(m * lda, dtype=cp.uint32)
+        xs = cp.empty(m * lda // (2 if perm == PERM_ONE else 1), dtype=cp.uint32)
         xinv = cp.empty((m, ngx), dtype=F32)
         K.function("gemv_tc", "tc_split_x")((-(-ngx // 8), m), (256,), (
-            a, np.int32(lda), xs, xinv, np.int32(fp4), np.int32(xq)))
+            a, np.int32(lda), xs, xinv, np.int32(perm), np.int32(xq)))
         return xs, xinv
 
     def _segs_device(self, segs) -> cp.ndarray:
@@ -471,7 +476,8 @@ class LinearOps:
         for gi in range(groups):
             s, mr = self._row_segments(t, gi, 0, gi * kin, gi * nout, w.fmt)
             segs += s
-        self._run_linear(a, y, nout, kin, segs, hit[1], hit[2], w, mr, bf=self.bf16)  # (bf16 out, as act())
+        self._run_linear(a, y, nout, kin, segs, hit[1], hit[2], w, mr, bf=self.bf16,  # (bf16 out, as act())
+                         xq=self._linear_xq(w))
         return y.reshape(t, g, nout)
 
     def embed(self, table, ids) -> cp.ndarray:
