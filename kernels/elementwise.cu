@@ -78,15 +78,33 @@ extern "C" __global__ void rope(const float* __restrict__ x, const float* __rest
   }
   const int p = (d - off) >> 1;
   const float c = cs[(size_t)t * P + p], s = sign * sn[(size_t)t * P + p];
-  float v;
+  float v;  // (products rounded apart, not fused: the numpy reference's arithmetic, bit for bit)
   if (((d - off) & 1) == 0) {
     const float e = x[i], o = x[i + 1];
-    v = e * c - o * s;
+    v = __fsub_rn(__fmul_rn(e, c), __fmul_rn(o, s));
   } else {
     const float e = x[i - 1], o = x[i];
-    v = e * s + o * c;
+    v = __fadd_rn(__fmul_rn(e, s), __fmul_rn(o, c));
   }
   y[i] = bf ? round_bf16f(v) : v;
+}
+
+// rope in place: the trailing 2*P channels of rows of width D rotated, the others left as they
+// are (an attention output whose RoPE is undone before wo_a). One thread per (t, m, pair).
+extern "C" __global__ void rope_tail(float* __restrict__ x, const float* __restrict__ cs,
+                                     const float* __restrict__ sn, long long pairs, int M, int D, int P, float sign,
+                                     int bf) {
+  dsuf_launch_dependents();
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= pairs) return;
+  const int p = (int)(i % P);
+  const long long row = i / P;
+  const int t = (int)(row / M);
+  float2* px = (float2*)(x + row * D + (D - 2 * P) + 2 * p);
+  const float2 v = *px;
+  const float c = cs[(size_t)t * P + p], s = sign * sn[(size_t)t * P + p];
+  const float e = __fsub_rn(__fmul_rn(v.x, c), __fmul_rn(v.y, s)), o = __fadd_rn(__fmul_rn(v.x, s), __fmul_rn(v.y, c));
+  *px = bf ? make_float2(round_bf16f(e), round_bf16f(o)) : make_float2(e, o);
 }
 
 // mHC mixes, in two launches so a single token still spreads its fn reads (NM x F floats, 2 MB

@@ -119,7 +119,7 @@ class Attention:
         if out is None:
             return ops.all_reduce(ops.xp.zeros((rows, self.cfg.hidden_size), dtype=np.float32))
         t, g = out.shape[0], self.w.wo_groups
-        out = ops.rope(out, cos, sin, inverse=True)
+        out = ops.rope(out, cos, sin, inverse=True, in_place=True)  # (wo_a rounds its input as it reads it)
         grouped = ops.grouped_linear(out.reshape(t, g, -1), self.w.wo_a, g)
         return ops.all_reduce(ops.linear(grouped.reshape(t, -1), self.w.wo_b))
 

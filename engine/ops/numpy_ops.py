@@ -168,20 +168,27 @@ class NumpyOps:
     def rmsnorm(self, x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
         return self.act(_rms(x, weight, eps))
 
-    def rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, inverse: bool = False) -> np.ndarray:
+    def rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, inverse: bool = False,
+             in_place: bool = False) -> np.ndarray:
         """Interleaved-pair RoPE on the trailing 2*cos.shape[-1] channels of x.
-        x [T, ..., D]; cos/sin [T, rd/2] (broadcast over the middle axes)."""
+        x [T, ..., D]; cos/sin [T, rd/2] (broadcast over the middle axes). in_place: those channels
+        rotated (and act()) in x, the others left as they are (not rounded: for an input the
+        consumer rounds anyway, such as the attention output before wo_a), and x returned."""
         rd = cos.shape[-1] * 2
         extra = x.ndim - cos.ndim
         c = cos.reshape(cos.shape[:1] + (1,) * extra + cos.shape[1:])
         s = sin.reshape(c.shape)
         if inverse:
             s = -s
-        out = x.copy()
         even = x[..., -rd::2]
         odd = x[..., -rd + 1 :: 2]
-        out[..., -rd::2] = even * c - odd * s
-        out[..., -rd + 1 :: 2] = even * s + odd * c
+        rot_even, rot_odd = even * c - odd * s, even * s + odd * c
+        if in_place:
+            x[..., -rd::2], x[..., -rd + 1 :: 2] = self.act(rot_even), self.act(rot_odd)
+            return x
+        out = x.copy()
+        out[..., -rd::2] = rot_even
+        out[..., -rd + 1 :: 2] = rot_odd
         return self.act(out)
 
     def norm_rope_quant(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, norm: tuple | None = None,

@@ -25,7 +25,31 @@ def test_rope(shape, inverse):
     ang = rnd(shape[0], 32)
     c, s = np.cos(ang), np.sin(ang)
     got = GPU.rope(cp.asarray(x), cp.asarray(c), cp.asarray(s), inverse)
-    assert rel(got, REF.rope(x, c, s, inverse)) < 1e-6
+    np.testing.assert_array_equal(cp.asnumpy(got), REF.rope(x, c, s, inverse))  # (no FMA: bit for bit)
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("shape", [(4, 64, 512), (3, 5, 96), (6, 64)])
+def test_rope_in_place(shape, bf16):
+    """rope_tail: the trailing pairs rotated in x (bf16: rounded, as the deepseek numerics' rope),
+    the other channels untouched; bit for bit the numpy reference (both round each product, no
+    FMA) and the copying rope on the rotated channels."""
+    from engine.ops.deepseek_ops import DeepseekOps
+    from engine.ops.gpu.deepseek import DeepseekCupyOps
+
+    ref_ops, gpu_ops = (DeepseekOps(), DeepseekCupyOps()) if bf16 else (REF, GPU)
+    x = rnd(*shape)
+    ang = rnd(shape[0], 16)
+    c, s = np.cos(ang), np.sin(ang)
+    xd = cp.asarray(x)
+    got = gpu_ops.rope(xd, cp.asarray(c), cp.asarray(s), True, in_place=True)
+    assert got is xd
+    want = ref_ops.rope(x.copy(), c, s, True, in_place=True)
+    g = cp.asnumpy(got)
+    np.testing.assert_array_equal(g[..., :-32], x[..., :-32])
+    np.testing.assert_array_equal(g, want)
+    np.testing.assert_array_equal(g[..., -32:], cp.asnumpy(gpu_ops.rope(cp.asarray(x), cp.asarray(c), cp.asarray(s),
+                                                                         True))[..., -32:])
 
 
 # (x's shape, RoPE pairs, norm: "w" weighted / "1" unweighted / None, state codec, keep_normed);

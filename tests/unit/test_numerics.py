@@ -141,3 +141,23 @@ def test_serve_computes_in_the_numerics_it_is_given(tmp_path) -> None:
         proc.terminate()
         proc.wait(30)
         err.close()
+
+
+@pytest.mark.parametrize("ops", [NumpyOps(), DeepseekOps()], ids=["exact", "deepseek"])
+def test_rope_in_place_then_wo_a_is_the_copying_rope(ops) -> None:
+    """The attention output's RoPE undone in place (its other channels not rounded there) and then
+    wo_a, which takes its input as linear() does: the same result as the copying rope before it."""
+    rng = np.random.default_rng(3)
+    t, g, heads, d = 5, 2, 2, 64
+    x = rng.standard_normal((t, g * heads, d)).astype(np.float32)
+    ang = rng.standard_normal((t, 8)).astype(np.float32)
+    c, s = np.cos(ang), np.sin(ang)
+    w = rng.standard_normal((g * 16, heads * d)).astype(np.float32) * np.float32(0.05)
+    wo_a = LinearWeight(w, False, True) if isinstance(ops, DeepseekOps) else w
+    copied = ops.rope(x, c, s, inverse=True)
+    y = x.copy()
+    assert ops.rope(y, c, s, inverse=True, in_place=True) is y
+    np.testing.assert_array_equal(y[..., -16:], copied[..., -16:])
+    np.testing.assert_array_equal(y[..., :-16], x[..., :-16])
+    np.testing.assert_array_equal(ops.grouped_linear(y.reshape(t, g, -1), wo_a, g),
+                                  ops.grouped_linear(copied.reshape(t, g, -1), wo_a, g))

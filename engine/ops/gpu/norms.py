@@ -50,8 +50,18 @@ class NormOps:
                 K.function("elementwise", "rmsnorm")((rows,), (256 if d >= 256 else 64,), args)
         return y
 
-    def rope(self, x: cp.ndarray, cos: cp.ndarray, sin: cp.ndarray, inverse: bool = False) -> cp.ndarray:
-        """Interleaved-pair RoPE on the trailing 2*cos.shape[-1] channels of x [T, ..., D]."""
+    def rope(self, x: cp.ndarray, cos: cp.ndarray, sin: cp.ndarray, inverse: bool = False,
+             in_place: bool = False) -> cp.ndarray:
+        """Interleaved-pair RoPE on the trailing 2*cos.shape[-1] channels of x [T, ..., D]; in_place:
+        those channels rotated in x, the others untouched (NumpyOps.rope)."""
+        if in_place and x.dtype == F32 and x.flags.c_contiguous and x.shape[-1] % 2 == 0:
+            t, d, p = x.shape[0], x.shape[-1], cos.shape[-1]
+            pairs = x.size // d * p
+            if pairs:
+                K.function("elementwise", "rope_tail")(_grid(pairs), (_ELT_BLOCK,), (
+                    x, _c32(cos), _c32(sin), np.int64(pairs), np.int32(x.size // (t * d)), np.int32(d), np.int32(p),
+                    F32(-1.0 if inverse else 1.0), np.int32(self.bf16)))
+            return x
         x = _c32(x)
         y = cp.empty_like(x)
         if x.size == 0:
