@@ -22,8 +22,10 @@ __device__ __forceinline__ void stage_x_cols(const float* __restrict__ x, int K,
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int e0 = (g0 + nw * j) * 128 + 4 * lane;
-      v[j] = linear_in4(e0 < K ? __ldg((const float4*)(x + e0)) : make_float4(0.f, 0.f, 0.f, 0.f), xq);
+      v[j] = e0 < K ? __ldg((const float4*)(x + e0)) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v[j] = linear_in4(v[j], xq);  // (after all four loads: its shuffles wait on them)
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int gi = g0 + nw * j, e0 = gi * 128 + 4 * lane;

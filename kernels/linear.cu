@@ -422,13 +422,23 @@ __device__ __forceinline__ void gemvx_body(const float* __restrict__ A, int lda,
   const void* S = (const void*)sptrs[widx];
   const int nch = K / EPC, slices = (nch + 31) / 32;
   {
+    // XB float4s of x per thread in flight, then linear_in4 (its shuffles would otherwise wait on
+    // each load in turn: one L2 round trip per float4)
+    constexpr int XB = 4;
     const float* xg = A + (size_t)row0 * lda + acol;
-    for (int j = threadIdx.x; j < slices * 32 * Q; j += blockDim.x) {  // j: float4 index of x, in k order
-      const int c = j / Q, i = j - c * Q;
-      float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (c < nch) v = __ldg((const float4*)(xg + 4 * j));
-      v = linear_in4(v, xq);  // (j's warp is whole: the bound is a multiple of 32; 8 lanes a block)
-      *(float4*)(xsh + (((c >> 5) * Q + i) * 32 + (c & 31)) * 4) = v;
+    const int nx = slices * 32 * Q;  // (a multiple of 32: j's warp is whole; 8 lanes a block of 32)
+    for (int j0 = threadIdx.x; j0 < nx; j0 += XB * blockDim.x) {  // j: float4 index of x, in k order
+      float4 v[XB];
+#pragma unroll
+      for (int u = 0; u < XB; ++u) {
+        const int j = j0 + u * blockDim.x;
+        v[u] = j < nx && j / Q < nch ? __ldg((const float4*)(xg + 4 * j)) : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+#pragma unroll
+      for (int u = 0; u < XB; ++u) {
+        const int j = j0 + u * blockDim.x, c = j / Q, i = j - c * Q;
+        if (j < nx) *(float4*)(xsh + (((c >> 5) * Q + i) * 32 + (c & 31)) * 4) = linear_in4(v[u], xq);
+      }
     }
   }
   __syncthreads();
