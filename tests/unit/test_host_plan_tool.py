@@ -12,6 +12,7 @@ def test_host_plan_times_a_flash_schedule_step(capsys) -> None:
     cfg = parse_config(flash_config())
     assert cfg.num_layers == 40 and len(cfg.index_source_layer_ids) == 8
     for rows in (1, 6):
-        assert 0 < host_plan.plan_seconds(cfg, batch=2, rows=rows, context=12, repeats=2) < 1.0
+        plan, packed = host_plan.host_seconds(cfg, batch=2, rows=rows, context=12, repeats=2)
+        assert 0 < plan < 1.0 and 0 < packed < 1.0
     assert host_plan.main(["--batches", "2", "--rows", "1", "--context", "4"]) == 0
     assert "b2 x 1 row(s): plan_decode" in capsys.readouterr().out

@@ -31,11 +31,6 @@ from engine.state.decode_plan import StepInputs, plan_decode  # noqa: E402
 from engine.state.sequence import LayerState, SequenceState  # noqa: E402
 
 
-def plan_seconds(cfg, batch: int, rows: int, context: int, repeats: int = 8) -> float:
-    """Median seconds of plan_decode for `rows` rows of each of `batch` sequences `context` tokens in."""
-    return host_seconds(cfg, batch, rows, context, repeats)[0]
-
-
 def host_seconds(cfg, batch: int, rows: int, context: int, repeats: int = 8) -> tuple[float, float]:
     """Median seconds of plan_decode and of staging.pack of its step, for `rows` rows of each of
     `batch` sequences `context` tokens in."""
