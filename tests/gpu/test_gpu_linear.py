@@ -50,7 +50,7 @@ def test_gemm_tc(fmt, n, k, block, sfmt, m, monkeypatch):
 
     splits = []
     split = cupy_ops.CupyOps._tc_split_x
-    spy = staticmethod(lambda a, fp4, xq=0: splits.append(a.shape) or split(a, fp4, xq))
+    spy = staticmethod(lambda a, perm, xq=0: splits.append(a.shape) or split(a, perm, xq))
     monkeypatch.setattr(cupy_ops.CupyOps, "_tc_split_x", spy)
     w = make_weight(fmt, n, k, block, sfmt)
     x = rnd(m, k) * np.exp(RNG.uniform(-8, 8, (m, 1))).astype(np.float32)  # rows of unlike magnitude
