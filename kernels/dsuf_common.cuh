@@ -98,7 +98,10 @@ __device__ __forceinline__ float e4m3_round(float x) {  // x -> nearest e4m3 val
 __device__ __forceinline__ float e4m3_block_scale(float amax) {
   return pow2_ceil(fmaxf(amax, 1e-4f) * (1.0f / 448.0f));
 }
-__device__ __forceinline__ float e4m3_clip(float v, float scale) { return fminf(fmaxf(v / scale, -448.f), 448.f); }
+// (scale is a power of two, so 1 / scale is exact and v * (1 / scale) is v / scale bit for bit,
+// subnormal results included: a block's elements take one division between them, not one each)
+__device__ __forceinline__ float e4m3_clip_inv(float v, float inv) { return fminf(fmaxf(v * inv, -448.f), 448.f); }
+__device__ __forceinline__ float e4m3_clip(float v, float scale) { return e4m3_clip_inv(v, 1.0f / scale); }
 __device__ __forceinline__ float e4m3_value(float v, float scale) { return e4m3_round(e4m3_clip(v, scale)) * scale; }
 
 // A linear's input as --numerics deepseek hands it to the weight, applied by the GEMVs as they
@@ -113,11 +116,11 @@ __device__ __forceinline__ float4 linear_in4(float4 v, int xq) {
     float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
 #pragma unroll
     for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float s = e4m3_block_scale(amax);
-    v.x = e4m3_value(v.x, s);
-    v.y = e4m3_value(v.y, s);
-    v.z = e4m3_value(v.z, s);
-    v.w = e4m3_value(v.w, s);
+    const float s = e4m3_block_scale(amax), inv = 1.0f / s;
+    v.x = e4m3_round(e4m3_clip_inv(v.x, inv)) * s;
+    v.y = e4m3_round(e4m3_clip_inv(v.y, inv)) * s;
+    v.z = e4m3_round(e4m3_clip_inv(v.z, inv)) * s;
+    v.w = e4m3_round(e4m3_clip_inv(v.w, inv)) * s;
   }
   return v;
 }
@@ -131,11 +134,11 @@ __device__ __forceinline__ u32 act_quant4(float4 v, bool bf, float& s) {
 #pragma unroll
   for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
   s = e4m3_block_scale(amax);
-  const float e[4] = {v.x, v.y, v.z, v.w};
+  const float e[4] = {v.x, v.y, v.z, v.w}, inv = 1.0f / s;
   u32 word = 0;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    const float q = e4m3_clip(e[j], s);
+    const float q = e4m3_clip_inv(e[j], inv);
     word |= (e4m3_code(fabsf(q)) | ((__float_as_uint(q) >> 31) << 7)) << (8 * j);
   }
   return word;

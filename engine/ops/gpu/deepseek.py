@@ -130,9 +130,13 @@ class DeepseekCupyOps(CupyOps):
         return self.linear(h if wts is None else h * wts[:, None], w2)
 
     def swiglu_mlp(self, x: cp.ndarray, w1, w2, w3, limit: float) -> cp.ndarray:
+        """The shared expert: decode and verify rows take CupyOps' gate / up in one GEMV launch (x
+        quantized and the outputs rounded as linear() does); a prompt chunk's rows the e4m3 GEMMs."""
         w1, w2, w3 = (w if isinstance(w, GpuWeight) else self.prepare(w) for w in (w1, w2, w3))
-        return self._expert_mlp(_c32(x).reshape(-1, w1.shape[1]), w1, w2, w3, limit,
-                                None).reshape(*x.shape[:-1], w2.shape[0])
+        a = _c32(x).reshape(-1, w1.shape[1])
+        if a.shape[0] <= TC_MAX_ROWS:
+            return super().swiglu_mlp(x, w1, w2, w3, limit)
+        return self._expert_mlp(a, w1, w2, w3, limit, None).reshape(*x.shape[:-1], w2.shape[0])
 
     @joins_late("shared")
     def moe(self, x: cp.ndarray, experts: list, weights: cp.ndarray, ids: cp.ndarray, limit: float,

@@ -90,7 +90,8 @@ class MoeOps:
         s1, mr = self._row_segments(m, 0, fmt=w1.fmt)
         s3, _ = self._row_segments(m, 1, 0, 0, inter, fmt=w1.fmt)
         gu = cp.empty((m, 2 * inter), F32)
-        self._run_linear(a, gu, inter, w1.shape[1], s1 + s3, hit[2], hit[3], w1, mr)
+        self._run_linear(a, gu, inter, w1.shape[1], s1 + s3, hit[2], hit[3], w1, mr, bf=self._rounds_out(w1),
+                         xq=self._linear_xq(w1))
         return self.linear(self._swiglu_pairs(gu, inter, limit), w2).reshape(*x.shape[:-1], w2.shape[0])
 
     def _expert_tables(self, experts: list):
