@@ -183,14 +183,21 @@ def test_moe_prompt_chunk_grouped_gemm(fmt):
     assert rel(got, ref) < CHAIN_TOL
 
 
-def test_shared_expert_mlp():
+def test_shared_expert_mlp(monkeypatch):
+    """Decode and verify rows (up to TC_MAX_ROWS) take gate and up in one GEMV launch (their
+    outputs rounded to bf16 as linear() rounds them); a prompt chunk's rows the e4m3 GEMMs."""
     d, inter = 1024, 512
     w1, w2, w3 = (_w("fp8", *s, QUANT) for s in ((inter, d), (d, inter), (inter, d)))
+    fused = []
+    pairs = GPU._swiglu_pairs
+    monkeypatch.setattr(GPU, "_swiglu_pairs", lambda gu, inter, limit: fused.append(gu.shape[0]) or pairs(gu, inter,
+                                                                                                       limit))
     for t in (1, 20, 64):
         x = rnd(t, d)
         ref = REF.swiglu_mlp(x, *(REF.prepare(w) for w in (w1, w2, w3)), 10.0)
         got = GPU.swiglu_mlp(cp.asarray(x), *(GPU.prepare(w) for w in (w1, w2, w3)), 10.0)
         assert rel(got, ref) < CHAIN_TOL, t
+    assert fused == [1, 20]
 
 
 @pytest.mark.parametrize("h", [16, 64])
