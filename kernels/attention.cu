@@ -1,5 +1,5 @@
 // Attention-side kernels: MQA with K == V and per-head sinks, and the indexer scores.
-#include "dsuf_common.cuh"
+#include "tc_fragments.cuh"
 
 // Online-softmax attention of one query (8 heads per block, warp w = one head) over key rows
 // [n_begin, n_end) of a K=V source. `row(n, &bias)` gives row n's pointer and its bias (0 or -inf).
@@ -454,21 +454,40 @@ extern "C" __global__ void __launch_bounds__(256) indexer_scores(const float* __
 // MMAs. Epilogue per key tile: relu * Dh^-0.5 * w * H^-0.5 per row, summed over the warp's rows by
 // shuffles, then over the query's H / 32 warps in a fixed order. Another summation order than the
 // CUDA-core kernels. Requires H % 32 == 0, 128 % H == 0, Dh % 16 == 0, Dh <= 128.
-// grid (ceil(S / QB)), block 256; dynamic shared memory (TERMS * 192 * (Dh + 8)) * 2 + 1024 bytes.
+// grid (ceil(S / QB)), block 256; dynamic shared memory (128 + 64 * slots) * TERMS * (Dh + 8) * 2 + 1024
+// bytes (slots: 2 for TERMS 1, else 1).
 #define ITC_ROWS 128
 #define ITC_KEYS 64
+// TERMS 1 reads the keys as bf16 (kb [N, Dh], the f32 keys' high halves: they are bf16-exact there),
+// a key tile at a time through a two-slot cp.async ring, so the next tile's loads are in flight
+// while this one's MMAs run, and each tile is half the bytes from L2 (every block walks all N keys).
 template <int TERMS>
-__device__ __forceinline__ void indexer_tc_body(const float* __restrict__ q, const float* __restrict__ k,
+__device__ __forceinline__ void indexer_tc_body(const float* __restrict__ q, const void* __restrict__ k,
                                                 const float* __restrict__ w, float* __restrict__ out, int S, int H,
                                                 int N, int Dh, float dscale, float hscale, bool bf) {
+  constexpr int SLOTS = TERMS == 1 ? 2 : 1;
   extern __shared__ __align__(16) u16 itc[];
   const int ld = Dh + 8;  // bf16 per shared row: rows 16 B apart mod 128, conflict-free fragment loads
   u16* As = itc;                                      // [TERMS][128][ld] the block's (query, head) rows
-  u16* Ks = As + TERMS * ITC_ROWS * ld;               // [TERMS][64][ld] one key tile
-  float* red = (float*)(Ks + TERMS * ITC_KEYS * ld);  // [8 warps][32 keys] per-warp sums
+  u16* Ks = As + TERMS * ITC_ROWS * ld;               // [SLOTS][TERMS][64][ld] key tiles
+  float* red = (float*)(Ks + SLOTS * TERMS * ITC_KEYS * ld);  // [8 warps][32 keys] per-warp sums
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
   const int wm = (warp >> 1) * 32, wn = (warp & 1) * 32;
   const int qb = ITC_ROWS / H, s0 = blockIdx.x * qb, rows = min(qb, S - s0) * H, c4n = Dh / 4;
+  const int ntiles = (N + ITC_KEYS - 1) / ITC_KEYS;
+  // TERMS 1: key tile i -> slot i % 2, 16-byte chunks of 8 bf16 (zeros past N)
+  auto load_bf16_tile = [&](int i) {
+    const u16* kb = (const u16*)k;
+    const int c8n = Dh / 8, n0 = i * ITC_KEYS;
+    const u32 dst = smem_addr(Ks + (i & 1) * ITC_KEYS * ld);
+    for (int idx = tid; idx < ITC_KEYS * c8n; idx += blockDim.x) {
+      const int r = idx / c8n, c = 8 * (idx % c8n);
+      const bool ok = n0 + r < N;
+      cp_async16(dst + 2 * (r * ld + c), kb + (ok ? (size_t)(n0 + r) * Dh + c : 0), ok ? 16 : 0);
+    }
+    cp_async_commit();
+  };
+  if (TERMS == 1 && ntiles > 0) load_bf16_tile(0);
   for (int idx = tid; idx < ITC_ROWS * c4n; idx += blockDim.x) {
     const int r = idx / c4n, c = 4 * (idx % c4n);
     float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -485,19 +504,31 @@ __device__ __forceinline__ void indexer_tc_body(const float* __restrict__ q, con
       const int r = wm + 16 * i + g + 8 * h;
       wr[i][h] = r < rows ? index_head_weight(w[(size_t)s0 * H + r], hscale, bf) : 0.f;
     }
-  for (int n0 = 0; n0 < N; n0 += ITC_KEYS) {
-    __syncthreads();  // the last tile's Ks and red reads are done (and, first, As is written)
-    for (int idx = tid; idx < ITC_KEYS * c4n; idx += blockDim.x) {
-      const int r = idx / c4n, c = 4 * (idx % c4n);
-      float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (n0 + r < N) v = __ldg((const float4*)(k + (size_t)(n0 + r) * Dh + c));
-      float e[4] = {v.x, v.y, v.z, v.w};
+  for (int it = 0; it < ntiles; ++it) {
+    const int n0 = it * ITC_KEYS;
+    const u16* kt = Ks;
+    if (TERMS == 1) {
+      cp_async_wait<0>();
+      // tile it landed for every thread; every warp is past tile it - 1's MMAs (its slot is
+      // refilled next) and the last tile's red reads (and, first, As is written)
+      __syncthreads();
+      if (it + 1 < ntiles) load_bf16_tile(it + 1);
+      kt = Ks + (it & 1) * ITC_KEYS * ld;
+    } else {
+      __syncthreads();  // the last tile's Ks and red reads are done (and, first, As is written)
+      const float* kf = (const float*)k;
+      for (int idx = tid; idx < ITC_KEYS * c4n; idx += blockDim.x) {
+        const int r = idx / c4n, c = 4 * (idx % c4n);
+        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (n0 + r < N) v = __ldg((const float4*)(kf + (size_t)(n0 + r) * Dh + c));
+        float e[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-      for (int term = 0; term < TERMS; ++term) *(uint2*)&Ks[(term * ITC_KEYS + r) * ld + c] = bf16_term4(e);
+        for (int term = 0; term < TERMS; ++term) *(uint2*)&Ks[(term * ITC_KEYS + r) * ld + c] = bf16_term4(e);
+      }
+      __syncthreads();
     }
-    __syncthreads();
     float acc[2][4][4] = {};
-    mma_warp_32x32<TERMS, TERMS>(acc, As, ITC_ROWS * ld, Ks, ITC_KEYS * ld, ld, Dh, wm, wn);
+    mma_warp_32x32<TERMS, TERMS>(acc, As, ITC_ROWS * ld, kt, ITC_KEYS * ld, ld, Dh, wm, wn);
     // acc[i][j][2 h + c]: row wm + 16 i + g + 8 h, key wn + 8 j + 2 t + c
 #pragma unroll
     for (int j = 0; j < 4; ++j)
@@ -531,7 +562,7 @@ __device__ __forceinline__ void indexer_tc_body(const float* __restrict__ q, con
 
 #define DEF_INDEXER_TC(TERMS)                                                                             \
   extern "C" __global__ void __launch_bounds__(256)                                                       \
-      indexer_scores_tc##TERMS(const float* __restrict__ q, const float* __restrict__ k,                \
+      indexer_scores_tc##TERMS(const float* __restrict__ q, const void* __restrict__ k,                 \
                                const float* __restrict__ w, float* __restrict__ out, int S, int H, int N, \
                                int Dh, float dscale, float hscale, int bf) { \
     indexer_tc_body<TERMS>(q, k, w, out, S, H, N, Dh, dscale, hscale, bf != 0);                          \

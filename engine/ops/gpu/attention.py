@@ -37,9 +37,9 @@ def _indexer_tc_shape(s: int, h: int, dh: int) -> bool:
 
 
 def _indexer_tc_smem(dh: int, terms: int) -> int:
-    """Dynamic shared memory of indexer_scores_tc<terms>: 192 bf16 rows of dh + 8, per term, and
-    the warps' sums."""
-    return terms * (ITC_ROWS + 64) * (dh + 8) * 2 + 8 * 32 * 4
+    """Dynamic shared memory of indexer_scores_tc<terms>: the block's 128 bf16 rows of dh + 8 and
+    its key tiles of 64 (two slots for one term), per term, and the warps' sums."""
+    return terms * (ITC_ROWS + 64 * (2 if terms == 1 else 1)) * (dh + 8) * 2 + 8 * 32 * 4
 
 
 def _indexer_smem(h: int, dh: int) -> int:
@@ -248,8 +248,10 @@ class AttentionOps:
         if _indexer_tc_shape(s, h, dh):
             terms = 1 if exact else 3
             smem = _indexer_tc_smem(dh, terms)
+            # (one term: the keys as bf16, their f32 values' high halves, exact on a codec's grid)
+            keys = cp.ascontiguousarray(_c32(k).view(cp.uint16)[:, 1::2]) if exact else _c32(k)
             _smem_function("attention", f"indexer_scores_tc{terms}", smem)((math.ceil(s / (ITC_ROWS // h)),), (256,), (
-                _c32(q), _c32(k), w, out, np.int32(s), np.int32(h), np.int32(n), np.int32(dh),
+                _c32(q), keys, w, out, np.int32(s), np.int32(h), np.int32(n), np.int32(dh),
                 dscale, hscale, np.int32(self.bf16)), shared_mem=smem)
             return out
         if dh % 32 or dh > 256:
