@@ -64,6 +64,5 @@ GROUPED_MMA(gemm_e4m3_grouped_fp4, FMT_FP4)
     if (!grouped_tile<WG_BM>(segs, wptrs, sptrs, mtiles, K, ldy, A, SA, W, SW, Y, M, m0)) return;             \
     wg_gemm<FMT>(wg_smem, A, SA, W, SW, Y, ldy, M, N, K, bn, bk, gk, m0, blockIdx.x * WG_BN, bf);             \
   }
-GROUPED_WG(gemm_e4m3_grouped_fp8_sm90, FMT_FP8)
-GROUPED_WG(gemm_e4m3_grouped_fp4_sm90, FMT_FP4)
+GROUPED_WG(gemm_e4m3_grouped_fp8_sm90, FMT_FP8)  // (FP4 experts on sm_90a: kernels/fp4_experts.cu)
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

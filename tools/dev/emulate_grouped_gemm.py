@@ -1,5 +1,7 @@
-"""Emulate kernels/fp8_grouped.cu gemm_e4m3_grouped_{fp8,fp4}_sm90 (a MoE's experts in one
-launch) in numpy and compare its Y with a plain product; no GPU needed. Exits non-zero on a mismatch.
+"""Emulate kernels/fp8_grouped.cu's grouped wgmma tile (a MoE's experts in one launch) in numpy and
+compare its Y with a plain product; no GPU needed. Exits non-zero on a mismatch. gemm_e4m3_grouped_fp8_sm90
+is the kernel; the FP4 cases run the same tile on wg_gemm<FMT_FP4> (the dense FP4 kernel's; FP4
+experts on sm_90a run kernels/fp4_experts.cu instead).
 
 The tile's work is tools/dev/emulate_wgmma_gemm.py's Block (every cp.async, barrier, descriptor and
 fragment of kernels/fp8_wgmma.cuh); this adds what the grouped kernels change:

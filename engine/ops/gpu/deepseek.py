@@ -14,10 +14,12 @@ GPU tests hold it to.
   exactly in float32 (the same numbers up to summation order). A bf16 weight takes and returns
   bf16; an fp32 one computes in fp32.
 - the experts: the routing weight scales the hidden state before w2 (the reference's Expert.forward).
-  A prompt chunk's FP8 / FP4 experts (past moe.gemv_grouping: tiles, not GEMV segments) run the grouped e4m3 GEMM
-  (fp8_linear.fp8_grouped_linear) on activations quantized once per token row (then gathered into
-  pair order, fp8_linear.gather_codes) and once per hidden row; decode's GEMV segments
-  fake-quantize the rows as they stage them, as linear() does.
+  A prompt chunk's FP8 / FP4 experts (past moe.gemv_grouping: tiles, not GEMV segments) run one
+  grouped GEMM per projection on activations quantized once per token row (then gathered into pair
+  order) and once per hidden row: FP4 experts on sm_90a bf16 wgmma on the exactly decoded weights
+  (fp4_experts.py, act_quant's values as bf16), others the e4m3 GEMM (fp8_linear.fp8_grouped_linear
+  on act_quant's codes); decode's GEMV segments fake-quantize the rows as they stage them, as
+  linear() does.
 - attention and the indexer: the kernels' bf16 rounding points (CupyOps.bf16).
 """
 
@@ -30,6 +32,7 @@ from engine.model.numerics import BF16, QUANT
 from engine.ops import kernels as K
 from engine.ops.gpu.common import _ELT_BLOCK, F32, _c32, _grid, round_bf16
 from engine.ops.gpu.fork import joins_inputs, joins_late
+from engine.ops.gpu.fp4_experts import FE_ROWS, act_quant_bf16w, fp4_experts_linear, fp4_experts_take, gather_rows
 from engine.ops.gpu.fp8_linear import (
     ACT_BLOCK,
     GROUPED_ROWS,
@@ -158,31 +161,35 @@ class DeepseekCupyOps(CupyOps):
 
     def _moe_device(self, x: cp.ndarray, tabs, n_experts: int, weights, ids, limit: float,
                     shared=None) -> cp.ndarray:
-        """A prompt chunk's FP8 / FP4 experts: the pairs in segments of GROUPED_ROWS, each projection
-        one grouped e4m3 GEMM; otherwise (decode, other weights) CupyOps' grouping and kernels."""
+        """A prompt chunk's FP8 / FP4 experts: the pairs in segments (FE_ROWS or GROUPED_ROWS), each
+        projection one grouped GEMM; otherwise (decode, other weights) CupyOps' grouping and kernels."""
         if gemv_grouping(ids.size, n_experts) or not _fp8_experts(tabs):
             return super()._moe_device(x, tabs, n_experts, weights, ids, limit, shared)
         dup = tabs[0][0].shape[0] if len(tabs) > 3 else 0
-        segs, gather, inv, order = self._moe_group(ids, n_experts, GROUPED_ROWS, dup)
         (w1, p1, s1), (w2, p2, s2), (w3, p3, s3) = tabs[:3]
+        # FP4 experts on sm_90a: bf16 wgmma on the exactly decoded weights (fp4_experts.py); FP8
+        # experts, or FP4 ones elsewhere: the e4m3 GEMM on act_quant's codes
+        fp4 = all(fp4_experts_take(w) for w in (w1, w2, w3))
+        segs, gather, inv, order = self._moe_group(ids, n_experts, FE_ROWS if fp4 else GROUPED_ROWS, dup)
         p, inter, d = gather.size, w1.shape[0], x.shape[1]
-        # per token row, then the pairs' rows gathered from them in expert order
-        xq = gather_codes(act_quant_fp8(x, bf16=True), gather)
+        quant, gather_pairs, gemm = ((act_quant_bf16w, gather_rows, fp4_experts_linear) if fp4 else
+                                     (act_quant_fp8, gather_codes, fp8_grouped_linear))
+        xq = gather_pairs(quant(x, bf16=True), gather)  # per token row, then the pairs' rows
         if dup:  # gate and up in one launch: w3's segments (second half) write columns inter..
             gu = cp.empty((p, 2 * inter), F32)
-            fp8_grouped_linear(xq, segs, tabs[3][1], tabs[3][2], w1, gu, bf16=True)
+            gemm(xq, segs, tabs[3][1], tabs[3][2], w1, gu, bf16=True)
             segs = segs[: segs.size // 2]
             hidden = self._swiglu_pairs(gu, inter, limit)
         else:
             gate, up = cp.empty((p, inter), F32), cp.empty((p, inter), F32)
-            fp8_grouped_linear(xq, segs, p1, s1, w1, gate, bf16=True)
-            fp8_grouped_linear(xq, segs, p3, s3, w3, up, bf16=True)
+            gemm(xq, segs, p1, s1, w1, gate, bf16=True)
+            gemm(xq, segs, p3, s3, w3, up, bf16=True)
             hidden = self._swiglu(gate, up, limit)
         if hidden.size:  # bf16(hidden * routing weight), in place
             K.function("elementwise", "moe_weight_rows")(_grid(hidden.size), (_ELT_BLOCK,), (
                 hidden, _c32(weights), order, np.int64(hidden.size), np.int32(inter)))
         out = cp.empty((p, d), F32)
-        fp8_grouped_linear(act_quant_fp8(hidden), segs, p2, s2, w2, out, bf16=True)
+        gemm(quant(hidden), segs, p2, s2, w2, out, bf16=True)
         return self._combine(out, cp.ones(ids.shape, F32), inv, int(ids.shape[1]), d, shared)
 
     def _linear_xq(self, w: GpuWeight) -> int:

@@ -118,7 +118,8 @@ def fp8_grouped_linear(codes: tuple[cp.ndarray, cp.ndarray], segs: cp.ndarray, w
     if nseg == 0 or a.shape[0] == 0:
         return
     bn, bk = w.block
-    sm90 = K.device_arch() == "90a"
+    # (FP4 experts on sm_90a run kernels/fp4_experts.cu; the mma.sync kernel takes them here)
+    sm90 = K.device_arch() == "90a" and w.fmt == FMT_FP8
     tile = WG_TILE if sm90 else TILE
     mtiles = -(-step // tile)
     args = (a, sa, segs, wptrs, sptrs, y, np.int32(y.shape[1]), np.int32(n),

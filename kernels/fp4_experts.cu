@@ -1,0 +1,311 @@
+// The routed experts' FP4 linears of a prompt chunk (--numerics deepseek) on bf16 wgmma, the
+// weights as the register operand: Y rows = each MoE pair's act_quant'ed row times its expert's
+// e2m1 weight with UE8M0 scales per 32, f32 sums (engine/ops/gpu/fp4_experts.py).
+//
+// Why bf16 and not e4m3 MMAs (kernels/fp8_wgmma.cuh): the activations' scales change every 32
+// along K, so an e4m3 MMA's k32 result must be scaled into an f32 total per step, one FFMA per
+// accumulator per k32: as many FMA-pipe cycles as the tensor core spends at its FP8 rate, and for
+// FP4 the producer's expansion into e4m3 on top. Both operands' values (e4m3 codes times a
+// power-of-two scale, e2m1 codes times one) are bf16 numbers exactly, so a bf16 MMA with f32
+// accumulation computes the same products with no promotion at all, at half the FP8 rate.
+//
+// Layout (learned from, not copied: the "weights in registers" mixed-input GEMMs, vLLM's Machete
+// and CUTLASS's sm90 mixed-input mainloop): Y^T = W X^T. Two consumer warpgroups each own 64
+// weight rows (Y columns) and issue wgmma.mma_async m64nNk16 bf16 with A from registers (the
+// weight rows, loaded from global and decoded in registers) and B from shared memory (up to 256
+// token rows, bf16, K-major, 128-byte swizzle), filled by a producer warpgroup through an mbarrier
+// ring. A weight element decoded once serves up to 256 tokens, and the weights never pass through
+// shared memory.
+//
+// K order: a thread's A fragment for k16 step s holds columns 2q, 2q+1, 2q+8, 2q+9 of rows g and
+// g+8 (q = lane % 4, g = lane / 4). Each thread loads 16 consecutive weight elements (8 bytes) of a
+// 64-wide K chunk for its two rows, physical k = 16q + 4s + 2h + j going to step s, column 2q + 8h
+// + j. The tokens' bf16 row is written in that order by act_quant_bf16w (logical L = 16s + 8h + 2q
+// + j holds physical 16q + 4s + 2h + j): both operands agree, and the dot product's terms are the
+// same.
+#include "fp8_mma.cuh"
+#include "fp8_wgmma.cuh"
+
+// act_quant_bf16w: the reference's act_quant (as act_quant_fp8) of x [M, K] f32 (bf: rounded to
+// bf16 first), written as the bf16 values codes * scale [M, K] (exact) in the GEMM's K order within
+// each 64. grid (ceil(M * K / 4 / 256)), block 256; K % 64 == 0.
+extern "C" __global__ void act_quant_bf16w(const float* __restrict__ x, int ldx, u32* __restrict__ out, int M,
+                                           int K, int bf) {
+  const int q4 = K / 4;
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const bool live = i < (long long)M * q4;
+  const int m = live ? (int)(i / q4) : 0, c = live ? (int)(i % q4) : 0;
+  const float4 v = live ? __ldg((const float4*)(x + (size_t)m * ldx) + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+  float s;
+  const u32 w = act_quant4(v, bf, s);
+  if (live) {
+    float e[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) e[j] = e4m3_raw((w >> (8 * j)) & 0xffu) * (s * 256.f);
+    // physical quad (q, st) = (cb / 4, cb % 4) of the 64-chunk -> logical 16 st + 2 q (+ 8)
+    const int cb = c & 15, L = 16 * (cb & 3) + 2 * (cb >> 2);
+    u32* row = out + ((size_t)m * K + 64 * (c >> 4) + L) / 2;
+    row[0] = pack_bf16x2(e[0], e[1]);
+    row[4] = pack_bf16x2(e[2], e[3]);
+  }
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define BW_BM 128            // weight rows per block: two consumer warpgroups x 64
+#define BW_BN 256            // token rows per block: the wgmma N
+#define BW_STAGES 6          // ring of token tiles, 64 bf16 of K (one 128-byte swizzle row) each
+#define BW_TILE_BYTES 32768  // BW_BN rows x 128 bytes
+#define BW_THREADS 384
+#define BW_PRODUCER_REGS 48  // (its 16 copies in flight spill at 40)
+#define BW_CONSUMER_REGS 224  // 128 x 48 + 256 x 224 <= 64K registers
+#define BW_BAR (BW_STAGES * BW_TILE_BYTES)  // full[ST], then empty[ST]
+
+#define BW_2P112 0x77807780u  // 2^112 as bf16x2
+__device__ __forceinline__ u32 bf16x2_mul(u32 a, u32 b) {
+  u32 r;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+// Two e4m3 codes (bits 0..15) times 2^d as bf16x2 (low code in the low half); sc2: 2^(112 + d) in
+// both halves. cvt gives the f16 values exactly (all normals); shifting an f16's exponent and top
+// mantissa bits down by 3 makes a bf16 of the value * 2^-112 (a normal again, zero stays zero), and
+// one bf16 multiply applies the scale exactly.
+__device__ __forceinline__ u32 e4m3x2_bf16x2(u32 w, u32 sc2) {
+  u32 h;
+  asm("{ .reg .b16 t; cvt.u16.u32 t, %1; cvt.rn.f16x2.e4m3x2 %0, t; }" : "=r"(h) : "r"(w));
+  const u32 v = ((h & 0x7fff7fffu) >> 3) | (h & 0x80008000u);
+  return bf16x2_mul(v, sc2);
+}
+// 2^(e - 127 + shift) as bf16x2 for a UE8M0 byte e (1 .. 254), e - 127 + shift <= 127.
+__device__ __forceinline__ u32 bw_scale2(u32 e, u32 shift) {
+  const u32 b = (e + shift) << 7;
+  return b | (b << 16);
+}
+
+// wgmma m64nNk16 bf16 -> f32 (N = 2 x the accumulators), A (4 registers) from this thread, B from
+// the descriptor; adds to d.
+#define BW_F8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+                 "+f"(d[i + 6]), "+f"(d[i + 7])
+__device__ __forceinline__ void wgmma_rs(float (&d)[128], const u32 (&a)[4], u64 db) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+      "{%128, %129, %130, %131}, %132, 1, 1, 1, 0;\n"
+      : BW_F8(0), BW_F8(8), BW_F8(16), BW_F8(24), BW_F8(32), BW_F8(40), BW_F8(48), BW_F8(56),
+        BW_F8(64), BW_F8(72), BW_F8(80), BW_F8(88), BW_F8(96), BW_F8(104), BW_F8(112), BW_F8(120)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db)
+      : "memory");
+}
+__device__ __forceinline__ void wgmma_rs(float (&d)[64], const u32 (&a)[4], u64 db) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "{%64, %65, %66, %67}, %68, 1, 1, 1, 0;\n"
+      : BW_F8(0), BW_F8(8), BW_F8(16), BW_F8(24), BW_F8(32), BW_F8(40), BW_F8(48), BW_F8(56)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db)
+      : "memory");
+}
+__device__ __forceinline__ void wgmma_rs(float (&d)[32], const u32 (&a)[4], u64 db) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%32, %33, %34, %35}, %36, 1, 1, 1, 0;\n"
+      : BW_F8(0), BW_F8(8), BW_F8(16), BW_F8(24)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db)
+      : "memory");
+}
+#undef BW_F8
+template <int R>
+__device__ __forceinline__ void bw_fence_regs(float (&d)[R]) {
+#pragma unroll
+  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// A thread's weights for one 64-wide K chunk: 16 e2m1 elements (8 bytes) of rows g and g + 8 of
+// its warp's 16, and their UE8M0 scale bytes (clamped to [1, 254] as e8m0_scaled does).
+struct BwChunk {
+  uint2 r0, r1;
+  u32 e0, e1;
+};
+
+__device__ __forceinline__ void bw_load(BwChunk& ch, const u8* w0, const u8* w1, const u8* SW, int r0, int r1,
+                                        bool ok0, bool ok1, int gk, int c, int q) {
+  const int k = 64 * c + 16 * q;
+  ch.r0 = ok0 ? __ldg((const uint2*)(w0 + k / 2)) : make_uint2(0, 0);
+  ch.r1 = ok1 ? __ldg((const uint2*)(w1 + k / 2)) : make_uint2(0, 0);
+  ch.e0 = min(max((u32)__ldg(SW + (size_t)r0 * gk + k / 32), 1u), 254u);
+  ch.e1 = min(max((u32)__ldg(SW + (size_t)r1 * gk + k / 32), 1u), 254u);
+}
+
+// k16 step s's fragment of a chunk: {row g cols 2q.., row g+8 cols 2q.., row g cols 2q+8.., row
+// g+8 cols 2q+8..}, each a bf16x2 of the thread's physical elements 4s + 2h + (0, 1): the nibbles
+// to e4m3 codes (kernels/fp8_mma.cuh), then to bf16 times the row's scale.
+__device__ __forceinline__ void bw_convert_step(u32 (&f)[4], const BwChunk& ch, int s) {
+  const u32 w0 = e2m1x4_to_e4m3((s < 2 ? ch.r0.x : ch.r0.y) >> (16 * (s & 1)));
+  const u32 w1 = e2m1x4_to_e4m3((s < 2 ? ch.r1.x : ch.r1.y) >> (16 * (s & 1)));
+  if (max(ch.e0, ch.e1) <= 142) {  // 2^(112 + d), d = e - 127 <= 15: one bf16 factor
+    const u32 s0 = bw_scale2(ch.e0, 112), s1 = bw_scale2(ch.e1, 112);
+    f[0] = e4m3x2_bf16x2(w0, s0);
+    f[1] = e4m3x2_bf16x2(w1, s1);
+    f[2] = e4m3x2_bf16x2(w0 >> 16, s0);
+    f[3] = e4m3x2_bf16x2(w1 >> 16, s1);
+  } else {  // scales over 2^15 (no real checkpoint's): 2^112, then 2^d
+    const u32 s0 = bw_scale2(ch.e0, 0), s1 = bw_scale2(ch.e1, 0);
+    f[0] = bf16x2_mul(e4m3x2_bf16x2(w0, BW_2P112), s0);
+    f[1] = bf16x2_mul(e4m3x2_bf16x2(w1, BW_2P112), s1);
+    f[2] = bf16x2_mul(e4m3x2_bf16x2(w0 >> 16, BW_2P112), s0);
+    f[3] = bf16x2_mul(e4m3x2_bf16x2(w1 >> 16, BW_2P112), s1);
+  }
+}
+
+// Step f = 4c + s of the K loop (chunk c, k16 step s): issue its wgmma (its own commit group), wait
+// for step f - 1, convert step f + 1's fragment (the one step f - 3 read), and at s == 0 free chunk
+// c - 1's token tile (its last step is f - 1). At s == 3 the next fragment is the next chunk's
+// first, from nxt; cur takes nxt's place and nxt loads chunk c + 2. (Waiting for f - 1, not f - 3:
+// ptxas serializes every wgmma of the kernel when registers a wgmma reads are written with more
+// than one group in flight.)
+template <int BN>
+__device__ __forceinline__ void bw_chunk(float (&d)[BN / 2], u32 (&fr)[4][4], BwChunk& cur, BwChunk& nxt, u32 base,
+                                         const u8* w0, const u8* w1, const u8* SW, int r0, int r1, bool ok0,
+                                         bool ok1, int gk, int c, int C, int q) {
+  mbar_wait(base + BW_BAR + 8 * (c % BW_STAGES), (c / BW_STAGES) & 1);
+  fence_proxy_async();
+  const u32 bt = base + (c % BW_STAGES) * BW_TILE_BYTES;
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    wgmma_fence();
+    wgmma_rs(d, fr[s], wg_desc(bt + 32 * s));
+    wgmma_commit();
+    wgmma_wait<1>();
+    if (s == 0 && c >= 1) {
+      __syncwarp();
+      if ((threadIdx.x & 31) == 0) mbar_arrive(base + BW_BAR + 8 * (BW_STAGES + (c - 1) % BW_STAGES));
+    }
+    if (s < 3) {
+      bw_convert_step(fr[s + 1], cur, s + 1);
+    } else if (c + 1 < C) {
+      bw_convert_step(fr[0], nxt, 0);
+      cur = nxt;
+      if (c + 2 < C) bw_load(nxt, w0, w1, SW, r0, r1, ok0, ok1, gk, c + 2, q);
+    }
+  }
+}
+
+template <int BN>
+__device__ __forceinline__ void bw_consume(u32 base, const u8* __restrict__ W, const u8* __restrict__ SW,
+                                           float* __restrict__ Y, int ldy, int M, int N, int K, int gk, int m0,
+                                           int n0, int bf) {
+  const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2,
+            q = lane & 3;
+  const int r0 = n0 + 64 * wg + 16 * warp + g, r1 = r0 + 8;
+  const bool ok0 = r0 < N, ok1 = r1 < N;
+  const size_t row_bytes = (size_t)K / 2;
+  const u8* w0 = W + (size_t)min(r0, N - 1) * row_bytes;
+  const u8* w1 = W + (size_t)min(r1, N - 1) * row_bytes;
+  const int rs0 = min(r0, N - 1), rs1 = min(r1, N - 1);
+  const int C = K / 64;
+  float d[BN / 2];
+#pragma unroll
+  for (int i = 0; i < BN / 2; ++i) d[i] = 0.f;
+  u32 fr[4][4];
+  BwChunk cur, nxt;
+  bw_load(cur, w0, w1, SW, rs0, rs1, ok0, ok1, gk, 0, q);
+  if (C > 1) bw_load(nxt, w0, w1, SW, rs0, rs1, ok0, ok1, gk, 1, q);
+  bw_convert_step(fr[0], cur, 0);
+  for (int c = 0; c < C; ++c) bw_chunk<BN>(d, fr, cur, nxt, base, w0, w1, SW, rs0, rs1, ok0, ok1, gk, c, C, q);
+  wgmma_wait<0>();
+  bw_fence_regs(d);
+  // d[4i + 2h + j]: weight row r0 + 8h (Y column), token 8i + 2q + j (Y row); the 8 lanes of one q
+  // write 8 consecutive columns (32 bytes) of a row
+#pragma unroll
+  for (int i = 0; i < BN / 8; ++i) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int t = m0 + 8 * i + 2 * q + j;
+      if (t < M) {
+        float* y = Y + (size_t)t * ldy;
+        const float v0 = d[4 * i + j], v1 = d[4 * i + 2 + j];
+        if (ok0) y[r0] = bf ? round_bf16f(v0) : v0;
+        if (ok1) y[r1] = bf ? round_bf16f(v1) : v1;
+      }
+    }
+  }
+}
+
+// The producer warpgroup: token rows m0 .. m0 + 255 of X (bf16 [M, K], K in the GEMM's order), 64
+// of K a stage, each 128-byte row to its swizzled place; rows past M zero-filled.
+__device__ __forceinline__ void bw_produce(u32 base, const u8* __restrict__ X, int M, int K, int m0) {
+  const int t = threadIdx.x - 256, r8 = t >> 3, c8 = t & 7, C = K / 64;
+  const u8* src = X + (size_t)min(m0 + r8, M - 1) * K * 2 + 16 * c8;
+  for (int c = 0; c < C; ++c) {
+    const int s = c % BW_STAGES;
+    mbar_wait(base + BW_BAR + 8 * (BW_STAGES + s), ((c / BW_STAGES) & 1) ^ 1);
+    wg_copy_rows<16, 16>(base + s * BW_TILE_BYTES + wg_swz(r8, c8), 2048, src + 128 * c, (size_t)16 * K * 2,
+                         M - m0 - r8);  // (rows past M: zeros)
+    mbar_arrive_cp_async(base + BW_BAR + 8 * s);
+  }
+}
+
+// A consumer warpgroup whose weight rows are all past N: releases each stage for the producer.
+__device__ __forceinline__ void bw_idle(u32 base, int K) {
+  for (int c = 0; c < K / 64; ++c) {
+    mbar_wait(base + BW_BAR + 8 * (c % BW_STAGES), (c / BW_STAGES) & 1);
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) mbar_arrive(base + BW_BAR + 8 * (BW_STAGES + c % BW_STAGES));
+  }
+}
+
+__device__ __forceinline__ void bw_gemm(u8* raw, const u8* X, const u8* W, const u8* SW, float* Y, int ldy, int M,
+                                        int N, int K, int gk, int m0, int n0, int bf) {
+  const u32 raw_addr = wg_smem_u32(raw), pad = (1024u - (raw_addr & 1023u)) & 1023u;
+  const u32 base = raw_addr + pad;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < BW_STAGES; ++s) {
+      mbar_init(base + BW_BAR + 8 * s, 128);
+      mbar_init(base + BW_BAR + 8 * (BW_STAGES + s), 8);
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x >= 256) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(BW_PRODUCER_REGS));
+    bw_produce(base, X, M, K, m0);
+  } else if (n0 + 64 * (int)(threadIdx.x >> 7) >= N) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(BW_PRODUCER_REGS));
+    bw_idle(base, K);
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(BW_CONSUMER_REGS));
+    // the wgmma N by the tile's token rows: a short tile (a MoE segment's last rows, a chunk's
+    // tail) computes no more than the next multiple of 64 of them
+    const int rows = M - m0;
+    if (rows > 128) bw_consume<256>(base, W, SW, Y, ldy, M, N, K, gk, m0, n0, bf);
+    else if (rows > 64) bw_consume<128>(base, W, SW, Y, ldy, M, N, K, gk, m0, n0, bf);
+    else bw_consume<64>(base, W, SW, Y, ldy, M, N, K, gk, m0, n0, bf);
+  }
+}
+
+// segs [nseg x 5] int32 (expert e, first row row0, rows, 0, y column), as kernels/fp8_grouped.cu
+// takes them; X (act_quant_bf16w's bf16 [*, K]) and Y rows in pair order; the expert's e2m1 weight
+// [N, K / 2] at wptrs[e], its UE8M0 scales [N, gk] at sptrs[e]; bf: Y rounded to bf16 as stored.
+// Block (x, y): segment y, its token rows 0 .. 255 (segments have at most 256), weight rows x * 128...
+// grid (ceil(N / 128), nseg), block 384, dynamic shared memory BW_STAGES * 32 KB + barriers + 1 KB.
+extern "C" __global__ void __launch_bounds__(BW_THREADS, 1)
+    gemm_fp4_experts_sm90(const u8* X, const int* segs, const u64* wptrs, const u64* sptrs, float* Y, int ldy, int N,
+                          int K, int gk, int bf) {
+  extern __shared__ __align__(1024) u8 bw_smem[];
+  const int* sg = segs + 5 * blockIdx.y;
+  if (sg[2] == 0) return;  // an unused slot
+  bw_gemm(bw_smem, X + (size_t)sg[1] * K * 2, (const u8*)wptrs[sg[0]], (const u8*)sptrs[sg[0]],
+          Y + (size_t)sg[1] * ldy + sg[4], ldy, sg[2], N, K, gk, 0, blockIdx.x * BW_BM, bf);
+}
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL

@@ -1,0 +1,156 @@
+"""kernels/fp4_experts.cu (engine/ops/gpu/fp4_experts.py) against numpy in DeepSeek's numerics:
+act_quant_bf16w is act_quant_fp8's codes times scales, bit for bit, in the kernel's K order; the
+grouped GEMM (FP4 experts over a MoE's segment table) against the float64 product of the
+fake-quantized rows and the dequantized weights. bf16 x bf16 products are exact and the tensor core
+sums them in f32, so the bound is far tighter than the e4m3 GEMM's (fp8_mma.py). The outputs start
+as NaN, so a row or column no segment wrote fails. Skipped where CuPy or an sm_90a GPU is absent (CI).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gpu_required import require_gpu
+
+cp = require_gpu()
+
+from test_gpu_fp8_grouped import _table  # noqa: E402
+
+from engine.bench import _timeit  # noqa: E402
+from engine.checkpoint import formats  # noqa: E402
+from engine.ops import kernels as K  # noqa: E402
+from engine.ops.gpu.fp4_experts import FE_ROWS, act_quant_bf16w, fp4_experts_linear, gather_rows  # noqa: E402
+from engine.ops.gpu.fp8_linear import GROUPED_ROWS, act_quant_fp8, fp8_grouped_linear  # noqa: E402
+from engine.ops.gpu.weights import GpuWeight, _host_dequant  # noqa: E402
+from engine.ops.kernels import FMT_FP4  # noqa: E402
+from engine.ops.numpy_ops import NumpyOps  # noqa: E402
+
+if K.device_arch() != "90a":
+    pytest.skip("gemm_fp4_experts_sm90 is an sm_90a kernel", allow_module_level=True)
+
+BF16_MMA_TOL = 2.0**-16  # of sum_k |x_k w_k|: exact products, f32 sums (the e4m3 MMA's bound is 2^-10)
+# rows per expert: none, one, each side of the 64 / 128 / 256-row tiles (the wgmma N), several segments
+COUNTS = [0, 1, 64, 65, 128, 129, 256, 0, 300, 37, 600]
+
+
+def _x(m: int, k: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((m, k)) * np.exp(rng.uniform(-12, 6, (m, 1)))
+         * np.exp(rng.uniform(-3, 3, (1, k)))).astype(np.float32)
+    x[:, : min(k, 32)] *= np.float32(1e-7)  # a block under the 1e-4 floor of amax
+    if m > 2:
+        x[1] = 0.0
+    return x
+
+
+def _weight(n: int, k: int, seed: int, lo: int = 100, hi: int = 140) -> GpuWeight:
+    """e2m1 nibbles with UE8M0 exponents drawn from [lo, hi)."""
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, (n, k // 2)).astype(np.uint8)
+    scale = rng.integers(lo, hi, (n, k // 32)).astype(np.uint8)
+    return GpuWeight(FMT_FP4, cp.asarray(data), cp.asarray(scale), (n, k), (1, 32))
+
+
+def _tables(ws: list) -> tuple:
+    return (cp.asarray(np.array([w.data.data.ptr for w in ws], np.uint64)),
+            cp.asarray(np.array([w.scale.data.ptr for w in ws], np.uint64)))
+
+
+def _unpermute(xb: np.ndarray) -> np.ndarray:
+    """act_quant_bf16w's order back to K's: logical 16 s + 8 h + 2 q + j holds 16 q + 4 s + 2 h + j."""
+    s, h, q, j = np.meshgrid(np.arange(4), np.arange(2), np.arange(4), np.arange(2), indexing="ij")
+    logical, phys = (16 * s + 8 * h + 2 * q + j).ravel(), (16 * q + 4 * s + 2 * h + j).ravel()
+    out = np.empty_like(xb)
+    for c in range(0, xb.shape[1], 64):
+        out[:, c + phys] = xb[:, c + logical]
+    return out
+
+
+def _check(y: np.ndarray, xq: np.ndarray, ws: list, counts: list, halves: int = 1) -> None:
+    """Each expert's rows of y (halves: w1 then w3 side by side) against float64 products."""
+    n, e_n, r0 = ws[0].shape[0], len(counts), 0
+    assert np.isfinite(y).all(), "a non-finite output, or a row or column no segment wrote"
+    for e, c in enumerate(counts):
+        for h in range(halves if c else 0):
+            wd = _host_dequant(ws[e + h * e_n]).astype(np.float64)
+            want, mag = xq[r0:r0 + c] @ wd.T, np.abs(xq[r0:r0 + c]) @ np.abs(wd).T
+            err = np.abs(y[r0:r0 + c, h * n:(h + 1) * n] - want) / np.maximum(mag, 1e-30)
+            assert float(err.max()) < BF16_MMA_TOL, f"expert {e}: worst error {err.max():.2e} of the products' sum"
+        r0 += c
+
+
+@pytest.mark.parametrize("m,k", [(1, 64), (5, 2304), (77, 5120)])
+@pytest.mark.parametrize("bf", [False, True])
+def test_act_quant_bf16w_is_act_quant_fp8_reordered(m, k, bf):
+    x = _x(m, k, seed=m)
+    xb = formats.bf16_to_f32(cp.asnumpy(act_quant_bf16w(cp.asarray(x), bf)))
+    codes, scales = act_quant_fp8(cp.asarray(x), bf)
+    want = formats.fp8_e4m3_to_f32(cp.asnumpy(codes)).reshape(m, k // 32, 32) * cp.asnumpy(scales)[:, :, None]
+    np.testing.assert_array_equal(_unpermute(xb), want.reshape(m, k))
+
+
+@pytest.mark.parametrize("n,k", [(320, 1024), (200, 320), (130, 64), (136, 2304)])
+def test_gathered_rows_two_weights_per_expert(n, k):
+    """w1 and w3 in one launch (the doubled table's second half writes y columns n..), the rows
+    gathered from 97 tokens (gather_rows: each pair's token row, bit for bit); weight tiles past N
+    (an idle warpgroup) and K of one chunk or chunk counts that wrap the ring."""
+    rng = np.random.default_rng(n + k)
+    e_n, t, p = len(COUNTS), 97, sum(COUNTS)
+    x = _x(t, k, seed=n)
+    gather = rng.integers(0, t, p).astype(np.int32)
+    ws = [_weight(n, k, seed=j) for j in range(2 * e_n)]
+    y = cp.full((p, 2 * n), cp.nan, cp.float32)
+    xb = act_quant_bf16w(cp.asarray(x))
+    pairs = gather_rows(xb, cp.asarray(gather))
+    np.testing.assert_array_equal(cp.asnumpy(pairs), cp.asnumpy(xb)[gather])
+    fp4_experts_linear(pairs, cp.asarray(_table(COUNTS, FE_ROWS, 2, n)), *_tables(ws), ws[0], y)
+    _check(cp.asnumpy(y), NumpyOps().fake_quant_fp8(x, 32).astype(np.float64)[gather], ws, COUNTS, halves=2)
+
+
+def test_rows_in_place_and_bf16_out():
+    """w2: the hidden rows in pair order, one weight per expert; with bf16=True the same sums,
+    rounded as stored."""
+    n, k, p = 256, 512, sum(COUNTS)
+    h = _x(p, k, seed=3)
+    ws = [_weight(n, k, seed=j) for j in range(len(COUNTS))]
+    segs = cp.asarray(_table(COUNTS, FE_ROWS, 1, 0))
+    y, yb = cp.full((p, n), cp.nan, cp.float32), cp.full((p, n), cp.nan, cp.float32)
+    fp4_experts_linear(act_quant_bf16w(cp.asarray(h)), segs, *_tables(ws), ws[0], y)
+    _check(cp.asnumpy(y), NumpyOps().fake_quant_fp8(h, 32).astype(np.float64), ws, COUNTS)
+    fp4_experts_linear(act_quant_bf16w(cp.asarray(h)), segs, *_tables(ws), ws[0], yb, bf16=True)
+    np.testing.assert_array_equal(cp.asnumpy(yb), formats.round_bf16(cp.asnumpy(y)))
+
+
+@pytest.mark.parametrize("lo,hi,shift", [(20, 60, 60), (130, 200, -93)])
+def test_scales_far_from_one(lo, hi, shift):
+    """UE8M0 bytes far below 127 and far above (over 142 the kernel applies a scale as two bf16
+    factors): e2m1 values times any such scale stay exact; x is scaled by 2^shift to keep the
+    products in range."""
+    n, k, counts = 136, 256, [70, 0, 200]
+    x = _x(sum(counts), k, seed=lo) * np.float32(2.0**shift)
+    ws = [_weight(n, k, seed=j + lo, lo=lo, hi=hi) for j in range(len(counts))]
+    y = cp.full((sum(counts), n), cp.nan, cp.float32)
+    segs = cp.asarray(_table(counts, FE_ROWS, 1, 0))
+    fp4_experts_linear(act_quant_bf16w(cp.asarray(x)), segs, *_tables(ws), ws[0], y)
+    _check(cp.asnumpy(y), NumpyOps().fake_quant_fp8(x, 32).astype(np.float64), ws, counts)
+
+
+def test_rate_against_the_e4m3_gemm():
+    """Not a timed assertion: V4.1-Flash's expert shapes over 16 experts of 256 pairs each (4,096
+    rows), beside the grouped e4m3 GEMM on the same pairs (mma.sync on sm_90a for FP4, which its
+    wgmma kernel no longer serves: the figure is for the record, not a comparison of like kernels)."""
+    counts = [256] * 16
+    for name, n, k in (("w1 / w3", 2304, 5120), ("w2", 5120, 2304)):
+        ws = [_weight(n, k, seed=j) for j in range(len(counts))]
+        x = cp.asarray(_x(sum(counts), k, seed=1))
+        xb, codes = act_quant_bf16w(x), act_quant_fp8(x)
+        y = cp.empty((sum(counts), n), cp.float32)
+        segs, tabs = cp.asarray(_table(counts, FE_ROWS, 1, 0, spare=0)), _tables(ws)
+        t = _timeit(lambda xb=xb, segs=segs, tabs=tabs, ws=ws, y=y: fp4_experts_linear(xb, segs, *tabs, ws[0], y),
+                    iters=10)
+        segs8 = cp.asarray(_table(counts, GROUPED_ROWS, 1, 0, spare=0))
+        t8 = _timeit(lambda codes=codes, segs8=segs8, tabs=tabs, ws=ws, y=y:
+                     fp8_grouped_linear(codes, segs8, *tabs, ws[0], y), iters=10)
+        flop = 2 * sum(counts) * n * k
+        print(f"experts {name} [{n} x {k}] x 4096 pairs: {t * 1e3:.3f} ms = {flop / t / 1e12:.0f} TFLOP/s "
+              f"(grouped e4m3 mma.sync {t8 * 1e3:.3f} ms)")
