@@ -27,6 +27,9 @@ from engine.state import rows
 from engine.state.rows import Span
 from engine.state.sequence import HeldRows, _own_of, grown_mark
 
+# Span(...) without NamedTuple's Python-level __new__: the steady-state planner makes a few thousand
+# a verify step at b32
+_span = tuple.__new__
 MIN_CAPACITY = 64
 
 
@@ -299,12 +302,12 @@ def _source_rows_held(p: LayerPlan, ls, c: int, ratio: int, indexed: bool, keys:
     for j in range(c):
         closes = True
         if ratio > 1:
-            p.pend_kv.append(Span(bkv, e, 1))
-            p.pend_gate.append(Span(bgt, e, 1))
+            p.pend_kv.append(_span(Span, (bkv, e, 1)))
+            p.pend_gate.append(_span(Span, (bgt, e, 1)))
             closes = e + 1 - s == ratio
             if closes:
-                p.pool_kv.append(Span(bkv, s, ratio))
-                p.pool_gate.append(Span(bgt, s, ratio))
+                p.pool_kv.append(_span(Span, (bkv, s, ratio)))
+                p.pool_gate.append(_span(Span, (bgt, s, ratio)))
                 # (the pool frees its rows, but not before the step's last row: see _plan_source)
                 s = e = 0 if j == c - 1 else e + 1
             else:
@@ -313,18 +316,18 @@ def _source_rows_held(p: LayerPlan, ls, c: int, ratio: int, indexed: bool, keys:
                 e += 1
             first[r + j] = (ee - es) * ratio
         if closes:
-            entry_dst.append(Span(be, ee, 1))
+            entry_dst.append(_span(Span, (be, ee, 1)))
             ee += 1
             if indexed:
-                key_dst.append(Span(bk, ke, 1))
+                key_dst.append(_span(Span, (bk, ke, 1)))
                 ke += 1
         else:
             entry_dst.append(None)
             if indexed:
                 key_dst.append(None)
         if indexed:
-            keys.append(Span(bk, ks, ke - ks))
-        entries.append(Span(be, es, ee - es))
+            keys.append(_span(Span, (bk, ks, ke - ks)))
+        entries.append(_span(Span, (be, es, ee - es)))
         if marks is not None:
             marks[j][0].append((d, (rows_held, s, e, ee, ke), own))
     if ratio > 1:
