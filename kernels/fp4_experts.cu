@@ -126,11 +126,6 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[32], const u32 (&a)[4], u64 
       : "memory");
 }
 #undef BW_F8
-template <int R>
-__device__ __forceinline__ void bw_fence_regs(float (&d)[R]) {
-#pragma unroll
-  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
 
 // A thread's weights for one 64-wide K chunk: 16 e2m1 elements (8 bytes) of rows g and g + 8 of
 // its warp's 16, and their UE8M0 scale bytes (clamped to [1, 254] as e8m0_scaled does).
@@ -211,9 +206,9 @@ __device__ __forceinline__ void bw_consume(u32 base, const u8* __restrict__ W, c
   const int r0 = n0 + 64 * wg + 16 * warp + g, r1 = r0 + 8;
   const bool ok0 = r0 < N, ok1 = r1 < N;
   const size_t row_bytes = (size_t)K / 2;
-  const u8* w0 = W + (size_t)min(r0, N - 1) * row_bytes;
-  const u8* w1 = W + (size_t)min(r1, N - 1) * row_bytes;
-  const int rs0 = min(r0, N - 1), rs1 = min(r1, N - 1);
+  const int rs0 = min(r0, N - 1), rs1 = min(r1, N - 1);  // (rows past N read row N - 1, as zeros)
+  const u8* w0 = W + (size_t)rs0 * row_bytes;
+  const u8* w1 = W + (size_t)rs1 * row_bytes;
   const int C = K / 64;
   float d[BN / 2];
 #pragma unroll
@@ -225,7 +220,7 @@ __device__ __forceinline__ void bw_consume(u32 base, const u8* __restrict__ W, c
   bw_convert_step(fr[0], cur, 0);
   for (int c = 0; c < C; ++c) bw_chunk<BN>(d, fr, cur, nxt, base, w0, w1, SW, rs0, rs1, ok0, ok1, gk, c, C, q);
   wgmma_wait<0>();
-  bw_fence_regs(d);
+  wg_fence_regs(d);
   // d[4i + 2h + j]: weight row r0 + 8h (Y column), token 8i + 2q + j (Y row); the 8 lanes of one q
   // write 8 consecutive columns (32 bytes) of a row
 #pragma unroll

@@ -125,9 +125,10 @@ __device__ __forceinline__ u64 wg_desc(u32 addr) {
          ((u64)WG_SWIZZLE_MODE << 62);
 }
 // Keeps the compiler from moving accumulator reads or writes across the asynchronous wgmma.
-__device__ __forceinline__ void wg_fence_regs(float (&d)[64]) {
+template <int R>
+__device__ __forceinline__ void wg_fence_regs(float (&d)[R]) {
 #pragma unroll
-  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 #define WG_F8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
                  "+f"(d[i + 6]), "+f"(d[i + 7])

@@ -19,8 +19,8 @@ from test_gpu_fp8_grouped import _table  # noqa: E402
 from engine.bench import _timeit  # noqa: E402
 from engine.checkpoint import formats  # noqa: E402
 from engine.ops import kernels as K  # noqa: E402
-from engine.ops.gpu.fp4_experts import FE_ROWS, act_quant_bf16w, fp4_experts_linear, gather_rows  # noqa: E402
-from engine.ops.gpu.fp8_linear import GROUPED_ROWS, act_quant_fp8, fp8_grouped_linear  # noqa: E402
+from engine.ops.gpu.fp4_experts import FE_ROWS, act_quant_bf16w, fp4_experts_linear  # noqa: E402
+from engine.ops.gpu.fp8_linear import GROUPED_ROWS, act_quant_fp8, fp8_grouped_linear, gather_rows  # noqa: E402
 from engine.ops.gpu.weights import GpuWeight, _host_dequant  # noqa: E402
 from engine.ops.kernels import FMT_FP4  # noqa: E402
 from engine.ops.numpy_ops import NumpyOps  # noqa: E402

@@ -32,7 +32,7 @@ from engine.model.numerics import BF16, QUANT
 from engine.ops import kernels as K
 from engine.ops.gpu.common import _ELT_BLOCK, F32, _c32, _grid, round_bf16
 from engine.ops.gpu.fork import joins_inputs, joins_late
-from engine.ops.gpu.fp4_experts import FE_ROWS, act_quant_bf16w, fp4_experts_linear, fp4_experts_take, gather_rows
+from engine.ops.gpu.fp4_experts import FE_ROWS, act_quant_bf16w, fp4_experts_linear, fp4_experts_take
 from engine.ops.gpu.fp8_linear import (
     ACT_BLOCK,
     GROUPED_ROWS,
@@ -41,6 +41,7 @@ from engine.ops.gpu.fp8_linear import (
     fp8_grouped_linear,
     fp8_linear,
     gather_codes,
+    gather_rows,
 )
 from engine.ops.gpu.linear import TC_MAX_ROWS, XQ_BF16, XQ_FP8, XQ_NONE
 from engine.ops.gpu.moe import gemv_grouping

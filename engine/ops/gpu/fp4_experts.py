@@ -34,16 +34,6 @@ def act_quant_bf16w(x: cp.ndarray, bf16: bool = False) -> cp.ndarray:
     return out
 
 
-def gather_rows(xb: cp.ndarray, rows: cp.ndarray) -> cp.ndarray:
-    """xb's rows in the given order (a MoE's pairs), which the GEMM then reads in place."""
-    idx = cp.ascontiguousarray(rows, dtype=cp.int32)
-    out = cp.empty((idx.size, xb.shape[1]), xb.dtype)
-    if idx.size:
-        K.function("elementwise", "gather_rows16")((idx.size,), (256,), (
-            xb, idx, out, np.int32(xb.shape[1] * xb.itemsize // 16)))
-    return out
-
-
 def fp4_experts_take(w: GpuWeight) -> bool:
     """Whether gemm_fp4_experts takes experts shaped as w on this device: FP4, K whole chunks, sm_90a."""
     return w.fmt == FMT_FP4 and w.shape[1] % CHUNK == 0 and K.device_arch() == "90a"
@@ -53,7 +43,7 @@ def fp4_experts_linear(xb: cp.ndarray, segs: cp.ndarray, wptrs: cp.ndarray, sptr
                        y: cp.ndarray, bf16: bool = False) -> None:
     """y[row0 + r, ycol:ycol + N] = xb[row0 + r] times expert e's FP4 weight, for each segment (e,
     row0, rows <= FE_ROWS, 0, ycol) of segs [nseg * 5] int32; xb from act_quant_bf16w, rows in pair
-    order (gather_rows); wptrs / sptrs [E] uint64: the experts' data and scale pointers, each of
+    order (fp8_linear.gather_rows); wptrs / sptrs [E] uint64: the experts' data and scale pointers, each of
     w's shape. Rows no segment covers are not written. bf16: y rounded to bf16 as stored."""
     n, k = w.shape
     if w.fmt != FMT_FP4 or xb.shape[1] != k or k % CHUNK:

@@ -83,21 +83,25 @@ def fp8_linear(x: cp.ndarray | None, w: GpuWeight, codes: tuple | None = None, b
     return y
 
 
+def gather_rows(src: cp.ndarray, rows: cp.ndarray, block: int = 256) -> cp.ndarray:
+    """src's rows in the given order (int32 rows on the device), in one gather_rows16 launch where
+    they are whole 16-byte chunks of a C-contiguous array (block: threads per row)."""
+    idx = cp.ascontiguousarray(rows, dtype=cp.int32)
+    dst = cp.empty((idx.size, src.shape[1]), src.dtype)
+    n16 = src.shape[1] * src.itemsize // 16
+    if idx.size and n16 * 16 == src.shape[1] * src.itemsize and src.flags.c_contiguous:
+        K.function("elementwise", "gather_rows16")((idx.size,), (block,), (src, idx, dst, np.int32(n16)))
+    elif idx.size:
+        dst[...] = src[idx]
+    return dst
+
+
 def gather_codes(codes: tuple[cp.ndarray, cp.ndarray], rows: cp.ndarray) -> tuple[cp.ndarray, cp.ndarray]:
     """act_quant_fp8's (codes, scales) of the given rows, in their order: a MoE's pairs, which the
     grouped GEMM then reads in place (gathering them in its producer cost it more than this pass)."""
     a, sa = codes
     idx = cp.ascontiguousarray(rows, dtype=cp.int32)
-    out = []
-    for src, block in ((a, 256), (sa, 64)):
-        dst = cp.empty((idx.size, src.shape[1]), src.dtype)
-        n16 = src.shape[1] * src.itemsize // 16
-        if idx.size and n16 * 16 == src.shape[1] * src.itemsize and src.flags.c_contiguous:
-            K.function("elementwise", "gather_rows16")((idx.size,), (block,), (src, idx, dst, np.int32(n16)))
-        elif idx.size:
-            dst[...] = src[idx]
-        out.append(dst)
-    return out[0], out[1]
+    return gather_rows(a, idx, 256), gather_rows(sa, idx, 64)
 
 
 def fp8_grouped_linear(codes: tuple[cp.ndarray, cp.ndarray], segs: cp.ndarray, wptrs: cp.ndarray, sptrs: cp.ndarray,
