@@ -357,7 +357,9 @@ def _bench_decode(model, cfg, ranks, devices, stats, batches, steps: int, bw: fl
 def _bench_prefill(model, cfg, ranks, devices, stats, prefills, chunk: int, rates: dict, numerics: str,
                    rng) -> None:
     """Each prompt length fed in chunks: its time, tokens/s (per layer) and the tensor-core floor
-    (prefill_work's multiply-adds at their rates, spread over the ranks)."""
+    (prefill_work's multiply-adds at their rates, spread over the ranks). Chunks go in as serve feeds
+    a prompt (step_sample with nothing to draw: no logits read back, so the host prepares a chunk
+    while the device runs the one before); the time ends when the device is done."""
     nl = cfg.num_layers
     # warm-up: the kernels a chunk of this size runs are compiled on first use (seconds per module)
     warm = warm_up(model, cfg.vocab_size, min(chunk, max(prefills)), cfg.max_position_embeddings)
@@ -368,7 +370,7 @@ def _bench_prefill(model, cfg, ranks, devices, stats, prefills, chunk: int, rate
         _sync(devices)
         t0 = time.perf_counter()
         for c0 in range(0, prefill, chunk):
-            model.forward([st], [ids[c0:c0 + chunk]])
+            model.step_sample([st], [ids[c0:c0 + chunk]], [])
         _sync(devices)
         dt = time.perf_counter() - t0
         work = prefill_work(cfg, stats, prefill, numerics)
@@ -381,7 +383,7 @@ def _bench_prefill(model, cfg, ranks, devices, stats, prefills, chunk: int, rate
         if prefill <= PARTS_MAX_TOKENS:  # the same prefill again, its ops timed by part
             st = model.new_state()
             parts = by_part([r.ops for r in ranks], lambda st=st, ids=ids, n=prefill: [
-                model.forward([st], [ids[c0:c0 + chunk]]) for c0 in range(0, n, chunk)])
+                model.step_sample([st], [ids[c0:c0 + chunk]], []) for c0 in range(0, n, chunk)])
             print(f"  by part (device time of each op, summed over the ranks): {report(parts, dt)}")
 
 
