@@ -364,13 +364,17 @@ def _bench_prefill(model, cfg, ranks, devices, stats, prefills, chunk: int, rate
     # warm-up: the kernels a chunk of this size runs are compiled on first use (seconds per module)
     warm = warm_up(model, cfg.vocab_size, min(chunk, max(prefills)), cfg.max_position_embeddings)
     print(f"warm-up (two prompt chunks and a decode step, kernels compiled on first use): {warm:.2f} s")
-    for prefill in prefills:
+
+    def feed(ids) -> None:  # a fresh sequence's prompt, chunk by chunk, nothing drawn
         st = model.new_state()
+        for c0 in range(0, ids.size, chunk):
+            model.step_sample([st], [ids[c0:c0 + chunk]], [])
+
+    for prefill in prefills:
         ids = rng.integers(0, cfg.vocab_size, prefill)
         _sync(devices)
         t0 = time.perf_counter()
-        for c0 in range(0, prefill, chunk):
-            model.step_sample([st], [ids[c0:c0 + chunk]], [])
+        feed(ids)
         _sync(devices)
         dt = time.perf_counter() - t0
         work = prefill_work(cfg, stats, prefill, numerics)
@@ -381,9 +385,7 @@ def _bench_prefill(model, cfg, ranks, devices, stats, prefills, chunk: int, rate
               f"{dt / nl * 1e3:.2f} ms/layer, {prefill / dt * nl:.0f} tok/s per layer; tensor-core floor "
               f"{floor:.3f} s{split} ({100 * floor / dt:.1f}% of it)")
         if prefill <= PARTS_MAX_TOKENS:  # the same prefill again, its ops timed by part
-            st = model.new_state()
-            parts = by_part([r.ops for r in ranks], lambda st=st, ids=ids, n=prefill: [
-                model.step_sample([st], [ids[c0:c0 + chunk]], []) for c0 in range(0, n, chunk)])
+            parts = by_part([r.ops for r in ranks], lambda ids=ids: feed(ids))
             print(f"  by part (device time of each op, summed over the ranks): {report(parts, dt)}")
 
 

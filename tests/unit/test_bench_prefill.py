@@ -5,13 +5,10 @@ chunks go in as serve feeds a prompt, with nothing drawn and no logits read back
 from __future__ import annotations
 
 import numpy as np
+from test_bench_floor import _stats
 
 from engine.bench import _bench_prefill
 from engine.runtime.engine import Engine
-
-
-def _stats() -> list[dict]:
-    return [dict(dense_macs=1000, dense_fp8_macs=600, expert_macs=300, expert_fp8_macs=300, owned=4)]
 
 
 def test_prefill_chunks_read_nothing_back(capsys, monkeypatch) -> None:
@@ -23,7 +20,7 @@ def test_prefill_chunks_read_nothing_back(capsys, monkeypatch) -> None:
     counts = []
     for prompt in (chunk, 4 * chunk):
         reads.clear()
-        _bench_prefill(model, eng.config, [model], [], _stats(), [prompt], chunk, {"fp8": 1e15, "bf16": 1e15},
+        _bench_prefill(model, eng.config, [model], [], _stats(1), [prompt], chunk, {"fp8": 1e15, "bf16": 1e15},
                        "deepseek", np.random.default_rng(0))
         counts.append(len(reads))
     out = capsys.readouterr().out
