@@ -230,15 +230,20 @@ def test_attention_decode_bf16():
     assert rel(got, ref) < DECODE_ATTN_TOL
 
 
-@pytest.mark.parametrize("s,n,h,dh", [(3, 500, 16, 32), (40, 333, 64, 128)])
+@pytest.mark.parametrize("s,n,h,dh", [(3, 500, 16, 32), (40, 333, 64, 128), (41, 333, 32, 128),
+                                      (130, 1100, 32, 128), (17, 129, 128, 64)])
 def test_indexer_scores_bf16(s, n, h, dh):
     """The indexer's bf16 rounding points on the CUDA-core kernel (3 queries) and the tensor-core
-    one (40), q and k on the FP4 grid as the model gives them."""
+    one (indexer_scores_bf: a partial last block of queries and of keys; 32, 64 and 128 heads), q
+    and k on the FP4 grid as the model gives them. The heads' sum is another f32 summation order
+    than numpy's, so a few scores land on the neighbouring bf16 value; the rest are equal."""
     q, k = REF.fake_quant_fp4(rnd(s, h, dh), 32), REF.fake_quant_fp4(rnd(n, dh), 32)
     w = rnd(s, h)
     ref = REF.indexer_scores(q, k, w, h, dh, exact=True)
-    got = GPU.indexer_scores(cp.asarray(q), cp.asarray(k), cp.asarray(w), h, dh, exact=True)
+    got = cp.asnumpy(GPU.indexer_scores(cp.asarray(q), cp.asarray(k), cp.asarray(w), h, dh, exact=True))
     assert rel(got, ref) < OP_TOL
+    assert np.mean(got == ref) > 0.97
+    assert np.all(np.abs(got - ref) <= 2.0**-7 * np.abs(ref) + 1e-5 * np.abs(ref).max())
 
 
 # ---- decode's fused tails: bit for bit the passes of their own they replaced -------------------
@@ -363,11 +368,13 @@ def _head_weights_in_passes(ops, rounded: bool = True):
 
 
 @pytest.mark.parametrize("s,n,h,dh,exact", [(3, 500, 16, 32, False), (40, 333, 64, 128, True),
-                                            (40, 333, 64, 128, False)])
+                                            (40, 333, 32, 64, True), (40, 333, 64, 128, False)])
 def test_indexer_kernels_form_the_head_weights(s, n, h, dh, exact, monkeypatch):
     """The score kernels form the reference's bf16(bf16(w) * hscale) as they load w: bit for bit the
     weights rounded, scaled and rounded in passes of their own, on the CUDA-core kernel (3 queries;
-    and the decode spans kernel) and the tensor-core one (one and three bf16 terms)."""
+    and the decode spans kernel) and the tensor-core ones (indexer_scores_bf with 64 and 32 heads,
+    and three bf16 terms). (At 32 heads of 128 the scale is a power of two, which makes the last
+    check vacuous: that case takes a head dim of 64.)"""
     q, k = cp.asarray(REF.fake_quant_fp4(rnd(s, h, dh), 32)), cp.asarray(REF.fake_quant_fp4(rnd(n, dh), 32))
     w = cp.asarray(rnd(s, h))
     spans = [Span(k, int(RNG.integers(0, n // 2)), int(RNG.integers(1, n // 2))) for _ in range(s)]

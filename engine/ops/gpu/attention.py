@@ -19,7 +19,7 @@ from engine.ops import kernels as K
 from engine.ops.gpu.common import _ELT_BLOCK, _NULL, F32, _c32, _grid, _ptr, _smem_function, _span_ptr
 from engine.state.rows import Span
 
-# The indexer's scores on tensor cores (kernels/attention.cu indexer_scores_tc*) for launches of at
+# The indexer's scores on tensor cores (kernels/indexer.cu indexer_scores_tc* and indexer_scores_bf) for launches of at
 # least ITC_MIN_QUERIES queries (fewer do not fill its tiles: the CUDA-core kernel).
 ITC_ROWS, ITC_MIN_QUERIES = 128, 16  # (query, head) rows per block (ITC_ROWS in the kernel)
 # A prompt chunk's sparse attention on tensor cores (attn_tc_*, three passes through an [n, H, L]
@@ -31,7 +31,7 @@ ATT_BLOCKS_TARGET, ATT_MIN_SPLIT = 132 * 2, 64
 
 
 def _indexer_tc_shape(s: int, h: int, dh: int) -> bool:
-    """Whether the tensor-core indexer kernel takes this launch (kernels/attention.cu
+    """Whether the tensor-core indexer kernel takes this launch (kernels/indexer.cu
     indexer_tc_body's limits; and enough queries to fill its tiles)."""
     return h % 32 == 0 and ITC_ROWS % h == 0 and dh % 16 == 0 and dh <= 128 and s >= ITC_MIN_QUERIES
 
@@ -42,8 +42,14 @@ def _indexer_tc_smem(dh: int, terms: int) -> int:
     return terms * (ITC_ROWS + 64 * (2 if terms == 1 else 1)) * (dh + 8) * 2 + 8 * 32 * 4
 
 
+def _indexer_bf_smem(dh: int) -> int:
+    """Dynamic shared memory of indexer_scores_bf (kernels/indexer.cu IXB_SMEM): 128 rows and two
+    128-key tiles of dh + 8 bf16, and the warps' 64 sums."""
+    return (ITC_ROWS + 2 * 128) * (dh + 8) * 2 + 8 * 64 * 4
+
+
 def _indexer_smem(h: int, dh: int) -> int:
-    """Dynamic shared memory bytes of an indexer scores launch (kernels/attention.cu indexer_row)."""
+    """Dynamic shared memory bytes of an indexer scores launch (kernels/indexer.cu indexer_row)."""
     return 4 * (h * (dh + 1) + h + 8 * dh)
 
 
@@ -245,19 +251,26 @@ class AttentionOps:
         if s == 0 or n == 0:
             return out
         w, dscale, hscale = self._indexer_weights(w, n_heads, head_dim)
+        if _indexer_tc_shape(s, h, dh) and self.bf16 and exact:
+            # (the reference's roundings: the heads' sum on a second MMA, kernels/indexer.cu)
+            smem = _indexer_bf_smem(dh)
+            keys = cp.ascontiguousarray(_c32(k).view(cp.uint16)[:, 1::2])
+            _smem_function("indexer", "indexer_scores_bf", smem)((math.ceil(s / (ITC_ROWS // h)),), (256,), (
+                _c32(q), keys, w, out, np.int32(s), np.int32(h), np.int32(n), np.int32(dh), hscale), shared_mem=smem)
+            return out
         if _indexer_tc_shape(s, h, dh):
             terms = 1 if exact else 3
             smem = _indexer_tc_smem(dh, terms)
             # (one term: the keys as bf16, their f32 values' high halves, exact on a codec's grid)
             keys = cp.ascontiguousarray(_c32(k).view(cp.uint16)[:, 1::2]) if exact else _c32(k)
-            _smem_function("attention", f"indexer_scores_tc{terms}", smem)((math.ceil(s / (ITC_ROWS // h)),), (256,), (
+            _smem_function("indexer", f"indexer_scores_tc{terms}", smem)((math.ceil(s / (ITC_ROWS // h)),), (256,), (
                 _c32(q), keys, w, out, np.int32(s), np.int32(h), np.int32(n), np.int32(dh),
                 dscale, hscale, np.int32(self.bf16)), shared_mem=smem)
             return out
         if dh % 32 or dh > 256:
             raise ValueError(f"indexer kernel needs index_head_dim % 32 == 0 and <= 256 (got {dh})")
         smem = _indexer_smem(h, dh)
-        _smem_function("attention", "indexer_scores", smem)((math.ceil(n / 32), s), (256,), (
+        _smem_function("indexer", "indexer_scores", smem)((math.ceil(n / 32), s), (256,), (
             _c32(q), _c32(k), w, out, np.int32(s), np.int32(h), np.int32(n), np.int32(dh),
             dscale, hscale, np.int32(self.bf16)), shared_mem=smem)
         return out
@@ -281,7 +294,7 @@ class AttentionOps:
             raise ValueError(f"indexer kernel needs index_head_dim % 32 == 0 and <= 256 (got {dh})")
         w, dscale, hscale = self._indexer_weights(w, n_heads, head_dim)
         smem = _indexer_smem(h, dh)
-        _smem_function("attention", "indexer_scores_spans", smem)((math.ceil(width / 32), b), (256,), (
+        _smem_function("indexer", "indexer_scores_spans", smem)((math.ceil(width / 32), b), (256,), (
             _c32(q), table, w, out, np.int32(h), np.int32(width), np.int32(dh),
             dscale, hscale, np.int32(self.bf16)), shared_mem=smem)
         return out

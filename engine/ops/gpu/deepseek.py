@@ -225,7 +225,7 @@ class DeepseekCupyOps(CupyOps):
 
     def _indexer_weights(self, w: cp.ndarray, n_heads: int, head_dim: int) -> tuple:
         """The reference's head weights bf16(bf16(w) * head_dim^-0.5 * n_heads^-0.5), formed by the
-        scores kernels as they load w (bf16 = True; kernels/attention.cu index_head_weight): w as
+        scores kernels as they load w (bf16 = True; kernels/indexer.cu index_head_weight): w as
         given, dscale 1 and both scales folded into hscale, their product taken in float64 and
         rounded to float32 once, as the reference does."""
         return _c32(w), F32(1.0), F32(head_dim**-0.5 * n_heads**-0.5)
