@@ -243,8 +243,9 @@ class AttentionOps:
                        exact: bool = False) -> cp.ndarray:
         """sum_h w[s,h] * relu(q[s,h] . k[n]) * head_dim^-0.5 * n_heads^-0.5 -> [S, N]. Many
         queries on tensor cores, q and k as one bf16 term each if `exact` (values on a state codec's
-        grid), else three; few queries, or a shape the tensor-core kernel does not take, on the
-        CUDA-core kernel."""
+        grid; with bf16 numerics, indexer_scores_bf, which rounds as the reference does), else
+        three; few queries, or a shape the tensor-core kernels do not take, on the CUDA-core
+        kernel."""
         s, h, dh = q.shape
         n = k.shape[0]
         out = cp.empty((s, n), F32)
