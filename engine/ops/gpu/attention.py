@@ -48,6 +48,12 @@ def _indexer_bf_smem(dh: int) -> int:
     return (ITC_ROWS + 2 * 128) * (dh + 8) * 2 + 8 * 64 * 4
 
 
+def _bf16_keys(k: cp.ndarray) -> cp.ndarray:
+    """The indexer's keys as bf16 [N, Dh] for the one-term tensor-core kernels: their f32 values'
+    high halves, exact where the keys lie on a state codec's grid."""
+    return cp.ascontiguousarray(_c32(k).view(cp.uint16)[:, 1::2])
+
+
 def _indexer_smem(h: int, dh: int) -> int:
     """Dynamic shared memory bytes of an indexer scores launch (kernels/indexer.cu indexer_row)."""
     return 4 * (h * (dh + 1) + h + 8 * dh)
@@ -255,15 +261,14 @@ class AttentionOps:
         if _indexer_tc_shape(s, h, dh) and self.bf16 and exact:
             # (the reference's roundings: the heads' sum on a second MMA, kernels/indexer.cu)
             smem = _indexer_bf_smem(dh)
-            keys = cp.ascontiguousarray(_c32(k).view(cp.uint16)[:, 1::2])
             _smem_function("indexer", "indexer_scores_bf", smem)((math.ceil(s / (ITC_ROWS // h)),), (256,), (
-                _c32(q), keys, w, out, np.int32(s), np.int32(h), np.int32(n), np.int32(dh), hscale), shared_mem=smem)
+                _c32(q), _bf16_keys(k), w, out, np.int32(s), np.int32(h), np.int32(n), np.int32(dh), hscale),
+                shared_mem=smem)
             return out
         if _indexer_tc_shape(s, h, dh):
             terms = 1 if exact else 3
             smem = _indexer_tc_smem(dh, terms)
-            # (one term: the keys as bf16, their f32 values' high halves, exact on a codec's grid)
-            keys = cp.ascontiguousarray(_c32(k).view(cp.uint16)[:, 1::2]) if exact else _c32(k)
+            keys = _bf16_keys(k) if exact else _c32(k)
             _smem_function("indexer", f"indexer_scores_tc{terms}", smem)((math.ceil(s / (ITC_ROWS // h)),), (256,), (
                 _c32(q), keys, w, out, np.int32(s), np.int32(h), np.int32(n), np.int32(dh),
                 dscale, hscale, np.int32(self.bf16)), shared_mem=smem)
