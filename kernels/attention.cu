@@ -167,20 +167,19 @@ extern "C" __global__ void __launch_bounds__(256) attention_decode(
   }
 }
 
-// A prompt chunk's attention on tensor cores, in three passes over a block of
-// queries: scores (attn_tc_scores), softmax with the sink (attn_tc_softmax), then P times V
-// (attn_tc_pv). MQA: every head of a query reads the same keys, so a query's 64 heads are the M
-// side of its MMAs. Query s's keys are j = 0 .. L-1 (attn_key_row): its window, rows lo[s] ..
-// hi[s] - 1 of `keys`, then its entries: through its list of selected rows (rows, cnt from
-// mask_rows) or, without lists, every entry e its mask row allows. q and P go in as TQ bf16 terms,
-// K=V as TK: three carry an f32 (f32-exact products); one where the values are bf16 already (the
-// state codecs' grids; under --numerics deepseek q, which the one term rounds as act() does, and
-// P, the bf16 probabilities before the division, done on the output). sc [S, H, L] holds the raw
-// dots, then the probabilities (0 for keys not visible).
-__device__ __forceinline__ const float* attn_key_row(int s, int j, const float* keys, const long long* lo,
-                                                     const long long* hi, const float* entries, const int* rows,
-                                                     const int* cnt, int rows_ld, const bool* emask, int n_e,
-                                                     int D) {
+// A prompt chunk's attention on tensor cores in float32 numerics (--numerics exact; deepseek's is
+// attn_sparse_bf below), in three passes over a block of queries: scores (attn_tc_scores), softmax
+// with the sink (attn_tc_softmax), then P times V (attn_tc_pv). MQA: every head of a query reads the
+// same keys, so a query's 64 heads are the M side of its MMAs. Query s's keys are j = 0 .. L-1
+// (attn_key_row): its window, rows lo[s] .. hi[s] - 1 of `keys`, then its entries: through its list
+// of selected rows (rows, cnt from mask_rows) or, without lists, every entry e its mask row allows.
+// q and P go in as three bf16 terms (an f32's bits), K=V as TK: three, or one where the values lie
+// on a state codec's grid. sc [S, H, L] holds the raw dots, then the probabilities (0 for keys not
+// visible).
+template <class T>
+__device__ __forceinline__ const T* attn_key_row(int s, int j, const T* keys, const long long* lo, const long long* hi,
+                                                 const T* entries, const int* rows, const int* cnt, int rows_ld,
+                                                 const bool* emask, int n_e, int D) {
   const int nw = (int)(hi[s] - lo[s]);
   if (j < nw) return keys + (size_t)(lo[s] + j) * D;
   const int e = j - nw;
@@ -240,39 +239,30 @@ __device__ __forceinline__ void attn_tc_scores_body(ATTN_TC_ARGS) {
 }
 
 // In place: row (s, h) of sc -> e^(x scale - M) / (sum + e^(sink - M)), M = max(x scale, sink); 0 where
-// x = -inf. den non-null (--numerics deepseek, the reference's sparse_attn): M is the keys' own max
-// (at least -1e30), the row keeps its probabilities rounded to bf16 and undivided, and den[row] gets
-// the denominator (the sum of the unrounded ones), which attn_tc_pv divides the output by, as the
-// reference divides P V. grid (ceil(S * H / 8)), block 256: a warp per row.
+// x = -inf. grid (ceil(S * H / 8)), block 256: a warp per row.
 extern "C" __global__ void __launch_bounds__(256) attn_tc_softmax(float* __restrict__ sc,
                                                                   const float* __restrict__ sinks, int H, int L,
-                                                                  long long nrows, float scale,
-                                                                  float* __restrict__ den) {
-  const bool bf = den != nullptr;
+                                                                  long long nrows, float scale) {
   const long long r = (long long)blockIdx.x * 8 + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
   if (r >= nrows) return;
   float* x = sc + r * L;
   const float sk = sinks[r % H];
-  float m = bf ? -1e30f : sk;
+  float m = sk;
   for (int j = lane; j < L; j += 32) m = fmaxf(m, x[j] * scale);
   m = warp_max(m);
   float sum = 0.f;
   for (int j = lane; j < L; j += 32) sum += expf(x[j] * scale - m);
   sum = warp_sum(sum) + expf(sk - m);
-  if (bf && lane == 0) den[r] = sum;
   const float inv = 1.f / sum;
-  for (int j = lane; j < L; j += 32) {
-    const float p = expf(x[j] * scale - m);
-    x[j] = bf ? round_bf16f(p) : p * inv;
-  }
+  for (int j = lane; j < L; j += 32) x[j] = expf(x[j] * scale - m) * inv;
 }
 
-// out[s, h, d] = sum_j P[s, h, j] V_j(s)[d] (den non-null: over den[s, h], rounded to bf16). grid
+// out[s, h, d] = sum_j P[s, h, j] V_j(s)[d]. grid
 // (D / 64, S, H / 64), block 128 (2 x 2 warps over 64 heads x 64 dims); K steps of 32 keys. V's tile
 // goes in transposed ([dim][key]): B's rows are C's columns.
 template <int TP, int TV>
-__device__ __forceinline__ void attn_tc_pv_body(ATTN_TC_ARGS, float* __restrict__ out, const float* __restrict__ den) {
+__device__ __forceinline__ void attn_tc_pv_body(ATTN_TC_ARGS, float* __restrict__ out) {
   __shared__ __align__(16) u16 as[TP * 64 * ATC_LD];
   __shared__ __align__(16) u16 bs[TV * 64 * ATC_LD];
   __shared__ const float* kp[32];
@@ -304,25 +294,192 @@ __device__ __forceinline__ void attn_tc_pv_body(ATTN_TC_ARGS, float* __restrict_
     mma_warp_32x32<TP, TV>(acc, as, 64 * ATC_LD, bs, 64 * ATC_LD, ATC_LD, 32, wm, wn);
   }
   float* o = out + ((size_t)s * H + h0) * D + d0;
-  const float* dn = den != nullptr ? den + (size_t)s * H + h0 : nullptr;
-  mma_warp_32x32_each(acc, wm, wn, [&](int hh, int dd, float v) {
-    o[(size_t)hh * D + dd] = dn != nullptr ? round_bf16f(v / dn[hh]) : v;
-  });
+  mma_warp_32x32_each(acc, wm, wn, [&](int hh, int dd, float v) { o[(size_t)hh * D + dd] = v; });
 }
 
-// attn_tc_{scores,pv}<terms of q and P><terms of K=V>: f32 q and P over bf16-exact or f32 keys;
-// _bf: --numerics deepseek (one term each, P undivided: attn_tc_softmax's den).
+// attn_tc_{scores,pv}<terms of q and P><terms of K=V>: f32 q and P over bf16-exact or f32 keys.
 #define DEF_ATTN_TC(NAME, TQ, TK)                                                                          \
   extern "C" __global__ void __launch_bounds__(128) attn_tc_scores##NAME(ATTN_TC_ARGS) {                 \
     attn_tc_scores_body<TQ, TK>(q, keys, lo, hi, entries, rows, cnt, rows_ld, emask, n_e, sc, H, D, L);   \
   }                                                                                                      \
-  extern "C" __global__ void __launch_bounds__(128) attn_tc_pv##NAME(ATTN_TC_ARGS, float* __restrict__ out, \
-                                                                     const float* __restrict__ den) {     \
-    attn_tc_pv_body<TQ, TK>(q, keys, lo, hi, entries, rows, cnt, rows_ld, emask, n_e, sc, H, D, L, out, den); \
+  extern "C" __global__ void __launch_bounds__(128) attn_tc_pv##NAME(ATTN_TC_ARGS, float* __restrict__ out) { \
+    attn_tc_pv_body<TQ, TK>(q, keys, lo, hi, entries, rows, cnt, rows_ld, emask, n_e, sc, H, D, L, out);   \
   }
 DEF_ATTN_TC(1, 3, 1)
 DEF_ATTN_TC(3, 3, 3)
-DEF_ATTN_TC(_bf, 1, 1)
+
+// A prompt chunk's sparse attention under --numerics deepseek in one pass (attn_sparse_bf<DP>): one
+// block per (query, 64 heads), 8 warps. The query's keys (attn_key_row: window, then its listed or
+// mask-allowed entries) stream through shared memory in tiles of 64 as bf16 rows (cp.async, the
+// next tile in flight), and FlashAttention's online softmax runs over them as attend_rows does for
+// a decode step: P = bf16(e^(s - running max)) into P V, the denominator summing the unrounded
+// values, the output rescaled as the max grows and divided by the denominator (sink included) at
+// the end, then rounded to bf16. Per tile, warp w computes the scores of heads 16 (w % 4) .. over
+// keys 32 (w / 4) .. on m16n8k16 bf16 MMAs (q and keys by ldmatrix), the tile's row maxima are
+// exchanged through shared memory, P goes to shared memory as bf16, and the same warp adds P V for
+// its 16 heads and dims (DP / 2) (w / 4) .. (V by ldmatrix.trans from the same key tile: K = V).
+// q is rounded to bf16 as staged; keys / entries are bf16 [*, D]; D <= DP (columns past D read as
+// zeros). grid (S, H / 64), block 256, dynamic shared memory ASB_SMEM(DP).
+#define ASB_PLD 72  // bf16 per shared row of P (64 keys + 8: conflict-free ldmatrix)
+#define ASB_SMEM(dp) (3 * 64 * ((dp) + 8) * 2 + 64 * ASB_PLD * 2 + 2 * 64 + 4 * 64 * 4)
+
+template <int DP>
+__device__ __forceinline__ void attn_sparse_bf_body(const float* __restrict__ q, const u16* __restrict__ keys,
+                                                    const long long* __restrict__ lo, const long long* __restrict__ hi,
+                                                    const u16* __restrict__ entries, const int* __restrict__ rows,
+                                                    const int* __restrict__ cnt, int rows_ld,
+                                                    const bool* __restrict__ emask, int n_e,
+                                                    const float* __restrict__ sinks, float* __restrict__ out, int H,
+                                                    int D, float scale) {
+  constexpr int LD = DP + 8, NJ = DP / 32;  // NJ: ldmatrix.trans loads (two n8 tiles each) per k16 of P V
+  extern __shared__ __align__(16) u16 asb[];
+  u16* Qs = asb;                                 // [64][LD] the heads' q
+  u16* Ks = Qs + 64 * LD;                        // [2][64][LD] key tiles
+  u16* Ps = Ks + 2 * 64 * LD;                    // [64][ASB_PLD] the tile's P
+  bool* kval = (bool*)(Ps + 64 * ASB_PLD);       // [2][64] whether key j of a tile is one
+  float* tmx = (float*)(kval + 2 * 64);          // [2][64] the tile's row maxima of each key half
+  float* lsum = tmx + 2 * 64;                    // [2][64] the denominators' halves
+  const int s = blockIdx.x, h0 = blockIdx.y * 64, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3, hg = 16 * (warp & 3), kh = warp >> 2;
+  const int L = (int)(hi[s] - lo[s]) + (rows != nullptr ? cnt[s] : n_e);
+  const int T = (L + 63) / 64;
+  // tile it -> buffer it & 1: thread tid copies key row tid / 4's 16-byte chunks tid % 4 + 4 i
+  auto load_tile = [&](int it) {
+    const int r = tid >> 2, j = 64 * it + r, b = it & 1;
+    const u16* p = j < L ? attn_key_row(s, j, keys, lo, hi, entries, rows, cnt, rows_ld, emask, n_e, D) : nullptr;
+    if ((tid & 3) == 0) kval[64 * b + r] = p != nullptr;
+    const u32 dst = smem_addr(Ks + (64 * b + r) * LD);
+#pragma unroll
+    for (int i = 0; i < DP / 32; ++i) {
+      const int c = 8 * ((tid & 3) + 4 * i);
+      const bool in = p != nullptr && c < D;
+      cp_async16(dst + 2 * c, in ? (const void*)(p + c) : (const void*)keys, in ? 16 : 0);
+    }
+    cp_async_commit();
+  };
+  if (T > 0) load_tile(0);
+  for (int idx = tid; idx < 64 * (DP / 8); idx += 256) {  // q rounded to bf16 (act()), zeros past D
+    const int r = idx / (DP / 8), c = 8 * (idx % (DP / 8));
+    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+    if (c < D) {
+      const float4* p = (const float4*)(q + ((size_t)s * H + h0 + r) * D + c);
+      const float4 a = __ldg(p), b = __ldg(p + 1);
+      v = make_uint4(pack_bf16x2(a.x, a.y), pack_bf16x2(a.z, a.w), pack_bf16x2(b.x, b.y), pack_bf16x2(b.z, b.w));
+    }
+    *(uint4*)&Qs[r * LD + c] = v;
+  }
+  // ldmatrix lane addresses: A (q, P) rows hg + (lane & 15), column 8 (lane >> 4); B (keys) rows
+  // 32 kh + (lane & 7) + 8 (lane >> 4), column 8 ((lane >> 3) & 1); V^T rows (keys) (lane & 7) + 8
+  // ((lane >> 3) & 1), column (DP / 2) kh + 8 (lane >> 4)
+  const u32 qa = smem_addr(Qs) + 2 * ((hg + (lane & 15)) * LD + 8 * (lane >> 4));
+  const u32 pa = smem_addr(Ps) + 2 * ((hg + (lane & 15)) * ASB_PLD + 8 * (lane >> 4));
+  const u32 kb_lane = 2 * ((32 * kh + (lane & 7) + 8 * (lane >> 4)) * LD + 8 * ((lane >> 3) & 1));
+  const u32 vb_lane = 2 * (((lane & 7) + 8 * ((lane >> 3) & 1)) * LD + (DP / 2) * kh + 8 * (lane >> 4));
+  float o[2 * NJ][4];  // P V: head hg + g (+ 8 for [2], [3]), dim (DP / 2) kh + 8 j + 2 t (+ 1)
+#pragma unroll
+  for (int j = 0; j < 2 * NJ; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+  float m0 = -1e30f, m1 = -1e30f, l0 = 0.f, l1 = 0.f;  // rows g, g + 8: running max (the reference's
+                                                       // floor -1e30), this warp's keys' denominator
+  for (int it = 0; it < T; ++it) {
+    cp_async_wait<0>();
+    // tile it landed for every thread (and q is staged); every warp is past tile it - 1's P V, so
+    // its buffer and Ps may be refilled
+    __syncthreads();
+    if (it + 1 < T) load_tile(it + 1);
+    const u32 kb = smem_addr(Ks + (it & 1) * 64 * LD);
+    float sc[4][4] = {};  // scores: head hg + g (+ 8), key 32 kh + 8 j + 2 t (+ 1)
+#pragma unroll 4
+    for (int ks = 0; ks < DP; ks += 16) {
+      u32 a[4], b[4][2], r[4];
+      ldsm_x4(qa + 2 * ks, a);
+#pragma unroll
+      for (int jj = 0; jj < 2; ++jj) {
+        ldsm_x4(kb + kb_lane + 2 * (16 * jj * LD + ks), r);
+        b[2 * jj][0] = r[0]; b[2 * jj][1] = r[1]; b[2 * jj + 1][0] = r[2]; b[2 * jj + 1][1] = r[3];
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) mma_bf16(sc[j], a, b[j]);
+    }
+    float x0 = -DSUF_INF, x1 = -DSUF_INF;
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const bool ok = kval[64 * (it & 1) + 32 * kh + 8 * j + 2 * t + (e & 1)];
+        sc[j][e] = ok ? sc[j][e] * scale : -DSUF_INF;
+        if (e < 2) x0 = fmaxf(x0, sc[j][e]);
+        else x1 = fmaxf(x1, sc[j][e]);
+      }
+#pragma unroll
+    for (int sh = 1; sh < 4; sh <<= 1) {
+      x0 = fmaxf(x0, __shfl_xor_sync(0xffffffffu, x0, sh));
+      x1 = fmaxf(x1, __shfl_xor_sync(0xffffffffu, x1, sh));
+    }
+    if (t == 0) tmx[64 * kh + hg + g] = x0, tmx[64 * kh + hg + g + 8] = x1;
+    __syncthreads();
+    const float n0 = fmaxf(m0, fmaxf(tmx[hg + g], tmx[64 + hg + g]));
+    const float n1 = fmaxf(m1, fmaxf(tmx[hg + g + 8], tmx[64 + hg + g + 8]));
+    const float c0 = expf(m0 - n0), c1 = expf(m1 - n1);
+    m0 = n0, m1 = n1, l0 *= c0, l1 *= c1;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float p0 = expf(sc[j][0] - n0), p1 = expf(sc[j][1] - n0);
+      const float p2 = expf(sc[j][2] - n1), p3 = expf(sc[j][3] - n1);
+      l0 += p0 + p1, l1 += p2 + p3;
+      const int col = 32 * kh + 8 * j + 2 * t;
+      *(u32*)&Ps[(hg + g) * ASB_PLD + col] = pack_bf16x2(p0, p1);
+      *(u32*)&Ps[(hg + g + 8) * ASB_PLD + col] = pack_bf16x2(p2, p3);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < 2 * NJ; ++j) o[j][0] *= c0, o[j][1] *= c0, o[j][2] *= c1, o[j][3] *= c1;
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      u32 a[4], r[4];
+      ldsm_x4(pa + 2 * 16 * kk, a);
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) {
+        ldsm_x4_trans(kb + vb_lane + 2 * (16 * kk * LD + 16 * j), r);
+        const u32 b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
+        mma_bf16(o[2 * j], a, b0);
+        mma_bf16(o[2 * j + 1], a, b1);
+      }
+    }
+  }
+#pragma unroll
+  for (int sh = 1; sh < 4; sh <<= 1) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, sh);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, sh);
+  }
+  if (t == 0) lsum[64 * kh + hg + g] = l0, lsum[64 * kh + hg + g + 8] = l1;
+  __syncthreads();
+  const int ha = hg + g, hb = ha + 8;
+  const float d0 = lsum[ha] + lsum[64 + ha] + expf(sinks[h0 + ha] - m0);
+  const float d1 = lsum[hb] + lsum[64 + hb] + expf(sinks[h0 + hb] - m1);
+  float* oa = out + ((size_t)s * H + h0 + ha) * D;
+  float* ob = out + ((size_t)s * H + h0 + hb) * D;
+#pragma unroll
+  for (int j = 0; j < 2 * NJ; ++j) {
+    const int c = (DP / 2) * kh + 8 * j + 2 * t;
+    if (c < D) {
+      *(float2*)(oa + c) = make_float2(round_bf16f(o[j][0] / d0), round_bf16f(o[j][1] / d0));
+      *(float2*)(ob + c) = make_float2(round_bf16f(o[j][2] / d1), round_bf16f(o[j][3] / d1));
+    }
+  }
+}
+
+#define ASB_ARGS                                                                                              \
+  const float *q, const u16 *keys, const long long *lo, const long long *hi, const u16 *entries, const int *rows, \
+      const int *cnt, int rows_ld, const bool *emask, int n_e, const float *sinks, float *out, int H, int D,     \
+      float scale
+#define DEF_ASB(DP)                                                                                            \
+  extern "C" __global__ void __launch_bounds__(256, 1) attn_sparse_bf##DP(ASB_ARGS) {                          \
+    attn_sparse_bf_body<DP>(q, keys, lo, hi, entries, rows, cnt, rows_ld, emask, n_e, sinks, out, H, D, scale); \
+  }
+DEF_ASB(64)
+DEF_ASB(128)
+DEF_ASB(256)
+DEF_ASB(512)
 
 // The positions of each row's true values in ascending order: masks [B, N] bool -> rows [B, K]
 // (the first K of them), cnt[B]. grid (B), block 256: thread t counts its contiguous slice of the

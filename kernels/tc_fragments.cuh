@@ -30,6 +30,13 @@ __device__ __forceinline__ void ldsm_x4(u32 addr, u32* d) {
                : "r"(addr));
 }
 
+// the same with each 8 x 8 matrix transposed: lane l gets rows 2 (l % 4), 2 (l % 4) + 1 of column l / 4
+__device__ __forceinline__ void ldsm_x4_trans(u32 addr, u32* d) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+               : "r"(addr));
+}
+
 // (not volatile: a pure function of its registers, so the compiler may interleave it with loads)
 __device__ __forceinline__ void mma_f16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
   asm(

@@ -41,9 +41,9 @@ from engine.state.rows import Span
 REF, GPU = DeepseekOps(), DeepseekCupyOps()
 EXACT = CupyOps()  # (the fused tails' exact-numerics side)
 OP_TOL, CHAIN_TOL = 2e-3, 1e-2
-# decode attention's online softmax rounds each probability relative to the running maximum, the
-# reference relative to the final one: bf16 noise of its own on the probabilities
-DECODE_ATTN_TOL = 5e-3
+# the attention kernels' online softmax (decode and prompt chunks) rounds each probability relative
+# to the running maximum, the reference relative to the final one: bf16 noise of its own on them
+ONLINE_ATTN_TOL = 5e-3
 MODEL_SPREAD = 3.0  # median ||gpu - deepseek|| <= MODEL_SPREAD * median ||reordered - deepseek||
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "models" / "demo-v41"
@@ -200,20 +200,24 @@ def test_shared_expert_mlp(monkeypatch):
     assert fused == [1, 20]
 
 
-@pytest.mark.parametrize("h", [16, 64])
-def test_attention_ranges_bf16(h):
+@pytest.mark.parametrize("h,d,selected", [(16, 512, 0), (64, 512, 0), (64, 512, 60), (128, 192, 60), (64, 64, 0)])
+def test_attention_ranges_bf16(h, d, selected):
     """A prompt chunk's attention in the reference's sparse_attn numerics (bf16 q and K=V, bf16
-    probabilities into P V): the tensor-core kernels at 64 heads, the decode kernel at 16."""
-    s, n_state, n_e, d, win = 150, 40, 300, 512, 64
+    probabilities into P V): attn_sparse_bf at 64 and 128 heads (its entries through the mask or
+    through the lists of selected rows; a head dim it pads), the decode kernel at 16."""
+    s, n_state, n_e, win = 150, 40, 300, 64
     q, sinks = rnd(s, h, d), rnd(h)
     keys, entries = rnd(n_state + s, d), rnd(n_e, d)
     i = np.arange(s) + n_state
     lo, hi = np.maximum(i - (win - 1), 0), i + 1
     emask = RNG.random((s, n_e)) < 0.1
-    ref = REF.attention_ranges(q, keys, lo, hi, entries, emask, sinks, d**-0.5, 0)
+    if selected:
+        emask[:, selected:] = False  # (at most `selected` true values a row)
+        emask[:3] = False  # queries with no entries
+    ref = REF.attention_ranges(q, keys, lo, hi, entries, emask, sinks, d**-0.5, selected)
     got = GPU.attention_ranges(cp.asarray(q), cp.asarray(keys), lo, hi, cp.asarray(entries), cp.asarray(emask),
-                               cp.asarray(sinks), d**-0.5, 0)
-    assert rel(got, ref) < OP_TOL
+                               cp.asarray(sinks), d**-0.5, selected)
+    assert rel(got, ref) < ONLINE_ATTN_TOL
 
 
 def test_attention_decode_bf16():
@@ -227,7 +231,7 @@ def test_attention_decode_bf16():
         src_gpu.append([(cp.asarray(win), None)] + ([(cp.asarray(ent), cp.asarray(mask))] if i else []))
     ref = REF.attention_decode(q, src_ref, sinks, d**-0.5)
     got = GPU.attention_decode(cp.asarray(q), src_gpu, cp.asarray(sinks), d**-0.5)
-    assert rel(got, ref) < DECODE_ATTN_TOL
+    assert rel(got, ref) < ONLINE_ATTN_TOL
 
 
 @pytest.mark.parametrize("s,n,h,dh", [(3, 500, 16, 32), (40, 333, 64, 128), (41, 333, 32, 128),

@@ -22,9 +22,12 @@ from engine.state.rows import Span
 # The indexer's scores on tensor cores (kernels/indexer.cu indexer_scores_tc* and indexer_scores_bf) for launches of at
 # least ITC_MIN_QUERIES queries (fewer do not fill its tiles: the CUDA-core kernel).
 ITC_ROWS, ITC_MIN_QUERIES = 128, 16  # (query, head) rows per block (ITC_ROWS in the kernel)
-# A prompt chunk's sparse attention on tensor cores (attn_tc_*, three passes through an [n, H, L]
-# score buffer, n <= ATC_QUERIES queries at a time).
+# A prompt chunk's sparse attention on tensor cores under exact numerics (attn_tc_*, three passes
+# through an [n, H, L] score buffer, n <= ATC_QUERIES queries at a time).
 ATC_QUERIES = K.ATTEND_TC_QUERIES
+# attn_sparse_bf's instances (head dims padded up to one of them)
+ASB_DIMS = (64, 128, 256, 512)
+ASB_MAX_DIM = ASB_DIMS[-1]
 # decode attention: split the keys until about this many blocks run, each split >= this many keys (a
 # multiple of the kernel's 16-key tile: each tile's loads are a round trip)
 ATT_BLOCKS_TARGET, ATT_MIN_SPLIT = 132 * 2, 64
@@ -46,6 +49,12 @@ def _indexer_bf_smem(dh: int) -> int:
     """Dynamic shared memory of indexer_scores_bf (kernels/indexer.cu IXB_SMEM): 128 rows and two
     128-key tiles of dh + 8 bf16, and the warps' 64 sums."""
     return (ITC_ROWS + 2 * 128) * (dh + 8) * 2 + 8 * 64 * 4
+
+
+def _asb_smem(dp: int) -> int:
+    """Dynamic shared memory of attn_sparse_bf<dp> (kernels/attention.cu ASB_SMEM): q and two key
+    tiles of 64 rows of dp + 8 bf16, P [64][72] bf16, the tiles' key flags, the maxima and sums."""
+    return 3 * 64 * (dp + 8) * 2 + 64 * 72 * 2 + 2 * 64 + 4 * 64 * 4
 
 
 def _bf16_keys(k: cp.ndarray) -> cp.ndarray:
@@ -110,23 +119,22 @@ class AttentionOps:
         """attention_ranges on tensor cores (kernels/attention.cu attn_tc_*): per block of up to
         ATC_QUERIES queries, their [n, H, L] scores over each one's keys (window, then its listed
         entries, or without lists those its mask row allows), softmax with the sinks in place,
-        then times V. keys / entries: contiguous f32; masks: contiguous bool [S, n_e]."""
+        then times V; with bf16 numerics, _attention_ranges_bf. keys / entries: contiguous f32;
+        masks: contiguous bool [S, n_e]."""
         s, h, d = q.shape
         qc, sk = _c32(q), _c32(sinks)
         n_e = 0 if entries is None else entries.shape[0]
-        ents = entries if entries is not None else _NULL
         masks = masks if lists is None else None  # (the lists stand for the mask)
         width = lists[0].shape[1] if lists is not None else n_e
-        span = (span or int((np.asarray(hi) - np.asarray(lo)).max())) + width
-        L = max(64, -(-span // 64) * 64)
         lo_d, hi_d = (a.astype(cp.int64, copy=False) if isinstance(a, cp.ndarray)
                       else self.asarray(np.asarray(a, np.int64), dtype=np.int64) for a in (lo, hi))
-        # (bf16: one term of q, keys and P each; the kernels round q as act() does)
-        name = "_bf" if self.bf16 else "1" if exact else "3"
-        if self.bf16 and not exact:
-            raise ValueError("bf16 attention takes keys on bf16's grid (exact)")
+        if self.bf16:
+            return self._attention_ranges_bf(qc, keys, lo_d, hi_d, entries, masks, lists, sk, scale, exact)
+        ents = entries if entries is not None else _NULL
+        span = (span or int((np.asarray(hi) - np.asarray(lo)).max())) + width
+        L = max(64, -(-span // 64) * 64)
+        name = "1" if exact else "3"
         out = cp.empty((s, h, d), F32)
-        den = cp.empty((min(s, ATC_QUERIES), h), F32) if self.bf16 else None
         for s0 in range(0, s, ATC_QUERIES):
             s1 = min(s, s0 + ATC_QUERIES)
             n = s1 - s0
@@ -137,9 +145,29 @@ class AttentionOps:
                     np.int32(n_e), sc, np.int32(h), np.int32(d), np.int32(L))
             K.function("attention", f"attn_tc_scores{name}")((L // 64, n, h // 64), (128,), args)
             K.function("attention", "attn_tc_softmax")((-(-(n * h) // 8),), (256,), (
-                sc, sk, np.int32(h), np.int32(L), np.int64(n * h), F32(scale), den if den is not None else _NULL))
-            K.function("attention", f"attn_tc_pv{name}")((d // 64, n, h // 64), (128,), (
-                *args, out[s0:s1], den if den is not None else _NULL))
+                sc, sk, np.int32(h), np.int32(L), np.int64(n * h), F32(scale)))
+            K.function("attention", f"attn_tc_pv{name}")((d // 64, n, h // 64), (128,), (*args, out[s0:s1]))
+        return out
+
+    def _attention_ranges_bf(self, q: cp.ndarray, keys: cp.ndarray, lo: cp.ndarray, hi: cp.ndarray, entries,
+                             masks, lists, sinks: cp.ndarray, scale: float, exact: bool) -> cp.ndarray:
+        """_attention_ranges_tc under --numerics deepseek: one pass per (query, 64 heads) block
+        (kernels/attention.cu attn_sparse_bf), keys and entries as bf16 rows (their f32 values' high
+        halves: exact, they lie on bf16's grid)."""
+        s, h, d = q.shape
+        if not exact:
+            raise ValueError("bf16 attention takes keys on bf16's grid (exact)")
+        if d > ASB_MAX_DIM:
+            raise ValueError(f"bf16 prefill attention takes head_dim <= {ASB_MAX_DIM} (got {d})")
+        dp = next(p for p in ASB_DIMS if p >= d)
+        smem = _asb_smem(dp)
+        out = cp.empty((s, h, d), F32)
+        n_e = 0 if entries is None else entries.shape[0]
+        _smem_function("attention", f"attn_sparse_bf{dp}", smem)((s, h // 64), (256,), (
+            q, _bf16_keys(keys), lo, hi, _bf16_keys(entries) if entries is not None else _NULL,
+            lists[0] if lists is not None else _NULL, lists[1] if lists is not None else _NULL,
+            np.int32(lists[0].shape[1] if lists is not None else 0), masks if masks is not None else _NULL,
+            np.int32(n_e), sinks, out, np.int32(h), np.int32(d), F32(scale)), shared_mem=smem)
         return out
 
     def attention_decode(self, q: cp.ndarray, sources: list, sinks: cp.ndarray, scale: float) -> cp.ndarray:
