@@ -26,6 +26,15 @@
 #include "fp8_mma.cuh"
 #include "fp8_wgmma.cuh"
 
+// Four consecutive values of row m, quad c (elements 4c .. 4c + 3), as bf16 at their places in the
+// GEMM's K order: physical quad (q, st) = (cb / 4, cb % 4) of the 64-chunk -> logical 16 st + 2 q (+ 8).
+__device__ __forceinline__ void bw_store_quad(u32* __restrict__ out, int m, int K, int c, const float (&e)[4]) {
+  const int cb = c & 15, L = 16 * (cb & 3) + 2 * (cb >> 2);
+  u32* row = out + ((size_t)m * K + 64 * (c >> 4) + L) / 2;
+  row[0] = pack_bf16x2(e[0], e[1]);
+  row[4] = pack_bf16x2(e[2], e[3]);
+}
+
 // act_quant_bf16w: the reference's act_quant (as act_quant_fp8) of x [M, K] f32 (bf: rounded to
 // bf16 first), written as the bf16 values codes * scale [M, K] (exact) in the GEMM's K order within
 // each 64. grid (ceil(M * K / 4 / 256)), block 256; K % 64 == 0.
@@ -42,12 +51,20 @@ extern "C" __global__ void act_quant_bf16w(const float* __restrict__ x, int ldx,
     float e[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) e[j] = e4m3_raw((w >> (8 * j)) & 0xffu) * (s * 256.f);
-    // physical quad (q, st) = (cb / 4, cb % 4) of the 64-chunk -> logical 16 st + 2 q (+ 8)
-    const int cb = c & 15, L = 16 * (cb & 3) + 2 * (cb >> 2);
-    u32* row = out + ((size_t)m * K + 64 * (c >> 4) + L) / 2;
-    row[0] = pack_bf16x2(e[0], e[1]);
-    row[4] = pack_bf16x2(e[2], e[3]);
+    bw_store_quad(out, m, K, c, e);
   }
+}
+
+// bf16_rows: x [M, K] f32 rounded to bf16 (round to nearest even), in the GEMM's K order within each
+// 64 (gemm_fp8w_bf16_sm90's X). grid (ceil(M * K / 4 / 256)), block 256; K % 64 == 0.
+extern "C" __global__ void bf16_rows(const float* __restrict__ x, int ldx, u32* __restrict__ out, int M, int K) {
+  const int q4 = K / 4;
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= (long long)M * q4) return;
+  const int m = (int)(i / q4), c = (int)(i % q4);
+  const float4 v = __ldg((const float4*)(x + (size_t)m * ldx) + c);
+  const float e[4] = {v.x, v.y, v.z, v.w};  // (pack_bf16x2 rounds to nearest even)
+  bw_store_quad(out, m, K, c, e);
 }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -127,28 +144,47 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[32], const u32 (&a)[4], u64 
 }
 #undef BW_F8
 
-// A thread's weights for one 64-wide K chunk: 16 e2m1 elements (8 bytes) of rows g and g + 8 of
-// its warp's 16, and their UE8M0 scale bytes (clamped to [1, 254] as e8m0_scaled does).
+// A thread's weights for one 64-wide K chunk: 16 elements of rows g and g + 8 of its warp's 16 (FP8:
+// 16 bytes; FP4: 8 bytes, in x / y), and their scales' exponent fields (FP8: the f32 power-of-two
+// block scale's; FP4: the UE8M0 bytes, clamped to [1, 254] as e8m0_scaled does).
 struct BwChunk {
-  uint2 r0, r1;
+  uint4 r0, r1;
   u32 e0, e1;
 };
 
-__device__ __forceinline__ void bw_load(BwChunk& ch, const u8* w0, const u8* w1, const u8* SW, int r0, int r1,
-                                        bool ok0, bool ok1, int gk, int c, int q) {
+template <int FMT>
+__device__ __forceinline__ void bw_load(BwChunk& ch, const u8* w0, const u8* w1, const void* SW, int r0, int r1,
+                                        bool ok0, bool ok1, int bn, int bk, int gk, int c, int q) {
   const int k = 64 * c + 16 * q;
-  ch.r0 = ok0 ? __ldg((const uint2*)(w0 + k / 2)) : make_uint2(0, 0);
-  ch.r1 = ok1 ? __ldg((const uint2*)(w1 + k / 2)) : make_uint2(0, 0);
-  ch.e0 = min(max((u32)__ldg(SW + (size_t)r0 * gk + k / 32), 1u), 254u);
-  ch.e1 = min(max((u32)__ldg(SW + (size_t)r1 * gk + k / 32), 1u), 254u);
+  if (FMT == FMT_FP8) {
+    ch.r0 = ok0 ? ldg16(w0 + k) : make_uint4(0, 0, 0, 0);
+    ch.r1 = ok1 ? ldg16(w1 + k) : make_uint4(0, 0, 0, 0);
+    // rows g and g + 8 share a block row (bn % 16 == 0); a clamped row's zeros take any scale
+    ch.e0 = (__float_as_uint(__ldg((const float*)SW + (size_t)(r0 / bn) * gk + k / bk)) >> 23) & 0xffu;
+    ch.e1 = ch.e0;
+  } else {
+    const uint2 a = ok0 ? __ldg((const uint2*)(w0 + k / 2)) : make_uint2(0, 0);
+    const uint2 b = ok1 ? __ldg((const uint2*)(w1 + k / 2)) : make_uint2(0, 0);
+    ch.r0 = make_uint4(a.x, a.y, 0, 0);
+    ch.r1 = make_uint4(b.x, b.y, 0, 0);
+    ch.e0 = min(max((u32)__ldg((const u8*)SW + (size_t)r0 * gk + k / 32), 1u), 254u);
+    ch.e1 = min(max((u32)__ldg((const u8*)SW + (size_t)r1 * gk + k / 32), 1u), 254u);
+  }
 }
 
 // k16 step s's fragment of a chunk: {row g cols 2q.., row g+8 cols 2q.., row g cols 2q+8.., row
 // g+8 cols 2q+8..}, each a bf16x2 of the thread's physical elements 4s + 2h + (0, 1): the nibbles
 // to e4m3 codes (kernels/fp8_mma.cuh), then to bf16 times the row's scale.
+template <int FMT>
 __device__ __forceinline__ void bw_convert_step(u32 (&f)[4], const BwChunk& ch, int s) {
-  const u32 w0 = e2m1x4_to_e4m3((s < 2 ? ch.r0.x : ch.r0.y) >> (16 * (s & 1)));
-  const u32 w1 = e2m1x4_to_e4m3((s < 2 ? ch.r1.x : ch.r1.y) >> (16 * (s & 1)));
+  u32 w0, w1;  // 4 e4m3 codes of each row
+  if (FMT == FMT_FP8) {
+    w0 = word(ch.r0, s);
+    w1 = word(ch.r1, s);
+  } else {
+    w0 = e2m1x4_to_e4m3(word(ch.r0, s >> 1) >> (16 * (s & 1)));
+    w1 = e2m1x4_to_e4m3(word(ch.r1, s >> 1) >> (16 * (s & 1)));
+  }
   if (max(ch.e0, ch.e1) <= 142) {  // 2^(112 + d), d = e - 127 <= 15: one bf16 factor
     const u32 s0 = bw_scale2(ch.e0, 112), s1 = bw_scale2(ch.e1, 112);
     f[0] = e4m3x2_bf16x2(w0, s0);
@@ -170,10 +206,10 @@ __device__ __forceinline__ void bw_convert_step(u32 (&f)[4], const BwChunk& ch, 
 // first, from nxt; cur takes nxt's place and nxt loads chunk c + 2. (Waiting for f - 1, not f - 3:
 // ptxas serializes every wgmma of the kernel when registers a wgmma reads are written with more
 // than one group in flight.)
-template <int BN>
+template <int FMT, int BN>
 __device__ __forceinline__ void bw_chunk(float (&d)[BN / 2], u32 (&fr)[4][4], BwChunk& cur, BwChunk& nxt, u32 base,
-                                         const u8* w0, const u8* w1, const u8* SW, int r0, int r1, bool ok0,
-                                         bool ok1, int gk, int c, int C, int q) {
+                                         const u8* w0, const u8* w1, const void* SW, int r0, int r1, bool ok0,
+                                         bool ok1, int bn, int bk, int gk, int c, int C, int q) {
   mbar_wait(base + BW_BAR + 8 * (c % BW_STAGES), (c / BW_STAGES) & 1);
   fence_proxy_async();
   const u32 bt = base + (c % BW_STAGES) * BW_TILE_BYTES;
@@ -188,24 +224,24 @@ __device__ __forceinline__ void bw_chunk(float (&d)[BN / 2], u32 (&fr)[4][4], Bw
       if ((threadIdx.x & 31) == 0) mbar_arrive(base + BW_BAR + 8 * (BW_STAGES + (c - 1) % BW_STAGES));
     }
     if (s < 3) {
-      bw_convert_step(fr[s + 1], cur, s + 1);
+      bw_convert_step<FMT>(fr[s + 1], cur, s + 1);
     } else if (c + 1 < C) {
-      bw_convert_step(fr[0], nxt, 0);
+      bw_convert_step<FMT>(fr[0], nxt, 0);
       cur = nxt;
-      if (c + 2 < C) bw_load(nxt, w0, w1, SW, r0, r1, ok0, ok1, gk, c + 2, q);
+      if (c + 2 < C) bw_load<FMT>(nxt, w0, w1, SW, r0, r1, ok0, ok1, bn, bk, gk, c + 2, q);
     }
   }
 }
 
-template <int BN>
-__device__ __forceinline__ void bw_consume(u32 base, const u8* __restrict__ W, const u8* __restrict__ SW,
-                                           float* __restrict__ Y, int ldy, int M, int N, int K, int gk, int m0,
-                                           int n0, int bf) {
+template <int FMT, int BN>
+__device__ __forceinline__ void bw_consume(u32 base, const u8* __restrict__ W, const void* __restrict__ SW,
+                                           float* __restrict__ Y, int ldy, int M, int N, int K, int bn, int bk,
+                                           int gk, int m0, int n0, int bf) {
   const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2,
             q = lane & 3;
   const int r0 = n0 + 64 * wg + 16 * warp + g, r1 = r0 + 8;
   const bool ok0 = r0 < N, ok1 = r1 < N;
-  const size_t row_bytes = (size_t)K / 2;
+  const size_t row_bytes = FMT == FMT_FP8 ? (size_t)K : (size_t)K / 2;
   const int rs0 = min(r0, N - 1), rs1 = min(r1, N - 1);  // (rows past N read row N - 1, as zeros)
   const u8* w0 = W + (size_t)rs0 * row_bytes;
   const u8* w1 = W + (size_t)rs1 * row_bytes;
@@ -215,10 +251,11 @@ __device__ __forceinline__ void bw_consume(u32 base, const u8* __restrict__ W, c
   for (int i = 0; i < BN / 2; ++i) d[i] = 0.f;
   u32 fr[4][4];
   BwChunk cur, nxt;
-  bw_load(cur, w0, w1, SW, rs0, rs1, ok0, ok1, gk, 0, q);
-  if (C > 1) bw_load(nxt, w0, w1, SW, rs0, rs1, ok0, ok1, gk, 1, q);
-  bw_convert_step(fr[0], cur, 0);
-  for (int c = 0; c < C; ++c) bw_chunk<BN>(d, fr, cur, nxt, base, w0, w1, SW, rs0, rs1, ok0, ok1, gk, c, C, q);
+  bw_load<FMT>(cur, w0, w1, SW, rs0, rs1, ok0, ok1, bn, bk, gk, 0, q);
+  if (C > 1) bw_load<FMT>(nxt, w0, w1, SW, rs0, rs1, ok0, ok1, bn, bk, gk, 1, q);
+  bw_convert_step<FMT>(fr[0], cur, 0);
+  for (int c = 0; c < C; ++c)
+    bw_chunk<FMT, BN>(d, fr, cur, nxt, base, w0, w1, SW, rs0, rs1, ok0, ok1, bn, bk, gk, c, C, q);
   wgmma_wait<0>();
   wg_fence_regs(d);
   // d[4i + 2h + j]: weight row r0 + 8h (Y column), token 8i + 2q + j (Y row); the 8 lanes of one q
@@ -238,15 +275,15 @@ __device__ __forceinline__ void bw_consume(u32 base, const u8* __restrict__ W, c
   }
 }
 
-// The producer warpgroup: token rows m0 .. m0 + 255 of X (bf16 [M, K], K in the GEMM's order), 64
-// of K a stage, each 128-byte row to its swizzled place; rows past M zero-filled.
-__device__ __forceinline__ void bw_produce(u32 base, const u8* __restrict__ X, int M, int K, int m0) {
+// The producer warpgroup: token rows m0 .. m0 + 255 of X (bf16 rows of ldx elements, K in the GEMM's
+// order), 64 of K a stage, each 128-byte row to its swizzled place; rows past M zero-filled.
+__device__ __forceinline__ void bw_produce(u32 base, const u8* __restrict__ X, int ldx, int M, int K, int m0) {
   const int t = threadIdx.x - 256, r8 = t >> 3, c8 = t & 7, C = K / 64;
-  const u8* src = X + (size_t)min(m0 + r8, M - 1) * K * 2 + 16 * c8;
+  const u8* src = X + (size_t)min(m0 + r8, M - 1) * ldx * 2 + 16 * c8;
   for (int c = 0; c < C; ++c) {
     const int s = c % BW_STAGES;
     mbar_wait(base + BW_BAR + 8 * (BW_STAGES + s), ((c / BW_STAGES) & 1) ^ 1);
-    wg_copy_rows<16, 16>(base + s * BW_TILE_BYTES + wg_swz(r8, c8), 2048, src + 128 * c, (size_t)16 * K * 2,
+    wg_copy_rows<16, 16>(base + s * BW_TILE_BYTES + wg_swz(r8, c8), 2048, src + 128 * c, (size_t)16 * ldx * 2,
                          M - m0 - r8);  // (rows past M: zeros)
     mbar_arrive_cp_async(base + BW_BAR + 8 * s);
   }
@@ -261,8 +298,9 @@ __device__ __forceinline__ void bw_idle(u32 base, int K) {
   }
 }
 
-__device__ __forceinline__ void bw_gemm(u8* raw, const u8* X, const u8* W, const u8* SW, float* Y, int ldy, int M,
-                                        int N, int K, int gk, int m0, int n0, int bf) {
+template <int FMT>
+__device__ __forceinline__ void bw_gemm(u8* raw, const u8* X, int ldx, const u8* W, const void* SW, float* Y, int ldy,
+                                        int M, int N, int K, int bn, int bk, int gk, int m0, int n0, int bf) {
   const u32 raw_addr = wg_smem_u32(raw), pad = (1024u - (raw_addr & 1023u)) & 1023u;
   const u32 base = raw_addr + pad;
   if (threadIdx.x == 0) {
@@ -274,7 +312,7 @@ __device__ __forceinline__ void bw_gemm(u8* raw, const u8* X, const u8* W, const
   __syncthreads();
   if (threadIdx.x >= 256) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(BW_PRODUCER_REGS));
-    bw_produce(base, X, M, K, m0);
+    bw_produce(base, X, ldx, M, K, m0);
   } else if (n0 + 64 * (int)(threadIdx.x >> 7) >= N) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(BW_PRODUCER_REGS));
     bw_idle(base, K);
@@ -283,9 +321,9 @@ __device__ __forceinline__ void bw_gemm(u8* raw, const u8* X, const u8* W, const
     // the wgmma N by the tile's token rows: a short tile (a MoE segment's last rows, a chunk's
     // tail) computes no more than the next multiple of 64 of them
     const int rows = M - m0;
-    if (rows > 128) bw_consume<256>(base, W, SW, Y, ldy, M, N, K, gk, m0, n0, bf);
-    else if (rows > 64) bw_consume<128>(base, W, SW, Y, ldy, M, N, K, gk, m0, n0, bf);
-    else bw_consume<64>(base, W, SW, Y, ldy, M, N, K, gk, m0, n0, bf);
+    if (rows > 128) bw_consume<FMT, 256>(base, W, SW, Y, ldy, M, N, K, bn, bk, gk, m0, n0, bf);
+    else if (rows > 64) bw_consume<FMT, 128>(base, W, SW, Y, ldy, M, N, K, bn, bk, gk, m0, n0, bf);
+    else bw_consume<FMT, 64>(base, W, SW, Y, ldy, M, N, K, bn, bk, gk, m0, n0, bf);
   }
 }
 
@@ -300,7 +338,23 @@ extern "C" __global__ void __launch_bounds__(BW_THREADS, 1)
   extern __shared__ __align__(1024) u8 bw_smem[];
   const int* sg = segs + 5 * blockIdx.y;
   if (sg[2] == 0) return;  // an unused slot
-  bw_gemm(bw_smem, X + (size_t)sg[1] * K * 2, (const u8*)wptrs[sg[0]], (const u8*)sptrs[sg[0]],
-          Y + (size_t)sg[1] * ldy + sg[4], ldy, sg[2], N, K, gk, 0, blockIdx.x * BW_BM, bf);
+  bw_gemm<FMT_FP4>(bw_smem, X + (size_t)sg[1] * K * 2, K, (const u8*)wptrs[sg[0]], (const void*)sptrs[sg[0]],
+                   Y + (size_t)sg[1] * ldy + sg[4], ldy, sg[2], N, K, 1, 32, gk, 0, blockIdx.x * BW_BM, bf);
+}
+
+// Segments (g, row0, rows <= 256, xcol, ycol) [nseg x 5] of a block-diagonal (grouped) linear on bf16
+// x: Y[row0 + r, ycol + n] = X[row0 + r, xcol .. xcol + K) (bf16_rows' rows of ldx elements) times
+// group g's FP8 weight rows [N, K] at wptrs[g], whose f32 block scales [ceil(N / bn), gk] at sptrs[g]
+// are powers of two (bn % 16 == 0); bf: Y rounded to bf16 as stored. grid (ceil(N / 128), nseg),
+// block 384, the same shared memory as gemm_fp4_experts_sm90.
+extern "C" __global__ void __launch_bounds__(BW_THREADS, 1)
+    gemm_fp8w_bf16_sm90(const u8* X, int ldx, const int* segs, const u64* wptrs, const u64* sptrs, float* Y,
+                        int ldy, int N, int K, int bn, int bk, int gk, int bf) {
+  extern __shared__ __align__(1024) u8 bw_smem[];
+  const int* sg = segs + 5 * blockIdx.y;
+  if (sg[2] == 0) return;
+  bw_gemm<FMT_FP8>(bw_smem, X + ((size_t)sg[1] * ldx + sg[3]) * 2, ldx, (const u8*)wptrs[sg[0]],
+                   (const void*)sptrs[sg[0]], Y + (size_t)sg[1] * ldy + sg[4], ldy, sg[2], N, K, bn, bk, gk, 0,
+                   blockIdx.x * BW_BM, bf);
 }
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

@@ -19,10 +19,18 @@ from test_gpu_fp8_grouped import _table  # noqa: E402
 from engine.bench import _timeit  # noqa: E402
 from engine.checkpoint import formats  # noqa: E402
 from engine.ops import kernels as K  # noqa: E402
-from engine.ops.gpu.fp4_experts import FE_ROWS, act_quant_bf16w, fp4_experts_linear  # noqa: E402
+from engine.ops.gpu.fp4_experts import (  # noqa: E402
+    FE_ROWS,
+    act_quant_bf16w,
+    bf16_rows,
+    fp4_experts_linear,
+    fp8w_bf16_linear,
+    fp8w_bf16_segments,
+    fp8w_takes,
+)
 from engine.ops.gpu.fp8_linear import GROUPED_ROWS, act_quant_fp8, fp8_grouped_linear, gather_rows  # noqa: E402
 from engine.ops.gpu.weights import GpuWeight, _host_dequant  # noqa: E402
-from engine.ops.kernels import FMT_FP4  # noqa: E402
+from engine.ops.kernels import FMT_FP4, FMT_FP8  # noqa: E402
 from engine.ops.numpy_ops import NumpyOps  # noqa: E402
 
 if K.device_arch() != "90a":
@@ -154,3 +162,121 @@ def test_rate_against_the_e4m3_gemm():
         flop = 2 * sum(counts) * n * k
         print(f"experts {name} [{n} x {k}] x 4096 pairs: {t * 1e3:.3f} ms = {flop / t / 1e12:.0f} TFLOP/s "
               f"(grouped e4m3 mma.sync {t8 * 1e3:.3f} ms)")
+
+
+def _fp8_weight(n: int, k: int, seed: int, block: tuple[int, int] = (128, 128)) -> GpuWeight:
+    """e4m3 codes (no NaN) with power-of-two block scales, as V4.1's UE8M0 ones."""
+    rng = np.random.default_rng(seed)
+    data = (rng.integers(0, 256, (n, k)) & 0xF7).astype(np.uint8)
+    e = rng.integers(-14, 4, (-(-n // block[0]), -(-k // block[1])))
+    return GpuWeight(FMT_FP8, cp.asarray(data), cp.asarray(np.ldexp(1.0, e).astype(np.float32)), (n, k), block)
+
+
+def _fp8w(x: cp.ndarray, w: GpuWeight, groups: int, bf16: bool = False) -> cp.ndarray:
+    """fp8w_bf16_linear with its tables made here."""
+    n = w.shape[0] // groups
+    segs = cp.asarray(np.array(fp8w_bf16_segments(x.shape[0], groups, n, w.shape[1]), np.int32).reshape(-1))
+    wptrs = [w.data.data.ptr + g * n * w.row_bytes() for g in range(groups)]
+    sptrs = [w.scale.data.ptr + (g * n // w.block[0]) * w.gk * 4 for g in range(groups)]
+    return fp8w_bf16_linear(x, segs, cp.asarray(np.array(wptrs, np.uint64)), cp.asarray(np.array(sptrs, np.uint64)),
+                            w, groups, bf16)
+
+
+@pytest.mark.parametrize("m,k", [(1, 64), (33, 4096)])
+def test_bf16_rows_is_x_rounded_reordered(m, k):
+    x = _x(m, k, seed=k)
+    xb = formats.bf16_to_f32(cp.asnumpy(bf16_rows(cp.asarray(x))))
+    np.testing.assert_array_equal(_unpermute(xb), formats.round_bf16(x))
+
+
+@pytest.mark.parametrize("block", [(32, 32), (128, 128)])
+@pytest.mark.parametrize("m,n,k,groups", [(33, 64, 64, 1), (300, 520 - 8, 1280, 1), (257, 256, 576, 8),
+                                          (600, 128, 320, 2), (70, 1024, 4096, 8)])
+def test_fp8w_bf16_matches_numpy(m, n, k, groups, block):
+    """gemm_fp8w_bf16 (wo_a's block-diagonal projection, the indexer's wk): x rounded to bf16 times the
+    decoded FP8 weight, per group of weight rows on its own x columns; token tiles of 64 / 128 / 256
+    rows and their tails, idle weight warpgroups, K of one chunk."""
+    if n % block[0]:
+        n += block[0] - n % block[0]
+    x, w = _x(m, groups * k, seed=n + k), _fp8_weight(groups * n, k, seed=m, block=block)
+    assert fp8w_takes(w, groups)
+    y = cp.asnumpy(_fp8w(cp.asarray(x), w, groups))
+    yb = cp.asnumpy(_fp8w(cp.asarray(x), w, groups, bf16=True))
+    assert np.isfinite(y).all()
+    xr, wd = formats.round_bf16(x).astype(np.float64), _host_dequant(w).astype(np.float64)
+    for g in range(groups):
+        xg, wg = xr[:, g * k:(g + 1) * k], wd[g * n:(g + 1) * n]
+        err = np.abs(y[:, g * n:(g + 1) * n] - xg @ wg.T) / np.maximum(np.abs(xg) @ np.abs(wg).T, 1e-30)
+        assert float(err.max()) < BF16_MMA_TOL, f"group {g}: worst error {err.max():.2e} of the products' sum"
+    np.testing.assert_array_equal(yb, formats.round_bf16(y))
+
+
+def test_fp8w_takes_power_of_two_scales_and_whole_groups():
+    w = _fp8_weight(256, 64, seed=1)
+    assert fp8w_takes(w) and fp8w_takes(w, 2)
+    assert not fp8w_takes(w, 4)  # (64-row groups inside 128-row scale blocks)
+    assert not fp8w_takes(GpuWeight(FMT_FP8, w.data, w.scale * np.float32(1.5), w.shape, w.block))
+    assert not fp8w_takes(GpuWeight(FMT_FP8, w.data, w.scale, w.shape, (8, 32)))
+
+
+def test_wo_a_routes_to_the_bf16_kernel_and_matches_cupy_ops():
+    """DeepseekCupyOps.grouped_linear on a prompt chunk's rows: the bf16 wgmma kernel, within the same
+    bound of CupyOps' GEMM (gemm_tc1: bf16 x, f32 sums) on the same weight."""
+    from engine.model.numerics import BF16
+    from engine.ops.gpu.deepseek import DeepseekCupyOps
+    from engine.ops.gpu.ops import CupyOps
+
+    t, g, k, n = 200, 8, 512, 128
+    w = _fp8_weight(g * n, k, seed=5)
+    w.use = BF16
+    x = cp.asarray(formats.round_bf16(_x(t, g * k, seed=9))).reshape(t, g, k)
+    got = cp.asnumpy(DeepseekCupyOps().grouped_linear(x, w, g))
+    assert w.__dict__.get("_fp8w") is True, "the bf16 wgmma path was not taken"
+    base = CupyOps()
+    base.bf16 = True
+    want = cp.asnumpy(base.grouped_linear(x, w, g))
+    xr, wd = cp.asnumpy(x).astype(np.float64), _host_dequant(w).astype(np.float64).reshape(g, n, k)
+    mag = np.einsum("tgi,goi->tgo", np.abs(xr), np.abs(wd))
+    assert float((np.abs(got - want) / np.maximum(mag, 1e-30)).max()) < 2 * 2.0**-8  # (both rounded to bf16)
+
+
+def test_wo_a_on_the_bf16_kernel_captures():
+    """A verify or draft step of more than TC_MAX_ROWS rows reaches this path inside a graph capture:
+    once warm it copies nothing from the host, and the replay equals the eager result bit for bit."""
+    from engine.model.numerics import BF16
+    from engine.ops.gpu.deepseek import DeepseekCupyOps
+
+    ops, (t, g, k, n) = DeepseekCupyOps(), (192, 8, 512, 128)
+    w = _fp8_weight(g * n, k, seed=6)
+    w.use = BF16
+    stream, pool = cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool()
+    with stream:
+        x = cp.asarray(formats.round_bf16(_x(t, g * k, seed=4))).reshape(t, g, k)
+        want = cp.asnumpy(ops.grouped_linear(x, w, g))  # (eager: kernels and tables made)
+        with cp.cuda.using_allocator(pool.malloc):
+            stream.begin_capture()
+            y = ops.grouped_linear(x, w, g)
+            graph = stream.end_capture()
+        y.fill(0)
+        graph.launch(stream)
+        stream.synchronize()
+    np.testing.assert_array_equal(cp.asnumpy(y), want)
+
+
+def test_fp8w_bf16_rate_against_gemm_tc1():
+    """Not a timed assertion: V4.1-Flash's wo_a ([8 x 1024] x 4096 per group) at 16384 rows, beside
+    CupyOps' grouped_linear (gemm_tc1 on mma.sync)."""
+    from engine.model.numerics import BF16
+    from engine.ops.gpu.ops import CupyOps
+
+    t, g, k, n = 16384, 8, 4096, 1024
+    w = _fp8_weight(g * n, k, seed=2)
+    w.use = BF16
+    x = cp.asarray(_x(t, g * k, seed=1)).reshape(t, g, k)
+    base = CupyOps()
+    base.bf16 = True
+    tw = _timeit(lambda: _fp8w(x.reshape(t, g * k), w, g, bf16=True), iters=5)
+    tb = _timeit(lambda: base.grouped_linear(x, w, g), iters=5)
+    flop = 2 * t * g * n * k
+    print(f"wo_a [{g} x {n} x {k}] x {t} rows: bf16 wgmma {tw * 1e3:.3f} ms = {flop / tw / 1e12:.0f} TFLOP/s, "
+          f"gemm_tc1 {tb * 1e3:.3f} ms = {flop / tb / 1e12:.0f}")

@@ -32,7 +32,15 @@ from engine.model.numerics import BF16, QUANT
 from engine.ops import kernels as K
 from engine.ops.gpu.common import _ELT_BLOCK, F32, _c32, _grid, round_bf16
 from engine.ops.gpu.fork import joins_inputs, joins_late
-from engine.ops.gpu.fp4_experts import FE_ROWS, act_quant_bf16w, fp4_experts_linear, fp4_experts_take
+from engine.ops.gpu.fp4_experts import (
+    FE_ROWS,
+    act_quant_bf16w,
+    fp4_experts_linear,
+    fp4_experts_take,
+    fp8w_bf16_linear,
+    fp8w_bf16_segments,
+    fp8w_takes,
+)
 from engine.ops.gpu.fp8_linear import (
     ACT_BLOCK,
     GROUPED_ROWS,
@@ -114,6 +122,9 @@ class DeepseekCupyOps(CupyOps):
         a = x.reshape(-1, k)
         if w.use == QUANT and a.shape[0] > TC_MAX_ROWS and _fp8_gemm_takes(w):
             y = fp8_linear(a, w, bf16=True)  # (bf16 in and out, in its own passes)
+        elif w.use == BF16 and w.bf16_cols is None and a.shape[0] > TC_MAX_ROWS and fp8w_takes(w):
+            # FP8-stored weights the reference runs in bf16: bf16 wgmma on the decoded codes
+            y = self._fp8w_bf16(a, w, 1, self._rounds_out(w))
         else:
             # (x prepared as _linear_xq says, by the GEMVs as they stage it; bf16 out where
             # _rounds_out says so)
@@ -122,6 +133,22 @@ class DeepseekCupyOps(CupyOps):
             for c0, c1 in w.bf16_cols:
                 self._round_cols(y, c0, c1)
         return y.reshape(*x.shape[:-1], n)
+
+    def grouped_linear(self, x: cp.ndarray, w, groups: int) -> cp.ndarray:
+        """wo_a's block-diagonal projection; a prompt chunk's rows on bf16 wgmma where its FP8 weight
+        allows (fp8w_takes), else CupyOps'."""
+        if not isinstance(w, GpuWeight):
+            w = self.prepare(w)
+        t, g, kin = x.shape
+        if w.use == BF16 and t > TC_MAX_ROWS and fp8w_takes(w, groups):
+            return self._fp8w_bf16(x.reshape(t, g * kin), w, groups, True).reshape(t, g, -1)
+        return super().grouped_linear(x, w, groups)
+
+    def _fp8w_bf16(self, a: cp.ndarray, w: GpuWeight, groups: int, bf16: bool) -> cp.ndarray:
+        """fp8w_bf16_linear with its tables from the caches (no host-to-device copy once warm: verify and
+        draft steps of more than TC_MAX_ROWS rows run inside graph captures)."""
+        segs = self._segs_device(fp8w_bf16_segments(a.shape[0], groups, w.shape[0] // groups, w.shape[1]))
+        return fp8w_bf16_linear(a, segs, *self._group_tables(w, groups), w, groups, bf16)
 
     def _rounds_out(self, w: GpuWeight) -> bool:
         """FP8 / FP4 and bf16 weights return bf16 (the kernels round as they store); fp32 ones do not,

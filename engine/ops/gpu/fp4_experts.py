@@ -11,7 +11,7 @@ import numpy as np
 from engine.ops import kernels as K
 from engine.ops.gpu.common import _c32
 from engine.ops.gpu.weights import GpuWeight
-from engine.ops.kernels import FMT_FP4
+from engine.ops.kernels import FMT_FP4, FMT_FP8
 
 FE_ROWS = 256  # token rows per block (the wgmma N at most): a MoE segment's rows on this path
 FE_COLS, FE_THREADS, FE_STAGES = 128, 384, 6  # kernels/fp4_experts.cu BW_BM, BW_THREADS, BW_STAGES
@@ -22,16 +22,7 @@ CHUNK = 64  # K step of the kernel and of act_quant_bf16w's order
 def act_quant_bf16w(x: cp.ndarray, bf16: bool = False) -> cp.ndarray:
     """x [M, K] f32 -> the reference's act_quant values (e4m3 code * UE8M0 scale per 32; x rounded
     to bf16 first if bf16) as bf16 bits uint16 [M, K], each 64 of K in gemm_fp4_experts' order."""
-    x = _c32(x)
-    m, k = x.shape
-    if k % CHUNK:
-        raise ValueError(f"act_quant_bf16w: K = {k} is not a multiple of {CHUNK}")
-    out = cp.empty((m, k), cp.uint16)
-    quads = m * (k // 4)
-    if quads:
-        K.function("fp4_experts", "act_quant_bf16w")((-(-quads // 256),), (256,), (
-            x, np.int32(x.strides[0] // 4), out, np.int32(m), np.int32(k), np.int32(bf16)))
-    return out
+    return _bf16_chunk_rows("act_quant_bf16w", x, np.int32(bf16))
 
 
 def fp4_experts_take(w: GpuWeight) -> bool:
@@ -55,3 +46,62 @@ def fp4_experts_linear(xb: cp.ndarray, segs: cp.ndarray, wptrs: cp.ndarray, sptr
     fn((-(-n // FE_COLS), nseg), (FE_THREADS,), (
         xb, segs, wptrs, sptrs, y, np.int32(y.shape[1]), np.int32(n), np.int32(k), np.int32(w.gk),
         np.int32(bf16)), shared_mem=FE_SMEM)
+
+
+def bf16_rows(x: cp.ndarray) -> cp.ndarray:
+    """x [M, K] f32 -> x rounded to bf16 (ties to even) as bits uint16 [M, K], each 64 of K in the
+    kernels' order (gemm_fp8w_bf16's X)."""
+    return _bf16_chunk_rows("bf16_rows", x)
+
+
+def _bf16_chunk_rows(kernel: str, x: cp.ndarray, *extra) -> cp.ndarray:
+    """x [M, K] f32 through fp4_experts.cu's `kernel` (a thread per 4 elements) into bf16 bits
+    uint16 [M, K] in the kernels' order of each 64 of K."""
+    x = _c32(x)
+    m, k = x.shape
+    if k % CHUNK:
+        raise ValueError(f"{kernel}: K = {k} is not a multiple of {CHUNK}")
+    out = cp.empty((m, k), cp.uint16)
+    quads = m * (k // 4)
+    if quads:
+        K.function("fp4_experts", kernel)((-(-quads // 256),), (256,), (
+            x, np.int32(x.strides[0] // 4), out, np.int32(m), np.int32(k), *extra))
+    return out
+
+
+def fp8w_takes(w: GpuWeight, groups: int = 1) -> bool:
+    """Whether gemm_fp8w_bf16 takes an FP8 weight of `groups` row groups on this device: K whole
+    chunks, block rows of whole 16-row pairs, each group whole block rows, and power-of-two block
+    scales (exactly bf16 with their codes; checked once per weight, kept on it)."""
+    if w.fmt != FMT_FP8 or w.shape[1] % CHUNK or w.block[0] % 16 or (w.shape[0] // groups) % w.block[0]:
+        return False
+    ok = w.__dict__.get("_fp8w")
+    if ok is None:
+        ok = K.device_arch() == "90a" and bool(cp.all((w.scale.view(cp.uint32) & 0x807FFFFF) == 0))
+        w.__dict__["_fp8w"] = ok
+    return ok
+
+
+def fp8w_bf16_segments(rows: int, groups: int, n: int, k: int) -> list[tuple[int, int, int, int, int]]:
+    """gemm_fp8w_bf16's segments (g, row0, rows, x column, y column) for `rows` rows of a linear of
+    `groups` row groups of [n, k] each."""
+    return [(g, r, min(FE_ROWS, rows - r), g * k, g * n) for g in range(groups) for r in range(0, rows, FE_ROWS)]
+
+
+def fp8w_bf16_linear(x: cp.ndarray, segs: cp.ndarray, wptrs: cp.ndarray, sptrs: cp.ndarray, w: GpuWeight,
+                     groups: int = 1, bf16: bool = False) -> cp.ndarray:
+    """x [M, groups * K] f32 times the block-diagonal FP8 weight w [groups * N, K] (fp8w_takes) with x
+    rounded to bf16: y [M, groups * N] f32, group g's columns from x's columns g * K .. on weight rows
+    g * N ..; segs (fp8w_bf16_segments) and the groups' data / scale pointers [groups] uint64 on the
+    device; bf16: y rounded to bf16 as stored."""
+    gn, k = w.shape
+    n, m = gn // groups, x.shape[0]
+    y = cp.empty((m, gn), cp.float32)
+    if m == 0:
+        return y
+    bn, bk = w.block
+    fn = K.function_with_smem("fp4_experts", "gemm_fp8w_bf16_sm90", FE_SMEM)
+    fn((-(-n // FE_COLS), segs.size // 5), (FE_THREADS,), (
+        bf16_rows(x), np.int32(groups * k), segs, wptrs, sptrs, y, np.int32(gn), np.int32(n), np.int32(k),
+        np.int32(bn), np.int32(bk), np.int32(w.gk), np.int32(bf16)), shared_mem=FE_SMEM)
+    return y

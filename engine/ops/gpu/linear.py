@@ -458,6 +458,19 @@ class LinearOps:
         if not ok or t == 0:  # (groups not on scale blocks, or rows our kernels cannot read)
             wg = w.dequant().reshape(groups, nout, kin)
             return self.act(cp.einsum("tgi,goi->tgo", _c32(x), wg))
+        wptrs, sptrs = self._group_tables(w, groups)
+        segs = []
+        for gi in range(groups):
+            s, mr = self._row_segments(t, gi, 0, gi * kin, gi * nout, w.fmt)
+            segs += s
+        self._run_linear(a, y, nout, kin, segs, wptrs, sptrs, w, mr, bf=self.bf16,  # (bf16 out, as act())
+                         xq=self._linear_xq(w))
+        return y.reshape(t, g, nout)
+
+    def _group_tables(self, w: GpuWeight, groups: int) -> tuple[cp.ndarray, cp.ndarray]:
+        """Device tables of the data and scale pointers of w's `groups` row groups, made once per weight
+        (before any graph capture: the first call runs eagerly)."""
+        nout = w.shape[0] // groups
         key = (id(w), groups)
         hit = self._group_ptrs.get(key)
         if hit is None or hit[0] is not w:
@@ -472,13 +485,7 @@ class LinearOps:
                     sptrs.append(0)
             hit = (w, cp.asarray(np.array(wptrs, np.uint64)), cp.asarray(np.array(sptrs, np.uint64)))
             self._group_ptrs[key] = hit
-        segs = []
-        for gi in range(groups):
-            s, mr = self._row_segments(t, gi, 0, gi * kin, gi * nout, w.fmt)
-            segs += s
-        self._run_linear(a, y, nout, kin, segs, hit[1], hit[2], w, mr, bf=self.bf16,  # (bf16 out, as act())
-                         xq=self._linear_xq(w))
-        return y.reshape(t, g, nout)
+        return hit[1], hit[2]
 
     def embed(self, table, ids) -> cp.ndarray:
         ids_d = self.asarray(ids, dtype=np.int64)
