@@ -4,7 +4,9 @@ mbarrier phase, descriptor and swizzled address, the FP4 expansion and the promo
 Y with a plain product. The kernels' constants are parsed from their #defines, so a change to the
 ring's layout, the barriers' counts or the producer's copies that breaks the protocol fails here
 before it reaches a GPU. tools/dev/emulate_gemv_q8.py builds the e4m3 GEMV's MMA fragments lane by lane
-(its FP4 decoding and x permutation, the ring's swizzle and ldmatrix)."""
+(its FP4 decoding and x permutation, the ring's swizzle and ldmatrix). emulate_indexer_bf.py and
+emulate_attn_sparse_bf.py do the same for the indexer's two-MMA scores and the one-pass prompt
+attention (ldmatrix and ldmatrix.trans addresses, fragments, the online softmax)."""
 
 from __future__ import annotations
 
@@ -15,8 +17,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "dev"))
 
+import emulate_attn_sparse_bf as attn_bf  # noqa: E402
 import emulate_gemv_q8 as gemv_q8  # noqa: E402
 import emulate_grouped_gemm as grouped  # noqa: E402
+import emulate_indexer_bf as indexer_bf  # noqa: E402
 import emulate_wgmma_gemm as dense  # noqa: E402
 
 
@@ -47,3 +51,12 @@ def test_gemv_q8_fragments_emulated(fmt, seed):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_gemv_q8_bf16_fragments_emulated(seed):
     gemv_q8.check_bf16(seed)
+
+
+@pytest.mark.parametrize("case", attn_bf.CASES, ids=lambda c: f"D{c[0]}-DP{c[1]}-T{c[2]}")
+def test_attn_sparse_bf_block_emulated(case):
+    attn_bf.check(*case)
+
+
+def test_indexer_bf_warps_emulated():
+    assert indexer_bf.main() == 0

@@ -7,6 +7,8 @@ reference's two-pass sparse_attn; no GPU needed. Exits non-zero on a mismatch.
     python3 tools/dev/emulate_attn_sparse_bf.py
 """
 
+import ast
+import re
 import sys
 from pathlib import Path
 
@@ -15,7 +17,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from emulate_indexer_bf import bf16, ldsm_x4, mma  # noqa: E402
 
-PLD = 72  # ASB_PLD
+ROOT = Path(__file__).resolve().parents[2]
+_SRC = (ROOT / "kernels" / "attention.cu").read_text()
+PLD = int(re.search(r"^#define ASB_PLD (\d+)", _SRC, re.MULTILINE).group(1))  # P's shared row (bf16)
+# the kernel's shared memory (ASB_SMEM) holds what this block uses: q, two key tiles, P, the flags,
+# the maxima and the sums
+_SMEM = re.search(r"^#define ASB_SMEM\(dp\) \((.*)\)$", _SRC, re.MULTILINE).group(1).replace("ASB_PLD", str(PLD))
 
 
 def ldsm_x4_trans(smem: np.ndarray, addr: list) -> list:
@@ -134,33 +141,59 @@ def online(q, tiles, valid, sinks, scale):
     return bf16(o / (den + np.exp(sinks - m))[:, None])
 
 
+def _host_smem(dp: int) -> int:
+    """engine/ops/gpu/attention.py's _asb_smem (that module imports CuPy: read, not imported)."""
+    tree = ast.parse((ROOT / "engine/ops/gpu/attention.py").read_text())
+    fn = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "_asb_smem"]
+    ns: dict = {}
+    exec(compile(ast.Module(fn, []), "attention", "exec"), ns)
+    return ns["_asb_smem"](dp)
+
+
+CASES = ((64, 64, 2, 1), (64, 128, 1, 2), (128, 128, 2, 3))  # (D, DP, tiles, seed)
+
+
+def check(d: int, dp: int, ntiles: int, seed: int) -> tuple[float, float]:
+    """One block of random bf16 q and keys (some key rows missing); raises AssertionError where the
+    block differs from a plain online softmax over the same tiles (beyond f32 noise) or from the
+    two-pass reference beyond the GPU test's tolerance. Returns both relative errors (norm)."""
+    smem = eval(_SMEM.replace("dp", str(dp)))  # noqa: S307 (the kernel's own arithmetic)
+    assert smem == _host_smem(dp), (dp, smem, _host_smem(dp))  # (what the launch asks for)
+    rng = np.random.default_rng(seed)
+    q = np.zeros((64, dp), np.float32)
+    q[:, :d] = bf16(rng.standard_normal((64, d)))
+    tiles, valid = [], []
+    for _ in range(ntiles):
+        k = np.zeros((64, dp), np.float32)
+        k[:, :d] = bf16(rng.standard_normal((64, d)))
+        ok = rng.random(64) < 0.8
+        k[~ok] = 0.0  # (a missing key row lands as zeros)
+        tiles.append(k)
+        valid.append(ok)
+    sinks, scale = rng.standard_normal(64).astype(np.float32), d**-0.5
+    got = block(q, tiles, valid, sinks, scale, dp)
+    want = online(q, tiles, valid, sinks, scale)
+    err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+    keys = np.concatenate([k[ok] for k, ok in zip(tiles, valid, strict=True)])
+    s = (q.astype(np.float64) @ keys.T) * scale
+    mx = np.maximum(s.max(axis=1), -1e30)
+    p = np.exp(s - mx[:, None])
+    ref = bf16((bf16(p) @ keys) / (p.sum(axis=1) + np.exp(sinks - mx))[:, None])
+    rerr = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+    assert err < 1e-3 and rerr < 5e-3, (d, dp, ntiles, err, rerr)  # (5e-3: the GPU test's ONLINE_ATTN_TOL)
+    return err, rerr
+
+
 def main() -> int:
-    rng = np.random.default_rng(1)
     bad = 0
-    for d, dp, ntiles in ((64, 64, 2), (64, 128, 1), (128, 128, 2)):
-        q = np.zeros((64, dp), np.float32)
-        q[:, :d] = bf16(rng.standard_normal((64, d)))
-        tiles, valid = [], []
-        for _ in range(ntiles):
-            k = np.zeros((64, dp), np.float32)
-            k[:, :d] = bf16(rng.standard_normal((64, d)))
-            ok = rng.random(64) < 0.8
-            k[~ok] = 0.0  # (a missing key row lands as zeros)
-            tiles.append(k)
-            valid.append(ok)
-        sinks, scale = rng.standard_normal(64).astype(np.float32), d**-0.5
-        got = block(q, tiles, valid, sinks, scale, dp)
-        want = online(q, tiles, valid, sinks, scale)
-        err = np.linalg.norm(got - want) / np.linalg.norm(want)
-        keys = np.concatenate([k[ok] for k, ok in zip(tiles, valid, strict=True)])
-        s = (q.astype(np.float64) @ keys.T) * scale
-        mx = np.maximum(s.max(axis=1), -1e30)
-        p = np.exp(s - mx[:, None])
-        ref = bf16((bf16(p) @ keys) / (p.sum(axis=1) + np.exp(sinks - mx))[:, None])
-        rerr = np.linalg.norm(got - ref) / np.linalg.norm(ref)
-        print(f"D {d} (padded to {dp}), {ntiles} tile(s): rel err (norm) {err:.2e} against the online softmax, "
-              f"{rerr:.2e} against the two-pass reference")
-        bad += err > 1e-3 or rerr > 5e-3  # (the latter: the GPU test's ONLINE_ATTN_TOL)
+    for d, dp, ntiles, seed in CASES:
+        try:
+            err, rerr = check(d, dp, ntiles, seed)
+            print(f"D {d} (padded to {dp}), {ntiles} tile(s): rel err (norm) {err:.2e} against the online softmax, "
+                  f"{rerr:.2e} against the two-pass reference")
+        except AssertionError as e:
+            print(f"D {d} (padded to {dp}), {ntiles} tile(s): differs {e}")
+            bad += 1
     print("ok" if not bad else f"{bad} case(s) differ")
     return 1 if bad else 0
 
