@@ -6,7 +6,9 @@ ring's layout, the barriers' counts or the producer's copies that breaks the pro
 before it reaches a GPU. tools/dev/emulate_gemv_q8.py builds the e4m3 GEMV's MMA fragments lane by lane
 (its FP4 decoding and x permutation, the ring's swizzle and ldmatrix). emulate_indexer_bf.py and
 emulate_attn_sparse_bf.py do the same for the indexer's two-MMA scores and the one-pass prompt
-attention (ldmatrix and ldmatrix.trans addresses, fragments, the online softmax)."""
+attention (ldmatrix and ldmatrix.trans addresses, fragments, the online softmax);
+emulate_bf16_wgmma.py for the bf16 wgmma kernels of kernels/fp4_experts.cu (the rows' K order, the
+swizzled token tiles, each thread's weight words and A fragments)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "dev"))
 
 import emulate_attn_sparse_bf as attn_bf  # noqa: E402
+import emulate_bf16_wgmma as bf16_wgmma  # noqa: E402
 import emulate_gemv_q8 as gemv_q8  # noqa: E402
 import emulate_grouped_gemm as grouped  # noqa: E402
 import emulate_indexer_bf as indexer_bf  # noqa: E402
@@ -60,3 +63,8 @@ def test_attn_sparse_bf_block_emulated(case):
 
 def test_indexer_bf_warps_emulated():
     assert indexer_bf.main() == 0
+
+
+@pytest.mark.parametrize("case", bf16_wgmma.CASES, ids=lambda c: f"{c[0]}-{c[1]}x{c[2]}x{c[3]}")
+def test_bf16_wgmma_emulated(case):
+    bf16_wgmma.check(*case)
