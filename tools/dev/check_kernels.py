@@ -67,6 +67,18 @@ def compile_one(name: str, arch: str, extra: tuple[str, ...] = ()) -> tuple[bool
         return False, str(e), 0
 
 
+def cubin(name: str, arch: str, extra: tuple[str, ...] = ()) -> bytes:
+    """The cubin of kernels/<name>.cu for sm_<arch>, as the runtime builds it (to read its SASS)."""
+    from cuda.bindings import nvrtc
+
+    with _program(name, kernels.options(arch), extra) as (prog, ok, log):
+        if not ok:
+            raise RuntimeError(f"{name}.cu did not compile for sm_{arch}:\n{log}")
+        buf = bytearray(nvrtc.nvrtcGetCUBINSize(prog)[1])
+        nvrtc.nvrtcGetCUBIN(prog, buf)
+        return bytes(buf)
+
+
 def ptx(name: str, arch: str, extra: tuple[str, ...] = ()) -> str:
     """PTX of kernels/<name>.cu for compute_<arch> (to check what a kernel was compiled to)."""
     from cuda.bindings import nvrtc
