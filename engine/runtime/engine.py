@@ -20,7 +20,7 @@ from engine.model.config import ModelConfig, load_config
 from engine.runtime.runner import ModelRunner as Model
 from engine.runtime.sampling import SampleJob, SamplingParams, make_rngs
 from engine.runtime.spec_decode import SpecStats, draft_of, speculative_generate
-from engine.settings import Settings
+from engine.settings import DEFAULT_NUMERICS, Settings
 from engine.state.sequence import SequenceState
 from engine.text.tokenizer import Tokenizer
 
@@ -111,7 +111,7 @@ class Engine:
         device, plan, ids = None, None, []
         if gpus is not None:
             ids, plan = _plan_gpus(cfg, ckpt, gpus, max_seqs, max_context or cfg.max_position_embeddings,
-                                   prefill_chunk, expert_split)
+                                   prefill_chunk, expert_split, (settings or Settings.from_env()).numerics)
             backend, device = "cupy", ids[0]
         if len(ids) > 1:
             from engine.parallel.gpu import GpuTP
@@ -234,7 +234,7 @@ def warm_up(model: Model, vocab: int, chunk: int, context: int) -> float:
 
 
 def _plan_gpus(cfg: ModelConfig, ckpt: Checkpoint, gpus, max_seqs: int, max_context: int,
-               prefill_chunk: int | None, expert_split: str = "ep"):
+               prefill_chunk: int | None, expert_split: str = "ep", numerics: str = DEFAULT_NUMERICS):
     """--gpus: check the memory plan (one tensor-parallel rank per GPU) against the GPUs' free
     memory (MemoryPlanError if it does not fit); prefill_chunk None: the largest of
     GPU_PREFILL_CHUNKS that fits. Returns (the device ids, the plan)."""
@@ -245,6 +245,7 @@ def _plan_gpus(cfg: ModelConfig, ckpt: Checkpoint, gpus, max_seqs: int, max_cont
     plan = mp.check(mp.plan_largest_chunk(cfg, ckpt, len(ids), min(free), max_seqs, max_context,
                                           (prefill_chunk,) if prefill_chunk else GPU_PREFILL_CHUNKS,
                                           name=Path(ckpt.path).name,
-                                          weights=mp.weight_bytes(cfg, ckpt, len(ids), expert_split)))
+                                          weights=mp.weight_bytes(cfg, ckpt, len(ids), expert_split),
+                                          numerics=numerics))
     log.info("%s", plan.summary())
     return ids, plan

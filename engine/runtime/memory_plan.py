@@ -33,7 +33,9 @@ Per tensor-parallel rank (engine.parallel.shard.ShardPlan decides what each rank
                                                                  rows, and its group inverses)
       attend_tc    min(prefill_chunk, ATTEND_TC_QUERIES) * local_heads * (window + min(max_entries,
                    2 * index_topk) + 64) * 4     (a prompt chunk's tensor-core attention scores: each
-                                                  query's window, then its listed or unmasked entries)
+                                                  query's window, then its listed or unmasked entries;
+                                                  exact numerics only: under deepseek numerics the
+                                                  prompt attention is one pass with no score buffer)
       logits       decode_rows * vocab * 4
       graphs       what the captured decode-step graphs keep (engine/ops/gpu/graphs.py):
                    graph_bytes_per_row * the rows of the Settings.graph_buckets largest row
@@ -56,6 +58,7 @@ from engine.checkpoint.schema import IDS, LINEAR, TABLE, SchemaError, resolve, t
 from engine.model.config import ModelConfig, parse_config
 from engine.ops.kernels import ATTEND_TC_QUERIES
 from engine.parallel.shard import ShardingError, ShardPlan, slice_bounds
+from engine.settings import DEFAULT_NUMERICS
 
 __all__ = [
     "ACT_FACTOR",
@@ -250,8 +253,9 @@ def state_bytes(cfg: ModelConfig, context: int) -> int:
 
 
 def workspace_bytes(cfg: ModelConfig, plan: ShardPlan, max_seqs: int, max_context: int,
-                    prefill_chunk: int = 512) -> dict[str, int]:
-    """The documented workspace estimate of one rank (see the module docstring), by term."""
+                    prefill_chunk: int = 512, numerics: str = DEFAULT_NUMERICS) -> dict[str, int]:
+    """The documented workspace estimate of one rank (see the module docstring), by term, for the
+    forward's numerics (engine/settings.py)."""
     t = prefill_chunk + decode_rows(cfg, max_seqs)
     ratios = [r for i, r in enumerate(cfg.compress_ratios) if r > 0 and
               (cfg.arch != "v41" or i in cfg.kv_source_layer_ids)]
@@ -269,7 +273,7 @@ def workspace_bytes(cfg: ModelConfig, plan: ShardPlan, max_seqs: int, max_contex
         "moe": t * cfg.num_experts_per_tok * cfg.moe_intermediate_size * 4 * 3,
         "scores": min(prefill_chunk, max_context) * max_entries * 4 * 3,
         "split": t * cfg.num_experts_per_tok * (cfg.hidden_size + -(-cfg.hidden_size // 128)) * 4,
-        "attend_tc": min(prefill_chunk, ATTEND_TC_QUERIES) * local_heads
+        "attend_tc": 0 if numerics == "deepseek" else min(prefill_chunk, ATTEND_TC_QUERIES) * local_heads
         * (cfg.sliding_window + min(max_entries, 2 * cfg.index_topk) + 64) * 4,
         "logits": decode_rows(cfg, max_seqs) * cfg.vocab_size * 4,
     }
@@ -388,7 +392,8 @@ def _gib(n: int) -> str:
 
 def plan_memory(cfg: ModelConfig | dict, ckpt, n_gpus: int, gpu_bytes: int, max_seqs: int, max_context: int,
                 workspace_bytes: int | None = None, *, prefill_chunk: int = 512,
-                weights: list[RankWeights] | None = None, name: str | None = None) -> MemoryPlan:
+                weights: list[RankWeights] | None = None, name: str | None = None,
+                numerics: str = DEFAULT_NUMERICS) -> MemoryPlan:
     """Plan n_gpus ranks of `gpu_bytes` free bytes each for max_seqs sequences of max_context
     tokens. `ckpt`: a Checkpoint, a checkpoint directory, tensor_specs(config) or None (the
     schema's formats). `weights`
@@ -402,7 +407,7 @@ def plan_memory(cfg: ModelConfig | dict, ckpt, n_gpus: int, gpu_bytes: int, max_
     ws_arg = workspace_bytes
     for r, rw in enumerate(weights):
         if ws_arg is None:
-            terms = _workspace(cfg, ShardPlan.make(cfg, r, n_gpus), max_seqs, max_context, prefill_chunk)
+            terms = _workspace(cfg, ShardPlan.make(cfg, r, n_gpus), max_seqs, max_context, prefill_chunk, numerics)
             ws = sum(terms.values())
         else:
             ws, terms = int(ws_arg), {"given": int(ws_arg)}
@@ -413,7 +418,8 @@ def plan_memory(cfg: ModelConfig | dict, ckpt, n_gpus: int, gpu_bytes: int, max_
             name = Path(ckpt.path if isinstance(ckpt, Checkpoint) else ckpt).name
     return MemoryPlan(n_gpus, int(gpu_bytes), max_seqs, max_context, prefill_chunk, per_seq, ranks, terms,
                       name or "checkpoint",
-                      _ctx=dict(cfg=cfg, ckpt=ckpt, workspace_bytes=ws_arg, weights={n_gpus: weights}))
+                      _ctx=dict(cfg=cfg, ckpt=ckpt, workspace_bytes=ws_arg, weights={n_gpus: weights},
+                                numerics=numerics))
 
 
 _workspace = workspace_bytes  # plan_memory's parameter shadows the function's name
@@ -421,7 +427,7 @@ _workspace = workspace_bytes  # plan_memory's parameter shadows the function's n
 
 def plan_largest_chunk(cfg: ModelConfig | dict, ckpt, n_gpus: int, gpu_bytes: int, max_seqs: int, max_context: int,
                        chunks: tuple[int, ...], *, weights: list[RankWeights] | None = None,
-                       name: str | None = None) -> MemoryPlan:
+                       name: str | None = None, numerics: str = DEFAULT_NUMERICS) -> MemoryPlan:
     """plan_memory with the largest prefill chunk of `chunks` that fits; the smallest's plan when none
     does (check() then names what does not fit)."""
     cfg = _as_config(cfg)
@@ -429,7 +435,7 @@ def plan_largest_chunk(cfg: ModelConfig | dict, ckpt, n_gpus: int, gpu_bytes: in
     plan = None
     for chunk in sorted(chunks, reverse=True):
         plan = plan_memory(cfg, ckpt, n_gpus, gpu_bytes, max_seqs, max_context, prefill_chunk=chunk,
-                           weights=weights, name=name)
+                           weights=weights, name=name, numerics=numerics)
         if plan.fits:
             break
     if plan is None:
@@ -439,28 +445,30 @@ def plan_largest_chunk(cfg: ModelConfig | dict, ckpt, n_gpus: int, gpu_bytes: in
 
 def max_sequences(cfg: ModelConfig | dict, ckpt, n_gpus: int, gpu_bytes: int, max_context: int,
                   workspace_bytes: int | None = None, *, prefill_chunk: int = 512,
-                  weights: list[RankWeights] | None = None, limit: int = 1 << 20) -> int:
+                  weights: list[RankWeights] | None = None, limit: int = 1 << 20,
+                  numerics: str = DEFAULT_NUMERICS) -> int:
     """How many sequences of max_context tokens fit (0: not even one; capped at `limit`)."""
     cfg = _as_config(cfg)
     weights = weights if weights is not None else weight_bytes(cfg, ckpt, n_gpus)
 
     def fits(n: int) -> bool:
         return plan_memory(cfg, ckpt, n_gpus, gpu_bytes, n, max_context, workspace_bytes,
-                           prefill_chunk=prefill_chunk, weights=weights).fits
+                           prefill_chunk=prefill_chunk, weights=weights, numerics=numerics).fits
 
     return _last_true(fits, 1, limit)
 
 
 def max_context(cfg: ModelConfig | dict, ckpt, n_gpus: int, gpu_bytes: int, max_seqs: int,
                 workspace_bytes: int | None = None, *, prefill_chunk: int = 512,
-                weights: list[RankWeights] | None = None, limit: int = 1 << 30) -> int:
+                weights: list[RankWeights] | None = None, limit: int = 1 << 30,
+                numerics: str = DEFAULT_NUMERICS) -> int:
     """The longest context at which max_seqs sequences fit (0: none)."""
     cfg = _as_config(cfg)
     weights = weights if weights is not None else weight_bytes(cfg, ckpt, n_gpus)
 
     def fits(c: int) -> bool:
         return plan_memory(cfg, ckpt, n_gpus, gpu_bytes, max_seqs, c, workspace_bytes,
-                           prefill_chunk=prefill_chunk, weights=weights).fits
+                           prefill_chunk=prefill_chunk, weights=weights, numerics=numerics).fits
 
     return _last_true(fits, 1, limit)
 
@@ -496,7 +504,7 @@ def check(plan: MemoryPlan) -> MemoryPlan:
     cfg, ckpt, ws = ctx.get("cfg"), ctx.get("ckpt"), ctx.get("workspace_bytes")
     if cfg is not None and ckpt is not None:
         weights = ctx["weights"][plan.n_gpus]
-        kw = dict(prefill_chunk=plan.prefill_chunk, weights=weights)
+        kw = dict(prefill_chunk=plan.prefill_chunk, weights=weights, numerics=ctx.get("numerics", DEFAULT_NUMERICS))
         if max(r.weights_total + r.reserve for r in plan.ranks) < plan.gpu_bytes:
             n = max_sequences(cfg, ckpt, plan.n_gpus, plan.gpu_bytes, plan.max_context, ws, **kw)
             if n > 0:
@@ -511,7 +519,7 @@ def check(plan: MemoryPlan) -> MemoryPlan:
                 continue
             try:
                 p = plan_memory(cfg, ckpt, n_gpus, plan.gpu_bytes, plan.max_seqs, plan.max_context, ws,
-                                prefill_chunk=plan.prefill_chunk)
+                                prefill_chunk=plan.prefill_chunk, numerics=kw["numerics"])
             except ShardingError:
                 continue
             if p.fits:

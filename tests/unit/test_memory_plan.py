@@ -278,3 +278,31 @@ def test_gpu_prefill_chunk_is_the_largest_that_fits(monkeypatch):
     monkeypatch.setattr(mp, "gpu_free_bytes", lambda ids: [need[512] - (64 << 20)] * len(ids))
     with pytest.raises(mp.MemoryPlanError, match="does not fit"):
         E._plan_gpus(cfg, ckpt, "0", 4, 65536, None)
+
+
+def test_prompt_attention_scores_are_counted_under_exact_numerics_only(tiny):
+    """Under deepseek numerics a prompt chunk's attention is one pass with no score buffer
+    (kernels/attention.cu attn_sparse_bf); exact numerics' tensor-core attention keeps one. The plan
+    (and the chunk it picks) follows the forward's numerics."""
+    cfg = load_config(tiny["v41"])
+    shard = ShardPlan.make(cfg)
+    exact = mp.workspace_bytes(cfg, shard, 4, 4096, prefill_chunk=2048, numerics="exact")
+    deep = mp.workspace_bytes(cfg, shard, 4, 4096, prefill_chunk=2048, numerics="deepseek")
+    assert exact["attend_tc"] > 0 and deep["attend_tc"] == 0
+    assert {k: v for k, v in exact.items() if k != "attend_tc"} == {k: v for k, v in deep.items() if k != "attend_tc"}
+    ckpt = Checkpoint(tiny["v41"])
+    pe = mp.plan_memory(cfg, ckpt, 1, 8 * GIB, 4, 4096, prefill_chunk=2048, numerics="exact")
+    pd = mp.plan_memory(cfg, ckpt, 1, 8 * GIB, 4, 4096, prefill_chunk=2048, numerics="deepseek")
+    assert pe.worst.workspace - pd.worst.workspace == exact["attend_tc"]
+    # a GPU between the two needs (the reserve is a fraction of the GPU): exact numerics must take a
+    # smaller chunk than deepseek's
+    w = mp.weight_bytes(cfg, ckpt, 1)
+    need = {}
+    for n in ("exact", "deepseek"):
+        r = mp.plan_memory(cfg, ckpt, 1, 8 * GIB, 4, 4096, prefill_chunk=2048, weights=w, numerics=n).worst
+        need[n] = (r.total - r.reserve) / (1 - mp.RESERVE_FRACTION)
+    budget = int((need["exact"] + need["deepseek"]) / 2)
+    chunks = (512, 2048)
+    picked = {n: mp.plan_largest_chunk(cfg, ckpt, 1, budget, 4, 4096, chunks, weights=w, numerics=n).prefill_chunk
+              for n in ("exact", "deepseek")}
+    assert picked == {"exact": 512, "deepseek": 2048}
