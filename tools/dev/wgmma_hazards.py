@@ -11,11 +11,13 @@ products were wrong, with no C7513 warning. This tool walks each function's list
 
     python3 tools/dev/wgmma_hazards.py [kernel ...]     (default: every kernels/*.cu, sm_90a)
 
-It needs cuobjdump (pip package nvidia-cuda-cuobjdump==13.*) besides NVRTC.
+It needs cuobjdump and the nvdisasm it runs (pip packages nvidia-cuda-cuobjdump==13.*,
+nvidia-cuda-nvdisasm==13.*) besides NVRTC.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -99,11 +101,13 @@ def sass(name: str, arch: str = "90a") -> str:
     """cuobjdump's SASS listing of kernels/<name>.cu for sm_<arch>."""
     exe = cuobjdump()
     if exe is None:
-        raise RuntimeError("cuobjdump not found (pip install nvidia-cuda-cuobjdump==13.*)")
+        raise RuntimeError("cuobjdump not found (pip install nvidia-cuda-cuobjdump==13.* nvidia-cuda-nvdisasm==13.*)")
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / f"{name}.cubin"
         path.write_bytes(check_kernels.cubin(name, arch))
-        return subprocess.run([exe, "-sass", str(path)], check=True, capture_output=True, text=True).stdout
+        # (cuobjdump -sass runs nvdisasm, from its own directory in the wheels' layout)
+        env = dict(os.environ, PATH=os.pathsep.join([str(Path(exe).parent), os.environ.get("PATH", "")]))
+        return subprocess.run([exe, "-sass", str(path)], check=True, capture_output=True, text=True, env=env).stdout
 
 
 def main() -> int:
