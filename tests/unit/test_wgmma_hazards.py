@@ -14,7 +14,8 @@ import wgmma_hazards as wh  # noqa: E402
 
 # Two RS wgmmas in flight (R160, R152), a wait that retires the older one, then writes: R153 is
 # still read by the newer one (a hazard), R161 no longer (the older one retired), R152 through a
-# predicated 128-bit load (a hazard), R10 never read; then a full wait.
+# predicated 128-bit load and R150..R153 through an ldmatrix of four matrices (hazards), R10 never
+# read; then a full wait.
 LISTING = """
 		Function : gemm_planted
         /*0010*/                   WARPGROUP.ARRIVE ;                                     /* 0x0 */
@@ -28,6 +29,7 @@ LISTING = """
         /*0090*/              @!P0 LDG.E.128.CONSTANT R152, desc[UR10][R8.64] ;           /* 0x0 */
         /*00a0*/                   ISETP.GE.AND P2, PT, R152, R187, PT ;                  /* 0x0 */
         /*00b0*/                   STS [R155], R10 ;                                      /* 0x0 */
+        /*00b8*/                   LDSM.16.M88.4 R150, [R2] ;                             /* 0x0 */
         /*00c0*/                   IADD3 R10, R10, 0x1, RZ ;                              /* 0x0 */
         /*00d0*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;                        /* 0x0 */
         /*00e0*/                   IMAD.MOV.U32 R152, RZ, RZ, R1 ;                        /* 0x0 */
@@ -38,7 +40,8 @@ LISTING = """
 
 def test_planted_writes_are_found_and_retired_ones_are_not():
     found = wh.hazards(LISTING)
-    assert [h.split(":")[0] for h in found] == ["gemm_planted 0030", "gemm_planted 0070", "gemm_planted 0090"]
+    assert [h.split(":")[0] for h in found] == ["gemm_planted 0030", "gemm_planted 0070", "gemm_planted 0090",
+                                                "gemm_planted 00b8"]
     assert "R163" in found[0] and "HGMMA at 0020" in found[0]
     assert "R153" in found[1] and "HGMMA at 0040" in found[1]
     assert "R152" in found[2]

@@ -45,7 +45,10 @@ def _written(op: str, dest: str) -> set[int]:
     m = re.fullmatch(r"R(\d+)", dest)
     if not m or op.startswith(_NO_REG_DEST) or op.endswith("SETP"):
         return set()
-    width = 4 if ".128" in op else 2 if (".64" in op or op.startswith("CS2R") or ".WIDE" in op) else 1
+    if op.startswith("LDSM"):  # ldmatrix: one register per 8x8 matrix (.x1 / .x2 / .x4: ...M88, .2, .4)
+        width = 4 if op.endswith(".4") else 2 if op.endswith(".2") else 1
+    else:
+        width = 4 if ".128" in op else 2 if (".64" in op or op.startswith("CS2R") or ".WIDE" in op) else 1
     return set(range(int(m.group(1)), int(m.group(1)) + width))
 
 
