@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from emulate_indexer_bf import bf16, ldsm_x4, mma  # noqa: E402
+from emulate_indexer_bf import b_frags, bf16, ldsm_x4, mma  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 _SRC = (ROOT / "kernels" / "attention.cu").read_text()
@@ -55,12 +55,7 @@ def block(q: np.ndarray, tiles: list, valid: list, sinks: np.ndarray, scale: flo
             acc = [[[0.0] * 4 for _ in range(32)] for _ in range(4)]
             for k0 in range(0, dp, 16):
                 a = ldsm_x4(qs, [(hg + (la & 15), k0 + 8 * (la >> 4)) for la in range(32)])
-                b = [None] * 4
-                for jj in range(2):
-                    r = ldsm_x4(ks, [(32 * kh + 16 * jj + (la & 7) + 8 * (la >> 4), k0 + 8 * ((la >> 3) & 1))
-                                     for la in range(32)])
-                    b[2 * jj] = [(r[la][0], r[la][1]) for la in range(32)]
-                    b[2 * jj + 1] = [(r[la][2], r[la][3]) for la in range(32)]
+                b = b_frags(ks, 32 * kh, k0)
                 for j in range(4):
                     mma(acc[j], a, b[j])
             for lane in range(32):

@@ -31,6 +31,17 @@ def ldsm_x4(smem: np.ndarray, addr: list) -> list:
     return out
 
 
+def b_frags(smem: np.ndarray, row0: int, k0: int) -> list:
+    """The B fragments of 4 n8 tiles (rows row0 .. row0 + 31 of a K-major operand, k16 step at k0),
+    as two ldmatrix.x4 loads of 16 rows each give them."""
+    b = [None] * 4
+    for jj in range(2):
+        r = ldsm_x4(smem, [(row0 + 16 * jj + (la & 7) + 8 * (la >> 4), k0 + 8 * ((la >> 3) & 1)) for la in range(32)])
+        b[2 * jj] = [(r[la][0], r[la][1]) for la in range(32)]
+        b[2 * jj + 1] = [(r[la][2], r[la][3]) for la in range(32)]
+    return b
+
+
 def mma(c: list, a: list, b: list) -> None:
     """c += a b, mma.m16n8k16 fragments: a[lane] 4 pairs, b[lane] 2 pairs, c[lane] 4 floats."""
     am, bm = np.zeros((16, 16)), np.zeros((16, 8))
@@ -57,12 +68,7 @@ def warp_sums(ks: np.ndarray, qs: np.ndarray, w: np.ndarray, warp: int) -> np.nd
     acc = [[[[0.0] * 4 for _ in range(32)] for _ in range(4)] for _ in range(4)]
     for k0 in range(0, DH, 16):
         a = [ldsm_x4(ks, [(64 * kh + 16 * i + (la & 15), k0 + 8 * (la >> 4)) for la in range(32)]) for i in range(4)]
-        b = [None] * 4
-        for jj in range(2):
-            r = ldsm_x4(qs, [(32 * rg + 16 * jj + (la & 7) + 8 * (la >> 4), k0 + 8 * ((la >> 3) & 1))
-                             for la in range(32)])
-            b[2 * jj] = [(r[la][0], r[la][1]) for la in range(32)]
-            b[2 * jj + 1] = [(r[la][2], r[la][3]) for la in range(32)]
+        b = b_frags(qs, 32 * rg, k0)
         for i in range(4):
             for j in range(4):
                 mma(acc[i][j], a[i], b[j])

@@ -42,18 +42,13 @@ def opcode_mix(sass: str) -> collections.Counter:
 
 
 def cubin(name: str, arch: str) -> bytes:
-    """kernels/<name>.cu compiled by NVRTC for sm_<arch> (tools/dev/check_kernels.py's options)."""
-    from check_kernels import _program
-    from cuda.bindings import nvrtc
+    """kernels/<name>.cu compiled by NVRTC for sm_<arch> (tools/dev/check_kernels.py's cubin)."""
+    import check_kernels
 
-    from engine.ops import kernels
-
-    with _program(name, kernels.options(arch), ()) as (prog, ok, log):
-        if not ok:
-            raise SystemExit(f"{name}.cu did not compile for sm_{arch}:\n{log}")
-        buf = bytearray(nvrtc.nvrtcGetCUBINSize(prog)[1])
-        nvrtc.nvrtcGetCUBIN(prog, buf)
-        return bytes(buf)
+    try:
+        return check_kernels.cubin(name, arch)
+    except RuntimeError as e:  # (the compile log)
+        raise SystemExit(str(e)) from None
 
 
 def main(argv: list[str] | None = None) -> int:
