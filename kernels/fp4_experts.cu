@@ -78,6 +78,7 @@ extern "C" __global__ void bf16_rows(const float* __restrict__ x, int ldx, u32* 
 #define BW_BAR (BW_STAGES * BW_TILE_BYTES)  // full[ST], then empty[ST]
 
 #define BW_2P112 0x77807780u  // 2^112 as bf16x2
+#define BW_ONE2 0x3f803f80u  // 1.0 as bf16x2
 __device__ __forceinline__ u32 bf16x2_mul(u32 a, u32 b) {
   u32 r;
   asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
@@ -146,17 +147,29 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[32], const u32 (&a)[4], u64 
 
 // A thread's weights for one 64-wide K chunk: 16 elements of rows g and g + 8 of its warp's 16 (FP8:
 // 16 bytes; FP4: 8 bytes, in x / y), and their scales' exponent fields (FP8: the f32 power-of-two
-// block scale's; FP4: the UE8M0 bytes, clamped to [1, 254] as e8m0_scaled does).
+// block scale's; FP4: the UE8M0 bytes, clamped to [1, 254] as e8m0_scaled does). bf16: 32 bytes a
+// row (row g in r0, r1; row g + 8 in r2, r3), no scale.
+template <int FMT>
 struct BwChunk {
   uint4 r0, r1;
   u32 e0, e1;
 };
+template <>
+struct BwChunk<FMT_BF16> {
+  uint4 r0, r1, r2, r3;
+};
 
 template <int FMT>
-__device__ __forceinline__ void bw_load(BwChunk& ch, const u8* w0, const u8* w1, const void* SW, int r0, int r1,
+__device__ __forceinline__ void bw_load(BwChunk<FMT>& ch, const u8* w0, const u8* w1, const void* SW, int r0, int r1,
                                         bool ok0, bool ok1, int bn, int bk, int gk, int c, int q) {
   const int k = 64 * c + 16 * q;
-  if (FMT == FMT_FP8) {
+  if constexpr (FMT == FMT_BF16) {
+    const uint4 z = make_uint4(0, 0, 0, 0);
+    ch.r0 = ok0 ? ldg16(w0 + 2 * k) : z;
+    ch.r1 = ok0 ? ldg16(w0 + 2 * k + 16) : z;
+    ch.r2 = ok1 ? ldg16(w1 + 2 * k) : z;
+    ch.r3 = ok1 ? ldg16(w1 + 2 * k + 16) : z;
+  } else if constexpr (FMT == FMT_FP8) {
     ch.r0 = ok0 ? ldg16(w0 + k) : make_uint4(0, 0, 0, 0);
     ch.r1 = ok1 ? ldg16(w1 + k) : make_uint4(0, 0, 0, 0);
     // rows g and g + 8 share a block row (bn % 16 == 0); a clamped row's zeros take any scale
@@ -172,31 +185,50 @@ __device__ __forceinline__ void bw_load(BwChunk& ch, const u8* w0, const u8* w1,
   }
 }
 
+// bf16 weights: physical elements 4s .. 4s + 3 of each row are words 2s, 2s + 1 of its 32 bytes.
+// Times 1 in bf16 (exact): with fragments that are plain copies of the loaded words, ptxas reuses
+// a word's register for the next chunk's load while the wgmma reading it is still in flight
+// (tools/dev/wgmma_hazards.py finds such writes).
+__device__ __forceinline__ void bw_bf16_step(u32 (&f)[4], const BwChunk<FMT_BF16>& ch, int s) {
+  const uint4& a = s < 2 ? ch.r0 : ch.r1;
+  const uint4& b = s < 2 ? ch.r2 : ch.r3;
+  const int i = 2 * (s & 1);
+  f[0] = bf16x2_mul(word(a, i), BW_ONE2);
+  f[1] = bf16x2_mul(word(b, i), BW_ONE2);
+  f[2] = bf16x2_mul(word(a, i + 1), BW_ONE2);
+  f[3] = bf16x2_mul(word(b, i + 1), BW_ONE2);
+}
+
 // k16 step s's fragment of a chunk: {row g cols 2q.., row g+8 cols 2q.., row g cols 2q+8.., row
-// g+8 cols 2q+8..}, each a bf16x2 of the thread's physical elements 4s + 2h + (0, 1): the nibbles
-// to e4m3 codes (kernels/fp8_mma.cuh), then to bf16 times the row's scale.
+// g+8 cols 2q+8..}, each a bf16x2 of the thread's physical elements 4s + 2h + (0, 1): FP8 / FP4
+// codes (the nibbles to e4m3 codes, kernels/fp8_mma.cuh) to bf16 times the row's scale.
 template <int FMT>
-__device__ __forceinline__ void bw_convert_step(u32 (&f)[4], const BwChunk& ch, int s) {
-  u32 w0, w1;  // 4 e4m3 codes of each row
-  if (FMT == FMT_FP8) {
-    w0 = word(ch.r0, s);
-    w1 = word(ch.r1, s);
+__device__ __forceinline__ void bw_convert_step(u32 (&f)[4], const BwChunk<FMT>& ch, int s) {
+  if constexpr (FMT == FMT_BF16) {
+    bw_bf16_step(f, ch, s);
+    return;
   } else {
-    w0 = e2m1x4_to_e4m3(word(ch.r0, s >> 1) >> (16 * (s & 1)));
-    w1 = e2m1x4_to_e4m3(word(ch.r1, s >> 1) >> (16 * (s & 1)));
-  }
-  if (max(ch.e0, ch.e1) <= 142) {  // 2^(112 + d), d = e - 127 <= 15: one bf16 factor
-    const u32 s0 = bw_scale2(ch.e0, 112), s1 = bw_scale2(ch.e1, 112);
-    f[0] = e4m3x2_bf16x2(w0, s0);
-    f[1] = e4m3x2_bf16x2(w1, s1);
-    f[2] = e4m3x2_bf16x2(w0 >> 16, s0);
-    f[3] = e4m3x2_bf16x2(w1 >> 16, s1);
-  } else {  // scales over 2^15 (no real checkpoint's): 2^112, then 2^d
-    const u32 s0 = bw_scale2(ch.e0, 0), s1 = bw_scale2(ch.e1, 0);
-    f[0] = bf16x2_mul(e4m3x2_bf16x2(w0, BW_2P112), s0);
-    f[1] = bf16x2_mul(e4m3x2_bf16x2(w1, BW_2P112), s1);
-    f[2] = bf16x2_mul(e4m3x2_bf16x2(w0 >> 16, BW_2P112), s0);
-    f[3] = bf16x2_mul(e4m3x2_bf16x2(w1 >> 16, BW_2P112), s1);
+    u32 w0, w1;  // 4 e4m3 codes of each row
+    if constexpr (FMT == FMT_FP8) {
+      w0 = word(ch.r0, s);
+      w1 = word(ch.r1, s);
+    } else {
+      w0 = e2m1x4_to_e4m3(word(ch.r0, s >> 1) >> (16 * (s & 1)));
+      w1 = e2m1x4_to_e4m3(word(ch.r1, s >> 1) >> (16 * (s & 1)));
+    }
+    if (max(ch.e0, ch.e1) <= 142) {  // 2^(112 + d), d = e - 127 <= 15: one bf16 factor
+      const u32 s0 = bw_scale2(ch.e0, 112), s1 = bw_scale2(ch.e1, 112);
+      f[0] = e4m3x2_bf16x2(w0, s0);
+      f[1] = e4m3x2_bf16x2(w1, s1);
+      f[2] = e4m3x2_bf16x2(w0 >> 16, s0);
+      f[3] = e4m3x2_bf16x2(w1 >> 16, s1);
+    } else {  // scales over 2^15 (no real checkpoint's): 2^112, then 2^d
+      const u32 s0 = bw_scale2(ch.e0, 0), s1 = bw_scale2(ch.e1, 0);
+      f[0] = bf16x2_mul(e4m3x2_bf16x2(w0, BW_2P112), s0);
+      f[1] = bf16x2_mul(e4m3x2_bf16x2(w1, BW_2P112), s1);
+      f[2] = bf16x2_mul(e4m3x2_bf16x2(w0 >> 16, BW_2P112), s0);
+      f[3] = bf16x2_mul(e4m3x2_bf16x2(w1 >> 16, BW_2P112), s1);
+    }
   }
 }
 
@@ -207,7 +239,7 @@ __device__ __forceinline__ void bw_convert_step(u32 (&f)[4], const BwChunk& ch, 
 // ptxas serializes every wgmma of the kernel when registers a wgmma reads are written with more
 // than one group in flight.)
 template <int FMT, int BN>
-__device__ __forceinline__ void bw_chunk(float (&d)[BN / 2], u32 (&fr)[4][4], BwChunk& cur, BwChunk& nxt, u32 base,
+__device__ __forceinline__ void bw_chunk(float (&d)[BN / 2], u32 (&fr)[4][4], BwChunk<FMT>& cur, BwChunk<FMT>& nxt, u32 base,
                                          const u8* w0, const u8* w1, const void* SW, int r0, int r1, bool ok0,
                                          bool ok1, int bn, int bk, int gk, int c, int C, int q) {
   mbar_wait(base + BW_BAR + 8 * (c % BW_STAGES), (c / BW_STAGES) & 1);
@@ -241,7 +273,7 @@ __device__ __forceinline__ void bw_consume(u32 base, const u8* __restrict__ W, c
             q = lane & 3;
   const int r0 = n0 + 64 * wg + 16 * warp + g, r1 = r0 + 8;
   const bool ok0 = r0 < N, ok1 = r1 < N;
-  const size_t row_bytes = FMT == FMT_FP8 ? (size_t)K : (size_t)K / 2;
+  const size_t row_bytes = FMT == FMT_BF16 ? (size_t)K * 2 : FMT == FMT_FP8 ? (size_t)K : (size_t)K / 2;
   const int rs0 = min(r0, N - 1), rs1 = min(r1, N - 1);  // (rows past N read row N - 1, as zeros)
   const u8* w0 = W + (size_t)rs0 * row_bytes;
   const u8* w1 = W + (size_t)rs1 * row_bytes;
@@ -250,7 +282,7 @@ __device__ __forceinline__ void bw_consume(u32 base, const u8* __restrict__ W, c
 #pragma unroll
   for (int i = 0; i < BN / 2; ++i) d[i] = 0.f;
   u32 fr[4][4];
-  BwChunk cur, nxt;
+  BwChunk<FMT> cur, nxt;
   bw_load<FMT>(cur, w0, w1, SW, rs0, rs1, ok0, ok1, bn, bk, gk, 0, q);
   if (C > 1) bw_load<FMT>(nxt, w0, w1, SW, rs0, rs1, ok0, ok1, bn, bk, gk, 1, q);
   bw_convert_step<FMT>(fr[0], cur, 0);
@@ -356,5 +388,19 @@ extern "C" __global__ void __launch_bounds__(BW_THREADS, 1)
   bw_gemm<FMT_FP8>(bw_smem, X + ((size_t)sg[1] * ldx + sg[3]) * 2, ldx, (const u8*)wptrs[sg[0]],
                    (const void*)sptrs[sg[0]], Y + (size_t)sg[1] * ldy + sg[4], ldy, sg[2], N, K, bn, bk, gk, 0,
                    blockIdx.x * BW_BM, bf);
+}
+
+// Segments (g, row0, rows <= 256, xcol, ycol) [nseg x 5] of a block-diagonal (grouped) linear on bf16
+// weights: Y[row0 + r, ycol + n] = X[row0 + r, xcol .. xcol + K) (bf16_rows' rows of ldx elements)
+// times group g's bf16 weight rows [N, K] at wptrs[g]; bf: Y rounded to bf16 as stored. grid
+// (ceil(N / 128), nseg), block 384, the same shared memory as gemm_fp4_experts_sm90.
+extern "C" __global__ void __launch_bounds__(BW_THREADS, 1)
+    gemm_bf16w_sm90(const u8* X, int ldx, const int* segs, const u64* wptrs, float* Y, int ldy, int N, int K,
+                    int bf) {
+  extern __shared__ __align__(1024) u8 bw_smem[];
+  const int* sg = segs + 5 * blockIdx.y;
+  if (sg[2] == 0) return;
+  bw_gemm<FMT_BF16>(bw_smem, X + ((size_t)sg[1] * ldx + sg[3]) * 2, ldx, (const u8*)wptrs[sg[0]], nullptr,
+                    Y + (size_t)sg[1] * ldy + sg[4], ldy, sg[2], N, K, 1, 1, 1, 0, blockIdx.x * BW_BM, bf);
 }
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

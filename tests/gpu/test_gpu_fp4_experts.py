@@ -23,6 +23,8 @@ from engine.ops.gpu.fp4_experts import (  # noqa: E402
     FE_ROWS,
     act_quant_bf16w,
     bf16_rows,
+    bf16w_linear,
+    bf16w_takes,
     fp4_experts_linear,
     fp8w_bf16_linear,
     fp8w_bf16_segments,
@@ -30,7 +32,7 @@ from engine.ops.gpu.fp4_experts import (  # noqa: E402
 )
 from engine.ops.gpu.fp8_linear import GROUPED_ROWS, act_quant_fp8, fp8_grouped_linear, gather_rows  # noqa: E402
 from engine.ops.gpu.weights import GpuWeight, _host_dequant  # noqa: E402
-from engine.ops.kernels import FMT_FP4, FMT_FP8  # noqa: E402
+from engine.ops.kernels import FMT_BF16, FMT_FP4, FMT_FP8  # noqa: E402
 from engine.ops.numpy_ops import NumpyOps  # noqa: E402
 
 if K.device_arch() != "90a":
@@ -261,6 +263,81 @@ def test_wo_a_on_the_bf16_kernel_captures():
         graph.launch(stream)
         stream.synchronize()
     np.testing.assert_array_equal(cp.asnumpy(y), want)
+
+
+def _bf16_weight(n: int, k: int, seed: int) -> GpuWeight:
+    """bf16 weights of several magnitudes (rows scaled by 2^-8 .. 2^4), subnormals and zeros among them."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n, k)) * np.exp2(rng.integers(-8, 5, (n, 1)))
+    w[:, 3] = 0.0
+    w[::7, 5] = 1e-39  # (a bf16 subnormal)
+    return GpuWeight(FMT_BF16, cp.asarray(formats.f32_to_bf16(w.astype(np.float32))), None, (n, k))
+
+
+@pytest.mark.parametrize("m,n,k", [(33, 64, 64), (192, 520 - 8, 1280), (257, 256, 576), (600, 128, 320),
+                                   (70, 1024, 4096), (40, 4096, 7168)])
+def test_bf16w_matches_numpy(m, n, k):
+    """gemm_bf16w (bf16-stored linears past TC_MAX_ROWS rows): x rounded to bf16 times the weight,
+    exact products summed in f32; token tiles of 64 / 128 / 256 rows and their tails, several token
+    segments, idle weight warpgroups (N not a multiple of 128), K of one chunk and of many."""
+    x, w = _x(m, k, seed=n + k), _bf16_weight(n, k, seed=m)
+    assert bf16w_takes(w)
+    segs = cp.asarray(np.array(fp8w_bf16_segments(m, 1, n, k), np.int32).reshape(-1))
+    wptrs = w.ptr_tables()[0]
+    y = cp.asnumpy(bf16w_linear(cp.asarray(x), segs, wptrs, w))
+    yb = cp.asnumpy(bf16w_linear(cp.asarray(x), segs, wptrs, w, bf16=True))
+    assert np.isfinite(y).all()
+    xr = formats.round_bf16(x).astype(np.float64)
+    wd = formats.bf16_to_f32(cp.asnumpy(w.data)).astype(np.float64)
+    err = np.abs(y - xr @ wd.T) / np.maximum(np.abs(xr) @ np.abs(wd).T, 1e-30)
+    assert float(err.max()) < BF16_MMA_TOL, f"worst error {err.max():.2e} of the products' sum"
+    np.testing.assert_array_equal(yb, formats.round_bf16(y))
+
+
+def test_bf16_linear_routes_to_the_bf16_kernel_and_captures():
+    """DeepseekCupyOps.linear on a bf16 weight past TC_MAX_ROWS rows takes gemm_bf16w: within the
+    bound of CupyOps' GEMM on the same weight (both rounded to bf16); inside a graph capture it
+    copies nothing from the host once warm, and the replay equals the eager result bit for bit."""
+    from engine.model.numerics import BF16
+    from engine.ops.gpu.deepseek import DeepseekCupyOps
+    from engine.ops.gpu.ops import CupyOps
+
+    ops, (t, n, k) = DeepseekCupyOps(), (192, 1024, 4096)
+    w = _bf16_weight(n, k, seed=8)
+    w.use = BF16
+    x = cp.asarray(formats.round_bf16(_x(t, k, seed=3)))
+    launched = []
+    real = K.function_with_smem
+
+    def spy(module, name, smem):
+        launched.append(name)
+        return real(module, name, smem)
+
+    K.function_with_smem = spy
+    try:
+        got = ops.linear(x, w)
+    finally:
+        K.function_with_smem = real
+    assert "gemm_bf16w_sm90" in launched, launched
+    base = CupyOps()
+    base.bf16 = True
+    want = cp.asnumpy(base.linear(x, w))
+    xr, wd = cp.asnumpy(x).astype(np.float64), formats.bf16_to_f32(cp.asnumpy(w.data)).astype(np.float64)
+    mag = np.abs(xr) @ np.abs(wd).T
+    assert float((np.abs(cp.asnumpy(got) - formats.round_bf16(want)) / np.maximum(mag, 1e-30)).max()) < 2 * 2.0**-8
+
+    stream, pool = cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool()
+    with stream:
+        eager = cp.asnumpy(ops.linear(x, w))
+        with cp.cuda.using_allocator(pool.malloc):
+            stream.begin_capture()
+            y = ops.linear(x, w)
+            graph = stream.end_capture()
+        y.fill(0)
+        graph.launch(stream)
+        stream.synchronize()
+    np.testing.assert_array_equal(cp.asnumpy(y), eager)
+    np.testing.assert_array_equal(eager, cp.asnumpy(got))
 
 
 def test_fp8w_bf16_rate_against_gemm_tc1():

@@ -2,7 +2,8 @@
 that act_quant_bf16w / bf16_rows write (bw_store_quad), the producer's 128-byte-swizzled token tiles
 (wg_swz) and the B operand its descriptor names at each k16 step (wg_desc(bt + 32 s)), each
 thread's weight words (bw_load) and the A fragments bw_convert_step builds from them (FP4: nibbles
-through e2m1x4_to_e4m3; FP8: the codes as loaded; both times the scale's power of two), the wgmma
+through e2m1x4_to_e4m3; FP8: the codes as loaded; both times the scale's power of two; bf16: the
+words as loaded), the wgmma
 m64nNk16 product of those fragments, and the epilogue's map from accumulators to Y. Compares Y with
 the plain product of the dequantized weight and x; no GPU needed. Exits non-zero on a mismatch.
 
@@ -77,6 +78,11 @@ def a_fragment(fmt: str, w: np.ndarray, sw: np.ndarray, r: int, c: int, q: int, 
     """bw_load + bw_convert_step of weight row r (two bf16 values: the k16 step's columns 2q, 2q + 1
     and then 2q + 8, 2q + 9) -> [(v0, v1), (v8, v9)]."""
     k = 64 * c + 16 * q
+    if fmt == "bf16":  # bw_bf16_step: 32 bytes of the row (r0, r1), words 2 (s % 2) and + 1 of r0 or r1
+        half = words(w[r, k:k + 16].view(np.uint8))[4 * (s >> 1):4 * (s >> 1) + 4]
+        pair = [half[2 * (s & 1)], half[2 * (s & 1) + 1]]
+        v = formats.bf16_to_f32(np.array([(p >> (16 * j)) & 0xFFFF for p in pair for j in (0, 1)], np.uint16))
+        return [(float(v[0]), float(v[1])), (float(v[2]), float(v[3]))]
     if fmt == "fp4":
         wd = words(w[r, k // 2:k // 2 + 8])
         code = int(wg.e2m1x4_to_e4m3(np.uint32(wd[s >> 1] >> (16 * (s & 1)))))
@@ -121,7 +127,8 @@ def gemm(fmt: str, x: np.ndarray, w: np.ndarray, sw: np.ndarray, bn: int = 1, bk
     return y
 
 
-CASES = (("fp4", 70, 160, 128, 0), ("fp4", 257, 128, 64, 1), ("fp8", 33, 144, 192, 2))  # (fmt, M, N, K, seed)
+CASES = (("fp4", 70, 160, 128, 0), ("fp4", 257, 128, 64, 1), ("fp8", 33, 144, 192, 2),
+         ("bf16", 40, 136, 128, 3))  # (fmt, M, N, K, seed)
 
 
 def check(fmt: str, m: int, n: int, k: int, seed: int) -> float:
@@ -129,7 +136,11 @@ def check(fmt: str, m: int, n: int, k: int, seed: int) -> float:
     raises AssertionError where the emulated kernel differs from the plain product."""
     rng = np.random.default_rng(seed)
     x = formats.round_bf16(rng.standard_normal((m, k)).astype(np.float32))
-    if fmt == "fp4":
+    if fmt == "bf16":
+        w = formats.f32_to_bf16(rng.standard_normal((n, k)).astype(np.float32))  # uint16 bits
+        sw, bn, bk = None, 1, 1
+        wd = formats.bf16_to_f32(w)
+    elif fmt == "fp4":
         w = rng.integers(0, 256, (n, k // 2)).astype(np.uint8)
         sw = rng.integers(120, 131, (n, k // 32)).astype(np.uint8)
         wd, bn, bk = formats.dequant_fp4_experts(w, sw, 32), 1, 32

@@ -12,7 +12,8 @@ GPU tests hold it to.
   the e4m3 tensor-core GEMM (fp8_linear.py); up to TC_MAX_ROWS rows the GEMVs fake-quantize the
   activation as they stage it (_linear_xq; kernels/dsuf_common.cuh linear_in4) and sum its products
   exactly in float32 (the same numbers up to summation order). A bf16 weight takes and returns
-  bf16; an fp32 one computes in fp32.
+  bf16 (past TC_MAX_ROWS rows on sm_90a: bf16 wgmma, fp4_experts.py, on the bf16-stored weight or
+  on the decoded codes of an FP8-stored one); an fp32 one computes in fp32.
 - the experts: the routing weight scales the hidden state before w2 (the reference's Expert.forward).
   A prompt chunk's FP8 / FP4 experts (past moe.gemv_grouping: tiles, not GEMV segments) run one
   grouped GEMM per projection on activations quantized once per token row (then gathered into pair
@@ -35,6 +36,8 @@ from engine.ops.gpu.fork import joins_inputs, joins_late
 from engine.ops.gpu.fp4_experts import (
     FE_ROWS,
     act_quant_bf16w,
+    bf16w_linear,
+    bf16w_takes,
     fp4_experts_linear,
     fp4_experts_take,
     fp8w_bf16_linear,
@@ -125,6 +128,10 @@ class DeepseekCupyOps(CupyOps):
         elif w.use == BF16 and w.bf16_cols is None and a.shape[0] > TC_MAX_ROWS and fp8w_takes(w):
             # FP8-stored weights the reference runs in bf16: bf16 wgmma on the decoded codes
             y = self._fp8w_bf16(a, w, 1, self._rounds_out(w))
+        elif w.use == BF16 and w.bf16_cols is None and a.shape[0] > TC_MAX_ROWS and bf16w_takes(w):
+            # bf16-stored ones: the same wgmma kernel on the weights as they are
+            segs = self._segs_device(fp8w_bf16_segments(a.shape[0], 1, n, k))
+            y = bf16w_linear(a, segs, w.ptr_tables()[0], w, 1, self._rounds_out(w))
         else:
             # (x prepared as _linear_xq says, by the GEMVs as they stage it; bf16 out where
             # _rounds_out says so)

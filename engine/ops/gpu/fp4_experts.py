@@ -11,7 +11,7 @@ import numpy as np
 from engine.ops import kernels as K
 from engine.ops.gpu.common import _c32
 from engine.ops.gpu.weights import GpuWeight
-from engine.ops.kernels import FMT_FP4, FMT_FP8
+from engine.ops.kernels import FMT_BF16, FMT_FP4, FMT_FP8
 
 FE_ROWS = 256  # token rows per block (the wgmma N at most): a MoE segment's rows on this path
 FE_COLS, FE_THREADS, FE_STAGES = 128, 384, 6  # kernels/fp4_experts.cu BW_BM, BW_THREADS, BW_STAGES
@@ -104,4 +104,27 @@ def fp8w_bf16_linear(x: cp.ndarray, segs: cp.ndarray, wptrs: cp.ndarray, sptrs: 
     fn((-(-n // FE_COLS), segs.size // 5), (FE_THREADS,), (
         bf16_rows(x), np.int32(groups * k), segs, wptrs, sptrs, y, np.int32(gn), np.int32(n), np.int32(k),
         np.int32(bn), np.int32(bk), np.int32(w.gk), np.int32(bf16)), shared_mem=FE_SMEM)
+    return y
+
+
+def bf16w_takes(w: GpuWeight) -> bool:
+    """Whether gemm_bf16w takes a bf16-stored weight on this device: K whole chunks, sm_90a."""
+    return w.fmt == FMT_BF16 and w.shape[1] % CHUNK == 0 and K.device_arch() == "90a"
+
+
+def bf16w_linear(x: cp.ndarray, segs: cp.ndarray, wptrs: cp.ndarray, w: GpuWeight, groups: int = 1,
+                 bf16: bool = False) -> cp.ndarray:
+    """x [M, groups * K] f32 rounded to bf16 times the bf16 weight w [groups * N, K] (bf16w_takes): y
+    [M, groups * N] f32 (the products exact, f32 sums), group g's columns from x's columns g * K ..
+    on weight rows g * N ..; segs (fp8w_bf16_segments) and the groups' data pointers [groups] uint64
+    on the device; bf16: y rounded to bf16 as stored."""
+    gn, k = w.shape
+    n, m = gn // groups, x.shape[0]
+    y = cp.empty((m, gn), cp.float32)
+    if m == 0:
+        return y
+    fn = K.function_with_smem("fp4_experts", "gemm_bf16w_sm90", FE_SMEM)
+    fn((-(-n // FE_COLS), segs.size // 5), (FE_THREADS,), (
+        bf16_rows(x), np.int32(groups * k), segs, wptrs, y, np.int32(gn), np.int32(n), np.int32(k),
+        np.int32(bf16)), shared_mem=FE_SMEM)
     return y
