@@ -294,17 +294,19 @@ def test_bf16w_matches_numpy(m, n, k):
     np.testing.assert_array_equal(yb, formats.round_bf16(y))
 
 
-def test_bf16_linear_routes_to_the_bf16_kernel_and_captures():
-    """DeepseekCupyOps.linear on a bf16 weight past TC_MAX_ROWS rows takes gemm_bf16w: within the
-    bound of CupyOps' GEMM on the same weight (both rounded to bf16); inside a graph capture it
-    copies nothing from the host once warm, and the replay equals the eager result bit for bit."""
-    from engine.model.numerics import BF16
+@pytest.mark.parametrize("use", ["bf16", "f32"])
+def test_bf16_linear_routes_to_the_bf16_kernel_and_captures(use):
+    """DeepseekCupyOps.linear on a bf16-stored weight past TC_MAX_ROWS rows, bf16 in use or fp32 (the
+    gate, the heads: bf16 x, f32 out), takes gemm_bf16w: within the bound of CupyOps' GEMM on the
+    same weight (rounded to bf16 where the use returns bf16); inside a graph capture it copies nothing
+    from the host once warm, and the replay equals the eager result bit for bit."""
+    from engine.model.numerics import BF16, F32
     from engine.ops.gpu.deepseek import DeepseekCupyOps
     from engine.ops.gpu.ops import CupyOps
 
     ops, (t, n, k) = DeepseekCupyOps(), (192, 1024, 4096)
     w = _bf16_weight(n, k, seed=8)
-    w.use = BF16
+    w.use = BF16 if use == "bf16" else F32
     x = cp.asarray(formats.round_bf16(_x(t, k, seed=3)))
     launched = []
     real = K.function_with_smem
@@ -323,8 +325,11 @@ def test_bf16_linear_routes_to_the_bf16_kernel_and_captures():
     base.bf16 = True
     want = cp.asnumpy(base.linear(x, w))
     xr, wd = cp.asnumpy(x).astype(np.float64), formats.bf16_to_f32(cp.asnumpy(w.data)).astype(np.float64)
-    mag = np.abs(xr) @ np.abs(wd).T
-    assert float((np.abs(cp.asnumpy(got) - formats.round_bf16(want)) / np.maximum(mag, 1e-30)).max()) < 2 * 2.0**-8
+    mag = np.maximum(np.abs(xr) @ np.abs(wd).T, 1e-30)
+    if use == "bf16":
+        assert float((np.abs(cp.asnumpy(got) - formats.round_bf16(want)) / mag).max()) < 2 * 2.0**-8
+    else:  # (f32 out: both sum exact products in f32)
+        assert float((np.abs(cp.asnumpy(got) - want) / mag).max()) < BF16_MMA_TOL
 
     stream, pool = cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool()
     with stream:
