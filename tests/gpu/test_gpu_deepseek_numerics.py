@@ -126,12 +126,14 @@ def test_wo_a_grouped_takes_x_as_one_term():
     assert rel(got, REF.grouped_linear(x, REF.prepare(w), groups)) < OP_TOL
 
 
-def test_stacked_rows_of_mixed_uses_round_only_the_bf16_rows():
-    """A projection stacked from two bf16-stored weights of different uses (wkv of a ratio-1 and of
-    a ratio > 1 compressor, say): the BF16 part's columns come out in bf16, the F32 part's do not."""
+@pytest.mark.parametrize("m", [7, 192])
+def test_stacked_rows_of_mixed_uses_round_only_the_bf16_rows(m):
+    """A projection stacked from two bf16-stored weights of different uses (the indexer's
+    weights_proj and a ratio > 1 compressor's wkv, say): the BF16 part's columns come out in bf16,
+    the F32 part's do not; on the GEMV (7 rows) and on gemm_bf16w (192, a verify step's)."""
     k = 256
     a, b = _w("bf16", 96, k, BF16), _w("bf16", 64, k, F32)
-    x = rnd(7, k)
+    x = rnd(m, k)
     ref = REF.linear(x, REF.prepare_rows([a, b]))
     got = cp.asnumpy(GPU.linear(cp.asarray(x), GPU.prepare_rows([a, b])))
     assert rel(got, ref) < OP_TOL

@@ -129,10 +129,10 @@ class DeepseekCupyOps(CupyOps):
         elif w.use == BF16 and w.bf16_cols is None and a.shape[0] > TC_MAX_ROWS and fp8w_takes(w):
             # FP8-stored weights the reference runs in bf16: bf16 wgmma on the decoded codes
             y = self._fp8w_bf16(a, w, 1, self._rounds_out(w))
-        elif w.use in (BF16, USE_F32) and w.bf16_cols is None and a.shape[0] > TC_MAX_ROWS and bf16w_takes(w):
-            # bf16-stored ones, bf16 or fp32 in use (the gate, the heads, the compressor of ratio > 1:
-            # bf16 x times bf16 values, the products exact either way, summed in f32): the same
-            # wgmma kernel on the weights as they are
+        elif w.use in (BF16, USE_F32) and a.shape[0] > TC_MAX_ROWS and bf16w_takes(w):
+            # bf16-stored ones, bf16 or fp32 in use (the gate, the heads, the compressor of ratio > 1,
+            # rows stacked from both: bf16 x times bf16 values, the products exact either way,
+            # summed in f32): the same wgmma kernel on the weights as they are
             segs = self._segs_device(fp8w_bf16_segments(a.shape[0], 1, n, k))
             y = bf16w_linear(a, segs, w.ptr_tables()[0], w, 1, self._rounds_out(w))
         else:
