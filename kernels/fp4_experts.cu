@@ -67,6 +67,18 @@ extern "C" __global__ void bf16_rows(const float* __restrict__ x, int ldx, u32* 
   bw_store_quad(out, m, K, c, e);
 }
 
+// Y[i] = part[i] + part[pstride + i] + ... (splits of them, in that order), rounded to bf16 with bf:
+// the split-K sums of gemm_fp8w_bf16_sm90 / gemm_bf16w_sm90 (n = M * ldy). grid (ceil(n / 256)),
+// block 256.
+extern "C" __global__ void bw_sum_splits(const float* __restrict__ part, long long pstride, int splits,
+                                         float* __restrict__ Y, long long n, int bf) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  float a = __ldg(part + i);
+  for (int z = 1; z < splits; ++z) a += __ldg(part + z * pstride + i);
+  Y[i] = bf ? round_bf16f(a) : a;
+}
+
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define BW_BM 128            // weight rows per block: two consumer warpgroups x 64
 #define BW_BN 256            // token rows per block: the wgmma N
@@ -241,7 +253,7 @@ __device__ __forceinline__ void bw_convert_step(u32 (&f)[4], const BwChunk<FMT>&
 template <int FMT, int BN>
 __device__ __forceinline__ void bw_chunk(float (&d)[BN / 2], u32 (&fr)[4][4], BwChunk<FMT>& cur, BwChunk<FMT>& nxt, u32 base,
                                          const u8* w0, const u8* w1, const void* SW, int r0, int r1, bool ok0,
-                                         bool ok1, int bn, int bk, int gk, int c, int C, int q) {
+                                         bool ok1, int bn, int bk, int gk, int c0, int c, int C, int q) {
   mbar_wait(base + BW_BAR + 8 * (c % BW_STAGES), (c / BW_STAGES) & 1);
   fence_proxy_async();
   const u32 bt = base + (c % BW_STAGES) * BW_TILE_BYTES;
@@ -260,7 +272,7 @@ __device__ __forceinline__ void bw_chunk(float (&d)[BN / 2], u32 (&fr)[4][4], Bw
     } else if (c + 1 < C) {
       bw_convert_step<FMT>(fr[0], nxt, 0);
       cur = nxt;
-      if (c + 2 < C) bw_load<FMT>(nxt, w0, w1, SW, r0, r1, ok0, ok1, bn, bk, gk, c + 2, q);
+      if (c + 2 < C) bw_load<FMT>(nxt, w0, w1, SW, r0, r1, ok0, ok1, bn, bk, gk, c0 + c + 2, q);
     }
   }
 }
@@ -268,7 +280,7 @@ __device__ __forceinline__ void bw_chunk(float (&d)[BN / 2], u32 (&fr)[4][4], Bw
 template <int FMT, int BN>
 __device__ __forceinline__ void bw_consume(u32 base, const u8* __restrict__ W, const void* __restrict__ SW,
                                            float* __restrict__ Y, int ldy, int M, int N, int K, int bn, int bk,
-                                           int gk, int m0, int n0, int bf) {
+                                           int gk, int m0, int n0, int bf, int c0, int C) {
   const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2,
             q = lane & 3;
   const int r0 = n0 + 64 * wg + 16 * warp + g, r1 = r0 + 8;
@@ -277,17 +289,16 @@ __device__ __forceinline__ void bw_consume(u32 base, const u8* __restrict__ W, c
   const int rs0 = min(r0, N - 1), rs1 = min(r1, N - 1);  // (rows past N read row N - 1, as zeros)
   const u8* w0 = W + (size_t)rs0 * row_bytes;
   const u8* w1 = W + (size_t)rs1 * row_bytes;
-  const int C = K / 64;
   float d[BN / 2];
 #pragma unroll
   for (int i = 0; i < BN / 2; ++i) d[i] = 0.f;
   u32 fr[4][4];
   BwChunk<FMT> cur, nxt;
-  bw_load<FMT>(cur, w0, w1, SW, rs0, rs1, ok0, ok1, bn, bk, gk, 0, q);
-  if (C > 1) bw_load<FMT>(nxt, w0, w1, SW, rs0, rs1, ok0, ok1, bn, bk, gk, 1, q);
+  bw_load<FMT>(cur, w0, w1, SW, rs0, rs1, ok0, ok1, bn, bk, gk, c0, q);
+  if (C > 1) bw_load<FMT>(nxt, w0, w1, SW, rs0, rs1, ok0, ok1, bn, bk, gk, c0 + 1, q);
   bw_convert_step<FMT>(fr[0], cur, 0);
   for (int c = 0; c < C; ++c)
-    bw_chunk<FMT, BN>(d, fr, cur, nxt, base, w0, w1, SW, rs0, rs1, ok0, ok1, bn, bk, gk, c, C, q);
+    bw_chunk<FMT, BN>(d, fr, cur, nxt, base, w0, w1, SW, rs0, rs1, ok0, ok1, bn, bk, gk, c0, c, C, q);
   wgmma_wait<0>();
   wg_fence_regs(d);
   // d[4i + 2h + j]: weight row r0 + 8h (Y column), token 8i + 2q + j (Y row); the 8 lanes of one q
@@ -308,10 +319,12 @@ __device__ __forceinline__ void bw_consume(u32 base, const u8* __restrict__ W, c
 }
 
 // The producer warpgroup: token rows m0 .. m0 + 255 of X (bf16 rows of ldx elements, K in the GEMM's
-// order), 64 of K a stage, each 128-byte row to its swizzled place; rows past M zero-filled.
-__device__ __forceinline__ void bw_produce(u32 base, const u8* __restrict__ X, int ldx, int M, int K, int m0) {
-  const int t = threadIdx.x - 256, r8 = t >> 3, c8 = t & 7, C = K / 64;
-  const u8* src = X + (size_t)min(m0 + r8, M - 1) * ldx * 2 + 16 * c8;
+// order), chunks c0 .. c0 + C - 1 of 64 of K, one a stage, each 128-byte row to its swizzled place;
+// rows past M zero-filled.
+__device__ __forceinline__ void bw_produce(u32 base, const u8* __restrict__ X, int ldx, int M, int c0, int C,
+                                           int m0) {
+  const int t = threadIdx.x - 256, r8 = t >> 3, c8 = t & 7;
+  const u8* src = X + (size_t)min(m0 + r8, M - 1) * ldx * 2 + 16 * c8 + 128 * (size_t)c0;
   for (int c = 0; c < C; ++c) {
     const int s = c % BW_STAGES;
     mbar_wait(base + BW_BAR + 8 * (BW_STAGES + s), ((c / BW_STAGES) & 1) ^ 1);
@@ -322,17 +335,19 @@ __device__ __forceinline__ void bw_produce(u32 base, const u8* __restrict__ X, i
 }
 
 // A consumer warpgroup whose weight rows are all past N: releases each stage for the producer.
-__device__ __forceinline__ void bw_idle(u32 base, int K) {
-  for (int c = 0; c < K / 64; ++c) {
+__device__ __forceinline__ void bw_idle(u32 base, int C) {
+  for (int c = 0; c < C; ++c) {
     mbar_wait(base + BW_BAR + 8 * (c % BW_STAGES), (c / BW_STAGES) & 1);
     __syncwarp();
     if ((threadIdx.x & 31) == 0) mbar_arrive(base + BW_BAR + 8 * (BW_STAGES + c % BW_STAGES));
   }
 }
 
+// K chunks c0 .. c0 + C - 1 (all of K: c0 = 0, C = K / 64).
 template <int FMT>
 __device__ __forceinline__ void bw_gemm(u8* raw, const u8* X, int ldx, const u8* W, const void* SW, float* Y, int ldy,
-                                        int M, int N, int K, int bn, int bk, int gk, int m0, int n0, int bf) {
+                                        int M, int N, int K, int bn, int bk, int gk, int m0, int n0, int bf, int c0,
+                                        int C) {
   const u32 raw_addr = wg_smem_u32(raw), pad = (1024u - (raw_addr & 1023u)) & 1023u;
   const u32 base = raw_addr + pad;
   if (threadIdx.x == 0) {
@@ -344,18 +359,18 @@ __device__ __forceinline__ void bw_gemm(u8* raw, const u8* X, int ldx, const u8*
   __syncthreads();
   if (threadIdx.x >= 256) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(BW_PRODUCER_REGS));
-    bw_produce(base, X, ldx, M, K, m0);
+    bw_produce(base, X, ldx, M, c0, C, m0);
   } else if (n0 + 64 * (int)(threadIdx.x >> 7) >= N) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(BW_PRODUCER_REGS));
-    bw_idle(base, K);
+    bw_idle(base, C);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(BW_CONSUMER_REGS));
     // the wgmma N by the tile's token rows: a short tile (a MoE segment's last rows, a chunk's
     // tail) computes no more than the next multiple of 64 of them
     const int rows = M - m0;
-    if (rows > 128) bw_consume<FMT, 256>(base, W, SW, Y, ldy, M, N, K, bn, bk, gk, m0, n0, bf);
-    else if (rows > 64) bw_consume<FMT, 128>(base, W, SW, Y, ldy, M, N, K, bn, bk, gk, m0, n0, bf);
-    else bw_consume<FMT, 64>(base, W, SW, Y, ldy, M, N, K, bn, bk, gk, m0, n0, bf);
+    if (rows > 128) bw_consume<FMT, 256>(base, W, SW, Y, ldy, M, N, K, bn, bk, gk, m0, n0, bf, c0, C);
+    else if (rows > 64) bw_consume<FMT, 128>(base, W, SW, Y, ldy, M, N, K, bn, bk, gk, m0, n0, bf, c0, C);
+    else bw_consume<FMT, 64>(base, W, SW, Y, ldy, M, N, K, bn, bk, gk, m0, n0, bf, c0, C);
   }
 }
 
@@ -371,36 +386,46 @@ extern "C" __global__ void __launch_bounds__(BW_THREADS, 1)
   const int* sg = segs + 5 * blockIdx.y;
   if (sg[2] == 0) return;  // an unused slot
   bw_gemm<FMT_FP4>(bw_smem, X + (size_t)sg[1] * K * 2, K, (const u8*)wptrs[sg[0]], (const void*)sptrs[sg[0]],
-                   Y + (size_t)sg[1] * ldy + sg[4], ldy, sg[2], N, K, 1, 32, gk, 0, blockIdx.x * BW_BM, bf);
+                   Y + (size_t)sg[1] * ldy + sg[4], ldy, sg[2], N, K, 1, 32, gk, 0, blockIdx.x * BW_BM, bf, 0, K / 64);
 }
 
 // Segments (g, row0, rows <= 256, xcol, ycol) [nseg x 5] of a block-diagonal (grouped) linear on bf16
 // x: Y[row0 + r, ycol + n] = X[row0 + r, xcol .. xcol + K) (bf16_rows' rows of ldx elements) times
 // group g's FP8 weight rows [N, K] at wptrs[g], whose f32 block scales [ceil(N / bn), gk] at sptrs[g]
-// are powers of two (bn % 16 == 0); bf: Y rounded to bf16 as stored. grid (ceil(N / 128), nseg),
-// block 384, the same shared memory as gemm_fp4_experts_sm90.
+// are powers of two (bn % 16 == 0); bf: Y rounded to bf16 as stored. grid (ceil(N / 128), nseg,
+// splits), block 384, the same shared memory as gemm_fp4_experts_sm90. Split K (BW_SPLIT_ARGS):
+// with splits > 1, split z sums its share of K's chunks into part + z * pstride (laid out as Y,
+// unrounded) and bw_sum_splits adds them up into Y.
+#define BW_SPLIT_ARGS float *part, long long pstride
+#define BW_SPLIT(Yrow)                                                                           \
+  const int C_ = K / 64, S_ = gridDim.z, z_ = blockIdx.z;                                        \
+  const int c0 = C_ * z_ / S_, cn = C_ * (z_ + 1) / S_ - c0;                                     \
+  float* Yd = S_ > 1 ? part + z_ * pstride + (Yrow) : Y + (Yrow);                                \
+  const int bfd = S_ > 1 ? 0 : bf;
 extern "C" __global__ void __launch_bounds__(BW_THREADS, 1)
     gemm_fp8w_bf16_sm90(const u8* X, int ldx, const int* segs, const u64* wptrs, const u64* sptrs, float* Y,
-                        int ldy, int N, int K, int bn, int bk, int gk, int bf) {
+                        int ldy, int N, int K, int bn, int bk, int gk, int bf, BW_SPLIT_ARGS) {
   extern __shared__ __align__(1024) u8 bw_smem[];
   const int* sg = segs + 5 * blockIdx.y;
   if (sg[2] == 0) return;
+  BW_SPLIT((size_t)sg[1] * ldy + sg[4])
   bw_gemm<FMT_FP8>(bw_smem, X + ((size_t)sg[1] * ldx + sg[3]) * 2, ldx, (const u8*)wptrs[sg[0]],
-                   (const void*)sptrs[sg[0]], Y + (size_t)sg[1] * ldy + sg[4], ldy, sg[2], N, K, bn, bk, gk, 0,
-                   blockIdx.x * BW_BM, bf);
+                   (const void*)sptrs[sg[0]], Yd, ldy, sg[2], N, K, bn, bk, gk, 0, blockIdx.x * BW_BM, bfd, c0, cn);
 }
 
 // Segments (g, row0, rows <= 256, xcol, ycol) [nseg x 5] of a block-diagonal (grouped) linear on bf16
 // weights: Y[row0 + r, ycol + n] = X[row0 + r, xcol .. xcol + K) (bf16_rows' rows of ldx elements)
 // times group g's bf16 weight rows [N, K] at wptrs[g]; bf: Y rounded to bf16 as stored. grid
-// (ceil(N / 128), nseg), block 384, the same shared memory as gemm_fp4_experts_sm90.
+// (ceil(N / 128), nseg, splits), block 384, the same shared memory and split K as gemm_fp8w_bf16_sm90.
 extern "C" __global__ void __launch_bounds__(BW_THREADS, 1)
     gemm_bf16w_sm90(const u8* X, int ldx, const int* segs, const u64* wptrs, float* Y, int ldy, int N, int K,
-                    int bf) {
+                    int bf, BW_SPLIT_ARGS) {
   extern __shared__ __align__(1024) u8 bw_smem[];
   const int* sg = segs + 5 * blockIdx.y;
   if (sg[2] == 0) return;
-  bw_gemm<FMT_BF16>(bw_smem, X + ((size_t)sg[1] * ldx + sg[3]) * 2, ldx, (const u8*)wptrs[sg[0]], nullptr,
-                    Y + (size_t)sg[1] * ldy + sg[4], ldy, sg[2], N, K, 1, 1, 1, 0, blockIdx.x * BW_BM, bf);
+  BW_SPLIT((size_t)sg[1] * ldy + sg[4])
+  bw_gemm<FMT_BF16>(bw_smem, X + ((size_t)sg[1] * ldx + sg[3]) * 2, ldx, (const u8*)wptrs[sg[0]], nullptr, Yd, ldy,
+                    sg[2], N, K, 1, 1, 1, 0, blockIdx.x * BW_BM, bfd, c0, cn);
 }
+#undef BW_SPLIT
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

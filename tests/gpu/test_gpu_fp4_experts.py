@@ -294,6 +294,37 @@ def test_bf16w_matches_numpy(m, n, k):
     np.testing.assert_array_equal(yb, formats.round_bf16(y))
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_split_k_matches_one_pass(fmt, monkeypatch):
+    """A skinny launch (192 rows, 4 weight tiles) split over K (bw_splits: the splits' sums added in a
+    fixed order by bw_sum_splits) within the same bound of the reference as one pass over K, and
+    rounded to bf16 from the total; the same launch twice gives the same bits."""
+    import engine.ops.gpu.fp4_experts as fe
+
+    m, n, k = 192, 512, 4096
+    x = cp.asarray(_x(m, k, seed=7))
+    w = _bf16_weight(n, k, seed=5) if fmt == "bf16" else _fp8_weight(n, k, seed=5)
+    segs = cp.asarray(np.array(fp8w_bf16_segments(m, 1, n, k), np.int32).reshape(-1))
+
+    def run(bf16=False):
+        if fmt == "bf16":
+            return cp.asnumpy(bf16w_linear(x, segs, w.ptr_tables()[0], w, bf16=bf16))
+        return cp.asnumpy(_fp8w(x, w, 1, bf16))
+
+    assert fe.bw_splits(-(-n // fe.FE_COLS), k // fe.CHUNK) > 1
+    split, split_bf = run(), run(True)
+    np.testing.assert_array_equal(split, run())
+    np.testing.assert_array_equal(split_bf, formats.round_bf16(split))
+    monkeypatch.setattr(fe, "SPLIT_MIN_CHUNKS", k)
+    assert fe.bw_splits(-(-n // fe.FE_COLS), k // fe.CHUNK) == 1
+    whole = run()
+    xr = formats.round_bf16(cp.asnumpy(x)).astype(np.float64)
+    wd = (formats.bf16_to_f32(cp.asnumpy(w.data)) if fmt == "bf16" else _host_dequant(w)).astype(np.float64)
+    mag = np.maximum(np.abs(xr) @ np.abs(wd).T, 1e-30)
+    for y in (split, whole):
+        assert float((np.abs(y - xr @ wd.T) / mag).max()) < BF16_MMA_TOL
+
+
 @pytest.mark.parametrize("use", ["bf16", "f32"])
 def test_bf16_linear_routes_to_the_bf16_kernel_and_captures(use):
     """DeepseekCupyOps.linear on a bf16-stored weight past TC_MAX_ROWS rows, bf16 in use or fp32 (the

@@ -96,8 +96,21 @@ def a_fragment(fmt: str, w: np.ndarray, sw: np.ndarray, r: int, c: int, q: int, 
     return [(e4m3(b[0]) * scale, e4m3(b[1]) * scale), (e4m3(b[2]) * scale, e4m3(b[3]) * scale)]
 
 
-def gemm(fmt: str, x: np.ndarray, w: np.ndarray, sw: np.ndarray, bn: int = 1, bk: int = 32) -> np.ndarray:
-    """Y [M, N] = x (bf16 values) times the weight, as the kernel's blocks compute it."""
+_SPLIT = re.search(r"const int c0 = (.+?), cn = (.+?);", _SRC).groups()  # BW_SPLIT's chunk range of split z_
+
+
+def split_chunks(chunks: int, splits: int, z: int) -> range:
+    """The K chunks split z of `splits` sums (BW_SPLIT, the kernel's own expressions)."""
+    env = {"C_": chunks, "S_": splits, "z_": z}
+    c0 = eval(_SPLIT[0].replace("/", "//"), {}, env)  # noqa: S307
+    cn = eval(_SPLIT[1].replace("/", "//"), {}, {**env, "c0": c0})  # noqa: S307
+    return range(c0, c0 + cn)
+
+
+def gemm(fmt: str, x: np.ndarray, w: np.ndarray, sw: np.ndarray, bn: int = 1, bk: int = 32,
+         splits: int = 1) -> np.ndarray:
+    """Y [M, N] = x (bf16 values) times the weight, as the kernel's blocks compute it: each split of
+    K (BW_SPLIT) into its own partial sums, then the partials added in split order (bw_sum_splits)."""
     m, kdim = x.shape
     n = w.shape[0]
     xl = k_order(x)
@@ -105,7 +118,9 @@ def gemm(fmt: str, x: np.ndarray, w: np.ndarray, sw: np.ndarray, bn: int = 1, bk
     for m0 in range(0, m, BN):
         for n0 in range(0, n, BM):
             acc = np.zeros((BM, BN))
-            for c in range(kdim // 64):
+            covered = [c for z in range(splits) for c in split_chunks(kdim // 64, splits, z)]
+            assert covered == list(range(kdim // 64)), (splits, covered)
+            for c in covered:
                 smem = tile(xl, m0, c)
                 for s in range(4):
                     b = operand_b(smem, wg.desc(32 * s))
@@ -128,10 +143,10 @@ def gemm(fmt: str, x: np.ndarray, w: np.ndarray, sw: np.ndarray, bn: int = 1, bk
 
 
 CASES = (("fp4", 70, 160, 128, 0), ("fp4", 257, 128, 64, 1), ("fp8", 33, 144, 192, 2),
-         ("bf16", 40, 136, 128, 3))  # (fmt, M, N, K, seed)
+         ("bf16", 40, 136, 128, 3), ("bf16", 9, 64, 448, 4, 3))  # (fmt, M, N, K, seed[, splits of K])
 
 
-def check(fmt: str, m: int, n: int, k: int, seed: int) -> float:
+def check(fmt: str, m: int, n: int, k: int, seed: int, splits: int = 1) -> float:
     """Random bf16 x and a random FP4 (UE8M0 per 32) or FP8 (power-of-two 16 x 64 blocks) weight;
     raises AssertionError where the emulated kernel differs from the plain product."""
     rng = np.random.default_rng(seed)
@@ -150,7 +165,7 @@ def check(fmt: str, m: int, n: int, k: int, seed: int) -> float:
         sw = np.ldexp(1.0, rng.integers(-6, 4, (-(-n // bn), k // bk))).astype(np.float32)
         wd = formats.fp8_e4m3_to_f32(w) * np.repeat(np.repeat(sw, bn, 0)[:n], bk, 1)
     want = x.astype(np.float64) @ wd.astype(np.float64).T
-    got = gemm(fmt, x, w, sw, bn, bk)
+    got = gemm(fmt, x, w, sw, bn, bk, splits)
     err = float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
     assert err < 1e-12, (fmt, m, n, k, err)
     return err

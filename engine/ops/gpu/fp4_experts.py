@@ -9,7 +9,7 @@ import cupy as cp
 import numpy as np
 
 from engine.ops import kernels as K
-from engine.ops.gpu.common import _c32
+from engine.ops.gpu.common import _c32, _sm_count
 from engine.ops.gpu.weights import GpuWeight
 from engine.ops.kernels import FMT_BF16, FMT_FP4, FMT_FP8
 
@@ -17,6 +17,11 @@ FE_ROWS = 256  # token rows per block (the wgmma N at most): a MoE segment's row
 FE_COLS, FE_THREADS, FE_STAGES = 128, 384, 6  # kernels/fp4_experts.cu BW_BM, BW_THREADS, BW_STAGES
 FE_SMEM = FE_STAGES * (FE_ROWS * 128 + 16) + 1024  # token tiles of 64 bf16 a row, 2 mbarriers each, alignment
 CHUNK = 64  # K step of the kernel and of act_quant_bf16w's order
+# split K (gemm_fp8w_bf16 / gemm_bf16w): a launch of fewer blocks (weight tiles x token tiles) than
+# the GPU has multiprocessors leaves them idle while each block walks all of K one chunk at a time;
+# a skinny linear (a verify step's rows; a small N) reads its weight at a fraction of HBM's rate.
+# Splits double while the blocks still fit one wave and each split keeps this many chunks.
+SPLIT_MIN_CHUNKS = 4
 
 
 def act_quant_bf16w(x: cp.ndarray, bf16: bool = False) -> cp.ndarray:
@@ -82,6 +87,32 @@ def fp8w_takes(w: GpuWeight, groups: int = 1) -> bool:
     return ok
 
 
+def bw_splits(blocks: int, chunks: int) -> int:
+    """K splits for a launch of `blocks` blocks over `chunks` 64-wide chunks of K (SPLIT_MIN_CHUNKS)."""
+    s = 1
+    while blocks * s * 2 <= _sm_count() and chunks >= 2 * s * SPLIT_MIN_CHUNKS:
+        s *= 2
+    return s
+
+
+def _bw_launch(name: str, args_before_y: tuple, y: cp.ndarray, args_after_y: tuple, blocks_x: int, nseg: int,
+               k: int, bf16: bool) -> None:
+    """A gemm_fp8w_bf16 / gemm_bf16w launch writing y [M, ldy] (rounded to bf16 with bf16), split
+    over K where the launch is short of blocks (bw_splits): the splits' sums into a buffer, then
+    bw_sum_splits adds them in a fixed order."""
+    splits = bw_splits(blocks_x * nseg, k // CHUNK)
+    fn = K.function_with_smem("fp4_experts", name, FE_SMEM)
+    if splits == 1:
+        fn((blocks_x, nseg, 1), (FE_THREADS,), (*args_before_y, y, *args_after_y, np.int32(bf16), y, np.int64(0)),
+           shared_mem=FE_SMEM)
+        return
+    part = cp.empty((splits, *y.shape), cp.float32)
+    fn((blocks_x, nseg, splits), (FE_THREADS,), (*args_before_y, y, *args_after_y, np.int32(0), part,
+                                                 np.int64(y.size)), shared_mem=FE_SMEM)
+    K.function("fp4_experts", "bw_sum_splits")((-(-y.size // 256),), (256,), (
+        part, np.int64(y.size), np.int32(splits), y, np.int64(y.size), np.int32(bf16)))
+
+
 def fp8w_bf16_segments(rows: int, groups: int, n: int, k: int) -> list[tuple[int, int, int, int, int]]:
     """gemm_fp8w_bf16's segments (g, row0, rows, x column, y column) for `rows` rows of a linear of
     `groups` row groups of [n, k] each."""
@@ -100,10 +131,9 @@ def fp8w_bf16_linear(x: cp.ndarray, segs: cp.ndarray, wptrs: cp.ndarray, sptrs: 
     if m == 0:
         return y
     bn, bk = w.block
-    fn = K.function_with_smem("fp4_experts", "gemm_fp8w_bf16_sm90", FE_SMEM)
-    fn((-(-n // FE_COLS), segs.size // 5), (FE_THREADS,), (
-        bf16_rows(x), np.int32(groups * k), segs, wptrs, sptrs, y, np.int32(gn), np.int32(n), np.int32(k),
-        np.int32(bn), np.int32(bk), np.int32(w.gk), np.int32(bf16)), shared_mem=FE_SMEM)
+    _bw_launch("gemm_fp8w_bf16_sm90", (bf16_rows(x), np.int32(groups * k), segs, wptrs, sptrs), y,
+               (np.int32(gn), np.int32(n), np.int32(k), np.int32(bn), np.int32(bk), np.int32(w.gk)),
+               -(-n // FE_COLS), segs.size // 5, k, bf16)
     return y
 
 
@@ -123,8 +153,6 @@ def bf16w_linear(x: cp.ndarray, segs: cp.ndarray, wptrs: cp.ndarray, w: GpuWeigh
     y = cp.empty((m, gn), cp.float32)
     if m == 0:
         return y
-    fn = K.function_with_smem("fp4_experts", "gemm_bf16w_sm90", FE_SMEM)
-    fn((-(-n // FE_COLS), segs.size // 5), (FE_THREADS,), (
-        bf16_rows(x), np.int32(groups * k), segs, wptrs, y, np.int32(gn), np.int32(n), np.int32(k),
-        np.int32(bf16)), shared_mem=FE_SMEM)
+    _bw_launch("gemm_bf16w_sm90", (bf16_rows(x), np.int32(groups * k), segs, wptrs), y,
+               (np.int32(gn), np.int32(n), np.int32(k)), -(-n // FE_COLS), segs.size // 5, k, bf16)
     return y
