@@ -251,9 +251,9 @@ __device__ __forceinline__ void bw_convert_step(u32 (&f)[4], const BwChunk<FMT>&
 // ptxas serializes every wgmma of the kernel when registers a wgmma reads are written with more
 // than one group in flight.)
 template <int FMT, int BN>
-__device__ __forceinline__ void bw_chunk(float (&d)[BN / 2], u32 (&fr)[4][4], BwChunk<FMT>& cur, BwChunk<FMT>& nxt, u32 base,
-                                         const u8* w0, const u8* w1, const void* SW, int r0, int r1, bool ok0,
-                                         bool ok1, int bn, int bk, int gk, int c0, int c, int C, int q) {
+__device__ __forceinline__ void bw_chunk(float (&d)[BN / 2], u32 (&fr)[4][4], BwChunk<FMT>& cur, BwChunk<FMT>& nxt,
+                                         u32 base, const u8* w0, const u8* w1, const void* SW, int r0, int r1,
+                                         bool ok0, bool ok1, int bn, int bk, int gk, int c0, int c, int C, int q) {
   mbar_wait(base + BW_BAR + 8 * (c % BW_STAGES), (c / BW_STAGES) & 1);
   fence_proxy_async();
   const u32 bt = base + (c % BW_STAGES) * BW_TILE_BYTES;

@@ -13,7 +13,8 @@ GPU tests hold it to.
   activation as they stage it (_linear_xq; kernels/dsuf_common.cuh linear_in4) and sum its products
   exactly in float32 (the same numbers up to summation order). A bf16 weight takes and returns
   bf16 (past TC_MAX_ROWS rows on sm_90a: bf16 wgmma, fp4_experts.py, on the bf16-stored weight or
-  on the decoded codes of an FP8-stored one); an fp32 one computes in fp32.
+  on the decoded codes of an FP8-stored one); an fp32 one computes in fp32 (a bf16-stored one past
+  TC_MAX_ROWS rows on the same bf16 wgmma: bf16 x, exact products, f32 sums).
 - the experts: the routing weight scales the hidden state before w2 (the reference's Expert.forward).
   A prompt chunk's FP8 / FP4 experts (past moe.gemv_grouping: tiles, not GEMV segments) run one
   grouped GEMM per projection on activations quantized once per token row (then gathered into pair
