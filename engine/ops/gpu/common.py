@@ -62,6 +62,17 @@ def _sm_count() -> int:
     return int(cp.cuda.Device().attributes["MultiProcessorCount"])
 
 
+def k_splits(blocks: int, steps: int, min_steps: int) -> int:
+    """How many parts to split K into for a launch of `blocks` blocks (one per multiprocessor at a
+    time) over `steps` steps of K: doubled while the blocks still fit one wave and each part keeps
+    at least min_steps steps (a skinny launch otherwise leaves multiprocessors idle while each block
+    walks all of K)."""
+    s = 1
+    while blocks * s * 2 <= _sm_count() and steps >= 2 * s * min_steps:
+        s *= 2
+    return s
+
+
 def _smem_function(mod: str, name: str, smem: int):
     """A kernel launched with smem bytes of dynamic shared memory (opted in above the default 48 KB)."""
     return K.function_with_smem(mod, name, smem) if smem > 48 << 10 else K.function(mod, name)

@@ -9,7 +9,7 @@ import cupy as cp
 import numpy as np
 
 from engine.ops import kernels as K
-from engine.ops.gpu.common import _c32, _sm_count
+from engine.ops.gpu.common import _c32, k_splits
 from engine.ops.gpu.weights import GpuWeight
 from engine.ops.kernels import FMT_BF16, FMT_FP4, FMT_FP8
 
@@ -17,10 +17,9 @@ FE_ROWS = 256  # token rows per block (the wgmma N at most): a MoE segment's row
 FE_COLS, FE_THREADS, FE_STAGES = 128, 384, 6  # kernels/fp4_experts.cu BW_BM, BW_THREADS, BW_STAGES
 FE_SMEM = FE_STAGES * (FE_ROWS * 128 + 16) + 1024  # token tiles of 64 bf16 a row, 2 mbarriers each, alignment
 CHUNK = 64  # K step of the kernel and of act_quant_bf16w's order
-# split K (gemm_fp8w_bf16 / gemm_bf16w): a launch of fewer blocks (weight tiles x token tiles) than
-# the GPU has multiprocessors leaves them idle while each block walks all of K one chunk at a time;
-# a skinny linear (a verify step's rows; a small N) reads its weight at a fraction of HBM's rate.
-# Splits double while the blocks still fit one wave and each split keeps this many chunks.
+# split K (gemm_fp8w_bf16 / gemm_bf16w; common.k_splits): a skinny linear (a verify step's rows; a
+# small N) has fewer blocks than multiprocessors and reads its weight at a fraction of HBM's rate.
+# Each split keeps at least this many chunks.
 SPLIT_MIN_CHUNKS = 4
 
 
@@ -89,10 +88,14 @@ def fp8w_takes(w: GpuWeight, groups: int = 1) -> bool:
 
 def bw_splits(blocks: int, chunks: int) -> int:
     """K splits for a launch of `blocks` blocks over `chunks` 64-wide chunks of K (SPLIT_MIN_CHUNKS)."""
-    s = 1
-    while blocks * s * 2 <= _sm_count() and chunks >= 2 * s * SPLIT_MIN_CHUNKS:
-        s *= 2
-    return s
+    return k_splits(blocks, chunks, SPLIT_MIN_CHUNKS)
+
+
+def sum_splits(part: cp.ndarray, y: cp.ndarray, bf16: bool) -> None:
+    """y = the split-K sums part [splits, *y.shape] added in split order (kernels/fp4_experts.cu
+    bw_sum_splits), rounded to bf16 with bf16."""
+    K.function("fp4_experts", "bw_sum_splits")((-(-y.size // 256),), (256,), (
+        part, np.int64(y.size), np.int32(part.shape[0]), y, np.int64(y.size), np.int32(bf16)))
 
 
 def _bw_launch(name: str, args_before_y: tuple, y: cp.ndarray, args_after_y: tuple, blocks_x: int, nseg: int,
@@ -109,8 +112,7 @@ def _bw_launch(name: str, args_before_y: tuple, y: cp.ndarray, args_after_y: tup
     part = cp.empty((splits, *y.shape), cp.float32)
     fn((blocks_x, nseg, splits), (FE_THREADS,), (*args_before_y, y, *args_after_y, np.int32(0), part,
                                                  np.int64(y.size)), shared_mem=FE_SMEM)
-    K.function("fp4_experts", "bw_sum_splits")((-(-y.size // 256),), (256,), (
-        part, np.int64(y.size), np.int32(splits), y, np.int64(y.size), np.int32(bf16)))
+    sum_splits(part, y, bf16)
 
 
 def fp8w_bf16_segments(rows: int, groups: int, n: int, k: int) -> list[tuple[int, int, int, int, int]]:
