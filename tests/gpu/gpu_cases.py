@@ -46,3 +46,21 @@ def make_weight(fmt: str, n: int, k: int, block=(32, 32), scale_fmt="ue8m0") -> 
         return Weight("w", q, "fp8", s, scale_fmt, block, (n, k))
     q, s = formats.quant_fp4_rows(w, 32)
     return Weight("w", q, "fp4", s, "ue8m0", (1, 32), (n, k))
+
+
+def eager_and_replayed(fn, *host_inputs) -> tuple[np.ndarray, np.ndarray]:
+    """fn on host_inputs copied to the GPU, on a stream of its own: once eagerly (kernels compiled,
+    tables made), then captured into a CUDA graph with its memory from a pool of its own; the
+    captured output is zeroed and the graph replayed. Returns (eager, replayed) on the host."""
+    stream, pool = cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool()
+    with stream:
+        args = [cp.asarray(a) for a in host_inputs]
+        eager = cp.asnumpy(fn(*args))
+        with cp.cuda.using_allocator(pool.malloc):
+            stream.begin_capture()
+            y = fn(*args)
+            graph = stream.end_capture()
+        y.fill(0)
+        graph.launch(stream)
+        stream.synchronize()
+        return eager, cp.asnumpy(y)

@@ -14,6 +14,7 @@ from gpu_required import require_gpu
 
 cp = require_gpu()
 
+from gpu_cases import eager_and_replayed  # noqa: E402
 from test_gpu_fp8_grouped import _table  # noqa: E402
 
 from engine.bench import _timeit  # noqa: E402
@@ -251,18 +252,9 @@ def test_wo_a_on_the_bf16_kernel_captures():
     ops, (t, g, k, n) = DeepseekCupyOps(), (192, 8, 512, 128)
     w = _fp8_weight(g * n, k, seed=6)
     w.use = BF16
-    stream, pool = cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool()
-    with stream:
-        x = cp.asarray(formats.round_bf16(_x(t, g * k, seed=4))).reshape(t, g, k)
-        want = cp.asnumpy(ops.grouped_linear(x, w, g))  # (eager: kernels and tables made)
-        with cp.cuda.using_allocator(pool.malloc):
-            stream.begin_capture()
-            y = ops.grouped_linear(x, w, g)
-            graph = stream.end_capture()
-        y.fill(0)
-        graph.launch(stream)
-        stream.synchronize()
-    np.testing.assert_array_equal(cp.asnumpy(y), want)
+    x = formats.round_bf16(_x(t, g * k, seed=4)).reshape(t, g, k)
+    want, replayed = eager_and_replayed(lambda xd: ops.grouped_linear(xd, w, g), x)
+    np.testing.assert_array_equal(replayed, want)
 
 
 def _bf16_weight(n: int, k: int, seed: int) -> GpuWeight:
@@ -326,7 +318,7 @@ def test_split_k_matches_one_pass(fmt, monkeypatch):
 
 
 @pytest.mark.parametrize("use", ["bf16", "f32"])
-def test_bf16_linear_routes_to_the_bf16_kernel_and_captures(use):
+def test_bf16_linear_routes_to_the_bf16_kernel_and_captures(use, monkeypatch):
     """DeepseekCupyOps.linear on a bf16-stored weight past TC_MAX_ROWS rows, bf16 in use or fp32 (the
     gate, the heads: bf16 x, f32 out), takes gemm_bf16w: within the bound of CupyOps' GEMM on the
     same weight (rounded to bf16 where the use returns bf16); inside a graph capture it copies nothing
@@ -339,18 +331,10 @@ def test_bf16_linear_routes_to_the_bf16_kernel_and_captures(use):
     w = _bf16_weight(n, k, seed=8)
     w.use = BF16 if use == "bf16" else F32
     x = cp.asarray(formats.round_bf16(_x(t, k, seed=3)))
-    launched = []
-    real = K.function_with_smem
-
-    def spy(module, name, smem):
-        launched.append(name)
-        return real(module, name, smem)
-
-    K.function_with_smem = spy
-    try:
+    launched, real = [], K.function_with_smem
+    with monkeypatch.context() as m:
+        m.setattr(K, "function_with_smem", lambda mod, name, smem: launched.append(name) or real(mod, name, smem))
         got = ops.linear(x, w)
-    finally:
-        K.function_with_smem = real
     assert "gemm_bf16w_sm90" in launched, launched
     base = CupyOps()
     base.bf16 = True
@@ -362,17 +346,8 @@ def test_bf16_linear_routes_to_the_bf16_kernel_and_captures(use):
     else:  # (f32 out: both sum exact products in f32)
         assert float((np.abs(cp.asnumpy(got) - want) / mag).max()) < BF16_MMA_TOL
 
-    stream, pool = cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool()
-    with stream:
-        eager = cp.asnumpy(ops.linear(x, w))
-        with cp.cuda.using_allocator(pool.malloc):
-            stream.begin_capture()
-            y = ops.linear(x, w)
-            graph = stream.end_capture()
-        y.fill(0)
-        graph.launch(stream)
-        stream.synchronize()
-    np.testing.assert_array_equal(cp.asnumpy(y), eager)
+    eager, replayed = eager_and_replayed(lambda xd: ops.linear(xd, w), cp.asnumpy(x))
+    np.testing.assert_array_equal(replayed, eager)
     np.testing.assert_array_equal(eager, cp.asnumpy(got))
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gpu_cases import BF16_TOL, F32_TOL, GEMM_TOL, GPU, REF, RNG, cp, make_weight, rel, rnd
+from gpu_cases import BF16_TOL, F32_TOL, GEMM_TOL, GPU, REF, RNG, cp, eager_and_replayed, make_weight, rel, rnd
 
 from engine.ops.gpu.ops import CupyOps
 
@@ -131,18 +131,8 @@ def _check_gemvr(fmt, n, k, block, sfmt, scale, monkeypatch):
         assert (got == 0).all()
     else:
         assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < F32_TOL
-    stream, pool = cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool()
-    with stream:
-        xd = cp.asarray(x)
-        GPU.linear(xd, gw)  # (kernels loaded before capture)
-        with cp.cuda.using_allocator(pool.malloc):
-            stream.begin_capture()
-            y = GPU.linear(xd, gw)
-            graph = stream.end_capture()
-        y.fill(0)
-        graph.launch(stream)
-        stream.synchronize()
-        assert np.array_equal(cp.asnumpy(y), got.astype(np.float32))
+    _, replayed = eager_and_replayed(lambda xd: GPU.linear(xd, gw), x)
+    assert np.array_equal(replayed, got.astype(np.float32))
 
 
 @pytest.mark.parametrize("fmt,n,k", [("fp8", 200, 4096), ("fp4", 2304, 1024), ("fp8", 5120, 4608), ("fp4", 24, 128)])
