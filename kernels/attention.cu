@@ -308,29 +308,106 @@ __device__ __forceinline__ void attn_tc_pv_body(ATTN_TC_ARGS, float* __restrict_
 DEF_ATTN_TC(1, 3, 1)
 DEF_ATTN_TC(3, 3, 3)
 
-// A prompt chunk's sparse attention under --numerics deepseek in one pass (attn_sparse_bf<DP>): one
-// block per (query, 64 heads), 8 warps. The query's keys (attn_key_row: window, then its listed or
-// mask-allowed entries) stream through shared memory in tiles of 64 as bf16 rows (cp.async, the
-// next tile in flight), and FlashAttention's online softmax runs over them as attend_rows does for
-// a decode step: P = bf16(e^(s - running max)) into P V, the denominator summing the unrounded
-// values, the output rescaled as the max grows and divided by the denominator (sink included) at
-// the end, then rounded to bf16. Per tile, warp w computes the scores of heads 16 (w % 4) .. over
-// keys 32 (w / 4) .. on m16n8k16 bf16 MMAs (q and keys by ldmatrix), the tile's row maxima are
-// exchanged through shared memory, P goes to shared memory as bf16, and the same warp adds P V for
-// its 16 heads and dims (DP / 2) (w / 4) .. (V by ldmatrix.trans from the same key tile: K = V).
-// q is rounded to bf16 as staged; keys / entries are bf16 [*, D]; D <= DP (columns past D read as
-// zeros). grid (S, H / 64), block 256, dynamic shared memory ASB_SMEM(DP).
+// Sparse attention under --numerics deepseek in one pass over each query's keys, for a prompt
+// chunk (attn_sparse_bf<DP>) and for the rows of a decode or verify step (attn_table_bf<DP>): one
+// block per (query, 64 heads), 8 warps. The query's keys stream through shared memory in tiles of
+// 64 as bf16 rows (the next tile staged while this one is computed), and FlashAttention's online
+// softmax runs over them as attend_rows does for a decode step: P = bf16(e^(s - running max)) into
+// P V, the denominator summing the unrounded values, the output rescaled as the max grows and
+// divided by the denominator (sink included) at the end, then rounded to bf16. Per tile, warp w
+// computes the scores of heads 16 (w % 4) .. over keys 32 (w / 4) .. on m16n8k16 bf16 MMAs (q and
+// keys by ldmatrix), the tile's row maxima are exchanged through shared memory, P goes to shared
+// memory as bf16, and the same warp adds P V for its 16 heads and dims (DP / 2) (w / 4) .. (V by
+// ldmatrix.trans from the same key tile: K = V). A tile with no key visible is skipped. q is
+// rounded to bf16 as staged; D <= DP (columns past D read as zeros). grid (queries, H / 64), block
+// 256, dynamic shared memory ASB_SMEM(DP). Where the keys come from is the Keys class's: count()
+// keys, and stage(j, ...) puts key j's bf16 row in place, this thread's 16-byte chunks of it.
 #define ASB_PLD 72  // bf16 per shared row of P (64 keys + 8: conflict-free ldmatrix)
 #define ASB_SMEM(dp) (3 * 64 * ((dp) + 8) * 2 + 64 * ASB_PLD * 2 + 2 * 64 + 4 * 64 * 4)
 
-template <int DP>
-__device__ __forceinline__ void attn_sparse_bf_body(const float* __restrict__ q, const u16* __restrict__ keys,
-                                                    const long long* __restrict__ lo, const long long* __restrict__ hi,
-                                                    const u16* __restrict__ entries, const int* __restrict__ rows,
-                                                    const int* __restrict__ cnt, int rows_ld,
-                                                    const bool* __restrict__ emask, int n_e,
-                                                    const float* __restrict__ sinks, float* __restrict__ out, int H,
-                                                    int D, float scale) {
+// A prompt chunk's keys (attn_key_row: query s's window, then its listed or mask-allowed entries),
+// bf16 rows [*, D], copied by cp.async (the next tile in flight while one is computed).
+struct AsbPrompt {
+  const u16* keys;
+  const long long *lo, *hi;
+  const u16* entries;
+  const int *rows, *cnt;
+  int rows_ld;
+  const bool* emask;
+  int n_e, D, s;
+  __device__ __forceinline__ int count() const { return (int)(hi[s] - lo[s]) + (rows != nullptr ? cnt[s] : n_e); }
+  template <int DP>
+  __device__ __forceinline__ bool stage(int j, int L, u32 dst, int sub) const {
+    const u16* p = j < L ? attn_key_row(s, j, keys, lo, hi, entries, rows, cnt, rows_ld, emask, n_e, D) : nullptr;
+#pragma unroll
+    for (int i = 0; i < DP / 32; ++i) {
+      const int c = 8 * (sub + 4 * i);
+      const bool in = p != nullptr && c < D;
+      cp_async16(dst + 2 * c, in ? (const void*)(p + c) : (const void*)keys, in ? 16 : 0);
+    }
+    return p != nullptr;
+  }
+};
+
+// A decode / verify row's keys from its attention_decode table entry (tab[6 b ..]: source 0's f32
+// rows, count and mask, then source 1's; source 1 through the step's mask row b and its list of
+// visible rows where given, as attention_decode reads them). f32 rows rounded to bf16 as staged,
+// by plain loads: the tile is staged before the one in shared memory is computed.
+struct AsbTable {
+  const float *r0, *r1;
+  const bool *m0, *m1;
+  const int* l1;
+  int n0, n1, D, total;
+  __device__ __forceinline__ AsbTable(const long long* tab, const bool* masks, int masks_ld, const int* rows1,
+                                      const int* cnt1, int rows1_ld, int D_, int b) {
+    const long long* e = tab + 6 * b;
+    r0 = (const float*)e[0];
+    r1 = (const float*)e[3];
+    m0 = (const bool*)e[2];
+    m1 = masks == nullptr ? (const bool*)e[5] : e[5] ? masks + (size_t)b * masks_ld : nullptr;
+    l1 = rows1 != nullptr && m1 != nullptr ? rows1 + (size_t)b * rows1_ld : nullptr;
+    n0 = (int)e[1];
+    n1 = (int)e[4];
+    D = D_;
+    total = n0 + (l1 != nullptr ? cnt1[b] : n1);
+  }
+  __device__ __forceinline__ int count() const { return total; }
+  template <int DP>
+  __device__ __forceinline__ bool stage(int j, int L, u32 dst, int sub) const {
+    const float* p = nullptr;
+    if (j < L) {
+      if (j >= n0 && l1 != nullptr) {  // the (j - n0)-th visible row of source 1 (past its rows: none)
+        const int i = l1[j - n0];
+        p = i < n1 ? r1 + (size_t)i * D : nullptr;
+      } else {
+        const int i = j < n0 ? j : j - n0;
+        const bool* mk = j < n0 ? m0 : m1;
+        p = mk == nullptr || mk[i] ? (j < n0 ? r0 : r1) + (size_t)i * D : nullptr;
+      }
+    }
+    float4 v[DP / 16];  // every load in flight before the first store
+#pragma unroll
+    for (int i = 0; i < DP / 32; ++i) {
+      const int c = 8 * (sub + 4 * i);
+      const bool in = p != nullptr && c < D;
+      v[2 * i] = in ? __ldg((const float4*)(p + c)) : make_float4(0.f, 0.f, 0.f, 0.f);
+      v[2 * i + 1] = in ? __ldg((const float4*)(p + c) + 1) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int i = 0; i < DP / 32; ++i) {
+      const int c = 8 * (sub + 4 * i);
+      const float4 a = v[2 * i], b = v[2 * i + 1];
+      st_shared_v4(dst + 2 * c, pack_bf16x2(a.x, a.y), pack_bf16x2(a.z, a.w), pack_bf16x2(b.x, b.y),
+                   pack_bf16x2(b.z, b.w));
+    }
+    return p != nullptr;
+  }
+};
+
+template <int DP, class Keys>
+__device__ __forceinline__ void attn_bf_body(const Keys& ks, const float* __restrict__ q,
+                                             const float* __restrict__ sinks, float* __restrict__ out, int H, int D,
+                                             float scale) {
   constexpr int LD = DP + 8, NJ = DP / 32;  // NJ: ldmatrix.trans loads (two n8 tiles each) per k16 of P V
   extern __shared__ __align__(16) u16 asb[];
   u16* Qs = asb;                                 // [64][LD] the heads' q
@@ -341,23 +418,21 @@ __device__ __forceinline__ void attn_sparse_bf_body(const float* __restrict__ q,
   float* lsum = tmx + 2 * 64;                    // [2][64] the denominators' halves
   const int s = blockIdx.x, h0 = blockIdx.y * 64, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3, hg = 16 * (warp & 3), kh = warp >> 2;
-  const int L = (int)(hi[s] - lo[s]) + (rows != nullptr ? cnt[s] : n_e);
+  const int L = ks.count();
   const int T = (L + 63) / 64;
-  // tile it -> buffer it & 1: thread tid copies key row tid / 4's 16-byte chunks tid % 4 + 4 i
+  // tile it -> buffer it & 1: thread tid stages key row tid / 4's 16-byte chunks tid % 4 + 4 i;
+  // returns whether that row is a key
   auto load_tile = [&](int it) {
-    const int r = tid >> 2, j = 64 * it + r, b = it & 1;
-    const u16* p = j < L ? attn_key_row(s, j, keys, lo, hi, entries, rows, cnt, rows_ld, emask, n_e, D) : nullptr;
-    if ((tid & 3) == 0) kval[64 * b + r] = p != nullptr;
-    const u32 dst = smem_addr(Ks + (64 * b + r) * LD);
-#pragma unroll
-    for (int i = 0; i < DP / 32; ++i) {
-      const int c = 8 * ((tid & 3) + 4 * i);
-      const bool in = p != nullptr && c < D;
-      cp_async16(dst + 2 * c, in ? (const void*)(p + c) : (const void*)keys, in ? 16 : 0);
-    }
+    const int r = tid >> 2, b = it & 1;
+    const bool ok = ks.template stage<DP>(64 * it + r, L, smem_addr(Ks + (64 * b + r) * LD), tid & 3);
+    if ((tid & 3) == 0) kval[64 * b + r] = ok;
     cp_async_commit();
+    return ok;
   };
-  if (T > 0) load_tile(0);
+  // whether the row this thread staged of the next tile is a key: the tile's "any key" vote at the
+  // next barrier. (Not read back from kval: after a skipped tile no barrier separates another
+  // thread's flag store from that read, and a stale flag skipped a tile of keys.)
+  bool staged = T > 0 && load_tile(0);
   for (int idx = tid; idx < 64 * (DP / 8); idx += 256) {  // q rounded to bf16 (act()), zeros past D
     const int r = idx / (DP / 8), c = 8 * (idx % (DP / 8));
     uint4 v = make_uint4(0u, 0u, 0u, 0u);
@@ -383,9 +458,10 @@ __device__ __forceinline__ void attn_sparse_bf_body(const float* __restrict__ q,
   for (int it = 0; it < T; ++it) {
     cp_async_wait<0>();
     // tile it landed for every thread (and q is staged); every warp is past tile it - 1's P V, so
-    // its buffer and Ps may be refilled
-    __syncthreads();
-    if (it + 1 < T) load_tile(it + 1);
+    // its buffer and Ps may be refilled. A tile of no visible key changes nothing: skipped.
+    const bool any = __syncthreads_or(staged ? 1 : 0);
+    staged = it + 1 < T && load_tile(it + 1);
+    if (!any) continue;
     const u32 kb = smem_addr(Ks + (it & 1) * 64 * LD);
     float sc[4][4] = {};  // scores: head hg + g (+ 8), key 32 kh + 8 j + 2 t (+ 1)
 #pragma unroll 4
@@ -472,9 +548,19 @@ __device__ __forceinline__ void attn_sparse_bf_body(const float* __restrict__ q,
   const float *q, const u16 *keys, const long long *lo, const long long *hi, const u16 *entries, const int *rows, \
       const int *cnt, int rows_ld, const bool *emask, int n_e, const float *sinks, float *out, int H, int D,     \
       float scale
+// attn_table_bf: B rows' queries q [B, H, D] over their attention_decode table (tab, masks, rows1 /
+// cnt1 as attention_decode takes them), out [B, H, D] in bf16; grid (B, H / 64).
+#define ATB_ARGS                                                                                               \
+  const float *q, const long long *tab, const bool *masks, int masks_ld, const int *rows1, const int *cnt1,       \
+      int rows1_ld, const float *sinks, float *out, int H, int D, float scale
 #define DEF_ASB(DP)                                                                                            \
   extern "C" __global__ void __launch_bounds__(256, 1) attn_sparse_bf##DP(ASB_ARGS) {                          \
-    attn_sparse_bf_body<DP>(q, keys, lo, hi, entries, rows, cnt, rows_ld, emask, n_e, sinks, out, H, D, scale); \
+    const AsbPrompt ks{keys, lo, hi, entries, rows, cnt, rows_ld, emask, n_e, D, (int)blockIdx.x};             \
+    attn_bf_body<DP>(ks, q, sinks, out, H, D, scale);                                                          \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(256, 1) attn_table_bf##DP(ATB_ARGS) {                           \
+    const AsbTable ks(tab, masks, masks_ld, rows1, cnt1, rows1_ld, D, (int)blockIdx.x);                        \
+    attn_bf_body<DP>(ks, q, sinks, out, H, D, scale);                                                          \
   }
 DEF_ASB(64)
 DEF_ASB(128)

@@ -236,6 +236,96 @@ def test_attention_decode_bf16():
     assert rel(got, ref) < ONLINE_ATTN_TOL
 
 
+def _spy_kernels(monkeypatch) -> list:
+    """The names of the attention kernels launched through _smem_function from here on."""
+    import engine.ops.gpu.attention as att
+
+    names, real = [], att._smem_function
+
+    def spy(mod, name, smem):
+        names.append(name)
+        return real(mod, name, smem)
+
+    monkeypatch.setattr(att, "_smem_function", spy)
+    return names
+
+
+@pytest.mark.parametrize("b,h,d", [(64, 64, 512), (70, 128, 512), (64, 64, 192)])
+def test_attention_decode_bf16_on_tensor_cores(b, h, d, monkeypatch):
+    """A step of ATB_MIN_ROWS rows or more (a verify step's) on attn_table_bf: each row's window and
+    its entries under its mask (one row without entries, one whose mask selects nothing, one with a
+    single window row, long and short ones, a head dim it pads), within the online softmax's
+    tolerance of the reference; and q rounded by the kernel, bit for bit the kernel on q rounded."""
+    from engine.ops.gpu.attention import ATB_MIN_ROWS
+
+    assert b >= ATB_MIN_ROWS
+    names = _spy_kernels(monkeypatch)
+    q, sinks = rnd(b, h, d), rnd(h)
+    src_ref, src_gpu = [], []
+    for i in range(b):
+        win = rnd(1 if i == 3 else int(RNG.integers(1, 129)), d)
+        n = [0, 700, 90, 64][i % 4]
+        mask = RNG.random(n) < (0.0 if i == 5 else 0.2)
+        src_ref.append([(win, None)] + ([(rnd(n, d), mask)] if n else []))
+        src_gpu.append([(cp.asarray(a), None if m is None else cp.asarray(m)) for a, m in src_ref[-1]])
+    ref = REF.attention_decode(q, src_ref, sinks, d**-0.5)
+    got = GPU.attention_decode(cp.asarray(q), src_gpu, cp.asarray(sinks), d**-0.5)
+    assert names and all(nm.startswith("attn_table_bf") for nm in names), names
+    assert rel(got, ref) < ONLINE_ATTN_TOL
+    again = GPU.attention_decode(GPU.act(cp.asarray(q)), src_gpu, cp.asarray(sinks), d**-0.5)
+    np.testing.assert_array_equal(cp.asnumpy(got), cp.asnumpy(again))
+
+
+def test_attention_decode_bf16_keys_after_empty_tiles(monkeypatch):
+    """attn_table_bf skips a 64-key tile with no visible key: rows whose window fills tile 0 and whose
+    visible entries all sit one, two or three tiles further, empty tiles between (the vote on a tile
+    must see its own flags: read from shared memory after a skipped tile, a stale one once skipped a
+    tile of keys). Within the online softmax's tolerance of the reference, every row."""
+    b, h, d, n = 64, 64, 512, 512
+    names = _spy_kernels(monkeypatch)
+    q, sinks = rnd(b, h, d), rnd(h)
+    src_ref, src_gpu = [], []
+    for i in range(b):
+        mask = np.zeros(n, bool)
+        first = 64 * (1 + i % 3)  # tiles 1 .. 3 of the entries: after 0, 1 or 2 empty tiles
+        mask[first + RNG.choice(64, 5, replace=False)] = True
+        src_ref.append([(rnd(64, d), None), (rnd(n, d), mask)])
+        src_gpu.append([(cp.asarray(a), None if m is None else cp.asarray(m)) for a, m in src_ref[-1]])
+    ref = REF.attention_decode(q, src_ref, sinks, d**-0.5)
+    got = cp.asnumpy(GPU.attention_decode(cp.asarray(q), src_gpu, cp.asarray(sinks), d**-0.5))
+    assert names and all(nm.startswith("attn_table_bf") for nm in names), names
+    worst = max(rel(got[i], ref[i]) for i in range(b))
+    assert worst < ONLINE_ATTN_TOL, worst
+
+
+@pytest.mark.parametrize("selected", [0, 40])
+def test_attend_decode_bf16_on_tensor_cores(selected, monkeypatch):
+    """V4.1's staged decode table on attn_table_bf (64 rows): entries under row b of the published
+    top-k mask, walked or through each row's list of selected rows (two true values past a row's
+    entries count for nothing), against the reference and against attention_decode's kernel."""
+    b, h, d, win, n_e = 64, 64, 512, 128, 600
+    wins = [rnd(int(RNG.integers(1, win + 1)), d) for _ in range(b)]
+    ns = [int(RNG.integers(0, n_e + 1)) for _ in range(b)]
+    ents = [rnd(n_e, d) for _ in range(b)]
+    mask = np.zeros((b, n_e), bool)
+    for i in range(b):
+        mask[i, RNG.choice(ns[i], min(ns[i], 30), replace=False)] = True
+        mask[i, RNG.choice(np.arange(ns[i], n_e), min(2, n_e - ns[i]), replace=False)] = True
+    gw, ge = [cp.asarray(w) for w in wins], [cp.asarray(e) for e in ents]
+    rows = [(w.data.ptr, w.shape[0], 0, e.data.ptr, n, 1) for w, e, n in zip(gw, ge, ns, strict=True)]
+    tab = cp.asarray(np.array(rows, np.int64))
+    q, sinks = rnd(b, h, d), rnd(h)
+    src_ref = [[(wins[i], None)] + ([(ents[i][:ns[i]], mask[i, :ns[i]])] if ns[i] else []) for i in range(b)]
+    ref = REF.attention_decode(q, src_ref, sinks, d**-0.5)
+    args = (tab, cp.asarray(mask), cp.asarray(sinks), d**-0.5, win + n_e, win, selected)
+    names = _spy_kernels(monkeypatch)
+    got = cp.asnumpy(GPU.attend_decode(cp.asarray(q), *args))
+    assert names == ["attn_table_bf512"], names
+    assert rel(got, ref) < ONLINE_ATTN_TOL
+    monkeypatch.setattr("engine.ops.gpu.attention.ATB_MIN_ROWS", b + 1)
+    assert rel(got, cp.asnumpy(GPU.attend_decode(cp.asarray(q), *args))) < ONLINE_ATTN_TOL
+
+
 @pytest.mark.parametrize("s,n,h,dh", [(3, 500, 16, 32), (40, 333, 64, 128), (41, 333, 32, 128),
                                       (130, 1100, 32, 128), (17, 129, 128, 64)])
 def test_indexer_scores_bf16(s, n, h, dh):

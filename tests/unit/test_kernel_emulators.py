@@ -61,6 +61,11 @@ def test_attn_sparse_bf_block_emulated(case):
     attn_bf.check(*case)
 
 
+@pytest.mark.parametrize("dp", [64, 128, 256, 512])
+def test_attn_bf_key_staging_covers_each_row_once(dp):
+    attn_bf.check_staging(dp)
+
+
 def test_indexer_bf_warps_emulated():
     assert indexer_bf.main() == 0
 

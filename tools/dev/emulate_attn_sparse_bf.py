@@ -2,7 +2,8 @@
 ldmatrix.trans) addresses of q, the key tiles, P and V, the mma.m16n8k16 fragments of the scores
 and of P V, the tile maxima's exchange and the online softmax, for all 8 warps of one (query, 64
 heads) block. Compares the output with a plain online softmax over the same tiles and with the
-reference's two-pass sparse_attn; no GPU needed. Exits non-zero on a mismatch.
+reference's two-pass sparse_attn, and checks that both key sources (AsbPrompt, AsbTable) stage every
+chunk of a key row once; no GPU needed. Exits non-zero on a mismatch.
 
     python3 tools/dev/emulate_attn_sparse_bf.py
 """
@@ -146,6 +147,34 @@ def _host_smem(dp: int) -> int:
 
 
 CASES = ((64, 64, 2, 1), (64, 128, 1, 2), (128, 128, 2, 3))  # (D, DP, tiles, seed)
+KEY_CLASSES = ("AsbPrompt", "AsbTable")  # where a block's keys come from (prompt chunk; decode table)
+
+
+def staging(cls: str, dp: int) -> list:
+    """For Keys class `cls` (kernels/attention.cu), each of its loops over a key row's 16-byte chunks
+    in stage() (the table's: its loads, then its stores), read from the kernel: per loop, the element
+    columns c that thread sub = tid % 4 of the row's four writes, [sub][i] -> c."""
+    body = _SRC[_SRC.index(f"struct {cls} {{"):]
+    body = body[:body.index("\n};")]
+    loops = re.findall(r"for \(int i = 0; i < DP / (\d+); \+\+i\) \{\s*const int c = ([^;]+);", body)
+    assert loops, f"{cls}: no staging loop found"
+    out = []
+    for per, expr in loops:
+        py = compile(expr.replace("/", "//"), cls, "eval")
+        out.append([[eval(py, {}, {"sub": sub, "i": i, "DP": dp}) for i in range(dp // int(per))]  # noqa: S307
+                    for sub in range(4)])
+    return out
+
+
+def check_staging(dp: int) -> None:
+    """Every Keys class's four threads of a key row stage each of its DP / 8 chunks exactly once, in
+    every loop of its stage(): the loads and the stores of a table row agree."""
+    for cls in KEY_CLASSES:
+        loops = staging(cls, dp)
+        for cols in loops:
+            flat = sorted(c for row in cols for c in row)
+            assert flat == list(range(0, dp, 8)), (cls, dp, flat[:12])
+        assert all(cols == loops[0] for cols in loops), (cls, "loops stage different chunks")
 
 
 def check(d: int, dp: int, ntiles: int, seed: int) -> tuple[float, float]:
@@ -181,6 +210,12 @@ def check(d: int, dp: int, ntiles: int, seed: int) -> tuple[float, float]:
 
 def main() -> int:
     bad = 0
+    for dp in (64, 128, 256, 512):
+        try:
+            check_staging(dp)
+        except AssertionError as e:
+            print(f"staging DP {dp}: {e}")
+            bad += 1
     for d, dp, ntiles, seed in CASES:
         try:
             err, rerr = check(d, dp, ntiles, seed)

@@ -5,7 +5,8 @@ A prompt chunk's attention reads each query's own keys only (its window as a ran
 then the compressed entries its top-k mask selects): on tensor cores where heads and head_dim are
 multiples of 64, else one decode-kernel query per row. A decode step's attention reads every
 sequence's window and entries in place through a staged table (engine/state/decode_plan.py), split
-over the keys so that a short batch still fills the GPU.
+over the keys so that a short batch still fills the GPU; under --numerics deepseek, steps of many
+rows (a verify step's) read it on bf16 tensor cores instead, a block per (row, 64 heads).
 """
 
 from __future__ import annotations
@@ -31,6 +32,11 @@ ASB_MAX_DIM = ASB_DIMS[-1]
 # decode attention: split the keys until about this many blocks run, each split >= this many keys (a
 # multiple of the kernel's 16-key tile: each tile's loads are a round trip)
 ATT_BLOCKS_TARGET, ATT_MIN_SPLIT = 132 * 2, 64
+# decode / verify attention under --numerics deepseek from this many query rows on (heads in 64s,
+# head_dim <= ASB_MAX_DIM): attn_table_bf, a block per (row, 64 heads) on bf16 MMAs, which reads a
+# row's keys once for 64 heads where attention_decode reads them once per 8; fewer rows leave the
+# GPU idle without attention_decode's split over the keys
+ATB_MIN_ROWS = 32
 
 
 def _indexer_tc_shape(s: int, h: int, dh: int) -> bool:
@@ -248,6 +254,10 @@ class AttentionOps:
         b, h, d = q.shape
         if d % 32 or d > 512:
             raise ValueError(f"attention kernel needs head_dim % 32 == 0 and <= 512 (got {d})")
+        if masks is not None and (masks.dtype != cp.bool_ or not masks.flags.c_contiguous):
+            raise ValueError("attend_decode: the mask must be a C-contiguous bool [B, N] array")
+        if self.bf16 and b >= ATB_MIN_ROWS and h % 64 == 0 and d <= ASB_MAX_DIM:
+            return self._attention_table_bf(q, tab, masks, sinks, scale, out, lists)
         longest = max(1, longest)
         blocks = -(-h // 8) * b
         nsplit = max(1, min(-(-ATT_BLOCKS_TARGET // blocks), -(-longest // ATT_MIN_SPLIT)))
@@ -259,8 +269,6 @@ class AttentionOps:
         part_ml = cp.empty((b, h, nsplit, 2), F32) if nsplit > 1 else out
         qc, sk = _c32(q), _c32(sinks)
         masks_ld = 0 if masks is None else masks.shape[1]
-        if masks is not None and (masks.dtype != cp.bool_ or not masks.flags.c_contiguous):
-            raise ValueError("attend_decode: the mask must be a C-contiguous bool [B, N] array")
         K.function("attention", "attention_decode")((-(-h // 8), b, nsplit), (256,), (
             qc, tab, masks if masks is not None else _NULL, np.int32(masks_ld), sk, out, part_o, part_ml,
             np.int32(h), np.int32(d), np.int32(nsplit), np.int32(chunk), F32(scale),
@@ -271,6 +279,20 @@ class AttentionOps:
             K.function("attention", "attention_combine")((-(-(b * h) // 8),), (256,), (
                 part_o, part_ml, sk, out, np.int32(b * h), np.int32(h), np.int32(d), np.int32(nsplit),
                 np.int32(self.bf16)))
+        return out
+
+    def _attention_table_bf(self, q, tab: cp.ndarray, masks, sinks, scale: float, out,
+                            lists: tuple | None) -> cp.ndarray:
+        """_attention_decode's rows on attn_table_bf (kernels/attention.cu): one block per (row, 64 heads),
+        the row's keys from its table entry rounded to bf16 as staged, out in bf16."""
+        b, h, d = q.shape
+        dp = next(p for p in ASB_DIMS if p >= d)
+        smem = _asb_smem(dp)
+        _smem_function("attention", f"attn_table_bf{dp}", smem)((b, h // 64), (256,), (
+            _c32(q), tab, masks if masks is not None else _NULL, np.int32(0 if masks is None else masks.shape[1]),
+            _NULL if lists is None else lists[0], _NULL if lists is None else lists[1],
+            np.int32(0 if lists is None else lists[0].shape[1]), _c32(sinks), out, np.int32(h), np.int32(d),
+            F32(scale)), shared_mem=smem)
         return out
 
     def indexer_scores(self, q: cp.ndarray, k: cp.ndarray, w: cp.ndarray, n_heads: int, head_dim: int,
