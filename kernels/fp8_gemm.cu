@@ -31,9 +31,12 @@ extern "C" __global__ void act_quant_fp8(const float* __restrict__ x, int ldx, u
   }
 }
 
+// part, pstride (sm_90a FP8, grid z = splits > 1): split z sums K's stages z * T / splits .. into
+// part + z * pstride (laid out as Y, unrounded), for bw_sum_splits (kernels/fp4_experts.cu) to add
+// up in order; the FP4 and mma.sync kernels take no split.
 #define DENSE_ARGS                                                                                            \
   const u8 *A, const float *SA, const u8 *W, const void *SW, float *Y, int ldy, int M, int N, int K, int bn, \
-      int bk, int gk, int bf
+      int bk, int gk, int bf, float *part, long long pstride
 #define DENSE_MMA(NAME, FMT)                                                                                  \
   extern "C" __global__ void __launch_bounds__(128) NAME(DENSE_ARGS) {                                        \
     gemm_e4m3_body<FMT>(A, SA, W, SW, Y, ldy, M, N, K, bn, bk, gk, blockIdx.y * FG_BM,                        \
@@ -46,8 +49,9 @@ DENSE_MMA(gemm_e4m3_fp4, FMT_FP4)
 #define DENSE_WG(NAME, FMT)                                                                                   \
   extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) NAME(DENSE_ARGS) {                              \
     extern __shared__ __align__(1024) u8 wg_smem[];                                                           \
-    wg_gemm<FMT>(wg_smem, A, SA, W, SW, Y, ldy, M, N, K, bn, bk, gk, blockIdx.y * WG_BM,                      \
-                        blockIdx.x * WG_BN, bf);                                                              \
+    const int T = (K + WG_BK - 1) / WG_BK, S = FMT == FMT_FP8 ? gridDim.z : 1, z = S > 1 ? blockIdx.z : 0;   \
+    wg_gemm<FMT>(wg_smem, A, SA, W, SW, S > 1 ? part + z * pstride : Y, ldy, M, N, K, bn, bk, gk,             \
+                 blockIdx.y * WG_BM, blockIdx.x * WG_BN, S > 1 ? 0 : bf, T * z / S, T * (z + 1) / S);        \
   }
 DENSE_WG(gemm_e4m3_fp8_sm90, FMT_FP8)
 DENSE_WG(gemm_e4m3_fp4_sm90, FMT_FP4)

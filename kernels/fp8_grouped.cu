@@ -62,7 +62,8 @@ GROUPED_MMA(gemm_e4m3_grouped_fp4, FMT_FP4)
     const void* SW;                                                                                           \
     int M, m0;                                                                                                \
     if (!grouped_tile<WG_BM>(segs, wptrs, sptrs, mtiles, K, ldy, A, SA, W, SW, Y, M, m0)) return;             \
-    wg_gemm<FMT>(wg_smem, A, SA, W, SW, Y, ldy, M, N, K, bn, bk, gk, m0, blockIdx.x * WG_BN, bf);             \
+    wg_gemm<FMT>(wg_smem, A, SA, W, SW, Y, ldy, M, N, K, bn, bk, gk, m0, blockIdx.x * WG_BN, bf, 0,           \
+                 (K + WG_BK - 1) / WG_BK);                                                                        \
   }
 GROUPED_WG(gemm_e4m3_grouped_fp8_sm90, FMT_FP8)  // (FP4 experts on sm_90a: kernels/fp4_experts.cu)
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

@@ -156,10 +156,11 @@ __device__ __forceinline__ void wgmma_wait() {
 }
 
 // FP4: expand stage kt's staged nibbles (the chunks this thread copied) into the swizzled e4m3 B
-// tile and its scale bytes into f32, then make them visible to the consumers' wgmma.
-__device__ __forceinline__ void wg_expand_fp4(u8* smem, u32 base, int kt, int K, int N, int n0, int gk) {
+// tile and its scale bytes into f32, then make them visible to the consumers' wgmma. kt: the stage's
+// place in K; pos: its place in this block's run of stages (its ring slot).
+__device__ __forceinline__ void wg_expand_fp4(u8* smem, u32 base, int kt, int pos, int K, int N, int n0, int gk) {
   using C = WgCfg<FMT_FP4>;
-  const int t = threadIdx.x - 256, s = kt % C::ST, k0 = kt * WG_BK, nkk = min(4, (K - k0) / 32);
+  const int t = threadIdx.x - 256, s = pos % C::ST, k0 = kt * WG_BK, nkk = min(4, (K - k0) / 32);
   const int lane = t & 31, warp = t >> 5;
   const u8* stg = smem + C::STG + s * WG_STG_BYTES;
   u8* bt = smem + C::B + s * WG_TILE_BYTES;
@@ -230,13 +231,15 @@ __device__ __forceinline__ void wg_copy_rows(u32 dst, int dst_step, const u8* sr
   }
 }
 
+// Stages kt0 .. kt1 - 1 of K (all of it: 0 .. ceil(K / WG_BK)); the i-th of them takes ring slot
+// i % ST.
 template <int FMT>
 __device__ __forceinline__ void wg_produce(u8* smem, u32 base, const u8* __restrict__ A, const float* __restrict__ SA,
                                            const u8* __restrict__ W,
                                            const void* __restrict__ SW, int M, int N, int K, int bn, int bk, int gk,
-                                           int m0, int n0) {
+                                           int m0, int n0, int kt0, int kt1) {
   using C = WgCfg<FMT>;
-  const int t = threadIdx.x - 256, T = (K + WG_BK - 1) / WG_BK, nbk = K / 32;
+  const int t = threadIdx.x - 256, T = kt1 - kt0, nbk = K / 32;
   // An operand tile is 128 rows x 8 chunks: 8 consecutive threads read one row's 128 bytes, thread t
   // chunk c8 of rows r8 + 16 i (one swizzle phase: 16 i is a multiple of 8). FP4 nibbles, 4 chunks
   // a row: chunk c4 of rows r4 + 32 i. Row t's activation scales and weight scales. Rows past M
@@ -248,9 +251,9 @@ __device__ __forceinline__ void wg_produce(u8* smem, u32 base, const u8* __restr
   const u8* w_src = FMT == FMT_FP8 ? W + (size_t)min(n0 + r8, N - 1) * K + 16 * c8
                                    : W + (size_t)min(n0 + r4, N - 1) * (K / 2) + 16 * c4;
   const float* sw_src = (const float*)SW + (FMT == FMT_FP8 && w_ok ? (size_t)((n0 + t) / bn) * gk : 0);
-  for (int kt = 0; kt < T; ++kt) {
-    const int s = kt % C::ST, k0 = kt * WG_BK, nkk = min(4, (K - k0) / 32);  // nkk: 4, or 2 at a K % 128 tail
-    mbar_wait(base + C::BAR + 8 * (C::ST + s), ((kt / C::ST) & 1) ^ 1);
+  for (int i = 0; i < T; ++i) {
+    const int kt = kt0 + i, s = i % C::ST, k0 = kt * WG_BK, nkk = min(4, (K - k0) / 32);  // nkk: 4, or 2 at a K % 128 tail
+    mbar_wait(base + C::BAR + 8 * (C::ST + s), ((i / C::ST) & 1) ^ 1);
     const u32 at = base + C::A + s * WG_TILE_BYTES, bt = base + C::B + s * WG_TILE_BYTES;
     const u32 sa = base + C::SA + s * WG_SCALE_BYTES, sw = base + C::SW + s * WG_SCALE_BYTES;
     if (c8 < 2 * nkk) {
@@ -277,20 +280,21 @@ __device__ __forceinline__ void wg_produce(u8* smem, u32 base, const u8* __restr
       }
       mbar_arrive_cp_async(base + C::BAR + 8 * s);  // the A tile and its scales
       asm volatile("cp.async.commit_group;" ::: "memory");
-      if (kt >= WG_LAG) {
+      if (i >= WG_LAG) {
         asm volatile("cp.async.wait_group %0;" ::"n"(WG_LAG) : "memory");
-        wg_expand_fp4(smem, base, kt - WG_LAG, K, N, n0, gk);
+        wg_expand_fp4(smem, base, kt - WG_LAG, i - WG_LAG, K, N, n0, gk);
       }
     }
   }
   if (FMT == FMT_FP4) {
     asm volatile("cp.async.wait_all;" ::: "memory");
-    for (int kt = T > WG_LAG ? T - WG_LAG : 0; kt < T; ++kt) wg_expand_fp4(smem, base, kt, K, N, n0, gk);
+    for (int i = T > WG_LAG ? T - WG_LAG : 0; i < T; ++i) wg_expand_fp4(smem, base, kt0 + i, i, K, N, n0, gk);
   }
 }
 
-// A consumer warp's side of ring stage kt: wait until it has landed (full barrier), and release
-// it once the warp is done with it (empty barrier: one arrive per consumer warp).
+// A consumer warp's side of the block's kt-th stage (counted from the first of its run, ring slot
+// kt % ST): wait until it has landed (full barrier), and release it once the warp is done with it
+// (empty barrier: one arrive per consumer warp).
 template <int FMT>
 __device__ __forceinline__ void wg_wait_full(u32 base, int kt) {
   using C = WgCfg<FMT>;
@@ -430,15 +434,16 @@ __device__ __forceinline__ void wg_stage_any(float (&tot)[64], float (&d0)[64], 
   wg_stage<FMT, G32, NKK>(tot, d0, d1, smem, base, kt, wg, rl, q);
 }
 
+// Stages kt0 .. kt1 - 1 of K, the i-th in ring slot i % ST (as wg_produce fills them).
 template <int FMT, bool G32>
 __device__ __forceinline__ void wg_consume(const u8* smem, u32 base, float* __restrict__ Y, int ldy, int M, int N,
-                                           int K, int m0, int n0, int bf) {
+                                           int K, int m0, int n0, int bf, int kt0, int kt1) {
   const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, q = lane & 3;
   const int rl = 64 * wg + 16 * warp + (lane >> 2);  // this thread's first row in the block
   float tot[64] = {}, d0[64] = {}, d1[64] = {};
-  const int T4 = K / WG_BK;  // whole stages; then half a stage when K % 128 == 64
-  for (int kt = 0; kt < T4; ++kt) wg_stage_any<FMT, G32, 4>(tot, d0, d1, smem, base, kt, wg, rl, q);
-  if (K % WG_BK) wg_stage_any<FMT, G32, 2>(tot, d0, d1, smem, base, T4, wg, rl, q);
+  const int T4 = min(kt1, K / WG_BK) - kt0;  // whole stages; then half a stage when K % 128 == 64
+  for (int i = 0; i < T4; ++i) wg_stage_any<FMT, G32, 4>(tot, d0, d1, smem, base, i, wg, rl, q);
+  if (kt0 + T4 < kt1) wg_stage_any<FMT, G32, 2>(tot, d0, d1, smem, base, T4, wg, rl, q);
 
   const bool pairs = (ldy & 1) == 0 && ((size_t)Y & 7) == 0;
 #pragma unroll
@@ -465,18 +470,19 @@ __device__ __forceinline__ void wg_consume(const u8* smem, u32 base, float* __re
 // A consumer warpgroup with no rows (a MoE segment of at most 64 rows): the other one's wgmmas get the
 // tensor core to themselves; the ring's protocol still runs (its warps release each stage).
 template <int FMT>
-__device__ __forceinline__ void wg_idle(u32 base, int K) {
-  for (int kt = 0; kt < (K + WG_BK - 1) / WG_BK; ++kt) {
-    wg_wait_full<FMT>(base, kt);
-    wg_release<FMT>(base, kt);
+__device__ __forceinline__ void wg_idle(u32 base, int stages) {
+  for (int i = 0; i < stages; ++i) {
+    wg_wait_full<FMT>(base, i);
+    wg_release<FMT>(base, i);
   }
 }
 
-// The tile of Y at rows m0.., columns n0.. (from A's rows m0..); bf: Y rounded to bf16 as stored.
+// The tile of Y at rows m0.., columns n0.. (from A's rows m0..) over K's stages kt0 .. kt1 - 1 (all
+// of K: 0 .. ceil(K / WG_BK); split K sums a part of it); bf: Y rounded to bf16 as stored.
 template <int FMT>
 __device__ __forceinline__ void wg_gemm(u8* raw, const u8* A, const float* SA, const u8* W,
                                         const void* SW, float* Y, int ldy, int M, int N, int K, int bn, int bk, int gk,
-                                        int m0, int n0, int bf) {
+                                        int m0, int n0, int bf, int kt0, int kt1) {
   using C = WgCfg<FMT>;
   const u32 raw_addr = wg_smem_u32(raw), pad = (1024u - (raw_addr & 1023u)) & 1023u;  // swizzle atoms: 1024-aligned
   u8* smem = raw + pad;
@@ -490,15 +496,15 @@ __device__ __forceinline__ void wg_gemm(u8* raw, const u8* A, const float* SA, c
   __syncthreads();
   if (threadIdx.x >= 256) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(WG_PRODUCER_REGS));
-    wg_produce<FMT>(smem, base, A, SA, W, SW, M, N, K, bn, bk, gk, m0, n0);
+    wg_produce<FMT>(smem, base, A, SA, W, SW, M, N, K, bn, bk, gk, m0, n0, kt0, kt1);
   } else if (m0 + 64 * (int)(threadIdx.x >> 7) >= M) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(WG_PRODUCER_REGS));
-    wg_idle<FMT>(base, K);
+    wg_idle<FMT>(base, kt1 - kt0);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(WG_CONSUMER_REGS));
     // one weight scale per 32 columns and k32 step when the (bn x bk) blocks are whole 32-column groups
-    if (FMT == FMT_FP8 && bn % 32 == 0) wg_consume<FMT, true>(smem, base, Y, ldy, M, N, K, m0, n0, bf);
-    else wg_consume<FMT, false>(smem, base, Y, ldy, M, N, K, m0, n0, bf);
+    if (FMT == FMT_FP8 && bn % 32 == 0) wg_consume<FMT, true>(smem, base, Y, ldy, M, N, K, m0, n0, bf, kt0, kt1);
+    else wg_consume<FMT, false>(smem, base, Y, ldy, M, N, K, m0, n0, bf, kt0, kt1);
   }
 }
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

@@ -118,6 +118,25 @@ def test_fp8_linear_bf16_in_and_out(fmt, m, n, k):
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("m,n,k", [(192, 1536, 5120), (48, 512, 4160)])
+def test_fp8_gemm_split_k(m, n, k, monkeypatch):
+    """A skinny launch (a verify step's rows against wq_a's shape; a K with a tail stage) split over K
+    on sm_90a (wg_splits; the splits' sums added in order by bw_sum_splits): within the FP8 MMA's
+    bound of the reference, as one pass over K is, and the same bits twice."""
+    import engine.ops.gpu.fp8_linear as fl
+    from engine.ops import kernels as K
+
+    if K.device_arch() != "90a":
+        pytest.skip("split K is the sm_90a kernel's")
+    x, w = _x(m, k, seed=3), _fp8_weight(n, k, (32, 32))
+    assert fl.wg_splits(-(-n // fl.WG_TILE) * -(-m // fl.WG_TILE), -(-k // fl.WG_STAGE_K)) > 1
+    split = cp.asnumpy(fp8_linear(cp.asarray(x), w))
+    np.testing.assert_array_equal(split, cp.asnumpy(fp8_linear(cp.asarray(x), w)))
+    _check(x, w)
+    monkeypatch.setattr(fl, "SPLIT_MIN_STAGES", k)
+    _check(x, w)  # (one pass)
+
+
 def test_fp8_gemm_rate_on_flash_linears():
     """Not a timed assertion: the figures, for docs/performance.md and bench. FP8 weights in the
     V4 checkpoints' 128 x 128 blocks and in V4.1's 32 x 32 (bench's random weights too); both take

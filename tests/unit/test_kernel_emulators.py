@@ -40,6 +40,12 @@ def test_wgmma_gemm_emulated(case):
         dense.check(fmt, m, n, k, exps=extra)
 
 
+@pytest.mark.parametrize("case", dense.SPLIT_CASES, ids=lambda c: f"{_name(c[0])}-{c[1]}x{c[2]}x{c[3]}-S{c[5]}")
+def test_wgmma_gemm_split_k_emulated(case):
+    fmt, m, n, k, block, splits = case
+    dense.check(fmt, m, n, k, block, splits=splits)
+
+
 @pytest.mark.parametrize("case", grouped.CASES, ids=lambda c: f"{_name(c[0])}-T{c[1]}")
 def test_grouped_gemm_emulated(case):
     grouped.check(*case)

@@ -184,12 +184,12 @@ class Block:
             for grp in self.groups[t][: max(0, len(self.groups[t]) - keep)]:
                 self.land(grp)
 
-    def produce(self, kt):
+    def produce(self, kt, i):  # stage kt of K, the i-th of the block's run (ring slot i % ST)
         g, L, n0, fmt = self.g, self.L, self.n0, self.fmt
         N, K, bn, bk, gk = g["N"], g["K"], g["bn"], g["bk"], g["gk"]
-        s, k0 = kt % L.st, kt * BK
+        s, k0 = i % L.st, kt * BK
         nkk = min(4, (K - k0) // 32)
-        assert self.empty[s].done(((kt // L.st) & 1) ^ 1), "producer ran ahead of the empty barrier"
+        assert self.empty[s].done(((i // L.st) & 1) ^ 1), "producer ran ahead of the empty barrier"
         at, bt = self.base + L.A + s * TILE, self.base + L.B + s * TILE
         sa, sw = self.base + L.SA + s * SCALE, self.base + L.SW + s * SCALE
         for t in range(128):
@@ -203,7 +203,7 @@ class Block:
                 row = (n0 + t) // bn * gk if w_ok else 0
                 for kk in range(nkk):
                     self.cp(t, sw + 4 * (128 * kk + t), "SW", 4 * (row + (k0 + 32 * kk) // bk), 4, 4 if w_ok else 0)
-                self.arrive_cp_async(t, s, kt // L.st)
+                self.arrive_cp_async(t, s, i // L.st)
             else:
                 stg = self.base + L.STG + s * STG
                 if c4 < nkk:
@@ -215,10 +215,10 @@ class Block:
                 n1 = min(max(left - 4, 0), 4) if w_ok else 0
                 self.cp4_clip(t, stg + 8192 + 8 * t, "SW", b0 if n0b else 0, n0b)
                 self.cp4_clip(t, stg + 8192 + 8 * t + 4, "SW", b0 + 4 if n1 else 0, n1)
-                self.arrive_cp_async(t, s, kt // L.st)
-                self.commit_and_wait(t, LAG if kt >= LAG else None)
-        if fmt == FMT_FP4 and kt >= LAG:
-            self.expand(kt - LAG)
+                self.arrive_cp_async(t, s, i // L.st)
+                self.commit_and_wait(t, LAG if i >= LAG else None)
+        if fmt == FMT_FP4 and i >= LAG:
+            self.expand(kt - LAG, i - LAG)
 
     def copy_a(self, t, at, sa, k0, nkk):  # the A tile's chunks and row t's scales of thread t
         M, K, m0 = self.g["M"], self.g["K"], self.m0
@@ -235,15 +235,15 @@ class Block:
             ok = row_step * i < rows
             self.cp(t, dst + 2048 * i, name, src + step * i if ok else src, 16, 16 if ok else 0)
 
-    def drain(self, T):
+    def drain(self, kt0, T):
         for t in range(128):  # cp.async.wait_all
             self.commit_and_wait(t, 0)
-        for kt in range(max(0, T - LAG), T):
-            self.expand(kt)
+        for pos in range(max(0, T - LAG), T):
+            self.expand(kt0 + pos, pos)
 
-    def expand(self, kt):  # wg_expand_fp4, all 128 producer threads (bar.sync 1, 128 in the middle)
+    def expand(self, kt, pos):  # wg_expand_fp4, all 128 producer threads (bar.sync 1, 128 in the middle)
         L, g, n0 = self.L, self.g, self.n0
-        s, k0, gk = kt % L.st, kt * BK, g["gk"]
+        s, k0, gk = pos % L.st, kt * BK, g["gk"]
         nkk = min(4, (g["K"] - k0) // 32)
         stg, bt = self.base + L.STG + s * STG, self.base + L.B + s * TILE
         sw = self.base + L.SW + s * SCALE
@@ -286,7 +286,7 @@ class Block:
         self.smem[scr + 128 : scr + 132] = np.frombuffer(np.int32(fold).tobytes(), np.uint8)
         self.folds.append(fold)
         for _ in range(128):
-            self.full[s].arrive(kt // L.st)
+            self.full[s].arrive(pos // L.st)
 
     # ---- consumers ----
     def poll_full(self, s):
@@ -362,10 +362,12 @@ def desc(addr):  # wg_desc
         D["WG_SWIZZLE_MODE"] << 62)
 
 
-def run_block(fmt, g, m0, n0, smem_bytes, Y, cls=Block):
+def run_block(fmt, g, m0, n0, smem_bytes, Y, cls=Block, kt0=0, kt1=None):
+    """One block over K's stages kt0 .. kt1 - 1 (all of K by default), its tile written into Y."""
     b = cls(fmt, g, m0, n0, smem_bytes)
     K, bn = g["K"], g["bn"]
-    T, T4 = -(-K // BK), K // BK
+    kt1 = -(-K // BK) if kt1 is None else kt1
+    T, T4 = kt1 - kt0, min(kt1, K // BK) - kt0
     g32 = fmt == FMT_FP8 and bn % 32 == 0
     tot = np.zeros((2, 4, 32, 64), np.float32)
     kp = kc = 0
@@ -373,10 +375,10 @@ def run_block(fmt, g, m0, n0, smem_bytes, Y, cls=Block):
     while kc < T:
         moved = False
         if kp < T and b.empty[kp % b.L.st].done(((kp // b.L.st) & 1) ^ 1):
-            b.produce(kp)
+            b.produce(kt0 + kp, kp)
             kp, moved = kp + 1, True
         elif kp == T and not drained:
-            b.drain(T)
+            b.drain(kt0, T)
             drained = moved = True
         s = kc % b.L.st
         b.poll_full(s)
@@ -388,12 +390,35 @@ def run_block(fmt, g, m0, n0, smem_bytes, Y, cls=Block):
     return set(b.folds) if fmt == FMT_FP4 else {g32}
 
 
-def gemm(fmt, A, SA, W, SW, M, N, K, bn, bk, gk, smem_bytes):
+# DENSE_WG's stage range of split z of S (kernels/fp8_gemm.cu), T = ceil(K / WG_BK)
+_SPLIT = re.search(r"S > 1 \? 0 : bf, (.+?), (.+?)\);", (ROOT / "kernels" / "fp8_gemm.cu").read_text()).groups()
+
+
+def split_stages(T, S, z):
+    env = {"T": T, "S": S, "z": z}
+    return tuple(eval(e.replace("/", "//"), {}, env) for e in _SPLIT)  # noqa: S307 (the kernel's expressions)
+
+
+def gemm(fmt, A, SA, W, SW, M, N, K, bn, bk, gk, smem_bytes, splits=1):
+    """Y from every block; with splits (FP8), each split's blocks into a partial of its own, the
+    partials then added in split order (bw_sum_splits)."""
     g = {"A": A.reshape(-1), "SA": SA.astype(np.float32).view(np.uint8).reshape(-1), "W": W.reshape(-1),
          "SW": (SW.astype(np.float32).view(np.uint8) if fmt == FMT_FP8 else SW).reshape(-1),
          "M": M, "N": N, "K": K, "bn": bn, "bk": bk, "gk": gk}
-    Y = np.full((M, N), np.nan, np.float32)
-    modes = set().union(*(run_block(fmt, g, m0, n0, smem_bytes, Y) for m0 in range(0, M, BM) for n0 in range(0, N, BN)))
+    T, parts, modes = -(-K // BK), [], set()
+    covered = []
+    for z in range(splits):
+        kt0, kt1 = split_stages(T, splits, z)
+        covered += list(range(kt0, kt1))
+        Y = np.full((M, N), np.nan, np.float32)
+        for m0 in range(0, M, BM):
+            for n0 in range(0, N, BN):
+                modes |= run_block(fmt, g, m0, n0, smem_bytes, Y, kt0=kt0, kt1=kt1)
+        parts.append(Y)
+    assert covered == list(range(T)), f"the splits' stages do not tile K: {covered}"
+    Y = parts[0]
+    for part in parts[1:]:
+        Y = Y + part
     return Y, modes
 
 
@@ -406,7 +431,7 @@ def quantized_x(rng, M, K):
     return codes, s.astype(np.float32), xq
 
 
-def check(fmt, M, N, K, block=(32, 32), seed=0, exps=(110, 135)):
+def check(fmt, M, N, K, block=(32, 32), seed=0, exps=(110, 135), splits=1):
     host = host_constants()
     smem = host["wgmma_smem"](fmt)
     assert host["WG_TILE"] == BM == BN and host["WG_THREADS"] == D["WG_THREADS"]
@@ -426,13 +451,13 @@ def check(fmt, M, N, K, block=(32, 32), seed=0, exps=(110, 135)):
         SW = rng.integers(*exps, (N, K // 32)).astype(np.uint8)
         gk = K // 32
         wd = formats.dequant_fp4_experts(W, SW, 32)
-    y, modes = gemm(fmt, codes, sa, W, SW, M, N, K, bn, bk, gk, smem)
+    y, modes = gemm(fmt, codes, sa, W, SW, M, N, K, bn, bk, gk, smem, splits)
     want = xq.astype(np.float64) @ wd.astype(np.float64).T
     assert not np.isnan(y).any(), "an output element was never written"
     err = float((np.abs(y - want).max(1) / np.maximum(np.abs(want).max(1), 1e-30)).max())
     name = "fp8" if fmt == FMT_FP8 else "fp4"
     what = f"exponents {exps}, stages folded" if fmt == FMT_FP4 else f"block={(bn, bk)}, one scale per 32 columns"
-    print(f"{name} M={M} N={N} K={K} {what}: {sorted(modes)}: max row rel err {err:.2e}")
+    print(f"{name} M={M} N={N} K={K} {what}, {splits} split(s) of K: {sorted(modes)}: max row rel err {err:.2e}")
     assert err < 1e-5, err
     return err
 
@@ -446,6 +471,9 @@ CASES = [  # M, N not multiples of 128; K = 64 (half a stage), K % 128 == 64 (a 
     (FMT_FP4, 130, 200, 320, (115, 127)), (FMT_FP4, 70, 136, 1024, (120, 132)), (FMT_FP4, 1, 72, 64, (118, 128)),
     (FMT_FP4, 5, 129, 320, (118, 128)),  # N * K / 32 scale bytes not a multiple of 4: the last window clipped
 ]
+# split K (FP8): splits of 1 to 3 stages, a ring that wraps inside a split, the K % 128 tail in the last
+SPLIT_CASES = [(FMT_FP8, 130, 136, 1088, (32, 32), 4), (FMT_FP8, 3, 72, 960, (128, 128), 2),
+               (FMT_FP8, 70, 200, 2048, (32, 32), 2)]
 
 if __name__ == "__main__":
     for fmt, m, n, k, extra in CASES:
@@ -453,4 +481,6 @@ if __name__ == "__main__":
             check(fmt, m, n, k, extra)
         else:
             check(fmt, m, n, k, exps=extra)
+    for fmt, m, n, k, block, splits in SPLIT_CASES:
+        check(fmt, m, n, k, block, splits=splits)
     print("all cases match")

@@ -16,7 +16,8 @@ import cupy as cp
 import numpy as np
 
 from engine.ops import kernels as K
-from engine.ops.gpu.common import _c32
+from engine.ops.gpu.common import _c32, k_splits
+from engine.ops.gpu.fp4_experts import sum_splits
 from engine.ops.gpu.weights import GpuWeight
 from engine.ops.kernels import FMT_FP4, FMT_FP8
 
@@ -28,6 +29,8 @@ ACT_BLOCK = 32
 # ranges; two mbarriers a stage; 1 KB to align the ring to the 128-byte swizzle's 1024-byte pattern.
 WG_TILE, WG_THREADS = 128, 384
 WG_STAGES = {FMT_FP8: 6, FMT_FP4: 5}
+WG_STAGE_K = 128  # K per ring stage (kernels/fp8_wgmma.cuh WG_BK)
+SPLIT_MIN_STAGES = 2  # split K (wg_splits): the fewest stages a split keeps
 # Rows per segment of a prompt chunk's routed experts on this path: the wgmma tile's, so a block's
 # tile is one segment's (shorter ones only for an expert's last rows) and each expert's weight tile
 # is read once per 128 of its rows rather than per 64 (GEMM_TILE, the exact-term GEMM's).
@@ -73,14 +76,28 @@ def fp8_linear(x: cp.ndarray | None, w: GpuWeight, codes: tuple | None = None, b
     if m:
         bn, bk = w.block
         args = (a, sa, w.data, w.scale, y, np.int32(n), np.int32(m), np.int32(n), np.int32(k), np.int32(bn),
-                np.int32(bk), np.int32(w.gk), np.int32(bf16))
+                np.int32(bk), np.int32(w.gk))
         if K.device_arch() == "90a":
             smem = wgmma_smem(w.fmt)
             fn = K.function_with_smem("fp8_gemm", kernel + "_sm90", smem)
-            fn((-(-n // WG_TILE), -(-m // WG_TILE)), (WG_THREADS,), args, shared_mem=smem)
+            grid = (-(-n // WG_TILE), -(-m // WG_TILE))
+            splits = wg_splits(grid[0] * grid[1], -(-k // WG_STAGE_K)) if w.fmt == FMT_FP8 else 1
+            if splits == 1:
+                fn((*grid, 1), (WG_THREADS,), (*args, np.int32(bf16), y, np.int64(0)), shared_mem=smem)
+            else:  # (splits' sums into part, added in order and rounded by sum_splits)
+                part = cp.empty((splits, m, n), cp.float32)
+                fn((*grid, splits), (WG_THREADS,), (*args, np.int32(0), part, np.int64(y.size)), shared_mem=smem)
+                sum_splits(part, y, bf16)
         else:
-            K.function("fp8_gemm", kernel)((-(-n // TILE), -(-m // TILE)), (128,), args)
+            K.function("fp8_gemm", kernel)((-(-n // TILE), -(-m // TILE)), (128,), (
+                *args, np.int32(bf16), y, np.int64(0)))
     return y
+
+
+def wg_splits(blocks: int, stages: int) -> int:
+    """K splits of a gemm_e4m3_fp8_sm90 launch of `blocks` tiles over `stages` stages of K (a verify
+    step's rows are two row tiles times N / 128): common.k_splits, SPLIT_MIN_STAGES a split."""
+    return k_splits(blocks, stages, SPLIT_MIN_STAGES)
 
 
 def gather_rows(src: cp.ndarray, rows: cp.ndarray, block: int = 256) -> cp.ndarray:
