@@ -30,6 +30,11 @@
                               -k regex:hc_mix python tools/dev/gpu_profile.py step CKPT
   linear NAME                 three eager one-row calls of a V4.1-Flash linear of the bench table
                               (engine/bench.py FLASH_LINEARS, e.g. wo_b), for ncu --launch-skip 2
+  replay CKPT [--batch B] [--numerics exact|deepseek] [--what decode|verify]
+                              the step's graph (as timeline's) replayed three times, then once inside
+                              the NVTX range "replay", for Nsight Compute on a graph's kernels:
+                              ncu --nvtx --nvtx-include replay/ -k regex:tcgemv8_fp4_n1 python
+                              tools/dev/gpu_profile.py replay CKPT --batch 32 --what verify
 """
 
 from __future__ import annotations
@@ -78,13 +83,10 @@ def _verify_ready(ckpt: str, batch: int, numerics: str = "exact"):
     return model, batch * (model.model.dspark.block_size + 1), drafts, last
 
 
-def timeline(ckpt: str, batch: int, numerics: str = "exact", what: str = "decode") -> None:
-    """what: "decode" (the 1-token step's graph), "verify" (the verify step's graph) or "draft" (one
-    draft block for every sequence, as served: its graph and the eager work around it)."""
-    import time
-
+def _step_run(ckpt: str, batch: int, numerics: str, what: str):
+    """A callable running what timeline / replay time: the 1-token step's or the verify step's graph,
+    or one draft block for every sequence as served."""
     import cupy as cp
-    from torch.profiler import ProfilerActivity, profile
 
     stream = cp.cuda.get_current_stream()
     if what == "decode":
@@ -94,14 +96,41 @@ def timeline(ckpt: str, batch: int, numerics: str = "exact", what: str = "decode
     if what == "draft":
         def run():
             model.model.dspark.draft_many(drafts, last, tokens_only=True)
-    else:
-        graphs = _decode_graphs(model, rows)
-        if not graphs:
-            raise SystemExit("no decode-step graph was captured (DSUF_GRAPHS=0, more rows than a graph takes, "
-                             "or not a V4.1 checkpoint)")
+        return run
+    graphs = _decode_graphs(model, rows)
+    if not graphs:
+        raise SystemExit("no decode-step graph was captured (DSUF_GRAPHS=0, more rows than a graph takes, "
+                         "or not a V4.1 checkpoint)")
 
-        def run():
-            graphs[-1].launch(stream)
+    def run():
+        graphs[-1].launch(stream)
+    return run
+
+
+def replay(ckpt: str, batch: int, numerics: str = "deepseek", what: str = "verify") -> None:
+    """The step's graph three times, then once inside the NVTX range "replay" (ncu --nvtx-include)."""
+    import cupy as cp
+
+    run = _step_run(ckpt, batch, numerics, what)
+    for _ in range(3):
+        run()
+    cp.cuda.Device().synchronize()
+    cp.cuda.nvtx.RangePush("replay")
+    run()
+    cp.cuda.Device().synchronize()
+    cp.cuda.nvtx.RangePop()
+
+
+def timeline(ckpt: str, batch: int, numerics: str = "exact", what: str = "decode") -> None:
+    """what: "decode" (the 1-token step's graph), "verify" (the verify step's graph) or "draft" (one
+    draft block for every sequence, as served: its graph and the eager work around it)."""
+    import time
+
+    import cupy as cp
+    from torch.profiler import ProfilerActivity, profile
+
+    stream = cp.cuda.get_current_stream()
+    run = _step_run(ckpt, batch, numerics, what)
     for _ in range(5):
         run()
     stream.synchronize()
@@ -467,6 +496,11 @@ def main() -> int:
     h.add_argument("--steps", type=int, default=8)
     sub.add_parser("step").add_argument("ckpt")
     sub.add_parser("linear").add_argument("name")
+    r = sub.add_parser("replay")
+    r.add_argument("ckpt")
+    r.add_argument("--batch", type=int, default=32)
+    r.add_argument("--numerics", choices=NUMERICS, default=DEFAULT_NUMERICS)
+    r.add_argument("--what", choices=("decode", "verify"), default="verify")
     a = ap.parse_args()
     if a.cmd == "timeline":
         timeline(a.ckpt, a.batch, a.numerics, a.what)
@@ -480,6 +514,8 @@ def main() -> int:
         host(a.ckpt, a.batch, a.steps)
     elif a.cmd == "step":
         step(a.ckpt)
+    elif a.cmd == "replay":
+        replay(a.ckpt, a.batch, a.numerics, a.what)
     else:
         linear(a.name)
     return 0
