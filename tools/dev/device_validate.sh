@@ -55,12 +55,13 @@ case ${1:-1} in
     # deepseek prompt chunk's device time per kernel name (the MoE's grouped GEMMs against the rest)
     ckpt &
     NCU="ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy
-      --section WarpStateStats --section SchedulerStats --section LaunchStats --launch-count 1"
+      --section WarpStateStats --section SchedulerStats --section LaunchStats --section ComputeWorkloadAnalysis
+      --launch-count 1"
     step p1_fp8 120 $NCU -k regex:gemm_e4m3_fp8_sm90 python3 -m pytest -q -s tests/gpu/test_gpu_fp8_gemm.py -k rate
     step p2_fp4 120 $NCU -k regex:gemm_e4m3_fp4_sm90 python3 -m pytest -q -s tests/gpu/test_gpu_fp8_gemm.py -k rate
     wait
     step p0_chunk 150 python3 tools/dev/gpu_profile.py prefill "$CKPT" --context 4096 --chunk 4096 --numerics deepseek
-    step p3_grouped 200 $NCU --section SourceCounters -o /tmp/grouped -k regex:grouped_fp4 $B --prefill 4096 \
+    step p3_grouped 200 $NCU --section SourceCounters -o /tmp/grouped -k regex:gemm_fp4_experts_sm90 $B --prefill 4096 \
       --batches 1 --numerics deepseek --speculative off
     # (-o writes the report instead of printing it): its sections, then where its warps stall,
     # instruction by instruction (the SASS with its stall samples)
