@@ -98,21 +98,25 @@ def sum_splits(part: cp.ndarray, y: cp.ndarray, bf16: bool) -> None:
         part, np.int64(y.size), np.int32(part.shape[0]), y, np.int64(y.size), np.int32(bf16)))
 
 
+def split_k_launch(fn, grid: tuple[int, int], threads: int, args: tuple, y: cp.ndarray, bf16: bool, splits: int,
+                   smem: int) -> None:
+    """One launch of a kernel whose arguments end in (bf, part, pstride) after `args` (which write y):
+    grid z = splits. One split writes y itself (rounded to bf16 with bf16); more sum their shares of
+    K into a buffer laid out as [splits, *y.shape], which sum_splits adds up in order."""
+    if splits == 1:
+        fn((*grid, 1), (threads,), (*args, np.int32(bf16), y, np.int64(0)), shared_mem=smem)
+        return
+    part = cp.empty((splits, *y.shape), cp.float32)
+    fn((*grid, splits), (threads,), (*args, np.int32(0), part, np.int64(y.size)), shared_mem=smem)
+    sum_splits(part, y, bf16)
+
+
 def _bw_launch(name: str, args_before_y: tuple, y: cp.ndarray, args_after_y: tuple, blocks_x: int, nseg: int,
                k: int, bf16: bool) -> None:
     """A gemm_fp8w_bf16 / gemm_bf16w launch writing y [M, ldy] (rounded to bf16 with bf16), split
-    over K where the launch is short of blocks (bw_splits): the splits' sums into a buffer, then
-    bw_sum_splits adds them in a fixed order."""
-    splits = bw_splits(blocks_x * nseg, k // CHUNK)
-    fn = K.function_with_smem("fp4_experts", name, FE_SMEM)
-    if splits == 1:
-        fn((blocks_x, nseg, 1), (FE_THREADS,), (*args_before_y, y, *args_after_y, np.int32(bf16), y, np.int64(0)),
-           shared_mem=FE_SMEM)
-        return
-    part = cp.empty((splits, *y.shape), cp.float32)
-    fn((blocks_x, nseg, splits), (FE_THREADS,), (*args_before_y, y, *args_after_y, np.int32(0), part,
-                                                 np.int64(y.size)), shared_mem=FE_SMEM)
-    sum_splits(part, y, bf16)
+    over K where the launch is short of blocks (bw_splits)."""
+    split_k_launch(K.function_with_smem("fp4_experts", name, FE_SMEM), (blocks_x, nseg), FE_THREADS,
+                   (*args_before_y, y, *args_after_y), y, bf16, bw_splits(blocks_x * nseg, k // CHUNK), FE_SMEM)
 
 
 def fp8w_bf16_segments(rows: int, groups: int, n: int, k: int) -> list[tuple[int, int, int, int, int]]:

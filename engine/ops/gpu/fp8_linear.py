@@ -17,7 +17,7 @@ import numpy as np
 
 from engine.ops import kernels as K
 from engine.ops.gpu.common import _c32, k_splits
-from engine.ops.gpu.fp4_experts import sum_splits
+from engine.ops.gpu.fp4_experts import split_k_launch
 from engine.ops.gpu.weights import GpuWeight
 from engine.ops.kernels import FMT_FP4, FMT_FP8
 
@@ -82,12 +82,7 @@ def fp8_linear(x: cp.ndarray | None, w: GpuWeight, codes: tuple | None = None, b
             fn = K.function_with_smem("fp8_gemm", kernel + "_sm90", smem)
             grid = (-(-n // WG_TILE), -(-m // WG_TILE))
             splits = wg_splits(grid[0] * grid[1], -(-k // WG_STAGE_K)) if w.fmt == FMT_FP8 else 1
-            if splits == 1:
-                fn((*grid, 1), (WG_THREADS,), (*args, np.int32(bf16), y, np.int64(0)), shared_mem=smem)
-            else:  # (splits' sums into part, added in order and rounded by sum_splits)
-                part = cp.empty((splits, m, n), cp.float32)
-                fn((*grid, splits), (WG_THREADS,), (*args, np.int32(0), part, np.int64(y.size)), shared_mem=smem)
-                sum_splits(part, y, bf16)
+            split_k_launch(fn, grid, WG_THREADS, args, y, bf16, splits, smem)
         else:
             K.function("fp8_gemm", kernel)((-(-n // TILE), -(-m // TILE)), (128,), (
                 *args, np.int32(bf16), y, np.int64(0)))
