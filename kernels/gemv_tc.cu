@@ -301,7 +301,7 @@ __device__ __forceinline__ void tcgemv_body(const uint4* __restrict__ XS, const 
 #define TC_PASS XS, XINV, lda, Y, ldy, N, K, segs, wptrs, sptrs, bn, bk, gk, bf, kw
 // NAME: tcgemv_<fmt>_n<NT>[_s<S>w<W>]; the unsuffixed names are the configuration the engine uses.
 #define DEF_TC_CFG(NAME, FMT, NT, S, W)                                               \
-  extern "C" __global__ void __launch_bounds__(32 * W) NAME(TC_ARGS) { \
+  extern "C" __global__ void __launch_bounds__(32 * W, NT <= 2 ? 2 : 1) NAME(TC_ARGS) { \
     tcgemv_body<FMT, NT, S, W>(TC_PASS);                                             \
   }
 #define TC_S 4

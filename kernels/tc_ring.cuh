@@ -21,12 +21,24 @@ __device__ __forceinline__ void tc_issue(u32 ring, int j, int my, int part, int 
   if (j < my) {
     const int kb = (part + j * kw) * 128;
     const u32 slot = ring + (j % S) * TC_SLOT;
+    // lane's chunk c of rows r0 + 4i. A whole tile and stage (every stage of a tile inside N but
+    // a row's last) takes four plain copies 4 rows apart; otherwise a row past N, or a chunk past
+    // the row's end, copies nothing (source size 0, from an address inside the tile's first row).
+    const int r0 = lane >> 3, c = lane & 7;
+    const size_t step = (size_t)4 * row_bytes;
+    if (n0 + 16 <= N && kb + 128 <= row_bytes) {
+      const u8* src = Wt + (size_t)(n0 + r0) * row_bytes + kb + c * 16;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int idx = lane + 32 * i, r = idx >> 3, c = idx & 7, n = n0 + r;
-      const bool ok = n < N && kb + c * 16 < row_bytes;
-      const u8* src = ok ? Wt + (size_t)n * row_bytes + kb + c * 16 : Wt;
-      cp_async16(slot + r * 128 + ((c ^ (r & 7)) << 4), src, ok ? 16 : 0);
+      for (int i = 0; i < 4; ++i) cp_async16(slot + (r0 + 4 * i) * 128 + ((c ^ ((r0 + 4 * i) & 7)) << 4), src + i * step, 16);
+    } else {
+      const bool in_k = kb + c * 16 < row_bytes;
+      const u8* src = Wt + (size_t)min(n0 + r0, N - 1) * row_bytes + (in_k ? kb + c * 16 : 0);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int r = r0 + 4 * i;
+        const bool ok = in_k && n0 + r < N;
+        cp_async16(slot + r * 128 + ((c ^ (r & 7)) << 4), ok ? src + i * step : src, ok ? 16 : 0);
+      }
     }
     if (pre) {
       const int ks = (part + j * kw) * KPS;  // the stage's first k
