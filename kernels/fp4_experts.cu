@@ -244,16 +244,26 @@ __device__ __forceinline__ void bw_convert_step(u32 (&f)[4], const BwChunk<FMT>&
   }
 }
 
-// Step f = 4c + s of the K loop (chunk c, k16 step s): issue its wgmma (its own commit group), wait
-// for step f - 1, convert step f + 1's fragment (the one step f - 3 read), and at s == 0 free chunk
-// c - 1's token tile (its last step is f - 1). At s == 3 the next fragment is the next chunk's
-// first, from nxt; cur takes nxt's place and nxt loads chunk c + 2. (Waiting for f - 1, not f - 3:
-// ptxas serializes every wgmma of the kernel when registers a wgmma reads are written with more
-// than one group in flight.)
+// Chunks of weights a consumer thread holds loaded ahead of its wgmmas (a ring in registers): a
+// chunk's loads are issued D - 1 chunks before it is converted. A thread's share of a chunk is
+// a few bytes (FP4: 16), so with one block an SM the weights' bytes in flight are D x 4 KB (FP4);
+// a short token tile spends few tensor cycles a chunk, so its loads need more chunks ahead to cover
+// DRAM's latency, and it has the registers for them (its accumulators are BN / 2).
 template <int FMT, int BN>
-__device__ __forceinline__ void bw_chunk(float (&d)[BN / 2], u32 (&fr)[4][4], BwChunk<FMT>& cur, BwChunk<FMT>& nxt,
-                                         u32 base, const u8* w0, const u8* w1, const void* SW, int r0, int r1,
-                                         bool ok0, bool ok1, int bn, int bk, int gk, int c0, int c, int C, int q) {
+__device__ constexpr int bw_depth() {
+  return BN >= 256 ? 2 : BN >= 128 ? 4 : FMT == FMT_BF16 ? 4 : 8;
+}
+
+// Step f = 4c + s of the K loop (chunk c in ring slot i = c % D, k16 step s): issue its wgmma (its
+// own commit group), wait for step f - 1, convert step f + 1's fragment (the one step f - 3 read);
+// at s == 0 free chunk c - 1's token tile (its last step is f - 1). At s == 3 the next fragment is
+// the next chunk's first, from slot (i + 1) % D, and slot i, all of its steps converted, loads chunk
+// c + D. (Waiting for f - 1, not f - 3: ptxas serializes every wgmma of the kernel when registers a
+// wgmma reads are written with more than one group in flight.)
+template <int FMT, int BN, int D>
+__device__ __forceinline__ void bw_chunk(float (&d)[BN / 2], u32 (&fr)[4][4], BwChunk<FMT> (&ring)[D], u32 base,
+                                         const u8* w0, const u8* w1, const void* SW, int r0, int r1, bool ok0,
+                                         bool ok1, int bn, int bk, int gk, int c0, int c, int I, int C, int q) {
   mbar_wait(base + BW_BAR + 8 * (c % BW_STAGES), (c / BW_STAGES) & 1);
   fence_proxy_async();
   const u32 bt = base + (c % BW_STAGES) * BW_TILE_BYTES;
@@ -268,11 +278,10 @@ __device__ __forceinline__ void bw_chunk(float (&d)[BN / 2], u32 (&fr)[4][4], Bw
       if ((threadIdx.x & 31) == 0) mbar_arrive(base + BW_BAR + 8 * (BW_STAGES + (c - 1) % BW_STAGES));
     }
     if (s < 3) {
-      bw_convert_step<FMT>(fr[s + 1], cur, s + 1);
-    } else if (c + 1 < C) {
-      bw_convert_step<FMT>(fr[0], nxt, 0);
-      cur = nxt;
-      if (c + 2 < C) bw_load<FMT>(nxt, w0, w1, SW, r0, r1, ok0, ok1, bn, bk, gk, c0 + c + 2, q);
+      bw_convert_step<FMT>(fr[s + 1], ring[I], s + 1);
+    } else {
+      if (c + 1 < C) bw_convert_step<FMT>(fr[0], ring[(I + 1) % D], 0);
+      if (c + D < C) bw_load<FMT>(ring[I], w0, w1, SW, r0, r1, ok0, ok1, bn, bk, gk, c0 + c + D, q);
     }
   }
 }
@@ -293,12 +302,20 @@ __device__ __forceinline__ void bw_consume(u32 base, const u8* __restrict__ W, c
 #pragma unroll
   for (int i = 0; i < BN / 2; ++i) d[i] = 0.f;
   u32 fr[4][4];
-  BwChunk<FMT> cur, nxt;
-  bw_load<FMT>(cur, w0, w1, SW, rs0, rs1, ok0, ok1, bn, bk, gk, c0, q);
-  if (C > 1) bw_load<FMT>(nxt, w0, w1, SW, rs0, rs1, ok0, ok1, bn, bk, gk, c0 + 1, q);
-  bw_convert_step<FMT>(fr[0], cur, 0);
-  for (int c = 0; c < C; ++c)
-    bw_chunk<FMT, BN>(d, fr, cur, nxt, base, w0, w1, SW, rs0, rs1, ok0, ok1, bn, bk, gk, c0, c, C, q);
+  constexpr int D = bw_depth<FMT, BN>();
+  BwChunk<FMT> ring[D];
+#pragma unroll
+  for (int i = 0; i < D; ++i)
+    if (i < C) bw_load<FMT>(ring[i], w0, w1, SW, rs0, rs1, ok0, ok1, bn, bk, gk, c0 + i, q);
+  bw_convert_step<FMT>(fr[0], ring[0], 0);
+  // D chunks an iteration, unrolled, so that each one's ring slot is a constant (registers, not local
+  // memory)
+  for (int cd = 0; cd < C; cd += D) {
+#pragma unroll
+    for (int i = 0; i < D; ++i)
+      if (cd + i < C)
+        bw_chunk<FMT, BN, D>(d, fr, ring, base, w0, w1, SW, rs0, rs1, ok0, ok1, bn, bk, gk, c0, cd + i, i, C, q);
+  }
   wgmma_wait<0>();
   wg_fence_regs(d);
   // d[4i + 2h + j]: weight row r0 + 8h (Y column), token 8i + 2q + j (Y row); the 8 lanes of one q
