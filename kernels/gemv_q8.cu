@@ -330,7 +330,8 @@ DEF_TB(4)
 // NAME: tcgemv8_<fmt>_n<NT>; the ring's configuration is the exact GEMV's (engine TC_WARPS, TC_SMEM).
 // Whether the scales ride the ring is decided once, outside the loop (both loops are compiled).
 #define DEF_T8(TAG, FMT, NT)                                                                           \
-  extern "C" __global__ void __launch_bounds__(256, NT <= 2 || FMT == FMT_FP4 ? 2 : 1) tcgemv8_##TAG##_n##NT(T8_ARGS) {    \
+  extern "C" __global__ void __launch_bounds__(256, NT <= 2 || FMT == FMT_FP4 ? 2 : 1)                  \
+      tcgemv8_##TAG##_n##NT(T8_ARGS) {                                                                 \
     if (segs[5 * blockIdx.y + 2] <= 0) return; /* an unused segment slot: the whole block */           \
     const void* Sc = (const void*)sptrs[segs[5 * blockIdx.y]];                                         \
     if (FMT == FMT_FP8 ? bn % 16 == 0 : ((gk & 7) == 0 && ((u64)Sc & 7) == 0))                         \

@@ -29,7 +29,10 @@ __device__ __forceinline__ void tc_issue(u32 ring, int j, int my, int part, int 
     if (n0 + 16 <= N && kb + 128 <= row_bytes) {
       const u8* src = Wt + (size_t)(n0 + r0) * row_bytes + kb + c * 16;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) cp_async16(slot + (r0 + 4 * i) * 128 + ((c ^ ((r0 + 4 * i) & 7)) << 4), src + i * step, 16);
+      for (int i = 0; i < 4; ++i) {
+        const int r = r0 + 4 * i;
+        cp_async16(slot + r * 128 + ((c ^ (r & 7)) << 4), src + i * step, 16);
+      }
     } else {
       const bool in_k = kb + c * 16 < row_bytes;
       const u8* src = Wt + (size_t)min(n0 + r0, N - 1) * row_bytes + (in_k ? kb + c * 16 : 0);
