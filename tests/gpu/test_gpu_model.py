@@ -214,8 +214,10 @@ class DualOps:
             return fn
 
         def call(*args, **kw):
+            # (the reference's inputs copied first: an op in place, rope's in_place, rewrites them)
+            hargs, hkw = _host(args), {k: _host(v) for k, v in kw.items()}
             out = fn(*args, **kw)
-            ref = getattr(self.ref, name)(*_host(args), **{k: _host(v) for k, v in kw.items()})
+            ref = getattr(self.ref, name)(*hargs, **hkw)
             rows = args[0].shape[0] if getattr(args[0], "ndim", 0) else 1
             key = f"{name}[{'>8' if rows > 8 else '<=8'} rows]"
             self.worst[key] = max(self.worst.get(key, 0.0), _err(out, ref))

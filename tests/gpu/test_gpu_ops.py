@@ -54,7 +54,7 @@ def test_region_replay_copies_many_inputs():
     fresh inputs gives what the region gives eagerly."""
     from engine.ops.gpu.graphs import BATCHED_COPIES, RegionGraphs
 
-    graphs = RegionGraphs(enabled=True, upload=GPU.asarray)
+    graphs = RegionGraphs(enabled=True, upload=lambda a: GPU.asarray(a, dtype=a.dtype))  # (the int64 table)
 
     def fn(*xs):
         return sum(x.sum(axis=-1) for x in xs[:-1]) + xs[-1].sum()

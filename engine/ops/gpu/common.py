@@ -53,8 +53,10 @@ def copy_table(table: list, upload, max_parts: int) -> None:
     over the table uploaded with upload(numpy array) -> device array; each copy split over at most
     max_parts blocks of 256 threads."""
     most = max(n for _, _, n in table) // 16
-    K.function("elementwise", "copy_rows")((len(table), min(max_parts, -(-most // 256))), (_ELT_BLOCK,), (
-        upload(np.asarray(table, np.int64).reshape(-1)),))
+    tab = upload(np.asarray(table, np.int64).reshape(-1))
+    if tab.dtype != np.int64 or tab.size != 3 * len(table):  # (the kernel reads 8-byte addresses from it)
+        raise TypeError(f"copy_table: upload gave {tab.dtype} x {tab.size}, not int64 x {3 * len(table)}")
+    K.function("elementwise", "copy_rows")((len(table), min(max_parts, -(-most // 256))), (_ELT_BLOCK,), (tab,))
 
 
 @functools.cache
