@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # GPU validation and profiling in device calls that fit the per-call limit: `bash
-# tools/dev/device_validate.sh 1|2|3|4|5|6|7|8` from the repo root on the device (carry the wheels in .whl).
+# tools/dev/device_validate.sh 1|2|3|4|5|6|7|8` from the repo root on the device (carry the wheels in .whl:
+# the requirements a device image lacks, llguidance and greenlet, which the tensor-parallel tests need;
+# a call carries at most 64 MiB, and the tracked tree takes most of it).
 # Every stage has its own timeout, capped by what is left of CAP seconds, and writes a line of summary
 # and its log under $OUT, so a call cut short still returns what finished. A finished step's log joins
 # $OUT/logs.txt (a device call brings back only a few files); a step cut short leaves its own.
