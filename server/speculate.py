@@ -20,9 +20,11 @@ the grammar's mask at every position (engine/runtime/spec_guided.py), on a copy 
 scheduler feeds the sequence's own matcher each emitted token, as on the plain path.
 
 By default (no --speculative) a sequence speculates while it pays: after its first verify steps,
-once its acceptance is at or below the backend's breakeven (engine/runtime/spec_cost.py, measured
-once, at the first such judgement), it goes back to plain decoding, its state being plain
-decoding's at every step. `--speculative dspark` speculates whatever the acceptance.
+once its acceptance is at or below the backend's breakeven for the verify step's batch
+(engine/runtime/spec_cost.py, each batch bucket measured once, at its first verify step), it goes
+back to plain decoding, its state being plain decoding's at every step; where that breakeven is
+beyond any acceptance (the block + 1), after its first verify step. `--speculative dspark`
+speculates whatever the acceptance.
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ class Speculator:
         self.engine = engine
         self.guide = guide  # server/guided.Guide: constrained requests speculate where there is one
         self.always = mode == "dspark"  # the default: each sequence while its acceptance pays
-        self._breakeven: float | None = None
+        self._breakeven: dict[int, float] = {}  # by spec_cost.batch_bucket
         self.dsp = None if mode == "off" else draft_of(getattr(engine, "model", None))
         if mode == "dspark" and self.dsp is None:
             raise ValueError("--speculative dspark needs a checkpoint with DSpark draft layers (and, on GPUs, "
@@ -109,29 +111,35 @@ class Speculator:
         jobs = [self._job(s, eos) for s, _, _, eos in (steps[i] for i in decoding)]
         emitted = speculative_steps(self.engine.model, self.dsp, jobs) if jobs else []
         for i, job, tokens in zip(decoding, jobs, emitted, strict=True):
-            out[i] = Emitted(tokens, job.stats, job.logprobs, stopped=self._judge(steps[i][0], len(tokens)))
+            out[i] = Emitted(tokens, job.stats, job.logprobs,
+                             stopped=self._judge(steps[i][0], len(tokens), len(jobs)))
         return out + [firsts[id(f)] for _, f in forks]
 
-    def breakeven(self) -> float:
-        """The acceptance above which speculating beats plain decoding here, measured once. If the
-        measurement fails, 0: every sequence speculates, as with --speculative dspark."""
-        if self._breakeven is None:
+    def breakeven(self, batch: int = 1) -> float:
+        """The acceptance above which speculating beats plain decoding here for a verify step of
+        `batch` sequences, measured once per spec_cost.batch_bucket. If the measurement fails, 0:
+        those sequences speculate, as with --speculative dspark."""
+        b = spec_cost.batch_bucket(batch)
+        if b not in self._breakeven:
             try:
-                cost = spec_cost.measure(self.engine.model, self.dsp)
+                cost = spec_cost.measure(self.engine.model, self.dsp, batch=b)
             except Exception:
-                log.exception("measuring the speculation breakeven failed: every sequence speculates")
-                self._breakeven = 0.0
-                return self._breakeven
-            self._breakeven = cost.breakeven
-            log.info("speculation breakeven %.2f tokens per verify step (1-token step %.2f ms, verify %.2f ms, "
-                     "draft %.2f ms)", cost.breakeven, 1e3 * cost.step, 1e3 * cost.verify, 1e3 * cost.draft)
-        return self._breakeven
+                log.exception("measuring the speculation breakeven failed (batch %d): those sequences speculate", b)
+                self._breakeven[b] = 0.0
+                return 0.0
+            self._breakeven[b] = cost.breakeven
+            log.info("speculation breakeven at batch %d: %.2f tokens per verify step (1-token step %.2f ms, verify "
+                     "%.2f ms, draft %.2f ms)", b, cost.breakeven, 1e3 * cost.step, 1e3 * cost.verify,
+                     1e3 * cost.draft)
+        return self._breakeven[b]
 
-    def _judge(self, s: Any, emitted: int) -> bool:
-        """Count s's verify step; whether it now stops speculating (it decodes plainly from here)."""
+    def _judge(self, s: Any, emitted: int, batch: int) -> bool:
+        """Count s's verify step (one of `batch` sequences'); whether it now stops speculating (it
+        decodes plainly from here)."""
         s.spec_steps += 1
         s.spec_tokens += emitted
-        if self.always or spec_cost.pays(s.spec_tokens, s.spec_steps, self.breakeven):
+        if self.always or spec_cost.pays(s.spec_tokens, s.spec_steps, lambda: self.breakeven(batch),
+                                         self.block_size + 1):
             return False
         s.speculate, s.draft = False, None
         return True
