@@ -21,9 +21,9 @@ scheduler feeds the sequence's own matcher each emitted token, as on the plain p
 
 By default (no --speculative) a sequence speculates while it pays: after its first verify steps,
 once its acceptance is at or below the backend's breakeven for the verify step's batch
-(engine/runtime/spec_cost.py, each batch bucket measured once, at its first verify step), it goes
-back to plain decoding, its state being plain decoding's at every step; where that breakeven is
-beyond any acceptance (the block + 1), after its first verify step. `--speculative dspark`
+(engine/runtime/spec_cost.py, each batch bucket measured once, at its first judgement), it goes
+back to plain decoding, its state being plain decoding's at every step; where a measured breakeven
+is beyond any acceptance (the block + 1), after its first verify step. `--speculative dspark`
 speculates whatever the acceptance.
 """
 
@@ -139,7 +139,7 @@ class Speculator:
         s.spec_steps += 1
         s.spec_tokens += emitted
         if self.always or spec_cost.pays(s.spec_tokens, s.spec_steps, lambda: self.breakeven(batch),
-                                         self.block_size + 1):
+                                         self.block_size + 1, spec_cost.batch_bucket(batch) in self._breakeven):
             return False
         s.speculate, s.draft = False, None
         return True

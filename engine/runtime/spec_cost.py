@@ -12,7 +12,7 @@ Python) over b rows, a verify step over b x (block + 1), so on the numpy backend
 pays for one sequence loses for sixteen. `measure` times the three for `batch` sequences on
 scratch states of the model (no request's state is touched), taking each one's fastest of a few
 runs after a warm-up (kernels compiled, graphs captured); the scheduler measures each batch of
-MEASURED_BATCHES once, when a verify step of that many sequences (batch_bucket) is first judged.
+MEASURED_BATCHES once, when a sequence in a verify step of that many (batch_bucket) is first judged.
 """
 
 from __future__ import annotations
@@ -94,9 +94,13 @@ def measure(model, dsp, batch: int = 1, context: int = 64, runs: int = 3, warmup
     return SpecCost(_fastest(step, runs), _fastest(verify, runs), _fastest(draft, runs))
 
 
-def pays(tokens: int, steps: int, breakeven: Callable[[], float], most: int) -> bool:
+def pays(tokens: int, steps: int, breakeven: Callable[[], float], most: int, measured: bool) -> bool:
     """Whether a sequence that emitted `tokens` in `steps` verify steps, at most `most` a step (the
-    block + 1), should go on speculating: never where the breakeven is out of its reach; else yes
-    until WARMUP_STEPS steps have shown its acceptance, then while it exceeds the breakeven."""
+    block + 1), should go on speculating: yes until WARMUP_STEPS steps have shown its acceptance,
+    then while it exceeds the breakeven; never where the breakeven is beyond `most`, which a
+    breakeven already `measured` tells before the warm-up ends (an unmeasured one is measured
+    only after it: measuring takes a few steps' time)."""
+    if steps < WARMUP_STEPS and not measured:
+        return True
     b = breakeven()
     return b < most and (steps < WARMUP_STEPS or tokens > b * steps)

@@ -61,10 +61,11 @@ def test_measure_times_steps_of_the_batch(engine, batch, monkeypatch) -> None:
 
 
 def test_the_scheduler_judges_a_verify_step_by_its_batch(engine, monkeypatch) -> None:
-    """Breakevens are measured once per bucket, at a bucket's first verify step. A sequence at 3
-    tokens per verify step goes on alone (breakeven 2), stops after its warm-up steps in a verify
-    step of 9 sequences (bucket 8, breakeven 4), and after its first in one of 2 (breakeven 7:
-    beyond the block + 1 tokens a verify step can emit)."""
+    """Breakevens are measured once per bucket, at a bucket's first judgement (after the warm-up
+    steps). A sequence at 3 tokens per verify step goes on alone (breakeven 2) and stops after its
+    warm-up steps in a verify step of 9 sequences (bucket 8, breakeven 4). In one of 2 (breakeven
+    7: beyond the block + 1 tokens a verify step can emit) it stops after its warm-up while the
+    breakeven is unmeasured, and after its first step once it is measured."""
     import server.speculate as spec_mod
 
     asked = []
@@ -90,6 +91,8 @@ def test_the_scheduler_judges_a_verify_step_by_its_batch(engine, monkeypatch) ->
     assert not any(alone) and s1.speculate
     nine, s9 = stops(9, warm)
     assert nine == [False] * (warm - 1) + [True] and not s9.speculate and s9.draft is None
-    two, s2 = stops(2, 1)
-    assert two == [True] and not s2.speculate
+    two, s2 = stops(2, warm)
+    assert two == [False] * (warm - 1) + [True] and not s2.speculate
     assert asked == [1, 8, 2]
+    again, s2 = stops(2, 1)
+    assert again == [True] and not s2.speculate and asked == [1, 8, 2]
