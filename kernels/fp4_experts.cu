@@ -258,8 +258,8 @@ __device__ constexpr int bw_depth() {
 // own commit group), wait for step f - 1, convert step f + 1's fragment (the one step f - 3 read);
 // at s == 0 free chunk c - 1's token tile (its last step is f - 1). At s == 3 the next fragment is
 // the next chunk's first, from slot (i + 1) % D, and slot i, all of its steps converted, loads chunk
-// c + D. (Waiting for f - 1, not f - 3: ptxas serializes every wgmma of the kernel when registers a
-// wgmma reads are written with more than one group in flight.)
+// c + D. (Waiting for f - 1, not f - 3: the fragment converted next is the one step f - 3 read, and
+// ptxas serializes every wgmma of the kernel when registers an in-flight wgmma reads are written.)
 template <int FMT, int BN, int D>
 __device__ __forceinline__ void bw_chunk(float (&d)[BN / 2], u32 (&fr)[4][4], BwChunk<FMT> (&ring)[D], u32 base,
                                          const u8* w0, const u8* w1, const void* SW, int r0, int r1, bool ok0,
