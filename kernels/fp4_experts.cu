@@ -87,7 +87,9 @@ extern "C" __global__ void bw_sum_splits(const float* __restrict__ part, long lo
 #define BW_THREADS 384
 #define BW_PRODUCER_REGS 48  // (its 16 copies in flight spill at 40)
 #define BW_CONSUMER_REGS 224  // 128 x 48 + 256 x 224 <= 64K registers
-#define BW_BAR (BW_STAGES * BW_TILE_BYTES)  // full[ST], then empty[ST]
+#define BW_WTILE_BYTES 4096  // FP4: BW_BM weight rows x 32 bytes (64 e2m1 codes)
+#define BW_WT (BW_STAGES * BW_TILE_BYTES)  // FP4: the weight tiles, one a stage
+#define BW_BAR (BW_WT + BW_STAGES * BW_WTILE_BYTES)  // full[ST], then empty[ST]
 
 #define BW_2P112 0x77807780u  // 2^112 as bf16x2
 #define BW_ONE2 0x3f803f80u  // 1.0 as bf16x2
@@ -187,13 +189,25 @@ __device__ __forceinline__ void bw_load(BwChunk<FMT>& ch, const u8* w0, const u8
     // rows g and g + 8 share a block row (bn % 16 == 0); a clamped row's zeros take any scale
     ch.e0 = (__float_as_uint(__ldg((const float*)SW + (size_t)(r0 / bn) * gk + k / bk)) >> 23) & 0xffu;
     ch.e1 = ch.e0;
-  } else {
-    const uint2 a = ok0 ? __ldg((const uint2*)(w0 + k / 2)) : make_uint2(0, 0);
-    const uint2 b = ok1 ? __ldg((const uint2*)(w1 + k / 2)) : make_uint2(0, 0);
-    ch.r0 = make_uint4(a.x, a.y, 0, 0);
-    ch.r1 = make_uint4(b.x, b.y, 0, 0);
+  } else {  // (the codes come through shared memory: bw_fetch)
     ch.e0 = min(max((u32)__ldg((const u8*)SW + (size_t)r0 * gk + k / 32), 1u), 254u);
     ch.e1 = min(max((u32)__ldg((const u8*)SW + (size_t)r1 * gk + k / 32), 1u), 254u);
+  }
+}
+
+// FP4: chunk c's codes of the thread's rows (lr0 and lr0 + 8 of the block's 128), 8 bytes each, from
+// the stage's weight tile once its tile is in (the producer's cp.async copies, rows past N zeros).
+// Other formats hold their codes from bw_load.
+template <int FMT>
+__device__ __forceinline__ void bw_fetch(BwChunk<FMT>& ch, u32 base, int c, int lr0, int q) {
+  if constexpr (FMT == FMT_FP4) {
+    mbar_wait(base + BW_BAR + 8 * (c % BW_STAGES), (c / BW_STAGES) & 1);
+    const u32 a = base + BW_WT + (c % BW_STAGES) * BW_WTILE_BYTES + 32 * lr0 + 8 * q;
+    u32 x0, y0, x1, y1;
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(x0), "=r"(y0) : "r"(a) : "memory");
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(x1), "=r"(y1) : "r"(a + 256) : "memory");
+    ch.r0 = make_uint4(x0, y0, 0, 0);
+    ch.r1 = make_uint4(x1, y1, 0, 0);
   }
 }
 
@@ -251,7 +265,8 @@ __device__ __forceinline__ void bw_convert_step(u32 (&f)[4], const BwChunk<FMT>&
 // DRAM's latency, and it has the registers for them (its accumulators are BN / 2).
 template <int FMT, int BN>
 __device__ constexpr int bw_depth() {
-  return BN >= 256 ? 2 : BN >= 128 ? 4 : FMT == FMT_BF16 ? 4 : 8;
+  // (FP4: the ring holds the scale bytes only, the codes come through shared memory)
+  return FMT == FMT_FP4 ? (BN >= 128 ? 4 : 8) : BN >= 256 ? 2 : BN >= 128 ? 4 : FMT == FMT_BF16 ? 4 : 8;
 }
 
 // Step f = 4c + s of the K loop (chunk c in ring slot i = c % D, k16 step s): issue its wgmma (its
@@ -263,8 +278,9 @@ __device__ constexpr int bw_depth() {
 template <int FMT, int BN, int D>
 __device__ __forceinline__ void bw_chunk(float (&d)[BN / 2], u32 (&fr)[4][4], BwChunk<FMT> (&ring)[D], u32 base,
                                          const u8* w0, const u8* w1, const void* SW, int r0, int r1, bool ok0,
-                                         bool ok1, int bn, int bk, int gk, int c0, int c, int I, int C, int q) {
-  mbar_wait(base + BW_BAR + 8 * (c % BW_STAGES), (c / BW_STAGES) & 1);
+                                         bool ok1, int bn, int bk, int gk, int c0, int c, int I, int C, int q,
+                                         int lr0) {
+  if constexpr (FMT != FMT_FP4) mbar_wait(base + BW_BAR + 8 * (c % BW_STAGES), (c / BW_STAGES) & 1);
   fence_proxy_async();
   const u32 bt = base + (c % BW_STAGES) * BW_TILE_BYTES;
 #pragma unroll
@@ -280,7 +296,10 @@ __device__ __forceinline__ void bw_chunk(float (&d)[BN / 2], u32 (&fr)[4][4], Bw
     if (s < 3) {
       bw_convert_step<FMT>(fr[s + 1], ring[I], s + 1);
     } else {
-      if (c + 1 < C) bw_convert_step<FMT>(fr[0], ring[(I + 1) % D], 0);
+      if (c + 1 < C) {
+        bw_fetch<FMT>(ring[(I + 1) % D], base, c + 1, lr0, q);
+        bw_convert_step<FMT>(fr[0], ring[(I + 1) % D], 0);
+      }
       if (c + D < C) bw_load<FMT>(ring[I], w0, w1, SW, r0, r1, ok0, ok1, bn, bk, gk, c0 + c + D, q);
     }
   }
@@ -307,6 +326,8 @@ __device__ __forceinline__ void bw_consume(u32 base, const u8* __restrict__ W, c
 #pragma unroll
   for (int i = 0; i < D; ++i)
     if (i < C) bw_load<FMT>(ring[i], w0, w1, SW, rs0, rs1, ok0, ok1, bn, bk, gk, c0 + i, q);
+  const int lr0 = 64 * wg + 16 * warp + g;
+  bw_fetch<FMT>(ring[0], base, 0, lr0, q);
   bw_convert_step<FMT>(fr[0], ring[0], 0);
   // D chunks an iteration, unrolled, so that each one's ring slot is a constant (registers, not local
   // memory)
@@ -314,7 +335,8 @@ __device__ __forceinline__ void bw_consume(u32 base, const u8* __restrict__ W, c
 #pragma unroll
     for (int i = 0; i < D; ++i)
       if (cd + i < C)
-        bw_chunk<FMT, BN, D>(d, fr, ring, base, w0, w1, SW, rs0, rs1, ok0, ok1, bn, bk, gk, c0, cd + i, i, C, q);
+        bw_chunk<FMT, BN, D>(d, fr, ring, base, w0, w1, SW, rs0, rs1, ok0, ok1, bn, bk, gk, c0, cd + i, i, C, q,
+                             lr0);
   }
   wgmma_wait<0>();
   wg_fence_regs(d);
@@ -337,16 +359,25 @@ __device__ __forceinline__ void bw_consume(u32 base, const u8* __restrict__ W, c
 
 // The producer warpgroup: token rows m0 .. m0 + 255 of X (bf16 rows of ldx elements, K in the GEMM's
 // order), chunks c0 .. c0 + C - 1 of 64 of K, one a stage, each 128-byte row to its swizzled place;
-// rows past M zero-filled.
+// rows past M zero-filled. FP4: also the chunk's 32 bytes of weight row n0 + t (W: rows of K / 2
+// bytes), zeros past N, so that the consumers' loads of them wait on shared memory, not DRAM.
+template <int FMT>
 __device__ __forceinline__ void bw_produce(u32 base, const u8* __restrict__ X, int ldx, int M, int c0, int C,
-                                           int m0) {
+                                           int m0, const u8* __restrict__ W, int N, int K, int n0) {
   const int t = threadIdx.x - 256, r8 = t >> 3, c8 = t & 7;
   const u8* src = X + (size_t)min(m0 + r8, M - 1) * ldx * 2 + 16 * c8 + 128 * (size_t)c0;
+  const bool wok = n0 + t < N;
+  const u8* wsrc = W + (size_t)min(n0 + t, N - 1) * (K / 2) + 32 * (size_t)c0;
   for (int c = 0; c < C; ++c) {
     const int s = c % BW_STAGES;
     mbar_wait(base + BW_BAR + 8 * (BW_STAGES + s), ((c / BW_STAGES) & 1) ^ 1);
     wg_copy_rows<16, 16>(base + s * BW_TILE_BYTES + wg_swz(r8, c8), 2048, src + 128 * c, (size_t)16 * ldx * 2,
                          M - m0 - r8);  // (rows past M: zeros)
+    if constexpr (FMT == FMT_FP4) {
+      const u32 wd = base + BW_WT + s * BW_WTILE_BYTES + 32 * t;
+      wg_cp16(wd, wsrc + 32 * c, wok ? 16 : 0);
+      wg_cp16(wd + 16, wsrc + 32 * c + 16, wok ? 16 : 0);
+    }
     mbar_arrive_cp_async(base + BW_BAR + 8 * s);
   }
 }
@@ -376,7 +407,7 @@ __device__ __forceinline__ void bw_gemm(u8* raw, const u8* X, int ldx, const u8*
   __syncthreads();
   if (threadIdx.x >= 256) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(BW_PRODUCER_REGS));
-    bw_produce(base, X, ldx, M, c0, C, m0);
+    bw_produce<FMT>(base, X, ldx, M, c0, C, m0, W, N, K, n0);
   } else if (n0 + 64 * (int)(threadIdx.x >> 7) >= N) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(BW_PRODUCER_REGS));
     bw_idle(base, C);
@@ -395,7 +426,7 @@ __device__ __forceinline__ void bw_gemm(u8* raw, const u8* X, int ldx, const u8*
 // takes them; X (act_quant_bf16w's bf16 [*, K]) and Y rows in pair order; the expert's e2m1 weight
 // [N, K / 2] at wptrs[e], its UE8M0 scales [N, gk] at sptrs[e]; bf: Y rounded to bf16 as stored.
 // Block (x, y): segment y, its token rows 0 .. 255 (segments have at most 256), weight rows x * 128...
-// grid (ceil(N / 128), nseg), block 384, dynamic shared memory BW_STAGES * 32 KB + barriers + 1 KB.
+// grid (ceil(N / 128), nseg), block 384, dynamic shared memory BW_STAGES * (32 + 4) KB + barriers + 1 KB.
 extern "C" __global__ void __launch_bounds__(BW_THREADS, 1)
     gemm_fp4_experts_sm90(const u8* X, const int* segs, const u64* wptrs, const u64* sptrs, float* Y, int ldy, int N,
                           int K, int gk, int bf) {

@@ -15,7 +15,8 @@ from engine.ops.kernels import FMT_BF16, FMT_FP4, FMT_FP8
 
 FE_ROWS = 256  # token rows per block (the wgmma N at most): a MoE segment's rows on this path
 FE_COLS, FE_THREADS, FE_STAGES = 128, 384, 6  # kernels/fp4_experts.cu BW_BM, BW_THREADS, BW_STAGES
-FE_SMEM = FE_STAGES * (FE_ROWS * 128 + 16) + 1024  # token tiles of 64 bf16 a row, 2 mbarriers each, alignment
+# token tiles of 64 bf16 a row, FP4 weight tiles (128 rows x 32 bytes), 2 mbarriers each, alignment
+FE_SMEM = FE_STAGES * (FE_ROWS * 128 + 4096 + 16) + 1024
 CHUNK = 64  # K step of the kernel and of act_quant_bf16w's order
 # split K (gemm_fp8w_bf16 / gemm_bf16w; common.k_splits): a skinny linear (a verify step's rows; a
 # small N) has fewer blocks than multiprocessors and reads its weight at a fraction of HBM's rate.
