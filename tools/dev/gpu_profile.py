@@ -442,8 +442,19 @@ def draft(ckpt: str, batches: list[int], numerics: str = "deepseek", iters: int 
             caps[-1].graph.launch(stream)
         stream.synchronize()
         alone = (time.perf_counter() - t0) / iters
+        # one launch at a time, waited for: what a served step pays for the launch itself, which
+        # back-to-back replays hide behind the previous replay
+        call, waited = [], []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            caps[-1].graph.launch(stream)
+            t1 = time.perf_counter()
+            stream.synchronize()
+            call.append(t1 - t0)
+            waited.append(time.perf_counter() - t0)
         print(f"b{b}: draft step as served {served * 1e3:.3f} ms, its graph alone {alone * 1e3:.3f} ms, "
-              f"the host's share {(served - alone) * 1e3:.3f} ms")
+              f"the host's share {(served - alone) * 1e3:.3f} ms; one launch waited for "
+              f"{np.median(waited) * 1e3:.3f} ms, its launch call {np.median(call) * 1e3:.3f} ms")
         del model, drafts
 
 
