@@ -403,3 +403,65 @@ extern "C" __global__ void __launch_bounds__(SMP_THREADS) sample_rows(
     o[O_ACCEPT] = accept ? 1 : 0;
   }
 }
+
+// A draft block's greedy position (engine/model/dspark.py): x[r, :] += b[r, :] in place (b may be
+// null), then out[r * os] = the index of x[r]'s largest value, the first on ties, NaN above every
+// number and -0 equal to +0: numpy's argmax. Grid (S, R), block 256: block s reads its AA_SLICE
+// columns of row r (every load of a thread in flight at once) and writes its best to part[r * S + s];
+// the last of row r's blocks (counter cnt[r], which it resets) takes the best of the S. Many
+// blocks a row, since one block's strided pass over a 129K vocabulary waits on memory.
+#define AA_SLICE 2048
+#define AA_THREADS 256
+__device__ __forceinline__ u32 argmax_key(u32 u) {
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0xffffffffu;  // NaN
+  if (u == 0x80000000u) u = 0u;
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+extern "C" __global__ void __launch_bounds__(AA_THREADS) add_argmax(float* __restrict__ x, long long xs,
+                                                                    const float* __restrict__ b, long long bs,
+                                                                    int V, u64* __restrict__ part,
+                                                                    int* __restrict__ cnt, long long* __restrict__ out,
+                                                                    long long os) {
+  __shared__ u64 red[33];
+  __shared__ int last;
+  const int r = blockIdx.y, s = blockIdx.x, S = gridDim.x;
+  float* xr = x + (size_t)r * xs;
+  const float* br = b ? b + (size_t)r * bs : nullptr;
+  float v[AA_SLICE / AA_THREADS];
+#pragma unroll
+  for (int j = 0; j < AA_SLICE / AA_THREADS; ++j) {
+    const int i = s * AA_SLICE + j * AA_THREADS + threadIdx.x;
+    v[j] = i < V ? xr[i] : 0.f;
+    if (br && i < V) v[j] += __ldg(br + i);
+  }
+  u64 best = 0ull;  // (key << 32) | ~index
+#pragma unroll
+  for (int j = 0; j < AA_SLICE / AA_THREADS; ++j) {
+    const int i = s * AA_SLICE + j * AA_THREADS + threadIdx.x;
+    if (i < V) {
+      if (br) xr[i] = v[j];
+      const u64 t = ((u64)argmax_key(__float_as_uint(v[j])) << 32) | (u64)(0xffffffffu - (u32)i);
+      best = t > best ? t : best;
+    }
+  }
+  best = block_max_u64(best, red);
+  if (threadIdx.x == 0) {
+    part[(size_t)r * S + s] = best;
+    __threadfence();
+    last = atomicAdd(cnt + r, 1) == S - 1;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  best = 0ull;
+  for (int q = threadIdx.x; q < S; q += AA_THREADS) {
+    const u64 t = __ldcg(part + (size_t)r * S + q);
+    best = t > best ? t : best;
+  }
+  best = block_max_u64(best, red);
+  if (threadIdx.x == 0) {
+    out[(size_t)r * os] = (long long)(0xffffffffu - (u32)(best & 0xffffffffull));
+    cnt[r] = 0;  // ready for the next launch (and graph replay)
+  }
+}

@@ -266,20 +266,26 @@ class DSpark:
         inputs = (ops.asarray(np.concatenate([ids.reshape(-1), lo, hi]), dtype=np.int64),
                   ops.asarray(np.stack([cos, sin])), *(st.windows[i] for i in range(len(self.layers)) for st in states))
 
-        def stream(i64, cs, *windows):
+        def stream(i64, cs, *windows, collapse: bool = True):
             ids, lo, hi = i64[:bsz * n], i64[bsz * n:2 * bsz * n], i64[2 * bsz * n:]
             cos, sin = cs[0], cs[1]
             h, pre_mix = model.embed(Batch(ids=ids, hash_ids=None, rope={}, chunks=[]))
             for i, layer in enumerate(self.layers):
                 h, pre_mix = layer(h, pre_mix, windows[i * bsz : (i + 1) * bsz], cos, sin, ids, (lo, hi, span))
-            # the collapse, stored as an activation (bf16 under deepseek numerics, as the reference's
-            # hc_pre); a product and a sum, not einsum, which CuPy hands to cuBLAS (not capturable)
-            x = ops.act((pre_mix[:, :, None] * h).sum(axis=1, dtype=np.float32))
-            # (the main head's vocabulary slice on this rank, gathered)
-            return x, ops.all_gather(ops.linear(ops.rmsnorm(x, self.norm, self.cfg.rms_norm_eps), model.head.w.head))
+            # the head's input: the streams' collapse (stored as an activation: bf16 under deepseek
+            # numerics, as the reference's hc_pre) RMS-normalised, in one op as the main model's head
+            # takes it; the main head's vocabulary slice on this rank, gathered
+            logits = ops.all_gather(ops.linear(ops.hc_collapse_norm(h, pre_mix, self.norm, self.cfg.rms_norm_eps),
+                                               model.head.w.head))
+            if not collapse:  # (a greedy block of tokens alone: no confidence head reads it)
+                return None, logits
+            # the collapse itself, for the confidence head; a product and a sum, not einsum, which CuPy
+            # hands to cuBLAS (not capturable)
+            return ops.act((pre_mix[:, :, None] * h).sum(axis=1, dtype=np.float32)), logits
 
         def block(i64, cs, *windows):
-            return self._greedy_block(*stream(i64, cs, *windows), i64[:bsz * n:n], bsz, tokens_only)
+            return self._greedy_block(*stream(i64, cs, *windows, collapse=not tokens_only), i64[:bsz * n:n], bsz,
+                                      tokens_only)
 
         fn = block if greedy else stream
         if self.region is not None and min(lengths) == self.cfg.sliding_window:
@@ -294,20 +300,23 @@ class DSpark:
         return e
 
     def _greedy_block(self, x, logits, last, bsz: int, tokens_only: bool = False) -> tuple:
-        """Argmax drafting of every sequence on the backend, with no host work: tokens [bsz, n]
-        (backend int64), logits [bsz, n, vocab] with the Markov bias, their softmax, confidence;
-        tokens_only: (tokens,)."""
-        xp, n = self.ops.xp, self.block_size
+        """Argmax drafting of every sequence on the backend, with no host work: tokens [n, bsz]
+        (backend int64, position-major: position i's row is the next one's previous tokens as it
+        lies), logits [bsz, n, vocab] with the Markov bias, their softmax, confidence; tokens_only:
+        (tokens,)."""
+        ops, xp, n = self.ops, self.ops.xp, self.block_size
         logits = logits.reshape(bsz, n, logits.shape[-1])
-        prev, tokens, embeds = last, [], []
+        tokens = xp.empty((n, bsz), np.int64)
+        prev, embeds = last, []
         for i in range(n):
-            embeds.append(self._markov(logits, i, prev))
-            prev = xp.argmax(logits[:, i], axis=1).astype(np.int64, copy=False)  # (argmax's is int64 already)
-            tokens.append(prev)
+            bias, e = self.markov_head(prev)
+            embeds.append(e)
+            # (the bias added and the argmax taken in one pass: one kernel on the GPU)
+            prev = ops.add_argmax(logits[:, i], bias, tokens[i])
         if tokens_only:
-            return (xp.stack(tokens, axis=1),)
+            return (tokens,)
         confidence = self.confidence_head(x, xp.stack(embeds, axis=1).reshape(bsz * n, -1)).reshape(bsz, n)
-        return xp.stack(tokens, axis=1), logits, _softmax_last(xp, logits), confidence
+        return tokens, logits, _softmax_last(xp, logits), confidence
 
     def draft(self, state: DraftState, last_token: int, rng: np.random.Generator | None = None,
               temperature: float = 1.0) -> Draft:
@@ -337,7 +346,7 @@ class DSpark:
             out = self._run(states, last_tokens, greedy=True, tokens_only=tokens_only)
             if ahead is not None:
                 ahead()
-            tokens = np.asarray(ops.to_host(out[0]), np.int64)
+            tokens = np.asarray(ops.to_host(out[0]), np.int64).T  # ([n, bsz] on the backend)
             if tokens_only:
                 return [Draft(tokens[b], None, None, None) for b in range(bsz)]
             logits, probs, confidence = out[1:]

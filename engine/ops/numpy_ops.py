@@ -87,6 +87,14 @@ class NumpyOps:
             ahead()
         return out
 
+    def add_argmax(self, x: np.ndarray, bias: np.ndarray | None, out: np.ndarray) -> np.ndarray:
+        """x += bias in place (bias None: x as it is); out[:] = each row's argmax (the first on ties);
+        returns out."""
+        if bias is not None:
+            x += bias
+        out[...] = np.argmax(x, axis=1)
+        return out
+
     def draw_drafts(self, logits: np.ndarray, rows, temperatures, uniforms) -> tuple[np.ndarray, np.ndarray]:
         """One position of a draft block, by the host rule (engine/runtime/spec_sampling.py)."""
         return spec_sampling.draw_drafts(logits, rows, temperatures, uniforms)

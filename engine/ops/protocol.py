@@ -100,6 +100,12 @@ class Ops(Protocol):
     def sample_rows(self, logits: Array, jobs: list, ahead: Callable | None = None) -> list: ...
     def copy_rows(self, jobs: list) -> None: ...
 
+    def add_argmax(self, x: Array, bias: Array | None, out: Array) -> Array:
+        """A greedy draft position: x [rows, vocab] += bias in place, then out [rows] (int64, may be a
+        strided view) = each row's argmax, numpy's (the first on ties, NaN above every number);
+        returns out."""
+        ...
+
     def draw_drafts(self, logits: Array, rows: Sequence[int], temperatures: Sequence[float],
                     uniforms: Sequence[float]) -> tuple[Array, Array]:
         """One position of a draft block (engine/runtime/spec_sampling.py draw_drafts): from rows

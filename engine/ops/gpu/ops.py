@@ -78,6 +78,7 @@ class CupyOps(Forks, WeightOps, LinearOps, NormOps, MoeOps, AttentionOps):
         self._rows_of_mask: tuple | None = None  # attend_decode: (mask, k, its row lists), the last
         self._no_scale = cp.zeros(1, F32)  # embed: the scale argument of unscaled tables
         self._hc_count = cp.zeros(HC_COUNTERS, dtype=cp.int32)  # hc_mix's block counters (each resets its own)
+        self._argmax_count = cp.zeros(cupy_sampling.ARGMAX_ROWS, dtype=cp.int32)  # add_argmax's, likewise
 
     # ---- arrays ----------------------------------------------------------------------
     def asarray(self, x, dtype=F32) -> cp.ndarray:
@@ -123,6 +124,12 @@ class CupyOps(Forks, WeightOps, LinearOps, NormOps, MoeOps, AttentionOps):
         host work done while the device finishes, before the tokens are read back."""
         return cupy_sampling.sample_rows(self.asarray(logits), jobs,
                                          upload=lambda table: self.asarray(table, dtype=np.int32), ahead=ahead)
+
+    def add_argmax(self, x: cp.ndarray, bias: cp.ndarray | None, out: cp.ndarray) -> cp.ndarray:
+        """x += bias in place, out = x's argmax per row, in one launch (sampling.py). Its block
+        counters are one buffer of this backend: draft positions run one after another on the
+        current stream, never forked."""
+        return cupy_sampling.add_argmax(x, bias, out, self._argmax_count)
 
     def draw_drafts(self, logits: cp.ndarray, rows, temperatures, uniforms) -> tuple[cp.ndarray, cp.ndarray]:
         """One position of a draft block, drawn on the device (spec_sampling.py)."""

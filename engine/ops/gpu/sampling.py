@@ -18,6 +18,7 @@ import cupy as cp
 import numpy as np
 
 from engine.ops import kernels as K
+from engine.ops.gpu.common import _NULL
 from engine.ops.gpu.sample_table import (  # (the table's layout, shared with the kernel)
     JOB_WORDS,
     OUT_ACCEPT,
@@ -85,3 +86,31 @@ def results(host: np.ndarray, jobs: Sequence[SampleJob], vocab: int) -> list:
 def accepted(host: np.ndarray) -> np.ndarray:
     """Which verify rows kept their draft, from the kernel's output read back [jobs, OUT_WORDS]."""
     return host[:, OUT_ACCEPT] != 0
+
+
+ARGMAX_SLICE = 2048  # kernels/sampling.cu AA_SLICE: columns per block of add_argmax
+ARGMAX_ROWS = 1 << 12  # rows one add_argmax launch takes (one int32 block counter each)
+
+
+def add_argmax(x: cp.ndarray, bias: cp.ndarray | None, out: cp.ndarray, counters: cp.ndarray) -> cp.ndarray:
+    """x [rows, vocab] float32 (rows may be strided, columns contiguous) += bias [rows, vocab] in
+    place; out [rows] int64 (may be strided) = each row's argmax as numpy's (the first on ties, NaN
+    above all). One launch per ARGMAX_ROWS rows; counters: ARGMAX_ROWS int32 zeros that the kernel
+    leaves zeroed, never used by two launches at once. Returns out."""
+    rows, vocab = x.shape
+    if x.dtype != cp.float32 or x.strides[1] != 4 or out.dtype != cp.int64 or out.shape != (rows,):
+        raise TypeError(f"add_argmax: x {x.dtype} {x.strides}, out {out.dtype} {out.shape}")
+    if bias is not None:
+        bias = cp.ascontiguousarray(bias, dtype=cp.float32)
+        if bias.shape != x.shape:
+            raise ValueError(f"add_argmax: bias {bias.shape} for x {x.shape}")
+    s = -(-vocab // ARGMAX_SLICE)
+    fn = K.function("sampling", "add_argmax")
+    for r0 in range(0, rows, ARGMAX_ROWS):
+        n = min(ARGMAX_ROWS, rows - r0)
+        part = cp.empty((n, s), dtype=cp.uint64)
+        b = bias[r0:] if bias is not None else None
+        fn((s, n), (256,), (x[r0:], np.int64(x.strides[0] // 4), b if b is not None else _NULL,
+                            np.int64(vocab), np.int32(vocab), part, counters, out[r0:],
+                            np.int64(out.strides[0] // 8)))
+    return out
