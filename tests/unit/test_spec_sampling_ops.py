@@ -201,3 +201,24 @@ def test_job_table_carries_speculative_words() -> None:
     assert head[:, JOB_UA:JOB_UA + 2].copy().view(np.float64).ravel().tolist() == [0.25, 0.0]
     assert head[:, JOB_U:JOB_U + 2].copy().view(np.float64).ravel().tolist() == [0.75, 0.75]
     assert (ndelta, nwork) == (2 + 3, 2)  # each row's own penalty deltas (row 2 counts the draft 8)
+
+
+def test_add_argmax_adds_in_place_and_takes_numpys_argmax() -> None:
+    """A greedy draft position (DSpark._greedy_block): the bias lands in the logits' rows (a strided
+    view of the block's logits) and each token in its column of the [positions, sequences] array,
+    the first index on ties and a NaN above every number, as numpy's argmax."""
+    rng = np.random.default_rng(7)
+    logits = rng.standard_normal((3, 5, 40)).astype(np.float32)
+    logits[0, 2, [4, 9]] = 50.0  # a tie: the first wins
+    logits[1, 2, 30] = np.nan
+    bias = rng.standard_normal((3, 40)).astype(np.float32)
+    bias[0, [4, 9]] = 1.0  # (the tie survives the bias)
+    want_x = logits[:, 2] + bias
+    tokens = np.full((5, 3), -1, np.int64)
+    got = NumpyOps().add_argmax(logits[:, 2], bias, tokens[2])
+    assert got is not None and np.shares_memory(got, tokens)
+    np.testing.assert_array_equal(logits[:, 2], want_x)
+    np.testing.assert_array_equal(tokens[2], [4, 30, int(np.argmax(want_x[2]))])
+    assert (tokens[[0, 1, 3, 4]] == -1).all()  # (only position 2's row written)
+    NumpyOps().add_argmax(logits[:, 3], None, tokens[3])  # no bias: the logits as they are
+    np.testing.assert_array_equal(tokens[3], np.argmax(logits[:, 3], axis=1))
