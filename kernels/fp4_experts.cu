@@ -12,10 +12,11 @@
 // Layout (learned from, not copied: the "weights in registers" mixed-input GEMMs, vLLM's Machete
 // and CUTLASS's sm90 mixed-input mainloop): Y^T = W X^T. Two consumer warpgroups each own 64
 // weight rows (Y columns) and issue wgmma.mma_async m64nNk16 bf16 with A from registers (the
-// weight rows, loaded from global and decoded in registers) and B from shared memory (up to 256
-// token rows, bf16, K-major, 128-byte swizzle), filled by a producer warpgroup through an mbarrier
-// ring. A weight element decoded once serves up to 256 tokens, and the weights never pass through
-// shared memory.
+// weight rows, decoded in registers) and B from shared memory (up to 256 token rows, bf16, K-major,
+// 128-byte swizzle), filled by a producer warpgroup through an mbarrier ring. A weight element
+// decoded once serves up to 256 tokens. The FP4 codes reach the consumers through the same ring
+// (a 4 KB tile beside each stage's tokens, bw_fetch); FP8 and bf16 weights, and the FP4 scale
+// bytes, are loaded from global into registers (bw_load).
 //
 // K order: a thread's A fragment for k16 step s holds columns 2q, 2q+1, 2q+8, 2q+9 of rows g and
 // g+8 (q = lane % 4, g = lane / 4). Each thread loads 16 consecutive weight elements (8 bytes) of a
@@ -259,13 +260,12 @@ __device__ __forceinline__ void bw_convert_step(u32 (&f)[4], const BwChunk<FMT>&
 }
 
 // Chunks of weights a consumer thread holds loaded ahead of its wgmmas (a ring in registers): a
-// chunk's loads are issued D - 1 chunks before it is converted. A thread's share of a chunk is
-// a few bytes (FP4: 16), so with one block an SM the weights' bytes in flight are D x 4 KB (FP4);
-// a short token tile spends few tensor cycles a chunk, so its loads need more chunks ahead to cover
-// DRAM's latency, and it has the registers for them (its accumulators are BN / 2).
+// chunk's loads are issued D - 1 chunks before it is converted. A short token tile spends few tensor
+// cycles a chunk, so its loads need more chunks ahead to cover DRAM's latency, and it has the
+// registers for them (its accumulators are BN / 2). FP4: the ring holds the scale bytes only, the
+// codes come through shared memory (bw_fetch).
 template <int FMT, int BN>
 __device__ constexpr int bw_depth() {
-  // (FP4: the ring holds the scale bytes only, the codes come through shared memory)
   return FMT == FMT_FP4 ? (BN >= 128 ? 4 : 8) : BN >= 256 ? 2 : BN >= 128 ? 4 : FMT == FMT_BF16 ? 4 : 8;
 }
 
