@@ -59,6 +59,9 @@
 // FP8 producer's 16 copies in flight spill at 40
 #define WG_PRODUCER_REGS 56
 #define WG_CONSUMER_REGS 224
+// (setmaxnreg.inc waits for registers from the block's own pool: a split past it hangs every launch)
+static_assert(128 * WG_PRODUCER_REGS + 256 * WG_CONSUMER_REGS <= WG_THREADS * (65536 / WG_THREADS / 8 * 8),
+              "setmaxnreg: the warpgroups' registers exceed the block's allocation");
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 template <int FMT>
