@@ -88,9 +88,7 @@ extern "C" __global__ void bw_sum_splits(const float* __restrict__ part, long lo
 #define BW_THREADS 384
 #define BW_PRODUCER_REGS 48  // (its 16 copies in flight spill at 40)
 #define BW_CONSUMER_REGS 224  // 128 x 48 + 256 x 224 <= 384 x 168, the block's registers at launch
-// (setmaxnreg.inc waits for registers from the block's own pool: a split past it hangs every launch)
-static_assert(128 * BW_PRODUCER_REGS + 256 * BW_CONSUMER_REGS <= BW_THREADS * (65536 / BW_THREADS / 8 * 8),
-              "setmaxnreg: the warpgroups' registers exceed the block's allocation");
+static_assert(wg_split_fits(BW_THREADS, BW_PRODUCER_REGS, BW_CONSUMER_REGS), "setmaxnreg split past the registers");
 #define BW_WTILE_BYTES 4096  // FP4: BW_BM weight rows x 32 bytes (64 e2m1 codes)
 #define BW_WT (BW_STAGES * BW_TILE_BYTES)  // FP4: the weight tiles, one a stage
 #define BW_BAR (BW_WT + BW_STAGES * BW_WTILE_BYTES)  // full[ST], then empty[ST]

@@ -59,9 +59,13 @@
 // FP8 producer's 16 copies in flight spill at 40
 #define WG_PRODUCER_REGS 56
 #define WG_CONSUMER_REGS 224
-// (setmaxnreg.inc waits for registers from the block's own pool: a split past it hangs every launch)
-static_assert(128 * WG_PRODUCER_REGS + 256 * WG_CONSUMER_REGS <= WG_THREADS * (65536 / WG_THREADS / 8 * 8),
-              "setmaxnreg: the warpgroups' registers exceed the block's allocation");
+// Whether one producer and two consumer warpgroups' setmaxnreg split fits the block's registers at
+// launch (threads x the per-thread count the launch bounds allow, in units of 8): setmaxnreg.inc
+// waits for registers from the block's own pool, so a split past it hangs every launch.
+__host__ __device__ constexpr bool wg_split_fits(int threads, int producer, int consumer) {
+  return 128 * producer + 256 * consumer <= threads * (65536 / threads / 8 * 8);
+}
+static_assert(wg_split_fits(WG_THREADS, WG_PRODUCER_REGS, WG_CONSUMER_REGS), "setmaxnreg split past the registers");
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 template <int FMT>
