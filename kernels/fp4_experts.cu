@@ -423,19 +423,243 @@ __device__ __forceinline__ void bw_gemm(u8* raw, const u8* X, int ldx, const u8*
   }
 }
 
+// ---- FP4 experts: the producer decodes the weights into shared memory ----------------------------
+// The consumers of the register-operand design above spent ~70 instructions per FP4 wgmma on the
+// decode and its moves (Nsight Compute: issue slots 38% busy, the tensor pipe 40%), and a short tile
+// (a segment's remainder, N 64) is all decode. Here the producer warpgroup decodes each chunk's
+// 128 weight rows (one row per thread, the codes and scale bytes it copied itself FD_LAG stages
+// before) into a bf16 A tile of the stage, K-major with the 128-byte swizzle in the tokens' K order,
+// and the consumers issue both operands from shared memory: four wgmmas a chunk, one commit group.
+// Stage: tokens 32 KB + decoded weights 16 KB; staging (codes 4 KB, scale windows 512 B) per stage.
+#define FD_STAGES 4
+#define FD_LAG 3                                            // stages between a code copy and its decode (< FD_STAGES)
+#define FD_ATILE 16384                                      // BW_BM rows x 128 bytes of bf16
+#define FD_STG 4608                                         // 128 rows x 32 code bytes, then 128 x 4 scale bytes
+#define FD_A (FD_STAGES * BW_TILE_BYTES)                    // the A tiles (1024-aligned)
+#define FD_S (FD_A + FD_STAGES * FD_ATILE)                  // the staging areas
+#define FD_BAR (FD_S + FD_STAGES * FD_STG)                  // full[ST], then empty[ST]
+#define FD_PRODUCER_REGS 96                                 // 128 x 96 + 256 x 208 = 64K registers
+#define FD_CONSUMER_REGS 208
+
+#define BW_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+                 "+f"(d[i + 6]), "+f"(d[i + 7])
+// wgmma m64nNk16 bf16 -> f32 with both operands in shared memory (K-major, descriptors da / db); adds to d.
+__device__ __forceinline__ void wgmma_ss(float (&d)[128], u64 da, u64 db) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+      "%128, %129, 1, 1, 1, 0, 0;\n"
+      : BW_D8(0), BW_D8(8), BW_D8(16), BW_D8(24), BW_D8(32), BW_D8(40), BW_D8(48), BW_D8(56),
+        BW_D8(64), BW_D8(72), BW_D8(80), BW_D8(88), BW_D8(96), BW_D8(104), BW_D8(112), BW_D8(120)
+      : "l"(da), "l"(db)
+      : "memory");
+}
+__device__ __forceinline__ void wgmma_ss(float (&d)[64], u64 da, u64 db) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, 1, 1, 1, 0, 0;\n"
+      : BW_D8(0), BW_D8(8), BW_D8(16), BW_D8(24), BW_D8(32), BW_D8(40), BW_D8(48), BW_D8(56)
+      : "l"(da), "l"(db)
+      : "memory");
+}
+__device__ __forceinline__ void wgmma_ss(float (&d)[32], u64 da, u64 db) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "%32, %33, 1, 1, 1, 0, 0;\n"
+      : BW_D8(0), BW_D8(8), BW_D8(16), BW_D8(24)
+      : "l"(da), "l"(db)
+      : "memory");
+}
+#undef BW_D8
+
+// Stage i's weight row t (the producer thread's own): its 64 codes of chunk c0 + i and their two
+// UE8M0 bytes, copied FD_LAG stages before (this thread's cp.async groups have landed), decoded into
+// row t of the stage's A tile. Physical element k = 16q + 4s + 2h + j (code byte 8q + 2s + h, nibble
+// j) goes to logical place 16s + 8h + 2q + j, the tokens' order (act_quant_bf16w): logical 16-byte
+// chunk b = 2s + h holds the code bytes 8q + b, q = 0..3, as bf16 pairs q; q 0, 1 take the first
+// scale (physical k < 32), q 2, 3 the second. Then the writes are made visible to the wgmmas'
+// async proxy and the stage's full barrier gets this thread's second arrive.
+__device__ __forceinline__ void fd_decode(u8* smem, u32 base, int i, int n0, int N, int gk, int c0) {
+  const int t = threadIdx.x - 256, s = i % FD_STAGES;
+  const u8* stg = smem + FD_S + s * FD_STG;
+  const uint4 v0 = *(const uint4*)(stg + 32 * t), v1 = *(const uint4*)(stg + 32 * t + 16);
+  const u32 w[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+  const int off = (int)(((size_t)min(n0 + t, N - 1) * gk + 2 * (c0 + i)) & 3);  // (0 or 2: gk is even)
+  const u32 sb = *(const u32*)(stg + 4096 + 4 * t) >> (8 * off);
+  const u32 e0 = min(max(sb & 0xffu, 1u), 254u), e1 = min(max((sb >> 8) & 0xffu, 1u), 254u);
+  const bool one = max(e0, e1) <= 142;  // 2^(112 + d), d = e - 127 <= 15: one bf16 factor
+  const u32 s0 = bw_scale2(e0, one ? 112 : 0), s1 = bw_scale2(e1, one ? 112 : 0);
+  const u32 at = base + FD_A + s * FD_ATILE;
+#pragma unroll
+  for (int b = 0; b < 8; ++b) {
+    const int hi = b >> 2, sel = (b & 3) | ((4 + (b & 3)) << 4);
+    const u32 x = __byte_perm(__byte_perm(w[hi], w[2 + hi], sel), __byte_perm(w[4 + hi], w[6 + hi], sel), 0x5410);
+    const u32 lo8 = e2m1x4_to_e4m3(x), hi8 = e2m1x4_to_e4m3(x >> 16);  // codes of pairs 0, 1 and 2, 3
+    u32 o[4];
+    if (one) {
+      o[0] = e4m3x2_bf16x2(lo8, s0);
+      o[1] = e4m3x2_bf16x2(lo8 >> 16, s0);
+      o[2] = e4m3x2_bf16x2(hi8, s1);
+      o[3] = e4m3x2_bf16x2(hi8 >> 16, s1);
+    } else {  // scales over 2^15 (no real checkpoint's): 2^112, then 2^d
+      o[0] = bf16x2_mul(e4m3x2_bf16x2(lo8, BW_2P112), s0);
+      o[1] = bf16x2_mul(e4m3x2_bf16x2(lo8 >> 16, BW_2P112), s0);
+      o[2] = bf16x2_mul(e4m3x2_bf16x2(hi8, BW_2P112), s1);
+      o[3] = bf16x2_mul(e4m3x2_bf16x2(hi8 >> 16, BW_2P112), s1);
+    }
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(at + wg_swz(t, b)), "r"(o[0]), "r"(o[1]),
+                 "r"(o[2]), "r"(o[3]) : "memory");
+  }
+  fence_proxy_async();
+  mbar_arrive(base + FD_BAR + 8 * s);
+}
+
+// The producer warpgroup: for each chunk i of K (64), once its stage is free, the token rows m0 ..
+// m0 + 255 (as bw_produce, rows past M zeros), weight row n0 + t's 32 code bytes and the aligned
+// 4-byte window holding its two scale bytes (zeros past N) to the staging area; FD_LAG chunks later,
+// those landed, the decode (fd_decode). The full barrier counts both: 128 cp.async arrives and 128
+// plain ones. No deadlock: the stage of chunk i frees once the consumers are past chunk i - FD_STAGES
+// + 1, decoded before iteration i since FD_LAG < FD_STAGES.
+__device__ __forceinline__ void fd_produce(u8* smem, u32 base, const u8* __restrict__ X, int ldx, int M, int m0,
+                                           const u8* __restrict__ W, const u8* __restrict__ SW, int N, int K, int gk,
+                                           int n0, int c0, int C) {
+  const int t = threadIdx.x - 256, r8 = t >> 3, c8 = t & 7;
+  const u8* src = X + (size_t)min(m0 + r8, M - 1) * ldx * 2 + 16 * c8 + 128 * (size_t)c0;
+  const bool wok = n0 + t < N;
+  const int row = min(n0 + t, N - 1);
+  const u8* wsrc = W + (size_t)row * (K / 2) + 32 * (size_t)c0;
+  const long long sbytes = (long long)N * gk;
+  for (int i = 0; i < C; ++i) {
+    // first the decode of chunk i - FD_LAG (its copies landed: FD_LAG - 1 later groups may pend), so
+    // that it never waits for a free stage; then chunk i's copies once its stage is free
+    if (i >= FD_LAG) {
+      asm volatile("cp.async.wait_group %0;" ::"n"(FD_LAG - 1) : "memory");
+      fd_decode(smem, base, i - FD_LAG, n0, N, gk, c0);
+    }
+    const int s = i % FD_STAGES;
+    mbar_wait(base + FD_BAR + 8 * (FD_STAGES + s), ((i / FD_STAGES) & 1) ^ 1);
+    wg_copy_rows<16, 16>(base + s * BW_TILE_BYTES + wg_swz(r8, c8), 2048, src + 128 * (size_t)i, (size_t)16 * ldx * 2,
+                         M - m0 - r8);  // (rows past M: zeros)
+    const u32 st = base + FD_S + s * FD_STG;
+    wg_cp16(st + 32 * t, wsrc + 32 * (size_t)i, wok ? 16 : 0);
+    wg_cp16(st + 32 * t + 16, wsrc + 32 * (size_t)i + 16, wok ? 16 : 0);
+    {  // the scale bytes 2 (c0 + i), + 1 of row n0 + t lie in the 4-aligned word from b0; the word the
+       // array ends inside by plain loads (wg_cp4_clip)
+      const long long b0 = ((long long)row * gk + 2 * (c0 + i)) & ~3LL;
+      const long long left = sbytes - b0;
+      const int n = wok ? (int)(left > 4 ? 4 : left) : 0;
+      wg_cp4_clip(smem + (st - base) + 4096 + 4 * t, st + 4096 + 4 * t, SW + (n ? b0 : 0), n);
+    }
+    mbar_arrive_cp_async(base + FD_BAR + 8 * s);
+    asm volatile("cp.async.commit_group;" ::: "memory");
+  }
+  asm volatile("cp.async.wait_all;" ::: "memory");
+  for (int i = C > FD_LAG ? C - FD_LAG : 0; i < C; ++i) fd_decode(smem, base, i, n0, N, gk, c0);
+}
+
+// A consumer warpgroup: per chunk, once its stage is full, four wgmmas (k16 steps: 32 bytes into
+// both tiles' 128-byte rows) as one commit group; waiting for the chunk before frees that one's stage.
+template <int BN>
+__device__ __forceinline__ void fd_consume(u32 base, float* __restrict__ Y, int ldy, int M, int N, int m0, int n0,
+                                           int bf, int C) {
+  const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2,
+            q = lane & 3;
+  const int r0 = n0 + 64 * wg + 16 * warp + g, r1 = r0 + 8;
+  const bool ok0 = r0 < N, ok1 = r1 < N;
+  float d[BN / 2];
+#pragma unroll
+  for (int i = 0; i < BN / 2; ++i) d[i] = 0.f;
+  for (int i = 0; i < C; ++i) {
+    const int s = i % FD_STAGES;
+    mbar_wait(base + FD_BAR + 8 * s, (i / FD_STAGES) & 1);
+    fence_proxy_async();
+    const u32 at = base + FD_A + s * FD_ATILE + 8192 * wg, bt = base + s * BW_TILE_BYTES;
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < 4; ++k) wgmma_ss(d, wg_desc(at + 32 * k), wg_desc(bt + 32 * k));
+    wgmma_commit();
+    wgmma_wait<1>();
+    if (i >= 1) {
+      __syncwarp();
+      if (lane == 0) mbar_arrive(base + FD_BAR + 8 * (FD_STAGES + (i - 1) % FD_STAGES));
+    }
+  }
+  wgmma_wait<0>();
+  wg_fence_regs(d);
+#pragma unroll
+  for (int i = 0; i < BN / 8; ++i) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int t = m0 + 8 * i + 2 * q + j;
+      if (t < M) {
+        float* y = Y + (size_t)t * ldy;
+        const float v0 = d[4 * i + j], v1 = d[4 * i + 2 + j];
+        if (ok0) y[r0] = bf ? round_bf16f(v0) : v0;
+        if (ok1) y[r1] = bf ? round_bf16f(v1) : v1;
+      }
+    }
+  }
+}
+
+// A consumer warpgroup whose weight rows are all past N: releases each stage.
+__device__ __forceinline__ void fd_idle(u32 base, int C) {
+  for (int i = 0; i < C; ++i) {
+    mbar_wait(base + FD_BAR + 8 * (i % FD_STAGES), (i / FD_STAGES) & 1);
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) mbar_arrive(base + FD_BAR + 8 * (FD_STAGES + i % FD_STAGES));
+  }
+}
+
 // segs [nseg x 5] int32 (expert e, first row row0, rows, 0, y column), as kernels/fp8_grouped.cu
 // takes them; X (act_quant_bf16w's bf16 [*, K]) and Y rows in pair order; the expert's e2m1 weight
 // [N, K / 2] at wptrs[e], its UE8M0 scales [N, gk] at sptrs[e]; bf: Y rounded to bf16 as stored.
 // Block (x, y): segment y, its token rows 0 .. 255 (segments have at most 256), weight rows x * 128...
-// grid (ceil(N / 128), nseg), block 384, dynamic shared memory BW_STAGES * (32 + 4) KB + barriers + 1 KB.
+// grid (ceil(N / 128), nseg), block 384, dynamic shared memory FD_STAGES * (32 + 16 + 4.5) KB + barriers + 1 KB.
 extern "C" __global__ void __launch_bounds__(BW_THREADS, 1)
     gemm_fp4_experts_sm90(const u8* X, const int* segs, const u64* wptrs, const u64* sptrs, float* Y, int ldy, int N,
                           int K, int gk, int bf) {
   extern __shared__ __align__(1024) u8 bw_smem[];
   const int* sg = segs + 5 * blockIdx.y;
   if (sg[2] == 0) return;  // an unused slot
-  bw_gemm<FMT_FP4>(bw_smem, X + (size_t)sg[1] * K * 2, K, (const u8*)wptrs[sg[0]], (const void*)sptrs[sg[0]],
-                   Y + (size_t)sg[1] * ldy + sg[4], ldy, sg[2], N, K, 1, 32, gk, 0, blockIdx.x * BW_BM, bf, 0, K / 64);
+  const u32 raw_addr = wg_smem_u32(bw_smem), pad = (1024u - (raw_addr & 1023u)) & 1023u;
+  const u32 base = raw_addr + pad;
+  u8* smem = bw_smem + pad;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < FD_STAGES; ++s) {
+      mbar_init(base + FD_BAR + 8 * s, 256);  // 128 cp.async arrives + 128 after the decode
+      mbar_init(base + FD_BAR + 8 * (FD_STAGES + s), 8);  // one arrive per consumer warp
+    }
+  }
+  __syncthreads();
+  const int M = sg[2], n0 = blockIdx.x * BW_BM, C = K / 64;
+  float* Yb = Y + (size_t)sg[1] * ldy + sg[4];
+  if (threadIdx.x >= 256) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(FD_PRODUCER_REGS));
+    fd_produce(smem, base, X + (size_t)sg[1] * K * 2, K, M, 0, (const u8*)wptrs[sg[0]], (const u8*)sptrs[sg[0]], N,
+               K, gk, n0, 0, C);
+  } else if (n0 + 64 * (int)(threadIdx.x >> 7) >= N) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(FD_PRODUCER_REGS));
+    fd_idle(base, C);
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(FD_CONSUMER_REGS));
+    // the wgmma N by the tile's token rows: a short tile computes no more than the next multiple of 64
+    if (M > 128) fd_consume<256>(base, Yb, ldy, M, N, 0, n0, bf, C);
+    else if (M > 64) fd_consume<128>(base, Yb, ldy, M, N, 0, n0, bf, C);
+    else fd_consume<64>(base, Yb, ldy, M, N, 0, n0, bf, C);
+  }
 }
 
 // Segments (g, row0, rows <= 256, xcol, ycol) [nseg x 5] of a block-diagonal (grouped) linear on bf16

@@ -100,11 +100,12 @@ def test_act_quant_bf16w_is_act_quant_fp8_reordered(m, k, bf):
     np.testing.assert_array_equal(_unpermute(xb), want.reshape(m, k))
 
 
-@pytest.mark.parametrize("n,k", [(320, 1024), (200, 320), (130, 64), (136, 2304)])
+@pytest.mark.parametrize("n,k", [(320, 1024), (200, 320), (131, 64), (136, 2304)])
 def test_gathered_rows_two_weights_per_expert(n, k):
     """w1 and w3 in one launch (the doubled table's second half writes y columns n..), the rows
     gathered from 97 tokens (gather_rows: each pair's token row, bit for bit); weight tiles past N
-    (an idle warpgroup) and K of one chunk or chunk counts that wrap the ring."""
+    (an idle warpgroup), K of one chunk or chunk counts that wrap the ring, and scale bytes that end
+    inside a 4-byte word (131 rows x 2)."""
     rng = np.random.default_rng(n + k)
     e_n, t, p = len(COUNTS), 97, sum(COUNTS)
     x = _x(t, k, seed=n)

@@ -17,6 +17,10 @@ FE_ROWS = 256  # token rows per block (the wgmma N at most): a MoE segment's row
 FE_COLS, FE_THREADS, FE_STAGES = 128, 384, 6  # kernels/fp4_experts.cu BW_BM, BW_THREADS, BW_STAGES
 # token tiles of 64 bf16 a row, FP4 weight tiles (128 rows x 32 bytes), 2 mbarriers each, alignment
 FE_SMEM = FE_STAGES * (FE_ROWS * 128 + 4096 + 16) + 1024
+# gemm_fp4_experts_sm90 (FD_STAGES): token tiles, decoded bf16 weight tiles (128 rows x 128 bytes), the
+# codes' staging (4 KB + 128 scale words), 2 mbarriers each, alignment
+FD_STAGES = 4
+FD_SMEM = FD_STAGES * (FE_ROWS * 128 + FE_COLS * 128 + 4608 + 16) + 1024
 CHUNK = 64  # K step of the kernel and of act_quant_bf16w's order
 # split K (gemm_fp8w_bf16 / gemm_bf16w; common.k_splits): a skinny linear (a verify step's rows; a
 # small N) has fewer blocks than multiprocessors and reads its weight at a fraction of HBM's rate.
@@ -47,10 +51,10 @@ def fp4_experts_linear(xb: cp.ndarray, segs: cp.ndarray, wptrs: cp.ndarray, sptr
     nseg = segs.size // 5
     if nseg == 0 or xb.shape[0] == 0:
         return
-    fn = K.function_with_smem("fp4_experts", "gemm_fp4_experts_sm90", FE_SMEM)
+    fn = K.function_with_smem("fp4_experts", "gemm_fp4_experts_sm90", FD_SMEM)
     fn((-(-n // FE_COLS), nseg), (FE_THREADS,), (
         xb, segs, wptrs, sptrs, y, np.int32(y.shape[1]), np.int32(n), np.int32(k), np.int32(w.gk),
-        np.int32(bf16)), shared_mem=FE_SMEM)
+        np.int32(bf16)), shared_mem=FD_SMEM)
 
 
 def bf16_rows(x: cp.ndarray) -> cp.ndarray:
