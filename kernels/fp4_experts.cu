@@ -9,14 +9,16 @@
 // power-of-two scale, e2m1 codes times one) are bf16 numbers exactly, so a bf16 MMA with f32
 // accumulation computes the same products with no promotion at all, at half the FP8 rate.
 //
-// Layout (learned from, not copied: the "weights in registers" mixed-input GEMMs, vLLM's Machete
-// and CUTLASS's sm90 mixed-input mainloop): Y^T = W X^T. Two consumer warpgroups each own 64
-// weight rows (Y columns) and issue wgmma.mma_async m64nNk16 bf16 with A from registers (the
-// weight rows, decoded in registers) and B from shared memory (up to 256 token rows, bf16, K-major,
+// Layout: Y^T = W X^T. Two consumer warpgroups each own 64 weight rows (Y columns) and issue
+// wgmma.mma_async m64nNk16 bf16 with B from shared memory (up to 256 token rows, bf16, K-major,
 // 128-byte swizzle), filled by a producer warpgroup through an mbarrier ring. A weight element
-// decoded once serves up to 256 tokens. The FP4 codes reach the consumers through the same ring
-// (a 4 KB tile beside each stage's tokens, bw_fetch); FP8 and bf16 weights, and the FP4 scale
-// bytes, are loaded from global into registers (bw_load).
+// decoded once serves up to 256 tokens. Two ways to the A operand (the weights):
+// - FP4 experts (gemm_fp4_experts_sm90, fd_*): the producer also decodes each chunk's 128 weight
+//   rows into a bf16 tile of the stage, and the consumers issue both operands from shared memory.
+// - FP8 and bf16 weights (gemm_fp8w_bf16_sm90, gemm_bf16w_sm90, bw_*; learned from, not copied: the
+//   "weights in registers" mixed-input GEMMs, vLLM's Machete and CUTLASS's sm90 mixed-input
+//   mainloop): each consumer loads its rows into registers (bw_load) and converts them there, A
+//   from registers.
 //
 // K order: a thread's A fragment for k16 step s holds columns 2q, 2q+1, 2q+8, 2q+9 of rows g and
 // g+8 (q = lane % 4, g = lane / 4). Each thread loads 16 consecutive weight elements (8 bytes) of a
@@ -89,9 +91,7 @@ extern "C" __global__ void bw_sum_splits(const float* __restrict__ part, long lo
 #define BW_PRODUCER_REGS 48  // (its 16 copies in flight spill at 40)
 #define BW_CONSUMER_REGS 224  // 128 x 48 + 256 x 224 <= 384 x 168, the block's registers at launch
 static_assert(wg_split_fits(BW_THREADS, BW_PRODUCER_REGS, BW_CONSUMER_REGS), "setmaxnreg split past the registers");
-#define BW_WTILE_BYTES 4096  // FP4: BW_BM weight rows x 32 bytes (64 e2m1 codes)
-#define BW_WT (BW_STAGES * BW_TILE_BYTES)  // FP4: the weight tiles, one a stage
-#define BW_BAR (BW_WT + BW_STAGES * BW_WTILE_BYTES)  // full[ST], then empty[ST]
+#define BW_BAR (BW_STAGES * BW_TILE_BYTES)  // full[ST], then empty[ST]
 
 #define BW_2P112 0x77807780u  // 2^112 as bf16x2
 #define BW_ONE2 0x3f803f80u  // 1.0 as bf16x2
@@ -162,9 +162,8 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[32], const u32 (&a)[4], u64 
 #undef BW_F8
 
 // A thread's weights for one 64-wide K chunk: 16 elements of rows g and g + 8 of its warp's 16 (FP8:
-// 16 bytes; FP4: 8 bytes, in x / y), and their scales' exponent fields (FP8: the f32 power-of-two
-// block scale's; FP4: the UE8M0 bytes, clamped to [1, 254] as e8m0_scaled does). bf16: 32 bytes a
-// row (row g in r0, r1; row g + 8 in r2, r3), no scale.
+// 16 bytes each), and their scales' exponent fields (the f32 power-of-two block scale's). bf16: 32
+// bytes a row (row g in r0, r1; row g + 8 in r2, r3), no scale.
 template <int FMT>
 struct BwChunk {
   uint4 r0, r1;
@@ -185,31 +184,12 @@ __device__ __forceinline__ void bw_load(BwChunk<FMT>& ch, const u8* w0, const u8
     ch.r1 = ok0 ? ldg16(w0 + 2 * k + 16) : z;
     ch.r2 = ok1 ? ldg16(w1 + 2 * k) : z;
     ch.r3 = ok1 ? ldg16(w1 + 2 * k + 16) : z;
-  } else if constexpr (FMT == FMT_FP8) {
+  } else {
     ch.r0 = ok0 ? ldg16(w0 + k) : make_uint4(0, 0, 0, 0);
     ch.r1 = ok1 ? ldg16(w1 + k) : make_uint4(0, 0, 0, 0);
     // rows g and g + 8 share a block row (bn % 16 == 0); a clamped row's zeros take any scale
     ch.e0 = (__float_as_uint(__ldg((const float*)SW + (size_t)(r0 / bn) * gk + k / bk)) >> 23) & 0xffu;
     ch.e1 = ch.e0;
-  } else {  // (the codes come through shared memory: bw_fetch)
-    ch.e0 = min(max((u32)__ldg((const u8*)SW + (size_t)r0 * gk + k / 32), 1u), 254u);
-    ch.e1 = min(max((u32)__ldg((const u8*)SW + (size_t)r1 * gk + k / 32), 1u), 254u);
-  }
-}
-
-// FP4: chunk c's codes of the thread's rows (lr0 and lr0 + 8 of the block's 128), 8 bytes each, from
-// the stage's weight tile once its tile is in (the producer's cp.async copies, rows past N zeros).
-// Other formats hold their codes from bw_load.
-template <int FMT>
-__device__ __forceinline__ void bw_fetch(BwChunk<FMT>& ch, u32 base, int c, int lr0, int q) {
-  if constexpr (FMT == FMT_FP4) {
-    mbar_wait(base + BW_BAR + 8 * (c % BW_STAGES), (c / BW_STAGES) & 1);
-    const u32 a = base + BW_WT + (c % BW_STAGES) * BW_WTILE_BYTES + 32 * lr0 + 8 * q;
-    u32 x0, y0, x1, y1;
-    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(x0), "=r"(y0) : "r"(a) : "memory");
-    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(x1), "=r"(y1) : "r"(a + 256) : "memory");
-    ch.r0 = make_uint4(x0, y0, 0, 0);
-    ch.r1 = make_uint4(x1, y1, 0, 0);
   }
 }
 
@@ -228,22 +208,15 @@ __device__ __forceinline__ void bw_bf16_step(u32 (&f)[4], const BwChunk<FMT_BF16
 }
 
 // k16 step s's fragment of a chunk: {row g cols 2q.., row g+8 cols 2q.., row g cols 2q+8.., row
-// g+8 cols 2q+8..}, each a bf16x2 of the thread's physical elements 4s + 2h + (0, 1): FP8 / FP4
-// codes (the nibbles to e4m3 codes, kernels/fp8_mma.cuh) to bf16 times the row's scale.
+// g+8 cols 2q+8..}, each a bf16x2 of the thread's physical elements 4s + 2h + (0, 1): FP8 codes to
+// bf16 times the row's scale.
 template <int FMT>
 __device__ __forceinline__ void bw_convert_step(u32 (&f)[4], const BwChunk<FMT>& ch, int s) {
   if constexpr (FMT == FMT_BF16) {
     bw_bf16_step(f, ch, s);
     return;
   } else {
-    u32 w0, w1;  // 4 e4m3 codes of each row
-    if constexpr (FMT == FMT_FP8) {
-      w0 = word(ch.r0, s);
-      w1 = word(ch.r1, s);
-    } else {
-      w0 = e2m1x4_to_e4m3(word(ch.r0, s >> 1) >> (16 * (s & 1)));
-      w1 = e2m1x4_to_e4m3(word(ch.r1, s >> 1) >> (16 * (s & 1)));
-    }
+    const u32 w0 = word(ch.r0, s), w1 = word(ch.r1, s);  // 4 e4m3 codes of each row
     if (max(ch.e0, ch.e1) <= 142) {  // 2^(112 + d), d = e - 127 <= 15: one bf16 factor
       const u32 s0 = bw_scale2(ch.e0, 112), s1 = bw_scale2(ch.e1, 112);
       f[0] = e4m3x2_bf16x2(w0, s0);
@@ -263,11 +236,10 @@ __device__ __forceinline__ void bw_convert_step(u32 (&f)[4], const BwChunk<FMT>&
 // Chunks of weights a consumer thread holds loaded ahead of its wgmmas (a ring in registers): a
 // chunk's loads are issued D - 1 chunks before it is converted. A short token tile spends few tensor
 // cycles a chunk, so its loads need more chunks ahead to cover DRAM's latency, and it has the
-// registers for them (its accumulators are BN / 2). FP4: the ring holds the scale bytes only, the
-// codes come through shared memory (bw_fetch).
+// registers for them (its accumulators are BN / 2).
 template <int FMT, int BN>
 __device__ constexpr int bw_depth() {
-  return FMT == FMT_FP4 ? (BN >= 128 ? 4 : 8) : BN >= 256 ? 2 : BN >= 128 ? 4 : FMT == FMT_BF16 ? 4 : 8;
+  return BN >= 256 ? 2 : BN >= 128 ? 4 : FMT == FMT_BF16 ? 4 : 8;
 }
 
 // Step f = 4c + s of the K loop (chunk c in ring slot i = c % D, k16 step s): issue its wgmma (its
@@ -279,9 +251,8 @@ __device__ constexpr int bw_depth() {
 template <int FMT, int BN, int D>
 __device__ __forceinline__ void bw_chunk(float (&d)[BN / 2], u32 (&fr)[4][4], BwChunk<FMT> (&ring)[D], u32 base,
                                          const u8* w0, const u8* w1, const void* SW, int r0, int r1, bool ok0,
-                                         bool ok1, int bn, int bk, int gk, int c0, int c, int I, int C, int q,
-                                         int lr0) {
-  if constexpr (FMT != FMT_FP4) mbar_wait(base + BW_BAR + 8 * (c % BW_STAGES), (c / BW_STAGES) & 1);
+                                         bool ok1, int bn, int bk, int gk, int c0, int c, int I, int C, int q) {
+  mbar_wait(base + BW_BAR + 8 * (c % BW_STAGES), (c / BW_STAGES) & 1);
   fence_proxy_async();
   const u32 bt = base + (c % BW_STAGES) * BW_TILE_BYTES;
 #pragma unroll
@@ -297,10 +268,7 @@ __device__ __forceinline__ void bw_chunk(float (&d)[BN / 2], u32 (&fr)[4][4], Bw
     if (s < 3) {
       bw_convert_step<FMT>(fr[s + 1], ring[I], s + 1);
     } else {
-      if (c + 1 < C) {
-        bw_fetch<FMT>(ring[(I + 1) % D], base, c + 1, lr0, q);
-        bw_convert_step<FMT>(fr[0], ring[(I + 1) % D], 0);
-      }
+      if (c + 1 < C) bw_convert_step<FMT>(fr[0], ring[(I + 1) % D], 0);
       if (c + D < C) bw_load<FMT>(ring[I], w0, w1, SW, r0, r1, ok0, ok1, bn, bk, gk, c0 + c + D, q);
     }
   }
@@ -314,7 +282,7 @@ __device__ __forceinline__ void bw_consume(u32 base, const u8* __restrict__ W, c
             q = lane & 3;
   const int r0 = n0 + 64 * wg + 16 * warp + g, r1 = r0 + 8;
   const bool ok0 = r0 < N, ok1 = r1 < N;
-  const size_t row_bytes = FMT == FMT_BF16 ? (size_t)K * 2 : FMT == FMT_FP8 ? (size_t)K : (size_t)K / 2;
+  const size_t row_bytes = FMT == FMT_BF16 ? (size_t)K * 2 : (size_t)K;
   const int rs0 = min(r0, N - 1), rs1 = min(r1, N - 1);  // (rows past N read row N - 1, as zeros)
   const u8* w0 = W + (size_t)rs0 * row_bytes;
   const u8* w1 = W + (size_t)rs1 * row_bytes;
@@ -327,8 +295,6 @@ __device__ __forceinline__ void bw_consume(u32 base, const u8* __restrict__ W, c
 #pragma unroll
   for (int i = 0; i < D; ++i)
     if (i < C) bw_load<FMT>(ring[i], w0, w1, SW, rs0, rs1, ok0, ok1, bn, bk, gk, c0 + i, q);
-  const int lr0 = 64 * wg + 16 * warp + g;
-  bw_fetch<FMT>(ring[0], base, 0, lr0, q);
   bw_convert_step<FMT>(fr[0], ring[0], 0);
   // D chunks an iteration, unrolled, so that each one's ring slot is a constant (registers, not local
   // memory)
@@ -336,8 +302,7 @@ __device__ __forceinline__ void bw_consume(u32 base, const u8* __restrict__ W, c
 #pragma unroll
     for (int i = 0; i < D; ++i)
       if (cd + i < C)
-        bw_chunk<FMT, BN, D>(d, fr, ring, base, w0, w1, SW, rs0, rs1, ok0, ok1, bn, bk, gk, c0, cd + i, i, C, q,
-                             lr0);
+        bw_chunk<FMT, BN, D>(d, fr, ring, base, w0, w1, SW, rs0, rs1, ok0, ok1, bn, bk, gk, c0, cd + i, i, C, q);
   }
   wgmma_wait<0>();
   wg_fence_regs(d);
@@ -358,27 +323,27 @@ __device__ __forceinline__ void bw_consume(u32 base, const u8* __restrict__ W, c
   }
 }
 
-// The producer warpgroup: token rows m0 .. m0 + 255 of X (bf16 rows of ldx elements, K in the GEMM's
-// order), chunks c0 .. c0 + C - 1 of 64 of K, one a stage, each 128-byte row to its swizzled place;
-// rows past M zero-filled. FP4: also the chunk's 32 bytes of weight row n0 + t (W: rows of K / 2
-// bytes), zeros past N, so that the consumers' loads of them wait on shared memory, not DRAM.
-template <int FMT>
-__device__ __forceinline__ void bw_produce(u32 base, const u8* __restrict__ X, int ldx, int M, int c0, int C,
-                                           int m0, const u8* __restrict__ W, int N, int K, int n0) {
+// A producer thread's part of chunk c's token tile at dst (the tile's base): token rows m0 .. m0 +
+// 255 of X (bf16 rows of ldx elements, K in the GEMM's order; src: this thread's first 16 bytes of
+// chunk 0), each 128-byte row to its swizzled place, rows past M zero-filled.
+__device__ __forceinline__ void bw_copy_tokens(u32 dst, const u8* src, int ldx, int M, int m0, int c) {
   const int t = threadIdx.x - 256, r8 = t >> 3, c8 = t & 7;
-  const u8* src = X + (size_t)min(m0 + r8, M - 1) * ldx * 2 + 16 * c8 + 128 * (size_t)c0;
-  const bool wok = n0 + t < N;
-  const u8* wsrc = W + (size_t)min(n0 + t, N - 1) * (K / 2) + 32 * (size_t)c0;
+  wg_copy_rows<16, 16>(dst + wg_swz(r8, c8), 2048, src + 128 * (size_t)c, (size_t)16 * ldx * 2, M - m0 - r8);
+}
+// This producer thread's first 16 bytes of the token tile (chunk c0 of row m0 + t / 8, clamped to M - 1).
+__device__ __forceinline__ const u8* bw_token_src(const u8* X, int ldx, int M, int m0, int c0) {
+  const int t = threadIdx.x - 256;
+  return X + (size_t)min(m0 + (t >> 3), M - 1) * ldx * 2 + 16 * (t & 7) + 128 * (size_t)c0;
+}
+
+// The producer warpgroup: chunks c0 .. c0 + C - 1 of 64 of K, one a stage.
+__device__ __forceinline__ void bw_produce(u32 base, const u8* __restrict__ X, int ldx, int M, int c0, int C,
+                                           int m0) {
+  const u8* src = bw_token_src(X, ldx, M, m0, c0);
   for (int c = 0; c < C; ++c) {
     const int s = c % BW_STAGES;
     mbar_wait(base + BW_BAR + 8 * (BW_STAGES + s), ((c / BW_STAGES) & 1) ^ 1);
-    wg_copy_rows<16, 16>(base + s * BW_TILE_BYTES + wg_swz(r8, c8), 2048, src + 128 * c, (size_t)16 * ldx * 2,
-                         M - m0 - r8);  // (rows past M: zeros)
-    if constexpr (FMT == FMT_FP4) {
-      const u32 wd = base + BW_WT + s * BW_WTILE_BYTES + 32 * t;
-      wg_cp16(wd, wsrc + 32 * c, wok ? 16 : 0);
-      wg_cp16(wd + 16, wsrc + 32 * c + 16, wok ? 16 : 0);
-    }
+    bw_copy_tokens(base + s * BW_TILE_BYTES, src, ldx, M, m0, c);
     mbar_arrive_cp_async(base + BW_BAR + 8 * s);
   }
 }
@@ -408,7 +373,7 @@ __device__ __forceinline__ void bw_gemm(u8* raw, const u8* X, int ldx, const u8*
   __syncthreads();
   if (threadIdx.x >= 256) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(BW_PRODUCER_REGS));
-    bw_produce<FMT>(base, X, ldx, M, c0, C, m0, W, N, K, n0);
+    bw_produce(base, X, ldx, M, c0, C, m0);
   } else if (n0 + 64 * (int)(threadIdx.x >> 7) >= N) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(BW_PRODUCER_REGS));
     bw_idle(base, C);
@@ -528,7 +493,7 @@ __device__ __forceinline__ void fd_decode(u8* smem, u32 base, int i, int n0, int
 }
 
 // The producer warpgroup: for each chunk i of K (64), once its stage is free, the token rows m0 ..
-// m0 + 255 (as bw_produce, rows past M zeros), weight row n0 + t's 32 code bytes and the aligned
+// m0 + 255 (bw_copy_tokens), weight row n0 + t's 32 code bytes and the aligned
 // 4-byte window holding its two scale bytes (zeros past N) to the staging area; FD_LAG chunks later,
 // those landed, the decode (fd_decode). The full barrier counts both: 128 cp.async arrives and 128
 // plain ones. No deadlock: the stage of chunk i frees once the consumers are past chunk i - FD_STAGES
@@ -536,8 +501,8 @@ __device__ __forceinline__ void fd_decode(u8* smem, u32 base, int i, int n0, int
 __device__ __forceinline__ void fd_produce(u8* smem, u32 base, const u8* __restrict__ X, int ldx, int M, int m0,
                                            const u8* __restrict__ W, const u8* __restrict__ SW, int N, int K, int gk,
                                            int n0, int c0, int C) {
-  const int t = threadIdx.x - 256, r8 = t >> 3, c8 = t & 7;
-  const u8* src = X + (size_t)min(m0 + r8, M - 1) * ldx * 2 + 16 * c8 + 128 * (size_t)c0;
+  const int t = threadIdx.x - 256;
+  const u8* src = bw_token_src(X, ldx, M, m0, c0);
   const bool wok = n0 + t < N;
   const int row = min(n0 + t, N - 1);
   const u8* wsrc = W + (size_t)row * (K / 2) + 32 * (size_t)c0;
@@ -551,8 +516,7 @@ __device__ __forceinline__ void fd_produce(u8* smem, u32 base, const u8* __restr
     }
     const int s = i % FD_STAGES;
     mbar_wait(base + FD_BAR + 8 * (FD_STAGES + s), ((i / FD_STAGES) & 1) ^ 1);
-    wg_copy_rows<16, 16>(base + s * BW_TILE_BYTES + wg_swz(r8, c8), 2048, src + 128 * (size_t)i, (size_t)16 * ldx * 2,
-                         M - m0 - r8);  // (rows past M: zeros)
+    bw_copy_tokens(base + s * BW_TILE_BYTES, src, ldx, M, m0, i);
     const u32 st = base + FD_S + s * FD_STG;
     wg_cp16(st + 32 * t, wsrc + 32 * (size_t)i, wok ? 16 : 0);
     wg_cp16(st + 32 * t + 16, wsrc + 32 * (size_t)i + 16, wok ? 16 : 0);

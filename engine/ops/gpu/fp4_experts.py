@@ -1,6 +1,6 @@
 """The routed experts' FP4 linears of a prompt chunk in DeepSeek's numerics on sm_90a
-(kernels/fp4_experts.cu): bf16 wgmma with the e2m1 weights decoded exactly in registers, the pairs'
-act_quant values as bf16 in the kernel's K order. The same products as an e4m3 MMA with its per-32
+(kernels/fp4_experts.cu): bf16 wgmma with the e2m1 weights decoded exactly into shared memory, the
+pairs' act_quant values as bf16 in the kernel's K order. The same products as an e4m3 MMA with its per-32
 promotion, summed in f32 without one (the kernel's header says why that is faster on Hopper)."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from engine.ops.kernels import FMT_BF16, FMT_FP4, FMT_FP8
 
 FE_ROWS = 256  # token rows per block (the wgmma N at most): a MoE segment's rows on this path
 FE_COLS, FE_THREADS, FE_STAGES = 128, 384, 6  # kernels/fp4_experts.cu BW_BM, BW_THREADS, BW_STAGES
-# token tiles of 64 bf16 a row, FP4 weight tiles (128 rows x 32 bytes), 2 mbarriers each, alignment
-FE_SMEM = FE_STAGES * (FE_ROWS * 128 + 4096 + 16) + 1024
-# gemm_fp4_experts_sm90 (FD_STAGES): token tiles, decoded bf16 weight tiles (128 rows x 128 bytes), the
-# codes' staging (4 KB + 128 scale words), 2 mbarriers each, alignment
+# gemm_fp8w_bf16_sm90 / gemm_bf16w_sm90: token tiles of 64 bf16 a row, 2 mbarriers each, alignment
+FE_SMEM = FE_STAGES * (FE_ROWS * 128 + 16) + 1024
+# gemm_fp4_experts_sm90 (kernels/fp4_experts.cu FD_STAGES): token tiles, decoded bf16 weight tiles (128
+# rows x 128 bytes), the codes' staging (4 KB + 128 scale words), 2 mbarriers each, alignment
 FD_STAGES = 4
 FD_SMEM = FD_STAGES * (FE_ROWS * 128 + FE_COLS * 128 + 4608 + 16) + 1024
 CHUNK = 64  # K step of the kernel and of act_quant_bf16w's order
