@@ -403,9 +403,8 @@ __device__ __forceinline__ void bw_gemm(u8* raw, const u8* X, int ldx, const u8*
 #define FD_A (FD_STAGES * BW_TILE_BYTES)                    // the A tiles (1024-aligned)
 #define FD_S (FD_A + FD_STAGES * FD_ATILE)                  // the staging areas
 #define FD_BAR (FD_S + FD_STAGES * FD_STG)                  // full[ST], then empty[ST]
-// setmaxnreg moves registers within the block's allocation (384 x 168 at launch): 128 x 96 + 256 x 200
-// <= 64,512. (A first version asked for 128 x 96 + 256 x 208 = 65,536: the consumers' setmaxnreg.inc
-// waited for registers no warp would free, and every launch hung.)
+// setmaxnreg moves registers within the block's allocation (384 x 168 at launch); setmaxnreg.inc waits
+// for registers from that pool, so a split past it would hang every launch.
 #define FD_PRODUCER_REGS 96
 #define FD_CONSUMER_REGS 200
 static_assert(128 * FD_PRODUCER_REGS + 256 * FD_CONSUMER_REGS <= BW_THREADS * (65536 / BW_THREADS / 8 * 8),
