@@ -407,8 +407,7 @@ __device__ __forceinline__ void bw_gemm(u8* raw, const u8* X, int ldx, const u8*
 // for registers from that pool, so a split past it would hang every launch.
 #define FD_PRODUCER_REGS 96
 #define FD_CONSUMER_REGS 200
-static_assert(128 * FD_PRODUCER_REGS + 256 * FD_CONSUMER_REGS <= BW_THREADS * (65536 / BW_THREADS / 8 * 8),
-              "setmaxnreg: the warpgroups' registers exceed the block's allocation");
+static_assert(wg_split_fits(BW_THREADS, FD_PRODUCER_REGS, FD_CONSUMER_REGS), "setmaxnreg split past the registers");
 
 #define BW_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
                  "+f"(d[i + 6]), "+f"(d[i + 7])
