@@ -453,6 +453,28 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[32], u64 da, u64 db) {
 }
 #undef BW_D8
 
+// Weight row t's 8 logical 16-byte chunks of a stage's A tile at `at` from its 32 code bytes w (see
+// fd_decode); ONE: the scales s0, s1 (first and second 32 of K) are 2^(112 + d) and one bf16 multiply
+// applies each; otherwise 2^112, then 2^d. Straight-line per path (the choice made once per row, not
+// per chunk of the row), so that ptxas may interleave the eight chunks' work.
+template <bool ONE>
+__device__ __forceinline__ void fd_decode_row(u8* at, const u32 (&w)[8], u32 s0, u32 s1, int t) {
+#pragma unroll
+  for (int b = 0; b < 8; ++b) {
+    const int hi = b >> 2, sel = (b & 3) | ((4 + (b & 3)) << 4);
+    const u32 x = __byte_perm(__byte_perm(w[hi], w[2 + hi], sel), __byte_perm(w[4 + hi], w[6 + hi], sel), 0x5410);
+    const u32 lo8 = e2m1x4_to_e4m3(x), hi8 = e2m1x4_to_e4m3(x >> 16);  // codes of pairs 0, 1 and 2, 3
+    const u32 c[4] = {lo8, lo8 >> 16, hi8, hi8 >> 16};
+    u32 o[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const u32 sc = j < 2 ? s0 : s1;
+      o[j] = ONE ? e4m3x2_bf16x2(c[j], sc) : bf16x2_mul(e4m3x2_bf16x2(c[j], BW_2P112), sc);
+    }
+    *(uint4*)(at + wg_swz(t, b)) = make_uint4(o[0], o[1], o[2], o[3]);
+  }
+}
+
 // Stage i's weight row t (the producer thread's own): its 64 codes of chunk c0 + i and their two
 // UE8M0 bytes, copied FD_LAG stages before (this thread's cp.async groups have landed), decoded into
 // row t of the stage's A tile. Physical element k = 16q + 4s + 2h + j (code byte 8q + 2s + h, nibble
@@ -468,28 +490,11 @@ __device__ __forceinline__ void fd_decode(u8* smem, u32 base, int i, int n0, int
   const int off = (int)(((size_t)min(n0 + t, N - 1) * gk + 2 * (c0 + i)) & 3);  // (0 or 2: gk is even)
   const u32 sb = *(const u32*)(stg + 4096 + 4 * t) >> (8 * off);
   const u32 e0 = min(max(sb & 0xffu, 1u), 254u), e1 = min(max((sb >> 8) & 0xffu, 1u), 254u);
-  const bool one = max(e0, e1) <= 142;  // 2^(112 + d), d = e - 127 <= 15: one bf16 factor
-  const u32 s0 = bw_scale2(e0, one ? 112 : 0), s1 = bw_scale2(e1, one ? 112 : 0);
-  const u32 at = base + FD_A + s * FD_ATILE;
-#pragma unroll
-  for (int b = 0; b < 8; ++b) {
-    const int hi = b >> 2, sel = (b & 3) | ((4 + (b & 3)) << 4);
-    const u32 x = __byte_perm(__byte_perm(w[hi], w[2 + hi], sel), __byte_perm(w[4 + hi], w[6 + hi], sel), 0x5410);
-    const u32 lo8 = e2m1x4_to_e4m3(x), hi8 = e2m1x4_to_e4m3(x >> 16);  // codes of pairs 0, 1 and 2, 3
-    u32 o[4];
-    if (one) {
-      o[0] = e4m3x2_bf16x2(lo8, s0);
-      o[1] = e4m3x2_bf16x2(lo8 >> 16, s0);
-      o[2] = e4m3x2_bf16x2(hi8, s1);
-      o[3] = e4m3x2_bf16x2(hi8 >> 16, s1);
-    } else {  // scales over 2^15 (no real checkpoint's): 2^112, then 2^d
-      o[0] = bf16x2_mul(e4m3x2_bf16x2(lo8, BW_2P112), s0);
-      o[1] = bf16x2_mul(e4m3x2_bf16x2(lo8 >> 16, BW_2P112), s0);
-      o[2] = bf16x2_mul(e4m3x2_bf16x2(hi8, BW_2P112), s1);
-      o[3] = bf16x2_mul(e4m3x2_bf16x2(hi8 >> 16, BW_2P112), s1);
-    }
-    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(at + wg_swz(t, b)), "r"(o[0]), "r"(o[1]),
-                 "r"(o[2]), "r"(o[3]) : "memory");
+  u8* at = smem + FD_A + s * FD_ATILE;
+  if (max(e0, e1) <= 142) {  // 2^(112 + d), d = e - 127 <= 15: one bf16 factor
+    fd_decode_row<true>(at, w, bw_scale2(e0, 112), bw_scale2(e1, 112), t);
+  } else {  // scales over 2^15 (no real checkpoint's)
+    fd_decode_row<false>(at, w, bw_scale2(e0, 0), bw_scale2(e1, 0), t);
   }
   fence_proxy_async();
   mbar_arrive(base + FD_BAR + 8 * s);
