@@ -116,50 +116,86 @@ __device__ __forceinline__ u32 bw_scale2(u32 e, u32 shift) {
   return b | (b << 16);
 }
 
-// wgmma m64nNk16 bf16 -> f32 (N = 2 x the accumulators), A (4 registers) from this thread, B from
-// the descriptor; adds to d.
+// wgmma m64nNk16 bf16 -> f32 (N = 2 x the accumulators) adding to d: A (4 registers) from this
+// thread and B from a descriptor (wgmma_rs), or both from descriptors (wgmma_ss). The asm's
+// accumulator operands written once: BW_R*, BW_D*, the register lists; BW_F*, the constraints.
+#define BW_R0_31 \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
+  "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define BW_R32_63 \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, " \
+  "%50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define BW_R64_127 \
+  "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, " \
+  "%82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, " \
+  "%100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, " \
+  "%115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+#define BW_D32 "{" BW_R0_31 "}"
+#define BW_D64 "{" BW_R0_31 ", " BW_R32_63 "}"
+#define BW_D128 "{" BW_R0_31 ", " BW_R32_63 ", " BW_R64_127 "}"
 #define BW_F8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
                  "+f"(d[i + 6]), "+f"(d[i + 7])
+#define BW_F32 BW_F8(0), BW_F8(8), BW_F8(16), BW_F8(24)
+#define BW_F64 BW_F32, BW_F8(32), BW_F8(40), BW_F8(48), BW_F8(56)
+#define BW_F128 BW_F64, BW_F8(64), BW_F8(72), BW_F8(80), BW_F8(88), BW_F8(96), BW_F8(104), BW_F8(112), BW_F8(120)
 __device__ __forceinline__ void wgmma_rs(float (&d)[128], const u32 (&a)[4], u64 db) {
-  asm volatile(
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
-      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
-      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
-      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
-      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
-      "{%128, %129, %130, %131}, %132, 1, 1, 1, 0;\n"
-      : BW_F8(0), BW_F8(8), BW_F8(16), BW_F8(24), BW_F8(32), BW_F8(40), BW_F8(48), BW_F8(56),
-        BW_F8(64), BW_F8(72), BW_F8(80), BW_F8(88), BW_F8(96), BW_F8(104), BW_F8(112), BW_F8(120)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db)
-      : "memory");
+  asm volatile("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 " BW_D128
+               ", {%128, %129, %130, %131}, %132, 1, 1, 1, 0;\n"
+               : BW_F128 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db) : "memory");
 }
 __device__ __forceinline__ void wgmma_rs(float (&d)[64], const u32 (&a)[4], u64 db) {
-  asm volatile(
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-      "{%64, %65, %66, %67}, %68, 1, 1, 1, 0;\n"
-      : BW_F8(0), BW_F8(8), BW_F8(16), BW_F8(24), BW_F8(32), BW_F8(40), BW_F8(48), BW_F8(56)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db)
-      : "memory");
+  asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " BW_D64
+               ", {%64, %65, %66, %67}, %68, 1, 1, 1, 0;\n"
+               : BW_F64 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db) : "memory");
 }
 __device__ __forceinline__ void wgmma_rs(float (&d)[32], const u32 (&a)[4], u64 db) {
-  asm volatile(
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-      "{%32, %33, %34, %35}, %36, 1, 1, 1, 0;\n"
-      : BW_F8(0), BW_F8(8), BW_F8(16), BW_F8(24)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db)
-      : "memory");
+  asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " BW_D32
+               ", {%32, %33, %34, %35}, %36, 1, 1, 1, 0;\n"
+               : BW_F32 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db) : "memory");
 }
+__device__ __forceinline__ void wgmma_ss(float (&d)[128], u64 da, u64 db) {
+  asm volatile("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 " BW_D128 ", %128, %129, 1, 1, 1, 0, 0;\n"
+               : BW_F128 : "l"(da), "l"(db) : "memory");
+}
+__device__ __forceinline__ void wgmma_ss(float (&d)[64], u64 da, u64 db) {
+  asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " BW_D64 ", %64, %65, 1, 1, 1, 0, 0;\n"
+               : BW_F64 : "l"(da), "l"(db) : "memory");
+}
+__device__ __forceinline__ void wgmma_ss(float (&d)[32], u64 da, u64 db) {
+  asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " BW_D32 ", %32, %33, 1, 1, 1, 0, 0;\n"
+               : BW_F32 : "l"(da), "l"(db) : "memory");
+}
+#undef BW_R0_31
+#undef BW_R32_63
+#undef BW_R64_127
+#undef BW_D32
+#undef BW_D64
+#undef BW_D128
 #undef BW_F8
+#undef BW_F32
+#undef BW_F64
+#undef BW_F128
+
+// A consumer thread's accumulators to Y: d[4i + 2h + j] is weight row r0 + 8h (a Y column: r0 or
+// r1 = r0 + 8, stored where ok0 / ok1) and token m0 + 8i + 2q + j (a Y row, stored below M); the 8
+// lanes of one q write 8 consecutive columns (32 bytes) of a row. bf: rounded to bf16.
+template <int BN>
+__device__ __forceinline__ void bw_store(const float (&d)[BN / 2], float* __restrict__ Y, int ldy, int M, int m0,
+                                         int r0, int r1, bool ok0, bool ok1, int bf, int q) {
+#pragma unroll
+  for (int i = 0; i < BN / 8; ++i) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int t = m0 + 8 * i + 2 * q + j;
+      if (t < M) {
+        float* y = Y + (size_t)t * ldy;
+        const float v0 = d[4 * i + j], v1 = d[4 * i + 2 + j];
+        if (ok0) y[r0] = bf ? round_bf16f(v0) : v0;
+        if (ok1) y[r1] = bf ? round_bf16f(v1) : v1;
+      }
+    }
+  }
+}
 
 // A thread's weights for one 64-wide K chunk: 16 elements of rows g and g + 8 of its warp's 16 (FP8:
 // 16 bytes each), and their scales' exponent fields (the f32 power-of-two block scale's). bf16: 32
@@ -306,21 +342,7 @@ __device__ __forceinline__ void bw_consume(u32 base, const u8* __restrict__ W, c
   }
   wgmma_wait<0>();
   wg_fence_regs(d);
-  // d[4i + 2h + j]: weight row r0 + 8h (Y column), token 8i + 2q + j (Y row); the 8 lanes of one q
-  // write 8 consecutive columns (32 bytes) of a row
-#pragma unroll
-  for (int i = 0; i < BN / 8; ++i) {
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int t = m0 + 8 * i + 2 * q + j;
-      if (t < M) {
-        float* y = Y + (size_t)t * ldy;
-        const float v0 = d[4 * i + j], v1 = d[4 * i + 2 + j];
-        if (ok0) y[r0] = bf ? round_bf16f(v0) : v0;
-        if (ok1) y[r1] = bf ? round_bf16f(v1) : v1;
-      }
-    }
-  }
+  bw_store<BN>(d, Y, ldy, M, m0, r0, r1, ok0, ok1, bf, q);
 }
 
 // A producer thread's part of chunk c's token tile at dst (the tile's base): token rows m0 .. m0 +
@@ -408,50 +430,6 @@ __device__ __forceinline__ void bw_gemm(u8* raw, const u8* X, int ldx, const u8*
 #define FD_PRODUCER_REGS 96
 #define FD_CONSUMER_REGS 200
 static_assert(wg_split_fits(BW_THREADS, FD_PRODUCER_REGS, FD_CONSUMER_REGS), "setmaxnreg split past the registers");
-
-#define BW_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
-                 "+f"(d[i + 6]), "+f"(d[i + 7])
-// wgmma m64nNk16 bf16 -> f32 with both operands in shared memory (K-major, descriptors da / db); adds to d.
-__device__ __forceinline__ void wgmma_ss(float (&d)[128], u64 da, u64 db) {
-  asm volatile(
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
-      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
-      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
-      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
-      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
-      "%128, %129, 1, 1, 1, 0, 0;\n"
-      : BW_D8(0), BW_D8(8), BW_D8(16), BW_D8(24), BW_D8(32), BW_D8(40), BW_D8(48), BW_D8(56),
-        BW_D8(64), BW_D8(72), BW_D8(80), BW_D8(88), BW_D8(96), BW_D8(104), BW_D8(112), BW_D8(120)
-      : "l"(da), "l"(db)
-      : "memory");
-}
-__device__ __forceinline__ void wgmma_ss(float (&d)[64], u64 da, u64 db) {
-  asm volatile(
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-      "%64, %65, 1, 1, 1, 0, 0;\n"
-      : BW_D8(0), BW_D8(8), BW_D8(16), BW_D8(24), BW_D8(32), BW_D8(40), BW_D8(48), BW_D8(56)
-      : "l"(da), "l"(db)
-      : "memory");
-}
-__device__ __forceinline__ void wgmma_ss(float (&d)[32], u64 da, u64 db) {
-  asm volatile(
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-      "%32, %33, 1, 1, 1, 0, 0;\n"
-      : BW_D8(0), BW_D8(8), BW_D8(16), BW_D8(24)
-      : "l"(da), "l"(db)
-      : "memory");
-}
-#undef BW_D8
 
 // Weight row t's 8 logical 16-byte chunks of a stage's A tile at `at` from its 32 code bytes w (see
 // fd_decode); ONE: the scales s0, s1 (first and second 32 of K) are 2^(112 + d) and one bf16 multiply
@@ -571,19 +549,7 @@ __device__ __forceinline__ void fd_consume(u32 base, float* __restrict__ Y, int 
   }
   wgmma_wait<0>();
   wg_fence_regs(d);
-#pragma unroll
-  for (int i = 0; i < BN / 8; ++i) {
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int t = m0 + 8 * i + 2 * q + j;
-      if (t < M) {
-        float* y = Y + (size_t)t * ldy;
-        const float v0 = d[4 * i + j], v1 = d[4 * i + 2 + j];
-        if (ok0) y[r0] = bf ? round_bf16f(v0) : v0;
-        if (ok1) y[r1] = bf ? round_bf16f(v1) : v1;
-      }
-    }
-  }
+  bw_store<BN>(d, Y, ldy, M, m0, r0, r1, ok0, ok1, bf, q);
 }
 
 // A consumer warpgroup whose weight rows are all past N: releases each stage.
