@@ -20,12 +20,16 @@
 //   mainloop): each consumer loads its rows into registers (bw_load) and converts them there, A
 //   from registers.
 //
-// K order: a thread's A fragment for k16 step s holds columns 2q, 2q+1, 2q+8, 2q+9 of rows g and
-// g+8 (q = lane % 4, g = lane / 4). Each thread loads 16 consecutive weight elements (8 bytes) of a
-// 64-wide K chunk for its two rows, physical k = 16q + 4s + 2h + j going to step s, column 2q + 8h
-// + j. The tokens' bf16 row is written in that order by act_quant_bf16w (logical L = 16s + 8h + 2q
-// + j holds physical 16q + 4s + 2h + j): both operands agree, and the dot product's terms are the
-// same.
+// K order: any order of K that both operands share gives the dot product's terms; each path takes
+// the one its weights' decode finds cheapest, and the tokens' bf16 rows are written in it.
+// - Register operand (bf16_rows, bw_store_quad): a thread's A fragment for k16 step s holds columns
+//   2q, 2q+1, 2q+8, 2q+9 of rows g and g+8 (q = lane % 4, g = lane / 4). Each thread loads 16
+//   consecutive weight elements of a 64-wide K chunk for its two rows, physical k = 16q + 4s + 2h +
+//   j going to step s, column 2q + 8h + j (logical L = 16s + 8h + 2q + j holds physical 16q + 4s +
+//   2h + j).
+// - FP4 experts (act_quant_bf16w, fd_store_quad): within each 8 of K, physical j and 4 + j (j = 0..3)
+//   at logical 2j and 2j + 1, so that one 32-bit word of codes (8 nibbles) shifted by 4j holds the
+//   pair's two nibbles in the two bf16 halves (fd_decode_row).
 #include "fp8_mma.cuh"
 #include "fp8_wgmma.cuh"
 
@@ -38,9 +42,17 @@ __device__ __forceinline__ void bw_store_quad(u32* __restrict__ out, int m, int 
   row[4] = pack_bf16x2(e[2], e[3]);
 }
 
+// Four consecutive values of row m, quad c (elements 4c .. 4c + 3), as bf16 at their places in
+// gemm_fp4_experts_sm90's K order: within each 8, element j at logical 2j and 4 + j at 2j + 1.
+__device__ __forceinline__ void fd_store_quad(u32* __restrict__ out, int m, int K, int c, const float (&e)[4]) {
+  unsigned short* row = (unsigned short*)out + (size_t)m * K + 8 * (c >> 1) + (c & 1);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) row[2 * j] = (unsigned short)(pack_bf16x2(e[j], 0.f) & 0xffffu);
+}
+
 // act_quant_bf16w: the reference's act_quant (as act_quant_fp8) of x [M, K] f32 (bf: rounded to
-// bf16 first), written as the bf16 values codes * scale [M, K] (exact) in the GEMM's K order within
-// each 64. grid (ceil(M * K / 4 / 256)), block 256; K % 64 == 0.
+// bf16 first), written as the bf16 values codes * scale [M, K] (exact) in gemm_fp4_experts_sm90's K
+// order within each 8. grid (ceil(M * K / 4 / 256)), block 256; K % 64 == 0.
 extern "C" __global__ void act_quant_bf16w(const float* __restrict__ x, int ldx, u32* __restrict__ out, int M,
                                            int K, int bf) {
   const int q4 = K / 4;
@@ -54,7 +66,7 @@ extern "C" __global__ void act_quant_bf16w(const float* __restrict__ x, int ldx,
     float e[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) e[j] = e4m3_raw((w >> (8 * j)) & 0xffu) * (s * 256.f);
-    bw_store_quad(out, m, K, c, e);
+    fd_store_quad(out, m, K, c, e);
   }
 }
 
@@ -419,6 +431,7 @@ __device__ __forceinline__ void bw_gemm(u8* raw, const u8* X, int ldx, const u8*
 // and the consumers issue both operands from shared memory: four wgmmas a chunk, one commit group.
 // Stage: tokens 32 KB + decoded weights 16 KB; staging (codes 4 KB, scale windows 512 B) per stage.
 #define FD_STAGES 4
+#define FD_2P127 0x7f007f00u  // 2^127 as bf16x2
 #define FD_LAG 3                                            // stages between a code copy and its decode (< FD_STAGES)
 #define FD_ATILE 16384                                      // BW_BM rows x 128 bytes of bf16
 #define FD_STG 4608                                         // 128 rows x 32 code bytes, then 128 x 4 scale bytes
@@ -431,35 +444,43 @@ __device__ __forceinline__ void bw_gemm(u8* raw, const u8* X, int ldx, const u8*
 #define FD_CONSUMER_REGS 200
 static_assert(wg_split_fits(BW_THREADS, FD_PRODUCER_REGS, FD_CONSUMER_REGS), "setmaxnreg split past the registers");
 
-// Weight row t's 8 logical 16-byte chunks of a stage's A tile at `at` from its 32 code bytes w (see
-// fd_decode); ONE: the scales s0, s1 (first and second 32 of K) are 2^(112 + d) and one bf16 multiply
-// applies each; otherwise 2^112, then 2^d. Straight-line per path (the choice made once per row, not
-// per chunk of the row), so that ptxas may interleave the eight chunks' work.
+// x << n for n >= 0, x >> -n otherwise (n a compile-time constant after unrolling)
+template <int n>
+__device__ __forceinline__ u32 fd_shift(u32 x) {
+  if constexpr (n >= 0) return x << n;
+  else return x >> -n;
+}
+
+// Weight row t's 8 logical 16-byte chunks of a stage's A tile at `at`: chunk b from code word w[b]
+// (physical elements 8b .. 8b + 7, element i in bits 4i .. 4i + 3), bf16 pair j of it from nibbles j
+// and 4 + j (the K order of act_quant_bf16w). A nibble's magnitude bits (e, m: e2m1 without its
+// sign) placed at bf16 bits 6 .. 8 are a bf16 of its value times 2^-126: its exponent field e, its
+// mantissa's top bit m, the subnormal e = 0 (0, 0.5) included. One bf16 multiply by 2^(e_s - 1)
+// (ONE: the scale's exponent e_s <= 128; otherwise by 2^127, then 2^(e_s - 128)) makes it the
+// value times the scale, exactly (a bf16 with at most 2 significant bits times a power of two);
+// the sign goes in last (bit 15 of each half). f[0], f[1]: the first 32 of K's factors (f[0] 1 or
+// 2^127, unused with ONE), f[2], f[3] the second 32's.
 template <bool ONE>
-__device__ __forceinline__ void fd_decode_row(u8* at, const u32 (&w)[8], u32 s0, u32 s1, int t) {
+__device__ __forceinline__ void fd_decode_row(u8* at, const u32 (&w)[8], const u32 (&f)[4], int t) {
 #pragma unroll
   for (int b = 0; b < 8; ++b) {
-    const int hi = b >> 2, sel = (b & 3) | ((4 + (b & 3)) << 4);
-    const u32 x = __byte_perm(__byte_perm(w[hi], w[2 + hi], sel), __byte_perm(w[4 + hi], w[6 + hi], sel), 0x5410);
-    const u32 lo8 = e2m1x4_to_e4m3(x), hi8 = e2m1x4_to_e4m3(x >> 16);  // codes of pairs 0, 1 and 2, 3
-    const u32 c[4] = {lo8, lo8 >> 16, hi8, hi8 >> 16};
+    const u32 fa = b < 4 ? f[0] : f[2], sc = b < 4 ? f[1] : f[3], x = w[b];
+    const u32 mag[4] = {fd_shift<6>(x) & 0x01c001c0u, fd_shift<2>(x) & 0x01c001c0u, fd_shift<-2>(x) & 0x01c001c0u,
+                        fd_shift<-6>(x) & 0x01c001c0u};
+    const u32 sgn[4] = {fd_shift<12>(x) & 0x80008000u, fd_shift<8>(x) & 0x80008000u, fd_shift<4>(x) & 0x80008000u,
+                        x & 0x80008000u};
     u32 o[4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const u32 sc = j < 2 ? s0 : s1;
-      o[j] = ONE ? e4m3x2_bf16x2(c[j], sc) : bf16x2_mul(e4m3x2_bf16x2(c[j], BW_2P112), sc);
-    }
+    for (int j = 0; j < 4; ++j) o[j] = (ONE ? bf16x2_mul(mag[j], sc) : bf16x2_mul(bf16x2_mul(mag[j], fa), sc)) ^ sgn[j];
     *(uint4*)(at + wg_swz(t, b)) = make_uint4(o[0], o[1], o[2], o[3]);
   }
 }
 
 // Stage i's weight row t (the producer thread's own): its 64 codes of chunk c0 + i and their two
 // UE8M0 bytes, copied FD_LAG stages before (this thread's cp.async groups have landed), decoded into
-// row t of the stage's A tile. Physical element k = 16q + 4s + 2h + j (code byte 8q + 2s + h, nibble
-// j) goes to logical place 16s + 8h + 2q + j, the tokens' order (act_quant_bf16w): logical 16-byte
-// chunk b = 2s + h holds the code bytes 8q + b, q = 0..3, as bf16 pairs q; q 0, 1 take the first
-// scale (physical k < 32), q 2, 3 the second. Then the writes are made visible to the wgmmas'
-// async proxy and the stage's full barrier gets this thread's second arrive.
+// row t of the stage's A tile (fd_decode_row: physical elements 0 .. 31 take the first scale, 32 ..
+// 63 the second). Then the writes are made visible to the wgmmas' async proxy and the stage's full
+// barrier gets this thread's second arrive.
 __device__ __forceinline__ void fd_decode(u8* smem, u32 base, int i, int n0, int N, int gk, int c0) {
   const int t = threadIdx.x - 256, s = i % FD_STAGES;
   const u8* stg = smem + FD_S + s * FD_STG;
@@ -469,10 +490,13 @@ __device__ __forceinline__ void fd_decode(u8* smem, u32 base, int i, int n0, int
   const u32 sb = *(const u32*)(stg + 4096 + 4 * t) >> (8 * off);
   const u32 e0 = min(max(sb & 0xffu, 1u), 254u), e1 = min(max((sb >> 8) & 0xffu, 1u), 254u);
   u8* at = smem + FD_A + s * FD_ATILE;
-  if (max(e0, e1) <= 142) {  // 2^(112 + d), d = e - 127 <= 15: one bf16 factor
-    fd_decode_row<true>(at, w, bw_scale2(e0, 112), bw_scale2(e1, 112), t);
-  } else {  // scales over 2^15 (no real checkpoint's)
-    fd_decode_row<false>(at, w, bw_scale2(e0, 0), bw_scale2(e1, 0), t);
+  if (max(e0, e1) <= 128) {  // 2^(e - 1) is a bf16 (a normal: e >= 1)
+    const u32 f[4] = {BW_ONE2, bw_scale2(e0 - 1, 127), BW_ONE2, bw_scale2(e1 - 1, 127)};
+    fd_decode_row<true>(at, w, f, t);
+  } else {  // a scale over 2^1 (no real checkpoint's): that one by 2^127 (the magnitude times 2), then 2^(e - 128)
+    const u32 f[4] = {e0 > 128 ? FD_2P127 : BW_ONE2, bw_scale2(e0 - 1, e0 > 128 ? 0 : 127),
+                      e1 > 128 ? FD_2P127 : BW_ONE2, bw_scale2(e1 - 1, e1 > 128 ? 0 : 127)};
+    fd_decode_row<false>(at, w, f, t);
   }
   fence_proxy_async();
   mbar_arrive(base + FD_BAR + 8 * s);

@@ -13,9 +13,10 @@ shared memory read from engine/ops/gpu/fp4_experts.py (FD_SMEM):
   32 code bytes, the scale window through wg_cp4_clip): destination, source, bounds (a copy reads
   its whole size unless its src-size is 0; even then the pointer must be valid) and alignment;
   its commit groups and cp.async.wait_group FD_LAG - 1 before each decode;
-- fd_decode bit for bit: the byte gather (__byte_perm), e2m1 -> e4m3 (kernels/fp8_mma.cuh), e4m3 ->
-  f16 -> bf16 times the scale (mul.rn.bf16x2; both paths, scales up to 2^15 and past), stored at
-  the 128-byte-swizzled place of row t;
+- fd_decode bit for bit: each code word's pairs of nibbles (j, 4 + j) by shifts and masks into
+  bf16 magnitudes times 2^-126 (subnormal bf16 numbers, as IEEE arithmetic has them), times the
+  scale's factors (mul.rn.bf16x2; both paths, scales up to 2^1 and past), the signs by XOR, stored
+  at the 128-byte-swizzled place of row t; the tokens' rows in act_quant_bf16w's K order (fd_order);
 - the mbarrier protocol (full: 128 cp.async arrive-ons and 128 arrivals after the decode; empty: one
   per consumer warp), each arrival checked to belong to the barrier's current phase;
 - the roles run in a random interleaving (a seeded schedule) until all finish; none can run is a
@@ -44,7 +45,6 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import emulate_bf16_wgmma as bf16_wgmma  # noqa: E402  (k_order: act_quant_bf16w's K order)
 import emulate_grouped_gemm as grouped  # noqa: E402  (group: moe_group_large's segments)
 import emulate_wgmma_gemm as wg  # noqa: E402  (Mbar, byte_perm, e2m1x4_to_e4m3, desc, swz)
 
@@ -98,24 +98,17 @@ def bf16x2_mul(a, b):
     return out
 
 
-def e4m3x2_bf16x2(w, sc2):
-    """e4m3x2_bf16x2: codes in bits 0..15 -> f16x2 (cvt.rn.f16x2.e4m3x2, low code low), the f16's
-    exponent and mantissa shifted down by 3 (a bf16 of value * 2^-112), times sc2."""
-    h = np.zeros_like(w, dtype=np.uint32)
-    for j in range(2):
-        code = ((w >> np.uint32(8 * j)) & np.uint32(0xFF)).astype(np.uint8)
-        f16 = formats.fp8_e4m3_to_f32(code).astype(np.float16).view(np.uint16).astype(np.uint32)
-        h |= f16 << np.uint32(16 * j)
-    v = ((h & np.uint32(0x7FFF7FFF)) >> np.uint32(3)) | (h & np.uint32(0x80008000))
-    return bf16x2_mul(v, sc2)
+def shift(x, n: int):
+    """fd_shift: x << n for n >= 0, x >> -n otherwise (uint32)."""
+    return (x << np.uint32(n)) if n >= 0 else (x >> np.uint32(-n))
 
 
-def bw_scale2(e, shift):
-    b = ((e + shift) << np.uint32(7)).astype(np.uint32)
+def bw_scale2(e, sh):
+    b = ((e + sh) << np.uint32(7)).astype(np.uint32)
     return b | (b << np.uint32(16))
 
 
-P112 = np.uint32(0x77807780)  # BW_2P112
+FD_2P127, BW_ONE2 = np.uint32(0x7F007F00), np.uint32(0x3F803F80)  # 2^127, 1.0 as bf16x2
 
 
 class Block:
@@ -226,21 +219,20 @@ class Block:
         sb = self.smem[stg + SCALE_OFF:stg + SCALE_OFF + 512].copy().view("<u4").astype(np.uint32) >> (8 * off)
         e0 = np.clip(sb & 0xFF, 1, 254).astype(np.uint32)
         e1 = np.clip((sb >> np.uint32(8)) & 0xFF, 1, 254).astype(np.uint32)
-        one = np.maximum(e0, e1) <= 142
-        sh = np.where(one, 112, 0).astype(np.uint32)
-        s0, s1 = bw_scale2(e0, sh), bw_scale2(e1, sh)
+        one = np.maximum(e0, e1) <= 128
+        # the factors: ONE, 2^(e - 1) each; otherwise 2^127 then 2^(e - 128) for a scale over 2^1
+        fa = [np.where(~one & (e > 128), FD_2P127, BW_ONE2).astype(np.uint32) for e in (e0, e1)]
+        sc = [bw_scale2(e - np.uint32(1), np.where(one | (e <= 128), 127, 0).astype(np.uint32)) for e in (e0, e1)]
         at = self.base + OFF_A + s * ATILE
         for b in range(8):
-            hi, sel = b >> 2, (b & 3) | ((4 + (b & 3)) << 4)
-            x = wg.byte_perm(wg.byte_perm(w[:, hi], w[:, 2 + hi], sel), wg.byte_perm(w[:, 4 + hi], w[:, 6 + hi], sel),
-                             0x5410)
-            lo8, hi8 = wg.e2m1x4_to_e4m3(x), wg.e2m1x4_to_e4m3(x >> np.uint32(16))
+            x, h = w[:, b], b // 4
             o = []
-            for v, sc in ((lo8, s0), (lo8 >> np.uint32(16), s0), (hi8, s1), (hi8 >> np.uint32(16), s1)):
-                r = np.empty(128, np.uint32)  # each thread's path (both evaluated everywhere would overflow)
-                r[one] = e4m3x2_bf16x2(v[one], sc[one])
-                r[~one] = bf16x2_mul(e4m3x2_bf16x2(v[~one], P112), sc[~one])
-                o.append(r)
+            for j in range(4):
+                mag = shift(x, 6 - 4 * j) & np.uint32(0x01C001C0)
+                r = np.empty(128, np.uint32)
+                r[one] = bf16x2_mul(mag[one], sc[h][one])
+                r[~one] = bf16x2_mul(bf16x2_mul(mag[~one], fa[h][~one]), sc[h][~one])
+                o.append(r ^ (shift(x, 12 - 4 * j) & np.uint32(0x80008000)))
             quad = np.stack(o, 1).astype("<u4").view(np.uint8)  # [t, 16]
             for r in range(128):
                 a = at + wg.swz(r, b)
@@ -371,6 +363,12 @@ def launch(X: np.ndarray, segs: np.ndarray, wtab: list, stab: list, Y: np.ndarra
             run_block(g, bx * BM, yflat, row0 * ldy + ycol, ldy, bf, smem, seed + 7919 * by + bx)
 
 
+def fd_order(x: np.ndarray) -> np.ndarray:
+    """act_quant_bf16w's K order (fd_store_quad): within each 8, element j at 2j and 4 + j at 2j + 1."""
+    m, k = x.shape
+    return x.reshape(m, k // 8, 2, 4).transpose(0, 1, 3, 2).reshape(m, k)
+
+
 def experts(rng: np.random.Generator, E: int, N: int, K: int, exps: tuple[int, int]) -> list:
     """E random FP4 experts [N, K]: (codes, UE8M0 scales, dequantized)."""
     out = []
@@ -396,7 +394,7 @@ def check(T: int, k: int, E: int, D: int, N: int, exps: tuple[int, int], bf: boo
     xp = x[gather]
     w13 = experts(rng, 2 * E, N, D, exps)
     y = np.full((P, 2 * N), np.nan, np.float32)
-    launch(formats.f32_to_bf16(bf16_wgmma.k_order(xp)), segs, [w[0] for w in w13], [w[1] for w in w13], y, N, D,
+    launch(formats.f32_to_bf16(fd_order(xp)), segs, [w[0] for w in w13], [w[1] for w in w13], y, N, D,
            bf, smem, seed)
     want = np.empty((P, 2 * N))
     for h in range(2):
@@ -410,7 +408,7 @@ def check(T: int, k: int, E: int, D: int, N: int, exps: tuple[int, int], bf: boo
     w2 = experts(rng, E, D, N, exps)
     hp = formats.round_bf16(rng.standard_normal((P, N)).astype(np.float32))
     out = np.full((P, D), np.nan, np.float32)
-    launch(formats.f32_to_bf16(bf16_wgmma.k_order(hp)), segs[:segs.size // 2], [w[0] for w in w2],
+    launch(formats.f32_to_bf16(fd_order(hp)), segs[:segs.size // 2], [w[0] for w in w2],
            [w[1] for w in w2], out, D, N, bf, smem, seed + 1)
     want2 = np.empty((P, D))
     for e in range(E):
@@ -429,8 +427,10 @@ def rel_err(y: np.ndarray, want: np.ndarray, bf: bool) -> float:
 CASES = (  # (T, k, E, D, N, scale exponents, bf16 Y, seed): segments of 1 to 256 rows (the wgmma N
     # 64 / 128 / 256), an expert with none; K of 1, 3, 5, 9 chunks (fewer than FD_LAG, rings that
     # wrap); N between tiles and with a consumer warpgroup idle (N % 128 <= 64); N * K / 32 scale bytes
-    # ending inside a word (wg_cp4_clip; odd N, so no w2); scales past 2^15 (the decode's two-multiply path)
+    # ending inside a word (wg_cp4_clip; odd N, so no w2); scales past 2^1 (the decode's two-multiply
+    # path, alone or beside a small one in a row); scales down to 2^-126 (subnormal products)
     (90, 3, 6, 64, 192, (110, 135), False, 0),
+    (30, 2, 3, 128, 64, (1, 12), False, 4),
     (150, 2, 5, 320, 131, (118, 150), True, 1),
     (300, 2, 3, 192, 64, (100, 140), False, 2),
     (40, 2, 4, 576, 320, (120, 132), False, 3),

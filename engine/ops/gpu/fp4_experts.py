@@ -30,7 +30,7 @@ SPLIT_MIN_CHUNKS = 4
 
 def act_quant_bf16w(x: cp.ndarray, bf16: bool = False) -> cp.ndarray:
     """x [M, K] f32 -> the reference's act_quant values (e4m3 code * UE8M0 scale per 32; x rounded
-    to bf16 first if bf16) as bf16 bits uint16 [M, K], each 64 of K in gemm_fp4_experts' order."""
+    to bf16 first if bf16) as bf16 bits uint16 [M, K], each 8 of K in gemm_fp4_experts' order."""
     return _bf16_chunk_rows("act_quant_bf16w", x, np.int32(bf16))
 
 
