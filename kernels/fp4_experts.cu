@@ -422,27 +422,42 @@ __device__ __forceinline__ void bw_gemm(u8* raw, const u8* X, int ldx, const u8*
   }
 }
 
-// ---- FP4 experts: the producer decodes the weights into shared memory ----------------------------
+// ---- FP4 and FP8 weights decoded by the producer into shared memory (fd_*) ---------------------
 // The consumers of the register-operand design above spent ~70 instructions per FP4 wgmma on the
 // decode and its moves (Nsight Compute: issue slots 38% busy, the tensor pipe 40%), and a short tile
 // (a segment's remainder, N 64) is all decode. Here the producer warpgroup decodes each chunk's
-// 128 weight rows (one row per thread, the codes and scale bytes it copied itself FD_LAG stages
+// 128 weight rows (one row per thread, the codes and scale bytes it copied itself LAG stages
 // before) into a bf16 A tile of the stage, K-major with the 128-byte swizzle in the tokens' K order,
 // and the consumers issue both operands from shared memory: four wgmmas a chunk, one commit group.
-// Stage: tokens 32 KB + decoded weights 16 KB; staging (codes 4 KB, scale windows 512 B) per stage.
-#define FD_STAGES 4
+// A stage: tokens 32 KB, decoded weights 16 KB, and the staging of the codes (128 rows x 32 bytes
+// of FP4 or 64 of FP8) and of each row's 4-byte window of UE8M0 scale bytes (one per 32 of K: FP4's
+// own; an FP8 weight's power-of-two block scales as such bytes, made once by the host). FP4 rings 4
+// stages, FP8 (twice the codes) 3: what fits a block's 227 KB.
+#define FD_STAGES_FP4 4
+#define FD_LAG_FP4 3  // stages between a code copy and its decode (fewer than the stages)
+#define FD_STAGES_FP8 3
+#define FD_LAG_FP8 2
+#define FD_ATILE 16384  // BW_BM rows x 128 bytes of bf16
 #define FD_2P127 0x7f007f00u  // 2^127 as bf16x2
-#define FD_LAG 3                                            // stages between a code copy and its decode (< FD_STAGES)
-#define FD_ATILE 16384                                      // BW_BM rows x 128 bytes of bf16
-#define FD_STG 4608                                         // 128 rows x 32 code bytes, then 128 x 4 scale bytes
-#define FD_A (FD_STAGES * BW_TILE_BYTES)                    // the A tiles (1024-aligned)
-#define FD_S (FD_A + FD_STAGES * FD_ATILE)                  // the staging areas
-#define FD_BAR (FD_S + FD_STAGES * FD_STG)                  // full[ST], then empty[ST]
 // setmaxnreg moves registers within the block's allocation (384 x 168 at launch); setmaxnreg.inc waits
 // for registers from that pool, so a split past it would hang every launch.
 #define FD_PRODUCER_REGS 96
 #define FD_CONSUMER_REGS 200
 static_assert(wg_split_fits(BW_THREADS, FD_PRODUCER_REGS, FD_CONSUMER_REGS), "setmaxnreg split past the registers");
+template <int FMT>
+struct FdCfg {
+  static constexpr int ST = FMT == FMT_FP4 ? FD_STAGES_FP4 : FD_STAGES_FP8;
+  static constexpr int LAG = FMT == FMT_FP4 ? FD_LAG_FP4 : FD_LAG_FP8;
+  static constexpr int CODES = FMT == FMT_FP4 ? 32 : 64;  // code bytes of a row's chunk
+  static constexpr int STG = 128 * CODES + 128 * 4;       // staging: codes, then the scale windows
+  static constexpr u32 A = ST * BW_TILE_BYTES, S = A + ST * FD_ATILE, BAR = S + ST * STG;  // full[ST], empty[ST]
+  static constexpr u32 SMEM = BAR + 16 * ST + 1024;  // (+ the pad to 1024-byte alignment)
+  // fd_row4 / fd_row8 make a code's bf16 its value times 2^-126 / 2^-120; the factor to its value
+  // times a scale 2^(e - 127) is then the bf16 of exponent field e + BIAS (bw_scale2(e, BIAS))
+  static constexpr u32 BIAS = FMT == FMT_FP4 ? 126 : 120;
+};
+static_assert(FdCfg<FMT_FP4>::SMEM <= 232448 && FdCfg<FMT_FP8>::SMEM <= 232448, "over a block's shared memory");
+static_assert(FD_LAG_FP4 < FD_STAGES_FP4 && FD_LAG_FP8 < FD_STAGES_FP8, "a decode waiting for its own stage");
 
 // x << n for n >= 0, x >> -n otherwise (n a compile-time constant after unrolling)
 template <int n>
@@ -451,7 +466,7 @@ __device__ __forceinline__ u32 fd_shift(u32 x) {
   else return x >> -n;
 }
 
-// Weight row t's 8 logical 16-byte chunks of a stage's A tile at `at`: chunk b from code word w[b]
+// FP4: weight row t's 8 logical 16-byte chunks of a stage's A tile at `at`: chunk b from code word w[b]
 // (physical elements 8b .. 8b + 7, element i in bits 4i .. 4i + 3), bf16 pair j of it from nibbles j
 // and 4 + j (the K order of act_quant_bf16w). A nibble's magnitude bits (e, m: e2m1 without its
 // sign) placed at bf16 bits 6 .. 8 are a bf16 of its value times 2^-126: its exponent field e, its
@@ -461,7 +476,7 @@ __device__ __forceinline__ u32 fd_shift(u32 x) {
 // the sign goes in last (bit 15 of each half). f[0], f[1]: the first 32 of K's factors (f[0] 1 or
 // 2^127, unused with ONE), f[2], f[3] the second 32's.
 template <bool ONE>
-__device__ __forceinline__ void fd_decode_row(u8* at, const u32 (&w)[8], const u32 (&f)[4], int t) {
+__device__ __forceinline__ void fd_row4(u8* at, const u32 (&w)[8], const u32 (&f)[4], int t) {
 #pragma unroll
   for (int b = 0; b < 8; ++b) {
     const u32 fa = b < 4 ? f[0] : f[2], sc = b < 4 ? f[1] : f[3], x = w[b];
@@ -476,91 +491,127 @@ __device__ __forceinline__ void fd_decode_row(u8* at, const u32 (&w)[8], const u
   }
 }
 
-// Stage i's weight row t (the producer thread's own): its 64 codes of chunk c0 + i and their two
-// UE8M0 bytes, copied FD_LAG stages before (this thread's cp.async groups have landed), decoded into
-// row t of the stage's A tile (fd_decode_row: physical elements 0 .. 31 take the first scale, 32 ..
-// 63 the second). Then the writes are made visible to the wgmmas' async proxy and the stage's full
-// barrier gets this thread's second arrive.
+// FP8: weight row t's 8 logical 16-byte chunks from its 64 code bytes w (chunk b: physical elements
+// 8b .. 8b + 7, words 2b and 2b + 1), bf16 pair j from codes j and 4 + j (act_quant_bf16w's K order):
+// __byte_perm puts codes j of both words in the low (j even) or high bytes of the two bf16 halves.
+// A code's magnitude bits (e4m3 without its sign) moved to bf16 bits 4 .. 10 are a bf16 of its
+// value times 2^-120 (exponent field e, mantissa's top 3 bits m; the subnormal e = 0 included); the
+// factors and the sign as fd_row4's.
+template <bool ONE>
+__device__ __forceinline__ void fd_row8(u8* at, const u32 (&w)[16], const u32 (&f)[4], int t) {
+#pragma unroll
+  for (int b = 0; b < 8; ++b) {
+    const u32 fa = b < 4 ? f[0] : f[2], sc = b < 4 ? f[1] : f[3];
+    const u32 v01 = __byte_perm(w[2 * b], w[2 * b + 1], 0x5410), v23 = __byte_perm(w[2 * b], w[2 * b + 1], 0x7632);
+    const u32 mag[4] = {(v01 << 4) & 0x07f007f0u, (v01 >> 4) & 0x07f007f0u, (v23 << 4) & 0x07f007f0u,
+                        (v23 >> 4) & 0x07f007f0u};
+    const u32 sgn[4] = {(v01 << 8) & 0x80008000u, v01 & 0x80008000u, (v23 << 8) & 0x80008000u, v23 & 0x80008000u};
+    u32 o[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) o[j] = (ONE ? bf16x2_mul(mag[j], sc) : bf16x2_mul(bf16x2_mul(mag[j], fa), sc)) ^ sgn[j];
+    *(uint4*)(at + wg_swz(t, b)) = make_uint4(o[0], o[1], o[2], o[3]);
+  }
+}
+
+// Stage i's weight row t (the producer thread's own): its codes of chunk c0 + i and their two UE8M0
+// bytes e0, e1, copied LAG stages before (this thread's cp.async groups have landed), decoded into
+// row t of the stage's A tile (physical elements 0 .. 31 take 2^(e0 - 127), 32 .. 63 2^(e1 - 127)).
+// ONE: both factors are bf16 numbers (e + BIAS <= 254: FP4 scales up to 2^1, FP8 up to 2^7; no real
+// checkpoint's are larger); otherwise a larger one goes as 2^127, then the rest. Then the writes are
+// made visible to the wgmmas' async proxy and the stage's full barrier gets this thread's second arrive.
+template <int FMT>
 __device__ __forceinline__ void fd_decode(u8* smem, u32 base, int i, int n0, int N, int gk, int c0) {
-  const int t = threadIdx.x - 256, s = i % FD_STAGES;
-  const u8* stg = smem + FD_S + s * FD_STG;
-  const uint4 v0 = *(const uint4*)(stg + 32 * t), v1 = *(const uint4*)(stg + 32 * t + 16);
-  const u32 w[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+  using C = FdCfg<FMT>;
+  const int t = threadIdx.x - 256, s = i % C::ST;
+  const u8* stg = smem + C::S + s * C::STG;
+  u32 w[C::CODES / 4];
+#pragma unroll
+  for (int p = 0; p < C::CODES / 16; ++p) {
+    const uint4 v = *(const uint4*)(stg + C::CODES * t + 16 * p);
+    w[4 * p] = v.x, w[4 * p + 1] = v.y, w[4 * p + 2] = v.z, w[4 * p + 3] = v.w;
+  }
   const int off = (int)(((size_t)min(n0 + t, N - 1) * gk + 2 * (c0 + i)) & 3);  // (0 or 2: gk is even)
-  const u32 sb = *(const u32*)(stg + 4096 + 4 * t) >> (8 * off);
+  const u32 sb = *(const u32*)(stg + 128 * C::CODES + 4 * t) >> (8 * off);
   const u32 e0 = min(max(sb & 0xffu, 1u), 254u), e1 = min(max((sb >> 8) & 0xffu, 1u), 254u);
-  u8* at = smem + FD_A + s * FD_ATILE;
-  if (max(e0, e1) <= 128) {  // 2^(e - 1) is a bf16 (a normal: e >= 1)
-    const u32 f[4] = {BW_ONE2, bw_scale2(e0 - 1, 127), BW_ONE2, bw_scale2(e1 - 1, 127)};
-    fd_decode_row<true>(at, w, f, t);
-  } else {  // a scale over 2^1 (no real checkpoint's): that one by 2^127 (the magnitude times 2), then 2^(e - 128)
-    const u32 f[4] = {e0 > 128 ? FD_2P127 : BW_ONE2, bw_scale2(e0 - 1, e0 > 128 ? 0 : 127),
-                      e1 > 128 ? FD_2P127 : BW_ONE2, bw_scale2(e1 - 1, e1 > 128 ? 0 : 127)};
-    fd_decode_row<false>(at, w, f, t);
+  u8* at = smem + C::A + s * FD_ATILE;
+  const bool big0 = e0 + C::BIAS > 254, big1 = e1 + C::BIAS > 254;
+  if (!big0 && !big1) {
+    const u32 f[4] = {BW_ONE2, bw_scale2(e0, C::BIAS), BW_ONE2, bw_scale2(e1, C::BIAS)};
+    if constexpr (FMT == FMT_FP4) fd_row4<true>(at, w, f, t);
+    else fd_row8<true>(at, w, f, t);
+  } else {
+    const u32 f[4] = {big0 ? FD_2P127 : BW_ONE2, bw_scale2(e0, big0 ? C::BIAS - 127 : C::BIAS),
+                      big1 ? FD_2P127 : BW_ONE2, bw_scale2(e1, big1 ? C::BIAS - 127 : C::BIAS)};
+    if constexpr (FMT == FMT_FP4) fd_row4<false>(at, w, f, t);
+    else fd_row8<false>(at, w, f, t);
   }
   fence_proxy_async();
-  mbar_arrive(base + FD_BAR + 8 * s);
+  mbar_arrive(base + C::BAR + 8 * s);
 }
 
 // The producer warpgroup: for each chunk i of K (64), once its stage is free, the token rows m0 ..
-// m0 + 255 (bw_copy_tokens), weight row n0 + t's 32 code bytes and the aligned
-// 4-byte window holding its two scale bytes (zeros past N) to the staging area; FD_LAG chunks later,
-// those landed, the decode (fd_decode). The full barrier counts both: 128 cp.async arrives and 128
-// plain ones. No deadlock: the stage of chunk i frees once the consumers are past chunk i - FD_STAGES
-// + 1, decoded before iteration i since FD_LAG < FD_STAGES.
+// m0 + 255 (bw_copy_tokens), weight row n0 + t's code bytes and the aligned 4-byte window holding
+// its two scale bytes (zeros past N) to the staging area; LAG chunks later, those landed, the decode
+// (fd_decode). The full barrier counts both: 128 cp.async arrives and 128 plain ones. No deadlock:
+// the stage of chunk i frees once the consumers are past chunk i - ST + 1, decoded before iteration
+// i since LAG < ST.
+template <int FMT>
 __device__ __forceinline__ void fd_produce(u8* smem, u32 base, const u8* __restrict__ X, int ldx, int M, int m0,
                                            const u8* __restrict__ W, const u8* __restrict__ SW, int N, int K, int gk,
                                            int n0, int c0, int C) {
+  using F = FdCfg<FMT>;
   const int t = threadIdx.x - 256;
   const u8* src = bw_token_src(X, ldx, M, m0, c0);
   const bool wok = n0 + t < N;
   const int row = min(n0 + t, N - 1);
-  const u8* wsrc = W + (size_t)row * (K / 2) + 32 * (size_t)c0;
+  const u8* wsrc = W + (size_t)row * (K / 64 * F::CODES) + F::CODES * (size_t)c0;
   const long long sbytes = (long long)N * gk;
   for (int i = 0; i < C; ++i) {
-    // first the decode of chunk i - FD_LAG (its copies landed: FD_LAG - 1 later groups may pend), so
-    // that it never waits for a free stage; then chunk i's copies once its stage is free
-    if (i >= FD_LAG) {
-      asm volatile("cp.async.wait_group %0;" ::"n"(FD_LAG - 1) : "memory");
-      fd_decode(smem, base, i - FD_LAG, n0, N, gk, c0);
+    // first the decode of chunk i - LAG (its copies landed: LAG - 1 later groups may pend), so that
+    // it never waits for a free stage; then chunk i's copies once its stage is free
+    if (i >= F::LAG) {
+      asm volatile("cp.async.wait_group %0;" ::"n"(F::LAG - 1) : "memory");
+      fd_decode<FMT>(smem, base, i - F::LAG, n0, N, gk, c0);
     }
-    const int s = i % FD_STAGES;
-    mbar_wait(base + FD_BAR + 8 * (FD_STAGES + s), ((i / FD_STAGES) & 1) ^ 1);
+    const int s = i % F::ST;
+    mbar_wait(base + F::BAR + 8 * (F::ST + s), ((i / F::ST) & 1) ^ 1);
     bw_copy_tokens(base + s * BW_TILE_BYTES, src, ldx, M, m0, i);
-    const u32 st = base + FD_S + s * FD_STG;
-    wg_cp16(st + 32 * t, wsrc + 32 * (size_t)i, wok ? 16 : 0);
-    wg_cp16(st + 32 * t + 16, wsrc + 32 * (size_t)i + 16, wok ? 16 : 0);
+    const u32 st = base + F::S + s * F::STG;
+#pragma unroll
+    for (int p = 0; p < F::CODES / 16; ++p)
+      wg_cp16(st + F::CODES * t + 16 * p, wsrc + F::CODES * (size_t)i + 16 * p, wok ? 16 : 0);
     {  // the scale bytes 2 (c0 + i), + 1 of row n0 + t lie in the 4-aligned word from b0; the word the
        // array ends inside by plain loads (wg_cp4_clip)
       const long long b0 = ((long long)row * gk + 2 * (c0 + i)) & ~3LL;
       const long long left = sbytes - b0;
       const int n = wok ? (int)(left > 4 ? 4 : left) : 0;
-      wg_cp4_clip(smem + (st - base) + 4096 + 4 * t, st + 4096 + 4 * t, SW + (n ? b0 : 0), n);
+      wg_cp4_clip(smem + (st - base) + 128 * F::CODES + 4 * t, st + 128 * F::CODES + 4 * t, SW + (n ? b0 : 0), n);
     }
-    mbar_arrive_cp_async(base + FD_BAR + 8 * s);
+    mbar_arrive_cp_async(base + F::BAR + 8 * s);
     asm volatile("cp.async.commit_group;" ::: "memory");
   }
   asm volatile("cp.async.wait_all;" ::: "memory");
-  for (int i = C > FD_LAG ? C - FD_LAG : 0; i < C; ++i) fd_decode(smem, base, i, n0, N, gk, c0);
+  for (int i = C > F::LAG ? C - F::LAG : 0; i < C; ++i) fd_decode<FMT>(smem, base, i, n0, N, gk, c0);
 }
 
 // A consumer warpgroup: per chunk, once its stage is full, four wgmmas (k16 steps: 32 bytes into
 // both tiles' 128-byte rows) as one commit group; waiting for the chunk before frees that one's stage.
-template <int BN>
+template <int FMT, int BN>
 __device__ __forceinline__ void fd_consume(u32 base, float* __restrict__ Y, int ldy, int M, int N, int m0, int n0,
                                            int bf, int C) {
   const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2,
             q = lane & 3;
   const int r0 = n0 + 64 * wg + 16 * warp + g, r1 = r0 + 8;
   const bool ok0 = r0 < N, ok1 = r1 < N;
+  using F = FdCfg<FMT>;
   float d[BN / 2];
 #pragma unroll
   for (int i = 0; i < BN / 2; ++i) d[i] = 0.f;
   for (int i = 0; i < C; ++i) {
-    const int s = i % FD_STAGES;
-    mbar_wait(base + FD_BAR + 8 * s, (i / FD_STAGES) & 1);
+    const int s = i % F::ST;
+    mbar_wait(base + F::BAR + 8 * s, (i / F::ST) & 1);
     fence_proxy_async();
-    const u32 at = base + FD_A + s * FD_ATILE + 8192 * wg, bt = base + s * BW_TILE_BYTES;
+    const u32 at = base + F::A + s * FD_ATILE + 8192 * wg, bt = base + s * BW_TILE_BYTES;
     wgmma_fence();
 #pragma unroll
     for (int k = 0; k < 4; ++k) wgmma_ss(d, wg_desc(at + 32 * k), wg_desc(bt + 32 * k));
@@ -568,7 +619,7 @@ __device__ __forceinline__ void fd_consume(u32 base, float* __restrict__ Y, int 
     wgmma_wait<1>();
     if (i >= 1) {
       __syncwarp();
-      if (lane == 0) mbar_arrive(base + FD_BAR + 8 * (FD_STAGES + (i - 1) % FD_STAGES));
+      if (lane == 0) mbar_arrive(base + F::BAR + 8 * (F::ST + (i - 1) % F::ST));
     }
   }
   wgmma_wait<0>();
@@ -577,22 +628,26 @@ __device__ __forceinline__ void fd_consume(u32 base, float* __restrict__ Y, int 
 }
 
 // A consumer warpgroup whose weight rows are all past N: releases each stage.
+template <int FMT>
 __device__ __forceinline__ void fd_idle(u32 base, int C) {
+  using F = FdCfg<FMT>;
   for (int i = 0; i < C; ++i) {
-    mbar_wait(base + FD_BAR + 8 * (i % FD_STAGES), (i / FD_STAGES) & 1);
+    mbar_wait(base + F::BAR + 8 * (i % F::ST), (i / F::ST) & 1);
     __syncwarp();
-    if ((threadIdx.x & 31) == 0) mbar_arrive(base + FD_BAR + 8 * (FD_STAGES + i % FD_STAGES));
+    if ((threadIdx.x & 31) == 0) mbar_arrive(base + F::BAR + 8 * (F::ST + i % F::ST));
   }
 }
 
-// segs [nseg x 5] int32 (expert e, first row row0, rows, 0, y column), as kernels/fp8_grouped.cu
-// takes them; X (act_quant_bf16w's bf16 [*, K]) and Y rows in pair order; the expert's e2m1 weight
-// [N, K / 2] at wptrs[e], its UE8M0 scales [N, gk] at sptrs[e]; bf: Y rounded to bf16 as stored.
-// Block (x, y): segment y, its token rows 0 .. 255 (segments have at most 256), weight rows x * 128...
-// grid (ceil(N / 128), nseg), block 384, dynamic shared memory FD_STAGES * (32 + 16 + 4.5) KB + barriers + 1 KB.
-extern "C" __global__ void __launch_bounds__(BW_THREADS, 1)
-    gemm_fp4_experts_sm90(const u8* X, const int* segs, const u64* wptrs, const u64* sptrs, float* Y, int ldy, int N,
-                          int K, int gk, int bf) {
+// segs [nseg x 5] int32 (g, first row row0, rows <= 256, x column, y column): Y[row0 + r, ycol + n] =
+// X[row0 + r, xcol .. xcol + K) (act_quant_bf16w's bf16 rows of ldx elements, in its K order) times
+// weight g's rows: FP4 e2m1 [N, K / 2] (the MoE's experts: X and Y rows in pair order, as
+// kernels/fp8_grouped.cu takes them) or FP8 e4m3 [N, K] at wptrs[g], their UE8M0 bytes [N, gk = K /
+// 32] at sptrs[g]; bf: Y rounded to bf16 as stored. Block (x, y): segment y, weight rows x * 128...
+// grid (ceil(N / 128), nseg), block 384, dynamic shared memory FdCfg<FMT>::SMEM.
+template <int FMT>
+__device__ __forceinline__ void fd_gemm(const u8* X, int ldx, const int* segs, const u64* wptrs, const u64* sptrs,
+                                        float* Y, int ldy, int N, int K, int gk, int bf) {
+  using F = FdCfg<FMT>;
   extern __shared__ __align__(1024) u8 bw_smem[];
   const int* sg = segs + 5 * blockIdx.y;
   if (sg[2] == 0) return;  // an unused slot
@@ -600,9 +655,9 @@ extern "C" __global__ void __launch_bounds__(BW_THREADS, 1)
   const u32 base = raw_addr + pad;
   u8* smem = bw_smem + pad;
   if (threadIdx.x == 0) {
-    for (int s = 0; s < FD_STAGES; ++s) {
-      mbar_init(base + FD_BAR + 8 * s, 256);  // 128 cp.async arrives + 128 after the decode
-      mbar_init(base + FD_BAR + 8 * (FD_STAGES + s), 8);  // one arrive per consumer warp
+    for (int s = 0; s < F::ST; ++s) {
+      mbar_init(base + F::BAR + 8 * s, 256);  // 128 cp.async arrives + 128 after the decode
+      mbar_init(base + F::BAR + 8 * (F::ST + s), 8);  // one arrive per consumer warp
     }
   }
   __syncthreads();
@@ -610,18 +665,28 @@ extern "C" __global__ void __launch_bounds__(BW_THREADS, 1)
   float* Yb = Y + (size_t)sg[1] * ldy + sg[4];
   if (threadIdx.x >= 256) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(FD_PRODUCER_REGS));
-    fd_produce(smem, base, X + (size_t)sg[1] * K * 2, K, M, 0, (const u8*)wptrs[sg[0]], (const u8*)sptrs[sg[0]], N,
-               K, gk, n0, 0, C);
+    fd_produce<FMT>(smem, base, X + ((size_t)sg[1] * ldx + sg[3]) * 2, ldx, M, 0, (const u8*)wptrs[sg[0]],
+                    (const u8*)sptrs[sg[0]], N, K, gk, n0, 0, C);
   } else if (n0 + 64 * (int)(threadIdx.x >> 7) >= N) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(FD_PRODUCER_REGS));
-    fd_idle(base, C);
+    fd_idle<FMT>(base, C);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(FD_CONSUMER_REGS));
     // the wgmma N by the tile's token rows: a short tile computes no more than the next multiple of 64
-    if (M > 128) fd_consume<256>(base, Yb, ldy, M, N, 0, n0, bf, C);
-    else if (M > 64) fd_consume<128>(base, Yb, ldy, M, N, 0, n0, bf, C);
-    else fd_consume<64>(base, Yb, ldy, M, N, 0, n0, bf, C);
+    if (M > 128) fd_consume<FMT, 256>(base, Yb, ldy, M, N, 0, n0, bf, C);
+    else if (M > 64) fd_consume<FMT, 128>(base, Yb, ldy, M, N, 0, n0, bf, C);
+    else fd_consume<FMT, 64>(base, Yb, ldy, M, N, 0, n0, bf, C);
   }
+}
+extern "C" __global__ void __launch_bounds__(BW_THREADS, 1)
+    gemm_fp4_experts_sm90(const u8* X, int ldx, const int* segs, const u64* wptrs, const u64* sptrs, float* Y,
+                          int ldy, int N, int K, int gk, int bf) {
+  fd_gemm<FMT_FP4>(X, ldx, segs, wptrs, sptrs, Y, ldy, N, K, gk, bf);
+}
+extern "C" __global__ void __launch_bounds__(BW_THREADS, 1)
+    gemm_fd_fp8_sm90(const u8* X, int ldx, const int* segs, const u64* wptrs, const u64* sptrs, float* Y, int ldy,
+                     int N, int K, int gk, int bf) {
+  fd_gemm<FMT_FP8>(X, ldx, segs, wptrs, sptrs, Y, ldy, N, K, gk, bf);
 }
 
 // Segments (g, row0, rows <= 256, xcol, ycol) [nseg x 5] of a block-diagonal (grouped) linear on bf16

@@ -26,12 +26,21 @@ from engine.ops.gpu.fp4_experts import (  # noqa: E402
     bf16_rows,
     bf16w_linear,
     bf16w_takes,
+    fd_fp8_linear,
+    fd_fp8_segments,
+    fd_fp8_takes,
     fp4_experts_linear,
     fp8w_bf16_linear,
     fp8w_bf16_segments,
     fp8w_takes,
 )
-from engine.ops.gpu.fp8_linear import GROUPED_ROWS, act_quant_fp8, fp8_grouped_linear, gather_rows  # noqa: E402
+from engine.ops.gpu.fp8_linear import (  # noqa: E402
+    GROUPED_ROWS,
+    act_quant_fp8,
+    fp8_grouped_linear,
+    fp8_linear,
+    gather_rows,
+)
 from engine.ops.gpu.weights import GpuWeight, _host_dequant  # noqa: E402
 from engine.ops.kernels import FMT_BF16, FMT_FP4, FMT_FP8  # noqa: E402
 from engine.ops.numpy_ops import NumpyOps  # noqa: E402
@@ -365,3 +374,63 @@ def test_fp8w_bf16_rate_against_gemm_tc1():
     flop = 2 * t * g * n * k
     print(f"wo_a [{g} x {n} x {k}] x {t} rows: bf16 wgmma {tw * 1e3:.3f} ms = {flop / tw / 1e12:.0f} TFLOP/s, "
           f"gemm_tc1 {tb * 1e3:.3f} ms = {flop / tb / 1e12:.0f}")
+
+
+def _fd(xb: cp.ndarray, w: GpuWeight, bf16: bool = False) -> cp.ndarray:
+    segs = cp.asarray(np.array(fd_fp8_segments(xb.shape[0]), np.int32).reshape(-1))
+    return fd_fp8_linear(xb, segs, w, bf16)
+
+
+@pytest.mark.parametrize("m,n,k,block", [(1, 64, 64, (128, 128)), (300, 200, 320, (128, 128)),
+                                         (77, 136, 2304, (32, 32)), (513, 384, 1280, (32, 32))])
+@pytest.mark.parametrize("bf", [False, True])
+def test_fd_fp8_matches_numpy(m, n, k, block, bf):
+    """gemm_fd_fp8_sm90 (the FP8 weight decoded into shared memory, bf16 wgmma) on act_quant_bf16w's
+    rows against the float64 product of the fake-quantized x and the dequantized weight: one row,
+    tails in M (64 / 128 / 256-row tiles), N past a tile (an idle warpgroup), K of one chunk or a
+    3-stage ring that wraps, 32 x 32 and 128 x 128 blocks; bf16 out as the rounded f32 sums."""
+    x, w = _x(m, k, seed=n + k), _fp8_weight(n, k, seed=m, block=block)
+    assert fd_fp8_takes(w)
+    y = _fd(act_quant_bf16w(cp.asarray(x)), w, bf)
+    xq = NumpyOps().fake_quant_fp8(x, 32).astype(np.float64)
+    wd = _host_dequant(w).astype(np.float64)
+    want, mag = xq @ wd.T, np.abs(xq) @ np.abs(wd).T
+    got = cp.asnumpy(y).astype(np.float64)
+    tol = 2.0**-8 if bf else BF16_MMA_TOL
+    assert np.isfinite(got).all()
+    assert float((np.abs(got - want) / np.maximum(mag, 1e-30)).max()) < tol
+
+
+@pytest.mark.parametrize("lo,hi,shift", [(1, 20, 100), (128, 150, -40)])
+def test_fd_fp8_scales_far_from_one(lo, hi, shift):
+    """Block scales 2^(e - 127) for e far below 127 (subnormal bf16 weights) and above 134 (the
+    decode's two factors); x scaled by 2^shift to keep the products in range."""
+    m, n, k = 70, 136, 256
+    rng = np.random.default_rng(lo)
+    data = (rng.integers(0, 256, (n, k)) & 0xF7).astype(np.uint8)
+    scale = np.ldexp(1.0, rng.integers(lo, hi, (-(-n // 32), k // 32)) - 127).astype(np.float32)
+    w = GpuWeight(FMT_FP8, cp.asarray(data), cp.asarray(scale), (n, k), (32, 32))
+    x = _x(m, k, seed=lo) * np.float32(2.0**shift)
+    y = cp.asnumpy(_fd(act_quant_bf16w(cp.asarray(x)), w)).astype(np.float64)
+    xq, wd = NumpyOps().fake_quant_fp8(x, 32).astype(np.float64), _host_dequant(w).astype(np.float64)
+    want, mag = xq @ wd.T, np.abs(xq) @ np.abs(wd).T
+    assert float((np.abs(y - want) / np.maximum(mag, 1e-30)).max()) < BF16_MMA_TOL
+
+
+def test_fd_fp8_rate_against_the_e4m3_gemm():
+    """Not a timed assertion: V4.1-Flash's dense FP8 linears at a 4,096-row chunk, gemm_fd_fp8 beside
+    the e4m3 GEMM (fp8_linear) on the same rows, both bf16 in and out."""
+    m = 4096
+    for name, n, k, block in (("wq_b", 32768, 1280, (128, 128)), ("wo_b", 5120, 8192, (128, 128)),
+                              ("wo_b 32 x 32", 5120, 8192, (32, 32))):
+        w = _fp8_weight(n, k, seed=n, block=block)
+        x = cp.asarray(_x(m, k, seed=1))
+        xb = act_quant_bf16w(x, True)
+        segs = cp.asarray(np.array(fd_fp8_segments(m), np.int32).reshape(-1))
+        t = _timeit(lambda xb=xb, w=w, segs=segs: fd_fp8_linear(xb, segs, w, True), iters=10)
+        te = _timeit(lambda x=x, w=w: fp8_linear(x, w, bf16=True), iters=10)
+        tq = _timeit(lambda x=x: act_quant_bf16w(x, True), iters=10)
+        flop = 2 * m * n * k
+        print(f"fd fp8 {name} [{n} x {k}] x {m}: {t * 1e3:.3f} ms = {flop / t / 1e12:.0f} TFLOP/s "
+              f"(+ act_quant_bf16w {tq * 1e3:.3f} ms); e4m3 GEMM with its act_quant {te * 1e3:.3f} ms = "
+              f"{flop / te / 1e12:.0f} TFLOP/s")

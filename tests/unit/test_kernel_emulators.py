@@ -9,8 +9,9 @@ emulate_attn_sparse_bf.py do the same for the indexer's two-MMA scores and the o
 attention (ldmatrix and ldmatrix.trans addresses, fragments, the online softmax);
 emulate_bf16_wgmma.py for the register-operand bf16 wgmma kernels of kernels/fp4_experts.cu (the rows'
 K order, the swizzled token tiles, each thread's weight words and A fragments); emulate_fp4_experts.py
-for its FP4 experts' kernel (the producer's copies and decode into shared memory, the barriers' phases
-under random interleavings of the roles, operands that must not change while a wgmma reads them)."""
+for its FP4 experts' and FP8 weights' kernel (the producer's copies and decode into shared memory,
+the barriers' phases under random interleavings of the roles, operands that must not change while a
+wgmma reads them)."""
 
 from __future__ import annotations
 
@@ -89,9 +90,15 @@ def test_fp4_experts_emulated(case):
     fp4_experts.check(*case)
 
 
+@pytest.mark.parametrize("case", fp4_experts.FP8_CASES, ids=lambda c: f"M{c[0]}-N{c[1]}-K{c[2]}-B{c[3][0]}")
+def test_fd_fp8_emulated(case):
+    fp4_experts.check_fp8(*case)
+
+
 def test_fp4_experts_emulator_finds_a_deadlock(monkeypatch):
-    """The decode FD_LAG chunks behind its copies needs FD_LAG < FD_STAGES: at FD_STAGES the producer
+    """The decode LAG chunks behind its copies needs LAG < the ring's stages: at as many, the producer
     waits for a stage the consumers free only after a chunk it has not decoded yet."""
-    monkeypatch.setattr(fp4_experts, "LAG", fp4_experts.ST)
+    cfg = fp4_experts.CFG[fp4_experts.FP4]
+    monkeypatch.setattr(cfg, "lag", cfg.st)
     with pytest.raises(AssertionError, match="deadlock"):
         fp4_experts.check(20, 1, 2, 320, 64, (120, 132), False, 0)

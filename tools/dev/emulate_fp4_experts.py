@@ -1,22 +1,27 @@
-"""Emulate kernels/fp4_experts.cu gemm_fp4_experts_sm90 (the FP4 experts' grouped GEMM whose producer
-decodes the weights into shared memory, fd_*) in numpy, thread by thread, and compare its Y with a
-plain product; no GPU needed. Exits non-zero on a mismatch, a deadlock or a hazard.
+"""Emulate kernels/fp4_experts.cu fd_gemm (gemm_fp4_experts_sm90, the FP4 experts' grouped GEMM, and
+gemm_fd_fp8_sm90, FP8 weights', whose producer decodes the weights into shared memory) in numpy,
+thread by thread, and compare its Y with a plain product; no GPU needed. Exits non-zero on a
+mismatch, a deadlock or a hazard.
 
-What is emulated, the constants parsed from the kernel's #defines (FD_*, BW_*) and the launch's
-shared memory read from engine/ops/gpu/fp4_experts.py (FD_SMEM):
-- the launch: grid (ceil(N / 128), segments), a segment (expert, first row, rows, 0, y column) of
-  the MoE's pairs as kernels/moe.cu groups them (tools/dev/emulate_grouped_gemm.py group), unused
-  slots returning at once, X, Y and the expert's pointers moved to the segment;
+What is emulated, the constants parsed from the kernel's #defines (FD_*, BW_*; FdCfg's layout as
+the kernel computes it) and the launch's shared memory read from engine/ops/gpu/fp4_experts.py
+(FD_SMEM):
+- the launch: grid (ceil(N / 128), segments), a segment (weight g, first row, rows, x column, y
+  column): the MoE's pairs as kernels/moe.cu groups them (tools/dev/emulate_grouped_gemm.py group),
+  or a dense / block-diagonal linear's rows per 256; unused slots returning at once, X, Y and the
+  weight's pointers moved to the segment;
 - the dynamic buffer at an address that is not 1024-aligned, so the kernel's alignment pad is used,
   and the layout (tokens, decoded A tiles, staging, barriers) checked to fit FD_SMEM;
 - the producer warpgroup's every cp.async (the token rows through wg_copy_rows, the weight row's
-  32 code bytes, the scale window through wg_cp4_clip): destination, source, bounds (a copy reads
+  32 (FP4) or 64 (FP8) code bytes, the scale window through wg_cp4_clip): destination, source, bounds (a copy reads
   its whole size unless its src-size is 0; even then the pointer must be valid) and alignment;
-  its commit groups and cp.async.wait_group FD_LAG - 1 before each decode;
-- fd_decode bit for bit: each code word's pairs of nibbles (j, 4 + j) by shifts and masks into
-  bf16 magnitudes times 2^-126 (subnormal bf16 numbers, as IEEE arithmetic has them), times the
-  scale's factors (mul.rn.bf16x2; both paths, scales up to 2^1 and past), the signs by XOR, stored
-  at the 128-byte-swizzled place of row t; the tokens' rows in act_quant_bf16w's K order (fd_order);
+  its commit groups and cp.async.wait_group LAG - 1 before each decode;
+- fd_decode bit for bit: FP4, each code word's pairs of nibbles (j, 4 + j) by shifts and masks into
+  bf16 magnitudes times 2^-126; FP8, codes j of two words by __byte_perm, then shifts and masks into
+  bf16 magnitudes times 2^-120 (subnormal bf16 numbers among them, as IEEE arithmetic has them);
+  times the scale's factors (mul.rn.bf16x2; both paths, scales past 2^1 / 2^7 too), the signs by
+  XOR, stored at the 128-byte-swizzled place of row t; the tokens' rows in act_quant_bf16w's K order
+  (fd_order); an FP8 weight's block scales as the host's UE8M0 bytes per row and 32 of K;
 - the mbarrier protocol (full: 128 cp.async arrive-ons and 128 arrivals after the decode; empty: one
   per consumer warp), each arrival checked to belong to the barrier's current phase;
 - the roles run in a random interleaving (a seeded schedule) until all finish; none can run is a
@@ -62,27 +67,44 @@ def _const(name: str) -> int:
     return int(eval(expr, {}, {}))  # noqa: S307 (the kernel's own constant expressions)
 
 
-ST, LAG, ATILE, STG = _const("FD_STAGES"), _const("FD_LAG"), _const("FD_ATILE"), _const("FD_STG")
-OFF_A, OFF_S, OFF_BAR = _const("FD_A"), _const("FD_S"), _const("FD_BAR")
-TILE, BM, BN = _const("BW_TILE_BYTES"), _const("BW_BM"), _const("BW_BN")
-assert BM == 128 and BN == 256 and TILE == BN * 128 and ATILE == BM * 128 and STG == BM * 32 + BM * 4
-assert LAG < ST and OFF_A == ST * TILE and OFF_S == OFF_A + ST * ATILE and OFF_BAR == OFF_S + ST * STG
-SCALE_OFF = BM * 32  # the scale windows after the codes in a staging area
-# the barriers' arrival counts as gemm_fp4_experts_sm90 initializes them (full, empty)
-FULL_COUNT = int(re.search(r"mbar_init\(base \+ FD_BAR \+ 8 \* s, (\d+)\)", _SRC).group(1))
-EMPTY_COUNT = int(re.search(r"mbar_init\(base \+ FD_BAR \+ 8 \* \(FD_STAGES \+ s\), (\d+)\)", _SRC).group(1))
+ATILE, TILE, BM, BN = _const("FD_ATILE"), _const("BW_TILE_BYTES"), _const("BW_BM"), _const("BW_BN")
+assert BM == 128 and BN == 256 and TILE == BN * 128 and ATILE == BM * 128
+FP4, FP8 = "fp4", "fp8"
 
 
-def host_smem() -> int:
-    """FD_SMEM of engine/ops/gpu/fp4_experts.py (read, not imported: it imports CuPy)."""
+class Cfg:
+    """FdCfg<FMT> of the kernel: its ring and the byte offsets from the 1024-aligned base."""
+
+    def __init__(self, fmt: str):
+        self.fmt = fmt
+        self.st, self.lag = _const(f"FD_STAGES_{fmt.upper()}"), _const(f"FD_LAG_{fmt.upper()}")
+        self.codes = 32 if fmt == FP4 else 64  # code bytes of a row's chunk
+        self.stg = BM * self.codes + BM * 4  # staging: codes, then the scale windows
+        self.a = self.st * TILE
+        self.s = self.a + self.st * ATILE
+        self.bar = self.s + self.st * self.stg
+        self.bias = 126 if fmt == FP4 else 120  # the factor's exponent field is e + bias
+        assert self.lag < self.st
+
+
+CFG = {FP4: Cfg(FP4), FP8: Cfg(FP8)}
+# the barriers' arrival counts as fd_gemm initializes them (full, empty)
+FULL_COUNT = int(re.search(r"mbar_init\(base \+ F::BAR \+ 8 \* s, (\d+)\)", _SRC).group(1))
+EMPTY_COUNT = int(re.search(r"mbar_init\(base \+ F::BAR \+ 8 \* \(F::ST \+ s\), (\d+)\)", _SRC).group(1))
+
+
+def host_smem(fmt: str) -> int:
+    """FD_SMEM[fmt] of engine/ops/gpu/fp4_experts.py (read, not imported: it imports CuPy)."""
     tree = ast.parse((wg.ROOT / "engine/ops/gpu/fp4_experts.py").read_text())
-    ns: dict = {}
+    ns: dict = {"FMT_FP4": FP4, "FMT_FP8": FP8}
     for n in tree.body:
         names = {x.id for t in getattr(n, "targets", []) for x in ast.walk(t) if isinstance(x, ast.Name)}
-        if isinstance(n, ast.Assign) and names & {"FE_ROWS", "FE_COLS", "FD_STAGES", "FD_SMEM"}:
+        if isinstance(n, ast.Assign) and names & {"FE_ROWS", "FE_COLS", "FD_STAGES", "FD_CODES", "FD_SMEM"}:
             exec(compile(ast.Module([n], []), "fp4_experts", "exec"), ns)  # noqa: S102
-    assert ns["FD_STAGES"] == ST and ns["FE_ROWS"] == BN and ns["FE_COLS"] == BM
-    return ns["FD_SMEM"]
+    c = CFG[fmt]
+    assert ns["FD_STAGES"][fmt] == c.st and ns["FD_CODES"][fmt] == c.codes and ns["FE_ROWS"] == BN
+    assert ns["FE_COLS"] == BM
+    return ns["FD_SMEM"][fmt]
 
 
 # ---- the decode's arithmetic, on uint32 arrays ----
@@ -117,14 +139,14 @@ class Block:
     RAW = 0x400 + 0x90  # the dynamic buffer's address (16-aligned, not 1024-aligned)
 
     def __init__(self, g: dict, n0: int, rng: np.random.Generator, smem_bytes: int):
-        self.g, self.n0, self.rng = g, n0, rng
+        self.g, self.n0, self.rng, self.c = g, n0, rng, CFG[g["fmt"]]
         self.base = self.RAW + ((1024 - (self.RAW & 1023)) & 1023)
-        assert OFF_BAR + 16 * ST + 1008 <= smem_bytes, "the layout and the largest pad overflow FD_SMEM"
+        assert self.c.bar + 16 * self.c.st + 1008 <= smem_bytes, "the layout and the largest pad overflow FD_SMEM"
         assert smem_bytes <= 232448, "over the opt-in shared memory of a Hopper block"
         self.smem = np.full(self.RAW + smem_bytes, 0xEE, np.uint8)  # garbage until written
-        self.full = [wg.Mbar(FULL_COUNT) for _ in range(ST)]
-        self.empty = [wg.Mbar(EMPTY_COUNT) for _ in range(ST)]
-        self.deferred: dict[int, list] = {s: [] for s in range(ST)}
+        self.full = [wg.Mbar(FULL_COUNT) for _ in range(self.c.st)]
+        self.empty = [wg.Mbar(EMPTY_COUNT) for _ in range(self.c.st)]
+        self.deferred: dict[int, list] = {s: [] for s in range(self.c.st)}
         self.unlanded: list[list] = [[] for _ in range(128)]
         self.uncommitted: list[list] = [[] for _ in range(128)]
         self.groups: list[list] = [[] for _ in range(128)]
@@ -167,7 +189,7 @@ class Block:
 
     # ---- the producer warpgroup (fd_produce) ----
     def produce(self):
-        C = self.g["C"]
+        C, ST, LAG = self.g["C"], self.c.st, self.c.lag
         for i in range(C):
             if i >= LAG:
                 self.wait_group(LAG - 1)
@@ -187,21 +209,23 @@ class Block:
         g, M, K, N, gk = self.g, self.g["M"], self.g["K"], self.g["N"], self.g["gk"]
         # bw_copy_tokens: rows r8 + 16 j of the segment, chunk i's 128 bytes, 16-byte piece c8
         r8, c8 = t >> 3, t & 7
-        src = g["x0"] + min(r8, M - 1) * K * 2 + 16 * c8 + 128 * i
+        src = g["x0"] + min(r8, M - 1) * g["ldx"] * 2 + 16 * c8 + 128 * i
         dst = self.base + s * TILE + wg.swz(r8, c8)
         for j in range(16):
             ok = 16 * j < M - r8
-            self.cp(t, dst + 2048 * j, "X", src + 16 * K * 2 * j if ok else src, 16, 16 if ok else 0,
+            self.cp(t, dst + 2048 * j, "X", src + 16 * g["ldx"] * 2 * j if ok else src, 16, 16 if ok else 0,
                     s * TILE, (s + 1) * TILE)
-        # weight row n0 + t's 32 code bytes of chunk i, then its scale window
+        # weight row n0 + t's code bytes of chunk i, then its scale window
+        c = self.c
         wok, row = self.n0 + t < N, min(self.n0 + t, N - 1)
-        st = self.base + OFF_S + s * STG
-        lo, hi = OFF_S + s * STG, OFF_S + (s + 1) * STG
-        for h in range(2):
-            self.cp(t, st + 32 * t + 16 * h, "W", row * (K // 2) + 32 * i + 16 * h, 16, 16 if wok else 0, lo, hi)
+        st = self.base + c.s + s * c.stg
+        lo, hi = c.s + s * c.stg, c.s + (s + 1) * c.stg
+        for h in range(c.codes // 16):
+            self.cp(t, st + c.codes * t + 16 * h, "W", row * (K // 64 * c.codes) + c.codes * i + 16 * h, 16,
+                    16 if wok else 0, lo, hi)
         b0 = (row * gk + 2 * i) & ~3
         n = min(4, N * gk - b0) if wok else 0
-        dst = st + SCALE_OFF + 4 * t
+        dst = st + BM * c.codes + 4 * t
         if n in (0, 4):
             self.cp(t, dst, "SW", b0 if n else 0, 4, n, lo, hi)
         else:  # wg_cp4_clip: the word the array ends inside, by plain loads and a store, at once
@@ -211,35 +235,46 @@ class Block:
 
     def decode(self, i: int) -> None:
         """fd_decode of chunk i by all 128 producer threads (row t each), then their arrivals."""
-        N, gk, s = self.g["N"], self.g["gk"], i % ST
+        c = self.c
+        N, gk, s = self.g["N"], self.g["gk"], i % c.st
         t = np.arange(128)
-        stg = self.base + OFF_S + s * STG
-        w = self.smem[stg:stg + 32 * 128].reshape(128, 32).copy().view("<u4").astype(np.uint32)  # [t, 8]
+        stg = self.base + c.s + s * c.stg
+        w = self.smem[stg:stg + c.codes * 128].reshape(128, c.codes).copy().view("<u4").astype(np.uint32)  # [t, n]
         off = ((np.minimum(self.n0 + t, N - 1) * gk + 2 * i) & 3).astype(np.uint32)
-        sb = self.smem[stg + SCALE_OFF:stg + SCALE_OFF + 512].copy().view("<u4").astype(np.uint32) >> (8 * off)
-        e0 = np.clip(sb & 0xFF, 1, 254).astype(np.uint32)
-        e1 = np.clip((sb >> np.uint32(8)) & 0xFF, 1, 254).astype(np.uint32)
-        one = np.maximum(e0, e1) <= 128
-        # the factors: ONE, 2^(e - 1) each; otherwise 2^127 then 2^(e - 128) for a scale over 2^1
-        fa = [np.where(~one & (e > 128), FD_2P127, BW_ONE2).astype(np.uint32) for e in (e0, e1)]
-        sc = [bw_scale2(e - np.uint32(1), np.where(one | (e <= 128), 127, 0).astype(np.uint32)) for e in (e0, e1)]
-        at = self.base + OFF_A + s * ATILE
+        sw = stg + BM * c.codes
+        sb = self.smem[sw:sw + 512].copy().view("<u4").astype(np.uint32) >> (8 * off)
+        e = [np.clip((sb >> np.uint32(8 * h)) & 0xFF, 1, 254).astype(np.uint32) for h in (0, 1)]
+        big = [x + c.bias > 254 for x in e]
+        one = ~big[0] & ~big[1]
+        # the factors: ONE, 2^(e + bias - 127) each; otherwise 2^127 first for a large one
+        fa = [np.where(b, FD_2P127, BW_ONE2).astype(np.uint32) for b in big]
+        sc = [bw_scale2(x, np.where(b, c.bias - 127, c.bias).astype(np.uint32)) for x, b in zip(e, big, strict=True)]
+        at = self.base + c.a + s * ATILE
         for b in range(8):
-            x, h = w[:, b], b // 4
+            h = b // 4
+            if c.fmt == FP4:  # nibbles j and 4 + j of word b, shifted into the halves, bits 6 .. 8
+                x = w[:, b]
+                parts = [(shift(x, 6 - 4 * j) & np.uint32(0x01C001C0), shift(x, 12 - 4 * j) & np.uint32(0x80008000))
+                         for j in range(4)]
+            else:  # codes j of words 2b, 2b + 1 by __byte_perm, their magnitudes at bits 4 .. 10
+                v01 = wg.byte_perm(w[:, 2 * b], w[:, 2 * b + 1], 0x5410)
+                v23 = wg.byte_perm(w[:, 2 * b], w[:, 2 * b + 1], 0x7632)
+                m7, sg = np.uint32(0x07F007F0), np.uint32(0x80008000)
+                parts = [(shift(v, 4) & m7, shift(v, 8) & sg) if lo else (shift(v, -4) & m7, v & sg)
+                         for v in (v01, v23) for lo in (True, False)]
             o = []
-            for j in range(4):
-                mag = shift(x, 6 - 4 * j) & np.uint32(0x01C001C0)
+            for mag, sgn in parts:
                 r = np.empty(128, np.uint32)
                 r[one] = bf16x2_mul(mag[one], sc[h][one])
                 r[~one] = bf16x2_mul(bf16x2_mul(mag[~one], fa[h][~one]), sc[h][~one])
-                o.append(r ^ (shift(x, 12 - 4 * j) & np.uint32(0x80008000)))
+                o.append(r ^ sgn)
             quad = np.stack(o, 1).astype("<u4").view(np.uint8)  # [t, 16]
             for r in range(128):
                 a = at + wg.swz(r, b)
-                assert self.base + OFF_A + s * ATILE <= a and a + 16 <= self.base + OFF_A + (s + 1) * ATILE
+                assert self.base + c.a + s * ATILE <= a and a + 16 <= self.base + c.a + (s + 1) * ATILE
                 self.smem[a:a + 16] = quad[r]
         for _ in range(128):  # fence.proxy.async, then mbarrier.arrive
-            self.full[s].arrive(i // ST)
+            self.full[s].arrive(i // c.st)
 
     # ---- the consumer warpgroups (fd_consume, fd_idle) ----
     def operand(self, d: int, rows: int, lo: int, hi: int) -> np.ndarray:
@@ -263,13 +298,14 @@ class Block:
         n = 256 if M > 128 else 128 if M > 64 else 64  # the wgmma N
         acc = np.zeros((64, n))
         flight = None
+        ST, c = self.c.st, self.c
         for i in range(C):
             s = i % ST
             yield lambda s=s, i=i: (self.poll_full(s), self.full[s].done((i // ST) & 1))[1]
             group = []
             for k in range(4):
-                aa = self.operand(wg.desc(self.base + OFF_A + s * ATILE + 8192 * wgi + 32 * k), 64,
-                                  OFF_A + s * ATILE + 8192 * wgi, OFF_A + s * ATILE + 8192 * (wgi + 1))
+                aa = self.operand(wg.desc(self.base + c.a + s * ATILE + 8192 * wgi + 32 * k), 64,
+                                  c.a + s * ATILE + 8192 * wgi, c.a + s * ATILE + 8192 * (wgi + 1))
                 ba = self.operand(wg.desc(self.base + s * TILE + 32 * k), n, s * TILE, (s + 1) * TILE)
                 group.append((aa, ba, self.smem[aa].copy(), self.smem[aa + 1].copy(), self.smem[ba].copy(),
                               self.smem[ba + 1].copy()))
@@ -292,6 +328,7 @@ class Block:
             acc += self.values(aa) @ self.values(ba).T
 
     def idle(self):
+        ST = self.c.st
         for i in range(self.g["C"]):
             s = i % ST
             yield lambda s=s, i=i: (self.poll_full(s), self.full[s].done((i // ST) & 1))[1]
@@ -347,18 +384,20 @@ def run_block(g: dict, n0: int, Y: np.ndarray, y0: int, ldy: int, bf: bool, smem
         b.epilogue(wgi, accs[wgi], Y, y0, ldy, bf)
 
 
-def launch(X: np.ndarray, segs: np.ndarray, wtab: list, stab: list, Y: np.ndarray, N: int, K: int, bf: bool,
-           smem: int, seed: int) -> None:
-    """fp4_experts_linear: grid (ceil(N / 128), segments) over segs [nseg * 5]."""
-    ldy = Y.shape[1]
+def launch(fmt: str, X: np.ndarray, segs: np.ndarray, wtab: list, stab: list, Y: np.ndarray, N: int, K: int,
+           bf: bool, seed: int) -> None:
+    """fp4_experts_linear / fd_fp8_linear (_fd_launch): grid (ceil(N / 128), segments) over segs [nseg
+    * 5] (g, row0, rows, x column, y column); X [*, ldx] bf16 bits."""
+    smem, ldy, ldx = host_smem(fmt), Y.shape[1], X.shape[1]
     yflat = Y.reshape(-1)
     for by in range(segs.size // 5):
-        e, row0, rows, _, ycol = (int(v) for v in segs[5 * by:5 * by + 5])
+        e, row0, rows, xcol, ycol = (int(v) for v in segs[5 * by:5 * by + 5])
         if rows == 0:
             continue
         assert rows <= BN, "a segment of more rows than a block's token tile"
-        g = {"X": X.view(np.uint8).reshape(-1), "x0": row0 * K * 2, "W": wtab[e].reshape(-1),
-             "SW": stab[e].reshape(-1), "M": rows, "N": N, "K": K, "gk": K // 32, "C": K // 64}
+        g = {"fmt": fmt, "X": X.view(np.uint8).reshape(-1), "x0": (row0 * ldx + xcol) * 2, "ldx": ldx,
+             "W": wtab[e].reshape(-1), "SW": stab[e].reshape(-1), "M": rows, "N": N, "K": K, "gk": K // 32,
+             "C": K // 64}
         for bx in range(-(-N // BM)):
             run_block(g, bx * BM, yflat, row0 * ldy + ycol, ldy, bf, smem, seed + 7919 * by + bx)
 
@@ -382,7 +421,6 @@ def experts(rng: np.random.Generator, E: int, N: int, K: int, exps: tuple[int, i
 def check(T: int, k: int, E: int, D: int, N: int, exps: tuple[int, int], bf: bool, seed: int) -> float:
     """w1 / w3 (one doubled segment table, y columns 0 and N) then w2 of a MoE of T tokens, top-k of E,
     hidden D, expert width N; raises AssertionError where the emulated kernel goes wrong."""
-    smem = host_smem()
     rng = np.random.default_rng(seed)
     pop = np.geomspace(1.0, 0.05, E)
     pop[E // 2] = 0.0  # an expert with no pairs
@@ -394,8 +432,8 @@ def check(T: int, k: int, E: int, D: int, N: int, exps: tuple[int, int], bf: boo
     xp = x[gather]
     w13 = experts(rng, 2 * E, N, D, exps)
     y = np.full((P, 2 * N), np.nan, np.float32)
-    launch(formats.f32_to_bf16(fd_order(xp)), segs, [w[0] for w in w13], [w[1] for w in w13], y, N, D,
-           bf, smem, seed)
+    launch(FP4, formats.f32_to_bf16(fd_order(xp)), segs, [w[0] for w in w13], [w[1] for w in w13], y, N, D, bf,
+           seed)
     want = np.empty((P, 2 * N))
     for h in range(2):
         for e in range(E):
@@ -408,13 +446,46 @@ def check(T: int, k: int, E: int, D: int, N: int, exps: tuple[int, int], bf: boo
     w2 = experts(rng, E, D, N, exps)
     hp = formats.round_bf16(rng.standard_normal((P, N)).astype(np.float32))
     out = np.full((P, D), np.nan, np.float32)
-    launch(formats.f32_to_bf16(fd_order(hp)), segs[:segs.size // 2], [w[0] for w in w2],
-           [w[1] for w in w2], out, D, N, bf, smem, seed + 1)
+    launch(FP4, formats.f32_to_bf16(fd_order(hp)), segs[:segs.size // 2], [w[0] for w in w2],
+           [w[1] for w in w2], out, D, N, bf, seed + 1)
     want2 = np.empty((P, D))
     for e in range(E):
         rows = np.flatnonzero(e_sorted == e)
         want2[rows] = hp[rows].astype(np.float64) @ w2[e][2].astype(np.float64).T
     err = max(err, rel_err(out, want2, bf))
+    assert err < (2 ** -8 if bf else 1e-6), err
+    return err
+
+
+def scale_bytes(sw: np.ndarray, block: tuple[int, int], n: int, k: int) -> np.ndarray:
+    """engine/ops/gpu/fp4_experts.fd_scale_bytes: power-of-two f32 block scales [ceil(n / bn), gk] as
+    UE8M0 bytes per row and 32 of K [n, k / 32] (their exponent fields)."""
+    e8 = ((sw.astype(np.float32).view(np.uint32) >> 23) & 0xFF).astype(np.uint8)
+    return np.repeat(e8[:, np.arange(k // 32) * 32 // block[1]], block[0], axis=0)[:n].copy()
+
+
+def check_fp8(M: int, N: int, K: int, block: tuple[int, int], exps: tuple[int, int], bf: bool, seed: int,
+              groups: int = 1) -> float:
+    """gemm_fd_fp8_sm90 on x [M, groups * K] (bf16 values in act_quant_bf16w's order) and a
+    block-diagonal FP8 weight of `groups` row groups [N, K] with power-of-two block scales 2^(e - 127),
+    e in exps, in segments of up to 256 rows per group; raises AssertionError where it goes wrong."""
+    rng = np.random.default_rng(seed)
+    bn, bk = block
+    x = formats.round_bf16(rng.standard_normal((M, groups * K)).astype(np.float32))
+    ws, ss, wd = [], [], []
+    for _ in range(groups):
+        w = (rng.integers(0, 256, (N, K)) & 0xF7).astype(np.uint8)  # (no NaN codes)
+        sw = np.ldexp(1.0, rng.integers(*exps, (-(-N // bn), -(-K // bk))) - 127).astype(np.float32)
+        ws.append(w)
+        ss.append(scale_bytes(sw, block, N, K))
+        wd.append(formats.dequant_fp8_blocks(w, sw, block).astype(np.float64))
+    segs = np.array([(g, r, min(BN, M - r), g * K, g * N) for g in range(groups) for r in range(0, M, BN)],
+                    np.int32).reshape(-1)
+    y = np.full((M, groups * N), np.nan, np.float32)
+    launch(FP8, formats.f32_to_bf16(np.concatenate([fd_order(x[:, g * K:(g + 1) * K]) for g in range(groups)], 1)),
+           segs, ws, ss, y, N, K, bf, seed)
+    want = np.concatenate([x[:, g * K:(g + 1) * K].astype(np.float64) @ wd[g].T for g in range(groups)], 1)
+    err = rel_err(y, want, bf)
     assert err < (2 ** -8 if bf else 1e-6), err
     return err
 
@@ -437,15 +508,33 @@ CASES = (  # (T, k, E, D, N, scale exponents, bf16 Y, seed): segments of 1 to 25
 )
 
 
+FP8_CASES = (  # (M, N, K, block, scale exponents, bf16 Y, seed[, groups]): tiles of 64 / 128 / 256
+    # token rows and two segments; N between tiles, a consumer warpgroup idle; K of 1, 2, 5 chunks (a
+    # 3-stage ring that wraps); 32 x 32 and 128 x 128 blocks; scales past 2^7 (two multiplies) and
+    # down to 2^-126 (subnormal products); wo_a's block-diagonal groups (x and y columns per group)
+    (300, 192, 320, (128, 128), (110, 140), False, 5),
+    (70, 131, 128, (32, 32), (1, 20), True, 6),
+    (20, 320, 64, (32, 32), (118, 136), False, 7, 2),
+)
+
+
 def main() -> int:
     bad = 0
     for case in CASES:
         T, k, E, D, N, exps, bf, seed = case
         try:
             err = check(*case)
-            print(f"T {T} k {k} E {E} D {D} N {N} exponents {exps} bf16 {bf}: max row rel err {err:.1e}")
+            print(f"fp4 T {T} k {k} E {E} D {D} N {N} exponents {exps} bf16 {bf}: max row rel err {err:.1e}")
         except AssertionError as e:
-            print(f"T {T} k {k} E {E} D {D} N {N}: FAILS: {e}")
+            print(f"fp4 T {T} k {k} E {E} D {D} N {N}: FAILS: {e}")
+            bad += 1
+    for case in FP8_CASES:
+        try:
+            err = check_fp8(*case)
+            print(f"fp8 M {case[0]} N {case[1]} K {case[2]} block {case[3]} exponents {case[4]}: max row rel err "
+                  f"{err:.1e}")
+        except AssertionError as e:
+            print(f"fp8 {case[:4]}: FAILS: {e}")
             bad += 1
     print("ok" if not bad else f"{bad} case(s) fail")
     return 1 if bad else 0
