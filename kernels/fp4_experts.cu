@@ -455,6 +455,12 @@ struct FdCfg {
   // fd_row4 / fd_row8 make a code's bf16 its value times 2^-126 / 2^-120; the factor to its value
   // times a scale 2^(e - 127) is then the bf16 of exponent field e + BIAS (bw_scale2(e, BIAS))
   static constexpr u32 BIAS = FMT == FMT_FP4 ? 126 : 120;
+  // where row t's 16-byte piece p of codes is staged: the pieces of a row rotated by the row, so that
+  // the 8 rows a quarter-warp copies or reads hit 8 different 16-byte bank groups (rows CODES apart
+  // alone would share 128 / CODES of them)
+  static __device__ __forceinline__ int piece(int t, int p) {
+    return CODES * t + 16 * (p ^ ((t / (128 / CODES)) & (CODES / 16 - 1)));
+  }
 };
 static_assert(FdCfg<FMT_FP4>::SMEM <= 232448 && FdCfg<FMT_FP8>::SMEM <= 232448, "over a block's shared memory");
 static_assert(FD_LAG_FP4 < FD_STAGES_FP4 && FD_LAG_FP8 < FD_STAGES_FP8, "a decode waiting for its own stage");
@@ -527,7 +533,7 @@ __device__ __forceinline__ void fd_decode(u8* smem, u32 base, int i, int n0, int
   u32 w[C::CODES / 4];
 #pragma unroll
   for (int p = 0; p < C::CODES / 16; ++p) {
-    const uint4 v = *(const uint4*)(stg + C::CODES * t + 16 * p);
+    const uint4 v = *(const uint4*)(stg + C::piece(t, p));
     w[4 * p] = v.x, w[4 * p + 1] = v.y, w[4 * p + 2] = v.z, w[4 * p + 3] = v.w;
   }
   const int off = (int)(((size_t)min(n0 + t, N - 1) * gk + 2 * (c0 + i)) & 3);  // (0 or 2: gk is even)
@@ -579,7 +585,7 @@ __device__ __forceinline__ void fd_produce(u8* smem, u32 base, const u8* __restr
     const u32 st = base + F::S + s * F::STG;
 #pragma unroll
     for (int p = 0; p < F::CODES / 16; ++p)
-      wg_cp16(st + F::CODES * t + 16 * p, wsrc + F::CODES * (size_t)i + 16 * p, wok ? 16 : 0);
+      wg_cp16(st + F::piece(t, p), wsrc + F::CODES * (size_t)i + 16 * p, wok ? 16 : 0);
     {  // the scale bytes 2 (c0 + i), + 1 of row n0 + t lie in the 4-aligned word from b0; the word the
        // array ends inside by plain loads (wg_cp4_clip)
       const long long b0 = ((long long)row * gk + 2 * (c0 + i)) & ~3LL;

@@ -86,6 +86,10 @@ class Cfg:
         self.bias = 126 if fmt == FP4 else 120  # the factor's exponent field is e + bias
         assert self.lag < self.st
 
+    def piece(self, t: int, p: int) -> int:
+        """FdCfg::piece: row t's staged 16-byte piece p of codes."""
+        return self.codes * t + 16 * (p ^ ((t // (128 // self.codes)) & (self.codes // 16 - 1)))
+
 
 CFG = {FP4: Cfg(FP4), FP8: Cfg(FP8)}
 # the barriers' arrival counts as fd_gemm initializes them (full, empty)
@@ -221,7 +225,7 @@ class Block:
         st = self.base + c.s + s * c.stg
         lo, hi = c.s + s * c.stg, c.s + (s + 1) * c.stg
         for h in range(c.codes // 16):
-            self.cp(t, st + c.codes * t + 16 * h, "W", row * (K // 64 * c.codes) + c.codes * i + 16 * h, 16,
+            self.cp(t, st + c.piece(t, h), "W", row * (K // 64 * c.codes) + c.codes * i + 16 * h, 16,
                     16 if wok else 0, lo, hi)
         b0 = (row * gk + 2 * i) & ~3
         n = min(4, N * gk - b0) if wok else 0
@@ -239,7 +243,8 @@ class Block:
         N, gk, s = self.g["N"], self.g["gk"], i % c.st
         t = np.arange(128)
         stg = self.base + c.s + s * c.stg
-        w = self.smem[stg:stg + c.codes * 128].reshape(128, c.codes).copy().view("<u4").astype(np.uint32)  # [t, n]
+        w = np.stack([np.concatenate([self.smem[stg + c.piece(r, p):][:16] for p in range(c.codes // 16)])
+                      for r in range(128)]).view("<u4").astype(np.uint32)  # [t, codes / 4]
         off = ((np.minimum(self.n0 + t, N - 1) * gk + 2 * i) & 3).astype(np.uint32)
         sw = stg + BM * c.codes
         sb = self.smem[sw:sw + 512].copy().view("<u4").astype(np.uint32) >> (8 * off)
