@@ -401,15 +401,20 @@ def test_fd_fp8_matches_numpy(m, n, k, block, bf):
     assert float((np.abs(got - want) / np.maximum(mag, 1e-30)).max()) < tol
 
 
-@pytest.mark.parametrize("lo,hi,shift", [(1, 20, 100), (128, 150, -40)])
+@pytest.mark.parametrize("lo,hi,shift", [(3, 20, 100), (128, 150, -40)])
 def test_fd_fp8_scales_far_from_one(lo, hi, shift):
-    """Block scales 2^(e - 127) for e far below 127 (subnormal bf16 weights) and above 134 (the
-    decode's two factors); x scaled by 2^shift to keep the products in range."""
+    """Block scales 2^(e - 127) for e far below 127, down to the least fd_fp8_takes allows (subnormal
+    bf16 weights), and above 134 (the decode's two factors); x scaled by 2^shift to keep the products
+    in range."""
     m, n, k = 70, 136, 256
     rng = np.random.default_rng(lo)
     data = (rng.integers(0, 256, (n, k)) & 0xF7).astype(np.uint8)
     scale = np.ldexp(1.0, rng.integers(lo, hi, (-(-n // 32), k // 32)) - 127).astype(np.float32)
     w = GpuWeight(FMT_FP8, cp.asarray(data), cp.asarray(scale), (n, k), (32, 32))
+    assert fd_fp8_takes(w)
+    tiny = w.scale.copy()
+    tiny[0, 0] = np.float32(2.0**-125)  # (a code of 2^-9 times it is no bf16 number)
+    assert not fd_fp8_takes(GpuWeight(FMT_FP8, w.data, tiny, (n, k), (32, 32)))
     x = _x(m, k, seed=lo) * np.float32(2.0**shift)
     y = cp.asnumpy(_fd(act_quant_bf16w(cp.asarray(x)), w)).astype(np.float64)
     xq, wd = NumpyOps().fake_quant_fp8(x, 32).astype(np.float64), _host_dequant(w).astype(np.float64)

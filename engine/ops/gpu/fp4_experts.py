@@ -70,10 +70,14 @@ def _fd_launch(name: str, fmt: int, xb: cp.ndarray, segs: cp.ndarray, wptrs: cp.
 
 def fd_fp8_takes(w: GpuWeight) -> bool:
     """Whether gemm_fd_fp8 takes an FP8 weight on this device: K whole chunks, blocks of whole 32-wide
-    K groups, power-of-two block scales (_pow2_scales), sm_90a."""
+    K groups, power-of-two block scales (_pow2_scales) of at least 2^-124 (so that each code times its
+    scale is a bf16 number, the smallest code 2^-9 included: bf16's least is 2^-133), sm_90a."""
     if w.fmt != FMT_FP8 or w.shape[1] % CHUNK or w.block[1] % 32 or K.device_arch() != "90a":
         return False
-    return _pow2_scales(w)
+    ok = w.__dict__.get("_fd")
+    if ok is None:
+        ok = w.__dict__["_fd"] = _pow2_scales(w) and bool(cp.all((w.scale.view(cp.uint32) >> 23) >= 3))
+    return ok
 
 
 def _pow2_scales(w: GpuWeight) -> bool:
