@@ -76,10 +76,20 @@ def _tables(ws: list) -> tuple:
             cp.asarray(np.array([w.scale.data.ptr for w in ws], np.uint64)))
 
 
-def _unpermute(xb: np.ndarray) -> np.ndarray:
+def _unpermute_fd(xb: np.ndarray) -> np.ndarray:
     """act_quant_bf16w's order back to K's: within each 8, logical 2j holds j and 2j + 1 holds 4 + j."""
     m, k = xb.shape
     return xb.reshape(m, k // 8, 4, 2).transpose(0, 1, 3, 2).reshape(m, k)
+
+
+def _unpermute(xb: np.ndarray) -> np.ndarray:
+    """bf16_rows' order back to K's: logical 16 s + 8 h + 2 q + j holds 16 q + 4 s + 2 h + j."""
+    s, h, q, j = np.meshgrid(np.arange(4), np.arange(2), np.arange(4), np.arange(2), indexing="ij")
+    logical, phys = (16 * s + 8 * h + 2 * q + j).ravel(), (16 * q + 4 * s + 2 * h + j).ravel()
+    out = np.empty_like(xb)
+    for c in range(0, xb.shape[1], 64):
+        out[:, c + phys] = xb[:, c + logical]
+    return out
 
 
 def _check(y: np.ndarray, xq: np.ndarray, ws: list, counts: list, halves: int = 1) -> None:
@@ -102,7 +112,7 @@ def test_act_quant_bf16w_is_act_quant_fp8_reordered(m, k, bf):
     xb = formats.bf16_to_f32(cp.asnumpy(act_quant_bf16w(cp.asarray(x), bf)))
     codes, scales = act_quant_fp8(cp.asarray(x), bf)
     want = formats.fp8_e4m3_to_f32(cp.asnumpy(codes)).reshape(m, k // 32, 32) * cp.asnumpy(scales)[:, :, None]
-    np.testing.assert_array_equal(_unpermute(xb), want.reshape(m, k))
+    np.testing.assert_array_equal(_unpermute_fd(xb), want.reshape(m, k))
 
 
 @pytest.mark.parametrize("n,k", [(320, 1024), (200, 320), (131, 64), (136, 2304)])
