@@ -26,12 +26,21 @@ from engine.ops.gpu.fp4_experts import (  # noqa: E402
     bf16_rows,
     bf16w_linear,
     bf16w_takes,
+    fd_fp8_linear,
+    fd_fp8_segments,
+    fd_fp8_takes,
     fp4_experts_linear,
     fp8w_bf16_linear,
     fp8w_bf16_segments,
     fp8w_takes,
 )
-from engine.ops.gpu.fp8_linear import GROUPED_ROWS, act_quant_fp8, fp8_grouped_linear, gather_rows  # noqa: E402
+from engine.ops.gpu.fp8_linear import (  # noqa: E402
+    GROUPED_ROWS,
+    act_quant_fp8,
+    fp8_grouped_linear,
+    fp8_linear,
+    gather_rows,
+)
 from engine.ops.gpu.weights import GpuWeight, _host_dequant  # noqa: E402
 from engine.ops.kernels import FMT_BF16, FMT_FP4, FMT_FP8  # noqa: E402
 from engine.ops.numpy_ops import NumpyOps  # noqa: E402
@@ -67,8 +76,14 @@ def _tables(ws: list) -> tuple:
             cp.asarray(np.array([w.scale.data.ptr for w in ws], np.uint64)))
 
 
+def _unpermute_fd(xb: np.ndarray) -> np.ndarray:
+    """act_quant_bf16w's order back to K's: within each 8, logical 2j holds j and 2j + 1 holds 4 + j."""
+    m, k = xb.shape
+    return xb.reshape(m, k // 8, 4, 2).transpose(0, 1, 3, 2).reshape(m, k)
+
+
 def _unpermute(xb: np.ndarray) -> np.ndarray:
-    """act_quant_bf16w's order back to K's: logical 16 s + 8 h + 2 q + j holds 16 q + 4 s + 2 h + j."""
+    """bf16_rows' order back to K's: logical 16 s + 8 h + 2 q + j holds 16 q + 4 s + 2 h + j."""
     s, h, q, j = np.meshgrid(np.arange(4), np.arange(2), np.arange(4), np.arange(2), indexing="ij")
     logical, phys = (16 * s + 8 * h + 2 * q + j).ravel(), (16 * q + 4 * s + 2 * h + j).ravel()
     out = np.empty_like(xb)
@@ -97,14 +112,15 @@ def test_act_quant_bf16w_is_act_quant_fp8_reordered(m, k, bf):
     xb = formats.bf16_to_f32(cp.asnumpy(act_quant_bf16w(cp.asarray(x), bf)))
     codes, scales = act_quant_fp8(cp.asarray(x), bf)
     want = formats.fp8_e4m3_to_f32(cp.asnumpy(codes)).reshape(m, k // 32, 32) * cp.asnumpy(scales)[:, :, None]
-    np.testing.assert_array_equal(_unpermute(xb), want.reshape(m, k))
+    np.testing.assert_array_equal(_unpermute_fd(xb), want.reshape(m, k))
 
 
-@pytest.mark.parametrize("n,k", [(320, 1024), (200, 320), (130, 64), (136, 2304)])
+@pytest.mark.parametrize("n,k", [(320, 1024), (200, 320), (131, 64), (136, 2304)])
 def test_gathered_rows_two_weights_per_expert(n, k):
     """w1 and w3 in one launch (the doubled table's second half writes y columns n..), the rows
     gathered from 97 tokens (gather_rows: each pair's token row, bit for bit); weight tiles past N
-    (an idle warpgroup) and K of one chunk or chunk counts that wrap the ring."""
+    (an idle warpgroup), K of one chunk or chunk counts that wrap the ring, and scale bytes that end
+    inside a 4-byte word (131 rows x 2)."""
     rng = np.random.default_rng(n + k)
     e_n, t, p = len(COUNTS), 97, sum(COUNTS)
     x = _x(t, k, seed=n)
@@ -132,11 +148,11 @@ def test_rows_in_place_and_bf16_out():
     np.testing.assert_array_equal(cp.asnumpy(yb), formats.round_bf16(cp.asnumpy(y)))
 
 
-@pytest.mark.parametrize("lo,hi,shift", [(20, 60, 60), (130, 200, -93)])
+@pytest.mark.parametrize("lo,hi,shift", [(1, 12, 100), (20, 60, 60), (130, 200, -93)])
 def test_scales_far_from_one(lo, hi, shift):
-    """UE8M0 bytes far below 127 and far above (over 142 the kernel applies a scale as two bf16
-    factors): e2m1 values times any such scale stay exact; x is scaled by 2^shift to keep the
-    products in range."""
+    """UE8M0 bytes far below 127 (down to 2^-126: subnormal bf16 weights) and far above (over 128
+    the kernel applies a scale as two bf16 factors): e2m1 values times any such scale stay exact; x
+    is scaled by 2^shift to keep the products in range."""
     n, k, counts = 136, 256, [70, 0, 200]
     x = _x(sum(counts), k, seed=lo) * np.float32(2.0**shift)
     ws = [_weight(n, k, seed=j + lo, lo=lo, hi=hi) for j in range(len(counts))]
@@ -368,3 +384,68 @@ def test_fp8w_bf16_rate_against_gemm_tc1():
     flop = 2 * t * g * n * k
     print(f"wo_a [{g} x {n} x {k}] x {t} rows: bf16 wgmma {tw * 1e3:.3f} ms = {flop / tw / 1e12:.0f} TFLOP/s, "
           f"gemm_tc1 {tb * 1e3:.3f} ms = {flop / tb / 1e12:.0f}")
+
+
+def _fd(xb: cp.ndarray, w: GpuWeight, bf16: bool = False) -> cp.ndarray:
+    segs = cp.asarray(np.array(fd_fp8_segments(xb.shape[0]), np.int32).reshape(-1))
+    return fd_fp8_linear(xb, segs, w, bf16)
+
+
+@pytest.mark.parametrize("m,n,k,block", [(1, 64, 64, (128, 128)), (300, 200, 320, (128, 128)),
+                                         (77, 136, 2304, (32, 32)), (513, 384, 1280, (32, 32))])
+@pytest.mark.parametrize("bf", [False, True])
+def test_fd_fp8_matches_numpy(m, n, k, block, bf):
+    """gemm_fd_fp8_sm90 (the FP8 weight decoded into shared memory, bf16 wgmma) on act_quant_bf16w's
+    rows against the float64 product of the fake-quantized x and the dequantized weight: one row,
+    tails in M (64 / 128 / 256-row tiles), N past a tile (an idle warpgroup), K of one chunk or a
+    3-stage ring that wraps, 32 x 32 and 128 x 128 blocks; bf16 out as the rounded f32 sums."""
+    x, w = _x(m, k, seed=n + k), _fp8_weight(n, k, seed=m, block=block)
+    assert fd_fp8_takes(w)
+    y = _fd(act_quant_bf16w(cp.asarray(x)), w, bf)
+    xq = NumpyOps().fake_quant_fp8(x, 32).astype(np.float64)
+    wd = _host_dequant(w).astype(np.float64)
+    want, mag = xq @ wd.T, np.abs(xq) @ np.abs(wd).T
+    got = cp.asnumpy(y).astype(np.float64)
+    tol = 2.0**-8 if bf else BF16_MMA_TOL
+    assert np.isfinite(got).all()
+    assert float((np.abs(got - want) / np.maximum(mag, 1e-30)).max()) < tol
+
+
+@pytest.mark.parametrize("lo,hi,shift", [(3, 20, 100), (128, 150, -40)])
+def test_fd_fp8_scales_far_from_one(lo, hi, shift):
+    """Block scales 2^(e - 127) for e far below 127, down to the least fd_fp8_takes allows (subnormal
+    bf16 weights), and above 134 (the decode's two factors); x scaled by 2^shift to keep the products
+    in range."""
+    m, n, k = 70, 136, 256
+    rng = np.random.default_rng(lo)
+    data = (rng.integers(0, 256, (n, k)) & 0xF7).astype(np.uint8)
+    scale = np.ldexp(1.0, rng.integers(lo, hi, (-(-n // 32), k // 32)) - 127).astype(np.float32)
+    w = GpuWeight(FMT_FP8, cp.asarray(data), cp.asarray(scale), (n, k), (32, 32))
+    assert fd_fp8_takes(w)
+    tiny = w.scale.copy()
+    tiny[0, 0] = np.float32(2.0**-125)  # (a code of 2^-9 times it is no bf16 number)
+    assert not fd_fp8_takes(GpuWeight(FMT_FP8, w.data, tiny, (n, k), (32, 32)))
+    x = _x(m, k, seed=lo) * np.float32(2.0**shift)
+    y = cp.asnumpy(_fd(act_quant_bf16w(cp.asarray(x)), w)).astype(np.float64)
+    xq, wd = NumpyOps().fake_quant_fp8(x, 32).astype(np.float64), _host_dequant(w).astype(np.float64)
+    want, mag = xq @ wd.T, np.abs(xq) @ np.abs(wd).T
+    assert float((np.abs(y - want) / np.maximum(mag, 1e-30)).max()) < BF16_MMA_TOL
+
+
+def test_fd_fp8_rate_against_the_e4m3_gemm():
+    """Not a timed assertion: V4.1-Flash's dense FP8 linears at a 4,096-row chunk, gemm_fd_fp8 beside
+    the e4m3 GEMM (fp8_linear) on the same rows, both bf16 in and out."""
+    m = 4096
+    for name, n, k, block in (("wq_b", 32768, 1280, (128, 128)), ("wo_b", 5120, 8192, (128, 128)),
+                              ("wo_b 32 x 32", 5120, 8192, (32, 32))):
+        w = _fp8_weight(n, k, seed=n, block=block)
+        x = cp.asarray(_x(m, k, seed=1))
+        xb = act_quant_bf16w(x, True)
+        segs = cp.asarray(np.array(fd_fp8_segments(m), np.int32).reshape(-1))
+        t = _timeit(lambda xb=xb, w=w, segs=segs: fd_fp8_linear(xb, segs, w, True), iters=10)
+        te = _timeit(lambda x=x, w=w: fp8_linear(x, w, bf16=True), iters=10)
+        tq = _timeit(lambda x=x: act_quant_bf16w(x, True), iters=10)
+        flop = 2 * m * n * k
+        print(f"fd fp8 {name} [{n} x {k}] x {m}: {t * 1e3:.3f} ms = {flop / t / 1e12:.0f} TFLOP/s "
+              f"(+ act_quant_bf16w {tq * 1e3:.3f} ms); e4m3 GEMM with its act_quant {te * 1e3:.3f} ms = "
+              f"{flop / te / 1e12:.0f} TFLOP/s")

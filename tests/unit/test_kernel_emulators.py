@@ -7,8 +7,11 @@ before it reaches a GPU. tools/dev/emulate_gemv_q8.py builds the e4m3 GEMV's MMA
 (its FP4 decoding and x permutation, the ring's swizzle and ldmatrix). emulate_indexer_bf.py and
 emulate_attn_sparse_bf.py do the same for the indexer's two-MMA scores and the one-pass prompt
 attention (ldmatrix and ldmatrix.trans addresses, fragments, the online softmax);
-emulate_bf16_wgmma.py for the bf16 wgmma kernels of kernels/fp4_experts.cu (the rows' K order, the
-swizzled token tiles, each thread's weight words and A fragments)."""
+emulate_bf16_wgmma.py for the register-operand bf16 wgmma kernels of kernels/fp4_experts.cu (the rows'
+K order, the swizzled token tiles, each thread's weight words and A fragments); emulate_fp4_experts.py
+for its FP4 experts' and FP8 weights' kernel (the producer's copies and decode into shared memory,
+the barriers' phases under random interleavings of the roles, operands that must not change while a
+wgmma reads them)."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "dev"))
 
 import emulate_attn_sparse_bf as attn_bf  # noqa: E402
 import emulate_bf16_wgmma as bf16_wgmma  # noqa: E402
+import emulate_fp4_experts as fp4_experts  # noqa: E402
 import emulate_gemv_q8 as gemv_q8  # noqa: E402
 import emulate_grouped_gemm as grouped  # noqa: E402
 import emulate_indexer_bf as indexer_bf  # noqa: E402
@@ -79,3 +83,22 @@ def test_indexer_bf_warps_emulated():
 @pytest.mark.parametrize("case", bf16_wgmma.CASES, ids=lambda c: f"{c[0]}-{c[1]}x{c[2]}x{c[3]}")
 def test_bf16_wgmma_emulated(case):
     bf16_wgmma.check(*case)
+
+
+@pytest.mark.parametrize("case", fp4_experts.CASES, ids=lambda c: f"T{c[0]}-D{c[3]}-N{c[4]}")
+def test_fp4_experts_emulated(case):
+    fp4_experts.check(*case)
+
+
+@pytest.mark.parametrize("case", fp4_experts.FP8_CASES, ids=lambda c: f"M{c[0]}-N{c[1]}-K{c[2]}-B{c[3][0]}")
+def test_fd_fp8_emulated(case):
+    fp4_experts.check_fp8(*case)
+
+
+def test_fp4_experts_emulator_finds_a_deadlock(monkeypatch):
+    """The decode LAG chunks behind its copies needs LAG < the ring's stages: at as many, the producer
+    waits for a stage the consumers free only after a chunk it has not decoded yet."""
+    cfg = fp4_experts.CFG[fp4_experts.FP4]
+    monkeypatch.setattr(cfg, "lag", cfg.st)
+    with pytest.raises(AssertionError, match="deadlock"):
+        fp4_experts.check(20, 1, 2, 320, 64, (120, 132), False, 0)

@@ -1,11 +1,12 @@
-"""Emulate kernels/fp4_experts.cu's bf16 wgmma consumer in numpy, thread by thread: the rows' K order
-that act_quant_bf16w / bf16_rows write (bw_store_quad), the producer's 128-byte-swizzled token tiles
-(wg_swz) and the B operand its descriptor names at each k16 step (wg_desc(bt + 32 s)), each
-thread's weight words (bw_load) and the A fragments bw_convert_step builds from them (FP4: nibbles
-through e2m1x4_to_e4m3; FP8: the codes as loaded; both times the scale's power of two; bf16: the
-words as loaded), the wgmma
-m64nNk16 product of those fragments, and the epilogue's map from accumulators to Y. Compares Y with
-the plain product of the dequantized weight and x; no GPU needed. Exits non-zero on a mismatch.
+"""Emulate kernels/fp4_experts.cu's register-operand bf16 wgmma consumer (gemm_fp8w_bf16_sm90,
+gemm_bf16w_sm90) in numpy, thread by thread: the rows' K order that act_quant_bf16w / bf16_rows write
+(bw_store_quad), the producer's 128-byte-swizzled token tiles (wg_swz) and the B operand its
+descriptor names at each k16 step (wg_desc(bt + 32 s)), each thread's weight words (bw_load) and the
+A fragments bw_convert_step builds from them (FP8: the codes as loaded times the scale's power of two;
+bf16: the words as loaded), the wgmma m64nNk16 product of those fragments, and the epilogue's map
+from accumulators to Y. Compares Y with the plain product of the dequantized weight and x; no GPU
+needed. Exits non-zero on a mismatch. (The FP4 experts' kernel, whose producer decodes the weights
+into shared memory, has its own: tools/dev/emulate_fp4_experts.py.)
 
     python3 tools/dev/emulate_bf16_wgmma.py
 """
@@ -17,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import emulate_wgmma_gemm as wg  # noqa: E402  (wg_desc, e2m1x4_to_e4m3, the WG_* constants)
+import emulate_wgmma_gemm as wg  # noqa: E402  (wg_desc, the WG_* constants)
 
 formats = wg.formats
 _SRC = (wg.ROOT / "kernels" / "fp4_experts.cu").read_text()
@@ -83,14 +84,9 @@ def a_fragment(fmt: str, w: np.ndarray, sw: np.ndarray, r: int, c: int, q: int, 
         pair = [half[2 * (s & 1)], half[2 * (s & 1) + 1]]
         v = formats.bf16_to_f32(np.array([(p >> (16 * j)) & 0xFFFF for p in pair for j in (0, 1)], np.uint16))
         return [(float(v[0]), float(v[1])), (float(v[2]), float(v[3]))]
-    if fmt == "fp4":
-        wd = words(w[r, k // 2:k // 2 + 8])
-        code = int(wg.e2m1x4_to_e4m3(np.uint32(wd[s >> 1] >> (16 * (s & 1)))))
-        e = min(max(int(sw[r, k // 32]), 1), 254)
-    else:
-        wd = words(w[r, k:k + 16])
-        code = wd[s]
-        e = (int(np.float32(sw[r // bn, k // bk]).view(np.uint32)) >> 23) & 0xFF
+    wd = words(w[r, k:k + 16])
+    code = wd[s]
+    e = (int(np.float32(sw[r // bn, k // bk]).view(np.uint32)) >> 23) & 0xFF
     scale = 2.0 ** (e - 127)
     b = [(code >> (8 * i)) & 0xFF for i in range(4)]
     return [(e4m3(b[0]) * scale, e4m3(b[1]) * scale), (e4m3(b[2]) * scale, e4m3(b[3]) * scale)]
@@ -142,12 +138,12 @@ def gemm(fmt: str, x: np.ndarray, w: np.ndarray, sw: np.ndarray, bn: int = 1, bk
     return y
 
 
-CASES = (("fp4", 70, 160, 128, 0), ("fp4", 257, 128, 64, 1), ("fp8", 33, 144, 192, 2),
+CASES = (("fp8", 70, 160, 128, 0), ("fp8", 257, 128, 64, 1), ("fp8", 33, 144, 192, 2),
          ("bf16", 40, 136, 128, 3), ("bf16", 9, 64, 448, 4, 3))  # (fmt, M, N, K, seed[, splits of K])
 
 
 def check(fmt: str, m: int, n: int, k: int, seed: int, splits: int = 1) -> float:
-    """Random bf16 x and a random FP4 (UE8M0 per 32) or FP8 (power-of-two 16 x 64 blocks) weight;
+    """Random bf16 x and a random bf16 or FP8 (power-of-two 16 x 64 blocks) weight;
     raises AssertionError where the emulated kernel differs from the plain product."""
     rng = np.random.default_rng(seed)
     x = formats.round_bf16(rng.standard_normal((m, k)).astype(np.float32))
@@ -155,10 +151,6 @@ def check(fmt: str, m: int, n: int, k: int, seed: int, splits: int = 1) -> float
         w = formats.f32_to_bf16(rng.standard_normal((n, k)).astype(np.float32))  # uint16 bits
         sw, bn, bk = None, 1, 1
         wd = formats.bf16_to_f32(w)
-    elif fmt == "fp4":
-        w = rng.integers(0, 256, (n, k // 2)).astype(np.uint8)
-        sw = rng.integers(120, 131, (n, k // 32)).astype(np.uint8)
-        wd, bn, bk = formats.dequant_fp4_experts(w, sw, 32), 1, 32
     else:
         bn, bk = 16, 64
         w = (rng.integers(0, 256, (n, k)) & 0xF7).astype(np.uint8)

@@ -8,8 +8,10 @@ GPU tests hold it to.
   act() rounds the rest (a linear's input and output, the experts'), except where the FP8 GEMMs round
   their inputs (act_quant_fp8) and outputs (as stored) in their own passes.
 - linear(), by the weight's use (engine/model/numerics.py): an FP8 / FP4 weight takes the bf16
-  activation quantized to e4m3 per 32 along K (UE8M0 scales) and returns bf16. Prompt chunks run
-  the e4m3 tensor-core GEMM (fp8_linear.py); up to TC_MAX_ROWS rows the GEMVs fake-quantize the
+  activation quantized to e4m3 per 32 along K (UE8M0 scales) and returns bf16. Prompt chunks (from
+  FD_FP8_MIN_ROWS rows, power-of-two block scales) run bf16 wgmma on the exactly decoded codes and
+  act_quant's values as bf16 (fp4_experts.fd_fp8_linear), other rows past TC_MAX_ROWS the e4m3
+  tensor-core GEMM (fp8_linear.py); up to TC_MAX_ROWS rows the GEMVs fake-quantize the
   activation as they stage it (_linear_xq; kernels/dsuf_common.cuh linear_in4) and sum its products
   exactly in float32 (the same numbers up to summation order). A bf16 weight takes and returns
   bf16 (past TC_MAX_ROWS rows on sm_90a: bf16 wgmma, fp4_experts.py, on the bf16-stored weight or
@@ -36,10 +38,14 @@ from engine.ops import kernels as K
 from engine.ops.gpu.common import _ELT_BLOCK, F32, _c32, _grid, round_bf16
 from engine.ops.gpu.fork import joins_inputs, joins_late
 from engine.ops.gpu.fp4_experts import (
+    FD_FP8_MIN_ROWS,
     FE_ROWS,
     act_quant_bf16w,
     bf16w_linear,
     bf16w_takes,
+    fd_fp8_linear,
+    fd_fp8_segments,
+    fd_fp8_takes,
     fp4_experts_linear,
     fp4_experts_take,
     fp8w_bf16_linear,
@@ -125,7 +131,10 @@ class DeepseekCupyOps(CupyOps):
             return super().linear(x, w)
         n, k = w.shape
         a = x.reshape(-1, k)
-        if w.use == QUANT and a.shape[0] > TC_MAX_ROWS and _fp8_gemm_takes(w):
+        if w.use == QUANT and a.shape[0] >= FD_FP8_MIN_ROWS and fd_fp8_takes(w):
+            # act_quant's values as bf16 (x rounded to bf16 first) times the decoded codes, bf16 out
+            y = fd_fp8_linear(act_quant_bf16w(a, True), self._segs_device(fd_fp8_segments(a.shape[0])), w, True)
+        elif w.use == QUANT and a.shape[0] > TC_MAX_ROWS and _fp8_gemm_takes(w):
             y = fp8_linear(a, w, bf16=True)  # (bf16 in and out, in its own passes)
         elif w.use == BF16 and w.bf16_cols is None and a.shape[0] > TC_MAX_ROWS and fp8w_takes(w):
             # FP8-stored weights the reference runs in bf16: bf16 wgmma on the decoded codes

@@ -1,6 +1,6 @@
 """The routed experts' FP4 linears of a prompt chunk in DeepSeek's numerics on sm_90a
-(kernels/fp4_experts.cu): bf16 wgmma with the e2m1 weights decoded exactly in registers, the pairs'
-act_quant values as bf16 in the kernel's K order. The same products as an e4m3 MMA with its per-32
+(kernels/fp4_experts.cu): bf16 wgmma with the e2m1 weights decoded exactly into shared memory, the
+pairs' act_quant values as bf16 in the kernel's K order. The same products as an e4m3 MMA with its per-32
 promotion, summed in f32 without one (the kernel's header says why that is faster on Hopper)."""
 
 from __future__ import annotations
@@ -15,8 +15,18 @@ from engine.ops.kernels import FMT_BF16, FMT_FP4, FMT_FP8
 
 FE_ROWS = 256  # token rows per block (the wgmma N at most): a MoE segment's rows on this path
 FE_COLS, FE_THREADS, FE_STAGES = 128, 384, 6  # kernels/fp4_experts.cu BW_BM, BW_THREADS, BW_STAGES
-# token tiles of 64 bf16 a row, FP4 weight tiles (128 rows x 32 bytes), 2 mbarriers each, alignment
-FE_SMEM = FE_STAGES * (FE_ROWS * 128 + 4096 + 16) + 1024
+# gemm_fp8w_bf16_sm90 / gemm_bf16w_sm90: token tiles of 64 bf16 a row, 2 mbarriers each, alignment
+FE_SMEM = FE_STAGES * (FE_ROWS * 128 + 16) + 1024
+# gemm_fp4_experts_sm90 / gemm_fd_fp8_sm90 (kernels/fp4_experts.cu FdCfg): a ring of token tiles,
+# decoded bf16 weight tiles (128 rows x 128 bytes) and the codes' staging (128 rows of a chunk's codes
+# + 128 scale words), 2 mbarriers a stage, and the alignment pad
+FD_STAGES = {FMT_FP4: 4, FMT_FP8: 3}
+FD_CODES = {FMT_FP4: 32, FMT_FP8: 64}  # code bytes of a weight row's chunk
+FD_SMEM = {f: FD_STAGES[f] * (FE_ROWS * 128 + FE_COLS * 128 + FE_COLS * (FD_CODES[f] + 4) + 16) + 1024
+           for f in (FMT_FP4, FMT_FP8)}
+# gemm_fd_fp8_sm90 from this many rows (a prompt chunk's): fewer (a verify step's) make too few blocks
+# for the multiprocessors without split K, which the e4m3 GEMM has
+FD_FP8_MIN_ROWS = 512
 CHUNK = 64  # K step of the kernel and of act_quant_bf16w's order
 # split K (gemm_fp8w_bf16 / gemm_bf16w; common.k_splits): a skinny linear (a verify step's rows; a
 # small N) has fewer blocks than multiprocessors and reads its weight at a fraction of HBM's rate.
@@ -26,7 +36,7 @@ SPLIT_MIN_CHUNKS = 4
 
 def act_quant_bf16w(x: cp.ndarray, bf16: bool = False) -> cp.ndarray:
     """x [M, K] f32 -> the reference's act_quant values (e4m3 code * UE8M0 scale per 32; x rounded
-    to bf16 first if bf16) as bf16 bits uint16 [M, K], each 64 of K in gemm_fp4_experts' order."""
+    to bf16 first if bf16) as bf16 bits uint16 [M, K], each 8 of K in gemm_fp4_experts' order."""
     return _bf16_chunk_rows("act_quant_bf16w", x, np.int32(bf16))
 
 
@@ -47,10 +57,79 @@ def fp4_experts_linear(xb: cp.ndarray, segs: cp.ndarray, wptrs: cp.ndarray, sptr
     nseg = segs.size // 5
     if nseg == 0 or xb.shape[0] == 0:
         return
-    fn = K.function_with_smem("fp4_experts", "gemm_fp4_experts_sm90", FE_SMEM)
-    fn((-(-n // FE_COLS), nseg), (FE_THREADS,), (
-        xb, segs, wptrs, sptrs, y, np.int32(y.shape[1]), np.int32(n), np.int32(k), np.int32(w.gk),
-        np.int32(bf16)), shared_mem=FE_SMEM)
+    _fd_launch("gemm_fp4_experts_sm90", FMT_FP4, xb, segs, wptrs, sptrs, y, n, k, w.gk, bf16)
+
+
+def _fd_launch(name: str, fmt: int, xb: cp.ndarray, segs: cp.ndarray, wptrs: cp.ndarray, sptrs: cp.ndarray,
+               y: cp.ndarray, n: int, k: int, gk: int, bf16: bool) -> None:
+    smem = FD_SMEM[fmt]
+    K.function_with_smem("fp4_experts", name, smem)((-(-n // FE_COLS), segs.size // 5), (FE_THREADS,), (
+        xb, np.int32(xb.shape[1]), segs, wptrs, sptrs, y, np.int32(y.shape[1]), np.int32(n), np.int32(k),
+        np.int32(gk), np.int32(bf16)), shared_mem=smem)
+
+
+def fd_fp8_takes(w: GpuWeight) -> bool:
+    """Whether gemm_fd_fp8 takes an FP8 weight on this device: K whole chunks, blocks of whole 32-wide
+    K groups, power-of-two block scales (_pow2_scales) of at least 2^-124 (so that each code times its
+    scale is a bf16 number, the smallest code 2^-9 included: bf16's least is 2^-133), sm_90a."""
+    if w.fmt != FMT_FP8 or w.shape[1] % CHUNK or w.block[1] % 32 or K.device_arch() != "90a":
+        return False
+    ok = w.__dict__.get("_fd")
+    if ok is None:
+        ok = w.__dict__["_fd"] = _pow2_scales(w) and bool(cp.all((w.scale.view(cp.uint32) >> 23) >= 3))
+    return ok
+
+
+def _pow2_scales(w: GpuWeight) -> bool:
+    """Whether an FP8 weight's f32 block scales are all positive powers of two, normal (each code times
+    its scale exactly a bf16 number); checked once per weight, kept on it."""
+    ok = w.__dict__.get("_pow2")
+    if ok is None:
+        bits = w.scale.view(cp.uint32)
+        ok = w.__dict__["_pow2"] = bool(cp.all(((bits & 0x807FFFFF) == 0) & (bits != 0)))
+    return ok
+
+
+def fd_scale_bytes(w: GpuWeight) -> cp.ndarray:
+    """An FP8 weight's power-of-two f32 block scales as UE8M0 bytes per row and 32 of K [N, K / 32]
+    (their exponent fields): gemm_fd_fp8's scale layout, FP4's. Made once per weight, kept on it."""
+    hit = w.__dict__.get("_fd_e8")
+    if hit is None:
+        n, k = w.shape
+        bn, bk = w.block
+        e8 = ((w.scale.view(cp.uint32) >> 23) & 0xFF).astype(cp.uint8)  # [ceil(n / bn), gk]
+        cols = cp.arange(k // 32) * 32 // bk
+        hit = w.__dict__["_fd_e8"] = cp.ascontiguousarray(cp.repeat(e8[:, cols], bn, axis=0)[:n])
+    return hit
+
+
+def fd_fp8_tables(w: GpuWeight) -> tuple[cp.ndarray, cp.ndarray]:
+    """gemm_fd_fp8's pointer tables [1] uint64 of an FP8 weight: its data and fd_scale_bytes(w); made
+    once per weight, kept on it (the first call runs eagerly, before any graph capture)."""
+    hit = w.__dict__.get("_fd_tabs")
+    if hit is None:
+        hit = w.__dict__["_fd_tabs"] = (cp.asarray(np.array([w.data.data.ptr], np.uint64)),
+                                        cp.asarray(np.array([fd_scale_bytes(w).data.ptr], np.uint64)))
+    return hit
+
+
+def fd_fp8_segments(rows: int) -> list[tuple[int, int, int, int, int]]:
+    """gemm_fd_fp8's segments (0, row0, rows, 0, 0) of a dense linear: one per FE_ROWS rows."""
+    return [(0, r, min(FE_ROWS, rows - r), 0, 0) for r in range(0, rows, FE_ROWS)]
+
+
+def fd_fp8_linear(xb: cp.ndarray, segs: cp.ndarray, w: GpuWeight, bf16: bool = False) -> cp.ndarray:
+    """y [M, N] = xb (act_quant_bf16w's rows [M, K]) times the FP8 weight w [N, K] (fd_fp8_takes) on
+    gemm_fd_fp8_sm90: the products exact in bf16, summed in f32. segs: fd_fp8_segments(M) on the
+    device. bf16: y rounded to bf16 as stored."""
+    n, k = w.shape
+    m = xb.shape[0]
+    if not fd_fp8_takes(w) or xb.shape[1] != k:
+        raise ValueError(f"fd_fp8_linear: FP8 weights [N, K] with power-of-two scales, K a multiple of {CHUNK}")
+    y = cp.empty((m, n), cp.float32)
+    if m:
+        _fd_launch("gemm_fd_fp8_sm90", FMT_FP8, xb, segs, *fd_fp8_tables(w), y, n, k, k // 32, bf16)
+    return y
 
 
 def bf16_rows(x: cp.ndarray) -> cp.ndarray:
@@ -82,8 +161,7 @@ def fp8w_takes(w: GpuWeight, groups: int = 1) -> bool:
         return False
     ok = w.__dict__.get("_fp8w")
     if ok is None:
-        ok = K.device_arch() == "90a" and bool(cp.all((w.scale.view(cp.uint32) & 0x807FFFFF) == 0))
-        w.__dict__["_fp8w"] = ok
+        ok = w.__dict__["_fp8w"] = K.device_arch() == "90a" and _pow2_scales(w)
     return ok
 
 
