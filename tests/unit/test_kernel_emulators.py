@@ -7,9 +7,9 @@ before it reaches a GPU. tools/dev/emulate_gemv_q8.py builds the e4m3 GEMV's MMA
 (its FP4 decoding and x permutation, the ring's swizzle and ldmatrix). emulate_indexer_bf.py and
 emulate_attn_sparse_bf.py do the same for the indexer's two-MMA scores and the one-pass prompt
 attention (ldmatrix and ldmatrix.trans addresses, fragments, the online softmax);
-emulate_bf16_wgmma.py for the register-operand bf16 wgmma kernels of kernels/fp4_experts.cu (the rows'
+emulate_bf16_wgmma.py for the register-operand bf16 wgmma kernels of kernels/bf16_weights.cu (the rows'
 K order, the swizzled token tiles, each thread's weight words and A fragments); emulate_fp4_experts.py
-for its FP4 experts' and FP8 weights' kernel (the producer's copies and decode into shared memory,
+for kernels/fp4_experts.cu's FP4 experts' and FP8 weights' kernel (the producer's copies and decode into shared memory,
 the barriers' phases under random interleavings of the roles, operands that must not change while a
 wgmma reads them)."""
 

@@ -58,8 +58,8 @@ def _tools_present() -> bool:
 
 @pytest.mark.skipif(not _tools_present(), reason="NVRTC or cuobjdump not installed (requirements.txt has both)")
 def test_kernels_with_register_a_wgmma_keep_its_registers():
-    """Every kernel with a register-A wgmma (the bf16 wgmma GEMMs of kernels/fp4_experts.cu) as
+    """Every kernel with a register-A wgmma (the bf16 wgmma GEMMs of kernels/bf16_weights.cu) as
     NVRTC compiles it for sm_90a."""
-    listing = wh.sass("fp4_experts")
+    listing = wh.sass("bf16_weights")
     assert wh._RS_HGMMA.search(listing), "no register-A HGMMA left to check"
     assert wh.hazards(listing) == []

@@ -1,4 +1,4 @@
-"""Emulate kernels/fp4_experts.cu's register-operand bf16 wgmma consumer (gemm_fp8w_bf16_sm90,
+"""Emulate kernels/bf16_weights.cu's register-operand bf16 wgmma consumer (gemm_fp8w_bf16_sm90,
 gemm_bf16w_sm90) in numpy, thread by thread: the rows' K order that act_quant_bf16w / bf16_rows write
 (bw_store_quad), the producer's 128-byte-swizzled token tiles (wg_swz) and the B operand its
 descriptor names at each k16 step (wg_desc(bt + 32 s)), each thread's weight words (bw_load) and the
@@ -21,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import emulate_wgmma_gemm as wg  # noqa: E402  (wg_desc, the WG_* constants)
 
 formats = wg.formats
-_SRC = (wg.ROOT / "kernels" / "fp4_experts.cu").read_text()
+# (the kernel, and the geometry it shares with kernels/fp4_experts.cu)
+_SRC = "\n".join((wg.ROOT / "kernels" / f).read_text() for f in ("bf16_weights.cu", "bf16_wgmma.cuh"))
 BW = {k: int(v) for k, v in re.findall(r"^#define (BW_\w+) +(\d+)", _SRC, re.MULTILINE)}
 BM, BN = BW["BW_BM"], BW["BW_BN"]
 assert BW["BW_TILE_BYTES"] == BN * 128 and BM == 2 * 64

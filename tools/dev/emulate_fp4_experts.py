@@ -54,7 +54,8 @@ import emulate_grouped_gemm as grouped  # noqa: E402  (group: moe_group_large's 
 import emulate_wgmma_gemm as wg  # noqa: E402  (Mbar, byte_perm, e2m1x4_to_e4m3, desc, swz)
 
 formats = wg.formats
-_SRC = (wg.ROOT / "kernels" / "fp4_experts.cu").read_text()
+# (the kernel, and the geometry it shares with kernels/bf16_weights.cu)
+_SRC = "\n".join((wg.ROOT / "kernels" / f).read_text() for f in ("fp4_experts.cu", "bf16_wgmma.cuh"))
 _DEF = {k: v.strip() for k, v in re.findall(r"^#define (FD_\w+|BW_\w+) +([^/\n]+)", _SRC, re.MULTILINE)}
 
 

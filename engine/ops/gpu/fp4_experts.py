@@ -14,7 +14,7 @@ from engine.ops.gpu.weights import GpuWeight
 from engine.ops.kernels import FMT_BF16, FMT_FP4, FMT_FP8
 
 FE_ROWS = 256  # token rows per block (the wgmma N at most): a MoE segment's rows on this path
-FE_COLS, FE_THREADS, FE_STAGES = 128, 384, 6  # kernels/fp4_experts.cu BW_BM, BW_THREADS, BW_STAGES
+FE_COLS, FE_THREADS, FE_STAGES = 128, 384, 6  # kernels/bf16_wgmma.cuh BW_BM, BW_THREADS; bf16_weights.cu BW_STAGES
 # gemm_fp8w_bf16_sm90 / gemm_bf16w_sm90: token tiles of 64 bf16 a row, 2 mbarriers each, alignment
 FE_SMEM = FE_STAGES * (FE_ROWS * 128 + 16) + 1024
 # gemm_fp4_experts_sm90 / gemm_fd_fp8_sm90 (kernels/fp4_experts.cu FdCfg): a ring of token tiles,
@@ -139,7 +139,8 @@ def bf16_rows(x: cp.ndarray) -> cp.ndarray:
 
 
 def _bf16_chunk_rows(kernel: str, x: cp.ndarray, *extra) -> cp.ndarray:
-    """x [M, K] f32 through fp4_experts.cu's `kernel` (a thread per 4 elements) into bf16 bits
+    """x [M, K] f32 through `kernel` of kernels/fp4_experts.cu (act_quant_bf16w) or bf16_weights.cu
+    (bf16_rows) (a thread per 4 elements) into bf16 bits
     uint16 [M, K] in the kernels' order of each 64 of K."""
     x = _c32(x)
     m, k = x.shape
@@ -148,7 +149,8 @@ def _bf16_chunk_rows(kernel: str, x: cp.ndarray, *extra) -> cp.ndarray:
     out = cp.empty((m, k), cp.uint16)
     quads = m * (k // 4)
     if quads:
-        K.function("fp4_experts", kernel)((-(-quads // 256),), (256,), (
+        mod = "fp4_experts" if kernel == "act_quant_bf16w" else "bf16_weights"
+        K.function(mod, kernel)((-(-quads // 256),), (256,), (
             x, np.int32(x.strides[0] // 4), out, np.int32(m), np.int32(k), *extra))
     return out
 
@@ -171,9 +173,9 @@ def bw_splits(blocks: int, chunks: int) -> int:
 
 
 def sum_splits(part: cp.ndarray, y: cp.ndarray, bf16: bool) -> None:
-    """y = the split-K sums part [splits, *y.shape] added in split order (kernels/fp4_experts.cu
+    """y = the split-K sums part [splits, *y.shape] added in split order (kernels/bf16_weights.cu
     bw_sum_splits), rounded to bf16 with bf16."""
-    K.function("fp4_experts", "bw_sum_splits")((-(-y.size // 256),), (256,), (
+    K.function("bf16_weights", "bw_sum_splits")((-(-y.size // 256),), (256,), (
         part, np.int64(y.size), np.int32(part.shape[0]), y, np.int64(y.size), np.int32(bf16)))
 
 
@@ -194,7 +196,7 @@ def _bw_launch(name: str, args_before_y: tuple, y: cp.ndarray, args_after_y: tup
                k: int, bf16: bool) -> None:
     """A gemm_fp8w_bf16 / gemm_bf16w launch writing y [M, ldy] (rounded to bf16 with bf16), split
     over K where the launch is short of blocks (bw_splits)."""
-    split_k_launch(K.function_with_smem("fp4_experts", name, FE_SMEM), (blocks_x, nseg), FE_THREADS,
+    split_k_launch(K.function_with_smem("bf16_weights", name, FE_SMEM), (blocks_x, nseg), FE_THREADS,
                    (*args_before_y, y, *args_after_y), y, bf16, bw_splits(blocks_x * nseg, k // CHUNK), FE_SMEM)
 
 
