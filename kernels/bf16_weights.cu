@@ -224,15 +224,6 @@ __device__ __forceinline__ void bw_produce(u32 base, const u8* __restrict__ X, i
   }
 }
 
-// A consumer warpgroup whose weight rows are all past N: releases each stage for the producer.
-__device__ __forceinline__ void bw_idle(u32 base, int C) {
-  for (int c = 0; c < C; ++c) {
-    mbar_wait(base + BW_BAR + 8 * (c % BW_STAGES), (c / BW_STAGES) & 1);
-    __syncwarp();
-    if ((threadIdx.x & 31) == 0) mbar_arrive(base + BW_BAR + 8 * (BW_STAGES + c % BW_STAGES));
-  }
-}
-
 // K chunks c0 .. c0 + C - 1 (all of K: c0 = 0, C = K / 64).
 template <int FMT>
 __device__ __forceinline__ void bw_gemm(u8* raw, const u8* X, int ldx, const u8* W, const void* SW, float* Y, int ldy,
@@ -252,7 +243,7 @@ __device__ __forceinline__ void bw_gemm(u8* raw, const u8* X, int ldx, const u8*
     bw_produce(base, X, ldx, M, c0, C, m0);
   } else if (n0 + 64 * (int)(threadIdx.x >> 7) >= N) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(BW_PRODUCER_REGS));
-    bw_idle(base, C);
+    bw_idle<BW_STAGES>(base + BW_BAR, C);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(BW_CONSUMER_REGS));
     // the wgmma N by the tile's token rows: a short tile (a MoE segment's last rows, a chunk's

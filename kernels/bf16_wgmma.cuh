@@ -132,4 +132,14 @@ __device__ __forceinline__ const u8* bw_token_src(const u8* X, int ldx, int M, i
   const int t = threadIdx.x - 256;
   return X + (size_t)min(m0 + (t >> 3), M - 1) * ldx * 2 + 16 * (t & 7) + 128 * (size_t)c0;
 }
+// A consumer warpgroup whose weight rows are all past N, over C chunks of a ring of ST stages (full
+// barriers from bar, then the empty ones): waits for each stage and releases it for the producer.
+template <int ST>
+__device__ __forceinline__ void bw_idle(u32 bar, int C) {
+  for (int c = 0; c < C; ++c) {
+    mbar_wait(bar + 8 * (c % ST), (c / ST) & 1);
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) mbar_arrive(bar + 8 * (ST + c % ST));
+  }
+}
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

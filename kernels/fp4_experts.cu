@@ -249,17 +249,6 @@ __device__ __forceinline__ void fd_consume(u32 base, float* __restrict__ Y, int 
   bw_store<BN>(d, Y, ldy, M, m0, r0, r1, ok0, ok1, bf, q);
 }
 
-// A consumer warpgroup whose weight rows are all past N: releases each stage.
-template <int FMT>
-__device__ __forceinline__ void fd_idle(u32 base, int C) {
-  using F = FdCfg<FMT>;
-  for (int i = 0; i < C; ++i) {
-    mbar_wait(base + F::BAR + 8 * (i % F::ST), (i / F::ST) & 1);
-    __syncwarp();
-    if ((threadIdx.x & 31) == 0) mbar_arrive(base + F::BAR + 8 * (F::ST + i % F::ST));
-  }
-}
-
 // segs [nseg x 5] int32 (g, first row row0, rows <= 256, x column, y column): Y[row0 + r, ycol + n] =
 // X[row0 + r, xcol .. xcol + K) (act_quant_bf16w's bf16 rows of ldx elements, in its K order) times
 // weight g's rows: FP4 e2m1 [N, K / 2] (the MoE's experts: X and Y rows in pair order, as
@@ -291,7 +280,7 @@ __device__ __forceinline__ void fd_gemm(const u8* X, int ldx, const int* segs, c
                     (const u8*)sptrs[sg[0]], N, K, gk, n0, 0, C);
   } else if (n0 + 64 * (int)(threadIdx.x >> 7) >= N) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(FD_PRODUCER_REGS));
-    fd_idle<FMT>(base, C);
+    bw_idle<F::ST>(base + F::BAR, C);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(FD_CONSUMER_REGS));
     // the wgmma N by the tile's token rows: a short tile computes no more than the next multiple of 64

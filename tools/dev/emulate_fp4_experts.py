@@ -284,7 +284,7 @@ class Block:
         for _ in range(128):  # fence.proxy.async, then mbarrier.arrive
             self.full[s].arrive(i // c.st)
 
-    # ---- the consumer warpgroups (fd_consume, fd_idle) ----
+    # ---- the consumer warpgroups (fd_consume, bw_idle) ----
     def operand(self, d: int, rows: int, lo: int, hi: int) -> np.ndarray:
         """The shared-memory addresses of the rows x 16 bf16 operand descriptor d names (K-major,
         128-byte swizzle: address bits [4, 7) XOR [7, 10)), [rows, 16] of the low bytes."""
