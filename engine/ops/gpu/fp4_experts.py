@@ -37,7 +37,7 @@ SPLIT_MIN_CHUNKS = 4
 def act_quant_bf16w(x: cp.ndarray, bf16: bool = False) -> cp.ndarray:
     """x [M, K] f32 -> the reference's act_quant values (e4m3 code * UE8M0 scale per 32; x rounded
     to bf16 first if bf16) as bf16 bits uint16 [M, K], each 8 of K in gemm_fp4_experts' order."""
-    return _bf16_chunk_rows("act_quant_bf16w", x, np.int32(bf16))
+    return _bf16_chunk_rows("fp4_experts", "act_quant_bf16w", x, np.int32(bf16))
 
 
 def fp4_experts_take(w: GpuWeight) -> bool:
@@ -57,12 +57,14 @@ def fp4_experts_linear(xb: cp.ndarray, segs: cp.ndarray, wptrs: cp.ndarray, sptr
     nseg = segs.size // 5
     if nseg == 0 or xb.shape[0] == 0:
         return
-    _fd_launch("gemm_fp4_experts_sm90", FMT_FP4, xb, segs, wptrs, sptrs, y, n, k, w.gk, bf16)
+    _fd_launch(FMT_FP4, xb, segs, wptrs, sptrs, y, n, k, w.gk, bf16)
 
 
-def _fd_launch(name: str, fmt: int, xb: cp.ndarray, segs: cp.ndarray, wptrs: cp.ndarray, sptrs: cp.ndarray,
-               y: cp.ndarray, n: int, k: int, gk: int, bf16: bool) -> None:
+def _fd_launch(fmt: int, xb: cp.ndarray, segs: cp.ndarray, wptrs: cp.ndarray, sptrs: cp.ndarray, y: cp.ndarray,
+               n: int, k: int, gk: int, bf16: bool) -> None:
+    """fd_gemm<fmt>'s kernel over segs: grid (ceil(N / 128), segments), FD_SMEM[fmt] of shared memory."""
     smem = FD_SMEM[fmt]
+    name = "gemm_fp4_experts_sm90" if fmt == FMT_FP4 else "gemm_fd_fp8_sm90"
     K.function_with_smem("fp4_experts", name, smem)((-(-n // FE_COLS), segs.size // 5), (FE_THREADS,), (
         xb, np.int32(xb.shape[1]), segs, wptrs, sptrs, y, np.int32(y.shape[1]), np.int32(n), np.int32(k),
         np.int32(gk), np.int32(bf16)), shared_mem=smem)
@@ -128,20 +130,19 @@ def fd_fp8_linear(xb: cp.ndarray, segs: cp.ndarray, w: GpuWeight, bf16: bool = F
         raise ValueError(f"fd_fp8_linear: FP8 weights [N, K] with power-of-two scales, K a multiple of {CHUNK}")
     y = cp.empty((m, n), cp.float32)
     if m:
-        _fd_launch("gemm_fd_fp8_sm90", FMT_FP8, xb, segs, *fd_fp8_tables(w), y, n, k, k // 32, bf16)
+        _fd_launch(FMT_FP8, xb, segs, *fd_fp8_tables(w), y, n, k, k // 32, bf16)
     return y
 
 
 def bf16_rows(x: cp.ndarray) -> cp.ndarray:
     """x [M, K] f32 -> x rounded to bf16 (ties to even) as bits uint16 [M, K], each 64 of K in the
     kernels' order (gemm_fp8w_bf16's X)."""
-    return _bf16_chunk_rows("bf16_rows", x)
+    return _bf16_chunk_rows("bf16_weights", "bf16_rows", x)
 
 
-def _bf16_chunk_rows(kernel: str, x: cp.ndarray, *extra) -> cp.ndarray:
-    """x [M, K] f32 through `kernel` of kernels/fp4_experts.cu (act_quant_bf16w) or bf16_weights.cu
-    (bf16_rows) (a thread per 4 elements) into bf16 bits
-    uint16 [M, K] in the kernels' order of each 64 of K."""
+def _bf16_chunk_rows(mod: str, kernel: str, x: cp.ndarray, *extra) -> cp.ndarray:
+    """x [M, K] f32 through `kernel` of kernels/<mod>.cu (a thread per 4 elements) into bf16 bits
+    uint16 [M, K] in the K order of the GEMM that reads them."""
     x = _c32(x)
     m, k = x.shape
     if k % CHUNK:
@@ -149,7 +150,6 @@ def _bf16_chunk_rows(kernel: str, x: cp.ndarray, *extra) -> cp.ndarray:
     out = cp.empty((m, k), cp.uint16)
     quads = m * (k // 4)
     if quads:
-        mod = "fp4_experts" if kernel == "act_quant_bf16w" else "bf16_weights"
         K.function(mod, kernel)((-(-quads // 256),), (256,), (
             x, np.int32(x.strides[0] // 4), out, np.int32(m), np.int32(k), *extra))
     return out
