@@ -127,6 +127,25 @@ __device__ __forceinline__ void bw_copy_tokens(u32 dst, const u8* src, int ldx, 
   const int t = threadIdx.x - 256, r8 = t >> 3, c8 = t & 7;
   wg_copy_rows<16, 16>(dst + wg_swz(r8, c8), 2048, src + 128 * (size_t)c, (size_t)16 * ldx * 2, M - m0 - r8);
 }
+// A TMA tensor map (CUtensorMap: 128 opaque bytes, 64-aligned), encoded by the host
+// (engine/ops/gpu/tma.py) and passed as a __grid_constant__ parameter.
+struct __align__(64) TmaMap {
+  u64 w[16];
+};
+// The tx-count of this phase raised by `bytes` (the copies that will complete it), with an arrival.
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+// The box of `map` at (x: inner element, y: row) to shared dst (its swizzle as the map's), completing
+// `bytes` of bar's tx-count as it lands; elements past the tensor's dimensions arrive as zeros.
+__device__ __forceinline__ void tma_load_2d(u32 dst, const TmaMap* map, int x, int y, u32 bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+      ::"r"(dst), "l"((u64)map), "r"(x), "r"(y), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void tma_prefetch_map(const TmaMap* map) {
+  asm volatile("prefetch.tensormap [%0];" ::"l"((u64)map) : "memory");
+}
 // This producer thread's first 16 bytes of the token tile (chunk c0 of row m0 + t / 8, clamped to M - 1).
 __device__ __forceinline__ const u8* bw_token_src(const u8* X, int ldx, int M, int m0, int c0) {
   const int t = threadIdx.x - 256;

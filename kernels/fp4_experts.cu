@@ -55,6 +55,8 @@ extern "C" __global__ void act_quant_bf16w(const float* __restrict__ x, int ldx,
 #define FD_LAG_FP8 2
 #define FD_ATILE 16384  // BW_BM rows x 128 bytes of bf16
 #define FD_2P127 0x7f007f00u  // 2^127 as bf16x2
+#define FD_BOX_ROWS 64                    // token rows of a TMA box (the tensor map's, tma.py)
+#define FD_BOX_BYTES (FD_BOX_ROWS * 128)  // its bytes: 64 bf16 of K a row
 // setmaxnreg moves registers within the block's allocation (384 x 168 at launch); setmaxnreg.inc waits
 // for registers from that pool, so a split past it would hang every launch.
 #define FD_PRODUCER_REGS 96
@@ -171,19 +173,21 @@ __device__ __forceinline__ void fd_decode(u8* smem, u32 base, int i, int n0, int
   mbar_arrive(base + C::BAR + 8 * s);
 }
 
-// The producer warpgroup: for each chunk i of K (64), once its stage is free, the token rows m0 ..
-// m0 + 255 (bw_copy_tokens), weight row n0 + t's code bytes and the aligned 4-byte window holding
-// its two scale bytes (zeros past N) to the staging area; LAG chunks later, those landed, the decode
-// (fd_decode). The full barrier counts both: 128 cp.async arrives and 128 plain ones. No deadlock:
-// the stage of chunk i frees once the consumers are past chunk i - ST + 1, decoded before iteration
-// i since LAG < ST.
+// The producer warpgroup: for each chunk i of K (64), once its stage is free, the segment's token
+// rows by TMA (thread 0: `boxes` boxes of 64 rows, the rows the consumers' wgmma N reads; rows past
+// the segment are other segments' or, past X, zeros, and land in Y columns the epilogue never
+// stores), weight row n0 + t's code bytes and the aligned 4-byte window holding its two scale bytes
+// (zeros past N) to the staging area by cp.async; LAG chunks later, those landed, the decode
+// (fd_decode). The full barrier counts 128 cp.async arrives, thread 0's arrival with the tokens'
+// bytes as its tx-count, and 128 arrivals after the decode. No deadlock: the stage of chunk i frees
+// once the consumers are past chunk i - ST + 1, decoded before iteration i since LAG < ST.
 template <int FMT>
-__device__ __forceinline__ void fd_produce(u8* smem, u32 base, const u8* __restrict__ X, int ldx, int M, int m0,
+__device__ __forceinline__ void fd_produce(u8* smem, u32 base, const TmaMap* xmap, int xcol, int xrow, int boxes,
                                            const u8* __restrict__ W, const u8* __restrict__ SW, int N, int K, int gk,
                                            int n0, int c0, int C) {
   using F = FdCfg<FMT>;
   const int t = threadIdx.x - 256;
-  const u8* src = bw_token_src(X, ldx, M, m0, c0);
+  if (t == 0) tma_prefetch_map(xmap);
   const bool wok = n0 + t < N;
   const int row = min(n0 + t, N - 1);
   const u8* wsrc = W + (size_t)row * (K / 64 * F::CODES) + F::CODES * (size_t)c0;
@@ -197,7 +201,12 @@ __device__ __forceinline__ void fd_produce(u8* smem, u32 base, const u8* __restr
     }
     const int s = i % F::ST;
     mbar_wait(base + F::BAR + 8 * (F::ST + s), ((i / F::ST) & 1) ^ 1);
-    bw_copy_tokens(base + s * BW_TILE_BYTES, src, ldx, M, m0, i);
+    if (t == 0) {
+      mbar_expect_tx(base + F::BAR + 8 * s, boxes * FD_BOX_BYTES);
+      for (int j = 0; j < boxes; ++j)
+        tma_load_2d(base + s * BW_TILE_BYTES + j * FD_BOX_BYTES, xmap, xcol + 64 * (c0 + i), xrow + 64 * j,
+                    base + F::BAR + 8 * s);
+    }
     const u32 st = base + F::S + s * F::STG;
 #pragma unroll
     for (int p = 0; p < F::CODES / 16; ++p)
@@ -250,13 +259,14 @@ __device__ __forceinline__ void fd_consume(u32 base, float* __restrict__ Y, int 
 }
 
 // segs [nseg x 5] int32 (g, first row row0, rows <= 256, x column, y column): Y[row0 + r, ycol + n] =
-// X[row0 + r, xcol .. xcol + K) (act_quant_bf16w's bf16 rows of ldx elements, in its K order) times
+// X[row0 + r, xcol .. xcol + K) (act_quant_bf16w's bf16 rows, in its K order; xmap: X's tensor map,
+// boxes of 64 elements x FD_BOX_ROWS rows with the 128-byte swizzle, engine/ops/gpu/tma.py) times
 // weight g's rows: FP4 e2m1 [N, K / 2] (the MoE's experts: X and Y rows in pair order, as
 // kernels/fp8_grouped.cu takes them) or FP8 e4m3 [N, K] at wptrs[g], their UE8M0 bytes [N, gk = K /
 // 32] at sptrs[g]; bf: Y rounded to bf16 as stored. Block (x, y): segment y, weight rows x * 128...
 // grid (ceil(N / 128), nseg), block 384, dynamic shared memory FdCfg<FMT>::SMEM.
 template <int FMT>
-__device__ __forceinline__ void fd_gemm(const u8* X, int ldx, const int* segs, const u64* wptrs, const u64* sptrs,
+__device__ __forceinline__ void fd_gemm(const TmaMap* xmap, const int* segs, const u64* wptrs, const u64* sptrs,
                                         float* Y, int ldy, int N, int K, int gk, int bf) {
   using F = FdCfg<FMT>;
   extern __shared__ __align__(1024) u8 bw_smem[];
@@ -267,7 +277,7 @@ __device__ __forceinline__ void fd_gemm(const u8* X, int ldx, const int* segs, c
   u8* smem = bw_smem + pad;
   if (threadIdx.x == 0) {
     for (int s = 0; s < F::ST; ++s) {
-      mbar_init(base + F::BAR + 8 * s, 256);  // 128 cp.async arrives + 128 after the decode
+      mbar_init(base + F::BAR + 8 * s, 257);  // 128 cp.async arrives, the TMA's, 128 after the decode
       mbar_init(base + F::BAR + 8 * (F::ST + s), 8);  // one arrive per consumer warp
     }
   }
@@ -276,8 +286,10 @@ __device__ __forceinline__ void fd_gemm(const u8* X, int ldx, const int* segs, c
   float* Yb = Y + (size_t)sg[1] * ldy + sg[4];
   if (threadIdx.x >= 256) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(FD_PRODUCER_REGS));
-    fd_produce<FMT>(smem, base, X + ((size_t)sg[1] * ldx + sg[3]) * 2, ldx, M, 0, (const u8*)wptrs[sg[0]],
-                    (const u8*)sptrs[sg[0]], N, K, gk, n0, 0, C);
+    // the token rows the wgmma N reads (fd_consume's choice below), in boxes of FD_BOX_ROWS
+    const int boxes = (M > 128 ? 256 : M > 64 ? 128 : 64) / FD_BOX_ROWS;
+    fd_produce<FMT>(smem, base, xmap, sg[3], sg[1], boxes, (const u8*)wptrs[sg[0]], (const u8*)sptrs[sg[0]], N,
+                    K, gk, n0, 0, C);
   } else if (n0 + 64 * (int)(threadIdx.x >> 7) >= N) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(FD_PRODUCER_REGS));
     bw_idle<F::ST>(base + F::BAR, C);
@@ -290,13 +302,13 @@ __device__ __forceinline__ void fd_gemm(const u8* X, int ldx, const int* segs, c
   }
 }
 extern "C" __global__ void __launch_bounds__(BW_THREADS, 1)
-    gemm_fp4_experts_sm90(const u8* X, int ldx, const int* segs, const u64* wptrs, const u64* sptrs, float* Y,
-                          int ldy, int N, int K, int gk, int bf) {
-  fd_gemm<FMT_FP4>(X, ldx, segs, wptrs, sptrs, Y, ldy, N, K, gk, bf);
+    gemm_fp4_experts_sm90(const __grid_constant__ TmaMap xmap, const int* segs, const u64* wptrs, const u64* sptrs,
+                          float* Y, int ldy, int N, int K, int gk, int bf) {
+  fd_gemm<FMT_FP4>(&xmap, segs, wptrs, sptrs, Y, ldy, N, K, gk, bf);
 }
 extern "C" __global__ void __launch_bounds__(BW_THREADS, 1)
-    gemm_fd_fp8_sm90(const u8* X, int ldx, const int* segs, const u64* wptrs, const u64* sptrs, float* Y, int ldy,
-                     int N, int K, int gk, int bf) {
-  fd_gemm<FMT_FP8>(X, ldx, segs, wptrs, sptrs, Y, ldy, N, K, gk, bf);
+    gemm_fd_fp8_sm90(const __grid_constant__ TmaMap xmap, const int* segs, const u64* wptrs, const u64* sptrs,
+                     float* Y, int ldy, int N, int K, int gk, int bf) {
+  fd_gemm<FMT_FP8>(&xmap, segs, wptrs, sptrs, Y, ldy, N, K, gk, bf);
 }
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

@@ -11,9 +11,9 @@
 // producer to the consumers (three 64-float accumulator sets each).
 //
 // Loads: cp.async 16-byte copies, each written straight to its 128B-swizzled place. TMA
-// (cp.async.bulk.tensor) would swizzle in hardware but needs a host-encoded tensor map
-// (cuTensorMapEncodeTiled), which CuPy does not expose; 1-D cp.async.bulk copies land linearly (no
-// swizzle) and cannot zero-fill rows past M or N. cp.async takes a source size (0: zeros) and
+// (cp.async.bulk.tensor) swizzles in hardware from a host-encoded tensor map; kernels/fp4_experts.cu
+// takes its tokens so (engine/ops/gpu/tma.py), these kernels not yet. 1-D cp.async.bulk copies land
+// linearly (no swizzle) and cannot zero-fill rows past M or N. cp.async takes a source size (0: zeros) and
 // reports completion to an mbarrier (cp.async.mbarrier.arrive.noinc), so one thread per row chunk
 // needs no wait of its own. Copies land through the generic proxy, wgmma reads through the async
 // proxy: each consumer runs fence.proxy.async after its full-barrier wait (PTX ISA, memory

@@ -162,6 +162,42 @@ def test_scales_far_from_one(lo, hi, shift):
     _check(cp.asnumpy(y), NumpyOps().fake_quant_fp8(x, 32).astype(np.float64), ws, counts)
 
 
+def test_tokens_outside_the_segments_reach_no_output():
+    """The token tiles come by TMA over X's whole extent, so a segment's tile holds the rows after it
+    (another segment's, here NaN) up to its wgmma N, and zeros past X: those land in Y columns the
+    epilogue skips. Rows no segment covers stay as they were."""
+    n, k, counts, pad = 136, 320, [70, 150, 3], 5
+    x = _x(pad + sum(counts) + pad, k, seed=11)
+    ws = [_weight(n, k, seed=j + 40) for j in range(len(counts))]
+    xb = act_quant_bf16w(cp.asarray(x))
+    xb[:pad] = 0x7FC0  # bf16 NaN before and after the segments' rows
+    xb[pad + sum(counts):] = 0x7FC0
+    segs = _table(counts, FE_ROWS, 1, 0, spare=0).reshape(-1, 5).copy()
+    segs[:, 1] += pad
+    y = cp.full((x.shape[0], n), 7.0, cp.float32)
+    fp4_experts_linear(xb, cp.asarray(segs.reshape(-1)), *_tables(ws), ws[0], y)
+    got = cp.asnumpy(y)
+    assert (got[:pad] == 7.0).all() and (got[pad + sum(counts):] == 7.0).all()
+    xq = NumpyOps().fake_quant_fp8(x[pad:pad + sum(counts)], 32).astype(np.float64)
+    _check(got[pad:pad + sum(counts)], xq, ws, counts)
+
+
+def test_fp4_experts_capture_keeps_the_tensor_map():
+    """The launch takes X's tensor map as a parameter (engine/ops/gpu/tma.py): a captured graph
+    replays it with the pool's X, bit for bit the eager result."""
+    n, k, counts = 192, 256, [100, 0, 256]
+    ws = [_weight(n, k, seed=j + 60) for j in range(len(counts))]
+    segs, tabs = cp.asarray(_table(counts, FE_ROWS, 1, 0)), _tables(ws)
+
+    def run(xd):
+        y = cp.full((sum(counts), n), cp.nan, cp.float32)
+        fp4_experts_linear(act_quant_bf16w(xd), segs, *tabs, ws[0], y)
+        return y
+
+    want, replayed = eager_and_replayed(run, _x(sum(counts), k, seed=12))
+    np.testing.assert_array_equal(replayed, want)
+
+
 def test_rate_against_the_e4m3_gemm():
     """Not a timed assertion: V4.1-Flash's expert shapes over 16 experts of 256 pairs each (4,096
     rows), beside the grouped e4m3 GEMM on the same pairs (mma.sync on sm_90a for FP4, which its

@@ -12,21 +12,27 @@ the kernel computes it) and the launch's shared memory read from engine/ops/gpu/
   weight's pointers moved to the segment;
 - the dynamic buffer at an address that is not 1024-aligned, so the kernel's alignment pad is used,
   and the layout (tokens, decoded A tiles, staging, barriers) checked to fit FD_SMEM;
-- the producer warpgroup's every cp.async (the token rows through wg_copy_rows, the weight row's
-  32 (FP4) or 64 (FP8) code bytes, the scale window through wg_cp4_clip): destination, source, bounds (a copy reads
-  its whole size unless its src-size is 0; even then the pointer must be valid) and alignment;
-  its commit groups and cp.async.wait_group LAG - 1 before each decode;
+- the token tile by TMA: thread 0's boxes of 64 elements x FD_BOX_ROWS rows (as many as the wgmma N
+  reads) from X's tensor map (engine/ops/gpu/tma.py: X's whole rows and columns, elements past them
+  zeros), landing with the 128-byte swizzle of their shared-memory addresses (destinations checked
+  1024-aligned and inside the stage's tile), their bytes the tx-count of thread 0's arrival;
+- the producer warpgroup's every cp.async (the weight row's 32 (FP4) or 64 (FP8) code bytes, the
+  scale window through wg_cp4_clip): destination, source, bounds (a copy reads its whole size unless
+  its src-size is 0; even then the pointer must be valid) and alignment; its commit groups and
+  cp.async.wait_group LAG - 1 before each decode;
 - fd_decode bit for bit: FP4, each code word's pairs of nibbles (j, 4 + j) by shifts and masks into
   bf16 magnitudes times 2^-126; FP8, codes j of two words by __byte_perm, then shifts and masks into
   bf16 magnitudes times 2^-120 (subnormal bf16 numbers among them, as IEEE arithmetic has them);
   times the scale's factors (mul.rn.bf16x2; both paths, scales past 2^1 / 2^7 too), the signs by
   XOR, stored at the 128-byte-swizzled place of row t; the tokens' rows in act_quant_bf16w's K order
   (fd_order); an FP8 weight's block scales as the host's UE8M0 bytes per row and 32 of K;
-- the mbarrier protocol (full: 128 cp.async arrive-ons and 128 arrivals after the decode; empty: one
-  per consumer warp), each arrival checked to belong to the barrier's current phase;
+- the mbarrier protocol (full: 128 cp.async arrive-ons, the TMA's arrival with its tx-count and 128
+  arrivals after the decode; empty: one per consumer warp), each arrival checked to belong to the
+  barrier's current phase;
 - the roles run in a random interleaving (a seeded schedule) until all finish; none can run is a
-  deadlock. cp.async copies land either at issue or at the latest moment the protocol allows (when
-  the barrier their arrive-on feeds is polled, or at cp.async.wait_group), chosen per copy at random,
+  deadlock. cp.async and TMA copies land either at issue or at the latest moment the protocol allows
+  (when the barrier their arrive-on or tx-count feeds is polled, or at cp.async.wait_group), chosen
+  per copy at random,
   so a read before the data's barrier sees stale bytes, and a copy into a tile still being read
   shows up below;
 - each consumer's four SS wgmmas a chunk through their descriptors as the PTX ISA lays the operands
@@ -69,7 +75,8 @@ def _const(name: str) -> int:
 
 
 ATILE, TILE, BM, BN = _const("FD_ATILE"), _const("BW_TILE_BYTES"), _const("BW_BM"), _const("BW_BN")
-assert BM == 128 and BN == 256 and TILE == BN * 128 and ATILE == BM * 128
+BOX_ROWS, BOX = _const("FD_BOX_ROWS"), _const("FD_BOX_BYTES")
+assert BM == 128 and BN == 256 and TILE == BN * 128 and ATILE == BM * 128 and BOX == BOX_ROWS * 128
 FP4, FP8 = "fp4", "fp8"
 
 
@@ -104,11 +111,12 @@ def host_smem(fmt: str) -> int:
     ns: dict = {"FMT_FP4": FP4, "FMT_FP8": FP8}
     for n in tree.body:
         names = {x.id for t in getattr(n, "targets", []) for x in ast.walk(t) if isinstance(x, ast.Name)}
-        if isinstance(n, ast.Assign) and names & {"FE_ROWS", "FE_COLS", "FD_STAGES", "FD_CODES", "FD_SMEM"}:
+        if isinstance(n, ast.Assign) and names & {"FE_ROWS", "FE_COLS", "FD_STAGES", "FD_CODES", "FD_SMEM",
+                                                  "FD_BOX_ROWS"}:
             exec(compile(ast.Module([n], []), "fp4_experts", "exec"), ns)  # noqa: S102
     c = CFG[fmt]
     assert ns["FD_STAGES"][fmt] == c.st and ns["FD_CODES"][fmt] == c.codes and ns["FE_ROWS"] == BN
-    assert ns["FE_COLS"] == BM
+    assert ns["FE_COLS"] == BM and ns["FD_BOX_ROWS"] == BOX_ROWS, "the host's tensor map boxes as the kernel's"
     return ns["FD_SMEM"][fmt]
 
 
@@ -203,6 +211,7 @@ class Block:
                 self.decode(i - LAG)
             s = i % ST
             yield lambda s=s, i=i: self.empty[s].done(((i // ST) & 1) ^ 1)
+            self.tma_tokens(i, s)
             for t in range(128):
                 self.copy_chunk(t, i, s)
                 self.deferred[s].append((self.unlanded[t], i // ST))  # cp.async.mbarrier.arrive.noinc
@@ -212,16 +221,33 @@ class Block:
         for i in range(max(C - LAG, 0), C):
             self.decode(i)
 
+    def tma_tokens(self, i: int, s: int) -> None:
+        """Thread 0's arrival with the boxes' bytes as its tx-count, then its TMA boxes j: X's elements
+        (xcol + 64 i .., xrow + FD_BOX_ROWS j ..), zeros past X, each 16 bytes at its address swizzled
+        (bits 4..6 XOR 7..9); the arrival completes when they land (at issue or at the barrier's poll)."""
+        g, M, X = self.g, self.g["M"], self.g["X"]
+        boxes = (256 if M > 128 else 128 if M > 64 else 64) // BOX_ROWS
+        rows, cols = X.shape
+        copies = []
+        for j in range(boxes):
+            dst = self.base + s * TILE + j * BOX
+            assert dst % 1024 == 0 and self.base + s * TILE <= dst and dst + BOX <= self.base + (s + 1) * TILE
+            y0, x0 = g["xrow"] + BOX_ROWS * j, g["xcol"] + 64 * i
+            box = np.zeros((BOX_ROWS, 64), np.uint16)
+            r1, c1 = min(rows, y0 + BOX_ROWS), min(cols, x0 + 64)
+            if r1 > y0 and c1 > x0:
+                box[:r1 - y0, :c1 - x0] = X[y0:r1, x0:c1]
+            data = box.astype("<u2").view(np.uint8).reshape(BOX_ROWS, 128)
+            for r in range(BOX_ROWS):
+                for c8 in range(8):
+                    a = dst + 128 * r + 16 * c8
+                    copies.append([a ^ (((a >> 7) & 7) << 4), data[r, 16 * c8:16 * c8 + 16].copy(), False])
+        if self.rng.random() < 0.5:  # lands at issue
+            self.land(copies)
+        self.deferred[s].append((copies, i // self.c.st))  # the tx-count completes as they land
+
     def copy_chunk(self, t: int, i: int, s: int) -> None:
-        g, M, K, N, gk = self.g, self.g["M"], self.g["K"], self.g["N"], self.g["gk"]
-        # bw_copy_tokens: rows r8 + 16 j of the segment, chunk i's 128 bytes, 16-byte piece c8
-        r8, c8 = t >> 3, t & 7
-        src = g["x0"] + min(r8, M - 1) * g["ldx"] * 2 + 16 * c8 + 128 * i
-        dst = self.base + s * TILE + wg.swz(r8, c8)
-        for j in range(16):
-            ok = 16 * j < M - r8
-            self.cp(t, dst + 2048 * j, "X", src + 16 * g["ldx"] * 2 * j if ok else src, 16, 16 if ok else 0,
-                    s * TILE, (s + 1) * TILE)
+        g, K, N, gk = self.g, self.g["K"], self.g["N"], self.g["gk"]
         # weight row n0 + t's code bytes of chunk i, then its scale window
         c = self.c
         wok, row = self.n0 + t < N, min(self.n0 + t, N - 1)
@@ -395,15 +421,15 @@ def run_block(g: dict, n0: int, Y: np.ndarray, y0: int, ldy: int, bf: bool, smem
 def launch(fmt: str, X: np.ndarray, segs: np.ndarray, wtab: list, stab: list, Y: np.ndarray, N: int, K: int,
            bf: bool, seed: int) -> None:
     """fp4_experts_linear / fd_fp8_linear (_fd_launch): grid (ceil(N / 128), segments) over segs [nseg
-    * 5] (g, row0, rows, x column, y column); X [*, ldx] bf16 bits."""
-    smem, ldy, ldx = host_smem(fmt), Y.shape[1], X.shape[1]
+    * 5] (g, row0, rows, x column, y column); X [rows, cols] bf16 bits (its tensor map's extent)."""
+    smem, ldy = host_smem(fmt), Y.shape[1]
     yflat = Y.reshape(-1)
     for by in range(segs.size // 5):
         e, row0, rows, xcol, ycol = (int(v) for v in segs[5 * by:5 * by + 5])
         if rows == 0:
             continue
         assert rows <= BN, "a segment of more rows than a block's token tile"
-        g = {"fmt": fmt, "X": X.view(np.uint8).reshape(-1), "x0": (row0 * ldx + xcol) * 2, "ldx": ldx,
+        g = {"fmt": fmt, "X": X, "xrow": row0, "xcol": xcol,
              "W": wtab[e].reshape(-1), "SW": stab[e].reshape(-1), "M": rows, "N": N, "K": K, "gk": K // 32,
              "C": K // 64}
         for bx in range(-(-N // BM)):

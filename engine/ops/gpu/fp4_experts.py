@@ -9,6 +9,7 @@ import cupy as cp
 import numpy as np
 
 from engine.ops import kernels as K
+from engine.ops.gpu import tma
 from engine.ops.gpu.common import _c32, k_splits
 from engine.ops.gpu.weights import GpuWeight
 from engine.ops.kernels import FMT_BF16, FMT_FP4, FMT_FP8
@@ -22,6 +23,7 @@ FE_SMEM = FE_STAGES * (FE_ROWS * 128 + 16) + 1024
 # + 128 scale words), 2 mbarriers a stage, and the alignment pad
 FD_STAGES = {FMT_FP4: 4, FMT_FP8: 3}
 FD_CODES = {FMT_FP4: 32, FMT_FP8: 64}  # code bytes of a weight row's chunk
+FD_BOX_ROWS = 64  # token rows of a TMA box (kernels/fp4_experts.cu FD_BOX_ROWS)
 FD_SMEM = {f: FD_STAGES[f] * (FE_ROWS * 128 + FE_COLS * 128 + FE_COLS * (FD_CODES[f] + 4) + 16) + 1024
            for f in (FMT_FP4, FMT_FP8)}
 # gemm_fd_fp8_sm90 from this many rows (a prompt chunk's): fewer (a verify step's) make too few blocks
@@ -62,12 +64,13 @@ def fp4_experts_linear(xb: cp.ndarray, segs: cp.ndarray, wptrs: cp.ndarray, sptr
 
 def _fd_launch(fmt: int, xb: cp.ndarray, segs: cp.ndarray, wptrs: cp.ndarray, sptrs: cp.ndarray, y: cp.ndarray,
                n: int, k: int, gk: int, bf16: bool) -> None:
-    """fd_gemm<fmt>'s kernel over segs: grid (ceil(N / 128), segments), FD_SMEM[fmt] of shared memory."""
+    """fd_gemm<fmt>'s kernel over segs: grid (ceil(N / 128), segments), FD_SMEM[fmt] of shared memory, the
+    tokens xb by TMA (their tensor map a parameter)."""
     smem = FD_SMEM[fmt]
     name = "gemm_fp4_experts_sm90" if fmt == FMT_FP4 else "gemm_fd_fp8_sm90"
-    K.function_with_smem("fp4_experts", name, smem)((-(-n // FE_COLS), segs.size // 5), (FE_THREADS,), (
-        xb, np.int32(xb.shape[1]), segs, wptrs, sptrs, y, np.int32(y.shape[1]), np.int32(n), np.int32(k),
-        np.int32(gk), np.int32(bf16)), shared_mem=smem)
+    tma.launch(K.function_with_smem("fp4_experts", name, smem), (-(-n // FE_COLS), segs.size // 5, 1),
+               (FE_THREADS, 1, 1), (tma.bf16_rows_map(xb, FD_BOX_ROWS), segs, wptrs, sptrs, y, np.int32(y.shape[1]),
+                                    np.int32(n), np.int32(k), np.int32(gk), np.int32(bf16)), smem)
 
 
 def fd_fp8_takes(w: GpuWeight) -> bool:
