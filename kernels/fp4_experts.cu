@@ -204,7 +204,7 @@ __device__ __forceinline__ void fd_produce(u8* smem, u32 base, const TmaMap* xma
     if (t == 0) {
       mbar_expect_tx(base + F::BAR + 8 * s, boxes * FD_BOX_BYTES);
       for (int j = 0; j < boxes; ++j)
-        tma_load_2d(base + s * BW_TILE_BYTES + j * FD_BOX_BYTES, xmap, xcol + 64 * (c0 + i), xrow + 64 * j,
+        tma_load_2d(base + s * BW_TILE_BYTES + j * FD_BOX_BYTES, xmap, xcol + 64 * (c0 + i), xrow + FD_BOX_ROWS * j,
                     base + F::BAR + 8 * s);
     }
     const u32 st = base + F::S + s * F::STG;
