@@ -79,43 +79,38 @@ def fd_fp8_takes(w: GpuWeight) -> bool:
     scale is a bf16 number, the smallest code 2^-9 included: bf16's least is 2^-133), sm_90a."""
     if w.fmt != FMT_FP8 or w.shape[1] % CHUNK or w.block[1] % 32 or K.device_arch() != "90a":
         return False
-    ok = w.__dict__.get("_fd")
-    if ok is None:
-        ok = w.__dict__["_fd"] = _pow2_scales(w) and bool(cp.all((w.scale.view(cp.uint32) >> 23) >= 3))
-    return ok
+    return w.derived("_fd", lambda: _pow2_scales(w) and bool(cp.all((w.scale.view(cp.uint32) >> 23) >= 3)))
 
 
 def _pow2_scales(w: GpuWeight) -> bool:
     """Whether an FP8 weight's f32 block scales are all positive powers of two, normal (each code times
     its scale exactly a bf16 number); checked once per weight, kept on it."""
-    ok = w.__dict__.get("_pow2")
-    if ok is None:
+    def make() -> bool:
         bits = w.scale.view(cp.uint32)
-        ok = w.__dict__["_pow2"] = bool(cp.all(((bits & 0x807FFFFF) == 0) & (bits != 0)))
-    return ok
+        return bool(cp.all(((bits & 0x807FFFFF) == 0) & (bits != 0)))
+
+    return w.derived("_pow2", make)
 
 
 def fd_scale_bytes(w: GpuWeight) -> cp.ndarray:
     """An FP8 weight's power-of-two f32 block scales as UE8M0 bytes per row and 32 of K [N, K / 32]
     (their exponent fields): gemm_fd_fp8's scale layout, FP4's. Made once per weight, kept on it."""
-    hit = w.__dict__.get("_fd_e8")
-    if hit is None:
+    def make() -> cp.ndarray:
         n, k = w.shape
         bn, bk = w.block
         e8 = ((w.scale.view(cp.uint32) >> 23) & 0xFF).astype(cp.uint8)  # [ceil(n / bn), gk]
         cols = cp.arange(k // 32) * 32 // bk
-        hit = w.__dict__["_fd_e8"] = cp.ascontiguousarray(cp.repeat(e8[:, cols], bn, axis=0)[:n])
-    return hit
+        return cp.ascontiguousarray(cp.repeat(e8[:, cols], bn, axis=0)[:n])
+
+    return w.derived("_fd_e8", make)
 
 
 def fd_fp8_tables(w: GpuWeight) -> tuple[cp.ndarray, cp.ndarray]:
-    """gemm_fd_fp8's pointer tables [1] uint64 of an FP8 weight: its data and fd_scale_bytes(w); made
-    once per weight, kept on it (the first call runs eagerly, before any graph capture)."""
-    hit = w.__dict__.get("_fd_tabs")
-    if hit is None:
-        hit = w.__dict__["_fd_tabs"] = (cp.asarray(np.array([w.data.data.ptr], np.uint64)),
-                                        cp.asarray(np.array([fd_scale_bytes(w).data.ptr], np.uint64)))
-    return hit
+    """gemm_fd_fp8's pointer tables [1] uint64 of an FP8 weight: its data's (ptr_tables) and
+    fd_scale_bytes(w)'s; made once per weight, kept on it (the first call runs eagerly, before any
+    graph capture)."""
+    return w.derived("_fd_tabs", lambda: (w.ptr_tables()[0],
+                                          cp.asarray(np.array([fd_scale_bytes(w).data.ptr], np.uint64))))
 
 
 def fd_fp8_segments(rows: int) -> list[tuple[int, int, int, int, int]]:
@@ -164,10 +159,7 @@ def fp8w_takes(w: GpuWeight, groups: int = 1) -> bool:
     scales (exactly bf16 with their codes; checked once per weight, kept on it)."""
     if w.fmt != FMT_FP8 or w.shape[1] % CHUNK or w.block[0] % 16 or (w.shape[0] // groups) % w.block[0]:
         return False
-    ok = w.__dict__.get("_fp8w")
-    if ok is None:
-        ok = w.__dict__["_fp8w"] = K.device_arch() == "90a" and _pow2_scales(w)
-    return ok
+    return w.derived("_fp8w", lambda: K.device_arch() == "90a" and _pow2_scales(w))
 
 
 def bw_splits(blocks: int, chunks: int) -> int:

@@ -41,15 +41,23 @@ class GpuWeight:
     def gk(self) -> int:
         return int(self.scale.shape[1]) if self.scale is not None else 1
 
+    def derived(self, key: str, make):
+        """make(), made on the first call for this key and kept on the weight (not a field: copies
+        and comparisons ignore it)."""
+        hit = self.__dict__.get(key)
+        if hit is None:
+            hit = self.__dict__[key] = make()
+        return hit
+
     def ptr_tables(self) -> tuple[cp.ndarray, cp.ndarray]:
         """Device [1] tables of the data / scale pointers, made once (a host->device copy per
         call would cost more than a decode GEMV)."""
-        t = self.__dict__.get("_ptrs")
-        if t is None:
+
+        def make():
             ptrs = cp.asarray(np.array([_ptr(self.data), _ptr(self.scale)], np.uint64))
-            t = (ptrs[:1], ptrs[1:])
-            self.__dict__["_ptrs"] = t
-        return t
+            return ptrs[:1], ptrs[1:]
+
+        return self.derived("_ptrs", make)
 
     def row_bytes(self) -> int:
         n, k = self.shape
