@@ -90,6 +90,17 @@ __device__ __forceinline__ u32 fd_shift(u32 x) {
   else return x >> -n;
 }
 
+// Logical chunk b of row t of the A tile at `at`: its four bf16 pairs, magnitudes mag[j] times the
+// factors (fa then sc; with ONE sc alone) with the signs sgn[j] put in by XOR (fd_row4, fd_row8).
+template <bool ONE>
+__device__ __forceinline__ void fd_store_chunk(u8* at, int t, int b, const u32 (&mag)[4], const u32 (&sgn)[4], u32 fa,
+                                               u32 sc) {
+  u32 o[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) o[j] = (ONE ? bf16x2_mul(mag[j], sc) : bf16x2_mul(bf16x2_mul(mag[j], fa), sc)) ^ sgn[j];
+  *(uint4*)(at + wg_swz(t, b)) = make_uint4(o[0], o[1], o[2], o[3]);
+}
+
 // FP4: weight row t's 8 logical 16-byte chunks of a stage's A tile at `at`: chunk b from code word w[b]
 // (physical elements 8b .. 8b + 7, element i in bits 4i .. 4i + 3), bf16 pair j of it from nibbles j
 // and 4 + j (the K order of act_quant_bf16w). A nibble's magnitude bits (e, m: e2m1 without its
@@ -108,10 +119,7 @@ __device__ __forceinline__ void fd_row4(u8* at, const u32 (&w)[8], const u32 (&f
                         fd_shift<-6>(x) & 0x01c001c0u};
     const u32 sgn[4] = {fd_shift<12>(x) & 0x80008000u, fd_shift<8>(x) & 0x80008000u, fd_shift<4>(x) & 0x80008000u,
                         x & 0x80008000u};
-    u32 o[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) o[j] = (ONE ? bf16x2_mul(mag[j], sc) : bf16x2_mul(bf16x2_mul(mag[j], fa), sc)) ^ sgn[j];
-    *(uint4*)(at + wg_swz(t, b)) = make_uint4(o[0], o[1], o[2], o[3]);
+    fd_store_chunk<ONE>(at, t, b, mag, sgn, fa, sc);
   }
 }
 
@@ -130,10 +138,7 @@ __device__ __forceinline__ void fd_row8(u8* at, const u32 (&w)[16], const u32 (&
     const u32 mag[4] = {(v01 << 4) & 0x07f007f0u, (v01 >> 4) & 0x07f007f0u, (v23 << 4) & 0x07f007f0u,
                         (v23 >> 4) & 0x07f007f0u};
     const u32 sgn[4] = {(v01 << 8) & 0x80008000u, v01 & 0x80008000u, (v23 << 8) & 0x80008000u, v23 & 0x80008000u};
-    u32 o[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) o[j] = (ONE ? bf16x2_mul(mag[j], sc) : bf16x2_mul(bf16x2_mul(mag[j], fa), sc)) ^ sgn[j];
-    *(uint4*)(at + wg_swz(t, b)) = make_uint4(o[0], o[1], o[2], o[3]);
+    fd_store_chunk<ONE>(at, t, b, mag, sgn, fa, sc);
   }
 }
 
