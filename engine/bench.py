@@ -20,8 +20,8 @@ import time
 
 import numpy as np
 
-from engine.bench_parts import by_part, report
-from engine.bench_spec import bench_speculative, dense_weights, weight_bytes
+from engine.bench_parts import by_op, parts_of, report
+from engine.bench_spec import bench_speculative, dense_weights, gpu_weights, weight_bytes
 from engine.runtime.engine import warm_up
 from engine.runtime.sampling import SampleJob, SamplingParams
 
@@ -174,31 +174,37 @@ def _macs(ws: list, fp8: bool | None = None) -> int:
 def _weight_stats(model) -> dict:
     """Bytes and multiply-adds of the weights a token touches on this model (or tensor-parallel
     rank): dense (attention, router, shared expert, summed over layers; of them the FP8 / FP4
-    weights' multiply-adds, which DeepSeek's numerics run on FP8 MMA), one routed expert (and its
-    FP8 / FP4 part) and how many this rank holds per layer, the head."""
-    dense = dense_macs = dense_fp8 = expert = expert_macs = expert_fp8 = owned = 0
+    weights' multiply-adds, which DeepSeek's numerics run on FP8 MMA; and of them the router's and
+    the shared expert's, which bench_parts counts in the MoE), one routed expert (and its FP8 / FP4
+    part) and how many this rank holds per layer, the head."""
+    dense = dense_macs = dense_fp8 = moe_macs = moe_fp8 = expert = expert_macs = expert_fp8 = owned = 0
     for L in model.w.layers:
         ws = dense_weights(L)
         dense += sum(weight_bytes(w) for w in ws)
         dense_macs += _macs(ws)
         dense_fp8 += _macs(ws, fp8=True)
+        ffn = gpu_weights([L.ffn.gate, L.ffn.shared_experts])
+        moe_macs += _macs(ffn)
+        moe_fp8 += _macs(ffn, fp8=True)
         mine = [ex for ex in L.ffn.experts if ex is not None]
         owned = len(mine)
         if mine:
             expert = sum(weight_bytes(w) for w in mine[0])
             expert_macs, expert_fp8 = _macs(mine[0]), _macs(mine[0], fp8=True)
-    return dict(dense=dense, dense_macs=dense_macs, dense_fp8_macs=dense_fp8, expert=expert, expert_macs=expert_macs,
-                expert_fp8_macs=expert_fp8, owned=owned, head=weight_bytes(model.w.head))
+    return dict(dense=dense, dense_macs=dense_macs, dense_fp8_macs=dense_fp8, moe_dense_macs=moe_macs,
+                moe_dense_fp8_macs=moe_fp8, expert=expert, expert_macs=expert_macs, expert_fp8_macs=expert_fp8,
+                owned=owned, head=weight_bytes(model.w.head))
 
 
-def prefill_work(cfg, stats: list[dict], tokens: int, numerics: str) -> dict:
+def prefill_parts(cfg, stats: list[dict], tokens: int, numerics: str) -> dict[str, dict[str, float]]:
     """Multiply-adds of a prefill of `tokens` on the tensor cores, summed over the ranks, by the
-    rate they run at: 'fp8' (under DeepSeek's numerics: the FP8 / FP4 weights' linears, on
-    e4m3 activations, and the indexers' scores of every compressed entry before each query, on
-    the FP4 grid) and 'bf16' (the other linears, attention's q.k and p.v over each query's window
-    and selected entries; exact numerics: everything). Weights count once per row (the ranks
-    hold slices; a rank holds whole experts or a width slice of each); the indexers are
-    replicated, so every rank scores everything."""
+    part of the model bench_parts times them in (GEMMs: the linears outside the MoE; MoE: the
+    router, the shared expert and the routed experts; indexer; attention) and the rate they run at:
+    'fp8' (under DeepSeek's numerics: the FP8 / FP4 weights' linears, on e4m3 activations, and the
+    indexers' scores of every compressed entry before each query, on the FP4 grid) and 'bf16' (the
+    other linears, attention's q.k and p.v over each query's window and selected entries; exact
+    numerics: everything). Weights count once per row (the ranks hold slices; a rank holds whole
+    experts or a width slice of each); the indexers are replicated, so every rank scores everything."""
     e, k, nl, d = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.num_layers, cfg.head_dim
     attn = sum(cfg.num_heads * d * 2 * (cfg.sliding_window + (cfg.index_topk if r else 0))
                for r in cfg.compress_ratios)
@@ -211,11 +217,30 @@ def prefill_work(cfg, stats: list[dict], tokens: int, numerics: str) -> dict:
     # (one whole expert's multiply-adds: a rank holds whole experts, or a width slice of each)
     expert = sum(ws["expert_macs"] * ws["owned"] for ws in stats) / e
     expert8 = sum(ws["expert_fp8_macs"] * ws["owned"] for ws in stats) / e
-    weights = sum(ws["dense_macs"] for ws in stats) + nl * k * expert
-    weights8 = sum(ws["dense_fp8_macs"] for ws in stats) + nl * k * expert8
+    moe = sum(ws["moe_dense_macs"] for ws in stats) + nl * k * expert
+    moe8 = sum(ws["moe_dense_fp8_macs"] for ws in stats) + nl * k * expert8
+    gemms = sum(ws["dense_macs"] - ws["moe_dense_macs"] for ws in stats)
+    gemms8 = sum(ws["dense_fp8_macs"] - ws["moe_dense_fp8_macs"] for ws in stats)
     if numerics != "deepseek":
-        return {"fp8": 0.0, "bf16": tokens * (weights + attn) + index}
-    return {"fp8": tokens * weights8 + index, "bf16": tokens * (weights - weights8 + attn)}
+        return {"GEMMs": {"bf16": tokens * gemms}, "MoE": {"bf16": tokens * moe}, "indexer": {"bf16": index},
+                "attention": {"bf16": tokens * attn}}
+    return {"GEMMs": {"fp8": tokens * gemms8, "bf16": tokens * (gemms - gemms8)},
+            "MoE": {"fp8": tokens * moe8, "bf16": tokens * (moe - moe8)}, "indexer": {"fp8": index},
+            "attention": {"bf16": tokens * attn}}
+
+
+def prefill_work(cfg, stats: list[dict], tokens: int, numerics: str) -> dict:
+    """prefill_parts' multiply-adds summed over the parts: {'fp8': .., 'bf16': ..}."""
+    work = {"fp8": 0.0, "bf16": 0.0}
+    for kinds in prefill_parts(cfg, stats, tokens, numerics).values():
+        for kind, macs in kinds.items():
+            work[kind] += macs
+    return work
+
+
+def part_floors(parts: dict[str, dict[str, float]], rates: dict) -> dict[str, float]:
+    """Each part's seconds at the tensor-core rates (summed over the ranks, as bench_parts' times)."""
+    return {part: sum(2 * macs / rates[kind] for kind, macs in kinds.items()) for part, kinds in parts.items()}
 
 
 def _load(ckpt: str, gpus: list[int] | None, expert_split: str = "ep", numerics: str = "exact"):
@@ -385,8 +410,10 @@ def _bench_prefill(model, cfg, ranks, devices, stats, prefills, chunk: int, rate
               f"{dt / nl * 1e3:.2f} ms/layer, {prefill / dt * nl:.0f} tok/s per layer; tensor-core floor "
               f"{floor:.3f} s{split} ({100 * floor / dt:.1f}% of it)")
         if prefill <= PARTS_MAX_TOKENS:  # the same prefill again, its ops timed by part
-            parts = by_part([r.ops for r in ranks], lambda ids=ids: feed(ids))
-            print(f"  by part (device time of each op, summed over the ranks): {report(parts, dt)}")
+            ops_s = by_op([r.ops for r in ranks], lambda ids=ids: feed(ids))
+            floors = part_floors(prefill_parts(cfg, stats, prefill, numerics), rates)
+            print("  by part (device time of each op, summed over the ranks; floor: the part's multiply-adds at "
+                  f"the tensor-core rates): {report(parts_of(ops_s), dt, floors, ops_s)}")
 
 
 def _compare_tp1(ckpt: str, cfg, model, device: int, rng, numerics: str = "exact") -> None:

@@ -93,9 +93,9 @@ def watching(ops_list: list, around: Callable[[object, str, Callable[[], object]
             delattr(ops, name)  # (the class's method shows through again)
 
 
-def by_part(ops_list: list, run: Callable[[], object]) -> dict[str, float]:
+def by_op(ops_list: list, run: Callable[[], object]) -> dict[str, float]:
     """run() with every op of the backends in ops_list (one per tensor-parallel rank) timed;
-    seconds by part (PARTS, OTHER), summed over the ranks."""
+    seconds by op name (top-level calls), summed over the ranks."""
     marks: list[tuple[str, object, object]] = []
     clocks = {id(ops): _EventClock() if getattr(ops, "name", "") == "cupy" else _HostClock() for ops in ops_list}
 
@@ -105,18 +105,39 @@ def by_part(ops_list: list, run: Callable[[], object]) -> dict[str, float]:
         try:
             return call()
         finally:
-            marks.append((PARTS.get(name, OTHER), clock, clock.stop(t0)))
+            marks.append((name, clock, clock.stop(t0)))
 
     with watching(ops_list, timed):
         run()
     out: dict[str, float] = defaultdict(float)
-    for part, clock, mark in marks:
-        out[part] += clock.seconds(mark)
+    for name, clock, mark in marks:
+        out[name] += clock.seconds(mark)
     return dict(out)
 
 
-def report(parts: dict[str, float], wall: float) -> str:
-    """One line: each part's seconds and share of the wall time, largest first."""
+def parts_of(op_seconds: dict[str, float]) -> dict[str, float]:
+    """by_op's seconds summed by part (PARTS, OTHER)."""
+    out: dict[str, float] = defaultdict(float)
+    for name, s in op_seconds.items():
+        out[PARTS.get(name, OTHER)] += s
+    return dict(out)
+
+
+def report(parts: dict[str, float], wall: float, floors: dict[str, float] | None = None,
+           op_seconds: dict[str, float] | None = None, top: int = 4) -> str:
+    """One line: each part's seconds and share of the wall time, largest first; with floors (seconds
+    by part at the tensor cores' rates, summed over the ranks as the parts are) each part's floor
+    and its share of the part's time; with op_seconds the `top` largest ops of the rest."""
     items = sorted(parts.items(), key=lambda kv: -kv[1])
-    body = ", ".join(f"{p} {s:.3f} s ({100 * s / wall:.0f}%)" for p, s in items)
+
+    def cell(p: str, s: float) -> str:
+        text = f"{p} {s:.3f} s ({100 * s / wall:.0f}%"
+        if floors and floors.get(p):
+            text += f"; floor {floors[p]:.3f} s, {100 * floors[p] / s:.0f}% of it"
+        if op_seconds and p == OTHER:
+            rest = sorted(((n, t) for n, t in op_seconds.items() if n not in PARTS), key=lambda kv: -kv[1])[:top]
+            text += ": " + ", ".join(f"{n} {t:.3f}" for n, t in rest)
+        return text + ")"
+
+    body = ", ".join(cell(p, s) for p, s in items)
     return f"{body}; ops {sum(parts.values()):.3f} s of {wall:.3f} s wall"

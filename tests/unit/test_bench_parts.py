@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 
-from engine.bench_parts import OTHER, PARTS, by_part, report
+from engine.bench_parts import OTHER, PARTS, by_op, parts_of, report
 from engine.runtime.engine import Engine
 
 
@@ -16,15 +16,20 @@ def test_prefill_by_part_covers_the_forward_and_restores_the_ops() -> None:
     ids = [int(t) for t in np.random.default_rng(0).integers(3, 1000, 96)]
     st, out = model.new_state(), {}
     t0 = time.perf_counter()
-    parts = by_part([ops], lambda: out.setdefault("logits", model.forward([st], [ids])[0]))
+    op_s = by_op([ops], lambda: out.setdefault("logits", model.forward([st], [ids])[0]))
     wall = time.perf_counter() - t0
+    parts = parts_of(op_s)
     # the demo has every part: dense and expert layers, compressed layers with the indexer
     assert set(parts) == {*PARTS.values(), OTHER}
     assert all(s > 0 for s in parts.values())
     # top-level ops only (the MoE's own linears count once, in MoE): the parts fit in the wall
     # time and cover most of it (the rest is the runner's host work between ops)
     assert 0.5 * wall < sum(parts.values()) <= wall
-    assert "GEMMs" in report(parts, wall)
+    line = report(parts, wall, {"MoE": parts["MoE"] / 4}, op_s)
+    assert "GEMMs" in line and "floor" in line and "25% of it" in line
+    # the rest names its largest ops, which are ops of no other part
+    rest = line.split(f"{OTHER} ")[1].split(")")[0].split(": ")[1]
+    assert rest and all(cell.split()[0] in op_s and cell.split()[0] not in PARTS for cell in rest.split(", "))
     assert not {"linear", "moe", "attention_ranges"} & set(vars(ops))  # the patches are gone
     # timing changes nothing: the instrumented forward's logits are the plain one's
     np.testing.assert_array_equal(out["logits"], model.forward([model.new_state()], [ids])[0])
