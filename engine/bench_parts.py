@@ -127,16 +127,17 @@ def report(parts: dict[str, float], wall: float, floors: dict[str, float] | None
            op_seconds: dict[str, float] | None = None, top: int = 4) -> str:
     """One line: each part's seconds and share of the wall time, largest first; with floors (seconds
     by part at the tensor cores' rates, summed over the ranks as the parts are) each part's floor
-    and its share of the part's time; with op_seconds the `top` largest ops of the rest."""
+    and its share of the part's time; with op_seconds the `top` largest ops of each part made of
+    several."""
     items = sorted(parts.items(), key=lambda kv: -kv[1])
 
     def cell(p: str, s: float) -> str:
         text = f"{p} {s:.3f} s ({100 * s / wall:.0f}%"
         if floors and floors.get(p):
             text += f"; floor {floors[p]:.3f} s, {100 * floors[p] / s:.0f}% of it"
-        if op_seconds and p == OTHER:
-            rest = sorted(((n, t) for n, t in op_seconds.items() if n not in PARTS), key=lambda kv: -kv[1])[:top]
-            text += ": " + ", ".join(f"{n} {t:.3f}" for n, t in rest)
+        ops = sorted(((n, t) for n, t in (op_seconds or {}).items() if PARTS.get(n, OTHER) == p), key=lambda kv: -kv[1])
+        if len(ops) > 1:
+            text += ": " + ", ".join(f"{n} {t:.3f}" for n, t in ops[:top])
         return text + ")"
 
     body = ", ".join(cell(p, s) for p, s in items)
