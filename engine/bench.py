@@ -26,7 +26,9 @@ from engine.runtime.engine import warm_up
 from engine.runtime.sampling import SampleJob, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
-PARTS_MAX_TOKENS = 65536  # prefills up to this long run twice: timed, then by part (engine/bench_parts.py)
+# prefills up to this long run twice: timed, then by part (engine/bench_parts.py); 1M included, where the
+# indexer's quadratic work decides the time
+PARTS_MAX_TOKENS = 1 << 20
 
 # V4.1-Flash per-layer linears: name, (N, K), format, how many per token.
 FLASH_LINEARS = [
