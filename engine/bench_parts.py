@@ -65,8 +65,9 @@ class _EventClock:
 def watching(ops_list: list, around: Callable[[object, str, Callable[[], object]], object],
              names: tuple[str, ...] = TIMED) -> Iterator[None]:
     """Within the block, each top-level call of the ops `names` of the backends in ops_list goes
-    through around(ops, name, call), call() running the op (an op called inside another runs
-    plainly); the backends' own methods show through again after."""
+    through around(ops, name, call), call() running the op (call.args: the op's positional
+    arguments; an op called inside another runs plainly); the backends' own methods show through
+    again after."""
     patched: list[tuple[object, str]] = []
     for ops in ops_list:
         depth = [0]
@@ -79,8 +80,13 @@ def watching(ops_list: list, around: Callable[[object, str, Callable[[], object]
                 if _depth[0]:
                     return _fn(*a, **k)
                 _depth[0] += 1
+
+                def call():
+                    return _fn(*a, **k)
+
+                call.args = a
                 try:
-                    return around(_ops, _name, lambda: _fn(*a, **k))
+                    return around(_ops, _name, call)
                 finally:
                     _depth[0] -= 1
 
@@ -93,9 +99,20 @@ def watching(ops_list: list, around: Callable[[object, str, Callable[[], object]
             delattr(ops, name)  # (the class's method shows through again)
 
 
+def part_of(label: str) -> str:
+    """The part an op's label (its name, a linear's with its weight's shape) belongs to."""
+    return PARTS.get(label.split(" ")[0], OTHER)
+
+
+def _label(name: str, args: tuple) -> str:
+    """An op's name; a linear's with its weight's shape (which projection it is)."""
+    shape = getattr(args[1], "shape", None) if name in ("linear", "grouped_linear") and len(args) > 1 else None
+    return f"{name} {shape[0]}x{shape[1]}" if shape is not None and len(shape) == 2 else name
+
+
 def by_op(ops_list: list, run: Callable[[], object]) -> dict[str, float]:
     """run() with every op of the backends in ops_list (one per tensor-parallel rank) timed;
-    seconds by op name (top-level calls), summed over the ranks."""
+    seconds by op (top-level calls; a linear by its weight's shape), summed over the ranks."""
     marks: list[tuple[str, object, object]] = []
     clocks = {id(ops): _EventClock() if getattr(ops, "name", "") == "cupy" else _HostClock() for ops in ops_list}
 
@@ -105,7 +122,7 @@ def by_op(ops_list: list, run: Callable[[], object]) -> dict[str, float]:
         try:
             return call()
         finally:
-            marks.append((name, clock, clock.stop(t0)))
+            marks.append((_label(name, getattr(call, "args", ())), clock, clock.stop(t0)))
 
     with watching(ops_list, timed):
         run()
@@ -119,12 +136,12 @@ def parts_of(op_seconds: dict[str, float]) -> dict[str, float]:
     """by_op's seconds summed by part (PARTS, OTHER)."""
     out: dict[str, float] = defaultdict(float)
     for name, s in op_seconds.items():
-        out[PARTS.get(name, OTHER)] += s
+        out[part_of(name)] += s
     return dict(out)
 
 
 def report(parts: dict[str, float], wall: float, floors: dict[str, float] | None = None,
-           op_seconds: dict[str, float] | None = None, top: int = 4) -> str:
+           op_seconds: dict[str, float] | None = None, top: int = 6) -> str:
     """One line: each part's seconds and share of the wall time, largest first; with floors (seconds
     by part at the tensor cores' rates, summed over the ranks as the parts are) each part's floor
     and its share of the part's time; with op_seconds the `top` largest ops of each part made of
@@ -135,7 +152,7 @@ def report(parts: dict[str, float], wall: float, floors: dict[str, float] | None
         text = f"{p} {s:.3f} s ({100 * s / wall:.0f}%"
         if floors and floors.get(p):
             text += f"; floor {floors[p]:.3f} s, {100 * floors[p] / s:.0f}% of it"
-        ops = sorted(((n, t) for n, t in (op_seconds or {}).items() if PARTS.get(n, OTHER) == p), key=lambda kv: -kv[1])
+        ops = sorted(((n, t) for n, t in (op_seconds or {}).items() if part_of(n) == p), key=lambda kv: -kv[1])
         if len(ops) > 1:
             text += ": " + ", ".join(f"{n} {t:.3f}" for n, t in ops[:top])
         return text + ")"

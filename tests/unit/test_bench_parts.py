@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 
-from engine.bench_parts import OTHER, PARTS, by_op, parts_of, report
+from engine.bench_parts import OTHER, PARTS, by_op, part_of, parts_of, report
 from engine.runtime.engine import Engine
 
 
@@ -27,10 +27,12 @@ def test_prefill_by_part_covers_the_forward_and_restores_the_ops() -> None:
     assert 0.5 * wall < sum(parts.values()) <= wall
     line = report(parts, wall, {"MoE": parts["MoE"] / 4}, op_s)
     assert "GEMMs" in line and "floor" in line and "25% of it" in line
-    # a part of several ops names its largest ones, each an op of that part
-    for part in (OTHER, "indexer"):
+    # a part of several ops names its largest ones, each an op of that part; a linear by its weight
+    for part in (OTHER, "indexer", "GEMMs"):
         named = line.split(f"{part} ")[1].split(")")[0].split(": ")[1]
-        assert named and all(PARTS.get(cell.split()[0], OTHER) == part for cell in named.split(", "))
+        assert named and all(part_of(cell.rsplit(" ", 1)[0]) == part for cell in named.split(", "))
+    shapes = {n.split(" ")[1] for n in op_s if n.startswith("linear ")}
+    assert len(shapes) > 3 and all(len(sh.split("x")) == 2 for sh in shapes)
     assert not {"linear", "moe", "attention_ranges"} & set(vars(ops))  # the patches are gone
     # timing changes nothing: the instrumented forward's logits are the plain one's
     np.testing.assert_array_equal(out["logits"], model.forward([model.new_state()], [ids])[0])
