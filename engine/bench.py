@@ -321,7 +321,7 @@ def bench_model(ckpt: str, bw: float, batches=(1, 8, 32), prefills=(4096, 65536)
                           lambda rows, verify: _decode_graph_seconds(ranks[0].ops.graphs, rows, verify),
                           lambda: _sync(devices))
     if prefills:
-        _bench_prefill(model, cfg, ranks, devices, stats, prefills, chunk, rates, numerics, rng)
+        _bench_prefill(model, cfg, ranks, devices, stats, prefills, chunk, rates, numerics, rng, bw)
     if compare_tp1 and len(ranks) > 1:
         _compare_tp1(ckpt, cfg, model, devices[0], rng, numerics)
 
@@ -382,7 +382,7 @@ def _bench_decode(model, cfg, ranks, devices, stats, batches, steps: int, bw: fl
 
 
 def _bench_prefill(model, cfg, ranks, devices, stats, prefills, chunk: int, rates: dict, numerics: str,
-                   rng) -> None:
+                   rng, bw: float) -> None:
     """Each prompt length fed in chunks: its time, tokens/s (per layer) and the tensor-core floor
     (prefill_work's multiply-adds at their rates, spread over the ranks). Chunks go in as serve feeds
     a prompt (step_sample with nothing to draw: no logits read back, so the host prepares a chunk
@@ -412,10 +412,12 @@ def _bench_prefill(model, cfg, ranks, devices, stats, prefills, chunk: int, rate
               f"{dt / nl * 1e3:.2f} ms/layer, {prefill / dt * nl:.0f} tok/s per layer; tensor-core floor "
               f"{floor:.3f} s{split} ({100 * floor / dt:.1f}% of it)")
         if prefill <= PARTS_MAX_TOKENS:  # the same prefill again, its ops timed by part
-            ops_s = by_op([r.ops for r in ranks], lambda ids=ids: feed(ids))
+            moved: dict[str, int] = {}
+            ops_s = by_op([r.ops for r in ranks], lambda ids=ids: feed(ids), moved)
             floors = part_floors(prefill_parts(cfg, stats, prefill, numerics), rates)
             print("  by part (device time of each op, summed over the ranks; floor: the part's multiply-adds at "
-                  f"the tensor-core rates): {report(parts_of(ops_s), dt, floors, ops_s)}")
+                  "the tensor-core rates, or for the rest's ops their arrays' bytes at the copy rate): "
+                  f"{report(parts_of(ops_s), dt, floors, ops_s, op_floors={n: b / bw for n, b in moved.items()})}")
 
 
 def _compare_tp1(ckpt: str, cfg, model, device: int, rng, numerics: str = "exact") -> None:

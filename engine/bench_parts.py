@@ -110,19 +110,37 @@ def _label(name: str, args: tuple) -> str:
     return f"{name} {shape[0]}x{shape[1]}" if shape is not None and len(shape) == 2 else name
 
 
-def by_op(ops_list: list, run: Callable[[], object]) -> dict[str, float]:
+def array_bytes(*values) -> int:
+    """Bytes of the arrays among values (tuples and lists looked into): what an op that reads its
+    inputs once and writes its outputs once moves."""
+    n = 0
+    for v in values:
+        if isinstance(v, (tuple, list)):
+            n += array_bytes(*v)
+        elif hasattr(v, "nbytes") and hasattr(v, "shape"):
+            n += int(v.nbytes)
+    return n
+
+
+def by_op(ops_list: list, run: Callable[[], object], moved: dict[str, int] | None = None) -> dict[str, float]:
     """run() with every op of the backends in ops_list (one per tensor-parallel rank) timed;
-    seconds by op (top-level calls; a linear by its weight's shape), summed over the ranks."""
+    seconds by op (top-level calls; a linear by its weight's shape), summed over the ranks. moved:
+    filled with each op's bytes of array arguments and results (array_bytes), summed the same way."""
     marks: list[tuple[str, object, object]] = []
     clocks = {id(ops): _EventClock() if getattr(ops, "name", "") == "cupy" else _HostClock() for ops in ops_list}
 
     def timed(ops, name: str, call: Callable[[], object]):
         clock = clocks[id(ops)]
+        label = _label(name, getattr(call, "args", ()))
         t0 = clock.start()
+        out = None
         try:
-            return call()
+            out = call()
+            return out
         finally:
-            marks.append((_label(name, getattr(call, "args", ())), clock, clock.stop(t0)))
+            marks.append((label, clock, clock.stop(t0)))
+            if moved is not None:
+                moved[label] = moved.get(label, 0) + array_bytes(getattr(call, "args", ()), out)
 
     with watching(ops_list, timed):
         run()
@@ -141,11 +159,12 @@ def parts_of(op_seconds: dict[str, float]) -> dict[str, float]:
 
 
 def report(parts: dict[str, float], wall: float, floors: dict[str, float] | None = None,
-           op_seconds: dict[str, float] | None = None, top: int = 6) -> str:
+           op_seconds: dict[str, float] | None = None, top: int = 6, op_floors: dict[str, float] | None = None) -> str:
     """One line: each part's seconds and share of the wall time, largest first; with floors (seconds
     by part at the tensor cores' rates, summed over the ranks as the parts are) each part's floor
     and its share of the part's time; with op_seconds the `top` largest ops of each part made of
-    several."""
+    several, and with op_floors (seconds by op, e.g. its bytes at the copy rate) those of the rest's
+    ops beside them."""
     items = sorted(parts.items(), key=lambda kv: -kv[1])
 
     def cell(p: str, s: float) -> str:
@@ -154,7 +173,8 @@ def report(parts: dict[str, float], wall: float, floors: dict[str, float] | None
             text += f"; floor {floors[p]:.3f} s, {100 * floors[p] / s:.0f}% of it"
         ops = sorted(((n, t) for n, t in (op_seconds or {}).items() if part_of(n) == p), key=lambda kv: -kv[1])
         if len(ops) > 1:
-            text += ": " + ", ".join(f"{n} {t:.3f}" for n, t in ops[:top])
+            text += ": " + ", ".join(f"{n} {t:.3f}" + (f" (floor {op_floors[n]:.3f})" if p == OTHER and op_floors
+                                                          and n in op_floors else "") for n, t in ops[:top])
         return text + ")"
 
     body = ", ".join(cell(p, s) for p, s in items)

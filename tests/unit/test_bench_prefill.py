@@ -21,7 +21,7 @@ def test_prefill_chunks_read_nothing_back(capsys, monkeypatch) -> None:
     for prompt in (chunk, 4 * chunk):
         reads.clear()
         _bench_prefill(model, eng.config, [model], [], _stats(1), [prompt], chunk, {"fp8": 1e15, "bf16": 1e15},
-                       "deepseek", np.random.default_rng(0))
+                       "deepseek", np.random.default_rng(0), 1e11)
         counts.append(len(reads))
     out = capsys.readouterr().out
     assert f"prefill {4 * chunk} tokens in chunks of {chunk}" in out and "by part" in out
