@@ -8,7 +8,9 @@ Three parts, each printed as a table:
 3. with --ckpt: whole-model decode at batch 1/8/32 (time per step and per layer, tokens/s)
    and prefills of --prefill tokens (4k and 64k); decode floors from the bytes a step reads,
    prefill floors from its multiply-adds at the tensor cores' measured rates (prefill_work: under
-   --numerics deepseek the FP8 work at the FP8 MMA rate, kernels/peak.cu). With --gpus
+   --numerics deepseek the FP8 work at the FP8 MMA rate, kernels/peak.cu); each prefill then again
+   by part (engine/bench_parts.py: each part's time against its own floor, its largest ops, the
+   rest's against their bytes at the copy rate). With --gpus
    0,1,...: the same over one tensor-parallel rank per GPU (floors from the busiest rank), and
    with --compare-tp1 the sharded logits against the model on one GPU.
 """
