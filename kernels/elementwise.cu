@@ -30,6 +30,27 @@ extern "C" __global__ void rmsnorm(const float* __restrict__ x, const float* __r
 // keeps them in registers, so a row costs one round trip to memory, not a chain of dependent
 // strided loads.
 #define RMS_VPT 8
+// The end of a row's RMS norm (rmsnorm_v4, hc_collapse_norm): s, this thread's sum of squares of its
+// values v (float4 j of them at threadIdx.x + 256 j), summed over the block; then v / rms times w (may
+// be null) to yr, rounded to bf16 with bf.
+__device__ __forceinline__ void rms_scale_store(const float4 (&v)[RMS_VPT], float s, const float* __restrict__ w,
+                                                float4* __restrict__ yr, int n4, int D, float eps, int bf,
+                                                float* red) {
+  s = block_sum(s, red);
+  const float r = 1.f / sqrtf(s / (float)D + eps);
+#pragma unroll
+  for (int j = 0; j < RMS_VPT; ++j) {
+    const int i = threadIdx.x + j * 256;
+    if (i < n4) {
+      float4 o = make_float4(v[j].x * r, v[j].y * r, v[j].z * r, v[j].w * r);
+      if (w) {
+        const float4 g = __ldg((const float4*)w + i);
+        o.x *= g.x; o.y *= g.y; o.z *= g.z; o.w *= g.w;
+      }
+      yr[i] = bf ? round_bf16x4(o) : o;
+    }
+  }
+}
 extern "C" __global__ void __launch_bounds__(256) rmsnorm_v4(const float* __restrict__ x, const float* __restrict__ w,
                                                              float* __restrict__ y, int D, float eps, int bf) {
   dsuf_launch_dependents();
@@ -45,20 +66,7 @@ extern "C" __global__ void __launch_bounds__(256) rmsnorm_v4(const float* __rest
     v[j] = i < n4 ? __ldg(xr + i) : make_float4(0.f, 0.f, 0.f, 0.f);
     s += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
   }
-  s = block_sum(s, red);
-  const float r = 1.f / sqrtf(s / (float)D + eps);
-#pragma unroll
-  for (int j = 0; j < RMS_VPT; ++j) {
-    const int i = threadIdx.x + j * 256;
-    if (i < n4) {
-      float4 o = make_float4(v[j].x * r, v[j].y * r, v[j].z * r, v[j].w * r);
-      if (w) {
-        const float4 g = __ldg((const float4*)w + i);
-        o.x *= g.x; o.y *= g.y; o.z *= g.z; o.w *= g.w;
-      }
-      yr[i] = bf ? round_bf16x4(o) : o;
-    }
-  }
+  rms_scale_store(v, s, w, yr, n4, D, eps, bf, red);
 }
 
 // Interleaved-pair RoPE on the trailing 2*P channels of rows of width D. x viewed as
@@ -402,21 +410,7 @@ extern "C" __global__ void __launch_bounds__(256) hc_collapse_norm(const float* 
     if (bf) v[j] = round_bf16x4(v[j]);  // (the reference stores the collapse in bf16 before its norm)
     s += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
   }
-  s = block_sum(s, red);
-  const float r = 1.f / sqrtf(s / (float)D + eps);
-  float4* yr = (float4*)(y + (size_t)t * D);
-#pragma unroll
-  for (int j = 0; j < RMS_VPT; ++j) {
-    const int c = threadIdx.x + j * 256;
-    if (c < n4) {
-      float4 o = make_float4(v[j].x * r, v[j].y * r, v[j].z * r, v[j].w * r);
-      if (w) {
-        const float4 g = __ldg((const float4*)w + c);
-        o.x *= g.x; o.y *= g.y; o.z *= g.z; o.w *= g.w;
-      }
-      yr[c] = bf ? round_bf16x4(o) : o;
-    }
-  }
+  rms_scale_store(v, s, w, (float4*)(y + (size_t)t * D), n4, D, eps, bf, red);
 }
 
 // out[t, d] = sum_i pre[t, i] * h[t, i, d]
