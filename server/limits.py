@@ -215,11 +215,3 @@ def check_tokens(encode: Callable[[str], list[int]], text: str, context_len: int
         # a cut may split what the whole text would merge: allow a few tokens per cut
         if count > context_len + 4 * (k + 1):
             raise too_long(f"more than {context_len}", context_len, param)
-    count = 0
-    spans = _pieces(text, piece_chars)
-    for k, (a, b) in enumerate(spans):
-        count += len(encode(text[a:b]))
-        # a cut may split what the whole text would merge: allow a few tokens per cut
-        if count > context_len + 4 * (k + 1):
-            raise too_long(f"more than {context_len}", context_len, param)
-    return encode(text)

@@ -18,7 +18,7 @@ import hostile  # noqa: E402
 import hostile_cases  # noqa: E402
 
 from server.app import STATE  # noqa: E402
-from server.limits import Limits, encode_bounded  # noqa: E402
+from server.limits import Limits, check_tokens, encode_bounded  # noqa: E402
 from server.protocol import APIError  # noqa: E402
 
 CONTEXT = 1024
@@ -96,6 +96,23 @@ def test_oversized_prompt_is_refused_before_it_is_tokenized_in_full():
     assert calls == [calls[0]] and calls[0] <= 1 << 16  # one piece was enough to know
     short = "word " * 300
     assert encode_bounded(encode, short, 2000, 1 << 16, "prompt") == list(range(len(short)))
+
+
+def test_a_long_text_that_fits_is_counted_once_in_pieces():
+    """check_tokens counts a long text that fits in pieces, once, and encodes nothing more: the caller
+    tokenizes the whole text itself (encode_bounded, the chat template's segments)."""
+    calls = []
+
+    def encode(text: str) -> list[int]:
+        calls.append(len(text))
+        return list(range(len(text) // 5))  # one token per word
+
+    text = "word " * 100_000
+    assert check_tokens(encode, text, 200_000, 1 << 16, "messages") is None
+    assert sum(calls) == len(text) and len(calls) > 1 and max(calls) <= 1 << 16
+    calls.clear()
+    assert encode_bounded(encode, text, 200_000, 1 << 16, "prompt") == list(range(len(text) // 5))
+    assert sum(calls) == 2 * len(text)  # the pieces' count, then the whole text once
 
 
 def test_error_messages_never_echo_unbounded_input(hardened, engine):
