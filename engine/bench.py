@@ -7,7 +7,7 @@ Three parts, each printed as a table:
    4k-row prefill, with the floor for each;
 3. with --ckpt: whole-model decode at batch 1/8/32 (time per step and per layer, tokens/s)
    and prefills of --prefill tokens (4k and 64k); decode floors from the bytes a step reads,
-   prefill floors from its multiply-adds at the tensor cores' measured rates (prefill_work: under
+   prefill floors from its multiply-adds at the tensor cores' measured rates (prefill_parts: under
    --numerics deepseek the FP8 work at the FP8 MMA rate, kernels/peak.cu); each prefill then again
    by part (engine/bench_parts.py: each part's time against its own floor, its largest ops, the
    rest's against their bytes at the copy rate). With --gpus
@@ -233,10 +233,10 @@ def prefill_parts(cfg, stats: list[dict], tokens: int, numerics: str) -> dict[st
             "attention": {"bf16": tokens * attn}}
 
 
-def prefill_work(cfg, stats: list[dict], tokens: int, numerics: str) -> dict:
-    """prefill_parts' multiply-adds summed over the parts: {'fp8': .., 'bf16': ..}."""
+def work_by_kind(parts: dict[str, dict[str, float]]) -> dict[str, float]:
+    """prefill_parts' multiply-adds summed over the parts, by the rate they run at."""
     work = {"fp8": 0.0, "bf16": 0.0}
-    for kinds in prefill_parts(cfg, stats, tokens, numerics).values():
+    for kinds in parts.values():
         for kind, macs in kinds.items():
             work[kind] += macs
     return work
@@ -386,7 +386,7 @@ def _bench_decode(model, cfg, ranks, devices, stats, batches, steps: int, bw: fl
 def _bench_prefill(model, cfg, ranks, devices, stats, prefills, chunk: int, rates: dict, numerics: str,
                    rng, bw: float) -> None:
     """Each prompt length fed in chunks: its time, tokens/s (per layer) and the tensor-core floor
-    (prefill_work's multiply-adds at their rates, spread over the ranks). Chunks go in as serve feeds
+    (prefill_parts' multiply-adds at their rates, spread over the ranks). Chunks go in as serve feeds
     a prompt (step_sample with nothing to draw: no logits read back, so the host prepares a chunk
     while the device runs the one before); the time ends when the device is done."""
     nl = cfg.num_layers
@@ -406,7 +406,8 @@ def _bench_prefill(model, cfg, ranks, devices, stats, prefills, chunk: int, rate
         feed(ids)
         _sync(devices)
         dt = time.perf_counter() - t0
-        work = prefill_work(cfg, stats, prefill, numerics)
+        parts = prefill_parts(cfg, stats, prefill, numerics)
+        work = work_by_kind(parts)
         floor = sum(2 * macs / rates[kind] for kind, macs in work.items()) / len(ranks)
         split = (f" ({2 * work['fp8'] / rates['fp8'] / len(ranks):.3f} s of FP8 work, "
                  f"{2 * work['bf16'] / rates['bf16'] / len(ranks):.3f} s of bf16)" if work["fp8"] else "")
@@ -416,7 +417,7 @@ def _bench_prefill(model, cfg, ranks, devices, stats, prefills, chunk: int, rate
         if prefill <= PARTS_MAX_TOKENS:  # the same prefill again, its ops timed by part
             moved: dict[str, int] = {}
             ops_s = by_op([r.ops for r in ranks], lambda ids=ids: feed(ids), moved)
-            floors = part_floors(prefill_parts(cfg, stats, prefill, numerics), rates)
+            floors = part_floors(parts, rates)
             print("  by part (device time of each op, summed over the ranks; floor: the part's multiply-adds at "
                   "the tensor-core rates, or for the rest's ops their arrays' bytes at the copy rate): "
                   f"{report(parts_of(ops_s), dt, floors, ops_s, op_floors={n: b / bw for n, b in moved.items()})}")

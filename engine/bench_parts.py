@@ -130,8 +130,8 @@ def by_op(ops_list: list, run: Callable[[], object], moved: dict[str, int] | Non
     clocks = {id(ops): _EventClock() if getattr(ops, "name", "") == "cupy" else _HostClock() for ops in ops_list}
 
     def timed(ops, name: str, call: Callable[[], object]):
-        clock = clocks[id(ops)]
-        label = _label(name, getattr(call, "args", ()))
+        clock, args = clocks[id(ops)], getattr(call, "args", ())
+        label = _label(name, args)
         t0 = clock.start()
         out = None
         try:
@@ -140,7 +140,7 @@ def by_op(ops_list: list, run: Callable[[], object], moved: dict[str, int] | Non
         finally:
             marks.append((label, clock, clock.stop(t0)))
             if moved is not None:
-                moved[label] = moved.get(label, 0) + array_bytes(getattr(call, "args", ()), out)
+                moved[label] = moved.get(label, 0) + array_bytes(args, out)
 
     with watching(ops_list, timed):
         run()

@@ -1,4 +1,4 @@
-"""bench's prefill floor (engine/bench.py prefill_work): the multiply-adds by the rate they run at.
+"""bench's prefill floor (engine/bench.py prefill_parts, work_by_kind): the multiply-adds by the rate they run at.
 Under exact numerics everything is bf16 work; under DeepSeek's numerics the FP8 / FP4 weights'
 linears and the indexers' scores move to FP8, the total unchanged; the indexers' work grows with
 the square of the prompt and is replicated on every rank."""
@@ -9,10 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from engine.bench import part_floors, prefill_parts, prefill_work
+from engine.bench import part_floors, prefill_parts, work_by_kind
 from engine.model.config import load_config
 
 DEMO = Path(__file__).resolve().parents[2] / "models" / "demo-v41"
+
+
+def prefill_work(cfg, stats: list[dict], tokens: int, numerics: str) -> dict:
+    """The prefill's multiply-adds by the rate they run at, as bench states its floor."""
+    return work_by_kind(prefill_parts(cfg, stats, tokens, numerics))
 
 
 def _stats(ranks: int) -> list[dict]:
